@@ -1,0 +1,146 @@
+"""Read a config.json (nested text_config/vision_config or flat) into a typed ModelSpec."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glmquant.errors import ConfigError
+
+_MLA_LAYER_TYPES = {"deepseek_sparse_attention", "indexed_attention", "full_attention", "mla"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What every stage needs to know about a model, derived once from its config."""
+
+    family: str  # key of the architecture table: "glm5_next", "glm4_moe", ...
+    architecture: str
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    n_shared_experts: int
+    num_mtp_layers: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    n_group: int
+    topk_group: int
+    swiglu_limit: float | None
+    tie_word_embeddings: bool
+    mlp_layer_types: tuple[str, ...]  # "dense" | "sparse" per decoder layer
+    attention_types: tuple[str, ...]  # "kda" | "mla" | "attention" per decoder layer
+    text: Mapping[str, Any] = field(repr=False)  # the raw text config, read only by the architecture tables
+    vision: Mapping[str, Any] | None = field(default=None, repr=False)
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the decoder layers with routed experts (the MTP layers are not counted)."""
+        return [i for i, t in enumerate(self.mlp_layer_types) if t == "sparse"]
+
+    @property
+    def mtp_layers(self) -> list[int]:
+        return list(range(self.num_hidden_layers, self.num_hidden_layers + self.num_mtp_layers))
+
+    def dim(self, key: str, default: Any = None) -> Any:
+        value = self.text.get(key, default)
+        if value is None:
+            raise ConfigError(f"config has no '{key}' (needed for {self.family})")
+        return value
+
+
+_FAMILIES = {
+    "glm5_next": "glm5_next",
+    "glm5_next_text": "glm5_next",
+    "glm4_moe": "glm4_moe",
+}
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """Load a config.json (a file or a directory holding one) with an error that names the file."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level is not a JSON object")
+    return data
+
+
+def load_model_spec(config: str | Path | Mapping[str, Any]) -> ModelSpec:
+    """Build the spec from a config path or an already-parsed config."""
+    raw = dict(config) if isinstance(config, Mapping) else read_config(config)
+    text = raw.get("text_config") or raw
+    family = _FAMILIES.get(str(text.get("model_type") or raw.get("model_type")))
+    if family is None:
+        raise ConfigError(
+            f"unsupported model_type {raw.get('model_type')!r}; supported: {sorted(set(_FAMILIES.values()))}"
+        )
+    try:
+        n_layers = int(text["num_hidden_layers"])
+        mlp_types = _mlp_layer_types(text, n_layers)
+        return ModelSpec(
+            family=family,
+            architecture=str((raw.get("architectures") or ["?"])[0]),
+            hidden_size=int(text["hidden_size"]),
+            vocab_size=int(text["vocab_size"]),
+            num_hidden_layers=n_layers,
+            n_routed_experts=int(text["n_routed_experts"]),
+            num_experts_per_tok=int(text["num_experts_per_tok"]),
+            moe_intermediate_size=int(text["moe_intermediate_size"]),
+            intermediate_size=int(text["intermediate_size"]),
+            n_shared_experts=int(text.get("n_shared_experts") or 0),
+            num_mtp_layers=int(text.get("num_nextn_predict_layers") or 0),
+            routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            n_group=int(text.get("n_group") or 1),
+            topk_group=int(text.get("topk_group") or 1),
+            swiglu_limit=text.get("swiglu_limit"),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            mlp_layer_types=mlp_types,
+            attention_types=_attention_types(family, text, n_layers),
+            text=text,
+            vision=raw.get("vision_config"),
+            raw=raw,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"config is missing or has a bad value for {exc}") from None
+
+
+def _mlp_layer_types(text: Mapping[str, Any], n_layers: int) -> tuple[str, ...]:
+    types = text.get("mlp_layer_types")
+    if types is None:
+        first_dense = int(text.get("first_k_dense_replace", 0))
+        types = ["dense"] * first_dense + ["sparse"] * (n_layers - first_dense)
+    if len(types) != n_layers or set(types) - {"dense", "sparse"}:
+        raise ConfigError(f"mlp_layer_types must list 'dense'/'sparse' for each of {n_layers} layers")
+    return tuple(types)
+
+
+def _attention_types(family: str, text: Mapping[str, Any], n_layers: int) -> tuple[str, ...]:
+    if family != "glm5_next":
+        return ("attention",) * n_layers
+    types = text.get("layer_types") or ["linear_attention" if i % 4 != 3 else "mla" for i in range(n_layers)]
+    if len(types) != n_layers:
+        raise ConfigError(f"layer_types has {len(types)} entries for {n_layers} layers")
+    out = []
+    for t in types:
+        if t == "linear_attention":
+            out.append("kda")
+        elif t in _MLA_LAYER_TYPES:
+            out.append("mla")
+        else:
+            raise ConfigError(f"unknown layer type {t!r} in layer_types")
+    return tuple(out)

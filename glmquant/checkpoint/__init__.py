@@ -1,0 +1,1 @@
+"""Checkpoint I/O: lazy safetensors reading, layouts, shard writing, index, manifest, verifier."""

@@ -1,0 +1,280 @@
+"""Artifact layouts: which output tensor goes into which file, predicted from a config alone.
+
+The same plan drives `glmquant plan` (prediction) and the artifact writer (files on disk), so the two
+cannot drift. Two layouts:
+- `tr3`: every routed expert projection split into 4 rank slices (gate/up along the output dim, down along
+  the input dim), each an independent EXL3 tensor; experts in `layer-LL-part-tail-{0,1}.safetensors` (even
+  experts in part 0, odd in part 1); every other tensor in `retained-NNNNN-of-MMMMM.safetensors` named after
+  the source shard that held it.
+- `exllamav3`: one EXL3 tensor per expert projection; `model-NNNNN-of-MMMMM.safetensors` filled a whole
+  module at a time up to a size cap.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from glmquant.arch import PROJECTIONS, ModelSpec, TensorInfo, TensorRole, source_tensors, table_for
+from glmquant.checkpoint.safetensors_format import TensorSpec, file_size
+from glmquant.errors import UsageError
+
+LAYOUTS = ("tr3", "exllamav3")
+TR3_RANKS = 4
+MARKER_PARTS = {"mcg": "mcg", "mul1": "mul1", "3inst": None}
+DEFAULT_RETAINED_SHARD_BYTES = 5 * 1024**3
+DEFAULT_EXL3_SHARD_BYTES = 8192 * 1024**2
+_SOURCE_SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
+
+
+def pad128(n: int) -> int:
+    return -(-n // 128) * 128
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """Which routed-expert weight an EXL3 part belongs to (rank None: the whole projection)."""
+
+    layer: int
+    expert: int  # expert index in the output (after pruning renumbering)
+    source_expert: int  # expert index in the source checkpoint
+    proj: str
+    rank: int | None
+    in_features: int
+    out_features: int
+
+    @property
+    def key(self) -> str:
+        """Output tensor prefix without the part suffix."""
+        base = f"mlp.experts.{self.expert}.{self.proj}"
+        return base if self.rank is None else f"{base}.rank{self.rank}"
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    role: TensorRole
+    source: str | None = None  # retained: the source tensor copied byte-for-byte
+    rows: tuple[int, ...] | None = None  # retained with pruning: the source rows kept (router weight and bias)
+    expert: ExpertSlice | None = None
+    part: str | None = None  # trellis / suh / svh / mcg / mul1 for EXL3 parts
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    path: str
+    kind: str  # "expert" | "retained" | "model"
+    tensors: tuple[OutputTensor, ...]
+    layer: int | None = None
+    gpu: int | None = None  # tr3 part number
+    source_shard: str | None = None
+
+    @cached_property
+    def size(self) -> int:
+        return file_size([t.spec for t in self.tensors])
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.spec.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ArtifactPlan:
+    spec: ModelSpec
+    layout: str
+    bits: int
+    codebook: str
+    files: tuple[PlannedFile, ...]
+    kept_experts: Mapping[int, tuple[int, ...]] | None = field(default=None)
+
+    @property
+    def quantized_layers(self) -> list[int]:
+        return self.spec.moe_layers
+
+    def expert_files(self, layer: int) -> list[PlannedFile]:
+        return [f for f in self.files if f.layer == layer and any(t.expert for t in f.tensors)]
+
+
+def exl3_parts(slice_: ExpertSlice, prefix: str, bits: int, codebook: str) -> list[OutputTensor]:
+    """The stored tensors of one EXL3 linear: trellis, suh, svh and the codebook marker."""
+    i, o = pad128(slice_.in_features), pad128(slice_.out_features)
+    name = prefix + slice_.key
+    parts = [
+        OutputTensor(f"{name}.trellis", "I16", (i // 16, o // 16, 16 * bits), TensorRole.ROUTED_EXPERT, expert=slice_, part="trellis"),
+        OutputTensor(f"{name}.suh", "F16", (i,), TensorRole.ROUTED_EXPERT, expert=slice_, part="suh"),
+        OutputTensor(f"{name}.svh", "F16", (o,), TensorRole.ROUTED_EXPERT, expert=slice_, part="svh"),
+    ]
+    marker = MARKER_PARTS[codebook]
+    if marker:
+        parts.append(OutputTensor(f"{name}.{marker}", "I32", (), TensorRole.ROUTED_EXPERT, expert=slice_, part=marker))
+    return parts
+
+
+def expert_slices(spec: ModelSpec, layer: int, expert: int, source_expert: int, ranks: int | None) -> list[ExpertSlice]:
+    """Rank slices (tr3) or whole projections (ranks None) of one expert, in file order."""
+    h, inter = spec.hidden_size, spec.moe_intermediate_size
+    out = []
+    for proj in PROJECTIONS:
+        if ranks is None:
+            i, o = (inter, h) if proj == "down_proj" else (h, inter)
+            out.append(ExpertSlice(layer, expert, source_expert, proj, None, i, o))
+            continue
+        if inter % ranks:
+            raise UsageError(f"moe_intermediate_size {inter} does not split into {ranks} rank slices")
+        w = inter // ranks
+        i, o = (w, h) if proj == "down_proj" else (h, w)
+        out += [ExpertSlice(layer, expert, source_expert, proj, r, i, o) for r in range(ranks)]
+    return out
+
+
+def plan_artifact(
+    spec: ModelSpec,
+    layout: str,
+    bits: int = 2,
+    codebook: str = "mcg",
+    source_shards: Mapping[str, str] | None = None,
+    keep: Mapping[int, Sequence[int]] | None = None,
+    shard_bytes: int | None = None,
+) -> ArtifactPlan:
+    """Every output file with its tensors. `source_shards` maps source tensor names to their shard file;
+    `keep` maps a MoE layer (MTP included) to the source experts it keeps, in output order."""
+    if layout not in LAYOUTS:
+        raise UsageError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if codebook not in MARKER_PARTS or not 1 <= bits <= 8:
+        raise UsageError(f"bits must be 1..8 and codebook one of {sorted(MARKER_PARTS)}")
+    kept = _kept_experts(spec, keep)
+    retained = _retained_tensors(spec, kept)
+    ranks = TR3_RANKS if layout == "tr3" else None
+    experts = {layer: _expert_parts(spec, layer, kept, bits, codebook, ranks) for layer in spec.moe_layers}
+    if layout == "tr3":
+        files = _tr3_expert_files(experts) + _retained_files(retained, source_shards, shard_bytes or DEFAULT_RETAINED_SHARD_BYTES)
+    else:
+        files = _module_files(spec, retained, experts, shard_bytes or DEFAULT_EXL3_SHARD_BYTES)
+    return ArtifactPlan(spec, layout, bits, codebook, tuple(sorted(files, key=lambda f: f.path)),
+                        {k: tuple(v) for k, v in kept.items()} if keep else None)
+
+
+def _kept_experts(spec: ModelSpec, keep: Mapping[int, Sequence[int]] | None) -> dict[int, tuple[int, ...]]:
+    layers = spec.moe_layers + spec.mtp_layers
+    if not keep:
+        return {layer: tuple(range(spec.n_routed_experts)) for layer in layers}
+    counts = {len(v) for v in keep.values()}
+    if set(keep) != set(layers) or len(counts) != 1:
+        raise UsageError(f"a pruning plan must keep the same number of experts in every MoE layer {layers}")
+    for layer, experts in keep.items():
+        if len(set(experts)) != len(experts) or not all(0 <= e < spec.n_routed_experts for e in experts):
+            raise UsageError(f"pruning plan for layer {layer} has duplicate or out-of-range experts")
+    return {layer: tuple(keep[layer]) for layer in layers}
+
+
+def _retained_tensors(spec: ModelSpec, kept: Mapping[int, tuple[int, ...]]) -> list[OutputTensor]:
+    """Every source tensor that is not a quantized routed expert, renamed and row-sliced where pruned."""
+    table = table_for(spec)
+    quantized = set(spec.moe_layers)
+    out = []
+    for t in source_tensors(spec):
+        if t.role is TensorRole.ROUTED_EXPERT:
+            if t.layer in quantized:
+                continue
+            new_id = kept[t.layer].index(t.expert) if t.expert in kept[t.layer] else None
+            if new_id is not None:
+                out.append(OutputTensor(table.expert_name(t.layer, new_id, t.proj), t.dtype, t.shape, t.role, t.name))
+            continue
+        if t.role in (TensorRole.ROUTER_WEIGHT, TensorRole.ROUTER_BIAS) and len(kept[t.layer]) != spec.n_routed_experts:
+            rows = kept[t.layer]
+            out.append(OutputTensor(t.name, t.dtype, (len(rows), *t.shape[1:]), t.role, t.name, rows))
+            continue
+        out.append(OutputTensor(t.name, t.dtype, t.shape, t.role, t.name))
+    return out
+
+
+def _expert_parts(spec: ModelSpec, layer: int, kept: Mapping[int, tuple[int, ...]], bits: int, codebook: str,
+                  ranks: int | None) -> dict[int, list[OutputTensor]]:
+    prefix = table_for(spec).layer_prefix(layer)
+    return {
+        new_id: [part for s in expert_slices(spec, layer, new_id, src, ranks) for part in exl3_parts(s, prefix, bits, codebook)]
+        for new_id, src in enumerate(kept[layer])
+    }
+
+
+def _tr3_expert_files(experts: Mapping[int, Mapping[int, list[OutputTensor]]]) -> list[PlannedFile]:
+    files = []
+    for layer, by_expert in experts.items():
+        for part in (0, 1):
+            tensors = tuple(t for e, parts in by_expert.items() if e % 2 == part for t in parts)
+            files.append(PlannedFile(f"layer-{layer:02d}-part-tail-{part}.safetensors", "expert", tensors, layer, part))
+    return files
+
+
+def _retained_files(retained: list[OutputTensor], source_shards: Mapping[str, str] | None, cap: int) -> list[PlannedFile]:
+    """Group retained tensors by the source shard that held them (or by a size cap without an index)."""
+    groups: dict[str, list[OutputTensor]] = {}
+    if source_shards is not None:
+        missing = [t.source for t in retained if t.source not in source_shards]
+        if missing:
+            raise UsageError(f"source index lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+        for t in retained:
+            groups.setdefault(source_shards[t.source], []).append(t)
+        names = _retained_names(sorted(set(source_shards.values())))
+    else:
+        size, index = 0, 0
+        for t in retained:
+            if groups and size + t.spec.nbytes > cap:
+                index, size = index + 1, 0
+            groups.setdefault(str(index), []).append(t)
+            size += t.spec.nbytes
+        names = {key: f"retained-{int(key) + 1:05d}-of-{len(groups):05d}.safetensors" for key in groups}
+    return [PlannedFile(names[shard], "retained", tuple(ts), source_shard=shard if source_shards else None)
+            for shard, ts in groups.items()]
+
+
+def _retained_names(shards: list[str]) -> dict[str, str]:
+    matches = [_SOURCE_SHARD.match(s) for s in shards]
+    if all(matches):
+        return {s: f"retained-{m.group(1)}-of-{m.group(2)}.safetensors" for s, m in zip(shards, matches)}
+    return {s: f"retained-{i:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards, 1)}
+
+
+def _module_key(spec: ModelSpec, t: OutputTensor) -> tuple[int, int, str]:
+    """Model order of ExLlamaV3 modules: embedding, vision, (attention, mlp) per layer, norm, head, MTP."""
+    n = spec.num_hidden_layers
+    if t.role is TensorRole.VISION:
+        return (1, 0, "vision")
+    if t.role is TensorRole.EMBEDDING:
+        return (0, 0, "embed")
+    m = re.search(r"\.layers\.(\d+)\.(mlp\.)?", t.name)
+    if m is None:
+        return (3, 0, "norm") if t.role is TensorRole.NORM else (4, 0, "head")
+    layer = int(m.group(1))
+    return (2 if layer < n else 5, layer, "mlp" if m.group(2) else "attn")
+
+
+def _module_files(spec: ModelSpec, retained: list[OutputTensor], experts: Mapping[int, Mapping[int, list[OutputTensor]]],
+                  cap: int) -> list[PlannedFile]:
+    modules: dict[tuple[int, int, str], list[OutputTensor]] = {}
+    for t in retained + [p for by_e in experts.values() for parts in by_e.values() for p in parts]:
+        modules.setdefault(_module_key(spec, t), []).append(t)
+    shards: list[list[OutputTensor]] = [[]]
+    size = 0
+    for key in sorted(modules):
+        nbytes = sum(t.spec.nbytes for t in modules[key])
+        if shards[-1] and size + nbytes > cap:
+            shards.append([])
+            size = 0
+        shards[-1] += modules[key]
+        size += nbytes
+    return [PlannedFile(f"model-{i:05d}-of-{len(shards):05d}.safetensors", "model", tuple(ts),
+                        layer=_single_layer(ts)) for i, ts in enumerate(shards, 1)]
+
+
+def _single_layer(tensors: Sequence[OutputTensor]) -> int | None:
+    layers = {t.expert.layer for t in tensors if t.expert}
+    return layers.pop() if len(layers) == 1 else None

@@ -1,0 +1,17 @@
+"""The `glmquant` command: one module per verb, each registering itself on the app."""
+
+from __future__ import annotations
+
+import typer
+
+from glmquant.cli import demo, fixture, plan
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Build and prove 2-bit EXL3 checkpoints of huge GLM mixture-of-experts models.")
+
+for verb in (demo, fixture, plan):
+    verb.register(app)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,39 @@
+"""What every CLI verb shares: one console, option aliases, and one formatter for expected failures."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+
+from glmquant.errors import GlmquantError
+
+console = Console(stderr=True)
+out = Console()
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+ExistingPath = Annotated[Path, typer.Argument(exists=True, help="an existing file or directory")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="print machine-readable JSON instead of tables")]
+
+
+def guarded(fn: Callable[P, R]) -> Callable[P, R]:
+    """Print a GlmquantError as one red line and exit with its code (1: the input fails, 2: usage)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except GlmquantError as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/]: nothing half-written was left behind; rerun to resume")
+            raise typer.Exit(130) from None
+
+    return wrapper

@@ -1,0 +1,51 @@
+"""`glmquant plan CONFIG`: the predicted artifact, as a rich table or JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from glmquant.arch import load_model_spec
+from glmquant.checkpoint.layouts import plan_artifact
+from glmquant.cli.common import JsonFlag, guarded, out
+from glmquant.plan import load_source_shards, plan_to_json, summarize
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)
+
+
+@guarded
+def plan(
+    config: Annotated[Path, typer.Argument(help="config.json (or a directory holding one)")],
+    source_index: Annotated[Optional[Path], typer.Option(help="source model.safetensors.index.json")] = None,
+    layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
+    bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
+    codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
+    as_json: JsonFlag = False,
+    tensors: Annotated[bool, typer.Option(help="with --json: list every tensor of every file")] = True,
+) -> None:
+    """Predict every output file, tensor and byte of an artifact from a config alone."""
+    spec = load_model_spec(config)
+    shards = load_source_shards(source_index) if source_index else None
+    result = plan_artifact(spec, layout, bits, codebook, shards)
+    summary = summarize(result)
+    if as_json:
+        out.print_json(json.dumps(plan_to_json(result, summary, tensors)))
+        return
+    table = Table(title=f"{spec.architecture} → {layout} K{bits} {codebook}")
+    table.add_column("role")
+    table.add_column("tensors", justify="right")
+    table.add_column("bytes", justify="right")
+    for r in summary.roles:
+        table.add_row(r.role, f"{r.tensors:,}", f"{r.bytes:,}")
+    table.add_section()
+    table.add_row("[b]indexed tensors", f"[b]{summary.indexed_tensor_count:,}", f"[b]{summary.physical_bytes:,}")
+    out.print(table)
+    out.print(f"files: {summary.file_count} ({summary.expert_file_count} expert shards)   "
+              f"MTP layer: {summary.mtp_tensors:,} tensors / {summary.mtp_bytes:,} B   "
+              f"decode reads {summary.decode_bytes_per_token:,} B per token")

@@ -1,0 +1,101 @@
+"""`glmquant plan`: predict an artifact's exact structure (files, tensors, sizes) from a config alone."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from glmquant.arch import ModelSpec, TensorRole
+from glmquant.checkpoint.layouts import ArtifactPlan, OutputTensor
+from glmquant.errors import CheckpointFormatError
+
+_DECODE_SKIPPED = (TensorRole.VISION, TensorRole.EMBEDDING)
+
+
+@dataclass(frozen=True)
+class RoleTotal:
+    role: str
+    tensors: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    layout: str
+    bits: int
+    codebook: str
+    file_count: int
+    expert_file_count: int
+    indexed_tensor_count: int
+    physical_bytes: int
+    roles: tuple[RoleTotal, ...]
+    mtp_tensors: int
+    mtp_bytes: int
+    decode_bytes_per_token: int  # weights one decode token reads: top-k experts per MoE layer + all dense text weights
+
+
+def summarize(plan: ArtifactPlan) -> PlanSummary:
+    tensors = [t for f in plan.files for t in f.tensors]
+    counts, sizes = Counter(), Counter()
+    for t in tensors:
+        counts[t.role.value] += 1
+        sizes[t.role.value] += t.spec.nbytes
+    mtp = [t for t in tensors if _is_mtp(plan.spec, t)]
+    return PlanSummary(
+        layout=plan.layout, bits=plan.bits, codebook=plan.codebook, file_count=len(plan.files),
+        expert_file_count=sum(f.kind == "expert" for f in plan.files), indexed_tensor_count=len(tensors),
+        physical_bytes=sum(f.size for f in plan.files),
+        roles=tuple(RoleTotal(r, counts[r], sizes[r]) for r in sorted(counts)),
+        mtp_tensors=len(mtp), mtp_bytes=sum(t.spec.nbytes for t in mtp),
+        decode_bytes_per_token=decode_bytes_per_token(plan.spec, tensors),
+    )
+
+
+def decode_bytes_per_token(spec: ModelSpec, tensors: list[OutputTensor]) -> int:
+    """Active experts (k of them per MoE layer) + every dense text-model weight + one embedding row."""
+    expert_bytes: Counter = Counter()
+    dense = 0
+    for t in tensors:
+        if _is_mtp(spec, t) or t.role in _DECODE_SKIPPED:
+            continue
+        if t.expert is not None:
+            expert_bytes[(t.expert.layer, t.expert.expert)] += t.spec.nbytes
+        else:
+            dense += t.spec.nbytes
+    per_layer: dict[int, list[int]] = {}
+    for (layer, _), nbytes in expert_bytes.items():
+        per_layer.setdefault(layer, []).append(nbytes)
+    active = sum(sum(sorted(v, reverse=True)[: spec.num_experts_per_tok]) for v in per_layer.values())
+    embed_row = spec.hidden_size * 2
+    return active + dense + embed_row
+
+
+def _is_mtp(spec: ModelSpec, t: OutputTensor) -> bool:
+    return any(f".layers.{layer}." in t.name for layer in spec.mtp_layers)
+
+
+def load_source_shards(index_path: str | Path) -> dict[str, str]:
+    """tensor name -> shard file, from a source `model.safetensors.index.json`."""
+    path = Path(index_path)
+    try:
+        return dict(json.loads(path.read_text())["weight_map"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointFormatError(f"{path}: not a readable safetensors index ({exc})") from None
+
+
+def plan_to_json(plan: ArtifactPlan, summary: PlanSummary, with_tensors: bool = True) -> dict:
+    files = []
+    for f in plan.files:
+        entry = {"path": f.path, "kind": f.kind, "bytes": f.size, "tensor_count": len(f.tensors)}
+        if with_tensors:
+            entry["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in f.tensors]
+        files.append(entry)
+    return {
+        "layout": summary.layout, "bits": summary.bits, "codebook": summary.codebook,
+        "file_count": summary.file_count, "expert_file_count": summary.expert_file_count,
+        "indexed_tensor_count": summary.indexed_tensor_count, "physical_tensor_bytes": summary.physical_bytes,
+        "roles": [r.__dict__ for r in summary.roles], "mtp": {"tensors": summary.mtp_tensors, "bytes": summary.mtp_bytes},
+        "decode_bytes_per_token": summary.decode_bytes_per_token, "files": files,
+    }

@@ -1,0 +1,100 @@
+"""Tensor classification: the tables know every tensor of the real config and of real checkpoints."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from glmquant.arch import TensorRole, classify, load_model_spec, source_tensors
+from glmquant.errors import ConfigError, TensorCensusError
+
+
+def _census(tensors):
+    counts, sizes = Counter(), Counter()
+    for t in tensors:
+        group = "mtp" if t.mtp else {TensorRole.VISION: "vision", TensorRole.ROUTED_EXPERT: "routed"}.get(t.role, "main")
+        counts[group] += 1
+        sizes[group] += t.nbytes
+    return counts, sizes
+
+
+def test_real_config_census_matches_release(reference_config: Path) -> None:
+    counts, sizes = _census(source_tensors(load_model_spec(reference_config)))
+    # the release metadata: non-routed main 1,246 / 17,842,600,184 B; vision 347 / 1,127,254,016 B;
+    # MTP 889 / 14,865,185,408 B; 42 MoE layers x 288 experts x 3 projections routed
+    assert counts == {"main": 1246, "vision": 347, "mtp": 889, "routed": 42 * 288 * 3}
+    assert sizes["main"] == 17_842_600_184
+    assert sizes["vision"] == 1_127_254_016
+    assert sizes["mtp"] == 14_865_185_408
+    assert sizes["routed"] == 42 * 288 * 3 * 4096 * 2048 * 2
+    assert round(sum(sizes.values()) / 1e9, 2) == 642.65  # the 642.65 GB BF16 source
+
+
+def test_real_config_roles_and_dtypes(reference_config: Path) -> None:
+    tensors = source_tensors(load_model_spec(reference_config))
+    roles = Counter(t.role for t in tensors if not t.mtp)
+    assert roles[TensorRole.ROUTER_WEIGHT] == roles[TensorRole.ROUTER_BIAS] == 42
+    assert roles[TensorRole.HYPER_CONNECTION] == 45 * 6
+    assert roles[TensorRole.KDA_ATTENTION] == 34 * 15
+    assert roles[TensorRole.MLA_ATTENTION] == 11 * 7 and roles[TensorRole.DSA_INDEXER] == 11 * 7
+    assert roles[TensorRole.DENSE_MLP] == 3 * 3 and roles[TensorRole.SHARED_EXPERT] == 42 * 3
+    f32 = {t.name.rsplit(".", 1)[-1] for t in tensors if t.dtype == "F32"}
+    assert f32 == {"e_score_correction_bias", "A_log", "dt_bias", "hc_attn_base", "hc_attn_scale",
+                   "hc_ffn_base", "hc_ffn_scale"}
+    expert = next(t for t in tensors if t.name == "model.language_model.layers.44.mlp.experts.287.down_proj.weight")
+    assert (expert.role, expert.layer, expert.expert, expert.proj, expert.shape) == (
+        TensorRole.ROUTED_EXPERT, 44, 287, "down_proj", (4096, 2048))
+
+
+def test_tiny_checkpoint_every_tensor_classified(tiny_source: Path) -> None:
+    spec = load_model_spec(tiny_source)
+    index = json.loads((tiny_source / "model.safetensors.index.json").read_text())
+    infos = classify(spec, index["weight_map"])
+    assert len(infos) == len(index["weight_map"])
+    mtp = [i for i in infos.values() if i.mtp]
+    assert {i.name.split(".layers.")[1].split(".")[0] for i in mtp} == {str(spec.num_hidden_layers)}
+    assert sum(i.role is TensorRole.ROUTED_EXPERT for i in mtp) == spec.n_routed_experts * 3
+
+
+def test_unknown_and_missing_names_fail_closed(tiny_source: Path) -> None:
+    spec = load_model_spec(tiny_source)
+    names = [t.name for t in source_tensors(spec)]
+    bogus = names[1:] + ["model.language_model.layers.1.mlp.experts.99.gate_proj.weight"]
+    with pytest.raises(TensorCensusError) as err:
+        classify(spec, bogus)
+    assert err.value.unknown == ["model.language_model.layers.1.mlp.experts.99.gate_proj.weight"]
+    assert err.value.missing == [names[0]]
+    assert "experts.99" in str(err.value) and names[0] in str(err.value)
+
+
+def test_bad_configs_are_rejected(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_model_spec(tmp_path)
+    with pytest.raises(ConfigError, match="unsupported model_type"):
+        load_model_spec({"model_type": "llama"})
+    with pytest.raises(ConfigError, match="no such config"):
+        load_model_spec(tmp_path / "missing")
+
+
+def test_glm4_moe_table_matches_transformers(tmp_path: Path) -> None:
+    """GLM-4.5-family names and shapes as transformers' save_pretrained writes them (plus the MTP layer)."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    cfg = Glm4MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, n_routed_experts=4,
+                        num_experts_per_tok=2, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+                        head_dim=8, num_nextn_predict_layers=1)
+    Glm4MoeForCausalLM(cfg).save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    spec = load_model_spec(tmp_path)
+    expected = {t.name: t.shape for t in source_tensors(spec) if not t.mtp}
+    assert saved == expected
+    assert sum(t.mtp for t in source_tensors(spec)) > 0

@@ -1,0 +1,101 @@
+"""`plan` predicts the artifact exactly: the reference release's structure, and real writes of the tiny model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from glmquant.arch import load_model_spec
+from glmquant.checkpoint.layouts import plan_artifact
+from glmquant.cli import app
+from glmquant.plan import load_source_shards, summarize
+
+_TORCH = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "I16": torch.int16, "I32": torch.int32}
+
+
+def test_reference_release_structure(reference_config: Path) -> None:
+    spec = load_model_spec(reference_config)
+    plan = plan_artifact(spec, "tr3", bits=2, codebook="mcg")
+    summary = summarize(plan)
+    assert summary.indexed_tensor_count == 583_090
+    assert summary.expert_file_count == 84
+    assert (summary.mtp_tensors, summary.mtp_bytes) == (889, 14_865_185_408)
+    assert round(summary.decode_bytes_per_token / 1e9, 1) == 18.7
+    part0 = next(f for f in plan.files if f.path == "layer-03-part-tail-0.safetensors")
+    assert len(part0.tensors) == 6912 and {t.expert.expert % 2 for t in part0.tensors} == {0}
+    shapes = {t.name.split(".experts.0.")[1]: t.shape for t in part0.tensors if ".experts.0." in t.name}
+    assert shapes["gate_proj.rank0.trellis"] == (256, 32, 32) and shapes["down_proj.rank3.trellis"] == (32, 256, 32)
+    assert shapes["gate_proj.rank2.suh"] == (4096,) and shapes["down_proj.rank1.svh"] == (4096,)
+    assert shapes["up_proj.rank1.mcg"] == ()
+    slice_bytes = sum(t.spec.nbytes for t in part0.tensors if ".experts.0.up_proj.rank1." in t.name)
+    assert slice_bytes == 533_508
+    names = [t.name for f in plan.files for t in f.tensors]
+    routed_weight = re.compile(r"layers\.(\d+)\.mlp\.experts\.\d+\.\w+_proj\.weight$")
+    assert {int(m.group(1)) for n in names if (m := routed_weight.search(n))} == {45}
+
+
+def test_source_index_numbering(tiny_source: Path) -> None:
+    spec = load_model_spec(tiny_source)
+    shards = load_source_shards(tiny_source / "model.safetensors.index.json")
+    plan = plan_artifact(spec, "tr3", source_shards=shards)
+    retained = [f for f in plan.files if f.kind == "retained"]
+    for f in retained:
+        assert f.path == f.source_shard.replace("model-", "retained-")
+        assert all(shards[t.source] == f.source_shard for t in f.tensors)
+    expert_only = {s for s in shards.values()} - {f.source_shard for f in retained}
+    assert expert_only  # source shards that held only quantized experts produce no retained file
+
+
+def _write_plan(plan, source: Path, out: Path) -> None:
+    """Write every planned file with the safetensors library itself (placeholder EXL3 parts)."""
+    shards = load_source_shards(source / "model.safetensors.index.json")
+    for f in plan.files:
+        tensors = {}
+        for t in f.tensors:
+            if t.source is not None:
+                with safe_open(source / shards[t.source], "pt") as src:
+                    value = src.get_tensor(t.source)
+                tensors[t.name] = value[list(t.rows)] if t.rows else value
+            else:
+                tensors[t.name] = torch.zeros(t.shape, dtype=_TORCH[t.dtype])
+        save_file(tensors, str(out / f.path))
+
+
+@pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
+def test_predicted_files_equal_written(tiny_source: Path, tmp_path: Path, layout: str) -> None:
+    spec = load_model_spec(tiny_source)
+    keep = {layer: (3, 0, 2) for layer in spec.moe_layers + spec.mtp_layers} if layout == "exllamav3" else None
+    plan = plan_artifact(spec, layout, source_shards=load_source_shards(tiny_source / "model.safetensors.index.json"),
+                         keep=keep, shard_bytes=1 << 20)
+    _write_plan(plan, tiny_source, tmp_path)
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == sorted(f.path for f in plan.files)
+    for f in plan.files:
+        path = tmp_path / f.path
+        assert path.stat().st_size == f.size, f.path
+        with safe_open(path, "pt") as sf:
+            assert {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()} == {t.name: t.shape for t in f.tensors}
+    if keep:
+        router = next(t for f in plan.files for t in f.tensors if t.name.endswith("layers.1.mlp.gate.weight"))
+        assert router.shape[0] == 3 and router.rows == (3, 0, 2)
+
+
+def test_plan_cli_json(tiny_source: Path) -> None:
+    result = CliRunner().invoke(app, ["plan", str(tiny_source), "--layout", "tr3", "--json",
+                                      "--source-index", str(tiny_source / "model.safetensors.index.json")])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["indexed_tensor_count"] == sum(f["tensor_count"] for f in data["files"])
+    assert data["expert_file_count"] == 4
+
+
+def test_plan_cli_bad_layout(tiny_source: Path) -> None:
+    result = CliRunner().invoke(app, ["plan", str(tiny_source), "--layout", "tp8"])
+    assert result.exit_code == 2 and "unknown layout" in result.output
