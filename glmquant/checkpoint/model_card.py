@@ -1,0 +1,49 @@
+"""MODEL_CARD.md: where users look for the artifact's structural SHA-256 and how to check it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from glmquant.checkpoint.writer import atomic_write_text
+
+MODEL_CARD_NAME = "MODEL_CARD.md"
+
+
+def model_card_text(manifest_sha256: str, manifest: Mapping[str, Any]) -> str:
+    """A short README-style card summarising the manifest; deterministic for a given manifest."""
+    layout, geo, source = manifest["layout"], manifest["geometry"], manifest["source"]
+    gib = manifest["physical_tensor_bytes"] / 1024**3
+    lines = [
+        f"# {source['repo_id']} — EXL3 {layout['bits']}-bit ({layout['type']} layout)",
+        "",
+        f"Routed experts of {len(layout['quantized_layers'])} MoE layers ({geo['n_routed_experts']} experts each) are "
+        f"EXL3 K{layout['bits']} with the {layout['codebook']} codebook; every other tensor is copied "
+        "byte-for-byte from the source.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| Structural manifest SHA-256 | `{manifest_sha256}` |",
+        f"| Source | {source['repo_id']} @ {source['revision'] or 'unpinned'} |",
+        f"| Weight files | {len(manifest['files'])} ({manifest['physical_tensor_bytes']:,} bytes, {gib:.2f} GiB) |",
+        f"| Indexed tensors | {manifest['indexed_tensor_count']:,} |",
+        f"| Retained tensor bytes | {manifest['retained_tensor_bytes']:,} |",
+        f"| Effective routed bpw | {manifest['effective_routed_tier_bpw']} (target {manifest['target_bpw']}) |",
+        f"| State | {manifest['state']} at {manifest['structurally_verified_at']} |",
+        "",
+        "Verify a download (every file's size and SHA-256, index closure, EXL3 tensor shapes, config):",
+        "",
+        "```",
+        f"glmquant verify-manifest . --expect-sha256 {manifest_sha256}",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_model_card(artifact_dir: str | Path, manifest_sha256: str, summary: Mapping[str, Any]) -> Path:
+    """Write MODEL_CARD.md from the manifest (`summary`) and its hash."""
+    path = Path(artifact_dir) / MODEL_CARD_NAME
+    atomic_write_text(path, model_card_text(manifest_sha256, summary))
+    return path

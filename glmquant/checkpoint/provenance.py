@@ -1,0 +1,59 @@
+"""Where an artifact came from: the inputs of a build that its files cannot tell by themselves.
+
+Built once at the CLI edge and passed as one object to the config writer, the manifest and the model card.
+Hashes are lowercase hex SHA-256; None where a build had no such input (e.g. an uncalibrated encode).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import glmquant
+from glmquant.errors import UsageError
+
+
+@dataclass(frozen=True)
+class CalibrationInfo:
+    manifest: str | None = None  # file name of the calibration recipe/manifest
+    manifest_sha256: str | None = None
+    token_rows_sha256: str | None = None  # hash of the packed token rows actually used
+    verification_sha256: str | None = None  # hash of the calibration verification record
+    rows: int | None = None
+    cols: int | None = None
+    routing: str = "natural"  # "natural" (top-k routed tokens only) or "all-token"
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    claim: str = "EXL3 trellis quantization of routed experts; all other tensors retained byte-for-byte"
+    upstream_repo: str = "https://github.com/turboderp-org/exllamav3"
+    upstream_commit: str | None = None
+    implementation: str = f"glmquant {glmquant.__version__}"
+    out_scales: str = "auto"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    source_repo: str
+    source_revision: str | None = None
+    source_format: str = "safetensors-bf16"
+    source_manifest: str | None = None
+    source_manifest_sha256: str | None = None
+    calibration: CalibrationInfo = field(default_factory=CalibrationInfo)
+    method: MethodInfo = field(default_factory=MethodInfo)
+    selection_sha256: str | None = None  # expert selection (REAP keep list), None when nothing was pruned
+    tier_bitmap_sha256: str | None = None  # per-expert bit-width tiers, None for a single tier
+    raw_private_content_included: bool = False
+    cuda_graphs_required: bool = False
+    runtime_status: str = "structural"  # what has been proven so far: structural, serve-checked, ...
+
+
+def build_timestamp() -> str:
+    """ISO-8601 UTC time of the build; SOURCE_DATE_EPOCH pins it so rebuilds are byte-identical."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch is not None and not epoch.isdigit():
+        raise UsageError(f"SOURCE_DATE_EPOCH must be whole seconds since 1970, got {epoch!r}")
+    moment = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
+    return moment.replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,161 @@
+"""Lazy reading of a (sharded) safetensors checkpoint: every header parsed once, tensor data read on demand.
+
+Reads use `os.pread` on one descriptor per shard, so only the requested byte range is ever read, reads are
+safe from several threads, and memory stays bounded by the largest tensor asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from glmquant.checkpoint.index import INDEX_NAME, SafetensorsIndex, read_index
+from glmquant.checkpoint.safetensors_format import ParsedHeader, TensorSpec, parse_header
+from glmquant.checkpoint.tensor_bytes import tensor_from_bytes
+from glmquant.errors import CheckpointFormatError, NumericalError, UsageError
+
+COPY_CHUNK = 16 << 20  # bytes per read when streaming a tensor into another file
+
+
+@dataclass
+class SourceCheckpoint:
+    """A checkpoint directory (sharded with an index, or one `model.safetensors`) or a single file."""
+
+    directory: Path
+    headers: Mapping[str, ParsedHeader]  # shard file name -> header
+    locations: Mapping[str, str]  # tensor name -> shard file name
+    _fds: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path) -> SourceCheckpoint:
+        path = Path(path)
+        if path.is_file():
+            return cls._from_shards(path.parent, [path.name], None)
+        if not path.is_dir():
+            raise UsageError(f"{path}: no such checkpoint file or directory")
+        if (path / INDEX_NAME).is_file():
+            index = read_index(path / INDEX_NAME)
+            return cls._from_shards(path, index.shards, index)
+        if (path / "model.safetensors").is_file():
+            return cls._from_shards(path, ["model.safetensors"], None)
+        raise UsageError(f"{path}: neither {INDEX_NAME} nor model.safetensors found")
+
+    @classmethod
+    def _from_shards(cls, directory: Path, shards: list[str], index: SafetensorsIndex | None) -> SourceCheckpoint:
+        headers, locations = {}, {}
+        for shard in shards:
+            if not (directory / shard).is_file():
+                raise CheckpointFormatError(f"{directory / INDEX_NAME}: shard {shard} is listed but missing")
+            headers[shard] = parse_header(directory / shard)
+            for name in headers[shard].tensors:
+                if name in locations:
+                    raise CheckpointFormatError(
+                        f"{directory}: tensor {name} appears in both {locations[name]} and {shard}")
+                locations[name] = shard
+        if index is not None:
+            _check_index(directory, index, locations)
+        return cls(directory, headers, locations)
+
+    @property
+    def config_path(self) -> Path:
+        return self.directory / "config.json"
+
+    def names(self) -> list[str]:
+        return list(self.locations)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.locations
+
+    def shard_of(self, name: str) -> str:
+        return self.locations[self._known(name)]
+
+    def spec(self, name: str) -> TensorSpec:
+        return self.headers[self.shard_of(name)].tensors[name].spec
+
+    def read_raw(self, name: str) -> bytes:
+        """The tensor's exact stored bytes."""
+        return bytes(self._read_range(name))
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """The tensor in its stored dtype and shape, reading only its own bytes."""
+        spec = self.spec(name)
+        return tensor_from_bytes(self._read_range(name), spec.dtype, spec.shape)
+
+    def copy_raw_into(self, name: str, out: BinaryIO, start: int = 0, length: int | None = None) -> int:
+        """Stream the tensor's stored bytes (or `length` of them from `start`) into `out` in bounded chunks."""
+        begin, end = self.headers[self.shard_of(name)].span(name)
+        length = end - begin - start if length is None else length
+        if start < 0 or length < 0 or begin + start + length > end:
+            raise ValueError(f"byte range {start}+{length} is outside tensor {name} ({end - begin} bytes)")
+        begin, end = begin + start, begin + start + length
+        buf = bytearray(min(COPY_CHUNK, length))
+        for offset in range(begin, end, COPY_CHUNK):
+            chunk = memoryview(buf)[: min(COPY_CHUNK, end - offset)]
+            self._read_into(name, chunk, offset)
+            out.write(chunk)
+        return length
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> SourceCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _known(self, name: str) -> str:
+        if name not in self.locations:
+            raise KeyError(f"tensor {name} is not in checkpoint {self.directory}")
+        return name
+
+    def _fd(self, shard: str) -> int:
+        if shard not in self._fds:
+            fd = os.open(self.directory / shard, os.O_RDONLY)
+            if self._fds.setdefault(shard, fd) != fd:  # another thread opened it first
+                os.close(fd)
+        return self._fds[shard]
+
+    def _read_range(self, name: str) -> bytearray:
+        begin, end = self.headers[self.shard_of(name)].span(name)
+        buf = bytearray(end - begin)
+        self._read_into(name, memoryview(buf), begin)
+        return buf
+
+    def _read_into(self, name: str, view: memoryview, offset: int) -> None:
+        """Fill `view` from the tensor's shard starting at absolute `offset` (positional reads, thread-safe)."""
+        shard = self.shard_of(name)
+        fd, done = self._fd(shard), 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                raise CheckpointFormatError(f"{self.directory / shard}: file ended inside tensor {name} (truncated?)")
+            done += n
+
+
+def _check_index(directory: Path, index: SafetensorsIndex, locations: Mapping[str, str]) -> None:
+    """The index and the headers must describe the same tensors in the same shards."""
+    path = directory / INDEX_NAME
+    for name, shard in index.weight_map.items():
+        if locations.get(name) != shard:
+            raise CheckpointFormatError(f"{path}: tensor {name} is mapped to {shard} but that shard's header lacks it")
+    unlisted = sorted(set(locations) - set(index.weight_map))
+    if unlisted:
+        raise CheckpointFormatError(f"{path}: {len(unlisted)} tensor(s) in shard headers are not in the index, "
+                                    f"e.g. {unlisted[0]} in {locations[unlisted[0]]}")
+
+
+def assert_finite(name: str, tensor: torch.Tensor) -> None:
+    """Fail with the tensor's name when a floating tensor holds NaN or Inf (integer tensors always pass)."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise NumericalError(f"tensor {name} has {bad} non-finite value(s) (NaN/Inf) of {tensor.numel()}")

@@ -1,0 +1,233 @@
+"""The verifier's structural checks, from headers, the index and the config (no tensor data is read):
+index closure, no original routed weights for quantized layers, well-formed EXL3 groups, config geometry and
+quantization block against the files, retained tensor and byte totals."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from glmquant.arch import ModelSpec, load_model_spec, table_for
+from glmquant.checkpoint.artifact_config import TR3_KEYS, TR3_TIER_KEYS, tensor_storage
+from glmquant.checkpoint.exl3_groups import Exl3Group, exl3_groups, is_exl3_tensor
+from glmquant.checkpoint.index import INDEX_NAME, read_index
+from glmquant.checkpoint.layouts import TR3_RANKS, exl3_parts, expert_slices
+from glmquant.checkpoint.manifest import geometry, retained_manifest_sha256, routed_bpw_of
+from glmquant.checkpoint.safetensors_format import TensorSpec
+from glmquant.checkpoint.verify_report import ArtifactState, CheckResult, check
+from glmquant.errors import GlmquantError
+
+_ROUTED_WEIGHT = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+_EXPERT_KEY = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Everything the structural checks compare, read once."""
+
+    files: Mapping[str, list[TensorSpec]]  # weight file -> its header's tensors
+    groups: Mapping[str, Exl3Group]
+    layout: Mapping[str, Any]
+    config: Mapping[str, Any] | None
+    spec: ModelSpec | None
+    config_error: str | None
+
+    @classmethod
+    def read(cls, state: ArtifactState) -> Structure:
+        files = {path: header.specs for path, header in state.headers.items()}
+        groups = exl3_groups(s for specs in files.values() for s in specs)
+        layout = state.manifest.get("layout") if isinstance(state.manifest.get("layout"), dict) else {}
+        try:
+            config = json.loads((state.root / "config.json").read_text(encoding="utf-8"))
+            return cls(files, groups, layout, config, load_model_spec(config), None)
+        except (OSError, ValueError, GlmquantError) as exc:
+            return cls(files, groups, layout, None, None, f"config.json: {exc}")
+
+    @property
+    def quantized_layers(self) -> list[int]:
+        return self.spec.moe_layers if self.spec else list(self.layout.get("quantized_layers", []))
+
+
+def structure_checks(state: ArtifactState) -> list[CheckResult]:
+    s = Structure.read(state)
+    n_tensors = sum(len(v) for v in s.files.values())
+    return [
+        check("index closure", _index_problems(state, s), f"{n_tensors:,} tensors, each in exactly one file"),
+        check("no routed .weight names", _routed_weight_problems(s),
+              f"none for quantized layers {_span(s.quantized_layers)}"),
+        check("exl3 tensors", _exl3_problems(s), f"{len(s.groups):,} EXL3 tensors well-formed"),
+        check("config geometry", _config_problems(state, s), "config, quantization block and files agree"),
+        check("retained totals", _retained_problems(state, s), "retained tensor and byte totals match"),
+    ]
+
+
+def _index_problems(state: ArtifactState, s: Structure) -> list[str]:
+    problems = list(state.header_errors)
+    try:
+        index = read_index(state.root / INDEX_NAME)
+    except GlmquantError as exc:
+        return problems + [str(exc)]
+    owners: dict[str, list[str]] = {}
+    for path, specs in s.files.items():
+        for spec in specs:
+            owners.setdefault(spec.name, []).append(path)
+    listed = {e["path"] for e in state.weight_entries}
+    for name, shard in index.weight_map.items():
+        holders = owners.get(name, [])
+        if shard not in listed:
+            problems.append(f"{INDEX_NAME} maps {name} to {shard}, which the manifest does not list")
+        elif holders and shard not in holders:
+            problems.append(f"{INDEX_NAME} maps {name} to {shard}, but it is in {holders[0]}")
+        if not holders:
+            problems.append(f"{INDEX_NAME} lists {name} but no file header has it")
+    problems += [f"{name} is in {len(paths)} file headers: {', '.join(paths)}"
+                 for name, paths in owners.items() if len(paths) > 1]
+    problems += [f"{name} (in {paths[0]}) is missing from {INDEX_NAME}" for name, paths in owners.items()
+                 if name not in index.weight_map]
+    count = state.manifest.get("indexed_tensor_count")
+    if len(index.weight_map) != count:
+        problems.append(f"{INDEX_NAME} has {len(index.weight_map):,} tensors, manifest says {count}")
+    data = sum(spec.nbytes for specs in s.files.values() for spec in specs)
+    if index.total_size != data:
+        problems.append(f"{INDEX_NAME} total_size {index.total_size:,} != {data:,} tensor bytes in the files")
+    return problems
+
+
+def _routed_weight_problems(s: Structure) -> list[str]:
+    quantized = set(s.quantized_layers)
+    return [f"{t.name} ({path}): original routed weight of quantized layer {m.group(1)}"
+            for path, specs in s.files.items() for t in specs
+            if (m := _ROUTED_WEIGHT.search(t.name)) and int(m.group(1)) in quantized]
+
+
+def _exl3_problems(s: Structure) -> list[str]:
+    codebook = str(s.layout.get("codebook", "mcg"))
+    problems = [p for g in s.groups.values() for p in g.problems(codebook)]
+    if not s.groups and s.quantized_layers:
+        problems.append("no EXL3 tensors found, but the model has quantized MoE layers")
+    return problems
+
+
+def expected_exl3(spec: ModelSpec, layout: Mapping[str, Any]) -> dict[str, TensorSpec]:
+    """Every EXL3 part the config implies: quantized layers x routed experts x projections (x rank slices)."""
+    ranks = TR3_RANKS if layout.get("type") == "tr3" else None
+    bits, codebook, table = int(layout.get("bits", 0)), str(layout.get("codebook")), table_for(spec)
+    return {
+        t.name: t.spec
+        for layer in spec.moe_layers
+        for e in range(spec.n_routed_experts)
+        for sl in expert_slices(spec, layer, e, e, ranks)
+        for t in exl3_parts(sl, table.layer_prefix(layer), bits, codebook)
+    }
+
+
+def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
+    if s.spec is None or s.config is None:
+        return [s.config_error or "config.json unreadable"]
+    spec, m = s.spec, state.manifest
+    problems = [f"geometry {k}: config {v}, manifest {m.get('geometry', {}).get(k)}"
+                for k, v in geometry(spec, spec.n_routed_experts).items() if m.get("geometry", {}).get(k) != v]
+    if spec.moe_layers != list(s.layout.get("quantized_layers", [])):
+        problems.append(f"config's MoE layers {_span(spec.moe_layers)} != manifest's quantized layers")
+    try:
+        expected = expected_exl3(spec, s.layout)
+    except (GlmquantError, KeyError, ValueError) as exc:
+        return problems + [f"cannot derive the expected EXL3 tensors: {exc}"]
+    actual = {p.name: p for g in s.groups.values() for p in g.parts.values()}
+    problems += [f"{n}: expected by the config, missing from the files" for n in sorted(set(expected) - set(actual))]
+    problems += [f"{n}: EXL3 tensor the config does not call for" for n in sorted(set(actual) - set(expected))]
+    problems += [f"{n}: {actual[n].dtype} {list(actual[n].shape)}, config implies {e.dtype} {list(e.shape)}"
+                 for n, e in expected.items() if n in actual and actual[n] != e]
+    problems += _router_problems(s, spec)
+    return problems + _block_problems(state, s, spec)
+
+
+def _router_problems(s: Structure, spec: ModelSpec) -> list[str]:
+    table = table_for(spec)
+    routers = {table.layer_prefix(layer) + "mlp.gate.weight" for layer in spec.moe_layers + spec.mtp_layers}
+    return [f"{t.name}: {t.shape[0]} router rows, config has {spec.n_routed_experts} experts"
+            for specs in s.files.values() for t in specs if t.name in routers and t.shape[0] != spec.n_routed_experts]
+
+
+def _block_problems(state: ArtifactState, s: Structure, spec: ModelSpec) -> list[str]:
+    """The quantization block against the layout and the files; quantization_config.json against the block."""
+    qc = s.config.get("quantization_config") if s.config else None
+    if not isinstance(qc, dict):
+        return ["config.json has no quantization_config block"]
+    expect = {"quant_method": "exl3", "codebook": s.layout.get("codebook")}
+    problems = [f"quantization_config.{k} is {qc.get(k)!r}, expected {v!r}"
+                for k, v in expect.items() if qc.get(k) != v]
+    bpw = routed_bpw_of(s.groups, spec.hidden_size, spec.moe_intermediate_size)
+    recorded = state.manifest.get("effective_routed_tier_bpw")
+    if recorded != bpw:
+        problems.append(f"manifest effective_routed_tier_bpw {recorded} != {bpw} from the files")
+    try:
+        qjson = json.loads((state.root / "quantization_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return problems + [f"quantization_config.json: {exc}"]
+    if s.layout.get("type") == "tr3":
+        return problems + _tr3_block_problems(qc, qjson, s.layout, spec, bpw)
+    return problems + _exllamav3_block_problems(qc, qjson, s)
+
+
+def _tr3_block_problems(qc: Mapping[str, Any], qjson: Any, layout: Mapping[str, Any], spec: ModelSpec,
+                        bpw: float) -> list[str]:
+    problems = []
+    if set(qc) != TR3_KEYS:
+        problems.append(f"quantization_config keys differ from the tr3 block: missing {sorted(TR3_KEYS - set(qc))}, "
+                        f"extra {sorted(set(qc) - TR3_KEYS)}")
+    tier = TR3_TIER_KEYS.get(layout.get("bits"), "bits")
+    expect = {"bits": layout.get("bits"), "archive_tensor_parallel_size": TR3_RANKS, "rank_stacked_tp": TR3_RANKS,
+              "effective_routed_tier_bpw": bpw, tier: spec.n_routed_experts}
+    problems += [f"quantization_config.{k} is {qc.get(k)!r}, files imply {v!r}"
+                 for k, v in expect.items() if qc.get(k) != v]
+    if qjson != qc:
+        problems.append("quantization_config.json differs from config.json's quantization_config")
+    return problems
+
+
+def _exllamav3_block_problems(qc: Mapping[str, Any], qjson: Any, s: Structure) -> list[str]:
+    missing = [k for k in ("quant_method", "version", "bits", "head_bits", "codebook") if k not in qc]
+    problems = [f"quantization_config lacks ExLlamaV3 key(s) {missing}"] if missing else []
+    if not isinstance(qjson, dict) or {k: v for k, v in qjson.items() if k != "tensor_storage"} != qc:
+        return problems + ["quantization_config.json differs from config.json's quantization_config"]
+    if qjson.get("tensor_storage") != tensor_storage(t for specs in s.files.values() for t in specs):
+        problems.append("quantization_config.json tensor_storage does not match the files' headers")
+    return problems
+
+
+def _retained_problems(state: ArtifactState, s: Structure) -> list[str]:
+    problems: list[str] = []
+    retained: list[tuple[str, TensorSpec]] = []
+    for entry in state.weight_entries:
+        path, specs = entry["path"], s.files.get(entry["path"])
+        if specs is None:
+            continue
+        kept = [t for t in specs if not is_exl3_tensor(t.name, s.groups)]
+        retained += [(path, t) for t in kept]
+        experts = {m.groups() for t in specs if is_exl3_tensor(t.name, s.groups) and (m := _EXPERT_KEY.search(t.name))}
+        facts = {"tensor_count": len(specs), "tensor_bytes": sum(t.nbytes for t in specs)}
+        kind = entry.get("kind")
+        if kind in ("expert", "model"):
+            facts["logical_expert_count"] = len(experts)
+        if kind == "model":
+            facts.update(retained_tensor_count=len(kept), retained_tensor_bytes=sum(t.nbytes for t in kept))
+        if kind == "expert" and kept:
+            problems.append(f"{path}: {len(kept)} non-EXL3 tensor(s) in an expert file, e.g. {kept[0].name}")
+        if kind == "retained" and len(kept) != len(specs):
+            problems.append(f"{path}: {len(specs) - len(kept)} EXL3 tensor(s) in a retained file")
+        problems += [f"{path}: manifest {k} {entry.get(k)}, file has {v}"
+                     for k, v in facts.items() if entry.get(k) != v]
+    m = state.manifest
+    totals = {"retained_tensor_count": len(retained), "retained_tensor_bytes": sum(t.nbytes for _, t in retained),
+              "retained_manifest_sha256": retained_manifest_sha256(retained)}
+    if len(s.files) == len(state.weight_entries):  # totals are only meaningful when every header was read
+        problems += [f"manifest {k} {m.get(k)}, files give {v}" for k, v in totals.items() if m.get(k) != v]
+    return problems
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if layers else "(none)"

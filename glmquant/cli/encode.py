@@ -1,0 +1,42 @@
+"""`glmquant encode SOURCE --out ARTIFACT`: the full build, resumable, ending with verification."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from glmquant.cli.common import console, guarded, out
+from glmquant.encode import EncodeConfig, encode_artifact
+from glmquant.encode.summary import summary_table
+
+
+def register(app: typer.Typer) -> None:
+    app.command("encode")(encode)
+
+
+@guarded
+def encode(
+    source: Annotated[Path, typer.Argument(help="BF16 source checkpoint directory")],
+    out_dir: Annotated[Path, typer.Option("--out", help="artifact directory to write")],
+    observations: Annotated[Optional[Path], typer.Option(help="output directory of `glmquant observe`")] = None,
+    bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
+    codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
+    layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
+    hessians: Annotated[str, typer.Option(help="natural or all")] = "natural",
+    keep: Annotated[Optional[int], typer.Option(help="REAP-prune to N experts per layer")] = None,
+    prune_plan: Annotated[Optional[Path], typer.Option(help="explicit prune_plan.json")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    work_dir: Annotated[Optional[Path], typer.Option(help="resumable job state (default: ARTIFACT.work)")] = None,
+    seed: Annotated[int, typer.Option(help="base seed of the EXL3 sign flips")] = 0,
+    source_repo: Annotated[Optional[str], typer.Option(help="source repo id recorded in the provenance")] = None,
+) -> None:
+    """EXL3-encode the routed experts, copy everything else byte-for-byte, write and verify the artifact."""
+    cfg = EncodeConfig(source=source, out=out_dir, observations=observations, bits=bits, codebook=codebook,
+                       layout=layout, hessians=hessians, keep=keep, prune_plan=prune_plan, device=device,
+                       work_dir=work_dir, seed=seed, source_repo=source_repo)
+    result = encode_artifact(cfg, console)
+    out.print(summary_table(result.layers))
+    out.print(f"summary: {result.summary_path}")
+    out.print(f"[bold]structural manifest SHA-256:[/] {result.artifact.manifest_sha256}")

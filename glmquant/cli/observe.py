@@ -1,0 +1,49 @@
+"""`glmquant observe SOURCE --out OBS`: layer-streamed calibration, REAP statistics, expert Hessians."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from glmquant.cli.common import guarded, out
+from glmquant.observe.config import DEFAULT_RECIPE, ObserveConfig
+from glmquant.observe.hessians import HessianMode
+from glmquant.observe.report import build_report, expert_table, layer_table
+from glmquant.observe.run import observe as run_observe
+
+
+def register(app: typer.Typer) -> None:
+    app.command("observe")(observe)
+
+
+@guarded
+def observe(
+    source: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="BF16 source checkpoint directory")],
+    out_dir: Annotated[Path, typer.Option("--out", help="observations directory (rerun to resume)")],
+    recipe: Annotated[Path, typer.Option(help="calibration recipe (YAML)")] = DEFAULT_RECIPE,
+    rows: Annotated[Optional[int], typer.Option(help="rows per lane (overrides the recipe)")] = None,
+    tokens: Annotated[Optional[int], typer.Option(help="tokens per row (overrides the recipe)")] = None,
+    hessians: Annotated[HessianMode, typer.Option(help="routed-expert Hessian coverage")] = HessianMode.NATURAL,
+    dense_hessians: Annotated[bool, typer.Option(help="also capture attention/shared-expert/dense Hessians")] = False,
+    keep: Annotated[Optional[int], typer.Option(help="write prune_plan.json keeping N experts per layer")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
+    report: Annotated[bool, typer.Option(help="print per-layer tables and write the REAP heat map")] = False,
+    report_layer: Annotated[Optional[list[int]], typer.Option(help="with --report: every expert of this layer")] = None,
+) -> None:
+    """Stream calibration rows through the model layer by layer; save REAP statistics and Hessians."""
+    config = ObserveConfig(source, out_dir, recipe, rows, tokens, hessians, dense_hessians, keep, device, batch_rows)
+    summary = run_observe(config, progress=True)
+    out.print(f"observed {len(summary.layers)} layers ({len(summary.moe_layers())} MoE) into {out_dir}; "
+              f"token rows {summary.token_rows_sha256[:16]}…, peak RSS {summary.peak_rss_bytes / 2**20:,.0f} MiB")
+    if summary.prune_plan:
+        out.print(f"prune plan: {out_dir / summary.prune_plan}")
+    if report:
+        result = build_report(out_dir)
+        out.print(layer_table(result))
+        for layer in report_layer or []:
+            out.print(expert_table(result, layer))
+        if result.heatmap:
+            out.print(f"heat map: {result.heatmap}")

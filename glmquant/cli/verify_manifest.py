@@ -1,0 +1,54 @@
+"""`glmquant verify-manifest ARTIFACT`: check an artifact against its EXL3_MANIFEST.json.
+
+Exit 0 when every check holds, 1 when the artifact fails, 2 for usage errors or unreadable input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from glmquant.checkpoint.verify import VerifyReport, verify_artifact, verify_manifest_only
+from glmquant.cli.common import JsonFlag, guarded, out
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify-manifest")(verify_manifest)
+
+
+@guarded
+def verify_manifest(
+    artifact: Annotated[Path, typer.Argument(help="artifact directory (or its EXL3_MANIFEST.json)")],
+    expect_sha256: Annotated[Optional[str], typer.Option(help="pinned SHA-256 of EXL3_MANIFEST.json")] = None,
+    fast: Annotated[bool, typer.Option(help="read headers only; skip full-file SHA-256")] = False,
+    manifest_only: Annotated[bool, typer.Option(help="check only the manifest's own hash and consistency")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Verify hashes, sizes, index closure, EXL3 tensors, config and totals of a built artifact."""
+    if manifest_only:
+        report = verify_manifest_only(artifact, expect_sha256)
+    else:
+        report = verify_artifact(artifact, expect_sha256, fast=fast, show_progress=not as_json)
+    if as_json:
+        out.print_json(json.dumps(report.to_json()))
+    else:
+        _render(report)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def _render(report: VerifyReport) -> None:
+    table = Table(title=f"verify-manifest {report.target}")
+    table.add_column("#", justify="right")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for i, c in enumerate(report.checks, 1):
+        result = "[yellow]SKIP" if c.skipped else "[green]PASS" if c.ok else "[bold red]FAIL"
+        table.add_row(str(i), c.name, result, c.detail)
+    out.print(table)
+    verdict = "[bold green]PASS" if report.ok else "[bold red]FAIL"
+    out.print(f"{verdict}[/]  manifest sha256 {report.manifest_sha256}", highlight=False)

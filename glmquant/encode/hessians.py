@@ -1,0 +1,63 @@
+"""Which input Hessian each routed-expert projection is encoded with, and the documented fallbacks.
+
+natural mode: an expert's gate/up Hessian from the tokens routed to it, its down Hessian from its own
+activations. An expert that received no calibration token falls back to the all-token Hessians when the
+observations hold them ("no_tokens:all"), else to uncalibrated encoding ("no_tokens:identity").
+all mode: the layer's shared gate/up Hessian and each expert's all-token down Hessian.
+No observations at all: every tensor is encoded uncalibrated ("uncalibrated").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glmquant.errors import UsageError
+from glmquant.observe.hessian_reader import LayerHessians, load_layer_hessians
+
+
+@dataclass(frozen=True)
+class ExpertHessians:
+    gate_up: torch.Tensor | None  # E[x xᵀ] of the MoE input [H, H], None: encode uncalibrated
+    down: torch.Tensor | None  # E[a aᵀ] of the expert's intermediate activation [I, I]
+    tokens: int  # calibration tokens behind gate_up
+    fallback: str | None
+
+
+class HessianSource:
+    """Per-layer access to the observations, opened lazily (one expert's matrices in memory at a time)."""
+
+    def __init__(self, observations: Path | None, mode: str) -> None:
+        self.observations = observations
+        self.mode = mode
+
+    def layer(self, layer: int) -> LayerHessiansView:
+        if self.observations is None:
+            return LayerHessiansView(None, None)
+        primary = load_layer_hessians(self.observations, layer, self.mode)
+        backup = None
+        if self.mode == "natural":
+            try:
+                backup = load_layer_hessians(self.observations, layer, "all")
+            except UsageError:
+                backup = None
+        return LayerHessiansView(primary, backup)
+
+
+@dataclass(frozen=True)
+class LayerHessiansView:
+    primary: LayerHessians | None
+    backup: LayerHessians | None  # all-token Hessians, the fallback of natural mode
+
+    def expert(self, source_expert: int) -> ExpertHessians:
+        if self.primary is None:
+            return ExpertHessians(None, None, 0, "uncalibrated")
+        gate_up, down = self.primary.gate_up(source_expert), self.primary.down(source_expert)
+        if gate_up.count and down.count:
+            return ExpertHessians(gate_up.mean(), down.mean(), gate_up.count, None)
+        if self.backup is not None:
+            g, d = self.backup.gate_up(source_expert), self.backup.down(source_expert)
+            return ExpertHessians(g.mean(), d.mean(), g.count, "no_tokens:all")
+        return ExpertHessians(None, None, 0, "no_tokens:identity")

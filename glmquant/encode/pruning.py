@@ -1,0 +1,49 @@
+"""Which experts an encode keeps: all, an explicit prune plan, or the top-N by the observations' REAP saliency.
+
+A prune plan (`prune_plan.json`, written by `glmquant observe --keep N`) maps MoE layers to the source
+experts kept, in output order: {"keep": N, "layers": {"3": [17, 4, ...], ...}}. The MTP layer has no
+calibration statistics (observation does not run it); unless the plan names it, it keeps the experts of the
+last MoE layer, so every layer has the same expert count as `n_routed_experts` in the config says.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from glmquant.arch import ModelSpec
+from glmquant.encode.config import EncodeConfig
+from glmquant.errors import UsageError
+
+PRUNE_PLAN_NAME = "prune_plan.json"
+
+
+def resolve_keep(cfg: EncodeConfig, spec: ModelSpec) -> dict[int, list[int]] | None:
+    if cfg.prune_plan is None and cfg.keep is None:
+        return None
+    if cfg.prune_plan is not None:
+        plan_path = cfg.prune_plan
+    else:
+        if cfg.observations is None:
+            raise UsageError("--keep needs --observations (REAP saliency) or use --prune-plan FILE")
+        from glmquant.observe.prune import write_prune_plan
+
+        plan_path = write_prune_plan(cfg.observations, cfg.keep, cfg.state_dir / PRUNE_PLAN_NAME)
+    return load_prune_plan(plan_path, spec, cfg.keep)
+
+
+def load_prune_plan(path: Path, spec: ModelSpec, expect_keep: int | None = None) -> dict[int, list[int]]:
+    try:
+        data = json.loads(Path(path).read_text())
+        layers = {int(k): [int(e) for e in v] for k, v in data["layers"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"{path}: not a prune plan ({exc})") from None
+    missing = [l for l in spec.moe_layers if l not in layers]
+    if missing:
+        raise UsageError(f"{path}: no kept experts for MoE layer(s) {missing}")
+    if expect_keep is not None and any(len(v) != expect_keep for v in layers.values()):
+        raise UsageError(f"{path}: plan does not keep {expect_keep} experts in every layer")
+    last = spec.moe_layers[-1]
+    for mtp in spec.mtp_layers:
+        layers.setdefault(mtp, layers[last])
+    return layers

@@ -1,0 +1,34 @@
+"""Post-LDLQ refit of the stored per-channel scales in the Hessian metric, the trellis held fixed.
+
+Per output column the best scale is closed-form; the input scales solve ((Q Q^T) o H) r = rowsum(Q o H W).
+Two alternating rounds, as in ExLlamaV3 1.6.5; free at inference since suh/svh are stored anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def refit_scales(
+    w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, su: torch.Tensor, sv: torch.Tensor, rounds: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w, wq: original and quantized weight [k, n] (original basis, wq built with su, sv); h: damped H [k, k].
+
+    Returns refitted (su [k], sv [n]).
+    """
+    hw = h @ w
+    q = wq
+    for _ in range(rounds):
+        num = (q * hw).sum(0)
+        den = (q * (h @ q)).sum(0)
+        c = torch.where(den > 1e-30, num / den.clamp(min=1e-30), torch.ones_like(num))
+        q = q * c[None, :]
+        sv = sv * c
+        a = (q @ q.T) * h
+        a.diagonal().add_(1e-6 * a.diagonal().mean())
+        r, info = torch.linalg.solve_ex(a, (q * hw).sum(1))
+        ok = torch.isfinite(r) & (r > 0) & (info == 0)  # a singular system (e.g. all-zero rows) keeps the scales
+        r = torch.where(ok, r, torch.ones_like(r))
+        q = q * r[:, None]
+        su = su * r
+    return su, sv

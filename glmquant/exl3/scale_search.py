@@ -1,0 +1,47 @@
+"""Global scale search: the factor that puts regularized tiles at the codebook's best operating point.
+
+The sampled error curve is flat near its optimum but not unimodal, so ExLlamaV3 1.6.5 uses a coarse
+grid, then a fine grid around the coarse minimum refined by a parabola; so do we. All tensors of a
+batch are evaluated in one Viterbi call per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+COARSE = [0.1 + 0.2 * i for i in range(10)]
+FINE_STEP = 0.075
+
+
+def _errors(pairs: list[tuple[int, float]], tiles: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor]) -> list[float]:
+    """MSE of each (tensor index, scale) pair, measured back at the tiles' own scale."""
+    batch = torch.cat([tiles[t] * s for t, s in pairs])
+    q = quantize(batch)
+    out, offset = [], 0
+    for t, s in pairs:
+        count = tiles[t].shape[0]
+        out.append((q[offset : offset + count] / s - tiles[t]).square().mean().item())
+        offset += count
+    return out
+
+
+def _parabola(fine: list[float], err: list[float]) -> float:
+    best = min(range(len(fine)), key=err.__getitem__)
+    offset = 0.0
+    if 0 < best < len(fine) - 1:
+        y0, y1, y2 = err[best - 1], err[best], err[best + 1]
+        denom = y0 - 2.0 * y1 + y2
+        offset = max(-0.5, min(0.5, 0.5 * (y0 - y2) / denom)) if denom > 0 else 0.0
+    return max(fine[best] + offset * FINE_STEP, 0.01)
+
+
+def search_scales(samples: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor]) -> list[float]:
+    """One global scale per tensor from its sample tiles; quantize maps tiles to quantized values."""
+    subs = [s[::3] for s in samples]
+    coarse = _errors([(t, s) for t in range(len(samples)) for s in COARSE], subs, quantize)
+    centers = [COARSE[min(range(len(COARSE)), key=lambda i: coarse[t * len(COARSE) + i])] for t in range(len(samples))]
+    fines = [[c + FINE_STEP * (i - 2) for i in range(5)] for c in centers]
+    err = _errors([(t, s) for t in range(len(samples)) for s in fines[t]], samples, quantize)
+    return [_parabola(fines[t], err[5 * t : 5 * t + 5]) for t in range(len(samples))]

@@ -1,0 +1,117 @@
+// Tail-biting Viterbi search over the 2^16-state EXL3 trellis, for the CPU.
+// W tiles are searched at once, one per SIMD lane, so every step is the same dense vector code
+// (GCC vector extensions; compiled with -march=native and without FMA contraction, so the result
+// matches the torch reference bit for bit). Cost arrays are indexed by the 16-K bits a state shares
+// with its successor; hist keeps the chosen top K bits per step for the traceback.
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <utility>
+
+constexpr int W = 16;
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef uint8_t vb __attribute__((vector_size(W)));
+
+template <int K>
+static void step(const vf* __restrict prev, vf* __restrict next, vb* __restrict hist,
+                 const float* __restrict lut, vf x)
+{
+    constexpr int KR = 16 - K, NK = 1 << K, E = 1 << KR;
+    for (int e = 0; e < E; ++e) {
+        const int j = e >> K;
+        vf d = lut[e] - x;
+        vf best = prev[j] + d * d;
+        vi arg = {};
+        for (int c = 1; c < NK; ++c) {
+            d = lut[(c << KR) | e] - x;
+            const vf val = prev[(c << (KR - K)) | j] + d * d;
+            const vi m = val < best;
+            best = m ? val : best;
+            arg = m ? (vi{} + c) : arg;
+        }
+        next[e] = best;
+        hist[e] = __builtin_convertvector(arg, vb);
+    }
+}
+
+template <int K>
+static void search_group(const float* __restrict targets, int64_t count, const float* __restrict lut,
+                         uint16_t* __restrict out, uint8_t* scratch)
+{
+    constexpr int KR = 16 - K, E = 1 << KR;
+    vf* ca = reinterpret_cast<vf*>(scratch + (-reinterpret_cast<uintptr_t>(scratch) & (sizeof(vf) - 1)));
+    vf* cb = ca + E;
+    vf* x = cb + E;  // [256] targets, lane-major
+    vb* hist = reinterpret_cast<vb*>(x + 256);  // [257][E]; row 256 absorbs unneeded pass-1 history
+    for (int i = 0; i < 256; ++i)
+        for (int l = 0; l < W; ++l)
+            x[i][l] = targets[(l < count ? l : count - 1) * 256 + i];
+
+    int edge[W];
+    for (int pass = 0; pass < 2; ++pass) {
+        // Pass 1 runs on the ring rotated by 128 from free start states and yields the state shared
+        // by positions 255 and 0; pass 2 starts and ends there, closing the ring.
+        const int roll = pass == 0 ? 128 : 0;
+        if (pass == 0) {
+            std::memset(ca, 0, sizeof(vf) * E);
+        } else {
+            for (int e = 0; e < E; ++e) ca[e] = vf{} + INFINITY;
+            for (int l = 0; l < W; ++l) ca[edge[l]][l] = 0.0f;
+        }
+        vf* prev = ca;
+        vf* next = cb;
+        for (int i = 0; i < 256; ++i) {
+            const int ri = (i + roll) & 255;
+            const int row = (pass == 1 || ri < 128) ? ri : 256;
+            step<K>(prev, next, hist + (size_t) row * E, lut, x[ri]);
+            std::swap(prev, next);
+        }
+        if (pass == 0) {
+            vf best = prev[0];
+            vi arg = {};
+            for (int e = 1; e < E; ++e) {
+                const vi m = prev[e] < best;
+                best = m ? prev[e] : best;
+                arg = m ? (vi{} + e) : arg;
+            }
+            for (int l = 0; l < W; ++l) {
+                int e = arg[l];
+                for (int i = 255; i >= 128; --i) {
+                    const int ri = (i + 128) & 255;
+                    e = (((int) hist[(size_t) ri * E + e][l] << KR) | e) >> K;
+                }
+                edge[l] = e;
+            }
+        } else {
+            for (int l = 0; l < W && l < count; ++l) {
+                int e = edge[l];
+                for (int ri = 255; ri >= 0; --ri) {
+                    const int s = ((int) hist[(size_t) ri * E + e][l] << KR) | e;
+                    out[l * 256 + ri] = (uint16_t) s;
+                    e = s >> K;
+                }
+            }
+        }
+    }
+}
+
+extern "C" int64_t exl3_viterbi_lanes() { return W; }
+
+extern "C" int64_t exl3_viterbi_scratch_bytes(int K)
+{
+    const int64_t E = 1 << (16 - K);
+    return (2 * E + 257) * (int64_t) sizeof(vf) + 257 * E * (int64_t) sizeof(vb);  // + alignment slack
+}
+
+// targets: [n][256] fp32 in ring order; lut: [65536] fp32; out: [n][256] states.
+extern "C" int exl3_viterbi(const float* targets, int64_t n, const float* lut, int K, uint16_t* out, uint8_t* scratch)
+{
+    typedef void (*fn_t)(const float*, int64_t, const float*, uint16_t*, uint8_t*);
+    static const fn_t fns[8] = {search_group<1>, search_group<2>, search_group<3>, search_group<4>,
+                                search_group<5>, search_group<6>, search_group<7>, search_group<8>};
+    if (K < 1 || K > 8) return -1;
+    for (int64_t g = 0; g < n; g += W)
+        fns[K - 1](targets + g * 256, n - g < W ? n - g : W, lut, out + g * 256, scratch);
+    return 0;
+}

@@ -1,0 +1,105 @@
+"""Hooks on one loaded decoder layer that feed the REAP statistics and the Hessian accumulators.
+
+The router hook sees the MoE input h [N, H] and the router's own logits; `routing.route` turns them into
+the model's exact selection and weights (checked against what the router handed to the experts). Each
+expert's output f_j and intermediate activation are recomputed with the layer's own weights and its own
+SwiGLU gate (`experts._apply_gate`), i.e. the eager-path math of the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glmquant.errors import CheckpointFormatError, NumericalError
+from glmquant.observe.hessians import HessianAccumulator
+from glmquant.observe.layer_loader import LayerPlan
+from glmquant.observe.routing import Routing, RoutingParams, route
+from glmquant.observe.stats import ExpertStats
+
+
+@dataclass
+class CaptureTargets:
+    """What the current batch feeds (None = nothing); switched per calibration lane."""
+
+    stats: ExpertStats | None = None
+    hessians: HessianAccumulator | None = None
+    dense: bool = False
+
+
+class LayerCapture:
+    """Context manager: installs the hooks on `module` (decoder layer `plan.layer`), removes them on exit."""
+
+    def __init__(self, module: nn.Module, plan: LayerPlan, params: RoutingParams) -> None:
+        self.module, self.plan, self.params = module, plan, params
+        self.targets = CaptureTargets()
+        self._handles: list = []
+
+    def __enter__(self) -> LayerCapture:
+        mlp = self.module.mlp
+        if hasattr(mlp, "experts"):
+            self._handles.append(mlp.gate.register_forward_hook(self._on_router))
+        for name, sub in self.module.named_modules():
+            if isinstance(sub, nn.Linear):
+                source = self.plan.source_of(f"{name}.weight")
+                if source is None:
+                    raise CheckpointFormatError(f"layer {self.plan.layer}: linear {name} has no single source tensor")
+                self._handles.append(sub.register_forward_pre_hook(self._dense_hook(source)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _dense_hook(self, weight_name: str):
+        def hook(_module: nn.Module, args: tuple) -> None:
+            if self.targets.dense and self.targets.hessians is not None:
+                self.targets.hessians.add_dense(weight_name, args[0])
+        return hook
+
+    def _on_router(self, gate: nn.Module, args: tuple, output: tuple) -> None:
+        t = self.targets
+        if t.stats is None and t.hessians is None:
+            return
+        x = args[0].reshape(-1, args[0].shape[-1])  # [N, H], the experts' input
+        routing = route(output[0], gate.e_score_correction_bias, self.params)
+        check_same_routing(routing, output[2], output[1], self.plan.layer)
+        if t.stats is not None:
+            t.stats.update_router(routing)
+        experts = self.module.mlp.experts
+        if t.hessians is not None and t.hessians.mode.all_tokens:
+            t.hessians.add_all_gate_up(x)
+            for j in range(self.params.n_experts):
+                t.hessians.add_all_down(j, experts._apply_gate(F.linear(x, experts.gate_up_proj[j])))
+        natural = t.hessians is not None and t.hessians.mode.natural
+        if t.stats is not None or natural:
+            self._routed(x, routing, experts, natural)
+
+    def _routed(self, x: torch.Tensor, routing: Routing, experts: nn.Module, natural: bool) -> None:
+        """Each expert on its own routed tokens: REAP statistics and natural-mode Hessians."""
+        for j in range(self.params.n_experts):
+            token, slot = torch.where(routing.indices == j)
+            if token.numel() == 0:
+                continue
+            xj = x[token]
+            act = experts._apply_gate(F.linear(xj, experts.gate_up_proj[j]))  # [n, I]
+            if self.targets.stats is not None:
+                out = F.linear(act, experts.down_proj[j])  # [n, H], f_j before gating
+                self.targets.stats.update_expert(j, routing.weights[token, slot], out.float().norm(dim=-1))
+            if natural:
+                self.targets.hessians.add_natural(j, xj, act)
+
+
+def check_same_routing(routing: Routing, indices: torch.Tensor, weights: torch.Tensor, layer: int) -> None:
+    """routing.py must agree with the model's router, or every statistic would describe another model."""
+    mine, order = routing.indices.sort(dim=-1)
+    theirs, their_order = indices.sort(dim=-1)
+    same = torch.equal(mine, theirs) and torch.allclose(
+        routing.weights.gather(1, order), weights.float().gather(1, their_order), rtol=1e-6, atol=0)
+    if not same:
+        raise NumericalError(f"layer {layer}: routing.route disagrees with the model's router "
+                             "(transformers changed its routing?)")

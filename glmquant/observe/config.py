@@ -1,0 +1,69 @@
+"""The one typed config of an observation run, built at the CLI edge.
+
+Which options may change when an unfinished run is resumed (the rest are part of its fingerprint and
+must match, see checkpointing.py):
+
+    may change:  keep (the prune plan is recomputed from the finished statistics), progress display
+    must match:  source model, token rows (recipe, rows, tokens, tokenizer), hessians, dense_hessians,
+                 device type, batch_rows, model dtype, torch and transformers versions
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import glmquant
+from glmquant.errors import UsageError
+from glmquant.observe.hessians import HessianMode
+
+DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "calibration" / "default.yaml"
+
+
+@dataclass(frozen=True)
+class ObserveConfig:
+    source: Path  # BF16 source checkpoint directory
+    out: Path  # observations directory
+    recipe: Path = DEFAULT_RECIPE
+    rows: int | None = None  # override every lane's row count
+    tokens: int | None = None  # override every lane's tokens per row
+    hessians: HessianMode = HessianMode.NATURAL
+    dense_hessians: bool = False  # also capture attention / shared-expert / dense-MLP Hessians
+    keep: int | None = None  # write prune_plan.json keeping this many experts per MoE layer
+    device: str = "cpu"
+    batch_rows: int = 4  # calibration rows pushed through a layer at once
+
+    def __post_init__(self) -> None:
+        if self.batch_rows < 1:
+            raise UsageError(f"--batch-rows must be a positive integer, got {self.batch_rows}")
+        if self.keep is not None and self.keep < 1:
+            raise UsageError(f"--keep must be a positive integer, got {self.keep}")
+        if torch.device(self.device).type not in ("cpu", "cuda"):
+            raise UsageError(f"--device must be cpu or cuda, got {self.device!r}")
+
+
+def fingerprint(config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Everything that changes the bytes of the observations (see the module docstring)."""
+    import transformers
+
+    return {
+        "source_config_sha256": _sha256(config.source / "config.json"),
+        "source_index_sha256": _sha256(config.source / "model.safetensors.index.json"),
+        "token_rows_sha256": token_rows_sha256,
+        "hessians": config.hessians.value,
+        "dense_hessians": config.dense_hessians,
+        "device": torch.device(config.device).type,
+        "batch_rows": config.batch_rows,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "glmquant": glmquant.__version__,
+    }
+
+
+def _sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None

@@ -1,0 +1,89 @@
+"""What the encoder reads back: one layer's Hessians in one coverage mode, loaded one expert at a time.
+
+The stacked per-expert sums of a GLM-5.3-Flash layer are ~24 GB, so `LayerHessians` holds only the file
+path and the counts; `gate_up(e)` / `down(e)` read that expert's [n, n] slab. Format: hessians.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from glmquant.errors import UsageError
+from glmquant.observe.hessians import FORMAT, HessianMode
+from glmquant.observe.tensor_file import read_rows
+
+
+def hessians_path(obs_dir: str | Path, layer: int) -> Path:
+    return Path(obs_dir) / f"layer-{layer:02d}.hessians.safetensors"
+
+
+@dataclass(frozen=True)
+class Hessian:
+    """Σ x xᵀ over `count` input rows of one linear (float32 [n, n])."""
+
+    sum: torch.Tensor
+    count: int
+
+    def mean(self) -> torch.Tensor | None:
+        """E[x xᵀ] as the encoder takes it; None when the linear saw no token."""
+        return self.sum / self.count if self.count else None
+
+
+@dataclass(frozen=True)
+class LayerHessians:
+    """Per-expert gate/up and down Hessians of one layer; in "all" mode gate/up is one shared matrix."""
+
+    path: Path
+    layer: int
+    mode: HessianMode  # NATURAL or ALL
+    gate_up_counts: torch.Tensor  # [E] int64 (all mode: the shared count repeated)
+    down_counts: torch.Tensor  # [E] int64
+
+    @property
+    def n_experts(self) -> int:
+        return self.down_counts.numel()
+
+    def gate_up(self, expert: int) -> Hessian:
+        name = f"{self.mode.value}.gate_up.sum"
+        if self.mode is HessianMode.ALL:
+            with safe_open(str(self.path), "pt") as f:
+                return Hessian(f.get_tensor(name), int(self.gate_up_counts[expert]))
+        return Hessian(read_rows(self.path, name, expert, expert + 1)[0], int(self.gate_up_counts[expert]))
+
+    def down(self, expert: int) -> Hessian:
+        name = f"{self.mode.value}.down.sum"
+        return Hessian(read_rows(self.path, name, expert, expert + 1)[0], int(self.down_counts[expert]))
+
+
+def load_layer_hessians(obs_dir: str | Path, layer: int, mode: str | HessianMode) -> LayerHessians:
+    """Open one layer's Hessians for `mode` ("natural" or "all"), checking the file holds that mode."""
+    mode = HessianMode(mode)
+    if mode not in (HessianMode.NATURAL, HessianMode.ALL):
+        raise UsageError(f"load_layer_hessians reads one mode, 'natural' or 'all', not {mode.value!r}")
+    path = hessians_path(obs_dir, layer)
+    if not path.is_file():
+        raise UsageError(f"{path}: no Hessians for layer {layer} (was observe run with --hessians?)")
+    with safe_open(str(path), "pt") as f:
+        meta, keys = f.metadata() or {}, set(f.keys())
+        if meta.get("format") != FORMAT:
+            raise UsageError(f"{path}: not a {FORMAT} file (format {meta.get('format')!r})")
+        if f"{mode.value}.down.sum" not in keys:
+            raise UsageError(f"{path}: holds no {mode.value!r} Hessians (observed with --hessians {meta.get('mode')})")
+        down = f.get_tensor(f"{mode.value}.down.count")
+        gate_up = f.get_tensor(f"{mode.value}.gate_up.count")
+    if mode is HessianMode.ALL:
+        gate_up = gate_up.expand(down.shape).clone()
+    return LayerHessians(path, layer, mode, gate_up, down)
+
+
+def load_dense_hessian(obs_dir: str | Path, layer: int, weight_name: str) -> Hessian:
+    """The Hessian of a dense linear (attention, shared expert, dense MLP) by its checkpoint weight name."""
+    path = hessians_path(obs_dir, layer)
+    with safe_open(str(path), "pt") as f:
+        if f"dense.{weight_name}.sum" not in set(f.keys()):
+            raise UsageError(f"{path}: no dense Hessian for {weight_name} (observe with --dense-hessians)")
+        return Hessian(f.get_tensor(f"dense.{weight_name}.sum"), int(f.get_tensor(f"dense.{weight_name}.count")))

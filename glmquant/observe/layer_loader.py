@@ -1,0 +1,171 @@
+"""Source tensors of one decoder layer -> a ready transformers `Glm5NextTextDecoderLayer`.
+
+The layer is built on the meta device and only its own tensors are read from the safetensors shards, so
+memory is one layer. Names and shapes are converted the way transformers' `glm5_next` conversion mapping
+does (renames; per-expert gate/up/down merged into `experts.gate_up_proj` / `experts.down_proj`; q/k/v
+convolutions concatenated into `conv1d`), driven by the arch table's list of the layer's tensors. Each
+parameter gets the dtype `from_pretrained(dtype=bf16)` would give it: float32 where the model class keeps
+it in fp32 (`_keep_in_fp32_modules_strict`, which differs between transformers versions) or declares it
+so, the model dtype otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from glmquant.arch import ModelSpec, load_model_spec, table_for
+from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.errors import CheckpointFormatError, ConfigError
+
+# transformers' glm5_next WeightRenaming entries (checkpoint name -> module name), applied in order.
+RENAMES = (
+    (r"self_attn\.f_a_proj\.", "self_attn.forget_gate.f_a_proj."),
+    (r"self_attn\.f_b_proj\.", "self_attn.forget_gate.f_b_proj."),
+    (r"self_attn\.dt_bias", "self_attn.forget_gate.dt_bias"),
+    (r"self_attn\.A_log", "self_attn.forget_gate.A_log"),
+    (r"hc_attn_fn", "attn_hc.fn"), (r"hc_attn_base", "attn_hc.base"), (r"hc_attn_scale", "attn_hc.scale"),
+    (r"hc_ffn_fn", "ffn_hc.fn"), (r"hc_ffn_base", "ffn_hc.base"), (r"hc_ffn_scale", "ffn_hc.scale"),
+)
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_CONV = re.compile(r"^self_attn\.([qkv])_conv1d\.weight$")
+ATTN_IMPLEMENTATION = "sdpa"  # what from_pretrained picks for this model class when none is asked for
+EXPERTS_IMPLEMENTATION = "grouped_mm"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one source tensor goes: module parameter `target`, at index `where` (() = the whole tensor)."""
+
+    source: str
+    target: str
+    where: tuple[int | slice, ...] = ()
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The conversion of one layer's source tensors into its module state."""
+
+    layer: int
+    placements: tuple[Placement, ...]
+
+    def source_of(self, target: str) -> str | None:
+        """The checkpoint name of a module parameter loaded from exactly one whole tensor (None otherwise)."""
+        hits = [p for p in self.placements if p.target == target]
+        return hits[0].source if len(hits) == 1 and hits[0].where == () else None
+
+
+def text_config(source: str | Path, attn_implementation: str = ATTN_IMPLEMENTATION,
+                experts_implementation: str = EXPERTS_IMPLEMENTATION):
+    """The transformers text config of a checkpoint, with the implementations from_pretrained would pick."""
+    from transformers import AutoConfig
+
+    spec = load_model_spec(Path(source) / "config.json")
+    if spec.family != "glm5_next":
+        raise ConfigError(f"{source}: layer streaming supports glm5_next checkpoints, not {spec.family}")
+    cfg = AutoConfig.from_pretrained(str(source))
+    cfg = getattr(cfg, "text_config", cfg)
+    cfg._attn_implementation = attn_implementation
+    cfg._experts_implementation = experts_implementation
+    return cfg
+
+
+def model_dtype(cfg) -> torch.dtype:
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def layer_plan(spec: ModelSpec, layer: int, moe_intermediate: int) -> LayerPlan:
+    """Placements for every source tensor of decoder layer `layer` (routed experts merged, renames applied)."""
+    table = table_for(spec)
+    prefix = table.layer_prefix(layer)
+    kda_width = None
+    out: list[Placement] = []
+    for info in table.layer_tensors(spec, layer):
+        suffix = info.name[len(prefix):]
+        if m := _EXPERT.match(suffix):
+            expert, proj = int(m.group(1)), m.group(2)
+            if proj == "down_proj":
+                out.append(Placement(info.name, "mlp.experts.down_proj", (expert,)))
+            else:
+                start = 0 if proj == "gate_proj" else moe_intermediate
+                out.append(Placement(info.name, "mlp.experts.gate_up_proj",
+                                     (expert, slice(start, start + moe_intermediate))))
+        elif m := _CONV.match(suffix):
+            kda_width = info.shape[0]
+            start = "qkv".index(m.group(1)) * kda_width
+            out.append(Placement(info.name, "self_attn.conv1d.weight", (slice(start, start + kda_width),)))
+        else:
+            out.append(Placement(info.name, _rename(suffix)))
+    return LayerPlan(layer, tuple(out))
+
+
+def _rename(suffix: str) -> str:
+    for pattern, repl in RENAMES:
+        suffix = re.sub(pattern, repl, suffix)
+    return suffix
+
+
+def fp32_names(patterns: object) -> re.Pattern | None:
+    """The regex transformers builds from `_keep_in_fp32_modules_strict` (globs, searched in the name)."""
+    globs = sorted(patterns or [])
+    return re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in globs)) if globs else None
+
+
+def load_decoder_layer(ckpt: SourceCheckpoint, spec: ModelSpec, cfg, layer: int,
+                       device: str | torch.device = "cpu") -> nn.Module:
+    """Build decoder layer `layer` with its weights read from `ckpt`, in eval mode on `device`."""
+    from transformers.models.glm5_next import modeling_glm5_next as glm
+
+    if layer >= spec.num_hidden_layers:
+        raise ConfigError(f"layer {layer} is not a decoder layer (the model has {spec.num_hidden_layers})")
+    dtype = model_dtype(cfg)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            module = glm.Glm5NextTextDecoderLayer(cfg, layer)
+    finally:
+        torch.set_default_dtype(previous)
+    keep_fp32 = fp32_names(glm.Glm5NextPreTrainedModel._keep_in_fp32_modules_strict)
+    state = read_layer_state(ckpt, layer_plan(spec, layer, cfg.moe_intermediate_size), module.state_dict(),
+                             keep_fp32, torch.device(device))
+    module.load_state_dict(state, strict=True, assign=True)
+    return module.eval()
+
+
+def read_layer_state(ckpt: SourceCheckpoint, plan: LayerPlan, meta: Mapping[str, torch.Tensor],
+                     keep_fp32: re.Pattern | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """The module state `plan` fills from `ckpt`: each tensor allocated once (fp32 where `keep_fp32` matches,
+    else the dtype of `meta`'s entry) and filled from the source tensors placed into it; every entry of
+    `meta` must be filled exactly."""
+    targets = {p.target for p in plan.placements}
+    if targets != set(meta):
+        raise CheckpointFormatError(
+            f"{ckpt.directory}: layer {plan.layer} tensors do not fill the transformers module: missing "
+            f"{sorted(set(meta) - targets)[:5]}, unexpected {sorted(targets - set(meta))[:5]}")
+    state: dict[str, torch.Tensor] = {}
+    for name, empty in meta.items():
+        fp32 = keep_fp32 is not None and keep_fp32.search(name) is not None
+        state[name] = torch.empty(empty.shape, dtype=torch.float32 if fp32 else empty.dtype, device=device)
+    filled = {name: 0 for name in meta}
+    for p in plan.placements:
+        if p.source not in ckpt:
+            raise CheckpointFormatError(f"{ckpt.directory}: tensor {p.source} (layer {plan.layer}) is missing")
+        value = ckpt.read_tensor(p.source)
+        view = state[p.target][p.where] if p.where else state[p.target]
+        if tuple(view.shape) != tuple(value.shape):
+            raise CheckpointFormatError(f"{ckpt.directory}: tensor {p.source} has shape {list(value.shape)}, "
+                                        f"expected {list(view.shape)} for {p.target}")
+        view.copy_(value)
+        filled[p.target] += value.numel()
+    short = [n for n, count in filled.items() if count != state[n].numel()]
+    if short:
+        raise CheckpointFormatError(f"{ckpt.directory}: layer {plan.layer} leaves {short[:3]} partly unfilled")
+    return state
+

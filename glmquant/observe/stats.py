@@ -1,0 +1,116 @@
+"""Per-expert REAP statistics of one MoE layer, accumulated over calibration tokens.
+
+For expert j and the tokens x routed to it (g_j(x): the model's routing weight, normalized and scaled;
+f_j(x): the expert's output before gating):
+
+    count         |X_j|                       sum_norm       Σ ‖f_j(x)‖₂
+    sum_gate      Σ g_j(x)                    sum_gate_norm  Σ g_j(x)·‖f_j(x)‖₂
+    max_norm      max ‖f_j(x)‖₂               sum_score      Σ sigmoid score over *all* tokens (router view)
+    ean = sum_norm / count                    reap = sum_gate_norm / count  (REAP saliency, 0 if unrouted)
+    selection_share = count / (tokens · top_k)
+
+Sums are float64 on the accumulating device: per-expert sums over ~10⁶ tokens in float32 would lose
+digits, and the tensors are only [E] long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glmquant.checkpoint.safetensors_format import TensorSpec
+from glmquant.checkpoint.tensor_bytes import dtype_name
+from glmquant.checkpoint.writer import write_safetensors
+from glmquant.observe.routing import Routing
+
+SUMS = ("sum_norm", "sum_gate", "sum_gate_norm", "sum_score")
+
+
+def stats_path(obs_dir: Path, layer: int) -> Path:
+    return obs_dir / f"layer-{layer:02d}.stats.safetensors"
+
+
+def stats_files(obs_dir: Path) -> dict[int, Path]:
+    """Layer -> statistics file of every MoE layer observed in `obs_dir`."""
+    return {int(p.name.split(".")[0].removeprefix("layer-")): p
+            for p in sorted(obs_dir.glob("layer-*.stats.safetensors"))}
+
+
+class ExpertStats:
+    """Accumulator for one layer; `update_router` once per batch, `update_expert` per routed expert."""
+
+    def __init__(self, n_experts: int, top_k: int, device: torch.device | str = "cpu") -> None:
+        self.top_k = top_k
+        self.tokens = 0
+        self.count = torch.zeros(n_experts, dtype=torch.int64, device=device)
+        self.max_norm = torch.zeros(n_experts, dtype=torch.float64, device=device)
+        self.sums = {name: torch.zeros(n_experts, dtype=torch.float64, device=device) for name in SUMS}
+
+    def update_router(self, routing: Routing) -> None:
+        self.tokens += routing.scores.shape[0]
+        self.sums["sum_score"] += routing.scores.double().sum(dim=0)
+
+    def update_expert(self, expert: int, gates: torch.Tensor, norms: torch.Tensor) -> None:
+        """gates, norms: [n] routing weights and output norms of the n tokens routed to `expert`."""
+        g, f = gates.double(), norms.double()
+        self.count[expert] += g.numel()
+        self.sums["sum_norm"][expert] += f.sum()
+        self.sums["sum_gate"][expert] += g.sum()
+        self.sums["sum_gate_norm"][expert] += (g * f).sum()
+        self.max_norm[expert] = torch.maximum(self.max_norm[expert], f.max())
+
+    def result(self) -> LayerStats:
+        return LayerStats(self.tokens, self.top_k, self.count.cpu(), self.max_norm.cpu(),
+                          {k: v.cpu() for k, v in self.sums.items()})
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Finished statistics of one layer (CPU tensors), with the derived per-expert measures."""
+
+    tokens: int
+    top_k: int
+    count: torch.Tensor  # [E] int64
+    max_norm: torch.Tensor  # [E] float64
+    sums: Mapping[str, torch.Tensor]  # SUMS -> [E] float64
+
+    def _per_token(self, total: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.count > 0, total / self.count.clamp(min=1), torch.zeros_like(total))
+
+    @property
+    def ean(self) -> torch.Tensor:
+        return self._per_token(self.sums["sum_norm"])
+
+    @property
+    def reap(self) -> torch.Tensor:
+        return self._per_token(self.sums["sum_gate_norm"])
+
+    @property
+    def selection_share(self) -> torch.Tensor:
+        return self.count.double() / max(1, self.tokens * self.top_k)
+
+    @property
+    def load_imbalance(self) -> float:
+        """Busiest expert's token count over the mean count (1.0 = perfectly balanced)."""
+        mean = self.count.double().mean().item()
+        return float(self.count.max().item() / mean) if mean > 0 else 0.0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"count": self.count, "max_norm": self.max_norm, **self.sums, "ean": self.ean, "reap": self.reap,
+                "selection_share": self.selection_share, "tokens": torch.tensor(self.tokens, dtype=torch.int64),
+                "top_k": torch.tensor(self.top_k, dtype=torch.int64)}
+
+    def save(self, path: Path) -> None:
+        tensors = self.tensors()
+        specs = [TensorSpec(k, dtype_name(v), tuple(v.shape)) for k, v in tensors.items()]
+        write_safetensors(path, specs, lambda s: tensors[s.name], {"format": "glmquant.expert_stats.v1"})
+
+    @classmethod
+    def load(cls, path: Path) -> LayerStats:
+        from safetensors.torch import load_file
+
+        t = load_file(str(path))
+        return cls(int(t["tokens"]), int(t["top_k"]), t["count"], t["max_norm"], {k: t[k] for k in SUMS})

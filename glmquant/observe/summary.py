@@ -1,0 +1,77 @@
+"""`observations.json`: what an observation run produced, from what, and what it cost."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from glmquant.checkpoint.writer import atomic_write_text
+from glmquant.errors import UsageError
+
+SUMMARY_FILE = "observations.json"
+FORMAT = "glmquant.observations.v1"
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    layer: int
+    mlp: str  # "moe" | "dense"
+    attention: str  # "kda" | "mla"
+    stats_file: str | None
+    hessians_file: str | None
+    tokens: int  # calibration tokens in the REAP statistics (0 for dense layers)
+    experts_hit: int  # experts that received at least one token
+    load_imbalance: float  # busiest expert's count / mean count
+
+
+@dataclass(frozen=True)
+class LaneSummary:
+    name: str
+    rows: int
+    tokens: int
+    use: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ObservationSummary:
+    source: str
+    recipe: str
+    recipe_sha256: str
+    token_rows_sha256: str
+    lanes: tuple[LaneSummary, ...]
+    hessians: str
+    dense_hessians: bool
+    device: str
+    batch_rows: int
+    fingerprint: Mapping[str, Any]
+    layers: tuple[LayerSummary, ...]
+    peak_rss_bytes: int  # this process's peak resident memory
+    peak_device_bytes: int | None  # CUDA peak allocated, None on CPU
+    elapsed_s: float  # wall time of this invocation (a resumed run counts only its own part)
+    resumed_from_layer: int | None
+    prune_plan: str | None
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"
+
+    def save(self, obs_dir: Path) -> None:
+        atomic_write_text(obs_dir / SUMMARY_FILE, self.to_json())
+
+    @classmethod
+    def load(cls, obs_dir: Path) -> ObservationSummary:
+        path = obs_dir / SUMMARY_FILE
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            if raw.pop("format", None) != FORMAT:
+                raise ValueError(f"not a {FORMAT} file")
+            raw["lanes"] = tuple(LaneSummary(**{**x, "use": tuple(x["use"])}) for x in raw["lanes"])
+            raw["layers"] = tuple(LayerSummary(**x) for x in raw["layers"])
+            return cls(**raw)
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"{path}: unreadable observation summary ({exc}); run glmquant observe first") from None
+
+    def moe_layers(self) -> list[LayerSummary]:
+        return [x for x in self.layers if x.mlp == "moe"]

@@ -1,0 +1,193 @@
+"""OpenAI chat messages -> model inputs, through the artifact's own chat template and processor.
+
+Text goes through the tokenizer's chat template (with `tools` and template kwargs such as
+`enable_thinking`). Image and video parts (data: URLs only: the server fetches nothing) are decoded and
+handed to transformers' `Glm5NextProcessor`, which expands each `<|image|>` / `<|video|>` placeholder to
+the vision tower's token count and produces pixel_values / *_grid_thw for the prefill forward.
+transformers' video processor needs torchvision; where it is missing, video parts are refused with a
+clear message and images still work.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glmquant.errors import UsageError
+from glmquant.runtime.generate import PromptInputs
+from glmquant.runtime.glm_output import THINK_CLOSE, THINK_OPEN
+
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+@dataclass
+class Media:
+    """Images and videos of one request, in placeholder order."""
+
+    images: list[Any] = field(default_factory=list)  # PIL images
+    videos: list[str] = field(default_factory=list)  # temporary files holding the request's videos
+
+    def close(self) -> None:
+        for path in self.videos:
+            Path(path).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    inputs: PromptInputs
+
+    @property
+    def starts_in_reasoning(self) -> bool:
+        """The template opened `<think>` for the model (its output begins inside the reasoning)."""
+        return self.text.rfind(THINK_OPEN) > self.text.rfind(THINK_CLOSE)
+
+
+class ChatFormat:
+    """The artifact's tokenizer, chat template and (for models with a vision tower) processor."""
+
+    def __init__(self, path: str | Path, has_vision: bool) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if not self.tokenizer.chat_template:
+            raise UsageError(f"{path}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
+        self.processor = _load_processor(Path(path), self.tokenizer) if has_vision else None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids -> text, keeping special tokens (`<think>`, `<tool_call>`... carry the output structure)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+               template_kwargs: Mapping[str, Any] | None = None) -> RenderedPrompt:
+        """Messages (OpenAI format) -> prompt text and model inputs; bad content raises UsageError."""
+        media = Media()
+        try:
+            hf_messages = [_hf_message(m, media) for m in messages]
+            try:
+                text = self.tokenizer.apply_chat_template(hf_messages, tools=list(tools) if tools else None,
+                                                          tokenize=False, add_generation_prompt=True,
+                                                          **dict(template_kwargs or {}))
+            except Exception as exc:  # jinja raises many types on odd input (e.g. raise_exception in a template)
+                raise UsageError(f"the chat template could not render these messages: {exc}") from None
+            return RenderedPrompt(text, self._encode(text, media))
+        finally:
+            media.close()
+
+    def _encode(self, text: str, media: Media) -> PromptInputs:
+        if not media.images and not media.videos:
+            ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            return PromptInputs(ids)
+        if self.processor is None:
+            raise UsageError("this model has no vision tower: image and video content is not accepted")
+        if media.videos and self.processor.video_processor is None:
+            raise UsageError("video input needs transformers' video processor, which needs torchvision (not installed)")
+        try:
+            out = self.processor(text=[text], images=media.images or None, videos=media.videos or None,
+                                 return_tensors="pt")
+        except Exception as exc:  # decoders and processors raise many types on bad media
+            raise UsageError(f"could not process the image/video content: {exc}") from None
+        return PromptInputs(out["input_ids"], {k: out[k] for k in VISION_KEYS if k in out})
+
+
+def _load_processor(path: Path, tokenizer: Any) -> Any:
+    """transformers' Glm5NextProcessor with the artifact's image (and, with torchvision, video) processor."""
+    from transformers import AutoImageProcessor, Glm5NextProcessor
+
+    try:
+        from transformers import AutoVideoProcessor
+
+        video = AutoVideoProcessor.from_pretrained(str(path))
+    except (ImportError, OSError, ValueError):
+        video = None
+
+    class _Processor(Glm5NextProcessor):
+        """The model's processor, allowed to run without a video processor (no torchvision)."""
+
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    try:
+        image = AutoImageProcessor.from_pretrained(str(path))
+    except OSError as exc:
+        raise UsageError(f"{path}: the model has a vision tower but no image processor config ({exc})") from None
+    return _Processor(image_processor=image, tokenizer=tokenizer, video_processor=video,
+                      chat_template=tokenizer.chat_template)
+
+
+def _hf_message(message: Mapping[str, Any], media: Media) -> dict[str, Any]:
+    """One OpenAI message -> the form HF chat templates take (media collected into `media`)."""
+    out = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):
+        out["content"] = [_hf_part(part, media) for part in content]
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_hf_tool_call(tc) for tc in message["tool_calls"]]
+    return out
+
+
+def _hf_part(part: Mapping[str, Any], media: Media) -> dict[str, Any]:
+    kind = part.get("type")
+    if kind == "text":
+        return {"type": "text", "text": part.get("text", "")}
+    if kind == "image_url":
+        media.images.append(_decode_image(_url(part, "image_url")))
+        return {"type": "image"}
+    if kind == "video_url":
+        media.videos.append(_save_video(_url(part, "video_url")))
+        return {"type": "video"}
+    raise UsageError(f"unsupported content part type {kind!r} (text, image_url, video_url)")
+
+
+def _hf_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    """Assistant tool calls carry JSON-text arguments in OpenAI's format; templates want a mapping."""
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"] or "{}")
+        except json.JSONDecodeError:
+            raise UsageError(f"tool call {function.get('name')!r} has arguments that are not JSON") from None
+    return {**call, "function": function}
+
+
+def _url(part: Mapping[str, Any], key: str) -> str:
+    value = part.get(key)
+    url = value.get("url") if isinstance(value, Mapping) else value
+    if not isinstance(url, str):
+        raise UsageError(f"{key} part needs {{'{key}': {{'url': 'data:...'}}}}")
+    return url
+
+
+def _data_url_bytes(url: str) -> bytes:
+    if not url.startswith("data:") or ";base64," not in url:
+        raise UsageError("only base64 data: URLs are accepted for images and videos (the server fetches nothing)")
+    try:
+        return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+    except (binascii.Error, ValueError):
+        raise UsageError("the data: URL is not valid base64") from None
+
+
+def _decode_image(url: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(_data_url_bytes(url)))
+        image.load()
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        raise UsageError(f"the image data could not be decoded ({exc})") from None
+    return image.convert("RGB")
+
+
+def _save_video(url: str) -> str:
+    """Videos are decoded by transformers from a file path; the bytes go to a temporary file."""
+    data = _data_url_bytes(url)
+    with tempfile.NamedTemporaryFile(prefix="glmquant-video-", suffix=".mp4", delete=False) as f:
+        f.write(data)
+    return f.name

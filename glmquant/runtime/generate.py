@@ -1,0 +1,122 @@
+"""Greedy and sampled generation on a loaded model with transformers' own cache (KDA recurrent state,
+MLA KV and DSA indexer state in one `DynamicCache`): one prefill forward, then one token per forward.
+
+Stops on the model's EOS ids, on stop strings (the text before the stop string is kept), or after
+`max_tokens`. Sampling (temperature, top-p) draws from a torch.Generator seeded per request, so a fixed
+seed gives the same tokens on the same device.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from glmquant.errors import UsageError
+from glmquant.runtime.text_stream import Decode, TextStream
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; `seed` None draws a fresh seed."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise UsageError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    """A tokenized prompt: input_ids [1, S] plus the vision tensors the prefill forward takes."""
+
+    input_ids: torch.Tensor
+    vision: Mapping[str, torch.Tensor] = field(default_factory=dict)  # pixel_values, image_grid_thw, ...
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[-1])
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str  # "stop" (EOS id or stop string) | "length"
+    prompt_tokens: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: PromptInputs, params: SamplingParams, decode: Decode,
+             on_text: Callable[[str], None] | None = None) -> Generation:
+    """Generate from `prompt`; `on_text` receives each final piece of text as soon as it is known."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config.get_text_config())
+    cache_kw = {_cache_argument(model): cache, "use_cache": True}
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed if params.seed is not None else int(torch.seed()))
+    stream, tokens, reason = TextStream(decode, params.stop), [], "length"
+    vision = {k: v.to(device) for k, v in prompt.vision.items()}
+    logits = model(input_ids=prompt.input_ids.to(device), logits_to_keep=1, **vision, **cache_kw).logits[0, -1]
+    while len(tokens) < params.max_tokens:
+        token = next_token(logits, params, gen)
+        if token in params.stop_token_ids:
+            reason = "stop"
+            break
+        tokens.append(token)
+        _emit(stream.push(token), on_text)
+        if stream.stopped:
+            reason = "stop"
+            break
+        if len(tokens) < params.max_tokens:
+            logits = model(input_ids=torch.tensor([[token]], device=device), **cache_kw).logits[0, -1]
+    _emit(stream.finish(), on_text)
+    return Generation(tuple(tokens), stream.text, reason, prompt.num_tokens)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """Argmax at temperature 0, else a draw from the temperature-scaled, top-p-truncated distribution."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p  # mass before this token already enough
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def stop_token_ids(eos: int | Sequence[int] | None) -> tuple[int, ...]:
+    """The config's eos_token_id (one id or a list) as a tuple."""
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(i) for i in eos)
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); accept either."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _emit(text: str, on_text: Callable[[str], None] | None) -> None:
+    if text and on_text is not None:
+        on_text(text)

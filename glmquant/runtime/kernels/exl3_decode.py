@@ -1,0 +1,108 @@
+"""Triton helpers that decode EXL3 trellis codes in registers, bit-exact with `glmquant.exl3.decode_inner`.
+
+A 16x16 tile is a ring of 256 positions t = 32 g + 8 l4 + 4 e2 + 2 e1 + e0 (five bit fields). Position t
+holds row r = 2 l4 + e0 + 8 e1 and column c = g + 8 e2 of the tile, and its 16-bit state is the window of
+stream bits [(t+1)K - 16, (t+1)K). Kernels index weights by these fields instead of (r, c): then the
+positions that share one 32-bit window of the stream (a *block* of B consecutive positions, the largest of
+8, 4, 2 with 16 + (B - 1) K <= 32) differ only in the low fields, so the window is loaded and assembled
+once per block and each weight costs one shift and one mask before the codebook hash.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from glmquant.exl3 import Codebook
+
+CODEBOOK_IDS = {Codebook.THREE_INST: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
+MUL1_SCALE = tl.constexpr(0.0067672729492187500)  # fp16 bit pattern 0x1EEE
+MUL1_BIAS = tl.constexpr(-10.3828125)  # fp16 bit pattern 0xC931
+HASH_MASK = -1879076865  # 0x8FFF8FFF as int32: keeps sign, 2 exponent and 10 mantissa bits of each half
+HASH_FLIP = 996162400  # 0x3B603B60: sets the exponent so each half lies in +-[0.125, 2)
+
+
+def codebook_id(codebook: Codebook | str) -> int:
+    """The constexpr a kernel takes for a codebook."""
+    return CODEBOOK_IDS[Codebook(codebook)]
+
+
+@triton.jit
+def _chunk(tile_ptr, j, K: tl.constexpr):
+    """16-bit stream chunk j (mod 16 K) of a tile: chunk j is int16 word j ^ 1 (uint32 words, MSB first)."""
+    word = ((j + 16 * K) % (16 * K)) ^ 1
+    return tl.load(tile_ptr + word).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def block_window(tile_ptr, blk, K: tl.constexpr, B: tl.constexpr):
+    """uint32 holding stream bits [(blk+1) B K - 32, (blk+1) B K): the states of ring positions blk*B .. blk*B+B-1.
+
+    tile_ptr points at the tile's 16 K int16 words (any shape, broadcast with blk); wraps around the ring.
+    """
+    end = (blk + 1) * (B * K)
+    q = (end - 1) // 16  # chunk holding the last bit
+    sh = (16 * (q + 1) - end).to(tl.uint32)  # bits of chunk q after the window
+    win = (_chunk(tile_ptr, q - 1, K) << (16 - sh)) | (_chunk(tile_ptr, q, K) >> sh)
+    if (B * K) % 16 != 0:  # the window starts inside chunk q - 2
+        win = win | ((_chunk(tile_ptr, q - 2, K) << 16) << (16 - sh))
+    return win
+
+
+@triton.jit
+def block_state(win, pos, K: tl.constexpr, B: tl.constexpr):
+    """16-bit state of position `pos` (0..B-1) inside the block whose window is `win`."""
+    return (win >> ((B - 1 - pos) * K).to(tl.uint32)) & 0xFFFF
+
+
+@triton.jit
+def codebook_value(state, CB: tl.constexpr, mask, flip):
+    """fp16 value of uint32 states (0..65535): 0 = 3INST, 1 = MCG, 2 = MUL1 (exllamav3's hashes).
+
+    `mask`, `flip` are HASH_MASK, HASH_FLIP passed as run-time kernel arguments: as registers they let the
+    compiler fuse `(x & mask) ^ flip` into one 3-input logic op instead of two immediate ones.
+    """
+    if CB == 2:
+        x = state * 0x83DCD12D
+        b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        return ((b.to(tl.float32) + 1024.0) * MUL1_SCALE + MUL1_BIAS).to(tl.float16)
+    if CB == 0:
+        x = state * 89226354 + 64248484
+    else:
+        x = state * 0xCBAC1FED
+    y = (x & mask.to(tl.uint32, bitcast=True)) ^ flip.to(tl.uint32, bitcast=True)
+    lo = (y & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return lo + hi  # exact in fp32 for these exponents, so one fp16 rounding as in the codec
+
+
+@triton.jit
+def decode_fields(tile_ptr, g, l4, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
+    """fp16 weights at ring fields (g, l4, e2, e01 = 2 e1 + e0) of the tiles at tile_ptr (broadcast shapes).
+
+    The stream window depends on the high fields only (which ones is fixed by B), so it is loaded and
+    assembled once per block of B weights when the low fields are separate tensor dims.
+    """
+    B: tl.constexpr = 8 if K <= 2 else 4 if K <= 5 else 2
+    if B == 8:
+        win = block_window(tile_ptr, 4 * g + l4, K, B)
+        state = block_state(win, 4 * e2 + e01, K, B)
+    elif B == 4:
+        win = block_window(tile_ptr, 8 * g + 2 * l4 + e2, K, B)
+        state = block_state(win, e01, K, B)
+    else:
+        win = block_window(tile_ptr, 16 * g + 4 * l4 + 2 * e2 + e01 // 2, K, B)
+        state = block_state(win, e01 % 2, K, B)
+    return codebook_value(state, CB, mask, flip)
+
+
+@triton.jit
+def ring_row(l4, e1, e0):
+    """Row of a tile held by ring fields (l4, e1, e0)."""
+    return 2 * l4 + e0 + 8 * e1
+
+
+@triton.jit
+def ring_col(g, e2):
+    """Column of a tile held by ring fields (g, e2)."""
+    return g + 8 * e2

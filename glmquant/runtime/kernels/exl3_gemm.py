@@ -1,0 +1,242 @@
+"""EXL3 matrix-vector products that decode trellis codes in registers (no dequantized weight in memory).
+
+`y = (((x ∘ suh) P) Q) P ∘ svh` runs as three launches: `rotate_in` (activations only: scale by suh, 128-block
+Hadamard), `exl3_rows` (the decode-and-multiply core over the packed trellis, split along K into fp32
+partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router weights). The core works on
+*jobs*: a run of rows that share one weight (one expert), so each weight is decoded once per job however
+many rows use it. Weight stacks are [P, V, in/16, out/16, 16K]: P projections (gate and up side by side) of
+V experts; a single linear is P = V = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from glmquant.exl3 import EXL3Tensor
+from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, decode_fields
+
+
+JOB_ROWS = tl.constexpr(16)  # rows of one tensor-core tile: the most rows a job can hold
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch shape of the core: tile rows (ti) and 16-column tiles (tj) per step, K splits, warps.
+
+    ti = 4, tj = 8 decodes a 64 x 128 weight block per step (64 codes per thread at 4 warps) into a
+    16 x 128 fp32 accumulator: ~130 registers and ~25 KB shared memory (decoded block + pipelined
+    activations), so several programs fit per SM on a GB10 (64K registers, ~100 KB shared memory).
+    """
+
+    ti: int = 4
+    tj: int = 8
+    splits: int = 1
+    num_warps: int = 4
+
+    def tiles_per_split(self, k_tiles: int) -> int:
+        """16-row tiles per K split; every split is the same whole number of ti-row steps."""
+        if k_tiles % (self.splits * self.ti):
+            raise ValueError(f"{k_tiles} tile rows do not split into {self.splits} x steps of {self.ti}")
+        return k_tiles // self.splits
+
+
+def choose_gemm_config(device: torch.device, jobs: int, k_tiles: int, col_blocks: int) -> GemmConfig:
+    """Split K (a divisor of the step count) until the grid covers the GPU ~4 times, keeping >= 4 steps per split."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    cfg = GemmConfig()
+    steps = k_tiles // cfg.ti
+    want = triton.cdiv(4 * sms, max(1, jobs * col_blocks))
+    splits = max(d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or (d <= want and steps // d >= 4)))
+    return GemmConfig(splits=splits)
+
+
+@triton.jit
+def had128_rows(v):
+    """v [ROWS, 128] fp32 (ROWS >= 16) times the normalized Sylvester Hadamard block, ~fp32 exact (tf32x3)."""
+    i = tl.arange(0, 128)[:, None]
+    j = tl.arange(0, 128)[None, :]
+    par = i & j
+    par = par ^ (par >> 4)
+    par = par ^ (par >> 2)
+    par = par ^ (par >> 1)
+    signs = tl.where((par & 1) == 0, 1.0, -1.0)
+    return tl.dot(v, signs, input_precision="tf32x3") * 0.08838834764831845
+
+
+@triton.jit
+def store_hi_lo(ptr, plane, v, mask):
+    """Store fp32 v as two fp16 planes (hi at ptr, lo = v - hi at ptr + plane): ~fp32 accurate tensor-core input."""
+    hi = v.to(tl.float16)
+    tl.store(ptr, hi, mask=mask)
+    tl.store(ptr + plane, (v - hi.to(tl.float32)).to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _rotate_in_kernel(x_ptr, src_ptr, scale_ptr, scale_row_ptr, out_ptr, R, V, x_cols, x_stride, Kp,
+                      ROWS: tl.constexpr):
+    """out[p, i, :, blk] = hi/lo of had(x[src[i], blk] ∘ scale[p, scale_row[i], blk]); x columns >= x_cols are 0."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    p = tl.program_id(1)
+    cols = tl.program_id(2) * 128 + tl.arange(0, 128)[None, :]
+    live = rows < R
+    src = tl.load(src_ptr + rows, mask=live, other=0).to(tl.int64)
+    x = tl.load(x_ptr + src * x_stride + cols, mask=live & (cols < x_cols), other=0.0).to(tl.float32)
+    srow = tl.load(scale_row_ptr + rows, mask=live, other=0).to(tl.int64)
+    su = tl.load(scale_ptr + (p * V + srow) * Kp + cols, mask=live, other=0.0).to(tl.float32)
+    store_hi_lo(out_ptr + (p * R + rows.to(tl.int64)) * (2 * Kp) + cols, Kp, had128_rows(x * su), live)
+
+
+@triton.jit
+def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_ptr, part_ptr,
+                      R, V, KT, NT, hash_mask, hash_flip, STEP_TILES: tl.constexpr, K: tl.constexpr, CB: tl.constexpr,
+                      ONE_ROW_JOBS: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
+    """part[s, p, job rows, cols] = x[p, job rows, k-split s] @ Q[p, expert] for one 16*TJ-column block.
+
+    Each step decodes a [TI*16, TJ*16] weight block in registers as dims [ti, tj, e1, e0, e2, g, l4]: the
+    stream window depends on (ti, tj, g, l4) only, so it is built once per block of positions; the block is
+    then permuted to (k, n) order and fed to two fp16 tensor-core products (activation hi and lo planes).
+    """
+    if ONE_ROW_JOBS:
+        row0 = tl.program_id(0)
+        rows = 1
+    else:
+        row0 = tl.load(job_start_ptr + tl.program_id(0))
+        rows = tl.load(job_rows_ptr + tl.program_id(0))
+    if rows > 0:
+        n_blocks = NT // TJ
+        p = tl.program_id(1) // n_blocks
+        nb = tl.program_id(1) % n_blocks
+        split = tl.program_id(2)
+        ti_ = tl.arange(0, TI)[:, None, None, None, None, None, None]
+        tj_ = tl.arange(0, TJ)[None, :, None, None, None, None, None]
+        e1 = tl.arange(0, 2)[None, None, :, None, None, None, None]
+        e0 = tl.arange(0, 2)[None, None, None, :, None, None, None]
+        e2 = tl.arange(0, 2)[None, None, None, None, :, None, None]
+        g = tl.arange(0, 8)[None, None, None, None, None, :, None]
+        l4 = tl.arange(0, 4)[None, None, None, None, None, None, :]
+        expert = tl.load(expert_ptr + row0).to(tl.int64)
+        tiles = trellis_ptr + (p * V + expert) * (KT * NT * 16 * K) + (nb * TJ + tj_) * (16 * K)
+        m = tl.arange(0, JOB_ROWS)[:, None]
+        xrow = x_ptr + (p * R + row0 + m).to(tl.int64) * (2 * KT * 16) + tl.arange(0, TI * 16)[None, :]
+        acc = tl.zeros([JOB_ROWS, TJ * 16], dtype=tl.float32)
+        for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
+            ti = split * STEP_TILES + step
+            q = decode_fields(tiles + (ti + ti_) * (NT * 16 * K), g, l4, e2, 2 * e1 + e0, K, CB, hash_mask, hash_flip)
+            q = tl.reshape(tl.permute(q, (0, 2, 6, 3, 1, 4, 5)), (TI * 16, TJ * 16))  # k = (ti, e1, l4, e0), n = (tj, e2, g)
+            hi = tl.load(xrow + 16 * ti, mask=m < rows, other=0.0)
+            lo = tl.load(xrow + KT * 16 + 16 * ti, mask=m < rows, other=0.0)
+            acc = tl.dot(lo, q, tl.dot(hi, q, acc))
+        cols = nb * TJ * 16 + tl.arange(0, TJ * 16)[None, :]
+        dst = part_ptr + ((split * (tl.num_programs(1) // n_blocks) + p) * R + row0 + m).to(tl.int64) * (NT * 16)
+        tl.store(dst + cols, acc, mask=m < rows)
+
+
+@triton.jit
+def _rotate_out_kernel(part_ptr, P_R, pos_ptr, w_ptr, expert_ptr, svh_ptr, out_ptr, n_routes, Np, n_cols,
+                       out_stride, SPLITS: tl.constexpr, ROWS: tl.constexpr):
+    """out[t, blk] = sum_j w[t, j] * had(sum_s part[s, pos[t, j], blk]) ∘ svh[expert[pos[t, j]], blk]."""
+    t = tl.program_id(0)
+    j = tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)[None, :]
+    live = j < n_routes
+    row = tl.load(pos_ptr + t * n_routes + j, mask=live, other=0).to(tl.int64)
+    acc = tl.zeros([ROWS, 128], dtype=tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(part_ptr + (s * P_R + row) * Np + cols, mask=live, other=0.0)
+    expert = tl.load(expert_ptr + row, mask=live, other=0).to(tl.int64)
+    sv = tl.load(svh_ptr + expert * Np + cols, mask=live, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + t * n_routes + j, mask=live, other=0.0).to(tl.float32)
+    y = tl.sum(had128_rows(acc) * sv * w, axis=0)
+    out_cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    tl.store(out_ptr + t * out_stride + out_cols, y, mask=out_cols < n_cols)
+
+
+@dataclass(frozen=True)
+class WeightStack:
+    """EXL3 weights of P projections x V experts with one shape, bit width and codebook, on one device."""
+
+    trellis: torch.Tensor  # int16 [P, V, in_pad/16, out_pad/16, 16K]
+    suh: torch.Tensor  # float16 [P, V, in_pad]
+    svh: torch.Tensor  # float16 [P, V, out_pad]
+    codebook: int  # kernel codebook id
+    in_features: int
+    out_features: int
+
+    @property
+    def bits(self) -> int:
+        return self.trellis.shape[-1] // 16
+
+    @classmethod
+    def from_tensors(cls, groups: list[list[EXL3Tensor]], device: torch.device | str) -> WeightStack:
+        """Stack groups[p][v]; every tensor must share shape, bits and codebook (ValueError naming the first misfit)."""
+        first = groups[0][0]
+        for p, group in enumerate(groups):
+            for v, t in enumerate(group):
+                if (t.trellis.shape, t.codebook, t.in_features, t.out_features) != \
+                        (first.trellis.shape, first.codebook, first.in_features, first.out_features):
+                    raise ValueError(f"projection {p} expert {v}: {t.codebook.value} {tuple(t.trellis.shape)} does not "
+                                     f"match {first.codebook.value} {tuple(first.trellis.shape)}")
+        stack = [torch.stack([getattr(t, name) for g in groups for t in g]).to(device) for name in ("trellis", "suh", "svh")]
+        shaped = [s.view(len(groups), len(groups[0]), *s.shape[1:]) for s in stack]
+        return cls(*shaped, codebook_id(first.codebook), first.in_features, first.out_features)
+
+
+def rotate_in(x: torch.Tensor, src: torch.Tensor, stack: WeightStack, scale_row: torch.Tensor) -> torch.Tensor:
+    """[P, R, 2, in_pad] fp16 hi/lo planes of had(x[src[i]] ∘ suh[p, scale_row[i]]) for every projection p."""
+    P, V, kp = stack.suh.shape
+    R = src.numel()
+    out = torch.empty((P, R, 2, kp), dtype=torch.float16, device=x.device)
+    _rotate_in_kernel[(triton.cdiv(R, 16), P, kp // 128)](
+        x, src, stack.suh, scale_row, out, R, V, x.shape[1], x.stride(0), kp, ROWS=16)
+    return out
+
+
+def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs: tuple[torch.Tensor, torch.Tensor] | None,
+              cfg: GemmConfig) -> torch.Tensor:
+    """fp32 partial sums [splits, P, R, out_pad] of xr [P, R, 2, in_pad] (hi/lo planes) @ Q[p, experts[row]].
+
+    `jobs` = (first row, row count <= JOB_ROWS) per job, rows of a job sharing one expert; None: one row per job.
+    """
+    P, V, kt, nt, _ = stack.trellis.shape
+    R = xr.shape[1]
+    part = torch.empty((cfg.splits, P, R, nt * 16), dtype=torch.float32, device=xr.device)
+    starts, counts = jobs if jobs is not None else (experts, experts)  # unread for one-row jobs
+    grid = (R if jobs is None else starts.numel(), P * (nt // cfg.tj), cfg.splits)
+    _exl3_rows_kernel[grid](
+        xr, stack.trellis, experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
+        STEP_TILES=cfg.tiles_per_split(kt),
+        K=stack.bits, CB=stack.codebook, ONE_ROW_JOBS=jobs is None, TI=cfg.ti, TJ=cfg.tj,
+        num_warps=cfg.num_warps)
+    return part
+
+
+def rotate_out(part: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+               stack: WeightStack, out: torch.Tensor) -> torch.Tensor:
+    """Fill out [T, out_features] with sum_j weights[t, j] * (had(sum_s part[s, 0, pos[t, j]]) ∘ svh[expert])."""
+    splits, P, R, np_ = part.shape
+    T, n = weights.shape
+    _rotate_out_kernel[(T, np_ // 128)](
+        part, P * R, pos, weights, experts, stack.svh, out, n, np_, stack.out_features, out.stride(0),
+        SPLITS=splits, ROWS=max(16, triton.next_power_of_2(n)))
+    return out
+
+
+def exl3_linear(x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConfig | None = None) -> torch.Tensor:
+    """y = x @ W.T for one EXL3 linear (x [M, in_features], any float dtype; y [M, out_features] in x's dtype)."""
+    stack = tensor if isinstance(tensor, WeightStack) else WeightStack.from_tensors([[tensor]], x.device)
+    M = x.shape[0]
+    kt, nt = stack.trellis.shape[2:4]
+    cfg = cfg or choose_gemm_config(x.device, triton.cdiv(M, JOB_ROWS.value), kt, nt // 8)
+    rows = torch.arange(M, dtype=torch.int32, device=x.device)
+    zero = torch.zeros(M, dtype=torch.int32, device=x.device)
+    xr = rotate_in(x, rows, stack, zero)
+    starts = torch.arange(0, M, JOB_ROWS.value, dtype=torch.int32, device=x.device)
+    jobs = (starts, (M - starts).clamp(max=JOB_ROWS.value).to(torch.int32)) if M > 1 else None
+    part = exl3_rows(xr, stack, zero, jobs, cfg)
+    ones = torch.ones((M, 1), dtype=torch.float32, device=x.device)
+    out = torch.empty((M, stack.out_features), dtype=x.dtype, device=x.device)
+    return rotate_out(part, rows, ones, zero, stack, out)

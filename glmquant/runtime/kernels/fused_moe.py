@@ -1,0 +1,144 @@
+"""One MoE step for a batch of tokens on EXL3 experts: gate/up, clamped SwiGLU, down, router-weighted sum.
+
+Five launches, none of which writes a dequantized weight: rotate the inputs of every route for gate and up,
+the gate+up core (one launch, P = 2), SwiGLU between the two Hadamards (gate/up output side, down input
+side), the down core, and the weighted output rotation. Routes are sorted by (virtual) expert so tokens
+that share an expert share its decode (jobs of up to 16 rows, one tensor-core tile); rank-stacked tr3 layers are plain
+layers of R x more, R x narrower virtual experts (virtual_id = expert * R + rank) whose routes carry the
+same router weight. Every shape is static and nothing syncs with the host, so a step can be graph-captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from glmquant.runtime.kernels.exl3_gemm import JOB_ROWS, GemmConfig, WeightStack, choose_gemm_config, exl3_rows, \
+    had128_rows, rotate_in, rotate_out, store_hi_lo
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """The routed experts of one MoE layer on the device: gate and up stacked (P = 2), down (P = 1)."""
+
+    gate_up: WeightStack
+    down: WeightStack
+    swiglu_limit: float | None
+
+    def __post_init__(self) -> None:
+        gu, d = self.gate_up, self.down
+        if gu.trellis.shape[0] != 2 or d.trellis.shape[0] != 1 or gu.trellis.shape[1] != d.trellis.shape[1]:
+            raise ValueError(f"gate_up must stack 2 and down 1 projection of the same experts, got "
+                             f"{tuple(gu.trellis.shape[:2])} and {tuple(d.trellis.shape[:2])}")
+        if (gu.out_features, gu.in_features) != (d.in_features, d.out_features):
+            raise ValueError(f"gate/up {gu.in_features}->{gu.out_features} does not chain with down "
+                             f"{d.in_features}->{d.out_features}")
+
+    @property
+    def experts(self) -> int:
+        return self.gate_up.trellis.shape[1]
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """Routes in job order: row i is flat route order[i]; `pos` maps each flat route back to its row."""
+
+    experts: torch.Tensor  # int32 [R] virtual expert of each row
+    tokens: torch.Tensor  # int32 [R] token of each row
+    pos: torch.Tensor  # int32 [T * n] row of each flat route
+    jobs: tuple[torch.Tensor, torch.Tensor] | None  # (first row, rows) per job; None: one row per job
+
+
+def plan_routes(expert_ids: torch.Tensor, share: bool) -> RoutePlan:
+    """Sort routes by expert and cut each expert's run into jobs of <= 16 rows (static shapes, no host sync).
+
+    share=False keeps one row per route (no sort): cheaper when tokens rarely share an expert.
+    """
+    T, n = expert_ids.shape
+    flat = expert_ids.reshape(-1)
+    idx = torch.arange(flat.numel(), device=flat.device)
+    block_m = JOB_ROWS.value
+    if not share:
+        return RoutePlan(flat.int(), (idx // n).int(), idx.int(), None)
+    experts, order = torch.sort(flat, stable=True)
+    pos = torch.empty_like(order).scatter_(0, order, idx)
+    first = torch.ones_like(experts, dtype=torch.bool)
+    first[1:] = experts[1:] != experts[:-1]
+    run_start = torch.cummax(torch.where(first, idx, 0), 0).values
+    offset = idx - run_start
+    run_len = torch.zeros_like(idx).scatter_add_(0, run_start, torch.ones_like(idx))[run_start]
+    rows = torch.where(offset % block_m == 0, (run_len - offset).clamp(max=block_m), 0)
+    return RoutePlan(experts.int(), (order // n).int(), pos.int(), (idx.int(), rows.int()))
+
+
+@triton.jit
+def _swiglu_kernel(part_ptr, R, expert_ptr, svh_ptr, suh_d_ptr, out_ptr, V, Ip, n_inter, limit,
+                   SPLITS: tl.constexpr, ROWS: tl.constexpr):
+    """out[i, :, blk] = hi/lo of had(silu(min(g, L)) * clamp(u, -L, L) ∘ suh_down), g/u = had(partials) ∘ svh."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)[None, :]
+    live = rows < R
+    g = tl.zeros([ROWS, 128], dtype=tl.float32)
+    u = tl.zeros([ROWS, 128], dtype=tl.float32)
+    for s in range(SPLITS):
+        base = part_ptr + ((2 * s) * R + rows.to(tl.int64)) * Ip + cols
+        g += tl.load(base, mask=live, other=0.0)
+        u += tl.load(base + R * Ip, mask=live, other=0.0)
+    expert = tl.load(expert_ptr + rows, mask=live, other=0).to(tl.int64)
+    g = had128_rows(g) * tl.load(svh_ptr + expert * Ip + cols, mask=live, other=0.0).to(tl.float32)
+    u = had128_rows(u) * tl.load(svh_ptr + (V + expert) * Ip + cols, mask=live, other=0.0).to(tl.float32)
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    act = tl.where(cols < n_inter, g / (1.0 + tl.exp(-g)) * u, 0.0)
+    sd = tl.load(suh_d_ptr + expert * Ip + cols, mask=live, other=0.0).to(tl.float32)
+    store_hi_lo(out_ptr + rows.to(tl.int64) * (2 * Ip) + cols, Ip, had128_rows(act * sd), live)
+
+
+def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
+    """[1, R, 2, inter_pad] rotated down inputs (fp16 hi/lo) from the gate/up partials [splits, 2, R, inter_pad]."""
+    splits, _, R, ip = part.shape
+    out = torch.empty((1, R, 2, ip), dtype=torch.float16, device=part.device)
+    limit = float("inf") if w.swiglu_limit is None else float(w.swiglu_limit)
+    _swiglu_kernel[(triton.cdiv(R, 16), ip // 128)](
+        part, R, plan.experts, w.gate_up.svh, w.down.suh, out, w.experts, ip, w.gate_up.out_features, limit,
+        SPLITS=splits, ROWS=16)
+    return out
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Launch shapes of one step: whether tokens share expert decodes (sorted jobs) and the two cores' configs."""
+
+    share: bool
+    gate_up: GemmConfig
+    down: GemmConfig
+
+
+def choose_moe_config(device: torch.device, w: MoEWeights, tokens: int, routes: int) -> MoEConfig:
+    """Share decodes (sort routes) once a batch has more than one token; K splits sized for the device."""
+    share = tokens > 1
+    jobs = min(tokens * routes, w.experts) if share else tokens * routes
+    kt_gu, nt_gu = w.gate_up.trellis.shape[2:4]
+    kt_d, nt_d = w.down.trellis.shape[2:4]
+    return MoEConfig(share, choose_gemm_config(device, jobs, kt_gu, 2 * nt_gu // 8),
+                     choose_gemm_config(device, jobs, kt_d, nt_d // 8))
+
+
+def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
+              cfg: MoEConfig | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * down_v(silu(clamp(gate_v x_t)) * clamp(up_v x_t)), v = expert_ids[t, j].
+
+    hidden [T, H] any float dtype; expert_ids [T, n] virtual expert ids; weights [T, n] router weights.
+    Returns [T, H] in hidden's dtype.
+    """
+    T, n = expert_ids.shape
+    cfg = cfg or choose_moe_config(hidden.device, w, T, n)
+    plan = plan_routes(expert_ids, cfg.share)
+    x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts)
+    x_d = swiglu(exl3_rows(x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up), plan, w)
+    part = exl3_rows(x_d, w.down, plan.experts, plan.jobs, cfg.down)
+    out = torch.empty((T, w.down.out_features), dtype=hidden.dtype, device=hidden.device)
+    return rotate_out(part, plan.pos, weights.float().contiguous(), plan.experts, w.down, out)

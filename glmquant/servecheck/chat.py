@@ -1,0 +1,73 @@
+"""One chat-completions exchange as plain data: what a gate asks and what the server answered.
+
+Scoring only ever sees these objects, so every gate can be judged on canned responses in tests
+exactly as on a live server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat-completions request; always sent at temperature 0, streamed, with usage included."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()
+    max_tokens: int | None = None
+    thinking: bool | None = None  # None: the server's default; True/False: chat_template_kwargs.enable_thinking
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # the raw JSON text the server produced
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None  # prompt_tokens_details.cached_tokens, when the server reports it
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Wall-clock instants (time.perf_counter seconds) of one streamed request."""
+
+    start: float
+    first_token: float | None  # first chunk carrying content, reasoning or a tool call
+    last_token: float | None
+    end: float
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """Everything the server sent back for one request (or the transport error instead)."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None
+
+    @property
+    def decode_tps(self) -> float | None:
+        """completion_tokens / (last token time - first token time), as the gates doc defines it."""
+        t, u = self.timings, self.usage
+        if t is None or u is None or t.first_token is None or t.last_token is None:
+            return None
+        span = t.last_token - t.first_token
+        return u.completion_tokens / span if span > 0 else None

@@ -1,0 +1,79 @@
+"""ServeCheckConfig: everything one serve-check run needs, built once at the CLI edge and checked here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from glmquant.errors import UsageError
+
+ALL_GATES = ("text", "tools", "multilingual", "images", "video", "needle", "speed", "fidelity")
+REPORT_JSON, REPORT_MD = "serve-check.json", "serve-check.md"
+
+
+@dataclass(frozen=True)
+class ServeCheckConfig:
+    """`gates=()` selects every gate, fidelity only when a BF16 source is given. `max_tokens=None` sends no
+    limit (as the gates doc asks); tiny models that never stop need one. `seed=None` draws a fresh nonce
+    seed (recorded in the report, so a run can be repeated with it)."""
+
+    artifact: Path | None = None
+    endpoint: str | None = None
+    model: str | None = None
+    gates: tuple[str, ...] = ()
+    needle_tokens: int = 200_000
+    speed_inputs: tuple[int, ...] = (1024, 32768)
+    concurrency: int = 1
+    bf16_source: Path | None = None
+    kl_max: float = 0.5
+    top1_min: float = 0.75
+    panel_rows: int = 4
+    panel_tokens: int = 256
+    panel_text: Path | None = None
+    out: Path | None = None
+    tokenizer: Path | None = None
+    max_tokens: int | None = None
+    token_tolerance: int = 8
+    seed: int | None = None
+    timeout_s: float = 1800.0
+    device: str = "cpu"
+    api_key: str = "EMPTY"
+
+    def __post_init__(self) -> None:
+        if (self.artifact is None) == (self.endpoint is None):
+            raise UsageError("give exactly one of ARTIFACT (served here) or --endpoint URL")
+        unknown = sorted(set(self.gates) - set(ALL_GATES))
+        if unknown:
+            raise UsageError(f"unknown gate(s) {', '.join(unknown)}; choose from {','.join(ALL_GATES)}")
+        if "fidelity" in self.selected_gates and (self.bf16_source is None or self.artifact is None):
+            raise UsageError("the fidelity gate runs the artifact in-process against its BF16 source: "
+                             "give ARTIFACT (not --endpoint) and --bf16-source DIR")
+        needs_tokenizer = sorted(set(self.selected_gates) & {"needle", "speed", "fidelity"})
+        if needs_tokenizer and self.tokenizer_dir is None:
+            raise UsageError(f"gate(s) {', '.join(needs_tokenizer)} size prompts with the model's tokenizer: "
+                             "give --tokenizer DIR (a directory with the model's tokenizer files)")
+        for name, value in (("--needle-tokens", self.needle_tokens), ("--concurrency", self.concurrency),
+                            ("--panel-rows", self.panel_rows), ("--panel-tokens", self.panel_tokens)):
+            if value < 1:
+                raise UsageError(f"{name} must be >= 1, got {value}")
+        if not self.speed_inputs or min(self.speed_inputs) < 1:
+            raise UsageError(f"--speed-inputs must be positive token counts, got {self.speed_inputs}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UsageError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.kl_max <= 0 or not 0 <= self.top1_min <= 1:
+            raise UsageError(f"--kl-max must be > 0 and --top1-min in [0, 1], got {self.kl_max}, {self.top1_min}")
+
+    @property
+    def selected_gates(self) -> tuple[str, ...]:
+        if self.gates:
+            return tuple(g for g in ALL_GATES if g in self.gates)
+        return tuple(g for g in ALL_GATES if g != "fidelity" or self.bf16_source is not None)
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """Where the model's tokenizer is: the explicit one, else the artifact's, else the BF16 source's."""
+        return self.tokenizer or self.artifact or self.bf16_source
+
+    @property
+    def report_dir(self) -> Path:
+        return self.out or self.artifact or Path.cwd()

@@ -1,0 +1,89 @@
+"""Benchmark the CPU EXL3 encoder: Viterbi tiles/s (native kernel) and seconds per encoded tensor.
+
+Writes bench/results/exl3_cpu.json. Run from the repo root: python scripts/bench_exl3_cpu.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout, no install
+
+from glmquant.exl3 import Codebook, encode_linear  # noqa: E402
+from glmquant.exl3.backends import select_backend  # noqa: E402
+from glmquant.exl3.codebooks import codebook_values  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def tiles_per_second(backend: str, bits: int, codebook: Codebook, count: int) -> dict:
+    search = select_backend("cpu", backend)
+    x = torch.randn(count, 256, generator=torch.Generator().manual_seed(0)) * 1.2
+    search(x[:16], bits, codebook)  # build/load the kernel and warm the buffers
+    start = time.perf_counter()
+    states = search(x, bits, codebook)
+    seconds = time.perf_counter() - start
+    mse = (codebook_values(codebook).float()[states.long()] - x).square().mean().item() / 1.44
+    return {"tiles": count, "seconds": round(seconds, 3), "tiles_per_s": round(count / seconds, 1), "mse_rel_n0_1.2": round(mse, 5)}
+
+
+def encode_seconds(in_f: int, out_f: int, bits: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * in_f, in_f, generator=g)
+    h = x.T @ x / x.shape[0]
+    w = torch.randn(out_f, in_f, generator=g) * 0.02
+    start = time.perf_counter()
+    result = encode_linear(w, h, bits, Codebook.MCG)
+    return {"in_features": in_f, "out_features": out_f, "bits": bits, "seconds": round(time.perf_counter() - start, 2), "proxy_error": round(result.proxy_error, 6)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tiles", type=int, default=1024, help="tiles per Viterbi measurement")
+    parser.add_argument("--encode", default="2048x512", help="IN x OUT of the end-to-end encode timing ('' to skip)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/exl3_cpu.json"))
+    args = parser.parse_args()
+
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "loadavg_before": [round(v, 2) for v in os.getloadavg()],
+        "viterbi": {},
+    }
+    for bits, codebook in ((2, Codebook.MCG), (3, Codebook.MCG), (4, Codebook.MUL1)):
+        key = f"K{bits}_{codebook.value}"
+        report["viterbi"][key] = tiles_per_second("native", bits, codebook, args.tiles)
+        print(key, report["viterbi"][key], flush=True)
+    report["tiles_per_s_K2_mcg"] = report["viterbi"]["K2_mcg"]["tiles_per_s"]
+    if args.encode:
+        in_f, out_f = (int(v) for v in args.encode.lower().split("x"))
+        report["encode_linear_K2_mcg"] = encode_seconds(in_f, out_f, 2)
+        print("encode_linear", report["encode_linear_K2_mcg"], flush=True)
+    report["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""SourceCheckpoint on the sharded tiny source: same tensors and bytes as the safetensors library reads,
+only the requested ranges, and clear errors for an index that disagrees with its shards."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from glmquant.checkpoint import reader as reader_module
+from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
+from glmquant.errors import CheckpointFormatError, NumericalError, UsageError
+
+
+def test_sharded_source_matches_library(tiny_source: Path) -> None:
+    index = json.loads((tiny_source / "model.safetensors.index.json").read_text())["weight_map"]
+    with SourceCheckpoint.open(tiny_source) as ckpt:
+        assert sorted(ckpt.names()) == sorted(index) and ckpt.config_path == tiny_source / "config.json"
+        for shard in sorted(set(index.values())):
+            with safe_open(tiny_source / shard, "pt") as f:
+                for name in f.keys():
+                    expected = f.get_tensor(name)
+                    got = ckpt.read_tensor(name)
+                    assert ckpt.shard_of(name) == shard
+                    assert got.dtype == expected.dtype and torch.equal(got, expected), name
+                    assert ckpt.spec(name).shape == tuple(expected.shape)
+                    raw = expected.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                    assert ckpt.read_raw(name) == raw
+
+
+def test_copy_raw_streams_in_chunks(tiny_source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reader_module, "COPY_CHUNK", 1000)  # force many chunks, one partial
+    with SourceCheckpoint.open(tiny_source) as ckpt:
+        name = "model.language_model.embed_tokens.weight"
+        buf = io.BytesIO()
+        assert ckpt.copy_raw_into(name, buf) == ckpt.spec(name).nbytes
+        assert buf.getvalue() == ckpt.read_raw(name)
+        part = io.BytesIO()
+        ckpt.copy_raw_into(name, part, start=256, length=2500)
+        assert part.getvalue() == ckpt.read_raw(name)[256:2756]
+        with pytest.raises(ValueError, match="outside tensor"):
+            ckpt.copy_raw_into(name, part, start=1, length=ckpt.spec(name).nbytes)
+
+
+def test_single_file_forms(tmp_path: Path) -> None:
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    for target in (tmp_path, tmp_path / "model.safetensors"):
+        with SourceCheckpoint.open(target) as ckpt:
+            assert sorted(ckpt.names()) == ["a", "b"] and torch.equal(ckpt.read_tensor("a"), tensors["a"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UsageError, match="neither model.safetensors.index.json nor model.safetensors"):
+        SourceCheckpoint.open(empty)
+    with pytest.raises(UsageError, match="no such checkpoint"):
+        SourceCheckpoint.open(tmp_path / "nowhere")
+
+
+def _edited_copy(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    edit(index, dst)
+    index_path.write_text(json.dumps(index))
+    return dst
+
+
+def test_missing_shard(tiny_source: Path, tmp_path: Path) -> None:
+    ckpt = _edited_copy(tiny_source, tmp_path / "c", lambda i, d: (d / "model-00002-of-00015.safetensors").unlink())
+    with pytest.raises(CheckpointFormatError, match="shard model-00002-of-00015.safetensors is listed but missing"):
+        SourceCheckpoint.open(ckpt)
+
+
+def test_name_in_index_not_in_header(tiny_source: Path, tmp_path: Path) -> None:
+    def edit(index: dict, _: Path) -> None:
+        index["weight_map"]["model.ghost.weight"] = "model-00001-of-00015.safetensors"
+    with pytest.raises(CheckpointFormatError, match="model.ghost.weight is mapped to model-00001-of-00015"):
+        SourceCheckpoint.open(_edited_copy(tiny_source, tmp_path / "c", edit))
+
+
+def test_header_name_not_in_index(tiny_source: Path, tmp_path: Path) -> None:
+    def edit(index: dict, _: Path) -> None:
+        del index["weight_map"]["lm_head.weight"]
+    with pytest.raises(CheckpointFormatError, match="not in the index, e.g. lm_head.weight"):
+        SourceCheckpoint.open(_edited_copy(tiny_source, tmp_path / "c", edit))
+
+
+def test_duplicate_across_shards(tiny_source: Path, tmp_path: Path) -> None:
+    def edit(index: dict, d: Path) -> None:
+        save_file({"lm_head.weight": torch.zeros(2)}, str(d / "model-00099-of-00099.safetensors"))
+        index["weight_map"]["extra"] = "model-00099-of-00099.safetensors"
+    with pytest.raises(CheckpointFormatError, match="lm_head.weight appears in both"):
+        SourceCheckpoint.open(_edited_copy(tiny_source, tmp_path / "c", edit))
+
+
+def test_truncated_shard_named(tiny_source: Path, tmp_path: Path) -> None:
+    def edit(_: dict, d: Path) -> None:
+        shard = d / "model-00003-of-00015.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CheckpointFormatError, match="model-00003-of-00015.safetensors: .* run past the end"):
+        SourceCheckpoint.open(_edited_copy(tiny_source, tmp_path / "c", edit))
+
+
+def test_assert_finite() -> None:
+    assert_finite("ok", torch.ones(3, dtype=torch.bfloat16))
+    assert_finite("ints", torch.tensor([1, 2]))
+    bad = torch.tensor([1.0, float("nan"), float("inf")]).to(torch.bfloat16)
+    with pytest.raises(NumericalError, match="tensor layers.3.w has 2 non-finite value"):
+        assert_finite("layers.3.w", bad)

@@ -1,0 +1,196 @@
+"""`glmquant verify-manifest`: every tamper case fails with its own message and exit code 1, unreadable
+input exits 2, and an intact artifact exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from checkpoint_artifacts import PROVENANCE, VERIFIED_AT
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from glmquant.checkpoint.index import INDEX_NAME, SafetensorsIndex, write_index
+from glmquant.checkpoint.layouts import ArtifactPlan
+from glmquant.checkpoint.manifest import MANIFEST_NAME, build_manifest, manifest_text, write_manifest
+from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.checkpoint.safetensors_format import parse_header
+from glmquant.cli.verify_manifest import register
+
+SHARD = "retained-00003-of-00015.safetensors"
+EXPERTS = "layer-01-part-tail-0.safetensors"
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    register(app)
+    return app
+
+
+def run(*args: object) -> tuple[int, str]:
+    """Exit code and output with rich's line wrapping undone."""
+    result = CliRunner().invoke(_app(), ["verify-manifest", *map(str, args)])
+    return result.exit_code, " ".join(result.output.split())
+
+
+def report(*args: object) -> tuple[int, dict[str, dict]]:
+    result = CliRunner().invoke(_app(), ["verify-manifest", *map(str, args), "--json"])
+    return result.exit_code, {c["name"]: c for c in json.loads(result.output)["checks"]}
+
+
+def test_intact_artifact_passes(tr3_artifact) -> None:
+    _, result = tr3_artifact
+    code, output = run(result.directory, "--expect-sha256", result.manifest_sha256)
+    assert code == 0 and "PASS" in output and "FAIL" not in output
+    code, checks = report(result.directory / MANIFEST_NAME, "--fast")
+    assert code == 0 and checks["file sha256"]["skipped"]
+
+
+def test_flipped_byte(tr3_copy: Path) -> None:
+    path = tr3_copy / SHARD
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    code, checks = report(tr3_copy)
+    assert code == 1 and not checks["file sha256"]["ok"]
+    assert f"{SHARD}: sha256" in checks["file sha256"]["detail"] and "(modified)" in checks["file sha256"]["detail"]
+    assert run(tr3_copy, "--fast")[0] == 0  # headers only: a flipped data byte is what --fast cannot see
+
+
+def test_truncated_shard(tr3_copy: Path) -> None:
+    path = tr3_copy / SHARD
+    size = path.stat().st_size
+    os.truncate(path, size - 100)
+    code, checks = report(tr3_copy, "--fast")
+    assert code == 1
+    assert f"{SHARD}: {size - 100} bytes, manifest records {size}" in checks["files present"]["detail"]
+    assert "run past the end of the data" in checks["index closure"]["detail"]
+
+
+def test_deleted_file(tr3_copy: Path) -> None:
+    (tr3_copy / EXPERTS).unlink()
+    code, checks = report(tr3_copy)
+    assert code == 1 and checks["files present"]["detail"] == f"{EXPERTS}: missing"
+    assert "expected by the config, missing from the files" in checks["config geometry"]["detail"]
+
+
+def test_extra_weight_file(tr3_copy: Path) -> None:
+    save_file({"x": torch.zeros(2)}, str(tr3_copy / "extra.safetensors"))
+    code, checks = report(tr3_copy)
+    assert code == 1
+    assert checks["no unlisted weight files"]["detail"] == "extra.safetensors: weight file not listed in the manifest"
+    assert [name for name, c in checks.items() if not c["ok"]] == ["no unlisted weight files"]
+
+
+def test_edited_index(tr3_copy: Path) -> None:
+    index = json.loads((tr3_copy / INDEX_NAME).read_text())
+    del index["weight_map"]["lm_head.weight"]
+    (tr3_copy / INDEX_NAME).write_text(json.dumps(index))
+    code, checks = report(tr3_copy, "--fast")
+    assert code == 1 and "lm_head.weight (in retained-" in checks["index closure"]["detail"]
+    assert "is missing from model.safetensors.index.json" in checks["index closure"]["detail"]
+
+
+def test_manifest_path_escaping(tr3_copy: Path, tmp_path: Path) -> None:
+    manifest = json.loads((tr3_copy / MANIFEST_NAME).read_text())
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(tr3_copy / EXPERTS, outside)
+    manifest["files"][0]["path"] = "../outside.safetensors"
+    (tr3_copy / MANIFEST_NAME).write_text(manifest_text(manifest))
+    code, checks = report(tr3_copy)
+    assert code == 1
+    assert "path '../outside.safetensors' escapes the artifact directory" in checks["manifest consistency"]["detail"]
+    code, checks = report(tr3_copy / MANIFEST_NAME, "--manifest-only")
+    assert code == 1 and "escapes the artifact directory" in checks["manifest consistency"]["detail"]
+
+
+def test_symlink_out_of_artifact(tr3_copy: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.move(tr3_copy / EXPERTS, outside)
+    (tr3_copy / EXPERTS).symlink_to(outside)
+    code, checks = report(tr3_copy)
+    assert code == 1 and "resolves outside the artifact directory" in checks["files present"]["detail"]
+
+
+def test_wrong_expected_hash(tr3_artifact) -> None:
+    _, result = tr3_artifact
+    code, output = run(result.directory, "--expect-sha256", "0" * 64, "--fast")
+    assert code == 1 and "FAIL" in output
+    code, checks = report(result.directory, "--expect-sha256", "0" * 64, "--fast")
+    assert checks["manifest sha256"]["detail"] == f"manifest hashes to {result.manifest_sha256}, expected {'0' * 64}"
+    assert [name for name, c in checks.items() if not c["ok"]] == ["manifest sha256"]
+
+
+def test_usage_errors(tr3_artifact, tmp_path: Path) -> None:
+    _, result = tr3_artifact
+    code, output = run(result.directory, "--expect-sha256", "xyz")
+    assert code == 2 and "must be 64 hex digits" in output
+    code, output = run(tmp_path / "nowhere")
+    assert code == 2 and "no such artifact directory" in output
+    code, output = run(tmp_path)
+    assert code == 2 and "cannot read manifest" in output
+    (tmp_path / MANIFEST_NAME).write_text("{broken")
+    code, output = run(tmp_path)
+    assert code == 2 and "manifest is not valid JSON" in output
+
+
+def test_manifest_only(tr3_artifact, tmp_path: Path) -> None:
+    _, result = tr3_artifact
+    manifest_path = result.directory / MANIFEST_NAME
+    code, checks = report(manifest_path, "--manifest-only", "--expect-sha256", result.manifest_sha256)
+    assert code == 0 and list(checks) == ["manifest sha256", "manifest consistency"]
+    manifest = json.loads((result.directory / MANIFEST_NAME).read_text())
+    manifest["physical_tensor_bytes"] += 1
+    (tmp_path / MANIFEST_NAME).write_text(manifest_text(manifest))
+    code, checks = report(tmp_path / MANIFEST_NAME, "--manifest-only")
+    assert code == 1 and "physical_tensor_bytes is" in checks["manifest consistency"]["detail"]
+
+
+def _reseal(directory: Path, plan: ArtifactPlan, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Tamper with the expert file's tensors, then rewrite index and manifest so that every size and hash
+    matches again: only the structural checks can notice."""
+    with SourceCheckpoint.open(directory / EXPERTS) as f:
+        tensors = {n: f.read_tensor(n).clone() for n in f.names()}
+    edit(tensors)
+    save_file(tensors, str(directory / EXPERTS))
+    specs = {f.path: parse_header(directory / f.path).specs for f in plan.files}
+    weight_map = {s.name: path for path, ss in specs.items() for s in ss}
+    total = sum(s.nbytes for ss in specs.values() for s in ss)
+    write_index(directory / INDEX_NAME, SafetensorsIndex(weight_map, total))
+    metadata = [e["path"] for e in json.loads((directory / MANIFEST_NAME).read_text())["metadata_files"]]
+    write_manifest(directory, build_manifest(plan, directory, PROVENANCE, VERIFIED_AT, metadata))
+
+
+KEY = "model.language_model.layers.1.mlp.experts.0.gate_proj.rank0"
+
+
+def _add_routed_weight(t: dict[str, torch.Tensor]) -> None:
+    t["model.language_model.layers.1.mlp.experts.0.gate_proj.weight"] = torch.zeros(512, 128, dtype=torch.bfloat16)
+
+
+def _widen_trellis(t: dict[str, torch.Tensor]) -> None:
+    t[f"{KEY}.trellis"] = torch.zeros(8, 8, 48, dtype=torch.int16)  # K=3 in a K2 artifact
+
+
+def _drop_marker(t: dict[str, torch.Tensor]) -> None:
+    del t[f"{KEY}.mcg"]
+
+
+@pytest.mark.parametrize("edit,failing,message", [
+    (_add_routed_weight, "no routed .weight names",
+     f"{KEY[:-6]}.weight ({EXPERTS}): original routed weight of quantized layer 1"),
+    (_widen_trellis, "config geometry", f"{KEY}.trellis: I16 [8, 8, 48], config implies I16 [8, 8, 32]"),
+    (_drop_marker, "exl3 tensors", f"{KEY}: 0 codebook markers (.mcg/.mul1), expected exactly one"),
+])
+def test_sealed_structural_defects(tr3_artifact, tr3_copy: Path, edit, failing: str, message: str) -> None:
+    _reseal(tr3_copy, tr3_artifact[0], edit)
+    code, checks = report(tr3_copy)
+    assert code == 1 and checks["file sha256"]["ok"] and checks["index closure"]["ok"]
+    assert not checks[failing]["ok"] and message in checks[failing]["detail"]

@@ -1,0 +1,125 @@
+"""`glmquant encode` on a tiny model: decodes back at K2 quality, copies retained bytes, verifies, resumes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+import glmquant.encode.run as encode_run
+from glmquant.arch import load_model_spec, table_for
+from glmquant.checkpoint.layouts import plan_artifact
+from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.checkpoint.verify import verify_artifact
+from glmquant.encode import EncodeConfig, encode_artifact
+from glmquant.exl3 import EXL3Tensor, decode_weight
+from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
+
+QUIET = Console(quiet=True)
+SMALL = TinyModelConfig(n_routed_experts=2, num_experts_per_tok=1)
+
+
+@pytest.fixture(scope="module")
+def small_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("enc-src"), SMALL)
+
+
+@pytest.fixture(scope="module")
+def tr3_artifact(small_source: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch_module) -> Path:
+    out = tmp_path_factory.mktemp("enc") / "artifact"
+    encode_artifact(EncodeConfig(source=small_source, out=out), QUIET)
+    return out
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SOURCE_DATE_EPOCH", "1767225600")
+    yield mp
+    mp.undo()
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_experts_decode_back_at_k2_quality(tr3_artifact: Path, small_source: Path) -> None:
+    spec = load_model_spec(small_source)
+    table = table_for(spec)
+    with SourceCheckpoint.open(small_source) as src, SourceCheckpoint.open(tr3_artifact) as art:
+        for layer in spec.moe_layers:
+            for e in range(spec.n_routed_experts):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    prefix = f"{table.layer_prefix(layer)}mlp.experts.{e}.{proj}"
+                    slices = []
+                    for r in range(4):
+                        key = f"{prefix}.rank{r}"
+                        parts = {n: art.read_tensor(n) for n in art.names() if n.startswith(key + ".")}
+                        i = parts[f"{key}.suh"].numel()
+                        o = parts[f"{key}.svh"].numel()
+                        slices.append(decode_weight(EXL3Tensor.from_tensors(parts, key, i, o), torch.float32))
+                    decoded = torch.cat(slices, dim=1 if proj == "down_proj" else 0)
+                    source = src.read_tensor(f"{prefix}.weight").float()
+                    rel = ((decoded - source).norm() / source.norm()).item()
+                    assert 0.1 < rel < 0.45, (prefix, rel)  # K2: about 0.3
+
+
+def test_retained_bytes_identical_and_plan_exact(tr3_artifact: Path, small_source: Path) -> None:
+    spec = load_model_spec(small_source)
+    with SourceCheckpoint.open(small_source) as src, SourceCheckpoint.open(tr3_artifact) as art:
+        plan = plan_artifact(spec, "tr3", source_shards={n: src.shard_of(n) for n in src.names()})
+        retained = [n for n in art.names() if not n.endswith((".trellis", ".suh", ".svh", ".mcg"))]
+        assert len(retained) > 100
+        for name in retained:
+            assert art.read_raw(name) == src.read_raw(name), name
+    for f in plan.files:
+        assert (tr3_artifact / f.path).stat().st_size == f.size
+    weight_files = {p.name for p in tr3_artifact.glob("*.safetensors")}
+    assert weight_files == {f.path for f in plan.files}
+
+
+def test_manifest_verifies(tr3_artifact: Path) -> None:
+    report = verify_artifact(tr3_artifact, fast=False, show_progress=False)
+    assert report.ok, report.failure_summary()
+    card = (tr3_artifact / "MODEL_CARD.md").read_text()
+    sha = hashlib.sha256((tr3_artifact / "EXL3_MANIFEST.json").read_bytes()).hexdigest()
+    assert sha in card
+
+
+def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source: Path, tmp_path: Path,
+                                               monkeypatch_module) -> None:
+    out = tmp_path / "artifact"
+    calls = {"n": 0}
+    real = encode_run.encode_layer
+
+    def dies_on_second_layer(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    cfg = EncodeConfig(source=small_source, out=out)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(encode_run, "encode_layer", dies_on_second_layer)
+        with pytest.raises(KeyboardInterrupt):
+            encode_artifact(cfg, QUIET)
+    assert not (out / "EXL3_MANIFEST.json").exists()
+    assert not list(out.glob("*.tmp*"))
+    state = json.loads((cfg.state_dir / "encode-state.json").read_text())
+    assert list(state["layers"]) == ["1"]
+    encode_artifact(cfg, QUIET)
+    assert _digests(out) == _digests(tr3_artifact)
+
+
+def test_changed_options_do_not_resume(small_source: Path, tr3_artifact: Path, tmp_path: Path) -> None:
+    from glmquant.errors import UsageError
+
+    work = tmp_path / "work"
+    (work).mkdir()
+    (work / "encode-state.json").write_text(json.dumps({"fingerprint": "other", "layers": {}}))
+    with pytest.raises(UsageError, match="other inputs or options"):
+        encode_artifact(EncodeConfig(source=small_source, out=tmp_path / "a", work_dir=work), QUIET)

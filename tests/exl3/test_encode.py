@@ -1,0 +1,109 @@
+import pytest
+import torch
+
+from glmquant.exl3 import Codebook, EXL3Tensor, decode_weight, encode_linear, encode_linears, proxy_error
+from glmquant.exl3.native import load_kernel
+
+CASES = [f"{cb}.K{k}" for cb in ("3inst", "mcg", "mul1") for k in (2, 3, 4)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_backend():
+    if load_kernel() is None:
+        pytest.skip("encoder tests need the native Viterbi kernel (no C++ compiler here)")
+
+
+def correlated(out_f: int, in_f: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight and a realistic, ill-conditioned Hessian from correlated activations."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4 * in_f, in_f, generator=g) @ (torch.randn(in_f, in_f, generator=g) / in_f**0.5)
+    x[:, : in_f // 8] *= 8.0  # a few outlier channels
+    return torch.randn(out_f, in_f, generator=g) * 0.02, x.T @ x / x.shape[0]
+
+
+@pytest.mark.parametrize("tag", CASES)
+def test_golden_proxy_error_on_par_with_exllamav3(golden, golden_meta, tag: str) -> None:
+    codebook, bits = tag.split(".K")
+    w, h = golden[f"{tag}.W"].T, golden[f"{tag}.H"]  # golden W is (in, out)
+    result = encode_linear(w, h, int(bits), codebook, seed=0)
+    reference = golden_meta[f"golden.{tag}"]["proxy_err"]
+    assert result.fallback is None
+    assert result.proxy_error <= 1.03 * reference
+    assert result.proxy_error > 0.8 * reference  # a far better figure would mean a broken measurement
+    assert result.proxy_error == pytest.approx(proxy_error(w, decode_weight(result.tensor, torch.float32), h))
+
+
+def test_gaussian_source_mse_at_two_bits() -> None:
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
+    result = encode_linear(w, torch.eye(256), 2, Codebook.MCG)
+    mse = (decode_weight(result.tensor, torch.float32) - w).square().mean() / w.var()
+    assert mse.item() <= 0.071  # QTIP ~0.069, rate-distortion bound 0.0625
+    assert result.proxy_error == pytest.approx(mse.item(), rel=0.02)
+
+
+def test_encoding_is_deterministic_and_seeded() -> None:
+    w, h = correlated(128, 128)
+    a, b = encode_linear(w, h, 3, "3inst", seed=7), encode_linear(w, h, 3, "3inst", seed=7)
+    for x, y in zip(a.tensor.tensors("p").values(), b.tensor.tensors("p").values()):
+        assert torch.equal(x, y)
+    c = encode_linear(w, h, 3, "3inst", seed=8)
+    assert not torch.equal(a.tensor.suh.abs(), c.tensor.suh.abs()) or not torch.equal(a.tensor.trellis, c.tensor.trellis)
+
+
+def test_batch_equals_one_by_one_and_handles_shapes_and_fallbacks() -> None:
+    (w1, h1), (w2, _) = correlated(128, 256, seed=1), correlated(200, 100, seed=2)
+    items = [(w1, h1), (w2, None)]
+    batch = encode_linears(items, 2, Codebook.MUL1, seed=3)
+    for (w, h), got in zip(items, batch):
+        alone = encode_linear(w, h, 2, Codebook.MUL1, seed=3)
+        assert torch.equal(got.tensor.trellis, alone.tensor.trellis) and torch.equal(got.tensor.svh, alone.tensor.svh)
+        assert got.proxy_error == alone.proxy_error
+    odd = batch[1]
+    assert odd.fallback == "no_hessian"
+    assert odd.tensor.trellis.shape == (128 // 16, 256 // 16, 32)  # (100, 200) padded to (128, 256)
+    assert decode_weight(odd.tensor).shape == (200, 100)
+    assert odd.proxy_error < 0.09  # identity metric: relative squared error
+
+
+def test_ldlq_uses_the_hessian() -> None:
+    w, h = correlated(128, 256, seed=5)
+    calibrated = encode_linear(w, h, 2, seed=1)
+    blind = encode_linear(w, None, 2, seed=1)
+    assert calibrated.fallback is None
+    assert calibrated.proxy_error < 0.8 * proxy_error(w, decode_weight(blind.tensor, torch.float32), h)
+
+
+def test_hessian_fallbacks() -> None:
+    w, h = correlated(128, 128, seed=6)
+    nan = h.clone()
+    nan[3, 5] = float("nan")
+    assert encode_linear(w, nan, 2).fallback == "nonfinite_hessian"
+    assert encode_linear(w, torch.zeros_like(h), 2).fallback == "zero_hessian"
+    v = torch.zeros(128)
+    v[0] = 1.0
+    mildly_indefinite = torch.eye(128) - 1.1 * torch.outer(v, v)  # eigenvalue -0.1: damping alone is short
+    result = encode_linear(w, mildly_indefinite, 2)
+    assert result.fallback is not None and result.fallback.startswith("cholesky_retry:")
+    hopeless = torch.eye(128) - 100.0 * torch.outer(v, v)
+    failed = encode_linear(w, hopeless, 2)
+    assert failed.fallback == "cholesky_failed" and failed.proxy_error < 0.09
+
+
+def test_invalid_inputs_raise() -> None:
+    w = torch.randn(128, 128)
+    bad = w.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        encode_linear(bad, None, 2)
+    with pytest.raises(ValueError, match="hessian must have shape"):
+        encode_linear(w, torch.eye(64), 2)
+    with pytest.raises(ValueError, match="bits must be 1..8"):
+        encode_linear(w, None, 9)
+    with pytest.raises(ValueError):
+        encode_linear(w, None, 2, "nf4")
+
+
+def test_zero_weight_encodes_to_zero() -> None:
+    result = encode_linear(torch.zeros(128, 256), torch.eye(256), 2)
+    assert torch.count_nonzero(decode_weight(result.tensor)) == 0
+    assert isinstance(result.tensor, EXL3Tensor)

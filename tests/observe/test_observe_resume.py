@@ -1,0 +1,82 @@
+"""A killed observation resumes from the last finished layer and ends byte-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from observe_helpers import observe_config
+from glmquant.errors import UsageError
+from glmquant.observe import run
+from glmquant.observe.hessians import HessianMode
+from glmquant.observe.run import observe
+
+OUTPUTS = ("token_rows.safetensors", "token_rows.json", "layer-00.hessians.safetensors",
+           "layer-01.stats.safetensors", "layer-01.hessians.safetensors", "layer-02.stats.safetensors",
+           "layer-02.hessians.safetensors", "prune_plan.json")
+
+
+def _assert_same_outputs(a: Path, b: Path) -> None:
+    for name in OUTPUTS:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert sorted(p.name for p in (b / "state").iterdir()) == ["progress.json"]  # hidden streams cleaned up
+
+
+def test_killed_between_layers_resumes_identically(tiny_source: Path, observed: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    original = run._observe_layer
+
+    def dies_at_layer_2(model, rows, config, layer, advance):
+        if layer == 2:
+            raise KeyboardInterrupt  # what a kill looks like to the code that was running
+        original(model, rows, config, layer, advance)
+
+    monkeypatch.setattr(run, "_observe_layer", dies_at_layer_2)
+    with pytest.raises(KeyboardInterrupt):
+        observe(observe_config(tiny_source, tmp_path))
+    assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
+    assert not (tmp_path / "layer-02.stats.safetensors").exists()
+    (tmp_path / "state" / ".input-mix-03.safetensors.tmp-4242").write_bytes(b"half a file from a SIGKILL")
+    monkeypatch.setattr(run, "_observe_layer", original)
+    summary = observe(observe_config(tiny_source, tmp_path))
+    assert summary.resumed_from_layer == 2
+    _assert_same_outputs(observed, tmp_path)
+
+
+def test_killed_inside_a_layer_leaves_nothing_half_written(tiny_source: Path, observed: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    original, calls = run.run_layer, []
+
+    def dies_on_fourth_batch(module, streams):
+        calls.append(1)
+        if len(calls) == 4:  # layer 1, second batch: mid-way through writing its output streams
+            raise RuntimeError("killed")
+        return original(module, streams)
+
+    monkeypatch.setattr(run, "run_layer", dies_on_fourth_batch)
+    with pytest.raises(RuntimeError, match="killed"):
+        observe(observe_config(tiny_source, tmp_path))
+    leftovers = [p.name for p in (tmp_path / "state").iterdir() if ".tmp-" in p.name]
+    assert leftovers == [] and not (tmp_path / "layer-01.stats.safetensors").exists()
+    monkeypatch.setattr(run, "run_layer", original)
+    assert observe(observe_config(tiny_source, tmp_path)).resumed_from_layer == 1
+    _assert_same_outputs(observed, tmp_path)
+
+
+def test_other_settings_are_refused_and_keep_may_change(tiny_source: Path, observed: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run, "_observe_layer", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        observe(observe_config(tiny_source, tmp_path))
+    with pytest.raises(UsageError, match="hessians: 'both' -> 'natural'"):
+        observe(observe_config(tiny_source, tmp_path, hessians=HessianMode.NATURAL))
+    with pytest.raises(UsageError, match="batch_rows"):
+        observe(observe_config(tiny_source, tmp_path, batch_rows=1))
+    copy = Path(shutil.copytree(observed, tmp_path / "finished"))
+    finished = observe(observe_config(tiny_source, copy, keep=3))
+    assert finished.resumed_from_layer == 3  # nothing left to run: only the prune plan is redone
+    assert len(json.loads((copy / "prune_plan.json").read_text())["layers"]["1"]) == 3
+    assert (copy / "layer-01.stats.safetensors").read_bytes() == (observed / "layer-01.stats.safetensors").read_bytes()

@@ -1,0 +1,74 @@
+"""Chat rendering through the artifact's template and processor: tools, thinking, images into the vision tower."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from glmquant.errors import UsageError
+from glmquant.runtime.chat import ChatFormat
+from media import image_message, png_data_url
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def chat(artifacts) -> ChatFormat:
+    return ChatFormat(artifacts["tr3"], has_vision=True)
+
+
+def test_template_renders_tools_history_and_generation_prompt(chat):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    prompt = chat.render(messages, TOOLS)
+    assert prompt.text.startswith("[gMASK]<sop>") and prompt.text.rstrip().endswith("<|assistant|>")
+    assert '"name": "get_weather"' in prompt.text  # the tool schema, as the template writes it
+    assert "<arg_key>city</arg_key><arg_value>Paris</arg_value>" in prompt.text  # JSON arguments became a mapping
+    assert "<tool_response>sunny</tool_response>" in prompt.text
+    assert prompt.inputs.input_ids.shape == (1, prompt.inputs.num_tokens) and not prompt.inputs.vision
+    assert chat.decode(prompt.inputs.input_ids[0].tolist()) == prompt.text
+    assert not prompt.starts_in_reasoning
+    no_think = chat.render([{"role": "user", "content": "hi"}], template_kwargs={"enable_thinking": False})
+    assert no_think.text.endswith("<think></think>") and not no_think.starts_in_reasoning
+
+
+def test_image_parts_reach_the_vision_tower(chat, tr3_f32):
+    red, blue = (chat.render([image_message(png_data_url(c))]) for c in ((255, 0, 0), (0, 0, 255)))
+    text_only = chat.render([{"role": "user", "content": "What colour is this?"}])
+    vision = red.inputs.vision
+    assert set(vision) == {"pixel_values", "image_grid_thw"} and vision["image_grid_thw"].tolist() == [[1, 4, 4]]
+    image_id = tr3_f32.model.config.image_token_id
+    assert int((red.inputs.input_ids == image_id).sum()) == 4  # 4x4 patches merged 2x2
+    assert red.inputs.num_tokens == text_only.inputs.num_tokens + 4 + 2  # placeholders + begin/end of image
+    with torch.no_grad():
+        logits = [tr3_f32.model(input_ids=p.inputs.input_ids, **p.inputs.vision).logits[0, -1] for p in (red, blue)]
+    assert (logits[0] - logits[1]).abs().max() > 1e-4  # the pixels changed the answer's logits
+
+
+@pytest.mark.parametrize("part, message", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}, "not valid base64"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, "could not be decoded"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "only base64 data: URLs"),
+    ({"type": "audio", "audio": {}}, "unsupported content part"),
+])
+def test_bad_content_is_a_usage_error(chat, part, message):
+    with pytest.raises(UsageError, match=message):
+        chat.render([{"role": "user", "content": [part]}])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision present: video works")
+def test_video_without_torchvision_is_refused_clearly(chat):
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    with pytest.raises(UsageError, match="torchvision"):
+        chat.render([{"role": "user", "content": [video, {"type": "text", "text": "direction?"}]}])
+
+
+def test_text_only_model_refuses_images(artifacts):
+    text_only = ChatFormat(artifacts["tr3"], has_vision=False)
+    with pytest.raises(UsageError, match="no vision tower"):
+        text_only.render([image_message(png_data_url((0, 255, 0)))])

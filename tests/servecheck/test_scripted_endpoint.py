@@ -1,0 +1,125 @@
+"""The client -> scoring -> report path over real HTTP against the scripted server (tests/servecheck/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from glmquant.cli.serve_check import register
+from glmquant.errors import UsageError
+from glmquant.servecheck import ServeCheckConfig, serve_check
+from glmquant.servecheck.chat import ChatRequest
+from glmquant.servecheck.client import ChatClient
+
+CHAT = ("text", "tools", "multilingual", "images", "video", "needle", "speed")
+
+
+def config(url: str, tokenizer: Path, out: Path, **overrides) -> ServeCheckConfig:
+    return ServeCheckConfig(endpoint=url, tokenizer=tokenizer, out=out, needle_tokens=2500, speed_inputs=(600, 900),
+                            concurrency=2, seed=1, timeout_s=30, **overrides)
+
+
+def test_stream_is_collected_with_usage_reasoning_and_timings(scripted) -> None:
+    client = ChatClient(scripted.url, timeout_s=30)
+    assert client.first_model() == "scripted-glm"
+    prompt = "Return exactly FINAL_BASELINE_OK as your final answer, with no punctuation or surrounding text."
+    result = client.complete("scripted-glm", ChatRequest(({"role": "user", "content": prompt},), thinking=True))
+    assert result.content == "FINAL_BASELINE_OK" and result.reasoning.startswith("The user wants")
+    assert result.finish_reason == "stop" and result.error is None
+    assert result.usage is not None and result.usage.cached_tokens == 0
+    assert result.usage.prompt_tokens == scripted.tokenizer.count([{"role": "user", "content": prompt}])
+    t = result.timings
+    assert t is not None and t.start < t.first_token < t.last_token <= t.end and result.decode_tps > 0
+    sent = scripted.requests[-1]
+    assert sent["temperature"] == 0 and sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert sent["chat_template_kwargs"] == {"enable_thinking": True} and "max_tokens" not in sent
+
+
+def test_a_dead_endpoint_is_a_recorded_failure_not_a_crash() -> None:
+    dead = ChatClient("http://127.0.0.1:9/v1", timeout_s=5)
+    result = dead.complete("m", ChatRequest(({"role": "user", "content": "hi"},)))
+    assert result.error is not None and result.error.startswith("APIConnectionError")
+    with pytest.raises(UsageError, match="cannot list the served models"):
+        dead.first_model()
+
+
+def test_every_gate_passes_against_a_correct_server(scripted, tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    report = serve_check(config(scripted.url, tiny_tokenizer_dir, tmp_path))
+    assert [g.name for g in report.gates] == list(CHAT)
+    assert report.passed, [g.summary for g in report.gates]
+    needle = report.gates[5].cases[0]
+    assert needle.metrics["server_prompt_tokens"] == needle.metrics["local_prompt_tokens"]
+    assert abs(needle.metrics["local_prompt_tokens"] - 2500) <= 3 and needle.metrics["cached_tokens"] == 0
+    speed = report.gates[6].cases
+    assert [c.name for c in speed] == ["600 in x2", "900 in x2"] and all(len(c.responses) == 2 for c in speed)
+    assert all(c.metrics["decode_tps"] > 0 and c.metrics["ttft_s"] > 0 for c in speed)
+    tools = [r for r in scripted.requests if r.get("tools")]
+    assert tools[0]["tools"][0]["function"]["parameters"]["additionalProperties"] is False
+    saved = json.loads((tmp_path / "serve-check.json").read_text())
+    assert saved["passed"] is True and saved["target"] == scripted.url and saved["seed"] == 1
+    assert "api_key" not in saved["settings"] and saved["settings"]["needle_tokens"] == 2500
+    identity = saved["gates"][0]["cases"][0]["responses"][0]
+    assert identity["content"] == "FINAL_BASELINE_OK" and identity["usage"]["completion_tokens"] > 0
+    assert (tmp_path / "serve-check.md").read_text().startswith("# serve-check: PASS")
+
+
+def test_every_gate_fails_for_its_own_reason_against_a_flawed_server(scripted, tiny_tokenizer_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    scripted.flawed = True
+    report = serve_check(config(scripted.url, tiny_tokenizer_dir, tmp_path))
+    assert not report.passed
+    reasons = {g.name: [c.reason for c in g.cases if not c.passed] for g in report.gates}
+    assert all(not g.passed for g in report.gates)
+    assert reasons["text"] == ["truncated (finish_reason 'length'), thinking-only: no final content"]
+    assert reasons["tools"][0].startswith("raw GLM <tool_call> markup left in content")
+    assert reasons["multilingual"] == ["answered '你好世界', expected '你好，世界'"]
+    assert len(reasons["images"]) == 4
+    assert all(r.startswith("final content is not valid JSON") for r in reasons["images"])
+    assert all("direction" in r for r in reasons["video"]) and len(reasons["video"]) == 2
+    needle = reasons["needle"][0]
+    assert needle.startswith("3/4 values right") and "server counted" in needle and "prefix-cache hit: 1024" in needle
+    assert all("sent no usage" in r for r in reasons["speed"])
+    assert (tmp_path / "serve-check.md").read_text().startswith("# serve-check: FAIL")
+
+
+def cli(args: list[str]):
+    import typer
+
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)  # a second command keeps `serve-check` a subcommand
+    return CliRunner().invoke(app, ["serve-check", *args])
+
+
+def test_cli_exit_codes(scripted, tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    common = ["--endpoint", scripted.url.removesuffix("/v1"), "--tokenizer", str(tiny_tokenizer_dir),
+              "--out", str(tmp_path), "--seed", "3", "--gates", "text,multilingual,needle", "--needle-tokens", "2000"]
+    ok = cli(common)
+    assert ok.exit_code == 0, ok.output
+    assert "serve-check" in ok.output and "PASS" in ok.output
+    scripted.flawed = True
+    assert cli(common).exit_code == 1
+    assert cli(["--gates", "text"]).exit_code == 2  # neither ARTIFACT nor --endpoint
+    assert cli(["--endpoint", scripted.url, "--gates", "txt"]).exit_code == 2
+    assert cli(["--endpoint", scripted.url, "--gates", "needle"]).exit_code == 2  # no tokenizer to size with
+    assert cli(["--endpoint", scripted.url, "--speed-inputs", "1k"]).exit_code == 2
+
+
+def test_cli_hands_the_library_the_exact_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen = {}
+
+    def fake(config, observer=None):
+        seen["config"] = config
+        raise UsageError("stop here")
+
+    monkeypatch.setattr("glmquant.cli.serve_check.serve_check", fake)
+    result = cli([str(tmp_path), "--gates", "needle,speed,fidelity", "--needle-tokens", "4096", "--speed-inputs",
+                  "512,2048", "--concurrency", "4", "--bf16-source", str(tmp_path), "--kl-max", "0.3",
+                  "--top1-min", "0.8", "--max-tokens", "64"])
+    assert result.exit_code == 2
+    assert seen["config"] == ServeCheckConfig(
+        artifact=tmp_path, gates=("needle", "speed", "fidelity"), needle_tokens=4096, speed_inputs=(512, 2048),
+        concurrency=4, bf16_source=tmp_path, kl_max=0.3, top1_min=0.8, max_tokens=64)
