@@ -1,7 +1,9 @@
 """The main job on the embedded default: every stage of the pipeline on the tiny model.
 
 fixture -> plan -> observe (REAP statistics + Hessians) -> encode (tr3, K2, MCG) -> verify-manifest ->
-serve-check (the gates a tiny random model can be judged on).
+serve-check (the gates a tiny random model can be judged on: speed cells with the server's token counts,
+and the fidelity of the artifact against its BF16 source; a random model cannot answer the text, tool,
+multilingual, media or needle prompts).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from glmquant.fixtures import build_tiny_checkpoint
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.run import observe
 from glmquant.plan import load_source_shards, summarize
+from glmquant.servecheck.config import ServeCheckConfig
+from glmquant.servecheck.run import serve_check
 
 
 @dataclass(frozen=True)
@@ -53,5 +57,12 @@ def run_demo(out_dir: Path, console: Console) -> DemoResult:
     if not report.ok:
         raise GlmquantError(f"{artifact} failed verification: {report.failure_summary()}")
     console.print(f"all {len(report.checks)} checks passed")
+    console.rule("6. serve-check (embedded server, official openai client)")
+    check = serve_check(ServeCheckConfig(artifact=artifact, gates=("speed", "fidelity"), speed_inputs=(256, 1024),
+                                         max_tokens=16, bf16_source=source, kl_max=0.05, top1_min=0.0, seed=1))
+    for gate in check.gates:
+        console.print(f"{gate.name}: {'[green]pass' if gate.passed else '[red]FAIL'}[/]  {gate.summary}")
+    if not check.passed:
+        raise GlmquantError(f"serve-check failed; see {artifact / 'serve-check.md'}")
     console.print(f"[bold]structural manifest SHA-256:[/] {result.artifact.manifest_sha256}")
     return DemoResult(artifact, result.artifact.manifest_sha256)

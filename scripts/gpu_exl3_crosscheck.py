@@ -8,7 +8,8 @@ Steps (each one's failure is recorded in the JSON, never fatal):
   golden     the 9 golden cases: decoder bit-exactness, our encoder with each backend (proxy error,
              trellis equality), exllamav3's own quantize_exl3, LinearEXL3 vs our decoded weight
   large      random 4096x2048 and 4096x512 (in x out) K2 MCG tensors: seconds per tensor and
-             proxy error for each backend and for exllamav3's quantize_exl3, LinearEXL3 check
+             proxy error for each backend and for exllamav3's quantize_exl3, LinearEXL3 check;
+             then 8 tensors of the 4096x512 shape through encode_linears (amortized seconds per tensor)
 Writes DIR/exl3_gpu_crosscheck.json (full record) and DIR/exl3_gpu_summary.json (the timings).
 """
 
@@ -30,13 +31,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a plain checkout, no install
 
-from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner, decode_weight, encode_linear, proxy_error  # noqa: E402
-from glmquant.exl3.backends import exllamav3_available, select_backend  # noqa: E402
-from glmquant.exl3.codebooks import codebook_values  # noqa: E402
-from glmquant.exl3.native import load_kernel  # noqa: E402
+from glmquant.exl3 import (
+    Codebook,
+    EXL3Tensor,
+    decode_inner,
+    decode_weight,
+    encode_linear,
+    encode_linears,
+)
+from glmquant.exl3.backends import exllamav3_available, select_backend
+from glmquant.exl3.codebooks import codebook_values
+from glmquant.exl3.native import load_kernel
 
 CASES = [f"{cb}.K{k}" for cb in ("3inst", "mcg", "mul1") for k in (2, 3, 4)]
 LARGE = [(4096, 2048), (4096, 512)]  # (in_features, out_features)
+BATCH = 8  # experts encoded together (shared Hessian, as gate/up projections share the MoE input)
+BATCH_MAX_OUT = 512  # batched timing only for the narrow shape (rank slices), which needs it most
 
 
 class Recorder:
@@ -55,7 +65,7 @@ class Recorder:
         try:
             yield entry
             entry["ok"] = True
-        except Exception as err:  # recorded, so one broken step never hides the others
+        except Exception as err:  # noqa: BLE001 - recorded, so one broken step never hides the others
             entry["ok"] = False
             entry["error"] = f"{type(err).__name__}: {err}"
             entry["traceback"] = traceback.format_exc()[-3000:]
@@ -73,10 +83,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn):
+def timed(fn, *args, **kwargs):
     sync()
     start = time.perf_counter()
-    result = fn()
+    result = fn(*args, **kwargs)
     sync()
     return result, time.perf_counter() - start
 
@@ -117,8 +127,8 @@ def tiles_step(rec: Recorder, count: int, skip_torch: bool) -> None:
                 n = count if name != "torch" else min(count, 512)
                 search = select_backend(device, name)
                 search(x[:16].to(device), bits, cb)  # warm-up: kernel build, buffers
-                s, seconds = timed(lambda: search(x[:n].to(device), bits, cb).cpu())
-                states[name] = s
+                s, seconds = timed(search, x[:n].to(device), bits, cb)
+                states[name] = s = s.cpu()
                 mse = (lut[s.long()] - x[:n]).square().mean().item() / 1.44
                 entry[name] = {"tiles": n, "seconds": round(seconds, 3), "tiles_per_s": round(n / seconds, 1), "mse_rel": mse}
             names = list(states)
@@ -160,7 +170,7 @@ def exllamav3_quantize(w_in_out: torch.Tensor, h: torch.Tensor, bits: int, cb: C
     args = {"K": bits, "seed": seed, "devices": [0], "apply_out_scales": True}
     if cb is not Codebook.THREE_INST:
         args[cb.value] = True
-    (_, err, tensors), seconds = timed(lambda: quantize_exl3(w_in_out.cuda().float().clone(), h_data, args, False))
+    (_, err, tensors), seconds = timed(quantize_exl3, w_in_out.cuda().float().clone(), h_data, args, False)
     return err, seconds, tensors
 
 
@@ -168,7 +178,7 @@ def encode_all(entry: dict, w_hf: torch.Tensor, h: torch.Tensor, bits: int, cb: 
     """Our encoder with every available backend; records seconds, proxy error, LinearEXL3 check."""
     out = {}
     for name, device in backends_to_compare(skip_torch):
-        result, seconds = timed(lambda: encode_linear(w_hf, h, bits, cb, seed=0, device=device, backend=name))
+        result, seconds = timed(encode_linear, w_hf, h, bits, cb, seed=0, device=device, backend=name)
         out[name] = result.tensor
         entry[f"ours_{name}"] = {"seconds": round(seconds, 3), "proxy_error": result.proxy_error, "fallback": result.fallback}
         if check_linear and exllamav3_available():
@@ -228,6 +238,15 @@ def large_step(rec: Recorder, skip_torch: bool, summary: dict) -> None:
                 err, seconds, _ = exllamav3_quantize(w.T.contiguous(), h, 2, Codebook.MCG, seed=0)
                 entry["exllamav3_quantize_exl3"] = {"proxy_error": err, "seconds": round(seconds, 3)}
             summary[f"{in_f}x{out_f}"] = {k: v["seconds"] for k, v in entry.items() if isinstance(v, dict) and "seconds" in v}
+        if out_f > BATCH_MAX_OUT:
+            continue
+        with rec.step(f"large.batch{BATCH}.{in_f}x{out_f}.K2.mcg") as entry:
+            g = torch.Generator().manual_seed(7)
+            items = [(torch.randn(out_f, in_f, generator=g) * 0.02, h) for _ in range(BATCH)]
+            for name, dev in backends_to_compare(skip_torch):
+                results, seconds = timed(encode_linears, items, 2, Codebook.MCG, device=dev, backend=name)
+                entry[f"ours_{name}"] = {"seconds_per_tensor": round(seconds / BATCH, 3), "proxy_errors": [r.proxy_error for r in results]}
+            summary[f"{in_f}x{out_f} batch of {BATCH}, per tensor"] = {k: v["seconds_per_tensor"] for k, v in entry.items() if isinstance(v, dict)}
 
 
 def main() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from glmquant.arch.roles import TensorRole as R
 from glmquant.arch.spec import ModelSpec
-from glmquant.arch.table import ArchitectureTable, Template as T, TensorInfo, mlp_group, register
+from glmquant.arch.glm_common import DENSE_MLP, LAYER_NORMS, MOE, MTP_EXTRA
+from glmquant.arch.table import ArchitectureTable, Template as T, TensorInfo, register
 
 
 def _heads(s: ModelSpec) -> tuple[int, int, int]:
@@ -31,28 +32,10 @@ def _attention(s: ModelSpec) -> tuple[T, ...]:
     return tuple(group)
 
 
-NORMS = (
-    T("input_layernorm.weight", R.NORM, lambda s: (s.hidden_size,)),
-    T("post_attention_layernorm.weight", R.NORM, lambda s: (s.hidden_size,)),
-)
-DENSE_MLP = mlp_group(R.DENSE_MLP, lambda s: s.intermediate_size, "mlp.")
-MOE = (
-    T("mlp.gate.weight", R.ROUTER_WEIGHT, lambda s: (s.n_routed_experts, s.hidden_size)),
-    T("mlp.gate.e_score_correction_bias", R.ROUTER_BIAS, lambda s: (s.n_routed_experts,), "F32"),
-    *mlp_group(R.SHARED_EXPERT, lambda s: s.moe_intermediate_size * s.n_shared_experts, "mlp.shared_experts."),
-)
-MTP_EXTRA = (
-    T("eh_proj.weight", R.MTP, lambda s: (s.hidden_size, 2 * s.hidden_size)),
-    T("enorm.weight", R.MTP, lambda s: (s.hidden_size,)),
-    T("hnorm.weight", R.MTP, lambda s: (s.hidden_size,)),
-    T("shared_head.norm.weight", R.MTP, lambda s: (s.hidden_size,)),
-)
-
-
 def layer_groups(s: ModelSpec, layer: int) -> list[tuple[T, ...]]:
     if layer >= s.num_hidden_layers:
-        return [NORMS, _attention(s), MOE, MTP_EXTRA]
-    return [NORMS, _attention(s), MOE if s.mlp_layer_types[layer] == "sparse" else DENSE_MLP]
+        return [LAYER_NORMS, _attention(s), MOE, MTP_EXTRA]
+    return [LAYER_NORMS, _attention(s), MOE if s.mlp_layer_types[layer] == "sparse" else DENSE_MLP]
 
 
 def top_level(s: ModelSpec) -> list[TensorInfo]:

@@ -31,8 +31,9 @@ def build_token_rows(recipe: Recipe, tokenizer: Any) -> TokenRows:
     return TokenRows(lanes, recipe.describe(), recipe.sha256(hashes), tokenizer_sha256(tokenizer), sources)
 
 
-def load_or_build(recipe: Recipe, tokenizer: Any, out_dir: Path) -> TokenRows:
-    """The rows saved in `out_dir` when they came from this recipe and tokenizer, else freshly built and saved.
+def reuse_or_build(recipe: Recipe, tokenizer: Any, out_dir: Path) -> TokenRows:
+    """The rows saved in `out_dir` when they came from this recipe and tokenizer, else freshly built
+    (not saved: the caller decides, once it knows the rows may replace what is there).
 
     Reusing saved rows lets a resumed run skip re-streaming remote datasets.
     """
@@ -41,9 +42,7 @@ def load_or_build(recipe: Recipe, tokenizer: Any, out_dir: Path) -> TokenRows:
         if saved.recipe_sha256 == recipe.sha256(_data_hashes(recipe)) and \
                 saved.tokenizer_sha256 == tokenizer_sha256(tokenizer):
             return saved
-    rows = build_token_rows(recipe, tokenizer)
-    rows.save(out_dir)
-    return rows
+    return build_token_rows(recipe, tokenizer)
 
 
 def tokenizer_sha256(tokenizer: Any) -> str:

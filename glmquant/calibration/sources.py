@@ -63,10 +63,8 @@ def _local_records(spec: SourceSpec) -> list[Any]:
         return [_field(spec, row, f"{path} row {i}") for i, row in enumerate(table.to_pylist())]
     except OSError as exc:
         raise UsageError(f"source {spec.name}: cannot read {path} ({exc.strerror or exc})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # bad JSON, bad UTF-8, bad parquet or a missing parquet column
         raise UsageError(f"source {spec.name}: {path}: not valid {spec.kind} ({exc})") from None
-    except KeyError as exc:
-        raise UsageError(f"source {spec.name}: {path}: no column {exc}") from None
 
 
 def _hf_records(spec: SourceSpec, seed: int) -> Iterator[Any]:
@@ -78,7 +76,7 @@ def _hf_records(spec: SourceSpec, seed: int) -> Iterator[Any]:
         stream = ds.shuffle(seed=seed % 2**32, buffer_size=spec.shuffle_buffer)
         for i, row in enumerate(stream):
             yield _field(spec, row, f"{spec.dataset} row {i}")
-    except (OSError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as exc:
+    except (OSError, ValueError) as exc:  # offline (ConnectionError), unknown dataset, bad subset or split
         raise UsageError(f"source {spec.name}: cannot stream Hugging Face dataset {spec.dataset!r} "
                          f"(offline, or a wrong name/subset/split?): {exc}") from None
 

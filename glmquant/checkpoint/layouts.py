@@ -100,7 +100,8 @@ class ArtifactPlan:
         return self.spec.moe_layers
 
     def expert_files(self, layer: int) -> list[PlannedFile]:
-        return [f for f in self.files if f.layer == layer and any(t.expert for t in f.tensors)]
+        """Files holding EXL3 parts of `layer` (an exllamav3-layout file may hold several layers)."""
+        return [f for f in self.files if any(t.expert is not None and t.expert.layer == layer for t in f.tensors)]
 
 
 def exl3_parts(slice_: ExpertSlice, prefix: str, bits: int, codebook: str) -> list[OutputTensor]:

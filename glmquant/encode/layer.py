@@ -34,7 +34,7 @@ def layer_slices(plan: ArtifactPlan, layer: int) -> list[ExpertSlice]:
     seen: dict[ExpertSlice, None] = {}
     for f in plan.expert_files(layer):
         for t in f.tensors:
-            if t.expert is not None:
+            if t.expert is not None and t.expert.layer == layer:
                 seen.setdefault(t.expert)
     return list(seen)
 

@@ -2,7 +2,12 @@
 
 from glmquant.exl3.codebooks import Codebook
 from glmquant.exl3.decode import decode_inner, decode_weight
-from glmquant.exl3.encode import EncodedLinear, encode_linear, encode_linears, proxy_error
+from glmquant.exl3.encode import (
+    EncodedLinear,
+    encode_linear,
+    encode_linears,
+    proxy_error,
+)
 from glmquant.exl3.tensor import EXL3Tensor
 
 __all__ = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -33,19 +34,27 @@ class TileSearch:
         return self.run(tiles.float().contiguous(), bits, codebook)
 
 
+@lru_cache(maxsize=16)
+def _lut(codebook: Codebook, device: torch.device) -> torch.Tensor:
+    """fp32 codebook on a device, shared read-only by every call."""
+    return codebook_values(codebook).float().to(device)
+
+
 def _native(tiles: torch.Tensor, bits: int, codebook: Codebook) -> torch.Tensor:
     lib = load_kernel()
     assert lib is not None  # checked by select_backend
-    return viterbi_native(lib, tiles, codebook_values(codebook).float(), bits).to(tiles.device)
+    return viterbi_native(lib, tiles, _lut(codebook, torch.device("cpu")), bits).to(tiles.device)
 
 
 def _torch(tiles: torch.Tensor, bits: int, codebook: Codebook) -> torch.Tensor:
     chunk = 1024 if tiles.is_cuda else 32
-    return viterbi_torch(tiles, codebook_values(codebook).float(), bits, chunk=chunk)
+    return viterbi_torch(tiles, _lut(codebook, tiles.device), bits, chunk=chunk)
 
 
 def _exllamav3(tiles: torch.Tensor, bits: int, codebook: Codebook) -> torch.Tensor:
-    from exllamav3.modules.quant.exl3_lib.quantize import quantize_tiles  # lazy: optional, CUDA only
+    from exllamav3.modules.quant.exl3_lib.quantize import (
+        quantize_tiles,  # lazy: optional, CUDA only
+    )
 
     args = {"K": bits, "mcg": codebook is Codebook.MCG, "mul1": codebook is Codebook.MUL1}
     x = tiles.to("cuda") if not tiles.is_cuda else tiles
@@ -58,7 +67,7 @@ def exllamav3_available() -> bool:
     """True when exllamav3 and its compiled extension import (needs CUDA)."""
     try:
         import exllamav3.modules.quant.exl3_lib.quantize  # noqa: F401
-    except Exception:  # an absent package or a failed extension build both mean "not available"
+    except Exception:  # noqa: BLE001 - an absent package or a failed extension build: "not available"
         return False
     return torch.cuda.is_available()
 
@@ -83,6 +92,5 @@ def select_backend(device: str | torch.device = "cpu", name: str | None = None) 
 
 def quantize_tiles(search: TileSearch, tiles: torch.Tensor, bits: int, codebook: Codebook) -> tuple[torch.Tensor, torch.Tensor]:
     """(values fp32, states int32) for (n, 256) ring-ordered tiles."""
-    states = search(tiles, bits, codebook)
-    values = codebook_values(codebook).to(states.device).float()[states.long()]
-    return values.to(tiles.device), states.to(tiles.device)
+    states = search(tiles, bits, codebook).to(tiles.device)
+    return _lut(codebook, tiles.device)[states.long()], states

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import torch
@@ -43,12 +43,11 @@ def _mul1(x: np.ndarray) -> np.ndarray:
     return ((np.float32(1024.0) + b) * scale + bias).astype(np.float16)
 
 
-@lru_cache(maxsize=None)
-def _lut_numpy(codebook: Codebook) -> np.ndarray:
+@cache
+def _lut(codebook: Codebook) -> np.ndarray:
     s = np.arange(65536, dtype=np.uint64)
     if codebook is Codebook.THREE_INST:
-        x = ((s * 89226354 + 64248484) & 0xFFFFFFFF).astype(np.uint32)
-        return _half_sum(x)
+        return _half_sum(((s * 89226354 + 64248484) & 0xFFFFFFFF).astype(np.uint32))
     if codebook is Codebook.MCG:
         return _half_sum(((s * 0xCBAC1FED) & 0xFFFFFFFF).astype(np.uint32))
     return _mul1(((s * 0x83DCD12D) & 0xFFFFFFFF).astype(np.uint32))
@@ -56,6 +55,4 @@ def _lut_numpy(codebook: Codebook) -> np.ndarray:
 
 def codebook_values(codebook: Codebook | str) -> torch.Tensor:
     """fp16 value of every 16-bit state, shape (65536,); a fresh tensor the caller may keep."""
-    lut = _lut_numpy(Codebook(codebook))
-    lut.setflags(write=False)
-    return torch.from_numpy(lut.copy())
+    return torch.from_numpy(_lut(Codebook(codebook)).copy())

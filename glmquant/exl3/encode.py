@@ -11,7 +11,7 @@ from glmquant.exl3.backends import TileSearch, quantize_tiles, select_backend
 from glmquant.exl3.codebooks import Codebook
 from glmquant.exl3.decode import decode_weight
 from glmquant.exl3.hadamard import had_left, had_right
-from glmquant.exl3.hessian import SIGMA_REG, PreparedHessian, pad_hessian, prepare_hessian
+from glmquant.exl3.hessian import PreparedHessian, pad_hessian, prepare_hessian
 from glmquant.exl3.ldlq import ldlq
 from glmquant.exl3.refit import refit_scales
 from glmquant.exl3.regularize import LDLQ_DRIFT, regularize, sample_tiles
@@ -58,7 +58,9 @@ def _signs(count: int, generator: torch.Generator) -> torch.Tensor:
     return (torch.randn(count, generator=generator).sign() + 1e-5).sign()
 
 
-def _prepare(weight: torch.Tensor, hessian: torch.Tensor | None, seed: int, device: torch.device) -> _Job:
+def _prepare(
+    weight: torch.Tensor, hessian: torch.Tensor | None, seed: int, device: torch.device, shared: dict[int, PreparedHessian]
+) -> _Job:
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a 2-D float tensor (out_features, in_features), got {weight.dtype} {tuple(weight.shape)}")
     if not torch.isfinite(weight).all():
@@ -71,7 +73,14 @@ def _prepare(weight: torch.Tensor, hessian: torch.Tensor | None, seed: int, devi
     w[:in_f, :out_f] = weight.to(device=device, dtype=torch.float32).T
     gen = torch.Generator().manual_seed(seed)  # CPU draws: identical signs on every device
     su_signs, sv_signs = _signs(k, gen).to(device), _signs(n, gen).to(device)
-    prep = prepare_hessian(pad_hessian(hessian, k, device) if hessian is not None else None, su_signs)
+    # Tensors passing the same Hessian object (gate/up of all experts) share its factorization:
+    # the seed fixes the signs, so it would come out identical anyway.
+    if hessian is None:
+        prep = prepare_hessian(None, su_signs)
+    elif id(hessian) in shared:
+        prep = shared[id(hessian)]
+    else:
+        prep = shared[id(hessian)] = prepare_hessian(pad_hessian(hessian, k, device), su_signs)
     w_reg, su, sv = regularize(w, su_signs, sv_signs)
     return _Job(weight, hessian, w, prep, w_reg, su, sv)
 
@@ -112,7 +121,8 @@ def encode_linears(
     def values(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_tiles(search, tiles, bits, codebook)
 
-    jobs = [_prepare(w, h, seed, dev) for w, h in items]
+    shared: dict[int, PreparedHessian] = {}
+    jobs = [_prepare(w, h, seed, dev, shared) for w, h in items]
     drift = LDLQ_DRIFT.get(bits, 1.0)
     scales = search_scales([sample_tiles(j.w_reg) * drift for j in jobs], lambda t: values(t)[0])
     for job, g in zip(jobs, scales):

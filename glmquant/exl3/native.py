@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 _SOURCE = Path(__file__).with_name("viterbi_kernel.cpp")
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi"]
 
 
 def _cache_dir() -> Path:
@@ -85,7 +85,7 @@ _local = threading.local()
 
 
 def _scratch(lib: ctypes.CDLL, bits: int) -> np.ndarray:
-    """Per-thread work buffer (costs + traceback history), kept for reuse: the history is up to 128 MB."""
+    """Per-thread work buffer (costs + traceback history, tens of MB), kept for reuse across calls."""
     size = lib.exl3_viterbi_scratch_bytes(bits)
     buf = getattr(_local, "scratch", None)
     if buf is None or buf.nbytes < size:

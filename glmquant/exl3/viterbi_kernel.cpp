@@ -7,14 +7,42 @@
 #include <cstring>
 #include <cmath>
 #include <utility>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 constexpr int W = 16;
 typedef float vf __attribute__((vector_size(4 * W)));
 typedef int32_t vi __attribute__((vector_size(4 * W)));
 typedef uint8_t vb __attribute__((vector_size(W)));
 
+// Traceback history: the chosen candidate c of every lane, per step and edge. With AVX-512 it is kept
+// as K bit planes of W bits (2K bytes per edge instead of W: at K = 2 a quarter of the traffic, about
+// 20% faster); elsewhere as one byte per lane. Both give the same paths.
+#if defined(__AVX512F__)
+template <int K> struct Hist {
+    static constexpr int64_t bytes_per_edge = K * sizeof(uint16_t);
+    static void store(uint8_t* row, int e, vi arg) {
+        uint16_t* p = reinterpret_cast<uint16_t*>(row) + (size_t) e * K;
+        for (int b = 0; b < K; ++b) p[b] = _mm512_test_epi32_mask((__m512i) arg, _mm512_set1_epi32(1 << b));
+    }
+    static int load(const uint8_t* row, int e, int lane) {
+        const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + (size_t) e * K;
+        int c = 0;
+        for (int b = 0; b < K; ++b) c |= ((p[b] >> lane) & 1) << b;
+        return c;
+    }
+};
+#else
+template <int K> struct Hist {
+    static constexpr int64_t bytes_per_edge = W;
+    static void store(uint8_t* row, int e, vi arg) { reinterpret_cast<vb*>(row)[e] = __builtin_convertvector(arg, vb); }
+    static int load(const uint8_t* row, int e, int lane) { return row[(size_t) e * W + lane]; }
+};
+#endif
+
 template <int K>
-static void step(const vf* __restrict prev, vf* __restrict next, vb* __restrict hist,
+static void step(const vf* __restrict prev, vf* __restrict next, uint8_t* __restrict hist,
                  const float* __restrict lut, vf x)
 {
     constexpr int KR = 16 - K, NK = 1 << K, E = 1 << KR;
@@ -31,7 +59,7 @@ static void step(const vf* __restrict prev, vf* __restrict next, vb* __restrict 
             arg = m ? (vi{} + c) : arg;
         }
         next[e] = best;
-        hist[e] = __builtin_convertvector(arg, vb);
+        Hist<K>::store(hist, e, arg);
     }
 }
 
@@ -43,7 +71,8 @@ static void search_group(const float* __restrict targets, int64_t count, const f
     vf* ca = reinterpret_cast<vf*>(scratch + (-reinterpret_cast<uintptr_t>(scratch) & (sizeof(vf) - 1)));
     vf* cb = ca + E;
     vf* x = cb + E;  // [256] targets, lane-major
-    vb* hist = reinterpret_cast<vb*>(x + 256);  // [257][E]; row 256 absorbs unneeded pass-1 history
+    uint8_t* hist = reinterpret_cast<uint8_t*>(x + 256);  // [257][E]; row 256 absorbs unneeded pass-1 history
+    constexpr int64_t ROW = E * Hist<K>::bytes_per_edge;
     for (int i = 0; i < 256; ++i)
         for (int l = 0; l < W; ++l)
             x[i][l] = targets[(l < count ? l : count - 1) * 256 + i];
@@ -64,7 +93,7 @@ static void search_group(const float* __restrict targets, int64_t count, const f
         for (int i = 0; i < 256; ++i) {
             const int ri = (i + roll) & 255;
             const int row = (pass == 1 || ri < 128) ? ri : 256;
-            step<K>(prev, next, hist + (size_t) row * E, lut, x[ri]);
+            step<K>(prev, next, hist + row * ROW, lut, x[ri]);
             std::swap(prev, next);
         }
         if (pass == 0) {
@@ -79,7 +108,7 @@ static void search_group(const float* __restrict targets, int64_t count, const f
                 int e = arg[l];
                 for (int i = 255; i >= 128; --i) {
                     const int ri = (i + 128) & 255;
-                    e = (((int) hist[(size_t) ri * E + e][l] << KR) | e) >> K;
+                    e = ((Hist<K>::load(hist + ri * ROW, e, l) << KR) | e) >> K;
                 }
                 edge[l] = e;
             }
@@ -87,7 +116,7 @@ static void search_group(const float* __restrict targets, int64_t count, const f
             for (int l = 0; l < W && l < count; ++l) {
                 int e = edge[l];
                 for (int ri = 255; ri >= 0; --ri) {
-                    const int s = ((int) hist[(size_t) ri * E + e][l] << KR) | e;
+                    const int s = (Hist<K>::load(hist + ri * ROW, e, l) << KR) | e;
                     out[l * 256 + ri] = (uint16_t) s;
                     e = s >> K;
                 }
@@ -100,8 +129,12 @@ extern "C" int64_t exl3_viterbi_lanes() { return W; }
 
 extern "C" int64_t exl3_viterbi_scratch_bytes(int K)
 {
+    if (K < 1 || K > 8) return 0;
     const int64_t E = 1 << (16 - K);
-    return (2 * E + 257) * (int64_t) sizeof(vf) + 257 * E * (int64_t) sizeof(vb);  // + alignment slack
+    static const int64_t per_edge[8] = {Hist<1>::bytes_per_edge, Hist<2>::bytes_per_edge, Hist<3>::bytes_per_edge,
+                                        Hist<4>::bytes_per_edge, Hist<5>::bytes_per_edge, Hist<6>::bytes_per_edge,
+                                        Hist<7>::bytes_per_edge, Hist<8>::bytes_per_edge};
+    return (2 * E + 257) * (int64_t) sizeof(vf) + 257 * E * per_edge[K - 1];  // + alignment slack
 }
 
 // targets: [n][256] fp32 in ring order; lut: [65536] fp32; out: [n][256] states.

@@ -21,7 +21,7 @@ from glmquant.observe.routing import Routing, RoutingParams, route
 from glmquant.observe.stats import ExpertStats
 
 
-@dataclass
+@dataclass(frozen=True)
 class CaptureTargets:
     """What the current batch feeds (None = nothing); switched per calibration lane."""
 

@@ -62,8 +62,8 @@ def resume_point(obs: Path, fingerprint: Mapping[str, Any]) -> int | None:
                      if state.fingerprint.get(k) != fingerprint.get(k))
     if changed:
         details = "; ".join(f"{k}: {state.fingerprint.get(k)!r} -> {fingerprint.get(k)!r}" for k in changed)
-        raise UsageError(f"{obs}: an unfinished observation was made with other settings ({details}); "
-                         f"rerun with the same settings, or use a new --out (or delete {state_dir(obs)})")
+        raise UsageError(f"{obs}: holds an observation made with other settings ({details}); rerun with the "
+                         f"same settings, or use a new --out (or delete {state_dir(obs)} to start over)")
     return state.next_layer
 
 

@@ -42,8 +42,12 @@ class ObserveConfig:
             raise UsageError(f"--batch-rows must be a positive integer, got {self.batch_rows}")
         if self.keep is not None and self.keep < 1:
             raise UsageError(f"--keep must be a positive integer, got {self.keep}")
-        if torch.device(self.device).type not in ("cpu", "cuda"):
-            raise UsageError(f"--device must be cpu or cuda, got {self.device!r}")
+        try:
+            kind = torch.device(self.device).type
+        except RuntimeError:
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise UsageError(f"--device must be cpu or cuda (or cuda:N), got {self.device!r}")
 
 
 def fingerprint(config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtype) -> dict[str, Any]:

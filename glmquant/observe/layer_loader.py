@@ -76,6 +76,7 @@ def text_config(source: str | Path, attn_implementation: str = ATTN_IMPLEMENTATI
 
 
 def model_dtype(cfg) -> torch.dtype:
+    """The dtype the model computes in (the config's `dtype`, BF16 for GLM-5.3-Flash)."""
     dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
@@ -84,7 +85,6 @@ def layer_plan(spec: ModelSpec, layer: int, moe_intermediate: int) -> LayerPlan:
     """Placements for every source tensor of decoder layer `layer` (routed experts merged, renames applied)."""
     table = table_for(spec)
     prefix = table.layer_prefix(layer)
-    kda_width = None
     out: list[Placement] = []
     for info in table.layer_tensors(spec, layer):
         suffix = info.name[len(prefix):]
@@ -97,9 +97,9 @@ def layer_plan(spec: ModelSpec, layer: int, moe_intermediate: int) -> LayerPlan:
                 out.append(Placement(info.name, "mlp.experts.gate_up_proj",
                                      (expert, slice(start, start + moe_intermediate))))
         elif m := _CONV.match(suffix):
-            kda_width = info.shape[0]
-            start = "qkv".index(m.group(1)) * kda_width
-            out.append(Placement(info.name, "self_attn.conv1d.weight", (slice(start, start + kda_width),)))
+            width = info.shape[0]
+            start = "qkv".index(m.group(1)) * width
+            out.append(Placement(info.name, "self_attn.conv1d.weight", (slice(start, start + width),)))
         else:
             out.append(Placement(info.name, _rename(suffix)))
     return LayerPlan(layer, tuple(out))

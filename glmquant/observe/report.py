@@ -33,7 +33,8 @@ def build_report(obs_dir: Path) -> ObservationReport:
 
 def layer_table(report: ObservationReport, top: int = 5) -> Table:
     """One row per MoE layer: tokens, coverage, balance, saliency range and the most salient experts."""
-    table = Table(title=f"REAP statistics ({report.summary.token_rows_sha256[:12]}, hessians {report.summary.hessians})")
+    summary = report.summary
+    table = Table(title=f"REAP statistics (token rows {summary.token_rows_sha256[:12]}, hessians {summary.hessians})")
     for column in ("layer", "tokens", "experts hit", "load imbalance", "max share", "REAP min", "REAP max",
                    f"top {top} by REAP"):
         table.add_column(column, justify="right" if column != f"top {top} by REAP" else "left")

@@ -17,11 +17,18 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from glmquant.calibration import TokenRows, load_or_build, load_recipe
+from glmquant.calibration import TokenRows, load_recipe, reuse_or_build
 from glmquant.checkpoint.reader import assert_finite
 from glmquant.observe.capture import CaptureTargets, LayerCapture
-from glmquant.observe.checkpointing import (clean_stale, drop_hidden, hidden_path, read_hidden, resume_point,
-                                            write_hidden, write_state)
+from glmquant.observe.checkpointing import (
+    clean_stale,
+    drop_hidden,
+    hidden_path,
+    read_hidden,
+    resume_point,
+    write_hidden,
+    write_state,
+)
 from glmquant.observe.config import ObserveConfig, fingerprint
 from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.hessians import HessianAccumulator, HessianMode
@@ -40,12 +47,13 @@ def observe(config: ObserveConfig, progress: bool = False) -> ObservationSummary
     config.out.mkdir(parents=True, exist_ok=True)
     model = TextModel.open(config.source, config.device)
     recipe = load_recipe(config.recipe).with_shape(config.rows, config.tokens)
-    rows = load_or_build(recipe, AutoTokenizer.from_pretrained(str(config.source)), config.out)
+    rows = reuse_or_build(recipe, AutoTokenizer.from_pretrained(str(config.source)), config.out)
     fp = fingerprint(config, rows.sha256, model.dtype)
     clean_stale(config.out)
     resumed = resume_point(config.out, fp)
     with model.ckpt, _progress(progress) as bar:
         if resumed is None:
+            rows.save(config.out)
             _embed(model, rows, config, fp)
         layers = bar.add_task("layers", total=model.num_layers, completed=resumed or 0)
         batches = bar.add_task("rows", total=sum(lane.ids.shape[0] for lane in rows.lanes))
@@ -115,20 +123,34 @@ def _forward(module: torch.nn.Module, source: Path, n_rows: int, step: int, devi
 
 def _summarize(model: TextModel, rows: TokenRows, config: ObserveConfig, fp: dict, resumed: int | None,
                elapsed: float) -> ObservationSummary:
-    stats = {i: LayerStats.load(stats_path(config.out, i)) for i in range(model.num_layers)
-             if stats_path(config.out, i).is_file()}
-    layers = []
-    for i in range(model.num_layers):
-        s = stats.get(i)
-        hess = hessians_path(config.out, i)
-        layers.append(LayerSummary(
-            i, "moe" if model.spec.mlp_layer_types[i] == "sparse" else "dense", model.spec.attention_types[i], stats_path(config.out, i).name if s else None,
-            hess.name if hess.is_file() else None, s.tokens if s else 0, int((s.count > 0).sum()) if s else 0,
-            s.load_imbalance if s else 0.0))
+    layers = tuple(_layer_summary(model, config.out, i) for i in range(model.num_layers))
     plan = write_prune_plan(config.out, config.keep).name if config.keep is not None else None
     lanes = tuple(LaneSummary(x.name, x.ids.shape[0], x.ids.shape[1], x.use) for x in rows.lanes)
     peak_device = torch.cuda.max_memory_allocated() if model.device.type == "cuda" else None
     return ObservationSummary(
         str(config.source), str(config.recipe), rows.recipe_sha256, rows.sha256, lanes, config.hessians.value,
-        config.dense_hessians, config.device, config.batch_rows, fp, tuple(layers),
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_device, round(elapsed, 3), resumed, plan)
+        config.dense_hessians, config.device, config.batch_rows, fp, layers,
+        peak_rss_bytes(), peak_device, round(elapsed, 3), resumed, plan)
+
+
+def _layer_summary(model: TextModel, obs_dir: Path, layer: int) -> LayerSummary:
+    mlp, attention = model.spec.mlp_layer_types[layer], model.spec.attention_types[layer]
+    hessians = hessians_path(obs_dir, layer)
+    hessians_file = hessians.name if hessians.is_file() else None
+    if not stats_path(obs_dir, layer).is_file():
+        return LayerSummary(layer, "moe" if mlp == "sparse" else "dense", attention, None, hessians_file, 0, 0, 0.0)
+    s = LayerStats.load(stats_path(obs_dir, layer))
+    return LayerSummary(layer, "moe", attention, stats_path(obs_dir, layer).name, hessians_file, s.tokens,
+                        int((s.count > 0).sum()), s.load_imbalance)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. Linux's VmHWM belongs to the current program image, whereas
+    ru_maxrss also counts the parent's pages a forked child held before exec."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -102,7 +102,8 @@ def open_artifact(path: str | Path) -> Artifact:
 def _expert_parts(spec: ModelSpec, names: list[str]) -> dict[int, set[tuple[int, str, int | None]]]:
     """(expert, proj, rank) of every routed-expert trellis, per decoder layer."""
     prefix = re.escape(table_for(spec).text_prefix)
-    pattern = re.compile(rf"^{prefix}layers\.(\d+)\.mlp\.experts\.(\d+)\.({'|'.join(PROJECTIONS)})(?:\.rank(\d+))?\.trellis$")
+    projections = "|".join(PROJECTIONS)
+    pattern = re.compile(rf"^{prefix}layers\.(\d+)\.mlp\.experts\.(\d+)\.({projections})(?:\.rank(\d+))?\.trellis$")
     found: dict[int, set[tuple[int, str, int | None]]] = defaultdict(set)
     for name in names:
         m = pattern.match(name)
@@ -114,10 +115,12 @@ def _expert_parts(spec: ModelSpec, names: list[str]) -> dict[int, set[tuple[int,
 def _check_ranks(path: Path, config: Mapping[str, Any], ranks: int) -> None:
     declared = (config.get("quantization_config") or {}).get("rank_stacked_tp")
     if declared is not None and int(declared) != ranks:
-        raise CheckpointFormatError(f"{path}/config.json: rank_stacked_tp is {declared} but the tensors hold {ranks} rank slices")
+        raise CheckpointFormatError(
+            f"{path}/config.json: rank_stacked_tp is {declared} but the tensors hold {ranks} rank slices")
 
 
-def _check_layer(path: Path, spec: ModelSpec, layer: int, have: set[tuple[int, str, int | None]], ranks: int | None) -> None:
+def _check_layer(path: Path, spec: ModelSpec, layer: int, have: set[tuple[int, str, int | None]],
+                 ranks: int | None) -> None:
     """Every expert x projection x rank of a MoE layer must be present, and nothing else."""
     rank_ids = [None] if ranks is None else list(range(ranks))
     want = {(e, p, r) for e in range(spec.n_routed_experts) for p in PROJECTIONS for r in rank_ids}

@@ -4,14 +4,15 @@ Text goes through the tokenizer's chat template (with `tools` and template kwarg
 `enable_thinking`). Image and video parts (data: URLs only: the server fetches nothing) are decoded and
 handed to transformers' `Glm5NextProcessor`, which expands each `<|image|>` / `<|video|>` placeholder to
 the vision tower's token count and produces pixel_values / *_grid_thw for the prefill forward.
-transformers' video processor needs torchvision; where it is missing, video parts are refused with a
-clear message and images still work.
+transformers' video processor needs torchvision, and decoding a video needs PyAV or OpenCV; where they
+are missing, video parts are refused with a clear message and images still work.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import importlib.util
 import io
 import json
 import tempfile
@@ -25,18 +26,15 @@ from glmquant.runtime.generate import PromptInputs
 from glmquant.runtime.glm_output import THINK_CLOSE, THINK_OPEN
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+VIDEO_DECODERS = (("pyav", "av"), ("opencv", "cv2"), ("decord", "decord"), ("torchcodec", "torchcodec"))
 
 
 @dataclass
 class Media:
-    """Images and videos of one request, in placeholder order."""
+    """The data: URLs of one request's images and videos, in placeholder order (decoded only once needed)."""
 
-    images: list[Any] = field(default_factory=list)  # PIL images
-    videos: list[str] = field(default_factory=list)  # temporary files holding the request's videos
-
-    def close(self) -> None:
-        for path in self.videos:
-            Path(path).unlink(missing_ok=True)
+    images: list[str] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -69,17 +67,13 @@ class ChatFormat:
                template_kwargs: Mapping[str, Any] | None = None) -> RenderedPrompt:
         """Messages (OpenAI format) -> prompt text and model inputs; bad content raises UsageError."""
         media = Media()
+        hf_messages = [_hf_message(m, media) for m in messages]
         try:
-            hf_messages = [_hf_message(m, media) for m in messages]
-            try:
-                text = self.tokenizer.apply_chat_template(hf_messages, tools=list(tools) if tools else None,
-                                                          tokenize=False, add_generation_prompt=True,
-                                                          **dict(template_kwargs or {}))
-            except Exception as exc:  # jinja raises many types on odd input (e.g. raise_exception in a template)
-                raise UsageError(f"the chat template could not render these messages: {exc}") from None
-            return RenderedPrompt(text, self._encode(text, media))
-        finally:
-            media.close()
+            text = self.tokenizer.apply_chat_template(hf_messages, tools=list(tools) if tools else None, tokenize=False,
+                                                      add_generation_prompt=True, **dict(template_kwargs or {}))
+        except Exception as exc:  # jinja raises many types on odd input (e.g. raise_exception in a template)
+            raise UsageError(f"the chat template could not render these messages: {exc}") from None
+        return RenderedPrompt(text, self._encode(text, media))
 
     def _encode(self, text: str, media: Media) -> PromptInputs:
         if not media.images and not media.videos:
@@ -89,10 +83,13 @@ class ChatFormat:
             raise UsageError("this model has no vision tower: image and video content is not accepted")
         if media.videos and self.processor.video_processor is None:
             raise UsageError("video input needs transformers' video processor, which needs torchvision (not installed)")
+        images = [_decode_image(url) for url in media.images]
+        decoded = [_decode_video(url) for url in media.videos]
+        videos, metadata = [v for v, _ in decoded], [m for _, m in decoded]
         try:
-            out = self.processor(text=[text], images=media.images or None, videos=media.videos or None,
-                                 return_tensors="pt")
-        except Exception as exc:  # decoders and processors raise many types on bad media
+            out = self.processor(text=[text], images=images or None, videos=videos or None,
+                                 video_metadata=metadata or None, return_tensors="pt")
+        except Exception as exc:  # processors raise many types on odd media
             raise UsageError(f"could not process the image/video content: {exc}") from None
         return PromptInputs(out["input_ids"], {k: out[k] for k in VISION_KEYS if k in out})
 
@@ -138,10 +135,10 @@ def _hf_part(part: Mapping[str, Any], media: Media) -> dict[str, Any]:
     if kind == "text":
         return {"type": "text", "text": part.get("text", "")}
     if kind == "image_url":
-        media.images.append(_decode_image(_url(part, "image_url")))
+        media.images.append(_url(part, "image_url"))
         return {"type": "image"}
     if kind == "video_url":
-        media.videos.append(_save_video(_url(part, "video_url")))
+        media.videos.append(_url(part, "video_url"))
         return {"type": "video"}
     raise UsageError(f"unsupported content part type {kind!r} (text, image_url, video_url)")
 
@@ -185,9 +182,18 @@ def _decode_image(url: str) -> Any:
     return image.convert("RGB")
 
 
-def _save_video(url: str) -> str:
-    """Videos are decoded by transformers from a file path; the bytes go to a temporary file."""
-    data = _data_url_bytes(url)
-    with tempfile.NamedTemporaryFile(prefix="glmquant-video-", suffix=".mp4", delete=False) as f:
-        f.write(data)
-    return f.name
+def _decode_video(url: str) -> tuple[Any, Any]:
+    """All frames (uint8 [T, H, W, 3]) and their metadata, by transformers' `load_video` with the first
+    decoder installed (PyAV, OpenCV, decord or torchcodec); the processor samples frames by fps."""
+    from transformers.video_utils import load_video
+
+    backend = next((name for name, module in VIDEO_DECODERS if importlib.util.find_spec(module)), None)
+    if backend is None:
+        raise UsageError("video input needs a video decoder: install av (PyAV) or opencv-python-headless")
+    with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
+        f.write(_data_url_bytes(url))
+        f.flush()
+        try:
+            return load_video(f.name, backend=backend)
+        except Exception as exc:  # decoders raise many types on bad data
+            raise UsageError(f"the video data could not be decoded ({exc})") from None

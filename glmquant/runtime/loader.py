@@ -49,6 +49,8 @@ def load_model(path: str | Path, options: RuntimeOptions = RuntimeOptions()) -> 
     artifact = open_artifact(path)
     if artifact.spec.family != "glm5_next":
         raise ConfigError(f"{path}: the runtime serves glm5_next artifacts, not {artifact.spec.family}")
+    if torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {options.device}: no CUDA device is visible here")
     dtype = options.torch_dtype
     with _default_dtype(dtype), torch.device("meta"):
         model = _model_class(artifact)(hf_config(artifact, options.dtype))
@@ -129,7 +131,8 @@ def _load_retained(model: nn.Module, artifact: Artifact, dtype: torch.dtype, dev
         model.lm_head.weight = model.get_input_embeddings().weight
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
-        raise CheckpointFormatError(f"{artifact.path}: {len(missing)} model tensor(s) not in the artifact, e.g. {missing[:3]}")
+        raise CheckpointFormatError(
+            f"{artifact.path}: {len(missing)} model tensor(s) not in the artifact, e.g. {missing[:3]}")
 
 
 def _materialize_buffers(model: nn.Module, device: torch.device) -> None:

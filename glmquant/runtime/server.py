@@ -18,8 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from glmquant.runtime.glm_output import Delta
-from glmquant.runtime.openai_api import (ApiError, chunk_body, completion_body, completion_id, finish_reason,
-                                         parse_chat_request, tool_call_json, usage)
+from glmquant.runtime.openai_api import (
+    ApiError,
+    chunk_body,
+    completion_body,
+    completion_id,
+    finish_reason,
+    parse_chat_request,
+    tool_call_json,
+    usage,
+)
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.service import ChatService, ServiceOptions
 

@@ -95,12 +95,13 @@ class ChatService:
 
     def tokenize(self, body: Any) -> dict[str, Any]:
         """vLLM's /tokenize: a `prompt` string as is, or `messages` through the chat template."""
-        if not isinstance(body, dict) or not (isinstance(body.get("prompt"), str) or isinstance(body.get("messages"), list)):
-            raise ApiError(422, "/tokenize needs 'prompt' (a string) or 'messages' (a list)")
-        if isinstance(body.get("prompt"), str):
+        if isinstance(body, dict) and isinstance(body.get("prompt"), str):
             ids = self.chat.tokenizer(body["prompt"], add_special_tokens=False)["input_ids"]
+        elif isinstance(body, dict) and isinstance(body.get("messages"), list):
+            prompt = self.render(body["messages"], body.get("tools") or (), body.get("chat_template_kwargs"))
+            ids = prompt.inputs.input_ids[0].tolist()
         else:
-            ids = self.render(body["messages"], body.get("tools") or (), body.get("chat_template_kwargs")).inputs.input_ids[0].tolist()
+            raise ApiError(422, "/tokenize needs 'prompt' (a string) or 'messages' (a list)")
         return {"count": len(ids), "max_model_len": self.max_context, "tokens": ids}
 
     def models(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ linear, times the router weight); contributions are summed in float32 and cast o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ class TorchExpertBackend:
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
         for vid in torch.unique(expert_ids).tolist():
             token_idx, slot = torch.where(expert_ids == vid)
-            expert = self.cache.get((layer, vid), lambda: self._decode(layer, vid))
+            expert = self.cache.get((layer, vid), partial(self._decode, layer, vid))
             gate, up = F.linear(hidden[token_idx], expert.gate_up).chunk(2, dim=-1)
             y = F.linear(self._swiglu(gate, up), expert.down) * weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.float())

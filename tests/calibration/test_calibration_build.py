@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmquant.calibration import TokenRows, build_token_rows, load_or_build, load_recipe
+from glmquant.calibration import TokenRows, build_token_rows, load_recipe, reuse_or_build
 from glmquant.calibration.build import split_rows
 from glmquant.errors import UsageError
 
@@ -69,13 +69,18 @@ def test_tampered_rows_are_refused(tokenizer, tmp_path: Path) -> None:
         TokenRows.load(tmp_path)
 
 
-def test_saved_rows_are_reused_only_for_the_same_recipe(tokenizer, tmp_path: Path) -> None:
+def test_saved_rows_are_reused_only_for_the_same_recipe(tokenizer, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from glmquant.calibration import build
+
     recipe = load_recipe(RECIPES / "default.yaml").with_shape(rows=2, tokens=8)
-    first = load_or_build(recipe, tokenizer, tmp_path)
-    stamp = (tmp_path / "token_rows.safetensors").stat().st_mtime_ns
-    assert load_or_build(recipe, tokenizer, tmp_path).sha256 == first.sha256
-    assert (tmp_path / "token_rows.safetensors").stat().st_mtime_ns == stamp
-    assert load_or_build(recipe.with_shape(tokens=9), tokenizer, tmp_path).lanes[0].ids.shape == (2, 9)
+    first = reuse_or_build(recipe, tokenizer, tmp_path)
+    assert not (tmp_path / "token_rows.json").exists()  # building never writes: the caller saves
+    first.save(tmp_path)
+    monkeypatch.setattr(build, "build_token_rows", lambda *a: pytest.fail("saved rows should be reused"))
+    assert reuse_or_build(recipe, tokenizer, tmp_path).sha256 == first.sha256
+    monkeypatch.undo()
+    assert reuse_or_build(recipe.with_shape(tokens=9), tokenizer, tmp_path).lanes[0].ids.shape == (2, 9)
 
 
 def _write_recipe(tmp_path: Path, sources: str, mix: str, rows: int = 4, tokens: int = 16) -> Path:
@@ -86,6 +91,7 @@ def _write_recipe(tmp_path: Path, sources: str, mix: str, rows: int = 4, tokens:
 
 
 def test_local_jsonl_parquet_and_hf_json(tokenizer, tmp_path: Path) -> None:
+    pytest.importorskip("datasets", reason="hf sources stream through the datasets package")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -117,10 +123,13 @@ def test_short_sources_cycle_and_empty_ones_fail(tokenizer, tmp_path: Path) -> N
     bad = _write_recipe(tmp_path, "  j: {kind: jsonl, path: bad.jsonl}", "{source: j}")
     with pytest.raises(UsageError, match="has no field 'text'"):
         build_token_rows(load_recipe(bad), tokenizer)
+    (tmp_path / "bad.jsonl").write_text('{"text": "unterminated\n')
+    with pytest.raises(UsageError, match="bad.jsonl: not valid jsonl"):
+        build_token_rows(load_recipe(bad), tokenizer)
 
 
 def test_unreachable_hub_dataset_is_a_usage_error(tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="hf sources stream through the datasets package")
 
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'glmquant-test/no-such-dataset' on the Hub (LocalEntryNotFoundError)")

@@ -34,6 +34,7 @@ def test_shape_override_and_hash() -> None:
         recipe.with_shape(rows=0)
 
 
+LANE = "name: x\nsources: {a: {kind: random}}\nlanes: [{name: l, rows: 2, tokens: 4, mix: [{source: a}]"
 BAD = [
     ("name: x\nsources: {}\nlanes: []\n", "lanes: at least one lane"),
     ("sources: {}\nlanes: []\n", "name: required key is missing"),
@@ -43,10 +44,8 @@ BAD = [
      r"lanes\[0\].mix\[0\].source: no source named 'b'"),
     ("name: x\nsources: {a: {kind: random}}\nlanes: [{name: l, rows: two, tokens: 4, mix: [{source: a}]}]\n",
      r"lanes\[0\].rows: expected int, got 'two'"),
-    ("name: x\nsources: {a: {kind: random}}\nlanes: [{name: l, rows: 2, tokens: 4, mix: [{source: a}], colour: red}]\n",
-     r"lanes\[0\].colour: unknown key"),
-    ("name: x\nsources: {a: {kind: random}}\nlanes: [{name: l, rows: 2, tokens: 4, use: [train], mix: [{source: a}]}]\n",
-     r"lanes\[0\].use: must list some of hessians, reap"),
+    (LANE + ", colour: red}]\n", r"lanes\[0\].colour: unknown key"),
+    (LANE + ", use: [train]}]\n", r"lanes\[0\].use: must list some of hessians, reap"),
     ("name: x\nsources: {a: {kind: hf, dataset: d, response_field: y}}\nlanes: []\n",
      "response_field: only meaningful with format: chat"),
     ("name: [unclosed\n", "not valid YAML"),

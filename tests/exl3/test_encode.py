@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from glmquant.exl3 import Codebook, EXL3Tensor, decode_weight, encode_linear, encode_linears, proxy_error
+from glmquant.exl3 import (
+    Codebook,
+    EXL3Tensor,
+    decode_weight,
+    encode_linear,
+    encode_linears,
+    proxy_error,
+)
 from glmquant.exl3.native import load_kernel
 
 CASES = [f"{cb}.K{k}" for cb in ("3inst", "mcg", "mul1") for k in (2, 3, 4)]
@@ -107,3 +114,14 @@ def test_zero_weight_encodes_to_zero() -> None:
     result = encode_linear(torch.zeros(128, 256), torch.eye(256), 2)
     assert torch.count_nonzero(decode_weight(result.tensor)) == 0
     assert isinstance(result.tensor, EXL3Tensor)
+
+
+@pytest.mark.gpu
+def test_cuda_encoder_matches_cpu_quality() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    w, h = correlated(128, 256, seed=9)
+    cpu = encode_linear(w, h, 2, seed=2)
+    gpu = encode_linear(w, h, 2, seed=2, device="cuda")
+    assert gpu.tensor.trellis.device.type == "cpu"  # stored tensors always come back on the CPU
+    assert gpu.proxy_error == pytest.approx(cpu.proxy_error, rel=0.03)

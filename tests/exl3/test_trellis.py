@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from glmquant.exl3.trellis import RING_ORDER, from_ring, pack_trellis, to_ring, unpack_trellis
+from glmquant.exl3.trellis import (
+    RING_ORDER,
+    from_ring,
+    pack_trellis,
+    to_ring,
+    unpack_trellis,
+)
 
 
 def ring_states(bits: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from observe_helpers import BATCH, observe_config
 
 from glmquant.calibration import TokenRows

@@ -69,7 +69,7 @@ def test_reap_statistics_equal_brute_force(observed: Path, reference) -> None:
 
 def test_routing_weights_are_the_models(observed: Path, reference) -> None:
     """Σg per expert must be the model's normalized, scaled, unbiased weights: top-k weights sum to 2.5."""
-    for layer, cap in reference.layers.items():
+    for layer in reference.layers:
         got = LayerStats.load(stats_path(observed, layer))
         torch.testing.assert_close(got.sums["sum_gate"].sum(), torch.tensor(2.5 * got.tokens, dtype=torch.float64))
 

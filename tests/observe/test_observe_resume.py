@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from observe_helpers import observe_config
+
 from glmquant.errors import UsageError
 from glmquant.observe import run
 from glmquant.observe.hessians import HessianMode
@@ -75,6 +75,10 @@ def test_other_settings_are_refused_and_keep_may_change(tiny_source: Path, obser
         observe(observe_config(tiny_source, tmp_path, hessians=HessianMode.NATURAL))
     with pytest.raises(UsageError, match="batch_rows"):
         observe(observe_config(tiny_source, tmp_path, batch_rows=1))
+    rows_before = (tmp_path / "token_rows.json").read_bytes()
+    with pytest.raises(UsageError, match="token_rows_sha256"):
+        observe(observe_config(tiny_source, tmp_path, rows=5))
+    assert (tmp_path / "token_rows.json").read_bytes() == rows_before  # the refused run overwrote nothing
     copy = Path(shutil.copytree(observed, tmp_path / "finished"))
     finished = observe(observe_config(tiny_source, copy, keep=3))
     assert finished.resumed_from_layer == 3  # nothing left to run: only the prune plan is redone

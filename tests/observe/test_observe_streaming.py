@@ -16,9 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from observe_helpers import observe_config
 
 from glmquant.errors import ConfigError
 from glmquant.observe import streaming
+from glmquant.observe.hessians import HessianMode
+from glmquant.observe.run import observe
 from glmquant.observe.streaming import stream_final_hidden
 
 
@@ -49,18 +52,23 @@ def test_stream_in_row_batches_equals_full_model_per_batch(tiny_source: Path, fu
     assert torch.equal(stream_final_hidden(tiny_source, ids, batch_rows=1), want)
 
 
-def test_one_decoder_layer_alive_at_a_time(tiny_source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _track_layers(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref]:
+    """Record every decoder layer built; fail if one is built while an earlier one is still alive."""
     alive: list[weakref.ref] = []
     original = streaming.load_decoder_layer
 
     def tracked(*args, **kwargs):
         gc.collect()
         assert not [r for r in alive if r() is not None], "a previous decoder layer is still in memory"
-        module = original(*args, **kwargs)
-        alive.append(weakref.ref(module))
+        alive.append(weakref.ref(module := original(*args, **kwargs)))
         return module
 
     monkeypatch.setattr(streaming, "load_decoder_layer", tracked)
+    return alive
+
+
+def test_one_decoder_layer_alive_at_a_time(tiny_source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    alive = _track_layers(monkeypatch)
     stream_final_hidden(tiny_source, _ids(2, 16))
     assert len(alive) == 3
 
@@ -74,13 +82,8 @@ def test_shared_indexer_layers_are_refused(tiny_source: Path, tmp_path: Path) ->
         stream_final_hidden(copy, _ids(1, 8))
 
 
-@pytest.mark.gpu
-def test_stream_on_cuda_equals_full_model_on_cuda(tiny_source: Path, full_model) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    ids = _ids(2, 40, seed=2)
-    with torch.no_grad():
-        want = full_model.to("cuda").model(input_ids=ids.cuda()).last_hidden_state
-    full_model.to("cpu")
-    got = stream_final_hidden(tiny_source, ids, device="cuda")
-    assert got.device.type == "cuda" and torch.equal(got, want)
+def test_observe_holds_one_decoder_layer_at_a_time(tiny_source: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    alive = _track_layers(monkeypatch)
+    observe(observe_config(tiny_source, tmp_path, rows=2, tokens=16, hessians=HessianMode.NONE, keep=None))
+    assert len(alive) == 3

@@ -6,10 +6,10 @@ import importlib.util
 
 import pytest
 import torch
+from runtime_media import image_message, mp4_data_url, png_data_url
 
 from glmquant.errors import UsageError
 from glmquant.runtime.chat import ChatFormat
-from media import image_message, png_data_url
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -66,6 +66,19 @@ def test_video_without_torchvision_is_refused_clearly(chat):
     video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
     with pytest.raises(UsageError, match="torchvision"):
         chat.render([{"role": "user", "content": [video, {"type": "text", "text": "direction?"}]}])
+
+
+def test_video_parts_reach_the_vision_tower(chat, tr3_f32):
+    pytest.importorskip("torchvision", reason="transformers' video processor needs torchvision")
+    pytest.importorskip("cv2", reason="the test writes its MP4 with OpenCV")
+    video = {"type": "video_url", "video_url": {"url": mp4_data_url()}}
+    prompt = chat.render([{"role": "user", "content": [video, {"type": "text", "text": "Which way does it move?"}]}])
+    vision = prompt.inputs.vision
+    assert {"pixel_values_videos", "video_grid_thw"} <= set(vision) and vision["video_grid_thw"][0, 0] >= 1
+    assert int((prompt.inputs.input_ids == tr3_f32.model.config.video_start_token_id).sum()) == 1
+    with torch.no_grad():
+        logits = tr3_f32.model(input_ids=prompt.inputs.input_ids, **vision).logits
+    assert torch.isfinite(logits).all()
 
 
 def test_text_only_model_refuses_images(artifacts):

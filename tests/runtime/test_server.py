@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 import torch
+from runtime_media import image_message, png_data_url
 
 from glmquant.runtime.server import RunningServer, serve_in_background
-from media import image_message, png_data_url
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "country": {"type": "string"}, "days": {"type": "integer"}},
@@ -188,3 +188,21 @@ def _post(server: RunningServer, path: str, body: object) -> tuple[int, dict]:
     conn.request("POST", path, data, {"Content-Type": "application/json"})
     response = conn.getresponse()
     return response.status, json.loads(response.read())
+
+
+def test_concurrent_sequences_match_sequential(artifacts):
+    """With two generation slots, interleaved sequences (each with its own cache) give the sequential answers."""
+    prompts = [[{"role": "user", "content": f"question {i} " * (i + 1)}] for i in range(3)]
+    with serve_in_background(artifacts["exllamav3"], concurrency=2, expert_cache=4) as running:
+        client = openai.OpenAI(base_url=running.base_url, api_key="unused", max_retries=0, timeout=120)
+        ask = lambda m: client.chat.completions.create(model="exllamav3", messages=m, max_tokens=6).choices[0]  # noqa: E731
+        sequential = [ask(m).message.content for m in prompts]
+        parallel: dict[int, str] = {}
+        threads = [threading.Thread(target=lambda i=i: parallel.update({i: ask(prompts[i]).message.content}))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [parallel[i] for i in range(3)] == sequential
+        assert running.service.health()["requests_served"] == 6

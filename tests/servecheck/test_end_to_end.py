@@ -5,16 +5,22 @@ what is checkable: token counts, needle placement, usage fields, finish reasons,
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 pytest.importorskip("glmquant.runtime.server", reason="the runtime's embedded server (glmquant.runtime.server) "
                                                       "is not importable here")
 
-from glmquant.runtime.server import serve_in_background
+from glmquant.cli import app
 from glmquant.servecheck import ServeCheckConfig, ServeCheckReport, serve_check
 from glmquant.servecheck.tokens import PromptTokenizer
 
@@ -22,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # the 
 from artifact_builder import build_artifact, write_reference
 
 MAX_TOKENS = 6
+SERVE_MAIN = "from glmquant.cli import main; main()"
 
 
 @pytest.fixture(scope="module")
@@ -84,24 +91,37 @@ def test_report_files_hold_every_response(embedded_report: ServeCheckReport, art
     assert markdown.startswith("# serve-check: FAIL") and "| speed | PASS |" in markdown
 
 
-def test_glmquant_serve_as_an_external_endpoint(artifact: Path, tmp_path: Path) -> None:
-    """No fakes: the CLI is pointed at a running glmquant server as at any OpenAI-compatible endpoint."""
-    import typer
+@pytest.fixture
+def glmquant_serve(artifact: Path) -> Iterator[str]:
+    """`glmquant serve ARTIFACT --port 0` in its own process; yields its base URL once it is serving."""
+    command = [sys.executable, "-c", SERVE_MAIN, "serve", str(artifact), "--port", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "COLUMNS": "400"})  # wide: the URL must not be wrapped
+    try:
+        deadline, url = time.monotonic() + 120, None
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            found = re.search(r"http://127\.0\.0\.1:\d+/v1", proc.stdout.readline())
+            url = found.group(0) if found else None
+        assert url is not None, "glmquant serve did not report a URL within 120 s"
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stdout.close()
 
-    from glmquant.cli.serve_check import register
 
-    app = typer.Typer()
-    register(app)
-    app.command("noop")(lambda: None)
-    with serve_in_background(artifact) as server:
-        result = CliRunner().invoke(app, [
-            "serve-check", "--endpoint", server.base_url, "--tokenizer", str(artifact), "--out", str(tmp_path),
-            "--gates", "speed,multilingual", "--speed-inputs", "300", "--max-tokens", "4", "--seed", "2"])
+@pytest.mark.skipif("serve" not in {c.name for c in app.registered_commands},
+                    reason="the `serve` verb (glmquant/cli/serve.py) is not registered in glmquant.cli yet")
+def test_glmquant_serve_as_an_external_endpoint(glmquant_serve: str, artifact: Path, tmp_path: Path) -> None:
+    """No fakes: serve-check pointed at a separately running `glmquant serve` like at any endpoint."""
+    result = CliRunner().invoke(app, [
+        "serve-check", "--endpoint", glmquant_serve, "--tokenizer", str(artifact), "--out", str(tmp_path),
+        "--gates", "speed,multilingual", "--speed-inputs", "300", "--max-tokens", "4", "--seed", "2"])
     assert result.exit_code == 1, result.output  # multilingual cannot pass on a random model
     data = json.loads((tmp_path / "serve-check.json").read_text())
-    assert data["target"] == server.base_url and data["model"] == artifact.name
+    assert data["target"] == glmquant_serve and data["model"] == artifact.name
     assert [g["passed"] for g in data["gates"]] == [False, True]
-    assert all(r["responses"][0]["usage"]["completion_tokens"] <= 4 for r in data["gates"][0]["cases"])
+    assert all(c["responses"][0]["usage"]["completion_tokens"] <= 4 for c in data["gates"][0]["cases"])
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +149,8 @@ def test_fidelity_against_the_artifacts_own_weights_and_against_other_weights(
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_gates_and_fidelity_on_cuda(artifact: Path, reference: Path, tmp_path: Path) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     report = serve_check(ServeCheckConfig(
         artifact=artifact, bf16_source=reference, device="cuda", out=tmp_path, gates=("needle", "speed", "fidelity"),
         needle_tokens=1500, speed_inputs=(700,), max_tokens=MAX_TOKENS, panel_rows=2, panel_tokens=48,

@@ -116,6 +116,7 @@ def test_cli_hands_the_library_the_exact_config(monkeypatch: pytest.MonkeyPatch,
         raise UsageError("stop here")
 
     monkeypatch.setattr("glmquant.cli.serve_check.serve_check", fake)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     result = cli([str(tmp_path), "--gates", "needle,speed,fidelity", "--needle-tokens", "4096", "--speed-inputs",
                   "512,2048", "--concurrency", "4", "--bf16-source", str(tmp_path), "--kl-max", "0.3",
                   "--top1-min", "0.8", "--max-tokens", "64"])

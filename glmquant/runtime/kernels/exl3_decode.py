@@ -77,23 +77,40 @@ def codebook_value(state, CB: tl.constexpr, mask, flip):
 
 
 @triton.jit
-def decode_fields(tile_ptr, g, l4, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
-    """fp16 weights at ring fields (g, l4, e2, e01 = 2 e1 + e0) of the tiles at tile_ptr (broadcast shapes).
+def load_window(tile_ptr, g, l4, e2, e01, K: tl.constexpr):
+    """Stream window of the block holding ring fields (g, l4, e2, e01 = 2 e1 + e0) of the tiles at tile_ptr.
 
-    The stream window depends on the high fields only (which ones is fixed by B), so it is loaded and
-    assembled once per block of B weights when the low fields are separate tensor dims.
+    Uses only the high fields (which ones is fixed by B), so with the low fields as separate tensor dims it
+    is loaded and assembled once per block of B weights. Separate from `window_values` so a kernel can
+    issue the next step's loads before decoding the current one.
     """
     B: tl.constexpr = 8 if K <= 2 else 4 if K <= 5 else 2
     if B == 8:
-        win = block_window(tile_ptr, 4 * g + l4, K, B)
-        state = block_state(win, 4 * e2 + e01, K, B)
+        blk = 4 * g + l4
     elif B == 4:
-        win = block_window(tile_ptr, 8 * g + 2 * l4 + e2, K, B)
-        state = block_state(win, e01, K, B)
+        blk = 8 * g + 2 * l4 + e2
     else:
-        win = block_window(tile_ptr, 16 * g + 4 * l4 + 2 * e2 + e01 // 2, K, B)
-        state = block_state(win, e01 % 2, K, B)
-    return codebook_value(state, CB, mask, flip)
+        blk = 16 * g + 4 * l4 + 2 * e2 + e01 // 2
+    return block_window(tile_ptr, blk, K, B)
+
+
+@triton.jit
+def window_values(win, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
+    """fp16 weights at the low ring fields (e2, e01) of the blocks whose windows are `win`."""
+    B: tl.constexpr = 8 if K <= 2 else 4 if K <= 5 else 2
+    if B == 8:
+        pos = 4 * e2 + e01
+    elif B == 4:
+        pos = e01
+    else:
+        pos = e01 % 2
+    return codebook_value(block_state(win, pos, K, B), CB, mask, flip)
+
+
+@triton.jit
+def decode_fields(tile_ptr, g, l4, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
+    """fp16 weights at ring fields (g, l4, e2, e01 = 2 e1 + e0) of the tiles at tile_ptr (broadcast shapes)."""
+    return window_values(load_window(tile_ptr, g, l4, e2, e01, K), e2, e01, K, CB, mask, flip)
 
 
 @triton.jit

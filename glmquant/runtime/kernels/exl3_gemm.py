@@ -10,6 +10,7 @@ V experts; a single linear is P = V = 1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from glmquant.exl3 import EXL3Tensor
-from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, decode_fields
+from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, load_window, window_values
 
 
 JOB_ROWS = tl.constexpr(16)  # rows of one tensor-core tile: the most rows a job can hold
@@ -25,33 +26,30 @@ JOB_ROWS = tl.constexpr(16)  # rows of one tensor-core tile: the most rows a job
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Launch shape of the core: tile rows (ti) and 16-column tiles (tj) per step, K splits, warps.
+    """Launch shape of the core: tile rows (ti) and 16-column tiles (tj) per step, tile rows per K split, warps.
 
     ti = 4, tj = 8 decodes a 64 x 128 weight block per step (64 codes per thread at 4 warps) into a
-    16 x 128 fp32 accumulator: ~130 registers and ~25 KB shared memory (decoded block + pipelined
+    16 x 128 fp32 accumulator: ~95 registers and ~20 KB shared memory (decoded block + pipelined
     activations), so several programs fit per SM on a GB10 (64K registers, ~100 KB shared memory).
+    K is cut into splits of gcd(k_tiles, split_tiles) tile rows: the same on every GPU (deterministic
+    sums), and at most a few trip counts to compile. 1024 rows per split gives a 4096 x 2048 expert
+    64 programs per route (1,024 for a batch-1 top-8 step: ~8 per SM on an H200, ~21 on a GB10).
     """
 
     ti: int = 4
     tj: int = 8
-    splits: int = 1
+    split_tiles: int = 64
     num_warps: int = 4
 
     def tiles_per_split(self, k_tiles: int) -> int:
         """16-row tiles per K split; every split is the same whole number of ti-row steps."""
-        if k_tiles % (self.splits * self.ti):
-            raise ValueError(f"{k_tiles} tile rows do not split into {self.splits} x steps of {self.ti}")
-        return k_tiles // self.splits
+        tiles = math.gcd(k_tiles, self.split_tiles)
+        if tiles % self.ti:
+            raise ValueError(f"{k_tiles} tile rows do not split into steps of {self.ti} (split_tiles {self.split_tiles})")
+        return tiles
 
-
-def choose_gemm_config(device: torch.device, jobs: int, k_tiles: int, col_blocks: int) -> GemmConfig:
-    """Split K (a divisor of the step count) until the grid covers the GPU ~4 times, keeping >= 4 steps per split."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    cfg = GemmConfig()
-    steps = k_tiles // cfg.ti
-    want = triton.cdiv(4 * sms, max(1, jobs * col_blocks))
-    splits = max(d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or (d <= want and steps // d >= 4)))
-    return GemmConfig(splits=splits)
+    def splits(self, k_tiles: int) -> int:
+        return k_tiles // self.tiles_per_split(k_tiles)
 
 
 @triton.jit
@@ -97,8 +95,9 @@ def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_pt
     """part[s, p, job rows, cols] = x[p, job rows, k-split s] @ Q[p, expert] for one 16*TJ-column block.
 
     Each step decodes a [TI*16, TJ*16] weight block in registers as dims [ti, tj, e1, e0, e2, g, l4]: the
-    stream window depends on (ti, tj, g, l4) only, so it is built once per block of positions; the block is
-    then permuted to (k, n) order and fed to two fp16 tensor-core products (activation hi and lo planes).
+    stream window depends on (ti, tj, g, l4) only, so it is built once per block of positions (and loaded two
+    steps ahead, hiding the memory latency of these 2-byte gathers that cp.async pipelining cannot take); the
+    block is then permuted to (k, n) order and fed to two fp16 tensor-core products (activation hi and lo).
     """
     if ONE_ROW_JOBS:
         row0 = tl.program_id(0)
@@ -123,13 +122,19 @@ def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_pt
         m = tl.arange(0, JOB_ROWS)[:, None]
         xrow = x_ptr + (p * R + row0 + m).to(tl.int64) * (2 * KT * 16) + tl.arange(0, TI * 16)[None, :]
         acc = tl.zeros([JOB_ROWS, TJ * 16], dtype=tl.float32)
+        first = split * STEP_TILES
+        rows_step = NT * 16 * K  # int16 words per row of tiles
+        win = load_window(tiles + (first + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
+        win1 = load_window(tiles + (first + TI % STEP_TILES + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
         for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
-            ti = split * STEP_TILES + step
-            q = decode_fields(tiles + (ti + ti_) * (NT * 16 * K), g, l4, e2, 2 * e1 + e0, K, CB, hash_mask, hash_flip)
+            # windows are loaded two steps ahead (the last steps reload the first: in cache, never used)
+            win2 = load_window(tiles + (first + (step + 2 * TI) % STEP_TILES + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
+            q = window_values(win, e2, 2 * e1 + e0, K, CB, hash_mask, hash_flip)
             q = tl.reshape(tl.permute(q, (0, 2, 6, 3, 1, 4, 5)), (TI * 16, TJ * 16))  # k = (ti, e1, l4, e0), n = (tj, e2, g)
-            hi = tl.load(xrow + 16 * ti, mask=m < rows, other=0.0)
-            lo = tl.load(xrow + KT * 16 + 16 * ti, mask=m < rows, other=0.0)
+            hi = tl.load(xrow + 16 * (first + step), mask=m < rows, other=0.0)
+            lo = tl.load(xrow + KT * 16 + 16 * (first + step), mask=m < rows, other=0.0)
             acc = tl.dot(lo, q, tl.dot(hi, q, acc))
+            win, win1 = win1, win2
         cols = nb * TJ * 16 + tl.arange(0, TJ * 16)[None, :]
         dst = part_ptr + ((split * (tl.num_programs(1) // n_blocks) + p) * R + row0 + m).to(tl.int64) * (NT * 16)
         tl.store(dst + cols, acc, mask=m < rows)
@@ -203,9 +208,9 @@ def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs:
     """
     P, V, kt, nt, _ = stack.trellis.shape
     R = xr.shape[1]
-    part = torch.empty((cfg.splits, P, R, nt * 16), dtype=torch.float32, device=xr.device)
+    part = torch.empty((cfg.splits(kt), P, R, nt * 16), dtype=torch.float32, device=xr.device)
     starts, counts = jobs if jobs is not None else (experts, experts)  # unread for one-row jobs
-    grid = (R if jobs is None else starts.numel(), P * (nt // cfg.tj), cfg.splits)
+    grid = (R if jobs is None else starts.numel(), P * (nt // cfg.tj), cfg.splits(kt))
     _exl3_rows_kernel[grid](
         xr, stack.trellis, experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
         STEP_TILES=cfg.tiles_per_split(kt),
@@ -225,12 +230,12 @@ def rotate_out(part: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, exp
     return out
 
 
-def exl3_linear(x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConfig | None = None) -> torch.Tensor:
-    """y = x @ W.T for one EXL3 linear (x [M, in_features], any float dtype; y [M, out_features] in x's dtype)."""
+def exl3_linear(x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConfig | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T for one EXL3 linear (x [M, in_features], any float dtype; y [M, out_features], x's dtype or out's)."""
     stack = tensor if isinstance(tensor, WeightStack) else WeightStack.from_tensors([[tensor]], x.device)
     M = x.shape[0]
-    kt, nt = stack.trellis.shape[2:4]
-    cfg = cfg or choose_gemm_config(x.device, triton.cdiv(M, JOB_ROWS.value), kt, nt // 8)
+    cfg = cfg or GemmConfig()
     rows = torch.arange(M, dtype=torch.int32, device=x.device)
     zero = torch.zeros(M, dtype=torch.int32, device=x.device)
     xr = rotate_in(x, rows, stack, zero)
@@ -238,5 +243,5 @@ def exl3_linear(x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConf
     jobs = (starts, (M - starts).clamp(max=JOB_ROWS.value).to(torch.int32)) if M > 1 else None
     part = exl3_rows(xr, stack, zero, jobs, cfg)
     ones = torch.ones((M, 1), dtype=torch.float32, device=x.device)
-    out = torch.empty((M, stack.out_features), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, stack.out_features), dtype=x.dtype, device=x.device) if out is None else out
     return rotate_out(part, rows, ones, zero, stack, out)

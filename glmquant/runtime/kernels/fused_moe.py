@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from glmquant.runtime.kernels.exl3_gemm import JOB_ROWS, GemmConfig, WeightStack, choose_gemm_config, exl3_rows, \
-    had128_rows, rotate_in, rotate_out, store_hi_lo
+from glmquant.runtime.kernels.exl3_gemm import JOB_ROWS, GemmConfig, WeightStack, exl3_rows, had128_rows, rotate_in, \
+    rotate_out, store_hi_lo
 
 
 @dataclass(frozen=True)
@@ -113,32 +113,28 @@ class MoEConfig:
     """Launch shapes of one step: whether tokens share expert decodes (sorted jobs) and the two cores' configs."""
 
     share: bool
-    gate_up: GemmConfig
-    down: GemmConfig
+    gate_up: GemmConfig = GemmConfig()
+    down: GemmConfig = GemmConfig()
 
 
-def choose_moe_config(device: torch.device, w: MoEWeights, tokens: int, routes: int) -> MoEConfig:
-    """Share decodes (sort routes) once a batch has more than one token; K splits sized for the device."""
-    share = tokens > 1
-    jobs = min(tokens * routes, w.experts) if share else tokens * routes
-    kt_gu, nt_gu = w.gate_up.trellis.shape[2:4]
-    kt_d, nt_d = w.down.trellis.shape[2:4]
-    return MoEConfig(share, choose_gemm_config(device, jobs, kt_gu, 2 * nt_gu // 8),
-                     choose_gemm_config(device, jobs, kt_d, nt_d // 8))
+def choose_moe_config(tokens: int) -> MoEConfig:
+    """Share decodes (sort routes by expert) once a batch has more than one token."""
+    return MoEConfig(share=tokens > 1)
 
 
 def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
-              cfg: MoEConfig | None = None) -> torch.Tensor:
+              cfg: MoEConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down_v(silu(clamp(gate_v x_t)) * clamp(up_v x_t)), v = expert_ids[t, j].
 
     hidden [T, H] any float dtype; expert_ids [T, n] virtual expert ids; weights [T, n] router weights.
-    Returns [T, H] in hidden's dtype.
+    Returns [T, H] in hidden's dtype (or fills `out`).
     """
     T, n = expert_ids.shape
-    cfg = cfg or choose_moe_config(hidden.device, w, T, n)
+    cfg = cfg or choose_moe_config(T)
     plan = plan_routes(expert_ids, cfg.share)
     x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts)
     x_d = swiglu(exl3_rows(x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up), plan, w)
     part = exl3_rows(x_d, w.down, plan.experts, plan.jobs, cfg.down)
-    out = torch.empty((T, w.down.out_features), dtype=hidden.dtype, device=hidden.device)
+    if out is None:
+        out = torch.empty((T, w.down.out_features), dtype=hidden.dtype, device=hidden.device)
     return rotate_out(part, plan.pos, weights.float().contiguous(), plan.experts, w.down, out)

@@ -123,3 +123,32 @@ def test_changed_options_do_not_resume(small_source: Path, tr3_artifact: Path, t
     (work / "encode-state.json").write_text(json.dumps({"fingerprint": "other", "layers": {}}))
     with pytest.raises(UsageError, match="other inputs or options"):
         encode_artifact(EncodeConfig(source=small_source, out=tmp_path / "a", work_dir=work), QUIET)
+
+
+def test_exllamav3_layout_with_pruning(small_source: Path, tmp_path: Path) -> None:
+    """One EXL3 tensor per projection, modules packed into model-* shards, REAP-style pruning to 1 expert."""
+    spec = load_model_spec(small_source)
+    plan_file = tmp_path / "prune_plan.json"
+    plan_file.write_text(json.dumps({"keep": 1, "layers": {str(l): [1] for l in spec.moe_layers}}))
+    out = tmp_path / "artifact"
+    encode_artifact(EncodeConfig(source=small_source, out=out, layout="exllamav3", prune_plan=plan_file), QUIET)
+    config = json.loads((out / "config.json").read_text())
+    assert config["text_config"]["n_routed_experts"] == 1
+    table = table_for(spec)
+    with SourceCheckpoint.open(small_source) as src, SourceCheckpoint.open(out) as art:
+        names = set(art.names())
+        for layer in spec.moe_layers:
+            key = f"{table.layer_prefix(layer)}mlp.experts.0.gate_proj"
+            assert {f"{key}.trellis", f"{key}.suh", f"{key}.svh", f"{key}.mcg"} <= names
+            assert not any(f"{table.layer_prefix(layer)}mlp.experts.1." in n for n in names)
+            parts = {n: art.read_tensor(n) for n in names if n.startswith(key + ".")}
+            decoded = decode_weight(EXL3Tensor.from_tensors(parts, key, spec.hidden_size, spec.moe_intermediate_size),
+                                    torch.float32)
+            source = src.read_tensor(f"{table.layer_prefix(layer)}mlp.experts.1.gate_proj.weight").float()
+            assert ((decoded - source).norm() / source.norm()).item() < 0.45
+            router = f"{table.layer_prefix(layer)}mlp.gate.weight"
+            assert art.read_raw(router) == src.read_raw(router)[spec.hidden_size * 2: spec.hidden_size * 4]
+        mtp = spec.mtp_layers[0]  # no statistics for the MTP layer: it keeps the last MoE layer's experts
+        assert art.read_raw(f"{table.layer_prefix(mtp)}mlp.experts.0.up_proj.weight") == src.read_raw(
+            f"{table.layer_prefix(mtp)}mlp.experts.1.up_proj.weight")
+    assert verify_artifact(out, fast=False, show_progress=False).ok

@@ -1,0 +1,305 @@
+"""Correctness of the EXL3 Triton kernels on a CUDA GPU; writes kernels_check.json under --out.
+
+For every codebook and K in {2, 3, 4}, with fresh random inputs each time:
+  - decode: unit-vector activations through the production core return the inner weight Q bit for bit;
+  - linear: real expert shapes (4096 x 2048, 2048 x 4096) at 1 and 33 rows (one-row and 16-row jobs) against an exact float64 W
+    (relative Frobenius error < LINEAR_BOUND), outputs pre-filled with NaN and the allocator's free blocks
+    poisoned with NaN, so any element a kernel fails to write shows up;
+  - moe: the fused step, plain (16 experts of 4096 x 2048, top-8) and rank-stacked (64 virtual experts of
+    width 512, 32 routes), 1 and 16 tokens, against a float64 reference (error < MOE_BOUND), same poisoning.
+Also: graph replay equals eager bit for bit, compile reports of the core for sm_90 and sm_121, and the tiny
+artifact decoded by the runtime on CUDA (triton backend with graphs) against the torch backend.
+
+    python scripts/gpu_kernels_check.py --out DIR
+    python scripts/gpu_kernels_check.py --out DIR --compile-only   # no GPU needed: kernels_compile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
+from glmquant.runtime.kernels.cuda_graphs import StepGraphs
+from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack, exl3_linear, exl3_rows
+from glmquant.runtime.kernels.fused_moe import MoEWeights, fused_moe
+
+LINEAR_BOUND = 2e-5
+MOE_BOUND = 1e-4
+TAGS = [(cb, k) for cb in ("3inst", "mcg", "mul1") for k in (2, 3, 4)]
+
+
+def random_exl3(gen: torch.Generator, inf: int, outf: int, bits: int, codebook: str, scale: float) -> EXL3Tensor:
+    """Random trellis and random-sign scales on the generator's device (|suh| ~ scale, |svh| ~ 1)."""
+    def signed(n: int) -> torch.Tensor:
+        s = torch.randint(0, 2, (n,), generator=gen, device=gen.device) * 2 - 1
+        return s * (0.5 + torch.rand(n, generator=gen, device=gen.device))
+    trellis = torch.randint(-32768, 32768, (inf // 16, outf // 16, 16 * bits), generator=gen, device=gen.device,
+                            dtype=torch.int32).to(torch.int16)
+    return EXL3Tensor(trellis, (signed(inf) * scale).half(), signed(outf).half(), Codebook(codebook), inf, outf)
+
+
+def exact_w(t: EXL3Tensor) -> torch.Tensor:
+    """float64 W (in, out) = diag(suh) P Q P diag(svh) from the bit-exact Q, on the tensor's device."""
+    i = torch.arange(128, device=t.trellis.device)
+    parity = sum(((i[:, None] & i[None, :]) >> b) & 1 for b in range(7)) % 2
+    h = (1 - 2 * parity).double() / 128**0.5
+    q = decode_inner(t.trellis, t.codebook).double()
+    kp, np_ = q.shape
+    q = (h @ q.view(kp // 128, 128, np_)).view(kp, np_)
+    q = (q.view(kp, np_ // 128, 128) @ h).view(kp, np_)
+    return t.suh.double()[:, None] * q * t.svh.double()[None, :]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float("inf") if not torch.isfinite(got).all() else float((got - want).norm() / want.norm())
+
+
+def poison_allocator(device: torch.device) -> None:
+    """Leave NaN in the caching allocator's free blocks (large and small pools) for the next allocations."""
+    if device.type == "cuda":
+        big = torch.full((1 << 28,), float("nan"), device=device)  # 1 GiB
+        small = [torch.full((1 << 18,), float("nan"), device=device) for _ in range(64)]  # 1 MiB blocks
+        del big, small
+
+
+def check_decode(gen: torch.Generator, cb: str, k: int) -> dict:
+    """x = identity rows: the core's fp32 partial sums are exactly Q (one product 1.0 * q per output)."""
+    dev = gen.device
+    t = random_exl3(gen, 256, 512, k, cb, 1.0)
+    stack = WeightStack.from_tensors([[t]], dev)
+    xr = torch.zeros((1, 256, 2, 256), dtype=torch.float16, device=dev)
+    xr[0, :, 0] = torch.eye(256, device=dev)
+    starts = torch.arange(0, 256, 16, dtype=torch.int32, device=dev)
+    part = exl3_rows(xr, stack, torch.zeros(256, dtype=torch.int32, device=dev),
+                     (starts, torch.full_like(starts, 16)), GemmConfig(split_tiles=8)).sum(0)[0]
+    q = decode_inner(t.trellis, t.codebook).float()
+    return {"bit_exact": bool(torch.equal(part, q)), "mismatches": int((part != q).sum())}
+
+
+def check_linear(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int) -> dict:
+    result, dev = {}, gen.device
+    for inf, outf in ((hidden, inter), (inter, hidden)):
+        t = random_exl3(gen, inf, outf, k, cb, 0.02)
+        stack = WeightStack.from_tensors([[t]], dev)
+        w = exact_w(t)
+        for rows in (1, 33):
+            x = torch.randn(rows, inf, generator=gen, device=dev)
+            out = torch.full((rows, outf), float("nan"), device=dev)
+            poison_allocator(dev)
+            exl3_linear(x, stack, out=out)
+            result[f"{inf}x{outf}.rows{rows}"] = rel_err(out, x.double() @ w)
+    return result
+
+
+def moe_case(gen: torch.Generator, cb: str, k: int, experts: int, hidden: int, inter: int):
+    make = lambda i, o, s: [random_exl3(gen, i, o, k, cb, s) for _ in range(experts)]  # noqa: E731
+    gates, ups, downs = make(hidden, inter, 0.06), make(hidden, inter, 0.06), make(inter, hidden, 0.01)
+    dev = gen.device
+    w = MoEWeights(WeightStack.from_tensors([gates, ups], dev), WeightStack.from_tensors([downs], dev), 10.0)
+    return w, [exact_w(t) for t in gates], [exact_w(t) for t in ups], [exact_w(t) for t in downs]
+
+
+def moe_reference(x, ids, weights, wg, wu, wd, limit=10.0):
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    clamped = 0
+    for t in range(x.shape[0]):
+        for j, v in enumerate(ids[t].tolist()):
+            g, u = x[t].double() @ wg[v], x[t].double() @ wu[v]
+            clamped += int((g > limit).sum() + (u.abs() > limit).sum())
+            out[t] += weights[t, j].double() * ((F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)) @ wd[v])
+    return out, clamped
+
+
+def check_moe(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int) -> dict:
+    result, dev = {}, gen.device
+    for layout, experts, width, n in (("plain", 16, inter, 8), ("tr3", 64, inter // 4, 32)):
+        w, wg, wu, wd = moe_case(gen, cb, k, experts, hidden, width)
+        for tokens in (1, 16):
+            x = torch.randn(tokens, hidden, generator=gen, device=dev)
+            ids = torch.stack([torch.randperm(experts, generator=gen, device=dev)[:n] for _ in range(tokens)])
+            weights = torch.rand(tokens, n, generator=gen, device=dev)
+            want, clamped = moe_reference(x, ids, weights, wg, wu, wd)
+            out = torch.full((tokens, hidden), float("nan"), device=dev)
+            poison_allocator(dev)
+            fused_moe(x, ids, weights, w, out=out)
+            result[f"{layout}.tokens{tokens}"] = {"rel_err": rel_err(out, want), "clamped_values": clamped}
+    return result
+
+
+def check_graphs(gen: torch.Generator, hidden: int, inter: int) -> dict:
+    """Eager, capture, then replays with fresh inputs: every replay equals an eager run bit for bit."""
+    w, *_ = moe_case(gen, "mcg", 2, 16, hidden, inter)
+    graphs, diffs = StepGraphs(), []
+    step = lambda h, i, r: fused_moe(h, i, r, w)  # noqa: E731
+    for _ in range(5):
+        x = torch.randn(2, hidden, generator=gen, device="cuda")
+        ids = torch.stack([torch.randperm(16, generator=gen, device="cuda")[:8] for _ in range(2)])
+        weights = torch.rand(2, 8, generator=gen, device="cuda")
+        diffs.append(float((graphs("moe", step, x, ids, weights) - step(x, ids, weights)).abs().max()))
+    return {"max_abs_diff_per_call": diffs, "graphs_captured": graphs.captured}
+
+
+def loop_mix(sass: str) -> dict:
+    """Instruction counts of the longest loop body in a SASS listing (the core's K loop)."""
+    instr = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    where = {a: i for i, (a, _) in enumerate(instr)}
+    best: list[str] = []
+    for i, (a, text) in enumerate(instr):
+        target = re.search(r"BRA\s+.*?0x([0-9a-f]+)", text)
+        if target and int(target[1], 16) < a and int(target[1], 16) in where:
+            body = [t for _, t in instr[where[int(target[1], 16)]: i + 1]]
+            best = body if len(body) > len(best) else best
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best]
+    return {op: ops.count(op) for op in sorted(set(ops), key=lambda o: -ops.count(o))}
+
+
+def compile_reports() -> dict:
+    """Per target (sm_90, sm_121): registers, spills, shared memory, the K-loop SASS instruction mix of the core
+    (K2 MCG, default config; Triton's nvdisasm cannot decode sm_121a, so that mix is empty) and the PTX ops
+    that only Hopper has (wgmma, TMA bulk tensor copies, setmaxnreg). Needs triton only, no GPU."""
+    from triton.backends.compiler import GPUTarget
+
+    from glmquant.runtime.kernels.exl3_gemm import _exl3_rows_kernel
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    sig = {"x_ptr": "*fp16", "trellis_ptr": "*i16", "expert_ptr": "*i32", "job_start_ptr": "*i32",
+           "job_rows_ptr": "*i32", "part_ptr": "*fp32", "R": "i32", "V": "i32", "KT": "i32", "NT": "i32",
+           "hash_mask": "i32", "hash_flip": "i32"}
+    cfg = GemmConfig()
+    const = {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "ONE_ROW_JOBS": True, "TI": cfg.ti, "TJ": cfg.tj}
+    weights_per_thread = cfg.ti * 16 * cfg.tj * 16 // (32 * cfg.num_warps)
+    reports = {"config": {**const, "num_warps": cfg.num_warps, "weights_per_thread_per_step": weights_per_thread}}
+    for cc in (90, 121):
+        src = triton.compiler.ASTSource(fn=_exl3_rows_kernel, signature={**sig, **{c: "constexpr" for c in const}},
+                                        constexprs=const)
+        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg.num_warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        mix = loop_mix(sass)
+        ptx = kernel.asm["ptx"]
+        reports[f"sm_{cc}"] = {"target": re.search(r"\.target\s+(\S+)", ptx)[1],
+                               "resource_usage": re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage),
+                               "shared_bytes_launch": kernel.metadata.shared, "k_loop_sass": mix,
+                               "sass_instructions_per_weight": sum(mix.values()) / weights_per_thread if mix else None,
+                               "ptx_mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+                               "ptx_hopper_only": sorted(set(re.findall(r"wgmma|cp\.async\.bulk\.tensor|setmaxnreg", ptx)))}
+    return reports
+
+
+def check_runtime(tmp: Path) -> dict:
+    """Greedy tokens of the tiny tr3 artifact: triton (graphs) on CUDA vs the torch backend on CUDA and CPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime"))
+    from artifact_builder import build_artifact  # the runtime tests' random-expert artifact writer
+
+    from glmquant.fixtures import build_tiny_checkpoint
+    from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
+    from glmquant.runtime.loader import load_model
+    from glmquant.runtime.options import RuntimeOptions
+
+    artifact = build_artifact(build_tiny_checkpoint(tmp / "source"), tmp / "artifact", "tr3")
+    prompt = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
+    tokens, captured = {}, 0
+    for name, device, backend in (("triton_cuda_graphs", "cuda", "triton"), ("torch_cuda", "cuda", "torch"),
+                                  ("torch_cpu", "cpu", "torch")):
+        loaded = load_model(artifact, RuntimeOptions(device=device, dtype="float32", backend=backend))
+        tokens[name] = list(generate(loaded.model, prompt, SamplingParams(max_tokens=24), lambda ids: "").token_ids)
+        captured = max(captured, getattr(getattr(loaded.backend, "graphs", None), "captured", 0))
+    return {"tokens": tokens, "graphs_captured": captured,
+            "triton_equals_torch_cuda": tokens["triton_cuda_graphs"] == tokens["torch_cuda"],
+            "triton_equals_torch_cpu": tokens["triton_cuda_graphs"] == tokens["torch_cpu"]}
+
+
+def run(name: str, fn, results: dict) -> None:
+    t0 = time.time()
+    try:
+        results[name] = fn()
+    except Exception:  # a failing check is recorded and the others still run
+        results[name] = {"error": traceback.format_exc()[-3000:]}
+    print(f"{name}: {time.time() - t0:.1f}s", flush=True)
+
+
+def passed(results: dict) -> dict:
+    def worst(section: dict, key: str | None = None) -> float:
+        vals = [v[key] if key else v for v in section.values()] if "error" not in section else [float("inf")]
+        return max(vals)
+    verdict = {}
+    for cb, k in TAGS:
+        tag = f"{cb}.K{k}"
+        verdict[tag] = {"decode_bit_exact": results.get(f"decode.{tag}", {}).get("bit_exact", False),
+                        "linear_max_rel_err": worst(results.get(f"linear.{tag}", {"error": 1})),
+                        "moe_max_rel_err": worst(results.get(f"moe.{tag}", {"error": 1}), "rel_err")}
+        verdict[tag]["pass"] = (verdict[tag]["decode_bit_exact"] and verdict[tag]["linear_max_rel_err"] < LINEAR_BOUND
+                                and verdict[tag]["moe_max_rel_err"] < MOE_BOUND)
+    return verdict
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=4096, help="expert input width (GLM-5.3-Flash: 4096)")
+    parser.add_argument("--inter", type=int, default=2048, help="expert intermediate width (GLM-5.3-Flash: 2048)")
+    parser.add_argument("--device", default="cuda", help="cpu only for a dry run under TRITON_INTERPRET=1")
+    parser.add_argument("--compile-only", action="store_true", help="only the sm_90/sm_121 compile reports (no GPU)")
+    args = parser.parse_args()
+    if args.compile_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report = {"triton": triton.__version__, **compile_reports()}
+        (args.out / "kernels_compile.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report, indent=1))
+        return
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    cuda = gen.device.type == "cuda"
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    header = {"gpu": torch.cuda.get_device_name() if cuda else "cpu (triton interpreter)",
+              "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+              "shapes": {"hidden": args.hidden, "inter": args.inter},
+              "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+              "bounds": {"linear_rel_frobenius": LINEAR_BOUND, "moe_rel_frobenius": MOE_BOUND}}
+
+    def save() -> dict:
+        verdict = passed(results)
+        report = {**header, "verdict": verdict, "all_pass": all(v["pass"] for v in verdict.values()), "results": results}
+        (args.out / "kernels_check.json").write_text(json.dumps(report, indent=2) + "\n")
+        return verdict
+
+    if cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            run("runtime_tiny_artifact", lambda: check_runtime(Path(tmp)), results)
+        run("graphs", lambda: check_graphs(gen, args.hidden, args.inter), results)
+    for cb, k in TAGS:
+        run(f"decode.{cb}.K{k}", lambda: check_decode(gen, cb, k), results)
+        run(f"linear.{cb}.K{k}", lambda: check_linear(gen, cb, k, args.hidden, args.inter), results)
+        run(f"moe.{cb}.K{k}", lambda: check_moe(gen, cb, k, args.hidden, args.inter), results)
+        save()
+    if cuda:
+        run("compile", compile_reports, results)
+    verdict = save()
+    for tag, v in verdict.items():
+        print(f"{tag:10s} decode_exact={v['decode_bit_exact']!s:5s} linear={v['linear_max_rel_err']:.2e} "
+              f"moe={v['moe_max_rel_err']:.2e} {'PASS' if v['pass'] else 'FAIL'}")
+    for name in ("graphs", "runtime_tiny_artifact", "compile"):
+        if name in results:
+            print(name, json.dumps({k: v for k, v in results[name].items() if k != "tokens"})[:600])
+
+
+if __name__ == "__main__":
+    main()

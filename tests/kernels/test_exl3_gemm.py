@@ -1,0 +1,45 @@
+"""The EXL3 GEMV/GEMM core (decode in registers, tensor-core products) against an exact float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import exact_weight, kernel_device, random_exl3, rel_err
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack, exl3_linear  # noqa: E402
+
+BOUND = 2e-5  # fp32-level: activations enter as fp16 hi + lo planes, Hadamards run as tf32x3 products
+
+
+@pytest.mark.parametrize(("codebook", "bits", "rows", "cfg"), [
+    ("mcg", 2, 1, GemmConfig(ti=2, tj=4, split_tiles=8)),  # 2 K splits
+    ("3inst", 3, 19, GemmConfig(ti=1, tj=8, split_tiles=4)),  # 4 K splits, two jobs (16 + 3 rows), B = 4 windows
+    ("mul1", 7, 5, GemmConfig(ti=4, tj=8)),  # one K split, B = 2 windows
+])
+def test_linear_matches_exact_weight(codebook, bits, rows, cfg):
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(bits)
+    t = random_exl3(gen, 200, 136, bits, codebook, scale=0.1)  # both dims padded (256 x 256)
+    x = torch.randn(rows, 200, generator=gen)
+    want = x.double() @ exact_weight(t).T
+    got = exl3_linear(x.to(device), WeightStack.from_tensors([[t]], device), cfg)
+    assert got.shape == (rows, 136) and got.dtype == torch.float32
+    assert rel_err(got, want) < BOUND
+
+
+def test_output_keeps_input_dtype_and_default_config():
+    device = kernel_device()
+    t = random_exl3(torch.Generator().manual_seed(1), 128, 128, 2, "mcg", scale=0.1)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(2))
+    got = exl3_linear(x.to(device, torch.bfloat16), t)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, x.bfloat16().double() @ exact_weight(t).T) < 1e-2  # bf16 output rounding
+
+
+def test_config_splits_k_into_whole_steps():
+    cfg = GemmConfig()  # 64 tile rows (1024 weight rows) per split
+    assert (cfg.splits(256), cfg.splits(128), cfg.splits(32), cfg.tiles_per_split(200)) == (4, 2, 1, 8)
+    with pytest.raises(ValueError, match="do not split"):
+        GemmConfig(ti=8, split_tiles=4).tiles_per_split(32)
