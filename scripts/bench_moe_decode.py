@@ -135,7 +135,7 @@ def graph_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: list[tupl
     step = capture(clock, fn, *inputs[0])
 
     def run(i: int) -> Callable[[], float]:
-        for static, value in zip(step.inputs, inputs[i % len(inputs)]):
+        for static, value in zip(step.inputs, inputs[i % len(inputs)], strict=True):
             static.copy_(value)
         return clock.span(step.graph.replay)
     return run
@@ -246,7 +246,7 @@ def run_ours(args, clock: Clock, cases: list[Case], copy_bw: float, results: lis
     for case in cases:
         ours = partial(fused_moe, w=case.w, cfg=choose_moe_config(case.batch))
         for impl, timer in (("ours_graph", graph_timer), ("ours_eager", eager_timer)):
-            if not time_impl(args, clock, case, impl, lambda: timer(clock, ours, case.inputs), copy_bw, results, notes):
+            if not time_impl(args, clock, case, impl, partial(timer, clock, ours, case.inputs), copy_bw, results, notes):
                 return False
     return True
 
@@ -254,8 +254,7 @@ def run_ours(args, clock: Clock, cases: list[Case], copy_bw: float, results: lis
 def run_bf16(args, clock: Clock, cases: list[Case], bf16, copy_bw: float, results: list, notes: dict) -> bool:
     for case in cases:
         if case.layout.ranks == 1:  # the dense weights are the same for both layouts
-            routes = case.logical[: args.bf16_routings]
-            make = lambda: bf16_timer(clock, bf16, case.inputs[0][0], routes, 10.0)  # noqa: E731
+            make = partial(bf16_timer, clock, bf16, case.inputs[0][0], case.logical[: args.bf16_routings], 10.0)
             if not time_impl(args, clock, case, "bf16_torch_graph", make, copy_bw, results, notes):
                 return False
     return True
@@ -274,12 +273,9 @@ def run_exllamav3(args, clock: Clock, cases: list[Case], copy_bw: float, results
         notes[f"exllamav3_vs_ours_rel_diff.{case.layout.name}.b{case.batch}"] = float(
             (exl(*case.inputs[0]).float() - ours).norm() / ours.norm())
         torch.cuda.synchronize()
-        if not time_impl(args, clock, case, "exllamav3_fused_graph", lambda: graph_timer(clock, exl, case.inputs),
-                         copy_bw, results, notes):
-            return
-        if not time_impl(args, clock, case, "exllamav3_fused_eager", lambda: eager_timer(clock, exl, case.inputs),
-                         copy_bw, results, notes):
-            return
+        for impl, timer in (("exllamav3_fused_graph", graph_timer), ("exllamav3_fused_eager", eager_timer)):
+            if not time_impl(args, clock, case, impl, partial(timer, clock, exl, case.inputs), copy_bw, results, notes):
+                return
 
 
 def run_sweep(args, gen, clock: Clock, results: list) -> None:
@@ -291,7 +287,7 @@ def run_sweep(args, gen, clock: Clock, results: list) -> None:
         for cfg in sweep_configs():
             moe_cfg = MoEConfig(False, cfg, cfg)
             try:
-                step = lambda h, i, r: fused_moe(h, i, r, w, moe_cfg)  # noqa: E731
+                step = partial(fused_moe, w=w, cfg=moe_cfg)
                 times = clock.repeat(graph_timer(clock, step, inputs), args.reps)
                 results.append({"ranks": ranks, "config": asdict(cfg), "median_us": statistics.median(times)})
             except Exception as exc:

@@ -21,10 +21,10 @@ import json
 import platform
 import re
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -205,10 +205,8 @@ def compile_reports() -> dict:
 
 def check_runtime(tmp: Path) -> dict:
     """Greedy tokens of the tiny tr3 artifact: triton (graphs) on CUDA vs the torch backend on CUDA and CPU."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime"))
-    from artifact_builder import build_artifact  # the runtime tests' random-expert artifact writer
-
     from glmquant.fixtures import build_tiny_checkpoint
+    from glmquant.fixtures.random_artifact import build_artifact
     from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
     from glmquant.runtime.loader import load_model
     from glmquant.runtime.options import RuntimeOptions
@@ -286,9 +284,9 @@ def main() -> None:
             run("runtime_tiny_artifact", lambda: check_runtime(Path(tmp)), results)
         run("graphs", lambda: check_graphs(gen, args.hidden, args.inter), results)
     for cb, k in TAGS:
-        run(f"decode.{cb}.K{k}", lambda: check_decode(gen, cb, k), results)
-        run(f"linear.{cb}.K{k}", lambda: check_linear(gen, cb, k, args.hidden, args.inter), results)
-        run(f"moe.{cb}.K{k}", lambda: check_moe(gen, cb, k, args.hidden, args.inter), results)
+        run(f"decode.{cb}.K{k}", partial(check_decode, gen, cb, k), results)
+        run(f"linear.{cb}.K{k}", partial(check_linear, gen, cb, k, args.hidden, args.inter), results)
+        run(f"moe.{cb}.K{k}", partial(check_moe, gen, cb, k, args.hidden, args.inter), results)
         save()
     if cuda:
         run("compile", compile_reports, results)

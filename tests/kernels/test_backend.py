@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import kernel_device, rel_err
+from kernel_helpers import kernel_device, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from artifact_builder import build_artifact  # noqa: E402  (the runtime tests' random-expert artifact writer)
-
+from glmquant.fixtures.random_artifact import build_artifact  # noqa: E402
 from glmquant.runtime.artifact import open_artifact  # noqa: E402
 from glmquant.runtime.loader import make_backend  # noqa: E402
 from glmquant.runtime.options import RuntimeOptions  # noqa: E402

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kernel_device, random_exl3
+from kernel_helpers import kernel_device, random_exl3
 from safetensors.torch import load_file
 
 from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
@@ -14,24 +14,26 @@ from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 import triton.language as tl  # noqa: E402
 
-from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, decode_fields  # noqa: E402
+from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, load_window, window_values  # noqa: E402,E501
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "exl3_golden.safetensors"
 
 
 @triton.jit
 def tiles_kernel(trellis_ptr, out_ptr, NT, mask, flip, K: tl.constexpr, CB: tl.constexpr, TILES: tl.constexpr):
-    """Test-only: TILES 16x16 tiles per program, fields derived from (row, col), written in (row, col) order."""
+    """Test-only: TILES 16x16 tiles per program, written in (row, col) order. Ring fields of (r, c) per the format
+    spec: r = 2 l4 + e0 + 8 e1, c = g + 8 e2."""
     r = tl.arange(0, 16)[None, :, None]
     c = tl.arange(0, 16)[None, None, :]
     tile = tl.program_id(0) * TILES + tl.arange(0, TILES)[:, None, None]
-    q = decode_fields(trellis_ptr + tile * (16 * K), c % 8, (r % 8) // 2, c // 8, 2 * (r // 8) + r % 2, K, CB, mask, flip)
+    g, l4, e2, e01 = c % 8, (r % 8) // 2, c // 8, 2 * (r // 8) + r % 2
+    q = window_values(load_window(trellis_ptr + tile * (16 * K), g, l4, e2, e01, K), e2, e01, K, CB, mask, flip)
     ti, tj = tile // NT, tile % NT
     tl.store(out_ptr + (16 * ti + r) * (16 * NT) + 16 * tj + c, q)
 
 
 def decode_tiles(trellis: torch.Tensor, codebook: Codebook) -> torch.Tensor:
-    """Q (in_pad, out_pad) fp16 through `decode_fields`, written by the test-only kernel."""
+    """Q (in_pad, out_pad) fp16 through `load_window` + `window_values`, written by the test-only kernel."""
     kt, nt, words = trellis.shape
     out = torch.empty((kt * 16, nt * 16), dtype=torch.float16, device=trellis.device)
     tiles_kernel[(kt * nt // 64,)](trellis, out, nt, HASH_MASK, HASH_FLIP, K=words // 16, CB=codebook_id(codebook), TILES=64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import exact_weight, kernel_device, random_exl3, rel_err
+from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import exact_weight, kernel_device, random_exl3, rel_err
+from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -67,7 +67,7 @@ def test_plan_groups_rows_by_expert_in_jobs_of_at_most_16():
     ids = torch.tensor([[2, 0]] * 20 + [[1, 2]])  # expert 2: 21 rows -> jobs of 16 + 5
     plan = plan_routes(ids, share=True)
     starts, rows = plan.jobs
-    jobs = {(int(s), int(r)) for s, r in zip(starts, rows) if r > 0}
+    jobs = {(int(s), int(r)) for s, r in zip(starts, rows, strict=True) if r > 0}
     e = plan.experts.tolist()
     assert sorted(e) == e and sum(r for _, r in jobs) == ids.numel()
     assert all(r <= 16 and len(set(e[s:s + r])) == 1 for s, r in jobs)

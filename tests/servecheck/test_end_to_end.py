@@ -24,8 +24,7 @@ from glmquant.cli import app
 from glmquant.servecheck import ServeCheckConfig, ServeCheckReport, serve_check
 from glmquant.servecheck.tokens import PromptTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # the runtime tests' artifact builder
-from artifact_builder import build_artifact, write_reference
+from glmquant.fixtures.random_artifact import build_artifact, write_reference
 
 MAX_TOKENS = 6
 SERVE_MAIN = "from glmquant.cli import main; main()"

@@ -2,7 +2,8 @@
 `ExllamaV3ExpertBackend` ("exllamav3", registered when the package is installed) for side-by-side runs.
 
 Both keep every quantized layer's experts resident on the GPU as stacked EXL3 tensors (read one layer at a
-time from the artifact) and run a decode step of up to `GRAPH_TOKENS` tokens from a captured CUDA graph.
+time from the artifact); the Triton backend replays decode steps of up to `GRAPH_TOKENS` tokens from
+captured CUDA graphs.
 """
 
 from __future__ import annotations

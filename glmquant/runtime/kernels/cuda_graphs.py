@@ -46,7 +46,7 @@ class StepGraphs:
                 self._seen.add(sig)
                 return fn(*inputs)
             step = self._graphs[sig] = self.capture(fn, *inputs)
-        for static, value in zip(step.inputs, inputs):
+        for static, value in zip(step.inputs, inputs, strict=True):
             static.copy_(value)
         step.graph.replay()
         return step.output

@@ -105,21 +105,3 @@ def window_values(win, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
     else:
         pos = e01 % 2
     return codebook_value(block_state(win, pos, K, B), CB, mask, flip)
-
-
-@triton.jit
-def decode_fields(tile_ptr, g, l4, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
-    """fp16 weights at ring fields (g, l4, e2, e01 = 2 e1 + e0) of the tiles at tile_ptr (broadcast shapes)."""
-    return window_values(load_window(tile_ptr, g, l4, e2, e01, K), e2, e01, K, CB, mask, flip)
-
-
-@triton.jit
-def ring_row(l4, e1, e0):
-    """Row of a tile held by ring fields (l4, e1, e0)."""
-    return 2 * l4 + e0 + 8 * e1
-
-
-@triton.jit
-def ring_col(g, e2):
-    """Column of a tile held by ring fields (g, e2)."""
-    return g + 8 * e2

@@ -20,7 +20,6 @@ import triton.language as tl
 from glmquant.exl3 import EXL3Tensor
 from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, load_window, window_values
 
-
 JOB_ROWS = tl.constexpr(16)  # rows of one tensor-core tile: the most rows a job can hold
 
 
@@ -29,8 +28,8 @@ class GemmConfig:
     """Launch shape of the core: tile rows (ti) and 16-column tiles (tj) per step, tile rows per K split, warps.
 
     ti = 4, tj = 8 decodes a 64 x 128 weight block per step (64 codes per thread at 4 warps) into a
-    16 x 128 fp32 accumulator: ~95 registers and ~20 KB shared memory (decoded block + pipelined
-    activations), so several programs fit per SM on a GB10 (64K registers, ~100 KB shared memory).
+    16 x 128 fp32 accumulator: 125-127 registers (sm_90, sm_121) and 20 KB shared memory (decoded block +
+    pipelined activations), so 4 programs fit per SM on a GB10 (64K registers, ~100 KB shared memory).
     K is cut into splits of gcd(k_tiles, split_tiles) tile rows: the same on every GPU (deterministic
     sums), and at most a few trip counts to compile. 1024 rows per split gives a 4096 x 2048 expert
     64 programs per route (1,024 for a batch-1 top-8 step: ~8 per SM on an H200, ~21 on a GB10).
@@ -194,6 +193,7 @@ def rotate_in(x: torch.Tensor, src: torch.Tensor, stack: WeightStack, scale_row:
     """[P, R, 2, in_pad] fp16 hi/lo planes of had(x[src[i]] ∘ suh[p, scale_row[i]]) for every projection p."""
     P, V, kp = stack.suh.shape
     R = src.numel()
+    x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty((P, R, 2, kp), dtype=torch.float16, device=x.device)
     _rotate_in_kernel[(triton.cdiv(R, 16), P, kp // 128)](
         x, src, stack.suh, scale_row, out, R, V, x.shape[1], x.stride(0), kp, ROWS=16)

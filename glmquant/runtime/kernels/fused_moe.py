@@ -16,8 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from glmquant.runtime.kernels.exl3_gemm import JOB_ROWS, GemmConfig, WeightStack, exl3_rows, had128_rows, rotate_in, \
-    rotate_out, store_hi_lo
+from glmquant.runtime.kernels.exl3_gemm import (
+    JOB_ROWS,
+    GemmConfig,
+    WeightStack,
+    exl3_rows,
+    had128_rows,
+    rotate_in,
+    rotate_out,
+    store_hi_lo,
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,7 @@ def plan_routes(expert_ids: torch.Tensor, share: bool) -> RoutePlan:
 
     share=False keeps one row per route (no sort): cheaper when tokens rarely share an expert.
     """
-    T, n = expert_ids.shape
+    n = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)
     idx = torch.arange(flat.numel(), device=flat.device)
     block_m = JOB_ROWS.value
@@ -129,7 +137,7 @@ def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     hidden [T, H] any float dtype; expert_ids [T, n] virtual expert ids; weights [T, n] router weights.
     Returns [T, H] in hidden's dtype (or fills `out`).
     """
-    T, n = expert_ids.shape
+    T = expert_ids.shape[0]
     cfg = cfg or choose_moe_config(T)
     plan = plan_routes(expert_ids, cfg.share)
     x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts)
