@@ -15,7 +15,6 @@ from rich.console import Console
 
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import plan_artifact
-from glmquant.checkpoint.verify import verify_artifact
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.summary import summary_table
 from glmquant.errors import GlmquantError
@@ -52,14 +51,11 @@ def run_demo(out_dir: Path, console: Console) -> DemoResult:
     console.rule("4. encode (tr3, K2, mcg, natural-routing Hessians)")
     result = encode_artifact(EncodeConfig(source=source, out=artifact, observations=observations), console)
     console.print(summary_table(result.layers))
-    console.rule("5. verify-manifest")
-    report = verify_artifact(artifact, expect_sha256=result.artifact.manifest_sha256, fast=False)
-    if not report.ok:
-        raise GlmquantError(f"{artifact} failed verification: {report.failure_summary()}")
-    console.print(f"all {len(report.checks)} checks passed")
+    console.rule("5. verify-manifest (run by encode: every file hashed against EXL3_MANIFEST.json)")
+    console.print(f"all {len(result.verification.checks)} checks passed")
     console.rule("6. serve-check (embedded server, official openai client)")
     check = serve_check(ServeCheckConfig(artifact=artifact, gates=("speed", "fidelity"), speed_inputs=(256, 1024),
-                                         max_tokens=16, bf16_source=source, kl_max=0.05, top1_min=0.0, seed=1))
+                                         max_tokens=16, bf16_source=source, kl_max=0.05, top1_min=0.25, seed=1))
     for gate in check.gates:
         console.print(f"{gate.name}: {'[green]pass' if gate.passed else '[red]FAIL'}[/]  {gate.summary}")
     if not check.passed:

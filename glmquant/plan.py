@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from glmquant.arch import ModelSpec, TensorRole
 from glmquant.checkpoint.layouts import ArtifactPlan, OutputTensor
-from glmquant.errors import CheckpointFormatError
+from glmquant.checkpoint.index import read_index
 
 _DECODE_SKIPPED = (TensorRole.VISION, TensorRole.EMBEDDING)
 
@@ -78,11 +77,7 @@ def _is_mtp(spec: ModelSpec, t: OutputTensor) -> bool:
 
 def load_source_shards(index_path: str | Path) -> dict[str, str]:
     """tensor name -> shard file, from a source `model.safetensors.index.json`."""
-    path = Path(index_path)
-    try:
-        return dict(json.loads(path.read_text())["weight_map"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointFormatError(f"{path}: not a readable safetensors index ({exc})") from None
+    return dict(read_index(index_path).weight_map)
 
 
 def plan_to_json(plan: ArtifactPlan, summary: PlanSummary, with_tensors: bool = True) -> dict:

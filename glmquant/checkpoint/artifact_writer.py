@@ -133,9 +133,12 @@ def finalize_artifact(
     metadata = sorted({"config.json", "quantization_config.json", INDEX_NAME, *small})
     manifest = build_manifest(plan, root, provenance, verified_at or build_timestamp(), metadata)
     sha = write_manifest(root, manifest)
-    report = verify_artifact(root, expect_sha256=sha, fast=True, show_progress=False)
-    if not report.ok:
+    try:
+        report = verify_artifact(root, expect_sha256=sha, fast=True, show_progress=False)
+        if not report.ok:
+            raise CheckpointFormatError(f"{root}: artifact failed structural verification: {report.failure_summary()}")
+    except BaseException:  # killed or failed mid-check: no manifest may claim a verification that did not finish
         (root / MANIFEST_NAME).unlink(missing_ok=True)
-        raise CheckpointFormatError(f"{root}: artifact failed structural verification: {report.failure_summary()}")
+        raise
     write_model_card(root, sha, manifest)
     return ArtifactResult(root, sha, len(plan.files), manifest["physical_tensor_bytes"])

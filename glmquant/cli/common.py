@@ -9,6 +9,7 @@ from typing import Annotated, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from glmquant.errors import GlmquantError
 
@@ -30,7 +31,7 @@ def guarded(fn: Callable[P, R]) -> Callable[P, R]:
         try:
             return fn(*args, **kwargs)
         except GlmquantError as exc:
-            console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]: nothing half-written was left behind; rerun to resume")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 HESSIAN_MODES = ("natural", "all")
 
@@ -32,8 +35,12 @@ class EncodeConfig:
     def state_dir(self) -> Path:
         return self.work_dir or self.out.with_name(self.out.name + ".work")
 
-    def fingerprint(self) -> str:
-        """What must not change between a killed run and its resume (everything that shapes the bytes)."""
-        shaping = {k: str(v) for k, v in asdict(self).items() if k not in ("out", "work_dir", "device", "verify",
-                                                                          "batch_tensors")}
-        return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
+    def fingerprint(self, inputs: dict[str, str | None]) -> str:
+        """What must not change between a killed run and its resume: every option that shapes the bytes, the
+        device type and Viterbi backend (CPU and GPU arithmetic differ), and the hashes of the inputs' contents
+        (`inputs`: source structure, observations, prune plan), not their paths."""
+        shaping = {k: str(v) for k, v in asdict(self).items()
+                   if k not in ("out", "work_dir", "verify", "batch_tensors", "source", "observations", "prune_plan")}
+        shaping["device"] = torch.device(self.device).type
+        shaping["backend"] = os.environ.get("GLMQUANT_EXL3_BACKEND", "auto")
+        return hashlib.sha256(json.dumps({**shaping, **inputs}, sort_keys=True).encode()).hexdigest()

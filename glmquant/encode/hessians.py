@@ -16,6 +16,7 @@ import torch
 
 from glmquant.errors import UsageError
 from glmquant.observe.hessian_reader import LayerHessians, load_layer_hessians
+from glmquant.observe.hessians import HessianMode
 
 
 @dataclass(frozen=True)
@@ -46,18 +47,35 @@ class HessianSource:
         return LayerHessiansView(primary, backup)
 
 
-@dataclass(frozen=True)
 class LayerHessiansView:
-    primary: LayerHessians | None
-    backup: LayerHessians | None  # all-token Hessians, the fallback of natural mode
+    """One layer's Hessians for the encoder. The all-token gate/up Hessian is one matrix shared by every expert:
+    it is read once per layer and handed out as the same tensor object, so the codec factorizes it once."""
+
+    def __init__(self, primary: LayerHessians | None, backup: LayerHessians | None) -> None:
+        self.primary = primary
+        self.backup = backup  # all-token Hessians, the fallback of natural mode
+        self._shared: dict[str, tuple[torch.Tensor | None, int]] = {}
 
     def expert(self, source_expert: int) -> ExpertHessians:
         if self.primary is None:
             return ExpertHessians(None, None, 0, "uncalibrated")
-        gate_up, down = self.primary.gate_up(source_expert), self.primary.down(source_expert)
-        if gate_up.count and down.count:
-            return ExpertHessians(gate_up.mean(), down.mean(), gate_up.count, None)
+        gate_up, tokens = self._gate_up("primary", self.primary, source_expert)
+        down = self.primary.down(source_expert)
+        if tokens and down.count:
+            return ExpertHessians(gate_up, down.mean(), tokens, None)
         if self.backup is not None:
-            g, d = self.backup.gate_up(source_expert), self.backup.down(source_expert)
-            return ExpertHessians(g.mean(), d.mean(), g.count, "no_tokens:all")
+            gate_up, tokens = self._gate_up("backup", self.backup, source_expert)
+            down = self.backup.down(source_expert)
+            if tokens and down.count:
+                return ExpertHessians(gate_up, down.mean(), tokens, "no_tokens:all")
         return ExpertHessians(None, None, 0, "no_tokens:identity")
+
+    def _gate_up(self, which: str, hessians: LayerHessians, expert: int) -> tuple[torch.Tensor | None, int]:
+        """(E[x xᵀ] of the MoE input, token count) for `expert`; one shared object in all-token mode."""
+        if hessians.mode is not HessianMode.ALL:
+            h = hessians.gate_up(expert)
+            return h.mean(), h.count
+        if which not in self._shared:
+            h = hessians.gate_up(expert)
+            self._shared[which] = (h.mean(), h.count)
+        return self._shared[which]

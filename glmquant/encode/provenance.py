@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from glmquant.checkpoint.provenance import CalibrationInfo, Provenance
@@ -17,13 +18,29 @@ def source_manifest_sha256(source: SourceCheckpoint) -> str:
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
-def build_provenance(cfg: EncodeConfig, source: SourceCheckpoint) -> Provenance:
+def selection_sha256(keep: Mapping[int, Sequence[int]] | None) -> str | None:
+    """Hash of the kept experts per MoE layer (in output order); None when nothing was pruned."""
+    if keep is None:
+        return None
+    rows = {str(layer): list(experts) for layer, experts in sorted(keep.items())}
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+
+def build_provenance(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None) -> Provenance:
     return Provenance(
         source_repo=cfg.source_repo or source.directory.name,
         source_manifest="model.safetensors.index.json",
         source_manifest_sha256=source_manifest_sha256(source),
         calibration=_calibration(cfg),
+        selection_sha256=selection_sha256(keep),
     )
+
+
+def job_inputs(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None) -> dict[str, str | None]:
+    """Content hashes of what an encode reads, for its resume fingerprint."""
+    calibration = _calibration(cfg)
+    return {"source": source_manifest_sha256(source), "token_rows": calibration.token_rows_sha256,
+            "recipe": calibration.manifest_sha256, "selection": selection_sha256(keep)}
 
 
 def _calibration(cfg: EncodeConfig) -> CalibrationInfo:

@@ -14,12 +14,12 @@ from glmquant.arch import classify, load_model_spec
 from glmquant.checkpoint.artifact_writer import ArtifactResult, finalize_artifact, write_planned_file, write_retained_shards
 from glmquant.checkpoint.layouts import ArtifactPlan, PlannedFile, plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
-from glmquant.checkpoint.verify import verify_artifact
+from glmquant.checkpoint.verify import VerifyReport, verify_artifact
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.encode.config import EncodeConfig
 from glmquant.encode.hessians import HessianSource
 from glmquant.encode.layer import encode_layer, layer_slices
-from glmquant.encode.provenance import build_provenance
+from glmquant.encode.provenance import build_provenance, job_inputs
 from glmquant.encode.pruning import resolve_keep
 from glmquant.encode.state import EncodeState
 from glmquant.encode.summary import LayerSummary, summarize_layer
@@ -33,6 +33,7 @@ class EncodeResult:
     artifact: ArtifactResult
     layers: list[LayerSummary]
     summary_path: Path
+    verification: VerifyReport | None  # the full verification (every file hashed) when cfg.verify
 
 
 def encode_artifact(cfg: EncodeConfig, console: Console) -> EncodeResult:
@@ -42,14 +43,15 @@ def encode_artifact(cfg: EncodeConfig, console: Console) -> EncodeResult:
         keep = resolve_keep(cfg, spec)
         plan = plan_artifact(spec, cfg.layout, cfg.bits, cfg.codebook,
                              {n: source.shard_of(n) for n in source.names()}, keep)
-        state = EncodeState.load_or_new(cfg.state_dir, cfg.fingerprint())
+        state = EncodeState.load_or_new(cfg.state_dir, cfg.fingerprint(job_inputs(cfg, source, keep)))
         cfg.out.mkdir(parents=True, exist_ok=True)
         _encode_layers(cfg, plan, source, state, console)
         if not state.retained_done or not _files_present(cfg.out, _retained_files(plan)):
             console.print("copying retained tensors byte-for-byte")
             write_retained_shards(plan, source, cfg.out)
             state.finish_retained()
-        result = finalize_artifact(plan, source, cfg.out, build_provenance(cfg, source))
+        result = finalize_artifact(plan, source, cfg.out, build_provenance(cfg, source, keep))
+    report = None
     if cfg.verify:
         report = verify_artifact(cfg.out, expect_sha256=result.manifest_sha256, fast=False)
         if not report.ok:
@@ -58,7 +60,7 @@ def encode_artifact(cfg: EncodeConfig, console: Console) -> EncodeResult:
     summary_path = cfg.state_dir / SUMMARY_NAME
     atomic_write_text(summary_path, json.dumps({"manifest_sha256": result.manifest_sha256,
                                                 "layers": [l.__dict__ for l in layers]}, indent=2) + "\n")
-    return EncodeResult(result, layers, summary_path)
+    return EncodeResult(result, layers, summary_path, report)
 
 
 def _encode_layers(cfg: EncodeConfig, plan: ArtifactPlan, source: SourceCheckpoint, state: EncodeState,

@@ -1,8 +1,8 @@
 """The resumable job state: which layers are finished, swapped in atomically after each one.
 
 A killed job leaves at most one layer half done; its files were written under temporary names, so the
-rerun (same command) redoes that layer and, because every tensor's seed depends only on its name, the
-finished artifact is byte-identical to an uninterrupted run.
+rerun (same command) redoes that layer and, because encoding is deterministic (one seed, no dependence on
+the order or batching of the work), the finished artifact is byte-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ class EncodeState:
         if not path.exists():
             work_dir.mkdir(parents=True, exist_ok=True)
             return cls(path, fingerprint)
-        data = json.loads(path.read_text())
-        if data.get("fingerprint") != fingerprint:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path}: unreadable job state ({exc}); delete the work dir to start over") from None
+        if not isinstance(data, dict) or data.get("fingerprint") != fingerprint:
             raise UsageError(f"{path} belongs to a job with other inputs or options; rerun the same command, "
                              f"or give another --work-dir (or delete it) to start over")
         return cls(path, fingerprint, data.get("layers", {}), data.get("retained_done", False))

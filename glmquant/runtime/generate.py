@@ -8,6 +8,8 @@ seed gives the same tokens on the same device.
 
 from __future__ import annotations
 
+import secrets
+
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,7 +75,7 @@ def generate(model: nn.Module, prompt: PromptInputs, params: SamplingParams, dec
     cache = DynamicCache(config=model.config.get_text_config())
     cache_kw = {_cache_argument(model): cache, "use_cache": True}
     gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.seed()))
+    gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
     stream, tokens, reason = TextStream(decode, params.stop), [], "length"
     vision = {k: v.to(device) for k, v in prompt.vision.items()}
     logits = model(input_ids=prompt.input_ids.to(device), logits_to_keep=1, **vision, **cache_kw).logits[0, -1]

@@ -9,14 +9,13 @@ generated and get deltas back; a tag split across pieces is held until it is com
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE = "<think>", "</think>", "<tool_call>", "</tool_call>"
-_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+from glmquant.glm_tags import ARG_KEY_OPEN, THINK_CLOSE, THINK_OPEN, TOOL_ARGUMENT, TOOL_CLOSE, TOOL_OPEN
+
 # tags that end each state, and the state they lead to
 _EXITS = {"content": ((THINK_OPEN, "reasoning"), (TOOL_OPEN, "tool")),
           "reasoning": ((THINK_CLOSE, "content"),),
@@ -95,9 +94,9 @@ class GlmOutputParser:
         return [Delta(content=body) if channel == "content" else Delta(reasoning=body)]
 
     def _tool_call(self, body: str) -> ToolCall:
-        name = body.split("<arg_key>", 1)[0].strip()
+        name = body.split(ARG_KEY_OPEN, 1)[0].strip()
         params = self._schemas.get(name, {})
-        args = {k.strip(): _typed(v, params.get(k.strip())) for k, v in _ARG.findall(body)}
+        args = {k.strip(): _typed(v, params.get(k.strip())) for k, v in TOOL_ARGUMENT.findall(body)}
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(args, ensure_ascii=False))
 
 

@@ -43,6 +43,10 @@ class LoadedModel:
     def device(self) -> torch.device:
         return torch.device(self.options.device)
 
+    def close(self) -> None:
+        """Release the artifact's open shard files (experts are read from them on demand while serving)."""
+        self.artifact.checkpoint.close()
+
 
 def load_model(path: str | Path, options: RuntimeOptions = RuntimeOptions()) -> LoadedModel:
     """Open the artifact at `path` and return the model in eval mode on `options.device`."""

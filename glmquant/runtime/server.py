@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -154,11 +155,40 @@ class _SseStream:
 
 
 class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+    """Handler threads are joined on close (not left as daemons: a daemon thread killed while the interpreter
+    shuts down can abort the process from inside native code); idle keep-alive connections are closed first."""
+
+    daemon_threads = False
+    block_on_close = True
 
     def __init__(self, address: tuple[str, int], service: ChatService) -> None:
         super().__init__(address, _Handler)
         self.service = service
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """Wake every handler blocked on a kept-alive connection so that close can join it."""
+        with self._open_lock:
+            for conn in self._open:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def server_close(self) -> None:
+        self.close_connections()
+        super().server_close()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up is routine; anything else is logged with its traceback."""
@@ -185,6 +215,7 @@ class RunningServer:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
+        self.service.loaded.close()
 
     def __enter__(self) -> RunningServer:
         return self

@@ -6,6 +6,7 @@ Reasoning arrives as `reasoning_content` (vLLM, glmquant serve) or `reasoning` (
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Any
 
@@ -51,9 +52,22 @@ class ChatClient:
         try:
             for chunk in self._client.chat.completions.create(**kwargs):
                 collected.add(chunk, time.perf_counter())
-        except Exception as exc:  # noqa: BLE001  (openai errors, and the HTTP library's errors mid-stream)
+        except (openai.APIError, *_TRANSPORT_ERRORS) as exc:  # the server's errors, and transport failures mid-stream
             return collected.result(time.perf_counter(), error=f"{type(exc).__name__}: {exc}")
         return collected.result(time.perf_counter())
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP library's base error (openai 1.x uses httpx, 3.x httpx2): failures mid-stream, not bugs of ours."""
+    for name in ("httpx2", "httpx"):
+        try:
+            return (importlib.import_module(name).HTTPError,)
+        except ImportError:
+            continue
+    return ()
+
+
+_TRANSPORT_ERRORS = _transport_errors()
 
 
 class _Collector:

@@ -85,6 +85,7 @@ def compare_artifact(artifact: Path, ids: torch.Tensor, reference: np.ndarray, d
             targets = ids[row, 1:].unsqueeze(-1)
             nll_source -= float(p[:-1].gather(-1, targets).sum())
             nll_artifact -= float(q[:-1].gather(-1, targets).sum())
+    loaded.close()
     del loaded
     _free(device)
     predicted = rows * (tokens - 1)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from glmquant.servecheck.chat import ChatResult
-from glmquant.servecheck.glm_output import TOOL_CALL_MARKUP, final_answer, unfinished_reasoning
+from glmquant.glm_tags import TOOL_OPEN
+from glmquant.servecheck.answer import final_answer, unfinished_reasoning
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def score_tool_call(result: ChatResult, name: str, arguments: dict[str, Any]) ->
         return Verdict(False, f"request failed: {result.error}")
     calls = result.tool_calls
     if not calls:
-        if TOOL_CALL_MARKUP in result.content:
+        if TOOL_OPEN in result.content:
             why = "raw GLM <tool_call> markup left in content (the server did not parse tool calls)"
         elif result.finish_reason == "length":
             why = "truncated (finish_reason 'length') before any tool call"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,10 @@ from glmquant.checkpoint.verify import verify_artifact
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.exl3 import EXL3Tensor, decode_weight
 from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
+from glmquant.observe.config import ObserveConfig
+from glmquant.observe.hessian_reader import load_layer_hessians
+from glmquant.observe.run import observe
+from glmquant.observe.summary import ObservationSummary
 
 QUIET = Console(quiet=True)
 SMALL = TinyModelConfig(n_routed_experts=2, num_experts_per_tok=1)
@@ -29,9 +34,17 @@ def small_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tr3_artifact(small_source: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch_module) -> Path:
+def small_observations(small_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("enc-obs")
+    observe(ObserveConfig(source=small_source, out=out, rows=4, tokens=64))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tr3_artifact(small_source: Path, small_observations: Path, tmp_path_factory: pytest.TempPathFactory,
+                 monkeypatch_module) -> Path:
     out = tmp_path_factory.mktemp("enc") / "artifact"
-    encode_artifact(EncodeConfig(source=small_source, out=out), QUIET)
+    encode_artifact(EncodeConfig(source=small_source, out=out, observations=small_observations), QUIET)
     return out
 
 
@@ -90,8 +103,8 @@ def test_manifest_verifies(tr3_artifact: Path) -> None:
     assert sha in card
 
 
-def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source: Path, tmp_path: Path,
-                                               monkeypatch_module) -> None:
+def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source: Path, small_observations: Path,
+                                               tmp_path: Path, monkeypatch_module) -> None:
     out = tmp_path / "artifact"
     calls = {"n": 0}
     real = encode_run.encode_layer
@@ -102,7 +115,7 @@ def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    cfg = EncodeConfig(source=small_source, out=out)
+    cfg = EncodeConfig(source=small_source, out=out, observations=small_observations)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(encode_run, "encode_layer", dies_on_second_layer)
         with pytest.raises(KeyboardInterrupt):
@@ -113,6 +126,24 @@ def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source:
     assert list(state["layers"]) == ["1"]
     encode_artifact(cfg, QUIET)
     assert _digests(out) == _digests(tr3_artifact)
+
+
+def test_natural_hessians_and_documented_fallbacks(tr3_artifact: Path, small_source: Path,
+                                                   small_observations: Path) -> None:
+    """Experts the calibration never routed to are encoded uncalibrated and reported; the others use their Hessians."""
+    spec = load_model_spec(small_source)
+    summary = json.loads((tr3_artifact.with_name("artifact.work") / "encode-summary.json").read_text())
+    manifest = json.loads((tr3_artifact / "EXL3_MANIFEST.json").read_text())
+    assert manifest["calibration"]["token_rows_sha256"] == ObservationSummary.load(small_observations).token_rows_sha256
+    for layer in summary["layers"]:
+        h = load_layer_hessians(small_observations, layer["layer"], "natural")
+        unrouted = [e for e in range(spec.n_routed_experts) if int(h.gate_up_counts[e]) == 0 or int(h.down_counts[e]) == 0]
+        prefix = f"{table_for(spec).layer_prefix(layer['layer'])}mlp.experts."
+        expected = sorted(f"{prefix}{e}.{p}.rank{r}" for e in unrouted for p in ("gate_proj", "up_proj", "down_proj")
+                          for r in range(4))
+        assert layer["fallback_tensors"] == expected
+        assert layer["fallbacks"] == ({"no_tokens:identity": len(expected)} if expected else {})
+        assert layer["mean_proxy_error"] < 0.1
 
 
 def test_changed_options_do_not_resume(small_source: Path, tr3_artifact: Path, tmp_path: Path) -> None:
@@ -152,3 +183,68 @@ def test_exllamav3_layout_with_pruning(small_source: Path, tmp_path: Path) -> No
         assert art.read_raw(f"{table.layer_prefix(mtp)}mlp.experts.0.up_proj.weight") == src.read_raw(
             f"{table.layer_prefix(mtp)}mlp.experts.1.up_proj.weight")
     assert verify_artifact(out, fast=False, show_progress=False).ok
+
+
+def _copy_source(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_nan_weight_is_named_and_nothing_is_left_half_written(small_source: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from glmquant.errors import NumericalError
+
+    source = _copy_source(small_source, tmp_path / "src")
+    spec = load_model_spec(source)
+    name = f"{table_for(spec).layer_prefix(spec.moe_layers[-1])}mlp.experts.1.down_proj.weight"
+    shard = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(source / shard)
+    tensors[name][3, 5] = float("nan")
+    save_file(tensors, str(source / shard), metadata={"format": "pt"})
+    out = tmp_path / "artifact"
+    with pytest.raises(NumericalError, match=re.escape(name)) as err:
+        encode_artifact(EncodeConfig(source=source, out=out), QUIET)
+    assert shard in str(err.value)
+    assert not (out / "EXL3_MANIFEST.json").exists() and not list(out.glob("*.tmp*"))
+
+
+def test_truncated_source_shard_fails_before_any_work(small_source: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from glmquant.cli import app
+
+    source = _copy_source(small_source, tmp_path / "src")
+    shard = source / sorted(set(json.loads((source / "model.safetensors.index.json").read_text())["weight_map"].values()))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    result = CliRunner().invoke(app, ["encode", str(source), "--out", str(tmp_path / "artifact")])
+    assert result.exit_code in (1, 2)
+    assert shard.name in result.output
+    assert not (tmp_path / "artifact").exists()
+
+
+def test_expert_without_tokens_uses_the_all_token_fallback(small_source: Path, tmp_path: Path) -> None:
+    """A correction bias that keeps expert 0 of the last MoE layer from ever being selected: natural routing
+    gives it no tokens, so it is encoded with the all-token Hessians and reported as such."""
+    from safetensors.torch import load_file, save_file
+
+    from glmquant.observe.hessians import HessianMode
+
+    source = _copy_source(small_source, tmp_path / "src")
+    spec = load_model_spec(source)
+    layer = spec.moe_layers[-1]
+    bias = f"{table_for(spec).layer_prefix(layer)}mlp.gate.e_score_correction_bias"
+    shard = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"][bias]
+    tensors = load_file(source / shard)
+    tensors[bias][0] = -1e4
+    save_file(tensors, str(source / shard), metadata={"format": "pt"})
+    obs = tmp_path / "obs"
+    observe(ObserveConfig(source=source, out=obs, rows=2, tokens=32, hessians=HessianMode.BOTH))
+    assert int(load_layer_hessians(obs, layer, "natural").gate_up_counts[0]) == 0
+    out = tmp_path / "artifact"
+    result = encode_artifact(EncodeConfig(source=source, out=out, observations=obs), QUIET)
+    last = next(l for l in result.layers if l.layer == layer)
+    assert last.fallbacks == {"no_tokens:all": 12}
+    assert all(".experts.0." in name for name in last.fallback_tensors)

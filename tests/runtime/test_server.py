@@ -51,8 +51,16 @@ def server(artifacts) -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="module")
-def script(server) -> Script:
+def module_script(server) -> Script:
     return Script(server)
+
+
+@pytest.fixture
+def script(module_script: Script) -> Iterator[Script]:
+    """The module's script with an empty queue: a test that failed midway leaves no forced tokens behind."""
+    module_script.queue.clear()
+    yield module_script
+    module_script.queue.clear()
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +214,29 @@ def test_concurrent_sequences_match_sequential(artifacts):
             t.join()
         assert [parallel[i] for i in range(3)] == sequential
         assert running.service.health()["requests_served"] == 6
+
+
+
+CLEAN_EXIT = """
+import os, openai
+from glmquant.runtime.server import serve_in_background
+
+def test_serve():
+    with serve_in_background(os.environ["GLMQUANT_TEST_ARTIFACT"], model_id="tiny") as running:
+        client = openai.OpenAI(base_url=running.base_url, api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]  # leaves a kept-alive connection open
+"""
+
+
+def test_process_exits_cleanly_after_serving(artifacts, tmp_path) -> None:
+    """Handler threads are joined on stop. As daemons, one killed during interpreter shutdown aborted a pytest
+    process from native code (exit status 134) after every test had passed."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_serve_once.py").write_text(CLEAN_EXIT)
+    env = {**os.environ, "GLMQUANT_TEST_ARTIFACT": str(artifacts["tr3"])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]

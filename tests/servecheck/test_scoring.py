@@ -15,7 +15,7 @@ from glmquant.servecheck.gates import (
     tools_cases,
     video_cases,
 )
-from glmquant.servecheck.glm_output import final_answer
+from glmquant.servecheck.answer import final_answer
 from glmquant.servecheck.scoring import json_equal, score_json_answer
 
 REASONING = "The user wants the literal token. I will answer with it and nothing else."
