@@ -1,4 +1,14 @@
-"""The options of one encode job, built once at the CLI edge."""
+"""The options of one encode job, built once at the CLI edge.
+
+Resuming a killed job (rerun the same command; the state lives in --work-dir, default ARTIFACT.work):
+
+    may change:  --work-dir location (moved with its contents), progress display, batch size of the codec
+    must match:  the source's tensors (content hash of its structure), the observations' token rows and
+                 recipe, the kept experts, --bits --codebook --layout --hessians --keep --seed
+                 --source-repo, the device type and the Viterbi backend (CPU and GPU arithmetic differ)
+
+A mismatch is refused with an error naming the state file; nothing already written is touched.
+"""
 
 from __future__ import annotations
 
