@@ -105,25 +105,62 @@ def test_manifest_verifies(tr3_artifact: Path) -> None:
 
 def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source: Path, small_observations: Path,
                                                tmp_path: Path, monkeypatch_module) -> None:
+    """Killed between layers, in the middle of writing a retained shard, and inside the final verification:
+    each rerun of the same command resumes, and the finished artifact is byte-identical to an uninterrupted one."""
+    import glmquant.checkpoint.artifact_writer as artifact_writer
+
     out = tmp_path / "artifact"
+    cfg = EncodeConfig(source=small_source, out=out, observations=small_observations)
+    state_file = cfg.state_dir / "encode-state.json"
+
+    def no_leftovers() -> None:
+        assert not (out / "EXL3_MANIFEST.json").exists()
+        assert not [p for p in out.iterdir() if ".tmp" in p.name]
+
+    real_encode_layer = encode_run.encode_layer
     calls = {"n": 0}
-    real = encode_run.encode_layer
 
     def dies_on_second_layer(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        return real_encode_layer(*args, **kwargs)
 
-    cfg = EncodeConfig(source=small_source, out=out, observations=small_observations)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(encode_run, "encode_layer", dies_on_second_layer)
         with pytest.raises(KeyboardInterrupt):
             encode_artifact(cfg, QUIET)
-    assert not (out / "EXL3_MANIFEST.json").exists()
-    assert not list(out.glob("*.tmp*"))
-    state = json.loads((cfg.state_dir / "encode-state.json").read_text())
-    assert list(state["layers"]) == ["1"]
+    no_leftovers()
+    assert list(json.loads(state_file.read_text())["layers"]) == ["1"]
+
+    real_write = artifact_writer.write_safetensors
+
+    def dies_mid_file(path, specs, provide):
+        if not path.name.startswith("retained-"):
+            return real_write(path, specs, provide)
+        def dying(spec):
+            if spec.name == specs[-1].name:
+                raise KeyboardInterrupt
+            return provide(spec)
+        return real_write(path, specs, dying)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(artifact_writer, "write_safetensors", dies_mid_file)
+        with pytest.raises(KeyboardInterrupt):
+            encode_artifact(cfg, QUIET)
+    no_leftovers()
+    assert not list(out.glob("retained-*"))
+    state = json.loads(state_file.read_text())
+    assert sorted(state["layers"]) == ["1", "2"] and not state["retained_done"]
+
+    def dies_verifying(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(artifact_writer, "verify_artifact", dies_verifying)
+        with pytest.raises(KeyboardInterrupt):
+            encode_artifact(cfg, QUIET)
+    no_leftovers()
     encode_artifact(cfg, QUIET)
     assert _digests(out) == _digests(tr3_artifact)
 
