@@ -86,6 +86,17 @@ class SourceCheckpoint:
         spec = self.spec(name)
         return tensor_from_bytes(self._read_range(name), spec.dtype, spec.shape)
 
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the leading dimension, reading only their bytes (safetensors is row-major)."""
+        spec = self.spec(name)
+        if not spec.shape or not 0 <= start <= stop <= spec.shape[0]:
+            raise CheckpointFormatError(f"{self.directory / self.shard_of(name)}: rows [{start}, {stop}) outside "
+                                        f"tensor {name!r} of shape {list(spec.shape)}")
+        row_bytes = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
+        buf = bytearray((stop - start) * row_bytes)
+        self._read_into(name, memoryview(buf), self.headers[self.shard_of(name)].span(name)[0] + start * row_bytes)
+        return tensor_from_bytes(buf, spec.dtype, (stop - start, *spec.shape[1:]))
+
     def copy_raw_into(self, name: str, out: BinaryIO, start: int = 0, length: int | None = None) -> int:
         """Stream the tensor's stored bytes (or `length` of them from `start`) into `out` in bounded chunks."""
         begin, end = self.headers[self.shard_of(name)].span(name)

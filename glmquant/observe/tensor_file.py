@@ -7,37 +7,20 @@ streams a tensor chunk by chunk, so neither side ever holds the whole tensor.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
-from glmquant.checkpoint.safetensors_format import parse_header
-from glmquant.checkpoint.tensor_bytes import tensor_from_bytes, tensor_to_bytes
-from glmquant.errors import CheckpointFormatError
+from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.checkpoint.tensor_bytes import tensor_to_bytes
 
 
 def read_rows(path: str | Path, name: str, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of tensor `name` (a CPU tensor in its stored dtype), reading only their bytes."""
-    header = parse_header(path)
-    if name not in header.tensors:
-        raise CheckpointFormatError(f"{path}: no tensor {name!r}")
-    spec = header.tensors[name].spec
-    if not 0 <= start <= stop <= spec.shape[0]:
-        raise CheckpointFormatError(f"{path}: rows [{start}, {stop}) outside tensor {name!r} of {spec.shape[0]} rows")
-    row_bytes = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
-    begin = header.span(name)[0] + start * row_bytes
-    buf = bytearray((stop - start) * row_bytes)
-    view, done = memoryview(buf), 0
-    with open(path, "rb", buffering=0) as f:
-        while done < len(buf):
-            n = os.preadv(f.fileno(), [view[done:]], begin + done)
-            if n == 0:
-                raise CheckpointFormatError(f"{path}: file ended inside tensor {name!r} (truncated?)")
-            done += n
-    return tensor_from_bytes(buf, spec.dtype, (stop - start, *spec.shape[1:]))
+    with SourceCheckpoint.open(path) as f:
+        return f.read_rows(name, start, stop)
 
 
 def chunk_streamer(chunks: Iterable[torch.Tensor]) -> Callable[[BinaryIO], int]:
