@@ -79,10 +79,16 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def text_block(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's part of a config: its nested `text_config`, or the config itself when flat."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, Mapping) else config
+
+
 def load_model_spec(config: str | Path | Mapping[str, Any]) -> ModelSpec:
     """Build the spec from a config path or an already-parsed config."""
     raw = dict(config) if isinstance(config, Mapping) else read_config(config)
-    text = raw.get("text_config") or raw
+    text = text_block(raw)
     family = _FAMILIES.get(str(text.get("model_type") or raw.get("model_type")))
     if family is None:
         raise ConfigError(

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from glmquant.arch.spec import text_block
 from glmquant.checkpoint.exl3_groups import MARKER_MULTIPLIERS, exl3_groups
 from glmquant.checkpoint.layouts import ArtifactPlan
 from glmquant.checkpoint.provenance import Provenance
@@ -100,7 +101,7 @@ def _tr3_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
 def output_config(source_config: Mapping[str, Any], plan: ArtifactPlan, block: Mapping[str, Any]) -> dict[str, Any]:
     """The source config with the quantization block, and the pruned expert count when experts were dropped."""
     config = copy.deepcopy(dict(source_config))
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = text_block(config)
     text["n_routed_experts"] = experts_per_layer(plan)
     config["quantization_config"] = dict(block)
     return config
