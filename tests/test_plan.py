@@ -99,3 +99,12 @@ def test_plan_cli_json(tiny_source: Path) -> None:
 def test_plan_cli_bad_layout(tiny_source: Path) -> None:
     result = CliRunner().invoke(app, ["plan", str(tiny_source), "--layout", "tp8"])
     assert result.exit_code == 2 and "unknown layout" in result.output
+
+
+@pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
+def test_reference_plan_matches_pinned_manifest(reference_config: Path, layout: str) -> None:
+    """manifests/ pins what `plan` predicts for the reference config; a layout change must update it knowingly."""
+    pinned = Path(__file__).resolve().parents[1] / "manifests" / f"glm-5.3-flash.{layout}-k2-mcg.plan.json"
+    result = CliRunner().invoke(app, ["plan", str(reference_config), "--layout", layout, "--json", "--no-tensors"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == json.loads(pinned.read_text())
