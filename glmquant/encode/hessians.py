@@ -23,7 +23,6 @@ from glmquant.observe.hessians import HessianMode
 class ExpertHessians:
     gate_up: torch.Tensor | None  # E[x xᵀ] of the MoE input [H, H], None: encode uncalibrated
     down: torch.Tensor | None  # E[a aᵀ] of the expert's intermediate activation [I, I]
-    tokens: int  # calibration tokens behind gate_up
     fallback: str | None
 
 
@@ -58,17 +57,17 @@ class LayerHessiansView:
 
     def expert(self, source_expert: int) -> ExpertHessians:
         if self.primary is None:
-            return ExpertHessians(None, None, 0, "uncalibrated")
+            return ExpertHessians(None, None, "uncalibrated")
         gate_up, tokens = self._gate_up("primary", self.primary, source_expert)
         down = self.primary.down(source_expert)
         if tokens and down.count:
-            return ExpertHessians(gate_up, down.mean(), tokens, None)
+            return ExpertHessians(gate_up, down.mean(), None)
         if self.backup is not None:
             gate_up, tokens = self._gate_up("backup", self.backup, source_expert)
             down = self.backup.down(source_expert)
             if tokens and down.count:
-                return ExpertHessians(gate_up, down.mean(), tokens, "no_tokens:all")
-        return ExpertHessians(None, None, 0, "no_tokens:identity")
+                return ExpertHessians(gate_up, down.mean(), "no_tokens:all")
+        return ExpertHessians(None, None, "no_tokens:identity")
 
     def _gate_up(self, which: str, hessians: LayerHessians, expert: int) -> tuple[torch.Tensor | None, int]:
         """(E[x xᵀ] of the MoE input, token count) for `expert`; one shared object in all-token mode."""

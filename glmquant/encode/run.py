@@ -11,7 +11,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from glmquant.arch import classify, load_model_spec
-from glmquant.checkpoint.artifact_writer import ArtifactResult, finalize_artifact, write_planned_file, write_retained_shards
+from glmquant.checkpoint.artifact_writer import (
+    ArtifactResult, finalize_artifact, has_expert_parts, write_planned_file, write_retained_shards,
+)
 from glmquant.checkpoint.layouts import ArtifactPlan, PlannedFile, plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.verify import VerifyReport, verify_artifact
@@ -66,7 +68,7 @@ def encode_artifact(cfg: EncodeConfig, console: Console) -> EncodeResult:
 def _encode_layers(cfg: EncodeConfig, plan: ArtifactPlan, source: SourceCheckpoint, state: EncodeState,
                    console: Console) -> None:
     """Encode each MoE layer not yet finished; write every expert file as soon as all its layers are encoded."""
-    expert_files = [f for f in plan.files if any(t.expert for t in f.tensors)]
+    expert_files = [f for f in plan.files if has_expert_parts(f)]
     layers_of = {f.path: {t.expert.layer for t in f.tensors if t.expert} for f in expert_files}
     done = {int(l) for l in state.layers if _files_present(cfg.out, [f for f in expert_files if int(l) in layers_of[f.path]])}
     todo = [l for l in plan.spec.moe_layers if l not in done]
@@ -110,7 +112,7 @@ def _encode_layers(cfg: EncodeConfig, plan: ArtifactPlan, source: SourceCheckpoi
 
 
 def _retained_files(plan: ArtifactPlan) -> list[PlannedFile]:
-    return [f for f in plan.files if not any(t.expert for t in f.tensors)]
+    return [f for f in plan.files if not has_expert_parts(f)]
 
 
 def _files_present(out: Path, files: list[PlannedFile]) -> bool:
