@@ -32,7 +32,8 @@ import triton
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
 from glmquant.runtime.kernels.exl3_decode import codebook_id
 from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack
-from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe
+from glmquant.runtime.kernels.exl3_gemm import exl3_rows, rotate_in, rotate_out, uses_gemv
+from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes, swiglu
 from glmquant.runtime.quantized_experts import expand_routes
 
 PLAN_BYTES_TR3 = 18_724_935_672  # `glmquant plan` decode bytes per token of the reference tr3 K2 artifact
@@ -295,6 +296,63 @@ def run_sweep(args, gen, clock: Clock, results: list) -> None:
             print("sweep", ranks, asdict(cfg), results[-1].get("median_us"), flush=True)
 
 
+def stage_calls(w: MoEWeights, hidden: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor,
+                cfg: MoEConfig) -> dict[str, Callable[[], object]]:
+    """The launches of one fused_moe step as separate calls on precomputed intermediates (same order)."""
+    plan = plan_routes(ids, cfg.share)
+    gemv = uses_gemv(w.gate_up, plan.jobs is None)
+    x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts, gemv)
+    part_gu = exl3_rows(x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up)
+    x_d = swiglu(part_gu, plan, w)
+    part_d = exl3_rows(x_d, w.down, plan.experts, plan.jobs, cfg.down)
+    out = torch.empty((hidden.shape[0], w.down.out_features), dtype=hidden.dtype, device=hidden.device)
+    rwf = rw.float().contiguous()
+    return {"plan_routes": partial(plan_routes, ids, cfg.share),
+            "rotate_in": partial(rotate_in, hidden, plan.tokens, w.gate_up, plan.experts, gemv),
+            "core_gate_up": partial(exl3_rows, x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up),
+            "swiglu": partial(swiglu, part_gu, plan, w),
+            "core_down": partial(exl3_rows, x_d, w.down, plan.experts, plan.jobs, cfg.down),
+            "rotate_out": partial(rotate_out, part_d, plan.pos, rwf, plan.experts, w.down, out),
+            "whole_step": partial(fused_moe, hidden, ids, rw, w, cfg)}
+
+
+def run_stages(args, gen, clock: Clock, cfg: GemmConfig) -> list[dict]:
+    """Batch-1 time of each launch of a step: one graph replays the launch for every routing set in turn
+    (different experts each time, so the weights come from HBM), time / sets = time per launch."""
+    rows = []
+    for ranks in (1, args.ranks):
+        w = make_layer(gen, args, ranks)
+        sets = [(torch.randn(1, args.hidden, generator=gen, device=gen.device).to(torch.bfloat16),
+                 *expand_routes(i, r, ranks)) for i, r in routing_sets(gen, args, 1)]
+        calls = [stage_calls(w, *s, MoEConfig(False, cfg, cfg)) for s in sets]
+        for stage in calls[0]:
+            for c in calls:
+                c[stage]()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for c in calls:
+                    c[stage]()
+            times = clock.repeat(lambda i, g=graph: clock.span(g.replay), 20)
+            rows.append({"ranks": ranks, "stage": stage, "config": asdict(cfg),
+                         "us_per_call": statistics.median(times) / len(calls)})
+            print(f"stage ranks={ranks} {stage:14s} {rows[-1]['us_per_call']:8.1f} us", flush=True)
+    return rows
+
+
+def profile_one_step(args, gen) -> None:
+    """One eager batch-1 step of each layout between cudaProfilerStart/Stop, for `ncu --profile-from-start off`."""
+    for ranks in (1, args.ranks):
+        w = make_layer(gen, args, ranks)
+        ids, rw = expand_routes(*routing_sets(gen, args, 1)[0], ranks)
+        hidden = torch.randn(1, args.hidden, generator=gen, device=gen.device).to(torch.bfloat16)
+        fused_moe(hidden, ids, rw, w)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        fused_moe(hidden, ids, rw, w)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+
+
 def projection(results: list[Timing], plan_bytes: int, gb10: list[float]) -> dict:
     """GB10 single-stream tok/s from the batch-1 roofline fraction of the tr3 (reference) layout."""
     out = {"plan_decode_bytes_per_token": plan_bytes}
@@ -309,9 +367,12 @@ def projection(results: list[Timing], plan_bytes: int, gb10: list[float]) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--with-exllamav3", action="store_true", help="also time ExLlamaV3's fused exl3_moe kernel")
+    parser.add_argument("--impls", type=lambda s: s.split(","), default=["ours", "bf16"],
+                        help="comma-separated: ours, bf16, exllamav3 (ExLlamaV3's fused exl3_moe kernel, timed last)")
+    parser.add_argument("--layouts", type=lambda s: s.split(","), default=["plain", "tr3"])
     parser.add_argument("--sweep", action="store_true", help="then time a few core launch configs at batch 1")
-    parser.add_argument("--no-bf16", action="store_true", help="skip the BF16 torch baseline (14.5 GB of weights)")
+    parser.add_argument("--stages", action="store_true", help="only time each launch of a batch-1 step, per config")
+    parser.add_argument("--profile-step", action="store_true", help="only run one step per layout for ncu")
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 4, 16, 64])
     parser.add_argument("--experts", type=int, default=288)
     parser.add_argument("--hidden", type=int, default=4096)
@@ -339,16 +400,23 @@ def main() -> None:
               "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
               "exllamav3": exllamav3_version(), "args": {k: str(v) for k, v in vars(args).items()}}
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile_step:
+        return profile_one_step(args, gen)
+    if args.stages:
+        report["stages"] = [row for cfg in sweep_configs() for row in run_stages(args, gen, clock, cfg)]
+        (args.out / "moe_stages.json").write_text(json.dumps(report, indent=2) + "\n")
+        return None
     t0 = time.time()
     report["copy_bandwidth_gbs"] = copy_bandwidth(clock, gen.device) / 1e9
     print(f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s", flush=True)
     bf16 = None
-    if not args.no_bf16:
+    if "bf16" in args.impls:
         bf16 = (torch.randn(args.experts, 2 * args.inter, args.hidden, device=gen.device, dtype=torch.bfloat16) * 0.02,
                 torch.randn(args.experts, args.hidden, args.inter, device=gen.device, dtype=torch.bfloat16) * 0.02)
     results: list[Timing] = []
     notes: dict = {}
-    layers = {name: (Layout(name, ranks), make_layer(gen, args, ranks)) for name, ranks in (("plain", 1), ("tr3", args.ranks))}
+    layers = {name: (Layout(name, ranks), make_layer(gen, args, ranks))
+              for name, ranks in (("plain", 1), ("tr3", args.ranks)) if name in args.layouts}
     cases = make_cases(args, gen, layers)
     copy_bw = report["copy_bandwidth_gbs"] * 1e9
 
@@ -357,12 +425,12 @@ def main() -> None:
                       projection=projection(results, args.plan_bytes, args.gb10_gbs), seconds=time.time() - t0)
         (args.out / "moe_decode.json").write_text(json.dumps(report, indent=2) + "\n")
 
-    healthy = run_ours(args, clock, cases, copy_bw, results, notes)
+    healthy = "ours" not in args.impls or run_ours(args, clock, cases, copy_bw, results, notes)
     save()
     if healthy and bf16 is not None:
         healthy = run_bf16(args, clock, cases, bf16, copy_bw, results, notes)
         save()
-    if healthy and args.with_exllamav3:
+    if healthy and "exllamav3" in args.impls:
         try:
             run_exllamav3(args, clock, cases, copy_bw, results, notes)
         except Exception:

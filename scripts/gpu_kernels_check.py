@@ -33,7 +33,7 @@ import triton
 
 from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
-from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack, exl3_linear, exl3_rows
+from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack, exl3_linear, exl3_rows, uses_gemv
 from glmquant.runtime.kernels.fused_moe import MoEWeights, fused_moe
 
 LINEAR_BOUND = 2e-5
@@ -87,7 +87,12 @@ def check_decode(gen: torch.Generator, cb: str, k: int) -> dict:
     part = exl3_rows(xr, stack, torch.zeros(256, dtype=torch.int32, device=dev),
                      (starts, torch.full_like(starts, 16)), GemmConfig(split_tiles=8)).sum(0)[0]
     q = decode_inner(t.trellis, t.codebook).float()
-    return {"bit_exact": bool(torch.equal(part, q)), "mismatches": int((part != q).sum())}
+    result = {"bit_exact": bool(torch.equal(part, q)), "mismatches": int((part != q).sum())}
+    if uses_gemv(stack, one_row_jobs=True):  # the GEMV core too: one-row jobs, fp32 activations
+        xg = torch.eye(256, device=dev)[None]
+        gemv = exl3_rows(xg, stack, torch.zeros(256, dtype=torch.int32, device=dev), None, GemmConfig(split_tiles=8)).sum(0)[0]
+        result.update(gemv_bit_exact=bool(torch.equal(gemv, q)), gemv_mismatches=int((gemv != q).sum()))
+    return result
 
 
 def check_linear(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int) -> dict:
@@ -168,38 +173,45 @@ def loop_mix(sass: str) -> dict:
 
 
 def compile_reports() -> dict:
-    """Per target (sm_90, sm_121): registers, spills, shared memory, the K-loop SASS instruction mix of the core
-    (K2 MCG, default config; Triton's nvdisasm cannot decode sm_121a, so that mix is empty) and the PTX ops
-    that only Hopper has (wgmma, TMA bulk tensor copies, setmaxnreg). Needs triton only, no GPU."""
+    """Per core (tensor-core rows, GEMV) and target (sm_90, sm_121): registers, spills, shared memory, the K-loop
+    SASS instruction mix (K2 MCG, default config; Triton's nvdisasm cannot decode sm_121a, so that mix is empty)
+    and the PTX ops that only Hopper has (wgmma, TMA bulk tensor copies, setmaxnreg). Needs triton only, no GPU."""
     from triton.backends.compiler import GPUTarget
 
-    from glmquant.runtime.kernels.exl3_gemm import _exl3_rows_kernel
+    from glmquant.runtime.kernels.exl3_gemm import _exl3_gemv_kernel, _exl3_rows_kernel
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    sig = {"x_ptr": "*fp16", "trellis_ptr": "*i16", "expert_ptr": "*i32", "job_start_ptr": "*i32",
-           "job_rows_ptr": "*i32", "part_ptr": "*fp32", "R": "i32", "V": "i32", "KT": "i32", "NT": "i32",
-           "hash_mask": "i32", "hash_flip": "i32"}
+    common = {"R": "i32", "V": "i32", "KT": "i32", "NT": "i32", "hash_mask": "i32", "hash_flip": "i32"}
     cfg = GemmConfig()
-    const = {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "ONE_ROW_JOBS": True, "TI": cfg.ti, "TJ": cfg.tj}
+    const = {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "TI": cfg.ti, "TJ": cfg.tj}
+    cores = {
+        "rows": (_exl3_rows_kernel, {"x_ptr": "*fp16", "trellis_ptr": "*i16", "expert_ptr": "*i32", "job_start_ptr": "*i32",
+                                     "job_rows_ptr": "*i32", "part_ptr": "*fp32", **common}, {**const, "ONE_ROW_JOBS": True}),
+        "gemv": (_exl3_gemv_kernel, {"x_ptr": "*fp32", "words_ptr": "*i32", "expert_ptr": "*i32", "part_ptr": "*fp32",
+                                     **common}, const),
+    }
     weights_per_thread = cfg.ti * 16 * cfg.tj * 16 // (32 * cfg.num_warps)
     reports = {"config": {**const, "num_warps": cfg.num_warps, "weights_per_thread_per_step": weights_per_thread}}
-    for cc in (90, 121):
-        src = triton.compiler.ASTSource(fn=_exl3_rows_kernel, signature={**sig, **{c: "constexpr" for c in const}},
-                                        constexprs=const)
-        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg.num_warps})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-            sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-        mix = loop_mix(sass)
-        ptx = kernel.asm["ptx"]
-        reports[f"sm_{cc}"] = {"target": re.search(r"\.target\s+(\S+)", ptx)[1],
-                               "resource_usage": re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage),
-                               "shared_bytes_launch": kernel.metadata.shared, "k_loop_sass": mix,
-                               "sass_instructions_per_weight": sum(mix.values()) / weights_per_thread if mix else None,
-                               "ptx_mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
-                               "ptx_hopper_only": sorted(set(re.findall(r"wgmma|cp\.async\.bulk\.tensor|setmaxnreg", ptx)))}
+    divisible = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # pointers, as Triton specializes them at launch
+    for name, (fn, sig, consts) in cores.items():
+        for cc in (90, 121):
+            src = triton.compiler.ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}},
+                                            constexprs=consts, attrs=divisible)
+            kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg.num_warps})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+                sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+            mix = loop_mix(sass)
+            ptx = kernel.asm["ptx"]
+            reports[f"{name}.sm_{cc}"] = {
+                "target": re.search(r"\.target\s+(\S+)", ptx)[1],
+                "resource_usage": re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage),
+                "shared_bytes_launch": kernel.metadata.shared, "k_loop_sass": mix,
+                "sass_instructions_per_weight": sum(mix.values()) / weights_per_thread if mix else None,
+                "ptx_mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+                "ptx_hopper_only": sorted(set(re.findall(r"wgmma|cp\.async\.bulk\.tensor|setmaxnreg", ptx)))}
     return reports
 
 

@@ -8,13 +8,16 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack, exl3_linear  # noqa: E402
+from glmquant.exl3 import decode_inner  # noqa: E402
+from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack, exl3_linear, exl3_rows, uses_gemv  # noqa: E402
 
 BOUND = 2e-5  # fp32-level: activations enter as fp16 hi + lo planes, Hadamards run as tf32x3 products
 
 
 @pytest.mark.parametrize(("codebook", "bits", "rows", "cfg"), [
-    ("mcg", 2, 1, GemmConfig(ti=2, tj=4, split_tiles=8)),  # 2 K splits
+    ("mcg", 2, 1, GemmConfig(ti=2, tj=4, split_tiles=8)),  # GEMV core, 2 K splits
+    ("3inst", 2, 1, GemmConfig()),  # GEMV core, one K split
+    ("mul1", 2, 1, GemmConfig(ti=1, tj=16, split_tiles=4)),  # GEMV core, 4 K splits
     ("3inst", 3, 19, GemmConfig(ti=1, tj=8, split_tiles=4)),  # 4 K splits, two jobs (16 + 3 rows), B = 4 windows
     ("mul1", 7, 5, GemmConfig(ti=4, tj=8)),  # one K split, B = 2 windows
 ])
@@ -43,3 +46,16 @@ def test_config_splits_k_into_whole_steps():
     assert (cfg.splits(256), cfg.splits(128), cfg.splits(32), cfg.tiles_per_split(200)) == (4, 2, 1, 8)
     with pytest.raises(ValueError, match="do not split"):
         GemmConfig(ti=8, split_tiles=4).tiles_per_split(32)
+
+
+@pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
+def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook):
+    """Unit-vector activations through the GEMV core (one-row jobs, K2): each output row is a row of Q exactly."""
+    device = kernel_device()
+    t = random_exl3(torch.Generator().manual_seed(3), 128, 256, 2, codebook, scale=1.0)
+    stack = WeightStack.from_tensors([[t]], device)
+    assert uses_gemv(stack, one_row_jobs=True) and not uses_gemv(stack, one_row_jobs=False)
+    eye = torch.eye(128, device=device)[None]  # [P, R, in]: row r activates input r
+    part = exl3_rows(eye, stack, torch.zeros(128, dtype=torch.int32, device=device), None, GemmConfig(ti=2, tj=8, split_tiles=2))
+    assert part.shape == (4, 1, 128, 256)  # 8 tile rows in K splits of 2
+    assert torch.equal(part.sum(0)[0].cpu(), decode_inner(t.trellis, t.codebook).float())

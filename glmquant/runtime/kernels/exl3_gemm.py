@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 
 from glmquant.exl3 import EXL3Tensor
-from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, load_window, window_values
+from glmquant.runtime.kernels.exl3_decode import (
+    HASH_FLIP,
+    HASH_MASK,
+    codebook_id,
+    codebook_value,
+    load_window,
+    window_values,
+)
 
 JOB_ROWS = tl.constexpr(16)  # rows of one tensor-core tile: the most rows a job can hold
 
@@ -73,9 +80,21 @@ def store_hi_lo(ptr, plane, v, mask):
 
 
 @triton.jit
+def store_activations(out_ptr, row, cols, Kp, v, live, GEMV: tl.constexpr):
+    """Store rotated activations v [ROWS, 128] (row: [ROWS, 1] int64) in a core's input format.
+
+    GEMV: fp32 [R, Kp] in `tile_row_order`; else fp16 hi/lo planes [R, 2, Kp] for the tensor-core core.
+    """
+    if GEMV:
+        tl.store(out_ptr + row * Kp + tile_row_order(cols), v, mask=live)
+    else:
+        store_hi_lo(out_ptr + row * (2 * Kp) + cols, Kp, v, live)
+
+
+@triton.jit
 def _rotate_in_kernel(x_ptr, src_ptr, scale_ptr, scale_row_ptr, out_ptr, R, V, x_cols, x_stride, Kp,
-                      ROWS: tl.constexpr):
-    """out[p, i, :, blk] = hi/lo of had(x[src[i], blk] ∘ scale[p, scale_row[i], blk]); x columns >= x_cols are 0."""
+                      ROWS: tl.constexpr, GEMV: tl.constexpr):
+    """out[p, i, blk] = had(x[src[i], blk] ∘ scale[p, scale_row[i], blk]) in the core's format; x columns >= x_cols are 0."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     p = tl.program_id(1)
     cols = tl.program_id(2) * 128 + tl.arange(0, 128)[None, :]
@@ -84,7 +103,7 @@ def _rotate_in_kernel(x_ptr, src_ptr, scale_ptr, scale_row_ptr, out_ptr, R, V, x
     x = tl.load(x_ptr + src * x_stride + cols, mask=live & (cols < x_cols), other=0.0).to(tl.float32)
     srow = tl.load(scale_row_ptr + rows, mask=live, other=0).to(tl.int64)
     su = tl.load(scale_ptr + (p * V + srow) * Kp + cols, mask=live, other=0.0).to(tl.float32)
-    store_hi_lo(out_ptr + (p * R + rows.to(tl.int64)) * (2 * Kp) + cols, Kp, had128_rows(x * su), live)
+    store_activations(out_ptr, p * R + rows.to(tl.int64), cols, Kp, had128_rows(x * su), live, GEMV)
 
 
 @triton.jit
@@ -139,6 +158,63 @@ def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_pt
         tl.store(dst + cols, acc, mask=m < rows)
 
 
+GEMV_BITS = (2,)  # K of the GEMV core: block windows of 8 positions end on 16-bit boundaries of the words
+
+
+@triton.jit
+def tile_row_order(c):
+    """Column c of the rotated activations in the GEMV core's layout: identity (kept as a hook for reordering)."""
+    return c
+
+
+@triton.jit
+def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, part_ptr, R, V, KT, NT, hash_mask, hash_flip,
+                      STEP_TILES: tl.constexpr, K: tl.constexpr, CB: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
+    """part[s, p, row, cols] = x[p, row, k-split s] @ Q[p, expert[row]] for one-row jobs at K = 2, one column block.
+
+    Without a tensor core or shared memory: every tensor is [TI, TJ, 2, 8], one element per uint32 trellis word
+    (16 per tile; word 2 g + h holds blocks 4 g + 2 h + j, j = 0, 1, of 8 positions = rows 4 h + 2 j + e0 + 8 e1,
+    columns g + 8 e2). Each element decodes its 16 weights, multiplies them by fp32 activations and keeps two
+    column sums; tile rows and the two words of a column are summed once at the end. Word indices are
+    scrambled so that no load is vectorized and every load shares one layout (no conversions in the loop).
+    """
+    row = tl.program_id(0)
+    n_blocks = NT // TJ
+    p = tl.program_id(1) // n_blocks
+    nb = tl.program_id(1) % n_blocks
+    split = tl.program_id(2)
+    g = (3 * tl.arange(0, 8)[:, None, None, None]) % 8
+    h = 1 - tl.arange(0, 2)[None, :, None, None]
+    tj = tl.arange(0, TJ)[None, None, :, None]
+    ti = tl.arange(0, TI)[None, None, None, :]
+    word = 2 * g + h
+    expert = tl.load(expert_ptr + row).to(tl.int64)
+    tiles = words_ptr + (p * V + expert) * (KT * NT * 16) + (nb * TJ + tj) * 16
+    row_words = NT * 16
+    xrow = x_ptr + (p * R + row).to(tl.int64) * (KT * 16) + 4 * h + 0 * tj + 0 * g
+    first = split * STEP_TILES
+    acc0 = tl.zeros([8, 2, TJ, TI], dtype=tl.float32)
+    acc1 = tl.zeros([8, 2, TJ, TI], dtype=tl.float32)
+    for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
+        tile_row = first + step + ti
+        cur = tl.load(tiles + tile_row * row_words + word).to(tl.uint32, bitcast=True)
+        prev = tl.load(tiles + tile_row * row_words + (word + 15) % 16).to(tl.uint32, bitcast=True)
+        xs = xrow + 16 * tile_row
+        for j in tl.static_range(2):
+            win = ((prev << 16) | (cur >> 16)) if j == 0 else cur
+            for e1 in tl.static_range(2):
+                for e0 in tl.static_range(2):
+                    xv = tl.load(xs + 2 * j + e0 + 8 * e1)
+                    lo = codebook_value((win >> (14 - 2 * (2 * e1 + e0))) & 0xFFFF, CB, hash_mask, hash_flip)
+                    hi = codebook_value((win >> (6 - 2 * (2 * e1 + e0))) & 0xFFFF, CB, hash_mask, hash_flip)
+                    acc0 += lo.to(tl.float32) * xv
+                    acc1 += hi.to(tl.float32) * xv
+    cols = nb * TJ * 16 + tl.arange(0, TJ)[None, :] * 16 + (3 * tl.arange(0, 8)[:, None]) % 8
+    dst = part_ptr + ((split * (tl.num_programs(1) // n_blocks) + p) * R + row).to(tl.int64) * (NT * 16) + cols
+    tl.store(dst, tl.sum(tl.sum(acc0, axis=3), axis=1))
+    tl.store(dst + 8, tl.sum(tl.sum(acc1, axis=3), axis=1))
+
+
 @triton.jit
 def _rotate_out_kernel(part_ptr, P_R, pos_ptr, w_ptr, expert_ptr, svh_ptr, out_ptr, n_routes, Np, n_cols,
                        out_stride, SPLITS: tl.constexpr, ROWS: tl.constexpr):
@@ -189,26 +265,44 @@ class WeightStack:
         return cls(*shaped, codebook_id(first.codebook), first.in_features, first.out_features)
 
 
-def rotate_in(x: torch.Tensor, src: torch.Tensor, stack: WeightStack, scale_row: torch.Tensor) -> torch.Tensor:
-    """[P, R, 2, in_pad] fp16 hi/lo planes of had(x[src[i]] ∘ suh[p, scale_row[i]]) for every projection p."""
+def uses_gemv(stack: WeightStack, one_row_jobs: bool) -> bool:
+    """Whether `exl3_rows` runs the GEMV core (one-row jobs at K in GEMV_BITS), which takes fp32 activations."""
+    return one_row_jobs and stack.bits in GEMV_BITS
+
+
+def activation_buffer(P: int, R: int, kp: int, gemv: bool, device: torch.device) -> torch.Tensor:
+    """Uninitialized core input: fp32 [P, R, kp] for the GEMV core, fp16 hi/lo planes [P, R, 2, kp] otherwise."""
+    if gemv:
+        return torch.empty((P, R, kp), dtype=torch.float32, device=device)
+    return torch.empty((P, R, 2, kp), dtype=torch.float16, device=device)
+
+
+def rotate_in(x: torch.Tensor, src: torch.Tensor, stack: WeightStack, scale_row: torch.Tensor, gemv: bool) -> torch.Tensor:
+    """had(x[src[i]] ∘ suh[p, scale_row[i]]) for every projection p, as `activation_buffer` lays it out."""
     P, V, kp = stack.suh.shape
     R = src.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty((P, R, 2, kp), dtype=torch.float16, device=x.device)
+    out = activation_buffer(P, R, kp, gemv, x.device)
     _rotate_in_kernel[(triton.cdiv(R, 16), P, kp // 128)](
-        x, src, stack.suh, scale_row, out, R, V, x.shape[1], x.stride(0), kp, ROWS=16)
+        x, src, stack.suh, scale_row, out, R, V, x.shape[1], x.stride(0), kp, ROWS=16, GEMV=gemv)
     return out
 
 
 def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs: tuple[torch.Tensor, torch.Tensor] | None,
               cfg: GemmConfig) -> torch.Tensor:
-    """fp32 partial sums [splits, P, R, out_pad] of xr [P, R, 2, in_pad] (hi/lo planes) @ Q[p, experts[row]].
+    """fp32 partial sums [splits, P, R, out_pad] of xr (`activation_buffer` layout) @ Q[p, experts[row]].
 
     `jobs` = (first row, row count <= JOB_ROWS) per job, rows of a job sharing one expert; None: one row per job.
     """
     P, V, kt, nt, _ = stack.trellis.shape
     R = xr.shape[1]
     part = torch.empty((cfg.splits(kt), P, R, nt * 16), dtype=torch.float32, device=xr.device)
+    if uses_gemv(stack, jobs is None):
+        _exl3_gemv_kernel[(R, P * (nt // cfg.tj), cfg.splits(kt))](
+            xr, stack.trellis.view(torch.int32), experts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
+            STEP_TILES=cfg.tiles_per_split(kt), K=stack.bits, CB=stack.codebook, TI=cfg.ti, TJ=cfg.tj,
+            num_warps=cfg.num_warps)
+        return part
     starts, counts = jobs if jobs is not None else (experts, experts)  # unread for one-row jobs
     grid = (R if jobs is None else starts.numel(), P * (nt // cfg.tj), cfg.splits(kt))
     _exl3_rows_kernel[grid](
@@ -238,7 +332,7 @@ def exl3_linear(x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConf
     cfg = cfg or GemmConfig()
     rows = torch.arange(M, dtype=torch.int32, device=x.device)
     zero = torch.zeros(M, dtype=torch.int32, device=x.device)
-    xr = rotate_in(x, rows, stack, zero)
+    xr = rotate_in(x, rows, stack, zero, uses_gemv(stack, M == 1))
     starts = torch.arange(0, M, JOB_ROWS.value, dtype=torch.int32, device=x.device)
     jobs = (starts, (M - starts).clamp(max=JOB_ROWS.value).to(torch.int32)) if M > 1 else None
     part = exl3_rows(xr, stack, zero, jobs, cfg)

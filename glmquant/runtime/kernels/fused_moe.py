@@ -22,9 +22,11 @@ from glmquant.runtime.kernels.exl3_gemm import (
     WeightStack,
     exl3_rows,
     had128_rows,
+    activation_buffer,
     rotate_in,
     rotate_out,
-    store_hi_lo,
+    store_activations,
+    uses_gemv,
 )
 
 
@@ -84,8 +86,8 @@ def plan_routes(expert_ids: torch.Tensor, share: bool) -> RoutePlan:
 
 @triton.jit
 def _swiglu_kernel(part_ptr, R, expert_ptr, svh_ptr, suh_d_ptr, out_ptr, V, Ip, n_inter, limit,
-                   SPLITS: tl.constexpr, ROWS: tl.constexpr):
-    """out[i, :, blk] = hi/lo of had(silu(min(g, L)) * clamp(u, -L, L) ∘ suh_down), g/u = had(partials) ∘ svh."""
+                   SPLITS: tl.constexpr, ROWS: tl.constexpr, GEMV: tl.constexpr):
+    """out[i, blk] = (down core's format) had(silu(min(g, L)) * clamp(u, -L, L) ∘ suh_down), g/u = had(partials) ∘ svh."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)[None, :]
     live = rows < R
@@ -102,17 +104,18 @@ def _swiglu_kernel(part_ptr, R, expert_ptr, svh_ptr, suh_d_ptr, out_ptr, V, Ip, 
     u = tl.minimum(tl.maximum(u, -limit), limit)
     act = tl.where(cols < n_inter, g / (1.0 + tl.exp(-g)) * u, 0.0)
     sd = tl.load(suh_d_ptr + expert * Ip + cols, mask=live, other=0.0).to(tl.float32)
-    store_hi_lo(out_ptr + rows.to(tl.int64) * (2 * Ip) + cols, Ip, had128_rows(act * sd), live)
+    store_activations(out_ptr, rows.to(tl.int64), cols, Ip, had128_rows(act * sd), live, GEMV)
 
 
 def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
-    """[1, R, 2, inter_pad] rotated down inputs (fp16 hi/lo) from the gate/up partials [splits, 2, R, inter_pad]."""
+    """Rotated down inputs (`activation_buffer` layout, P = 1) from the gate/up partials [splits, 2, R, inter_pad]."""
     splits, _, R, ip = part.shape
-    out = torch.empty((1, R, 2, ip), dtype=torch.float16, device=part.device)
+    gemv = uses_gemv(w.down, plan.jobs is None)
+    out = activation_buffer(1, R, ip, gemv, part.device)
     limit = float("inf") if w.swiglu_limit is None else float(w.swiglu_limit)
     _swiglu_kernel[(triton.cdiv(R, 16), ip // 128)](
         part, R, plan.experts, w.gate_up.svh, w.down.suh, out, w.experts, ip, w.gate_up.out_features, limit,
-        SPLITS=splits, ROWS=16)
+        SPLITS=splits, ROWS=16, GEMV=gemv)
     return out
 
 
@@ -140,7 +143,7 @@ def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     T = expert_ids.shape[0]
     cfg = cfg or choose_moe_config(T)
     plan = plan_routes(expert_ids, cfg.share)
-    x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts)
+    x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts, uses_gemv(w.gate_up, plan.jobs is None))
     x_d = swiglu(exl3_rows(x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up), plan, w)
     part = exl3_rows(x_d, w.down, plan.experts, plan.jobs, cfg.down)
     if out is None:
