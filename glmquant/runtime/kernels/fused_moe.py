@@ -128,9 +128,13 @@ class MoEConfig:
     down: GemmConfig = GemmConfig()
 
 
+SHARE_FROM_TOKENS = 16  # H200, 288 experts, top-8: below this most experts get one route, and the GEMV core wins
+
+
 def choose_moe_config(tokens: int) -> MoEConfig:
-    """Share decodes (sort routes by expert) once a batch has more than one token."""
-    return MoEConfig(share=tokens > 1)
+    """One-row jobs (GEMV core at K2) for small batches; routes sorted into shared tensor-core jobs from
+    SHARE_FROM_TOKENS tokens, where experts start to hold several routes (bench/results/moe_decode_h200.json)."""
+    return MoEConfig(share=tokens >= SHARE_FROM_TOKENS)
 
 
 def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
