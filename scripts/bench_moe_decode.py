@@ -165,8 +165,10 @@ def bf16_timer(clock: Clock, weights: tuple[torch.Tensor, torch.Tensor], hidden:
             return out
         return step
 
-    steps = [capture(clock, step_for(ids, rw)) for ids, rw in routes]
-    return lambda i: clock.span(steps[i % len(steps)].graph.replay)
+    # each step function is kept with its graph: the graph reads the route index tensors the function holds,
+    # and freeing them would let the allocator hand their memory to later tensors under a replaying graph
+    steps = [(capture(clock, fn), fn) for fn in (step_for(ids, rw) for ids, rw in routes)]
+    return lambda i: clock.span(steps[i % len(steps)][0].graph.replay)
 
 
 def copy_bandwidth(clock: Clock, device: torch.device) -> float:
