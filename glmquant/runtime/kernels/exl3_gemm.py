@@ -4,7 +4,8 @@
 Hadamard), `exl3_rows` (the decode-and-multiply core over the packed trellis, split along K into fp32
 partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router weights). The core works on
 *jobs*: a run of rows that share one weight (one expert), so each weight is decoded once per job however
-many rows use it. Weight stacks are [P, V, in/16, out/16, 16K]: P projections (gate and up side by side) of
+many rows use it. Jobs of one row at K2 take the GEMV core (fp32 activations, CUDA-core products, nothing
+through shared memory); other jobs the tensor-core core (fp16 hi/lo activation planes, mma.sync). Weight stacks are [P, V, in/16, out/16, 16K]: P projections (gate and up side by side) of
 V experts; a single linear is P = V = 1.
 """
 
@@ -83,10 +84,10 @@ def store_hi_lo(ptr, plane, v, mask):
 def store_activations(out_ptr, row, cols, Kp, v, live, GEMV: tl.constexpr):
     """Store rotated activations v [ROWS, 128] (row: [ROWS, 1] int64) in a core's input format.
 
-    GEMV: fp32 [R, Kp] in `tile_row_order`; else fp16 hi/lo planes [R, 2, Kp] for the tensor-core core.
+    GEMV: fp32 [R, Kp]; else fp16 hi/lo planes [R, 2, Kp] for the tensor-core core.
     """
     if GEMV:
-        tl.store(out_ptr + row * Kp + tile_row_order(cols), v, mask=live)
+        tl.store(out_ptr + row * Kp + cols, v, mask=live)
     else:
         store_hi_lo(out_ptr + row * (2 * Kp) + cols, Kp, v, live)
 
@@ -162,12 +163,6 @@ GEMV_BITS = (2,)  # K of the GEMV core: block windows of 8 positions end on 16-b
 
 
 @triton.jit
-def tile_row_order(c):
-    """Column c of the rotated activations in the GEMV core's layout: identity (kept as a hook for reordering)."""
-    return c
-
-
-@triton.jit
 def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, part_ptr, R, V, KT, NT, hash_mask, hash_flip,
                       STEP_TILES: tl.constexpr, K: tl.constexpr, CB: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
     """part[s, p, row, cols] = x[p, row, k-split s] @ Q[p, expert[row]] for one-row jobs at K = 2, one column block.
@@ -225,7 +220,7 @@ def _rotate_out_kernel(part_ptr, P_R, pos_ptr, w_ptr, expert_ptr, svh_ptr, out_p
     live = j < n_routes
     row = tl.load(pos_ptr + t * n_routes + j, mask=live, other=0).to(tl.int64)
     acc = tl.zeros([ROWS, 128], dtype=tl.float32)
-    for s in range(SPLITS):
+    for s in tl.static_range(SPLITS):  # unrolled: the partial loads overlap instead of queueing
         acc += tl.load(part_ptr + (s * P_R + row) * Np + cols, mask=live, other=0.0)
     expert = tl.load(expert_ptr + row, mask=live, other=0).to(tl.int64)
     sv = tl.load(svh_ptr + expert * Np + cols, mask=live, other=0.0).to(tl.float32)
