@@ -52,10 +52,11 @@ def test_config_splits_k_into_whole_steps():
 def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook):
     """Unit-vector activations through the GEMV core (one-row jobs, K2): each output row is a row of Q exactly."""
     device = kernel_device()
-    t = random_exl3(torch.Generator().manual_seed(3), 128, 256, 2, codebook, scale=1.0)
+    t = random_exl3(torch.Generator().manual_seed(3), 128, 128, 2, codebook, scale=1.0)
     stack = WeightStack.from_tensors([[t]], device)
     assert uses_gemv(stack, one_row_jobs=True) and not uses_gemv(stack, one_row_jobs=False)
-    eye = torch.eye(128, device=device)[None]  # [P, R, in]: row r activates input r
-    part = exl3_rows(eye, stack, torch.zeros(128, dtype=torch.int32, device=device), None, GemmConfig(ti=2, tj=8, split_tiles=2))
-    assert part.shape == (4, 1, 128, 256)  # 8 tile rows in K splits of 2
-    assert torch.equal(part.sum(0)[0].cpu(), decode_inner(t.trellis, t.codebook).float())
+    picks = torch.tensor([16 * tile + r for tile in range(8) for r in (tile, 15 - tile)])  # every tile row and row offset
+    eye = torch.eye(128)[picks][None].to(device)  # [P, R, in]: row i activates input picks[i]
+    part = exl3_rows(eye, stack, torch.zeros(16, dtype=torch.int32, device=device), None, GemmConfig(ti=2, tj=8, split_tiles=4))
+    assert part.shape == (2, 1, 16, 128)  # 8 tile rows in K splits of 4
+    assert torch.equal(part.sum(0)[0].cpu(), decode_inner(t.trellis, t.codebook).float()[picks])

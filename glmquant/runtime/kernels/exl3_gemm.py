@@ -167,11 +167,13 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, part_ptr, R, V, KT, NT, hash
                       STEP_TILES: tl.constexpr, K: tl.constexpr, CB: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
     """part[s, p, row, cols] = x[p, row, k-split s] @ Q[p, expert[row]] for one-row jobs at K = 2, one column block.
 
-    Without a tensor core or shared memory: every tensor is [TI, TJ, 2, 8], one element per uint32 trellis word
-    (16 per tile; word 2 g + h holds blocks 4 g + 2 h + j, j = 0, 1, of 8 positions = rows 4 h + 2 j + e0 + 8 e1,
+    Without a tensor core or shared memory: every tensor is [8 g, 2 h, TI, TJ], one element per uint32 trellis
+    word (16 per tile; word 2 g + h holds blocks 4 g + 2 h + j, j = 0, 1, of 8 positions = rows 4 h + 2 j + e0 + 8 e1,
     columns g + 8 e2). Each element decodes its 16 weights, multiplies them by fp32 activations and keeps two
     column sums; tile rows and the two words of a column are summed once at the end. Word indices are
-    scrambled so that no load is vectorized and every load shares one layout (no conversions in the loop).
+    scrambled so that no load is vectorized and every load shares one layout (no conversions in the loop):
+    Triton then puts a tile's words on lanes and the TJ tiles in registers, so a thread loads the activations
+    of one tile row (8 loads) and 8 words per step.
     """
     row = tl.program_id(0)
     n_blocks = NT // TJ
@@ -180,16 +182,16 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, part_ptr, R, V, KT, NT, hash
     split = tl.program_id(2)
     g = (3 * tl.arange(0, 8)[:, None, None, None]) % 8
     h = 1 - tl.arange(0, 2)[None, :, None, None]
-    tj = tl.arange(0, TJ)[None, None, :, None]
-    ti = tl.arange(0, TI)[None, None, None, :]
+    ti = tl.arange(0, TI)[None, None, :, None]
+    tj = tl.arange(0, TJ)[None, None, None, :]
     word = 2 * g + h
     expert = tl.load(expert_ptr + row).to(tl.int64)
     tiles = words_ptr + (p * V + expert) * (KT * NT * 16) + (nb * TJ + tj) * 16
     row_words = NT * 16
     xrow = x_ptr + (p * R + row).to(tl.int64) * (KT * 16) + 4 * h + 0 * tj + 0 * g
     first = split * STEP_TILES
-    acc0 = tl.zeros([8, 2, TJ, TI], dtype=tl.float32)
-    acc1 = tl.zeros([8, 2, TJ, TI], dtype=tl.float32)
+    acc0 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
+    acc1 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
     for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
         tile_row = first + step + ti
         cur = tl.load(tiles + tile_row * row_words + word).to(tl.uint32, bitcast=True)
@@ -206,8 +208,8 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, part_ptr, R, V, KT, NT, hash
                     acc1 += hi.to(tl.float32) * xv
     cols = nb * TJ * 16 + tl.arange(0, TJ)[None, :] * 16 + (3 * tl.arange(0, 8)[:, None]) % 8
     dst = part_ptr + ((split * (tl.num_programs(1) // n_blocks) + p) * R + row).to(tl.int64) * (NT * 16) + cols
-    tl.store(dst, tl.sum(tl.sum(acc0, axis=3), axis=1))
-    tl.store(dst + 8, tl.sum(tl.sum(acc1, axis=3), axis=1))
+    tl.store(dst, tl.sum(tl.sum(acc0, axis=2), axis=1))
+    tl.store(dst + 8, tl.sum(tl.sum(acc1, axis=2), axis=1))
 
 
 @triton.jit
