@@ -32,8 +32,8 @@ import triton
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
 from glmquant.runtime.kernels.exl3_decode import codebook_id
 from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack
-from glmquant.runtime.kernels.exl3_gemm import exl3_rows, rotate_in, rotate_out, uses_gemv
-from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes, swiglu
+from glmquant.runtime.kernels.exl3_gemm import exl3_rows, job_rows, rotate_in, rotate_out, uses_gemv
+from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, fused_moe, plan_routes, swiglu
 from glmquant.runtime.quantized_experts import expand_routes
 
 PLAN_BYTES_TR3 = 18_724_935_672  # `glmquant plan` decode bytes per token of the reference tr3 K2 artifact
@@ -247,7 +247,7 @@ def time_impl(args, clock: Clock, case: Case, impl: str, make_timer: Callable[[]
 
 def run_ours(args, clock: Clock, cases: list[Case], copy_bw: float, results: list, notes: dict) -> bool:
     for case in cases:
-        ours = partial(fused_moe, w=case.w, cfg=choose_moe_config(case.batch))
+        ours = partial(fused_moe, w=case.w)  # choose_moe_config sizes the jobs
         for impl, timer in (("ours_graph", graph_timer), ("ours_eager", eager_timer)):
             if not time_impl(args, clock, case, impl, partial(timer, clock, ours, case.inputs), copy_bw, results, notes):
                 return False
@@ -272,7 +272,7 @@ def run_exllamav3(args, clock: Clock, cases: list[Case], copy_bw: float, results
         exl = kernels.get(case.layout.name)
         if exl is None:
             exl = kernels[case.layout.name] = ExllamaV3MoE(case.w, max_tokens=max(args.batches))
-        ours = fused_moe(*case.inputs[0], case.w, choose_moe_config(case.batch)).float()
+        ours = fused_moe(*case.inputs[0], case.w).float()
         notes[f"exllamav3_vs_ours_rel_diff.{case.layout.name}.b{case.batch}"] = float(
             (exl(*case.inputs[0]).float() - ours).norm() / ours.norm())
         torch.cuda.synchronize()
@@ -288,7 +288,7 @@ def run_sweep(args, gen, clock: Clock, results: list) -> None:
         inputs = [(torch.randn(1, args.hidden, generator=gen, device=gen.device).to(torch.bfloat16),
                    *expand_routes(i, r, ranks)) for i, r in logical]
         for cfg in sweep_configs():
-            moe_cfg = MoEConfig(False, cfg, cfg)
+            moe_cfg = MoEConfig(1, cfg, cfg)
             try:
                 step = partial(fused_moe, w=w, cfg=moe_cfg)
                 times = clock.repeat(graph_timer(clock, step, inputs), args.reps)
@@ -301,8 +301,8 @@ def run_sweep(args, gen, clock: Clock, results: list) -> None:
 def stage_calls(w: MoEWeights, hidden: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor,
                 cfg: MoEConfig) -> dict[str, Callable[[], object]]:
     """The launches of one fused_moe step as separate calls on precomputed intermediates (same order)."""
-    plan = plan_routes(ids, cfg.share)
-    gemv = uses_gemv(w.gate_up, plan.jobs is None)
+    plan = plan_routes(ids, cfg.job_rows)
+    gemv = uses_gemv(w.gate_up, job_rows(plan.jobs))
     x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts, gemv)
     part_gu = exl3_rows(x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up)
     x_d = swiglu(part_gu, plan, w)
@@ -326,7 +326,7 @@ def run_stages(args, gen, clock: Clock, cfg: GemmConfig) -> list[dict]:
         w = make_layer(gen, args, ranks)
         sets = [(torch.randn(1, args.hidden, generator=gen, device=gen.device).to(torch.bfloat16),
                  *expand_routes(i, r, ranks)) for i, r in routing_sets(gen, args, 1)]
-        calls = [stage_calls(w, *s, MoEConfig(False, cfg, cfg)) for s in sets]
+        calls = [stage_calls(w, *s, MoEConfig(1, cfg, cfg)) for s in sets]
         for stage in calls[0]:
             for c in calls:
                 c[stage]()

@@ -33,8 +33,8 @@ import triton
 
 from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
-from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack, exl3_linear, exl3_rows, uses_gemv
-from glmquant.runtime.kernels.fused_moe import MoEWeights, fused_moe
+from glmquant.runtime.kernels.exl3_gemm import GemmConfig, Jobs, WeightStack, exl3_linear, exl3_rows, uses_gemv
+from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, fused_moe
 
 LINEAR_BOUND = 2e-5
 MOE_BOUND = 1e-4
@@ -85,10 +85,10 @@ def check_decode(gen: torch.Generator, cb: str, k: int) -> dict:
     xr[0, :, 0] = torch.eye(256, device=dev)
     starts = torch.arange(0, 256, 16, dtype=torch.int32, device=dev)
     part = exl3_rows(xr, stack, torch.zeros(256, dtype=torch.int32, device=dev),
-                     (starts, torch.full_like(starts, 16)), GemmConfig(split_tiles=8)).sum(0)[0]
+                     Jobs(starts, torch.full_like(starts, 16), 16), GemmConfig(split_tiles=8)).sum(0)[0]
     q = decode_inner(t.trellis, t.codebook).float()
     result = {"bit_exact": bool(torch.equal(part, q)), "mismatches": int((part != q).sum())}
-    if uses_gemv(stack, one_row_jobs=True):  # the GEMV core too: one-row jobs, fp32 activations
+    if uses_gemv(stack, 1):  # the GEMV core too: one-row jobs, fp32 activations
         xg = torch.eye(256, device=dev)[None]
         gemv = exl3_rows(xg, stack, torch.zeros(256, dtype=torch.int32, device=dev), None, GemmConfig(split_tiles=8)).sum(0)[0]
         result.update(gemv_bit_exact=bool(torch.equal(gemv, q)), gemv_mismatches=int((gemv != q).sum()))
@@ -138,10 +138,11 @@ def check_moe(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int) ->
             ids = torch.stack([torch.randperm(experts, generator=gen, device=dev)[:n] for _ in range(tokens)])
             weights = torch.rand(tokens, n, generator=gen, device=dev)
             want, clamped = moe_reference(x, ids, weights, wg, wu, wd)
-            out = torch.full((tokens, hidden), float("nan"), device=dev)
-            poison_allocator(dev)
-            fused_moe(x, ids, weights, w, out=out)
-            result[f"{layout}.tokens{tokens}"] = {"rel_err": rel_err(out, want), "clamped_values": clamped}
+            for rows in (1, 2, 16):  # GEMV one-row and two-row jobs (at K2), tensor-core jobs
+                out = torch.full((tokens, hidden), float("nan"), device=dev)
+                poison_allocator(dev)
+                fused_moe(x, ids, weights, w, MoEConfig(rows), out=out)
+                result[f"{layout}.tokens{tokens}.jobs{rows}"] = {"rel_err": rel_err(out, want), "clamped_values": clamped}
     return result
 
 
@@ -187,12 +188,15 @@ def compile_reports() -> dict:
     cores = {
         "rows": (_exl3_rows_kernel, {"x_ptr": "*fp16", "trellis_ptr": "*i16", "expert_ptr": "*i32", "job_start_ptr": "*i32",
                                      "job_rows_ptr": "*i32", "part_ptr": "*fp32", **common}, {**const, "ONE_ROW_JOBS": True}),
-        "gemv": (_exl3_gemv_kernel, {"x_ptr": "*fp32", "words_ptr": "*i32", "expert_ptr": "*i32", "part_ptr": "*fp32",
-                                     **common}, const),
+        "gemv": (_exl3_gemv_kernel, {"x_ptr": "*fp32", "words_ptr": "*i32", "expert_ptr": "*i32", "job_start_ptr": "*i32",
+                                     "job_rows_ptr": "*i32", "part_ptr": "*fp32", **common}, {**const, "JOB_ROWS_MAX": 1}),
+        "gemv_two_row_jobs": (_exl3_gemv_kernel, {"x_ptr": "*fp32", "words_ptr": "*i32", "expert_ptr": "*i32",
+                                                  "job_start_ptr": "*i32", "job_rows_ptr": "*i32", "part_ptr": "*fp32",
+                                                  **common}, {**const, "JOB_ROWS_MAX": 2}),
     }
     weights_per_thread = cfg.ti * 16 * cfg.tj * 16 // (32 * cfg.num_warps)
     reports = {"config": {**const, "num_warps": cfg.num_warps, "weights_per_thread_per_step": weights_per_thread}}
-    divisible = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # pointers, as Triton specializes them at launch
+    divisible = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # pointers, as Triton specializes them at launch
     for name, (fn, sig, consts) in cores.items():
         for cc in (90, 121):
             src = triton.compiler.ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}},

@@ -54,7 +54,7 @@ def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook):
     device = kernel_device()
     t = random_exl3(torch.Generator().manual_seed(3), 128, 128, 2, codebook, scale=1.0)
     stack = WeightStack.from_tensors([[t]], device)
-    assert uses_gemv(stack, one_row_jobs=True) and not uses_gemv(stack, one_row_jobs=False)
+    assert uses_gemv(stack, 1) and uses_gemv(stack, 2) and not uses_gemv(stack, 16)
     picks = torch.tensor([16 * tile + r for tile in range(8) for r in (tile, 15 - tile)])  # every tile row and row offset
     eye = torch.eye(128)[picks][None].to(device)  # [P, R, in]: row i activates input picks[i]
     part = exl3_rows(eye, stack, torch.zeros(16, dtype=torch.int32, device=device), None, GemmConfig(ti=2, tj=8, split_tiles=4))

@@ -10,7 +10,7 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack  # noqa: E402
-from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, fused_moe, plan_routes  # noqa: E402
+from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes  # noqa: E402
 from glmquant.runtime.quantized_experts import expand_routes  # noqa: E402
 
 BOUND = 1e-4
@@ -32,8 +32,8 @@ def _reference(x, ids, weights, gates, ups, downs, limit):
     return out
 
 
-@pytest.mark.parametrize("share", [False, True])
-def test_moe_step_matches_reference(share):
+@pytest.mark.parametrize("job_rows", [1, 2, 16])  # GEMV one-row and two-row jobs, tensor-core jobs
+def test_moe_step_matches_reference(job_rows):
     device = kernel_device()
     gen = torch.Generator().manual_seed(0)
     gates, ups, downs = _experts(gen, 5, 136, 160)  # padded hidden and intermediate
@@ -42,7 +42,7 @@ def test_moe_step_matches_reference(share):
     ids = torch.tensor([[0, 3], [3, 1], [4, 3], [1, 0]])  # expert 3 shared by three tokens
     weights = torch.rand(4, 2, generator=gen) * 2.5
     want = _reference(x, ids, weights, gates, ups, downs, 1.5)
-    cfg = MoEConfig(share, GemmConfig(ti=2, tj=8, split_tiles=8), GemmConfig(ti=4, tj=8))  # 2 and 1 K splits
+    cfg = MoEConfig(job_rows, GemmConfig(ti=2, tj=8, split_tiles=8), GemmConfig(ti=4, tj=8))  # 2 and 1 K splits
     got = fused_moe(x.to(device), ids.to(device), weights.to(device), w, cfg)
     assert want.abs().max() > 0.1
     assert rel_err(got, want) < BOUND
@@ -65,8 +65,8 @@ def test_rank_stacked_slices_sum_to_the_whole_expert():
 
 def test_plan_groups_rows_by_expert_in_jobs_of_at_most_16():
     ids = torch.tensor([[2, 0]] * 20 + [[1, 2]])  # expert 2: 21 rows -> jobs of 16 + 5
-    plan = plan_routes(ids, share=True)
-    starts, rows = plan.jobs
+    plan = plan_routes(ids, 16)
+    starts, rows = plan.jobs.starts, plan.jobs.counts
     jobs = {(int(s), int(r)) for s, r in zip(starts, rows, strict=True) if r > 0}
     e = plan.experts.tolist()
     assert sorted(e) == e and sum(r for _, r in jobs) == ids.numel()
@@ -74,3 +74,8 @@ def test_plan_groups_rows_by_expert_in_jobs_of_at_most_16():
     assert sorted(r for s, r in jobs if e[s] == 2) == [5, 16]
     assert torch.equal(plan.experts[plan.pos.long()].view(21, 2), ids.int())  # pos maps routes to rows
     assert torch.equal(plan.tokens[plan.pos.long()].view(21, 2), torch.arange(21).int()[:, None].expand(21, 2))
+
+
+def test_job_size_follows_routes_per_expert():
+    """Decode (288 experts, top-8): one row per route at batch 1-16, GEMV pairs at 64, tensor-core jobs for prefill."""
+    assert [choose_moe_config(tokens * 8, 288).job_rows for tokens in (1, 16, 64, 512)] == [1, 1, 2, 16]

@@ -4,8 +4,9 @@
 Hadamard), `exl3_rows` (the decode-and-multiply core over the packed trellis, split along K into fp32
 partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router weights). The core works on
 *jobs*: a run of rows that share one weight (one expert), so each weight is decoded once per job however
-many rows use it. Jobs of one row at K2 take the GEMV core (fp32 activations, CUDA-core products, nothing
-through shared memory); other jobs the tensor-core core (fp16 hi/lo activation planes, mma.sync). Weight stacks are [P, V, in/16, out/16, 16K]: P projections (gate and up side by side) of
+many rows use it. Jobs of one or two rows at K2 take the GEMV core (fp32 activations, CUDA-core products,
+nothing through shared memory); other jobs the tensor-core core (fp16 hi/lo activation planes, mma.sync).
+Weight stacks are [P, V, in/16, out/16, 16K]: P projections (gate and up side by side) of
 V experts; a single linear is P = V = 1.
 """
 
@@ -160,56 +161,77 @@ def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_pt
 
 
 GEMV_BITS = (2,)  # K of the GEMV core: block windows of 8 positions end on 16-bit boundaries of the words
+GEMV_JOB_ROWS = 2  # the most rows of a job the GEMV core takes (one decode, an FMA per row)
 
 
 @triton.jit
-def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, part_ptr, R, V, KT, NT, hash_mask, hash_flip,
-                      STEP_TILES: tl.constexpr, K: tl.constexpr, CB: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
-    """part[s, p, row, cols] = x[p, row, k-split s] @ Q[p, expert[row]] for one-row jobs at K = 2, one column block.
+def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr, part_ptr, R, V, KT, NT,
+                      hash_mask, hash_flip, STEP_TILES: tl.constexpr, K: tl.constexpr, CB: tl.constexpr,
+                      JOB_ROWS_MAX: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
+    """part[s, p, job rows, cols] = x[p, job rows, k-split s] @ Q[p, expert] at K = 2 for jobs of 1 or 2 rows.
 
     Without a tensor core or shared memory: every tensor is [8 g, 2 h, TI, TJ], one element per uint32 trellis
     word (16 per tile; word 2 g + h holds blocks 4 g + 2 h + j, j = 0, 1, of 8 positions = rows 4 h + 2 j + e0 + 8 e1,
-    columns g + 8 e2). Each element decodes its 16 weights, multiplies them by fp32 activations and keeps two
-    column sums; tile rows and the two words of a column are summed once at the end. Word indices are
-    scrambled so that no load is vectorized and every load shares one layout (no conversions in the loop):
-    Triton then puts a tile's words on lanes and the TJ tiles in registers, so a thread loads the activations
-    of one tile row (8 loads) and 8 words per step.
+    columns g + 8 e2). Each element decodes its 16 weights once, multiplies them by the fp32 activations of each
+    row of the job and keeps two column sums per row; tile rows and the two words of a column are summed once at
+    the end. Word indices are scrambled so that no load is vectorized and every load shares one layout (no
+    conversions in the loop): Triton then puts a tile's words on lanes and the TJ tiles in registers, so a thread
+    loads 8 activations per row and 8 words per step. JOB_ROWS_MAX = 1 without job tables: program i is row i.
     """
-    row = tl.program_id(0)
-    n_blocks = NT // TJ
-    p = tl.program_id(1) // n_blocks
-    nb = tl.program_id(1) % n_blocks
-    split = tl.program_id(2)
-    g = (3 * tl.arange(0, 8)[:, None, None, None]) % 8
-    h = 1 - tl.arange(0, 2)[None, :, None, None]
-    ti = tl.arange(0, TI)[None, None, :, None]
-    tj = tl.arange(0, TJ)[None, None, None, :]
-    word = 2 * g + h
-    expert = tl.load(expert_ptr + row).to(tl.int64)
-    tiles = words_ptr + (p * V + expert) * (KT * NT * 16) + (nb * TJ + tj) * 16
-    row_words = NT * 16
-    xrow = x_ptr + (p * R + row).to(tl.int64) * (KT * 16) + 4 * h + 0 * tj + 0 * g
-    first = split * STEP_TILES
-    acc0 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
-    acc1 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
-    for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
-        tile_row = first + step + ti
-        cur = tl.load(tiles + tile_row * row_words + word).to(tl.uint32, bitcast=True)
-        prev = tl.load(tiles + tile_row * row_words + (word + 15) % 16).to(tl.uint32, bitcast=True)
-        xs = xrow + 16 * tile_row
-        for j in tl.static_range(2):
-            win = ((prev << 16) | (cur >> 16)) if j == 0 else cur
-            for e1 in tl.static_range(2):
-                for e0 in tl.static_range(2):
-                    xv = tl.load(xs + 2 * j + e0 + 8 * e1)
-                    lo = codebook_value((win >> (14 - 2 * (2 * e1 + e0))) & 0xFFFF, CB, hash_mask, hash_flip)
-                    hi = codebook_value((win >> (6 - 2 * (2 * e1 + e0))) & 0xFFFF, CB, hash_mask, hash_flip)
-                    acc0 += lo.to(tl.float32) * xv
-                    acc1 += hi.to(tl.float32) * xv
-    cols = nb * TJ * 16 + tl.arange(0, TJ)[None, :] * 16 + (3 * tl.arange(0, 8)[:, None]) % 8
-    dst = part_ptr + ((split * (tl.num_programs(1) // n_blocks) + p) * R + row).to(tl.int64) * (NT * 16) + cols
-    tl.store(dst, tl.sum(tl.sum(acc0, axis=2), axis=1))
-    tl.store(dst + 8, tl.sum(tl.sum(acc1, axis=2), axis=1))
+    if JOB_ROWS_MAX == 1:
+        row0 = tl.program_id(0)
+        rows = 1
+    else:
+        row0 = tl.load(job_start_ptr + tl.program_id(0))
+        rows = tl.load(job_rows_ptr + tl.program_id(0))
+    if rows > 0:
+        n_blocks = NT // TJ
+        p = tl.program_id(1) // n_blocks
+        nb = tl.program_id(1) % n_blocks
+        split = tl.program_id(2)
+        g = (3 * tl.arange(0, 8)[:, None, None, None]) % 8
+        h = 1 - tl.arange(0, 2)[None, :, None, None]
+        ti = tl.arange(0, TI)[None, None, :, None]
+        tj = tl.arange(0, TJ)[None, None, None, :]
+        word = 2 * g + h
+        expert = tl.load(expert_ptr + row0).to(tl.int64)
+        tiles = words_ptr + (p * V + expert) * (KT * NT * 16) + (nb * TJ + tj) * 16
+        row_words = NT * 16
+        xrow = x_ptr + (p * R + row0).to(tl.int64) * (KT * 16) + 4 * h + 0 * tj + 0 * g
+        second = rows > 1  # the job has a second row (JOB_ROWS_MAX = 2); without one, row0's sums are recomputed, unstored
+        xrow1 = xrow + second.to(tl.int64) * (KT * 16)
+        first = split * STEP_TILES
+        acc0 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
+        acc1 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
+        acc2 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
+        acc3 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
+        for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
+            tile_row = first + step + ti
+            cur = tl.load(tiles + tile_row * row_words + word).to(tl.uint32, bitcast=True)
+            prev = tl.load(tiles + tile_row * row_words + (word + 15) % 16).to(tl.uint32, bitcast=True)
+            xs = xrow + 16 * tile_row
+            for j in tl.static_range(2):
+                win = ((prev << 16) | (cur >> 16)) if j == 0 else cur
+                for e1 in tl.static_range(2):
+                    for e0 in tl.static_range(2):
+                        lo = codebook_value((win >> (14 - 2 * (2 * e1 + e0))) & 0xFFFF, CB, hash_mask, hash_flip)
+                        hi = codebook_value((win >> (6 - 2 * (2 * e1 + e0))) & 0xFFFF, CB, hash_mask, hash_flip)
+                        lo = lo.to(tl.float32)
+                        hi = hi.to(tl.float32)
+                        xv = tl.load(xs + 2 * j + e0 + 8 * e1)
+                        acc0 += lo * xv
+                        acc1 += hi * xv
+                        if JOB_ROWS_MAX == 2:
+                            xv = tl.load(xrow1 + 16 * tile_row + 2 * j + e0 + 8 * e1)
+                            acc2 += lo * xv
+                            acc3 += hi * xv
+        cols = nb * TJ * 16 + tl.arange(0, TJ)[None, :] * 16 + (3 * tl.arange(0, 8)[:, None]) % 8
+        dst = part_ptr + ((split * (tl.num_programs(1) // n_blocks) + p) * R + row0).to(tl.int64) * (NT * 16) + cols
+        tl.store(dst, tl.sum(tl.sum(acc0, axis=2), axis=1))
+        tl.store(dst + 8, tl.sum(tl.sum(acc1, axis=2), axis=1))
+        if JOB_ROWS_MAX == 2:
+            tl.store(dst + NT * 16, tl.sum(tl.sum(acc2, axis=2), axis=1), mask=second)
+            tl.store(dst + NT * 16 + 8, tl.sum(tl.sum(acc3, axis=2), axis=1), mask=second)
 
 
 @triton.jit
@@ -262,9 +284,24 @@ class WeightStack:
         return cls(*shaped, codebook_id(first.codebook), first.in_features, first.out_features)
 
 
-def uses_gemv(stack: WeightStack, one_row_jobs: bool) -> bool:
-    """Whether `exl3_rows` runs the GEMV core (one-row jobs at K in GEMV_BITS), which takes fp32 activations."""
-    return one_row_jobs and stack.bits in GEMV_BITS
+@dataclass(frozen=True)
+class Jobs:
+    """Rows grouped by the weight they share: (first row, row count) per job, every count <= max_rows."""
+
+    starts: torch.Tensor  # int32 [J]
+    counts: torch.Tensor  # int32 [J]; 0 for unused entries
+    max_rows: int
+
+
+def job_rows(jobs: Jobs | None) -> int:
+    """The most rows a job holds (None: one row per job)."""
+    return 1 if jobs is None else jobs.max_rows
+
+
+def uses_gemv(stack: WeightStack, max_rows: int) -> bool:
+    """Whether `exl3_rows` runs the GEMV core (K in GEMV_BITS, jobs of <= GEMV_JOB_ROWS rows), which takes fp32
+    activations; otherwise the tensor-core core (jobs of <= JOB_ROWS rows)."""
+    return stack.bits in GEMV_BITS and max_rows <= GEMV_JOB_ROWS
 
 
 def activation_buffer(P: int, R: int, kp: int, gemv: bool, device: torch.device) -> torch.Tensor:
@@ -285,23 +322,25 @@ def rotate_in(x: torch.Tensor, src: torch.Tensor, stack: WeightStack, scale_row:
     return out
 
 
-def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs: tuple[torch.Tensor, torch.Tensor] | None,
+def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs: Jobs | None,
               cfg: GemmConfig) -> torch.Tensor:
     """fp32 partial sums [splits, P, R, out_pad] of xr (`activation_buffer` layout) @ Q[p, experts[row]].
 
-    `jobs` = (first row, row count <= JOB_ROWS) per job, rows of a job sharing one expert; None: one row per job.
+    `jobs`: rows of a job share one expert, whose weights are decoded once per job; None: one row per job.
     """
     P, V, kt, nt, _ = stack.trellis.shape
     R = xr.shape[1]
+    if job_rows(jobs) > JOB_ROWS.value:
+        raise ValueError(f"jobs of up to {jobs.max_rows} rows; the cores take at most {JOB_ROWS.value}")
     part = torch.empty((cfg.splits(kt), P, R, nt * 16), dtype=torch.float32, device=xr.device)
-    if uses_gemv(stack, jobs is None):
-        _exl3_gemv_kernel[(R, P * (nt // cfg.tj), cfg.splits(kt))](
-            xr, stack.trellis.view(torch.int32), experts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
-            STEP_TILES=cfg.tiles_per_split(kt), K=stack.bits, CB=stack.codebook, TI=cfg.ti, TJ=cfg.tj,
-            num_warps=cfg.num_warps)
-        return part
-    starts, counts = jobs if jobs is not None else (experts, experts)  # unread for one-row jobs
+    starts, counts = (jobs.starts, jobs.counts) if jobs is not None else (experts, experts)  # unread for one-row jobs
     grid = (R if jobs is None else starts.numel(), P * (nt // cfg.tj), cfg.splits(kt))
+    if uses_gemv(stack, job_rows(jobs)):
+        _exl3_gemv_kernel[grid](
+            xr, stack.trellis.view(torch.int32), experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
+            STEP_TILES=cfg.tiles_per_split(kt), K=stack.bits, CB=stack.codebook, JOB_ROWS_MAX=job_rows(jobs),
+            TI=cfg.ti, TJ=cfg.tj, num_warps=cfg.num_warps)
+        return part
     _exl3_rows_kernel[grid](
         xr, stack.trellis, experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
         STEP_TILES=cfg.tiles_per_split(kt),
@@ -329,9 +368,9 @@ def exl3_linear(x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConf
     cfg = cfg or GemmConfig()
     rows = torch.arange(M, dtype=torch.int32, device=x.device)
     zero = torch.zeros(M, dtype=torch.int32, device=x.device)
-    xr = rotate_in(x, rows, stack, zero, uses_gemv(stack, M == 1))
     starts = torch.arange(0, M, JOB_ROWS.value, dtype=torch.int32, device=x.device)
-    jobs = (starts, (M - starts).clamp(max=JOB_ROWS.value).to(torch.int32)) if M > 1 else None
+    jobs = Jobs(starts, (M - starts).clamp(max=JOB_ROWS.value).to(torch.int32), JOB_ROWS.value) if M > 1 else None
+    xr = rotate_in(x, rows, stack, zero, uses_gemv(stack, job_rows(jobs)))
     part = exl3_rows(xr, stack, zero, jobs, cfg)
     ones = torch.ones((M, 1), dtype=torch.float32, device=x.device)
     out = torch.empty((M, stack.out_features), dtype=x.dtype, device=x.device) if out is None else out

@@ -3,7 +3,8 @@
 Five launches, none of which writes a dequantized weight: rotate the inputs of every route for gate and up,
 the gate+up core (one launch, P = 2), SwiGLU between the two Hadamards (gate/up output side, down input
 side), the down core, and the weighted output rotation. Routes are sorted by (virtual) expert so tokens
-that share an expert share its decode (jobs of up to 16 rows, one tensor-core tile); rank-stacked tr3 layers are plain
+that share an expert share its decode (jobs of up to 2 rows in the GEMV core or 16, one tensor-core tile, in the
+other; `choose_moe_config` sizes them from the routes per expert); rank-stacked tr3 layers are plain
 layers of R x more, R x narrower virtual experts (virtual_id = expert * R + rank) whose routes carry the
 same router weight. Every shape is static and nothing syncs with the host, so a step can be graph-captured.
 """
@@ -17,11 +18,14 @@ import triton
 import triton.language as tl
 
 from glmquant.runtime.kernels.exl3_gemm import (
+    GEMV_JOB_ROWS,
     JOB_ROWS,
     GemmConfig,
+    Jobs,
     WeightStack,
     exl3_rows,
     had128_rows,
+    job_rows,
     activation_buffer,
     rotate_in,
     rotate_out,
@@ -59,19 +63,19 @@ class RoutePlan:
     experts: torch.Tensor  # int32 [R] virtual expert of each row
     tokens: torch.Tensor  # int32 [R] token of each row
     pos: torch.Tensor  # int32 [T * n] row of each flat route
-    jobs: tuple[torch.Tensor, torch.Tensor] | None  # (first row, rows) per job; None: one row per job
+    jobs: Jobs | None  # rows sharing an expert; None: one row per job
 
 
-def plan_routes(expert_ids: torch.Tensor, share: bool) -> RoutePlan:
-    """Sort routes by expert and cut each expert's run into jobs of <= 16 rows (static shapes, no host sync).
+def plan_routes(expert_ids: torch.Tensor, max_rows: int) -> RoutePlan:
+    """Sort routes by expert and cut each expert's run into jobs of <= max_rows rows (static shapes, no host sync).
 
-    share=False keeps one row per route (no sort): cheaper when tokens rarely share an expert.
+    max_rows = 1 keeps one row per route, unsorted: cheapest when tokens rarely share an expert.
     """
     n = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)
     idx = torch.arange(flat.numel(), device=flat.device)
-    block_m = JOB_ROWS.value
-    if not share:
+    block_m = max_rows
+    if max_rows == 1:
         return RoutePlan(flat.int(), (idx // n).int(), idx.int(), None)
     experts, order = torch.sort(flat, stable=True)
     pos = torch.empty_like(order).scatter_(0, order, idx)
@@ -81,7 +85,7 @@ def plan_routes(expert_ids: torch.Tensor, share: bool) -> RoutePlan:
     offset = idx - run_start
     run_len = torch.zeros_like(idx).scatter_add_(0, run_start, torch.ones_like(idx))[run_start]
     rows = torch.where(offset % block_m == 0, (run_len - offset).clamp(max=block_m), 0)
-    return RoutePlan(experts.int(), (order // n).int(), pos.int(), (idx.int(), rows.int()))
+    return RoutePlan(experts.int(), (order // n).int(), pos.int(), Jobs(idx.int(), rows.int(), max_rows))
 
 
 @triton.jit
@@ -110,7 +114,7 @@ def _swiglu_kernel(part_ptr, R, expert_ptr, svh_ptr, suh_d_ptr, out_ptr, V, Ip, 
 def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
     """Rotated down inputs (`activation_buffer` layout, P = 1) from the gate/up partials [splits, 2, R, inter_pad]."""
     splits, _, R, ip = part.shape
-    gemv = uses_gemv(w.down, plan.jobs is None)
+    gemv = uses_gemv(w.down, job_rows(plan.jobs))
     out = activation_buffer(1, R, ip, gemv, part.device)
     limit = float("inf") if w.swiglu_limit is None else float(w.swiglu_limit)
     _swiglu_kernel[(triton.cdiv(R, 16), ip // 128)](
@@ -121,20 +125,19 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Launch shapes of one step: whether tokens share expert decodes (sorted jobs) and the two cores' configs."""
+    """Launch shapes of one step: the most rows a job may hold (1: one row per route, unsorted) and the cores' configs."""
 
-    share: bool
+    job_rows: int
     gate_up: GemmConfig = GemmConfig()
     down: GemmConfig = GemmConfig()
 
 
-SHARE_FROM_TOKENS = 16  # H200, 288 experts, top-8: below this most experts get one route, and the GEMV core wins
-
-
-def choose_moe_config(tokens: int) -> MoEConfig:
-    """One-row jobs (GEMV core at K2) for small batches; routes sorted into shared tensor-core jobs from
-    SHARE_FROM_TOKENS tokens, where experts start to hold several routes (bench/results/moe_decode_h200.json)."""
-    return MoEConfig(share=tokens >= SHARE_FROM_TOKENS)
+def choose_moe_config(routes: int, experts: int) -> MoEConfig:
+    """Jobs sized to how many routes an expert gets on average (H200, bench/results/moe_decode_h200.json):
+    one row per route under 1/2 (decode once per route in the GEMV core), GEMV jobs of two rows up to 4 (one
+    decode, an FMA per row), tensor-core jobs of 16 rows beyond (prefill)."""
+    per_expert = routes / experts
+    return MoEConfig(1 if per_expert < 0.5 else GEMV_JOB_ROWS if per_expert < 4 else JOB_ROWS.value)
 
 
 def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
@@ -145,9 +148,9 @@ def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     Returns [T, H] in hidden's dtype (or fills `out`).
     """
     T = expert_ids.shape[0]
-    cfg = cfg or choose_moe_config(T)
-    plan = plan_routes(expert_ids, cfg.share)
-    x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts, uses_gemv(w.gate_up, plan.jobs is None))
+    cfg = cfg or choose_moe_config(expert_ids.numel(), w.experts)
+    plan = plan_routes(expert_ids, cfg.job_rows)
+    x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts, uses_gemv(w.gate_up, job_rows(plan.jobs)))
     x_d = swiglu(exl3_rows(x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up), plan, w)
     part = exl3_rows(x_d, w.down, plan.experts, plan.jobs, cfg.down)
     if out is None:
