@@ -309,7 +309,7 @@ def stage_calls(w: MoEWeights, hidden: torch.Tensor, ids: torch.Tensor, rw: torc
     part_d = exl3_rows(x_d, w.down, plan.experts, plan.jobs, cfg.down)
     out = torch.empty((hidden.shape[0], w.down.out_features), dtype=hidden.dtype, device=hidden.device)
     rwf = rw.float().contiguous()
-    return {"plan_routes": partial(plan_routes, ids, cfg.share),
+    return {"plan_routes": partial(plan_routes, ids, cfg.job_rows),
             "rotate_in": partial(rotate_in, hidden, plan.tokens, w.gate_up, plan.experts, gemv),
             "core_gate_up": partial(exl3_rows, x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up),
             "swiglu": partial(swiglu, part_gu, plan, w),

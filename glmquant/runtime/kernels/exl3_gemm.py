@@ -62,15 +62,16 @@ class GemmConfig:
 
 @triton.jit
 def had128_rows(v):
-    """v [ROWS, 128] fp32 (ROWS >= 16) times the normalized Sylvester Hadamard block, ~fp32 exact (tf32x3)."""
-    i = tl.arange(0, 128)[:, None]
-    j = tl.arange(0, 128)[None, :]
-    par = i & j
-    par = par ^ (par >> 4)
-    par = par ^ (par >> 2)
-    par = par ^ (par >> 1)
-    signs = tl.where((par & 1) == 0, 1.0, -1.0)
-    return tl.dot(v, signs, input_precision="tf32x3") * 0.08838834764831845
+    """v [ROWS, 128] fp32 times the normalized Sylvester Hadamard block: a fast Walsh-Hadamard butterfly in fp32.
+
+    Stage k pairs columns c and c ^ 2^k into (a + b, a - b); no matrix is built and no tensor core is used.
+    """
+    ROWS: tl.constexpr = v.shape[0]
+    for k in tl.static_range(7):
+        pairs = tl.permute(tl.reshape(v, (ROWS, 64 >> k, 2, 1 << k)), (0, 1, 3, 2))
+        a, b = tl.split(pairs)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, 128))
+    return v * 0.08838834764831845
 
 
 @triton.jit
