@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.tensor_bytes import tensor_to_bytes
 from glmquant.checkpoint.writer import atomic_write_text, write_safetensors
@@ -76,11 +77,10 @@ class TokenRows:
     @classmethod
     def load(cls, out_dir: Path) -> TokenRows:
         """Read saved rows back, checking them against the SHA-256 recorded beside them."""
-        from safetensors.torch import load_file
-
         try:
             info = json.loads((out_dir / INFO_FILE).read_text(encoding="utf-8"))
-            tensors = load_file(str(out_dir / ROWS_FILE))
+            with SourceCheckpoint.open(out_dir / ROWS_FILE) as f:
+                tensors = {name: f.read_tensor(name) for name in f.names()}
             lanes = tuple(LaneRows(x["name"], tuple(x["use"]), tensors[f"lane.{x['name']}"], tuple(x["row_sources"]))
                           for x in info["lanes"])
             rows = cls(lanes, info["recipe"], info["recipe_sha256"], info["tokenizer_sha256"], info["sources"])

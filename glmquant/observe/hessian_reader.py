@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import UsageError
 from glmquant.observe.hessians import FORMAT, HessianMode
 from glmquant.observe.tensor_file import read_rows
@@ -50,8 +50,8 @@ class LayerHessians:
     def gate_up(self, expert: int) -> Hessian:
         name = f"{self.mode.value}.gate_up.sum"
         if self.mode is HessianMode.ALL:
-            with safe_open(str(self.path), "pt") as f:
-                return Hessian(f.get_tensor(name), int(self.gate_up_counts[expert]))
+            with SourceCheckpoint.open(self.path) as f:
+                return Hessian(f.read_tensor(name), int(self.gate_up_counts[expert]))
         return Hessian(read_rows(self.path, name, expert, expert + 1)[0], int(self.gate_up_counts[expert]))
 
     def down(self, expert: int) -> Hessian:
@@ -67,14 +67,14 @@ def load_layer_hessians(obs_dir: str | Path, layer: int, mode: str | HessianMode
     path = hessians_path(obs_dir, layer)
     if not path.is_file():
         raise UsageError(f"{path}: no Hessians for layer {layer} (was observe run with --hessians?)")
-    with safe_open(str(path), "pt") as f:
-        meta, keys = f.metadata() or {}, set(f.keys())
+    with SourceCheckpoint.open(path) as f:
+        meta = f.headers[path.name].metadata or {}
         if meta.get("format") != FORMAT:
             raise UsageError(f"{path}: not a {FORMAT} file (format {meta.get('format')!r})")
-        if f"{mode.value}.down.sum" not in keys:
+        if f"{mode.value}.down.sum" not in f:
             raise UsageError(f"{path}: holds no {mode.value!r} Hessians (observed with --hessians {meta.get('mode')})")
-        down = f.get_tensor(f"{mode.value}.down.count")
-        gate_up = f.get_tensor(f"{mode.value}.gate_up.count")
+        down = f.read_tensor(f"{mode.value}.down.count")
+        gate_up = f.read_tensor(f"{mode.value}.gate_up.count")
     if mode is HessianMode.ALL:
         gate_up = gate_up.expand(down.shape).clone()
     return LayerHessians(path, layer, mode, gate_up, down)
@@ -83,7 +83,7 @@ def load_layer_hessians(obs_dir: str | Path, layer: int, mode: str | HessianMode
 def load_dense_hessian(obs_dir: str | Path, layer: int, weight_name: str) -> Hessian:
     """The Hessian of a dense linear (attention, shared expert, dense MLP) by its checkpoint weight name."""
     path = hessians_path(obs_dir, layer)
-    with safe_open(str(path), "pt") as f:
-        if f"dense.{weight_name}.sum" not in set(f.keys()):
+    with SourceCheckpoint.open(path) as f:
+        if f"dense.{weight_name}.sum" not in f:
             raise UsageError(f"{path}: no dense Hessian for {weight_name} (observe with --dense-hessians)")
-        return Hessian(f.get_tensor(f"dense.{weight_name}.sum"), int(f.get_tensor(f"dense.{weight_name}.count")))
+        return Hessian(f.read_tensor(f"dense.{weight_name}.sum"), int(f.read_tensor(f"dense.{weight_name}.count")))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.tensor_bytes import dtype_name
 from glmquant.checkpoint.writer import write_safetensors
@@ -110,7 +111,6 @@ class LayerStats:
 
     @classmethod
     def load(cls, path: Path) -> LayerStats:
-        from safetensors.torch import load_file
-
-        t = load_file(str(path))
+        with SourceCheckpoint.open(path) as f:
+            t = {name: f.read_tensor(name) for name in f.names()}
         return cls(int(t["tokens"]), int(t["top_k"]), t["count"], t["max_norm"], {k: t[k] for k in SUMS})

@@ -231,8 +231,10 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
         tl.store(dst, tl.sum(tl.sum(acc0, axis=2), axis=1))
         tl.store(dst + 8, tl.sum(tl.sum(acc1, axis=2), axis=1))
         if JOB_ROWS_MAX == 2:
-            tl.store(dst + NT * 16, tl.sum(tl.sum(acc2, axis=2), axis=1), mask=second)
-            tl.store(dst + NT * 16 + 8, tl.sum(tl.sum(acc3, axis=2), axis=1), mask=second)
+            keep = cols * 0 + rows > 1  # `second` in the stored shape, built by a comparison (Triton 3.9's interpreter
+            # rejects scalar masks and turns a broadcast bool & into int32)
+            tl.store(dst + NT * 16, tl.sum(tl.sum(acc2, axis=2), axis=1), mask=keep)
+            tl.store(dst + NT * 16 + 8, tl.sum(tl.sum(acc3, axis=2), axis=1), mask=keep)
 
 
 @triton.jit
