@@ -80,7 +80,7 @@ def load_and_compare(artifact: Path) -> dict:
         ids = torch.tensor([[256, 258, 260, 72, 101, 108, 108, 111]], dtype=torch.long)
         logits = model.forward(ids, {"attn_mode": "flash_attn_nc"})
         result.update(forward_logits_shape=list(logits.shape), forward_logits_finite=bool(torch.isfinite(logits).all()))
-    except Exception as exc:  # the load and weights are the check; a forward needs ExLlamaV3's attention deps
+    except Exception as exc:  # recorded: the load and the weights are the check, the tiny dims may not suit its kernels
         result["forward_error"] = f"{type(exc).__name__}: {exc}"[:500]
     return result
 

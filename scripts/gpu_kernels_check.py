@@ -216,6 +216,39 @@ def compile_reports() -> dict:
                 "sass_instructions_per_weight": sum(mix.values()) / weights_per_thread if mix else None,
                 "ptx_mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
                 "ptx_hopper_only": sorted(set(re.findall(r"wgmma|cp\.async\.bulk\.tensor|setmaxnreg", ptx)))}
+    reports.update(hadamard_kernel_reports(tools))
+    return reports
+
+
+def hadamard_kernel_reports(tools: Path) -> dict:
+    """Registers, stack and shared memory of the three Hadamard launches (rotate_in, SwiGLU, rotate_out) per target."""
+    from triton.backends.compiler import GPUTarget
+
+    from glmquant.runtime.kernels.exl3_gemm import _rotate_in_kernel, _rotate_out_kernel
+    from glmquant.runtime.kernels.fused_moe import _swiglu_kernel
+
+    kernels = {
+        "rotate_in": (_rotate_in_kernel, {"x_ptr": "*bf16", "src_ptr": "*i32", "scale_ptr": "*fp16", "scale_row_ptr": "*i32",
+                                          "out_ptr": "*fp32", "R": "i32", "V": "i32", "x_cols": "i32", "x_stride": "i32",
+                                          "Kp": "i32"}, {"ROWS": 16, "GEMV": True}),
+        "swiglu": (_swiglu_kernel, {"part_ptr": "*fp32", "R": "i32", "expert_ptr": "*i32", "svh_ptr": "*fp16",
+                                    "suh_d_ptr": "*fp16", "out_ptr": "*fp32", "V": "i32", "Ip": "i32", "n_inter": "i32",
+                                    "limit": "fp32"}, {"SPLITS": 4, "ROWS": 16, "GEMV": True}),
+        "rotate_out": (_rotate_out_kernel, {"part_ptr": "*fp32", "P_R": "i32", "pos_ptr": "*i32", "w_ptr": "*fp32",
+                                            "expert_ptr": "*i32", "svh_ptr": "*fp16", "out_ptr": "*bf16", "n_routes": "i32",
+                                            "Np": "i32", "n_cols": "i32", "out_stride": "i32"}, {"SPLITS": 2, "ROWS": 16}),
+    }
+    reports = {}
+    for name, (fn, sig, consts) in kernels.items():
+        for cc in (90, 121):
+            src = triton.compiler.ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
+            kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+            reports[f"{name}.sm_{cc}"] = {"resource_usage": re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage),
+                                          "shared_bytes_launch": kernel.metadata.shared}
     return reports
 
 

@@ -25,6 +25,7 @@ from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.tensor_bytes import dtype_name
 from glmquant.checkpoint.writer import write_safetensors
+from glmquant.errors import CheckpointFormatError
 from glmquant.observe.routing import Routing
 
 SUMS = ("sum_norm", "sum_gate", "sum_gate_norm", "sum_score")
@@ -113,4 +114,7 @@ class LayerStats:
     def load(cls, path: Path) -> LayerStats:
         with SourceCheckpoint.open(path) as f:
             t = {name: f.read_tensor(name) for name in f.names()}
+        missing = sorted({"tokens", "top_k", "count", "max_norm", *SUMS} - set(t))
+        if missing:
+            raise CheckpointFormatError(f"{path}: not an expert-statistics file (missing tensors {missing})")
         return cls(int(t["tokens"]), int(t["top_k"]), t["count"], t["max_norm"], {k: t[k] for k in SUMS})

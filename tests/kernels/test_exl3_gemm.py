@@ -1,4 +1,4 @@
-"""The EXL3 GEMV/GEMM core (decode in registers, tensor-core products) against an exact float64 reference."""
+"""The EXL3 cores (decode in registers; GEMV with fp32 products, tensor-core GEMM) against an exact float64 reference."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from glmquant.exl3 import decode_inner  # noqa: E402
-from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack, exl3_linear, exl3_rows, uses_gemv  # noqa: E402
+from glmquant.runtime.kernels.exl3_gemm import GemmConfig, Jobs, WeightStack, exl3_linear, exl3_rows, uses_gemv  # noqa: E402
 
-BOUND = 2e-5  # fp32-level: activations enter as fp16 hi + lo planes, Hadamards run as tf32x3 products
+BOUND = 2e-5  # fp32-level: activations enter as fp32 (GEMV) or fp16 hi + lo planes, Hadamards as fp32 butterflies
 
 
 @pytest.mark.parametrize(("codebook", "bits", "rows", "cfg"), [
@@ -60,3 +60,14 @@ def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook):
     part = exl3_rows(eye, stack, torch.zeros(16, dtype=torch.int32, device=device), None, GemmConfig(ti=2, tj=8, split_tiles=4))
     assert part.shape == (2, 1, 16, 128)  # 8 tile rows in K splits of 4
     assert torch.equal(part.sum(0)[0].cpu(), decode_inner(t.trellis, t.codebook).float()[picks])
+
+
+def test_core_rejects_activations_of_the_other_format_and_one_row_job_tables():
+    device = kernel_device()
+    t = random_exl3(torch.Generator().manual_seed(4), 128, 128, 2, "mcg", scale=1.0)
+    stack = WeightStack.from_tensors([[t]], device)
+    planes = torch.zeros((1, 1, 2, 128), dtype=torch.float16, device=device)  # the tensor-core core's format
+    with pytest.raises(ValueError, match="not the GEMV core's format"):
+        exl3_rows(planes, stack, torch.zeros(1, dtype=torch.int32, device=device), None, GemmConfig())
+    with pytest.raises(ValueError, match="None is one row per job"):
+        Jobs(torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1)

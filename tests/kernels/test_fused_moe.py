@@ -76,6 +76,18 @@ def test_plan_groups_rows_by_expert_in_jobs_of_at_most_16():
     assert torch.equal(plan.tokens[plan.pos.long()].view(21, 2), torch.arange(21).int()[:, None].expand(21, 2))
 
 
+def _empty_layer(experts: int, bits: int) -> MoEWeights:
+    """Zero EXL3 stacks of 128 x 128 experts: enough for choosing launch shapes."""
+    def stack(p: int) -> WeightStack:
+        return WeightStack(torch.zeros(p, experts, 8, 8, 16 * bits, dtype=torch.int16),
+                           torch.ones(p, experts, 128, dtype=torch.float16), torch.ones(p, experts, 128, dtype=torch.float16),
+                           1, 128, 128)
+    return MoEWeights(stack(2), stack(1), None)
+
+
 def test_job_size_follows_routes_per_expert():
-    """Decode (288 experts, top-8): one row per route at batch 1-16, GEMV pairs at 64, tensor-core jobs for prefill."""
-    assert [choose_moe_config(tokens * 8, 288).job_rows for tokens in (1, 16, 64, 512)] == [1, 1, 2, 16]
+    """Decode (288 experts, top-8): one row per route at batch 1-16, GEMV pairs at 64, tensor-core jobs for prefill;
+    without the GEMV core (K3) one-row jobs for one token and tensor-core jobs from two."""
+    k2, k3 = _empty_layer(288, 2), _empty_layer(288, 3)
+    assert [choose_moe_config(t, t * 8, k2).job_rows for t in (1, 16, 64, 512)] == [1, 1, 2, 16]
+    assert [choose_moe_config(t, t * 8, k3).job_rows for t in (1, 2, 64)] == [1, 16, 16]

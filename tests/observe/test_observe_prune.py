@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmquant.errors import UsageError
+from glmquant.checkpoint.safetensors_format import TensorSpec
+from glmquant.checkpoint.writer import write_safetensors
+from glmquant.errors import CheckpointFormatError, UsageError
 from glmquant.observe.prune import plan_pruning, write_prune_plan
 from glmquant.observe.stats import SUMS, LayerStats
 
@@ -47,3 +49,13 @@ def test_written_plan_is_what_the_encoder_loads(observed: Path, tmp_path: Path, 
     assert sorted(k for k in layers if k < 3) == [1, 2] and all(len(v) == 3 for v in layers.values())
     assert (observed / "prune_plan.json").is_file()  # the observation itself was run with keep=2
     assert len(json.loads((observed / "prune_plan.json").read_text())["layers"]["2"]) == 2
+
+
+def test_stats_round_trip_and_a_foreign_file_is_named(tmp_path: Path) -> None:
+    stats = _stats([2, 1, 0], [2.0, 3.0, 0.0])
+    stats.save(tmp_path / "layer-01.stats.safetensors")
+    back = LayerStats.load(tmp_path / "layer-01.stats.safetensors")
+    assert torch.equal(back.count, stats.count) and torch.equal(back.sums["sum_gate_norm"], stats.sums["sum_gate_norm"])
+    write_safetensors(tmp_path / "other.safetensors", [TensorSpec("x", "F32", (1,))], lambda s: torch.zeros(1), {})
+    with pytest.raises(CheckpointFormatError, match="other.safetensors: not an expert-statistics file"):
+        LayerStats.load(tmp_path / "other.safetensors")

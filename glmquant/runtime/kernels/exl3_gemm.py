@@ -37,8 +37,9 @@ class GemmConfig:
     """Launch shape of the core: tile rows (ti) and 16-column tiles (tj) per step, tile rows per K split, warps.
 
     ti = 4, tj = 8 decodes a 64 x 128 weight block per step (64 codes per thread at 4 warps) into a
-    16 x 128 fp32 accumulator: 125-127 registers (sm_90, sm_121) and 20 KB shared memory (decoded block +
-    pipelined activations), so 4 programs fit per SM on a GB10 (64K registers, ~100 KB shared memory).
+    16 x 128 fp32 accumulator in the tensor-core core: 118-119 registers (sm_90, sm_121) and 20 KB shared memory
+    (decoded block + pipelined activations), so 4 programs fit per SM on a GB10 (64K registers, ~100 KB shared
+    memory). The GEMV core takes the same blocks with 56-72 registers and no shared memory in its loop.
     K is cut into splits of gcd(k_tiles, split_tiles) tile rows: the same on every GPU (deterministic
     sums), and at most a few trip counts to compile. 1024 rows per split gives a 4096 x 2048 expert
     64 programs per route (1,024 for a batch-1 top-8 step: ~8 per SM on an H200, ~21 on a GB10).
@@ -295,6 +296,10 @@ class Jobs:
     counts: torch.Tensor  # int32 [J]; 0 for unused entries
     max_rows: int
 
+    def __post_init__(self) -> None:
+        if not 2 <= self.max_rows <= JOB_ROWS.value:
+            raise ValueError(f"jobs hold 2 to {JOB_ROWS.value} rows (None is one row per job), not {self.max_rows}")
+
 
 def job_rows(jobs: Jobs | None) -> int:
     """The most rows a job holds (None: one row per job)."""
@@ -333,12 +338,16 @@ def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs:
     """
     P, V, kt, nt, _ = stack.trellis.shape
     R = xr.shape[1]
-    if job_rows(jobs) > JOB_ROWS.value:
-        raise ValueError(f"jobs of up to {jobs.max_rows} rows; the cores take at most {JOB_ROWS.value}")
+    gemv = uses_gemv(stack, job_rows(jobs))
+    if (xr.dtype, xr.dim()) != ((torch.float32, 3) if gemv else (torch.float16, 4)):
+        raise ValueError(f"activations {xr.dtype} {tuple(xr.shape)} are not the {'GEMV' if gemv else 'tensor-core'} "
+                         f"core's format (activation_buffer)")
+    if nt % cfg.tj:
+        raise ValueError(f"{nt} column tiles do not split into blocks of tj = {cfg.tj}")
     part = torch.empty((cfg.splits(kt), P, R, nt * 16), dtype=torch.float32, device=xr.device)
     starts, counts = (jobs.starts, jobs.counts) if jobs is not None else (experts, experts)  # unread for one-row jobs
     grid = (R if jobs is None else starts.numel(), P * (nt // cfg.tj), cfg.splits(kt))
-    if uses_gemv(stack, job_rows(jobs)):
+    if gemv:
         _exl3_gemv_kernel[grid](
             xr, stack.trellis.view(torch.int32), experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
             STEP_TILES=cfg.tiles_per_split(kt), K=stack.bits, CB=stack.codebook, JOB_ROWS_MAX=job_rows(jobs),

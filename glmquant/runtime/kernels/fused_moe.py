@@ -74,7 +74,6 @@ def plan_routes(expert_ids: torch.Tensor, max_rows: int) -> RoutePlan:
     n = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)
     idx = torch.arange(flat.numel(), device=flat.device)
-    block_m = max_rows
     if max_rows == 1:
         return RoutePlan(flat.int(), (idx // n).int(), idx.int(), None)
     experts, order = torch.sort(flat, stable=True)
@@ -84,7 +83,7 @@ def plan_routes(expert_ids: torch.Tensor, max_rows: int) -> RoutePlan:
     run_start = torch.cummax(torch.where(first, idx, 0), 0).values
     offset = idx - run_start
     run_len = torch.zeros_like(idx).scatter_add_(0, run_start, torch.ones_like(idx))[run_start]
-    rows = torch.where(offset % block_m == 0, (run_len - offset).clamp(max=block_m), 0)
+    rows = torch.where(offset % max_rows == 0, (run_len - offset).clamp(max=max_rows), 0)
     return RoutePlan(experts.int(), (order // n).int(), pos.int(), Jobs(idx.int(), rows.int(), max_rows))
 
 
@@ -132,11 +131,14 @@ class MoEConfig:
     down: GemmConfig = GemmConfig()
 
 
-def choose_moe_config(routes: int, experts: int) -> MoEConfig:
-    """Jobs sized to how many routes an expert gets on average (H200, bench/results/moe_decode_h200.json):
-    one row per route under 1/2 (decode once per route in the GEMV core), GEMV jobs of two rows up to 4 (one
-    decode, an FMA per row), tensor-core jobs of 16 rows beyond (prefill)."""
-    per_expert = routes / experts
+def choose_moe_config(tokens: int, routes: int, w: MoEWeights) -> MoEConfig:
+    """Jobs sized to how many routes an expert gets on average. With the GEMV core (K2, both stacks): one row
+    per route under 1/2, GEMV jobs of two rows (one decode, an FMA per row) under 4, tensor-core jobs of 16 rows
+    beyond (prefill); H200 measurements at 0.03-1.8 routes per expert in bench/results/moe_decode_h200*.json,
+    the switch at 4 is an estimate. Other K run the tensor-core core only: 16-row jobs once there are two tokens."""
+    if not (uses_gemv(w.gate_up, GEMV_JOB_ROWS) and uses_gemv(w.down, GEMV_JOB_ROWS)):
+        return MoEConfig(1 if tokens == 1 else JOB_ROWS.value)
+    per_expert = routes / w.experts
     return MoEConfig(1 if per_expert < 0.5 else GEMV_JOB_ROWS if per_expert < 4 else JOB_ROWS.value)
 
 
@@ -148,7 +150,7 @@ def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     Returns [T, H] in hidden's dtype (or fills `out`).
     """
     T = expert_ids.shape[0]
-    cfg = cfg or choose_moe_config(expert_ids.numel(), w.experts)
+    cfg = cfg or choose_moe_config(T, expert_ids.numel(), w)
     plan = plan_routes(expert_ids, cfg.job_rows)
     x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts, uses_gemv(w.gate_up, job_rows(plan.jobs)))
     x_d = swiglu(exl3_rows(x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up), plan, w)
