@@ -173,57 +173,63 @@ def loop_mix(sass: str) -> dict:
     return {op: ops.count(op) for op in sorted(set(ops), key=lambda o: -ops.count(o))}
 
 
+def compile_for(fn, signature: dict, constexprs: dict, cc: int, num_warps: int, attrs: dict | None = None):
+    """Compile a Triton kernel for sm_`cc` without a GPU: (kernel, `cuobjdump -res-usage` text, SASS listing)."""
+    from triton.backends.compiler import GPUTarget
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    src = triton.compiler.ASTSource(fn=fn, signature={**signature, **{c: "constexpr" for c in constexprs}},
+                                    constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    return kernel, usage, sass
+
+
+def resource_usage(usage: str) -> list[str]:
+    return re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage)
+
+
 def compile_reports() -> dict:
     """Per core (tensor-core rows, GEMV) and target (sm_90, sm_121): registers, spills, shared memory, the K-loop
     SASS instruction mix (K2 MCG, default config; Triton's nvdisasm cannot decode sm_121a, so that mix is empty)
     and the PTX ops that only Hopper has (wgmma, TMA bulk tensor copies, setmaxnreg). Needs triton only, no GPU."""
-    from triton.backends.compiler import GPUTarget
-
     from glmquant.runtime.kernels.exl3_gemm import _exl3_gemv_kernel, _exl3_rows_kernel
 
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    common = {"R": "i32", "V": "i32", "KT": "i32", "NT": "i32", "hash_mask": "i32", "hash_flip": "i32"}
+    common = {"expert_ptr": "*i32", "job_start_ptr": "*i32", "job_rows_ptr": "*i32", "part_ptr": "*fp32", "R": "i32",
+              "V": "i32", "KT": "i32", "NT": "i32", "hash_mask": "i32", "hash_flip": "i32"}
+    rows_sig = {"x_ptr": "*fp16", "trellis_ptr": "*i16", **common}
+    gemv_sig = {"x_ptr": "*fp32", "words_ptr": "*i32", **common}
     cfg = GemmConfig()
     const = {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "TI": cfg.ti, "TJ": cfg.tj}
     cores = {
-        "rows": (_exl3_rows_kernel, {"x_ptr": "*fp16", "trellis_ptr": "*i16", "expert_ptr": "*i32", "job_start_ptr": "*i32",
-                                     "job_rows_ptr": "*i32", "part_ptr": "*fp32", **common}, {**const, "ONE_ROW_JOBS": True}),
-        "gemv": (_exl3_gemv_kernel, {"x_ptr": "*fp32", "words_ptr": "*i32", "expert_ptr": "*i32", "job_start_ptr": "*i32",
-                                     "job_rows_ptr": "*i32", "part_ptr": "*fp32", **common}, {**const, "JOB_ROWS_MAX": 1}),
-        "gemv_two_row_jobs": (_exl3_gemv_kernel, {"x_ptr": "*fp32", "words_ptr": "*i32", "expert_ptr": "*i32",
-                                                  "job_start_ptr": "*i32", "job_rows_ptr": "*i32", "part_ptr": "*fp32",
-                                                  **common}, {**const, "JOB_ROWS_MAX": 2}),
+        "rows": (_exl3_rows_kernel, rows_sig, {**const, "ONE_ROW_JOBS": True}),
+        "gemv": (_exl3_gemv_kernel, gemv_sig, {**const, "JOB_ROWS_MAX": 1}),
+        "gemv_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, {**const, "JOB_ROWS_MAX": 2}),
     }
     weights_per_thread = cfg.ti * 16 * cfg.tj * 16 // (32 * cfg.num_warps)
     reports = {"config": {**const, "num_warps": cfg.num_warps, "weights_per_thread_per_step": weights_per_thread}}
     divisible = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # pointers, as Triton specializes them at launch
     for name, (fn, sig, consts) in cores.items():
         for cc in (90, 121):
-            src = triton.compiler.ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}},
-                                            constexprs=consts, attrs=divisible)
-            kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg.num_warps})
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kernel.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-                sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+            kernel, usage, sass = compile_for(fn, sig, consts, cc, cfg.num_warps, divisible)
             mix = loop_mix(sass)
             ptx = kernel.asm["ptx"]
             reports[f"{name}.sm_{cc}"] = {
-                "target": re.search(r"\.target\s+(\S+)", ptx)[1],
-                "resource_usage": re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage),
+                "target": re.search(r"\.target\s+(\S+)", ptx)[1], "resource_usage": resource_usage(usage),
                 "shared_bytes_launch": kernel.metadata.shared, "k_loop_sass": mix,
                 "sass_instructions_per_weight": sum(mix.values()) / weights_per_thread if mix else None,
                 "ptx_mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
                 "ptx_hopper_only": sorted(set(re.findall(r"wgmma|cp\.async\.bulk\.tensor|setmaxnreg", ptx)))}
-    reports.update(hadamard_kernel_reports(tools))
+    reports.update(hadamard_kernel_reports())
     return reports
 
 
-def hadamard_kernel_reports(tools: Path) -> dict:
+def hadamard_kernel_reports() -> dict:
     """Registers, stack and shared memory of the three Hadamard launches (rotate_in, SwiGLU, rotate_out) per target."""
-    from triton.backends.compiler import GPUTarget
-
     from glmquant.runtime.kernels.exl3_gemm import _rotate_in_kernel, _rotate_out_kernel
     from glmquant.runtime.kernels.fused_moe import _swiglu_kernel
 
@@ -241,14 +247,8 @@ def hadamard_kernel_reports(tools: Path) -> dict:
     reports = {}
     for name, (fn, sig, consts) in kernels.items():
         for cc in (90, 121):
-            src = triton.compiler.ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
-            kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kernel.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-            reports[f"{name}.sm_{cc}"] = {"resource_usage": re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage),
-                                          "shared_bytes_launch": kernel.metadata.shared}
+            kernel, usage, _ = compile_for(fn, sig, consts, cc, num_warps=4)
+            reports[f"{name}.sm_{cc}"] = {"resource_usage": resource_usage(usage), "shared_bytes_launch": kernel.metadata.shared}
     return reports
 
 

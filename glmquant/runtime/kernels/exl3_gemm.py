@@ -111,6 +111,21 @@ def _rotate_in_kernel(x_ptr, src_ptr, scale_ptr, scale_row_ptr, out_ptr, R, V, x
 
 
 @triton.jit
+def job_program(job_start_ptr, job_rows_ptr, NT, TJ: tl.constexpr, ONE_ROW: tl.constexpr):
+    """What a core program works on: its job's first row and row count (program i is row i for one-row jobs
+    without tables), projection p of n_proj, 16*TJ-column block nb and K split."""
+    if ONE_ROW:
+        row0 = tl.program_id(0)
+        rows = 1
+    else:
+        row0 = tl.load(job_start_ptr + tl.program_id(0))
+        rows = tl.load(job_rows_ptr + tl.program_id(0))
+    n_blocks = NT // TJ
+    p = tl.program_id(1) // n_blocks
+    return row0, rows, p, tl.num_programs(1) // n_blocks, tl.program_id(1) % n_blocks, tl.program_id(2)
+
+
+@triton.jit
 def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_ptr, part_ptr,
                       R, V, KT, NT, hash_mask, hash_flip, STEP_TILES: tl.constexpr, K: tl.constexpr, CB: tl.constexpr,
                       ONE_ROW_JOBS: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
@@ -121,17 +136,8 @@ def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_pt
     steps ahead, hiding the memory latency of these 2-byte gathers that cp.async pipelining cannot take); the
     block is then permuted to (k, n) order and fed to two fp16 tensor-core products (activation hi and lo).
     """
-    if ONE_ROW_JOBS:
-        row0 = tl.program_id(0)
-        rows = 1
-    else:
-        row0 = tl.load(job_start_ptr + tl.program_id(0))
-        rows = tl.load(job_rows_ptr + tl.program_id(0))
+    row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, ONE_ROW_JOBS)
     if rows > 0:
-        n_blocks = NT // TJ
-        p = tl.program_id(1) // n_blocks
-        nb = tl.program_id(1) % n_blocks
-        split = tl.program_id(2)
         ti_ = tl.arange(0, TI)[:, None, None, None, None, None, None]
         tj_ = tl.arange(0, TJ)[None, :, None, None, None, None, None]
         e1 = tl.arange(0, 2)[None, None, :, None, None, None, None]
@@ -158,7 +164,7 @@ def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_pt
             acc = tl.dot(lo, q, tl.dot(hi, q, acc))
             win, win1 = win1, win2
         cols = nb * TJ * 16 + tl.arange(0, TJ * 16)[None, :]
-        dst = part_ptr + ((split * (tl.num_programs(1) // n_blocks) + p) * R + row0 + m).to(tl.int64) * (NT * 16)
+        dst = part_ptr + ((split * n_proj + p) * R + row0 + m).to(tl.int64) * (NT * 16)
         tl.store(dst + cols, acc, mask=m < rows)
 
 
@@ -180,17 +186,8 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
     conversions in the loop): Triton then puts a tile's words on lanes and the TJ tiles in registers, so a thread
     loads 8 activations per row and 8 words per step. JOB_ROWS_MAX = 1 without job tables: program i is row i.
     """
-    if JOB_ROWS_MAX == 1:
-        row0 = tl.program_id(0)
-        rows = 1
-    else:
-        row0 = tl.load(job_start_ptr + tl.program_id(0))
-        rows = tl.load(job_rows_ptr + tl.program_id(0))
+    row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, JOB_ROWS_MAX == 1)
     if rows > 0:
-        n_blocks = NT // TJ
-        p = tl.program_id(1) // n_blocks
-        nb = tl.program_id(1) % n_blocks
-        split = tl.program_id(2)
         g = (3 * tl.arange(0, 8)[:, None, None, None]) % 8
         h = 1 - tl.arange(0, 2)[None, :, None, None]
         ti = tl.arange(0, TI)[None, None, :, None]
@@ -228,7 +225,7 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
                             acc2 += lo * xv
                             acc3 += hi * xv
         cols = nb * TJ * 16 + tl.arange(0, TJ)[None, :] * 16 + (3 * tl.arange(0, 8)[:, None]) % 8
-        dst = part_ptr + ((split * (tl.num_programs(1) // n_blocks) + p) * R + row0).to(tl.int64) * (NT * 16) + cols
+        dst = part_ptr + ((split * n_proj + p) * R + row0).to(tl.int64) * (NT * 16) + cols
         tl.store(dst, tl.sum(tl.sum(acc0, axis=2), axis=1))
         tl.store(dst + 8, tl.sum(tl.sum(acc1, axis=2), axis=1))
         if JOB_ROWS_MAX == 2:
