@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
+from kernel_helpers import GEMV_BOUND, exact_weight, kernel_device, random_exl3, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -13,7 +13,7 @@ from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack  # noqa: 
 from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes  # noqa: E402
 from glmquant.runtime.quantized_experts import expand_routes  # noqa: E402
 
-BOUND = 1e-4
+BOUND = 1e-4  # tensor-core jobs (16 rows); GEMV jobs (1, 2 rows at K2) take fp16 activations: GEMV_BOUND
 
 
 def _experts(gen, n, hidden, inter, bits=2, codebook="mcg"):
@@ -45,7 +45,7 @@ def test_moe_step_matches_reference(job_rows):
     cfg = MoEConfig(job_rows, GemmConfig(ti=2, tj=8, split_tiles=8), GemmConfig(ti=4, tj=8))  # 2 and 1 K splits
     got = fused_moe(x.to(device), ids.to(device), weights.to(device), w, cfg)
     assert want.abs().max() > 0.1
-    assert rel_err(got, want) < BOUND
+    assert rel_err(got, want) < (GEMV_BOUND if job_rows <= 2 else BOUND)
 
 
 def test_rank_stacked_slices_sum_to_the_whole_expert():
@@ -59,8 +59,8 @@ def test_rank_stacked_slices_sum_to_the_whole_expert():
     g, u = (torch.cat([exact_weight(t) for t in ws]) for ws in (gates, ups))
     d = torch.cat([exact_weight(t) for t in downs], dim=1)
     want = torch.tensor([[0.7], [1.9]], dtype=torch.float64) * ((F.silu(x.double() @ g.T) * (x.double() @ u.T)) @ d.T)
-    got = fused_moe(x.to(device), ids.to(device), weights.to(device), w)
-    assert rel_err(got, want) < BOUND
+    got = fused_moe(x.to(device), ids.to(device), weights.to(device), w)  # 2 routes per expert: two-row GEMV jobs
+    assert rel_err(got, want) < GEMV_BOUND
 
 
 def test_plan_groups_rows_by_expert_in_jobs_of_at_most_16():

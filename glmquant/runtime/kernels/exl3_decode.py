@@ -105,3 +105,36 @@ def window_values(win, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
     else:
         pos = e01 % 2
     return codebook_value(block_state(win, pos, K, B), CB, mask, flip)
+
+
+def _k2_window_hash_ptx(hash_op: str) -> str:
+    """PTX for `k2_window_hashes`: the 8 states of a K2 window (shifts 14, 12, .., 0) as 2 shifts' byte pairs.
+
+    State p is bits [14 - 2p, 30 - 2p) of the window: bytes 1-2 (p < 4) or 0-1 (p >= 4) of the window shifted by
+    6, 4, 2 or 0 bits, so one byte permute (with zeros) per state replaces a shift and a mask.
+    """
+    shifted = ["t6", "t4", "t2", "$8"] * 2
+    lines = [".reg .b32 t2, t4, t6, z;", "mov.b32 z, 0;", "shr.b32 t2, $8, 2;", "shr.b32 t4, $8, 4;",
+             "shr.b32 t6, $8, 6;"]
+    lines += [f"prmt.b32 ${p}, {shifted[p]}, z, {'0x4421' if p < 4 else '0x4410'};" for p in range(8)]
+    lines += [hash_op.format(p=p) for p in range(8)]
+    lines += [f"lop3.b32 ${p}, ${p}, $9, $10, 0x6A;" for p in range(8)]  # (x & mask) ^ flip
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+K2_HASH_3INST_PTX = tl.constexpr(_k2_window_hash_ptx("mad.lo.u32 ${p}, ${p}, 89226354, 64248484;"))
+K2_HASH_MCG_PTX = tl.constexpr(_k2_window_hash_ptx("mul.lo.u32 ${p}, ${p}, 0xCBAC1FED;"))
+
+
+@triton.jit
+def k2_window_hashes(win, CB: tl.constexpr, mask, flip):
+    """The 8 weights of a K2 block window (positions 0..7) as uint32 pairs of fp16 halves whose sum is the weight.
+
+    3INST (CB 0) and MCG (CB 1) only, GPU only (inline PTX): a byte permute, multiply and 3-input logic op per
+    weight. MUL1 has no packed-halves form.
+    """
+    if CB == 0:
+        return tl.inline_asm_elementwise(K2_HASH_3INST_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [win, mask, flip],
+                                         dtype=(tl.uint32,) * 8, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(K2_HASH_MCG_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [win, mask, flip],
+                                     dtype=(tl.uint32,) * 8, is_pure=True, pack=1)

@@ -25,6 +25,7 @@ from glmquant.runtime.kernels.exl3_decode import (
     HASH_MASK,
     codebook_id,
     codebook_value,
+    k2_window_hashes,
     load_window,
     window_values,
 )
@@ -87,10 +88,11 @@ def store_hi_lo(ptr, plane, v, mask):
 def store_activations(out_ptr, row, cols, Kp, v, live, GEMV: tl.constexpr):
     """Store rotated activations v [ROWS, 128] (row: [ROWS, 1] int64) in a core's input format.
 
-    GEMV: fp32 [R, Kp]; else fp16 hi/lo planes [R, 2, Kp] for the tensor-core core.
+    GEMV: fp16 twice per int32 [R, Kp] (an fp16x2 operand); else fp16 hi/lo planes [R, 2, Kp] for the tensor-core core.
     """
     if GEMV:
-        tl.store(out_ptr + row * Kp + cols, v, mask=live)
+        half = v.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        tl.store(out_ptr + row * Kp + cols, (half | (half << 16)).to(tl.int32, bitcast=True), mask=live)
     else:
         store_hi_lo(out_ptr + row * (2 * Kp) + cols, Kp, v, live)
 
@@ -170,21 +172,47 @@ def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_pt
 
 GEMV_BITS = (2,)  # K of the GEMV core: block windows of 8 positions end on 16-bit boundaries of the words
 GEMV_JOB_ROWS = 2  # the most rows of a job the GEMV core takes (one decode, an FMA per row)
+PACKED_CODEBOOKS = (codebook_id("3inst"), codebook_id("mcg"))  # whose hash halves the GEMV core multiplies as fp16 pairs
+
+
+@triton.jit
+def half2_fma(a, b, c):
+    """a * b + c on uint32 pairs of fp16 halves (fma.rn.f16x2): two products in one instruction."""
+    return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def half2_sum(a):
+    """fp32 of the fp16 sum of a uint32 pair's halves: rounded to fp16 once, as the codec rounds its two halves."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $1;\nadd.rn.f16 l, l, h;\ncvt.f32.f16 $0, l;\n}", "=f,r", [a],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def low_half(x):
+    """fp32 of the fp16 in the low half of uint32 x."""
+    return (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr, part_ptr, R, V, KT, NT,
                       hash_mask, hash_flip, STEP_TILES: tl.constexpr, K: tl.constexpr, CB: tl.constexpr,
-                      JOB_ROWS_MAX: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
+                      JOB_ROWS_MAX: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr, PACKED: tl.constexpr):
     """part[s, p, job rows, cols] = x[p, job rows, k-split s] @ Q[p, expert] at K = 2 for jobs of 1 or 2 rows.
 
     Without a tensor core or shared memory: every tensor is [8 g, 2 h, TI, TJ], one element per uint32 trellis
     word (16 per tile; word 2 g + h holds blocks 4 g + 2 h + j, j = 0, 1, of 8 positions = rows 4 h + 2 j + e0 + 8 e1,
-    columns g + 8 e2). Each element decodes its 16 weights once, multiplies them by the fp32 activations of each
-    row of the job and keeps two column sums per row; tile rows and the two words of a column are summed once at
-    the end. Word indices are scrambled so that no load is vectorized and every load shares one layout (no
-    conversions in the loop): Triton then puts a tile's words on lanes and the TJ tiles in registers, so a thread
-    loads 8 activations per row and 8 words per step. JOB_ROWS_MAX = 1 without job tables: program i is row i.
+    columns g + 8 e2). Each element decodes its 16 weights once, multiplies them by the activations of each row of
+    the job and keeps two column sums per row; tile rows and the two words of a column are summed once at the end.
+    Activations are fp16, twice per uint32 (`activation_buffer`). PACKED (GPU, 3INST/MCG): a weight stays the
+    pair of fp16 halves its hash makes, one fp16x2 FMA multiplies both by the activation pair, and each step's
+    8 products per column are summed in fp16 and added to fp32 once (the halves' sum rounded to fp16 once, as the
+    codec does); otherwise (the interpreter, MUL1) weights are decoded to fp16 and multiplied in fp32.
+    Word indices are scrambled so that no load is vectorized and every load shares one layout (no conversions in
+    the loop): Triton then puts a tile's words on lanes and the TJ tiles in registers, so a thread loads 8
+    activations per row and 8 words per step. JOB_ROWS_MAX = 1 without job tables: program i is row i.
     """
     row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, JOB_ROWS_MAX == 1)
     if rows > 0:
@@ -200,7 +228,7 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
         second = rows > 1  # the job has a second row (JOB_ROWS_MAX = 2); without one, row0's sums are recomputed, unstored
         xrow1 = xrow + second.to(tl.int64) * (KT * 16)
         first = split * STEP_TILES
-        acc0 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
+        acc0 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)  # row 0, columns g and g + 8; then row 1
         acc1 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
         acc2 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
         acc3 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
@@ -209,21 +237,41 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
             cur = tl.load(tiles + tile_row * row_words + word).to(tl.uint32, bitcast=True)
             prev = tl.load(tiles + tile_row * row_words + (word + 15) % 16).to(tl.uint32, bitcast=True)
             xs = xrow + 16 * tile_row
+            xs1 = xrow1 + 16 * tile_row
+            if PACKED:
+                s0 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)  # fp16 pairs: this step's column sums
+                s1 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
+                s2 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
+                s3 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
             for j in tl.static_range(2):
                 win = ((prev << 16) | (cur >> 16)) if j == 0 else cur
-                for e1 in tl.static_range(2):
-                    for e0 in tl.static_range(2):
-                        lo = codebook_value((win >> (14 - 2 * (2 * e1 + e0))) & 0xFFFF, CB, hash_mask, hash_flip)
-                        hi = codebook_value((win >> (6 - 2 * (2 * e1 + e0))) & 0xFFFF, CB, hash_mask, hash_flip)
-                        lo = lo.to(tl.float32)
-                        hi = hi.to(tl.float32)
-                        xv = tl.load(xs + 2 * j + e0 + 8 * e1)
-                        acc0 += lo * xv
-                        acc1 += hi * xv
+                if PACKED:
+                    pairs = k2_window_hashes(win, CB, hash_mask, hash_flip)
+                for e01 in tl.static_range(4):  # rows 4 h + 2 j + e0 + 8 e1 of the tile, e01 = 2 e1 + e0
+                    e1, e0 = e01 // 2, e01 % 2
+                    xv = tl.load(xs + 2 * j + e0 + 8 * e1).to(tl.uint32, bitcast=True)
+                    if JOB_ROWS_MAX == 2:
+                        xv1 = tl.load(xs1 + 2 * j + e0 + 8 * e1).to(tl.uint32, bitcast=True)
+                    if PACKED:
+                        s0 = half2_fma(pairs[e01], xv, s0)
+                        s1 = half2_fma(pairs[4 + e01], xv, s1)
                         if JOB_ROWS_MAX == 2:
-                            xv = tl.load(xrow1 + 16 * tile_row + 2 * j + e0 + 8 * e1)
-                            acc2 += lo * xv
-                            acc3 += hi * xv
+                            s2 = half2_fma(pairs[e01], xv1, s2)
+                            s3 = half2_fma(pairs[4 + e01], xv1, s3)
+                    else:
+                        lo = codebook_value((win >> (14 - 2 * e01)) & 0xFFFF, CB, hash_mask, hash_flip).to(tl.float32)
+                        hi = codebook_value((win >> (6 - 2 * e01)) & 0xFFFF, CB, hash_mask, hash_flip).to(tl.float32)
+                        acc0 += lo * low_half(xv)
+                        acc1 += hi * low_half(xv)
+                        if JOB_ROWS_MAX == 2:
+                            acc2 += lo * low_half(xv1)
+                            acc3 += hi * low_half(xv1)
+            if PACKED:
+                acc0 += half2_sum(s0)
+                acc1 += half2_sum(s1)
+                if JOB_ROWS_MAX == 2:
+                    acc2 += half2_sum(s2)
+                    acc3 += half2_sum(s3)
         cols = nb * TJ * 16 + tl.arange(0, TJ)[None, :] * 16 + (3 * tl.arange(0, 8)[:, None]) % 8
         dst = part_ptr + ((split * n_proj + p) * R + row0).to(tl.int64) * (NT * 16) + cols
         tl.store(dst, tl.sum(tl.sum(acc0, axis=2), axis=1))
@@ -310,10 +358,17 @@ def uses_gemv(stack: WeightStack, max_rows: int) -> bool:
 
 
 def activation_buffer(P: int, R: int, kp: int, gemv: bool, device: torch.device) -> torch.Tensor:
-    """Uninitialized core input: fp32 [P, R, kp] for the GEMV core, fp16 hi/lo planes [P, R, 2, kp] otherwise."""
+    """Uninitialized core input: int32 [P, R, kp] holding each fp16 activation twice for the GEMV core, fp16
+    hi/lo planes [P, R, 2, kp] otherwise."""
     if gemv:
-        return torch.empty((P, R, kp), dtype=torch.float32, device=device)
+        return torch.empty((P, R, kp), dtype=torch.int32, device=device)
     return torch.empty((P, R, 2, kp), dtype=torch.float16, device=device)
+
+
+def fp16_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The GEMV core's activation format from a float tensor: int32 holding fp16(x) in both halves."""
+    half = x.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return half | (half << 16)
 
 
 def rotate_in(x: torch.Tensor, src: torch.Tensor, stack: WeightStack, scale_row: torch.Tensor, gemv: bool) -> torch.Tensor:
@@ -336,7 +391,7 @@ def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs:
     P, V, kt, nt, _ = stack.trellis.shape
     R = xr.shape[1]
     gemv = uses_gemv(stack, job_rows(jobs))
-    if (xr.dtype, xr.dim()) != ((torch.float32, 3) if gemv else (torch.float16, 4)):
+    if (xr.dtype, xr.dim()) != ((torch.int32, 3) if gemv else (torch.float16, 4)):
         raise ValueError(f"activations {xr.dtype} {tuple(xr.shape)} are not the {'GEMV' if gemv else 'tensor-core'} "
                          f"core's format (activation_buffer)")
     if nt % cfg.tj:
@@ -348,7 +403,7 @@ def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs:
         _exl3_gemv_kernel[grid](
             xr, stack.trellis.view(torch.int32), experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
             STEP_TILES=cfg.tiles_per_split(kt), K=stack.bits, CB=stack.codebook, JOB_ROWS_MAX=job_rows(jobs),
-            TI=cfg.ti, TJ=cfg.tj, num_warps=cfg.num_warps)
+            TI=cfg.ti, TJ=cfg.tj, PACKED=xr.is_cuda and stack.codebook in PACKED_CODEBOOKS, num_warps=cfg.num_warps)
         return part
     _exl3_rows_kernel[grid](
         xr, stack.trellis, experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
