@@ -76,6 +76,15 @@ def test_plan_groups_rows_by_expert_in_jobs_of_at_most_16():
     assert torch.equal(plan.tokens[plan.pos.long()].view(21, 2), torch.arange(21).int()[:, None].expand(21, 2))
 
 
+def test_one_row_plan_keeps_router_ids_and_reuses_its_index_tensors():
+    ids = torch.tensor([[5, 1, 3], [0, 5, 2]])  # int64, as a router returns them
+    plan = plan_routes(ids, 1)
+    assert plan.jobs is None and plan.experts.data_ptr() == ids.data_ptr()
+    assert plan.tokens.tolist() == [0, 0, 0, 1, 1, 1] and plan.pos.tolist() == list(range(6))
+    again = plan_routes(ids + 1, 1)
+    assert again.tokens is plan.tokens and again.pos is plan.pos  # nothing rebuilt for the same shape
+
+
 def _empty_layer(experts: int, bits: int) -> MoEWeights:
     """Zero EXL3 stacks of 128 x 128 experts: enough for choosing launch shapes."""
     def stack(p: int) -> WeightStack:

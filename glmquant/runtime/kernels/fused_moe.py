@@ -60,22 +60,40 @@ class MoEWeights:
 class RoutePlan:
     """Routes in job order: row i is flat route order[i]; `pos` maps each flat route back to its row."""
 
-    experts: torch.Tensor  # int32 [R] virtual expert of each row
+    experts: torch.Tensor  # [R] virtual expert of each row (int32; one-row plans: the router's integer type)
     tokens: torch.Tensor  # int32 [R] token of each row
     pos: torch.Tensor  # int32 [T * n] row of each flat route
     jobs: Jobs | None  # rows sharing an expert; None: one row per job
 
 
+_FLAT_ROUTE_INDICES: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def flat_route_indices(routes: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, flat position) of each of `routes` routes, n per token, as int32. Constant per shape, so kept
+    (unless made inside a graph capture, whose tensors only fill on replay): a decode step then launches nothing
+    to plan one-row jobs."""
+    key = (routes, n, device)
+    if key in _FLAT_ROUTE_INDICES:
+        return _FLAT_ROUTE_INDICES[key]
+    idx = torch.arange(routes, dtype=torch.int32, device=device)
+    made = (idx // n, idx)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _FLAT_ROUTE_INDICES[key] = made
+    return made
+
+
 def plan_routes(expert_ids: torch.Tensor, max_rows: int) -> RoutePlan:
     """Sort routes by expert and cut each expert's run into jobs of <= max_rows rows (static shapes, no host sync).
 
-    max_rows = 1 keeps one row per route, unsorted: cheapest when tokens rarely share an expert.
+    max_rows = 1 keeps one row per route, unsorted: cheapest when tokens rarely share an expert (the kernels read
+    expert ids of any integer type, so the router's ids are used as they are).
     """
     n = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)
-    idx = torch.arange(flat.numel(), device=flat.device)
     if max_rows == 1:
-        return RoutePlan(flat.int(), (idx // n).int(), idx.int(), None)
+        return RoutePlan(flat, *flat_route_indices(flat.numel(), n, flat.device), None)
+    idx = torch.arange(flat.numel(), device=flat.device)
     experts, order = torch.sort(flat, stable=True)
     pos = torch.empty_like(order).scatter_(0, order, idx)
     first = torch.ones_like(experts, dtype=torch.bool)
