@@ -18,7 +18,7 @@ BUILD=$!
 stamp "kernels check (ours, while exllamav3 builds)"
 timeout 240 python3 scripts/gpu_kernels_check.py --out "$RES" >>"$LOG" 2>&1
 stamp "per-launch stage times"
-timeout 60 python3 scripts/bench_moe_decode.py --stages --out "$RES/stages" >>"$LOG" 2>&1
+timeout 100 python3 scripts/bench_moe_decode.py --stages --out "$RES/stages" >>"$LOG" 2>&1
 stamp "moe decode bench: ours and BF16"
 timeout 150 python3 scripts/bench_moe_decode.py --impls ours,bf16 --out "$RES" >>"$LOG" 2>&1
 stamp "waiting for the exllamav3 build"
