@@ -197,8 +197,7 @@ def exllamav3_version() -> str | None:
 
 def sweep_configs() -> list[GemmConfig]:
     return [GemmConfig(ti=ti, tj=tj, split_tiles=st, num_warps=nw)
-            for ti, tj, st, nw in ((4, 8, 64, 4), (2, 8, 64, 4), (4, 8, 32, 4), (4, 8, 16, 4), (4, 8, 64, 8),
-                                    (8, 8, 64, 8))]
+            for ti, tj, st, nw in ((4, 8, 64, 4), (4, 8, 32, 4), (8, 4, 32, 4), (8, 4, 64, 4), (4, 4, 32, 4))]
 
 
 @dataclass(frozen=True)

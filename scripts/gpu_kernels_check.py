@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import time
 import traceback
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from glmquant.runtime.kernels.exl3_gemm import (
     fp16_pairs,
     uses_gemv,
 )
-from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, fused_moe
+from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe
 
 LINEAR_BOUND = 2e-5  # tensor-core core: fp16 hi + lo activation planes, fp32 sums
 MOE_BOUND = 1e-4
@@ -149,13 +150,14 @@ def check_moe(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int) ->
             ids = torch.stack([torch.randperm(experts, generator=gen, device=dev)[:n] for _ in range(tokens)])
             weights = torch.rand(tokens, n, generator=gen, device=dev)
             want, clamped = moe_reference(x, ids, weights, wg, wu, wd)
-            for rows in (1, 2, 16):  # GEMV one-row and two-row jobs (at K2), tensor-core jobs
+            for rows in (1, 2, 16, None):  # GEMV one-row and two-row jobs (at K2), tensor-core jobs, choose_moe_config
+                cfg = choose_moe_config(tokens, ids.numel(), w) if rows is None else MoEConfig(rows)
                 out = torch.full((tokens, hidden), float("nan"), device=dev)
                 poison_allocator(dev)
-                fused_moe(x, ids, weights, w, MoEConfig(rows), out=out)
-                bound = GEMV_BOUND if uses_gemv(w.gate_up, rows) else MOE_BOUND
-                result[f"{layout}.tokens{tokens}.jobs{rows}"] = {"rel_err": rel_err(out, want), "bound": bound,
-                                                                  "clamped_values": clamped}
+                fused_moe(x, ids, weights, w, cfg, out=out)
+                bound = GEMV_BOUND if uses_gemv(w.gate_up, cfg.job_rows) else MOE_BOUND
+                result[f"{layout}.tokens{tokens}.jobs{rows or 'chosen'}"] = {
+                    "rel_err": rel_err(out, want), "bound": bound, "clamped_values": clamped, "config": asdict(cfg)}
     return result
 
 

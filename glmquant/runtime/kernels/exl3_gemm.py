@@ -237,12 +237,17 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
         next_prev = tl.load(step_words + (word + 15) % 16)
         for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
             tile_row = first + step + ti
-            cur = next_cur.to(tl.uint32, bitcast=True)
-            prev = next_prev.to(tl.uint32, bitcast=True)
-            # the next step's words load while this step computes (the last step reloads the first: in cache, unused)
-            step_words = tiles + (first + (step + TI) % STEP_TILES + ti) * row_words
-            next_cur = tl.load(step_words + word)
-            next_prev = tl.load(step_words + (word + 15) % 16)
+            if JOB_ROWS_MAX == 1:
+                # the next step's words load while this step computes (the last step reloads the first: in cache,
+                # unused); two-row jobs load in step instead: 15 registers fewer for their extra row
+                cur = next_cur.to(tl.uint32, bitcast=True)
+                prev = next_prev.to(tl.uint32, bitcast=True)
+                step_words = tiles + (first + (step + TI) % STEP_TILES + ti) * row_words
+                next_cur = tl.load(step_words + word)
+                next_prev = tl.load(step_words + (word + 15) % 16)
+            else:
+                cur = tl.load(tiles + tile_row * row_words + word).to(tl.uint32, bitcast=True)
+                prev = tl.load(tiles + tile_row * row_words + (word + 15) % 16).to(tl.uint32, bitcast=True)
             xs = xrow + 16 * tile_row
             xs1 = xrow1 + 16 * tile_row
             if PACKED:

@@ -140,8 +140,9 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
     return out
 
 
-ONE_ROW_GEMV = GemmConfig(split_tiles=32)  # one token: K splits of 512 rows, so the down core's 8 routes make ~1 wave of
-# programs on an H200 instead of 0.48 (bench/results/ncu_gemv_core_h200.txt; 72.3 -> 70.5 us a step, moe_stages_h200.json)
+ONE_ROW_GEMV = GemmConfig(ti=8, tj=4, split_tiles=32)  # one token: K splits of 512 rows, so the down core's 8 routes make
+# over a wave of programs on an H200 (0.48 at the default's 1,024: bench/results/ncu_gemv_core_h200.txt), and 8 x 4-tile
+# steps, which take 48 registers (10 programs per SM) instead of 64 for 4 x 8 (kernels_compile.json)
 
 
 @dataclass(frozen=True)
