@@ -44,7 +44,7 @@ from glmquant.runtime.kernels.exl3_gemm import (
     fp16_pairs,
     uses_gemv,
 )
-from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe
+from glmquant.runtime.kernels.fused_moe import ONE_ROW_GEMV, MoEConfig, MoEWeights, choose_moe_config, fused_moe
 
 LINEAR_BOUND = 2e-5  # tensor-core core: fp16 hi + lo activation planes, fp32 sums
 MOE_BOUND = 1e-4
@@ -210,27 +210,33 @@ def resource_usage(usage: str) -> list[str]:
 
 def compile_reports() -> dict:
     """Per core (tensor-core rows, GEMV) and target (sm_90, sm_121): registers, spills, shared memory, the K-loop
-    SASS instruction mix (K2 MCG, default config; Triton's nvdisasm cannot decode sm_121a, so that mix is empty)
-    and the PTX ops that only Hopper has (wgmma, TMA bulk tensor copies, setmaxnreg). Needs triton only, no GPU."""
+    SASS instruction mix (K2 MCG; default config, and the one-token GEMV config; Triton's nvdisasm cannot decode
+    sm_121a, so that mix is empty) and the PTX ops that only Hopper has (wgmma, TMA bulk tensor copies,
+    setmaxnreg). Needs triton only, no GPU."""
     from glmquant.runtime.kernels.exl3_gemm import _exl3_gemv_kernel, _exl3_rows_kernel
 
     common = {"expert_ptr": "*i32", "job_start_ptr": "*i32", "job_rows_ptr": "*i32", "part_ptr": "*fp32", "R": "i32",
               "V": "i32", "KT": "i32", "NT": "i32", "hash_mask": "i32", "hash_flip": "i32"}
     rows_sig = {"x_ptr": "*fp16", "trellis_ptr": "*i16", **common}
     gemv_sig = {"x_ptr": "*i32", "words_ptr": "*i32", **common}
-    cfg = GemmConfig()
-    const = {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "TI": cfg.ti, "TJ": cfg.tj}
-    cores = {
-        "rows": (_exl3_rows_kernel, rows_sig, {**const, "ONE_ROW_JOBS": True}),
-        "gemv": (_exl3_gemv_kernel, gemv_sig, {**const, "JOB_ROWS_MAX": 1, "PACKED": True}),
-        "gemv_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, {**const, "JOB_ROWS_MAX": 2, "PACKED": True}),
+
+    def consts(cfg: GemmConfig, **extra) -> dict:
+        return {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "TI": cfg.ti, "TJ": cfg.tj, **extra}
+    default = GemmConfig()
+    cores = {  # name: (kernel, signature, config, extra constexprs)
+        "rows": (_exl3_rows_kernel, rows_sig, default, {"ONE_ROW_JOBS": True}),
+        "gemv": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 1, "PACKED": True}),
+        "gemv_one_token": (_exl3_gemv_kernel, gemv_sig, ONE_ROW_GEMV, {"JOB_ROWS_MAX": 1, "PACKED": True}),
+        "gemv_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 2, "PACKED": True}),
     }
-    weights_per_thread = cfg.ti * 16 * cfg.tj * 16 // (32 * cfg.num_warps)
-    reports = {"config": {**const, "num_warps": cfg.num_warps, "weights_per_thread_per_step": weights_per_thread}}
+    reports = {}
     divisible = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # pointers, as Triton specializes them at launch
-    for name, (fn, sig, consts) in cores.items():
+    for name, (fn, sig, cfg, extra) in cores.items():
+        weights_per_thread = cfg.ti * 16 * cfg.tj * 16 // (32 * cfg.num_warps)
+        reports[f"{name}.config"] = {**consts(cfg, **extra), "num_warps": cfg.num_warps,
+                                     "weights_per_thread_per_step": weights_per_thread}
         for cc in (90, 121):
-            kernel, usage, sass = compile_for(fn, sig, consts, cc, cfg.num_warps, divisible)
+            kernel, usage, sass = compile_for(fn, sig, consts(cfg, **extra), cc, cfg.num_warps, divisible)
             mix = loop_mix(sass)
             ptx = kernel.asm["ptx"]
             reports[f"{name}.sm_{cc}"] = {
