@@ -156,15 +156,15 @@ class MoEConfig:
 
 def choose_moe_config(tokens: int, routes: int, w: MoEWeights) -> MoEConfig:
     """Jobs sized to how many routes an expert gets on average. With the GEMV core (K2, both stacks): one row
-    per route under 1/2 (and for one token, whose routes never share an expert, in shorter K splits), GEMV jobs of
+    per route under 1/2 (and for one token, whose routes never share an expert, at `ONE_ROW_GEMV`), GEMV jobs of
     two rows (one decode, an FMA per row) under 4, tensor-core jobs of 16 rows beyond (prefill); H200 measurements
     at 0.03-1.8 routes per expert in bench/results/moe_decode_h200*.json, the switch at 4 is an estimate. Other K
     run the tensor-core core only: 16-row jobs once there are two tokens."""
     if not (uses_gemv(w.gate_up, GEMV_JOB_ROWS) and uses_gemv(w.down, GEMV_JOB_ROWS)):
         return MoEConfig(1 if tokens == 1 else JOB_ROWS.value)
-    per_expert = routes / w.experts
     if tokens == 1:
         return MoEConfig(1, ONE_ROW_GEMV, ONE_ROW_GEMV)
+    per_expert = routes / w.experts
     return MoEConfig(1 if per_expert < 0.5 else GEMV_JOB_ROWS if per_expert < 4 else JOB_ROWS.value)
 
 
