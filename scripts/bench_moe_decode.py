@@ -33,7 +33,14 @@ from glmquant.runtime.kernels.cuda_graphs import StepGraphs
 from glmquant.runtime.kernels.exl3_decode import codebook_id
 from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack
 from glmquant.runtime.kernels.exl3_gemm import exl3_rows, job_rows, rotate_in, rotate_out, uses_gemv
-from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, fused_moe, plan_routes, swiglu
+from glmquant.runtime.kernels.fused_moe import (
+    MoEConfig,
+    MoEWeights,
+    choose_moe_config,
+    fused_moe,
+    plan_routes,
+    swiglu,
+)
 from glmquant.runtime.quantized_experts import expand_routes
 
 PLAN_BYTES_TR3 = 18_724_935_672  # `glmquant plan` decode bytes per token of the reference tr3 K2 artifact
@@ -282,20 +289,22 @@ def run_exllamav3(args, clock: Clock, cases: list[Case], copy_bw: float, results
 
 
 def run_sweep(args, gen, clock: Clock, results: list) -> None:
+    """Graphed steps per core config (`sweep_configs`) at each --batches size; jobs as `choose_moe_config` sizes them."""
     for ranks in (1, args.ranks):
         w = make_layer(gen, args, ranks)
-        logical = routing_sets(gen, args, 1)
-        inputs = [(torch.randn(1, args.hidden, generator=gen, device=gen.device).to(torch.bfloat16),
-                   *expand_routes(i, r, ranks)) for i, r in logical]
-        for cfg in sweep_configs():
-            moe_cfg = MoEConfig(1, cfg, cfg)
-            try:
-                step = partial(fused_moe, w=w, cfg=moe_cfg)
-                times = clock.repeat(graph_timer(clock, step, inputs), args.reps)
-                results.append({"ranks": ranks, "config": asdict(cfg), "median_us": statistics.median(times)})
-            except Exception as exc:
-                results.append({"ranks": ranks, "config": asdict(cfg), "error": repr(exc)[-500:]})
-            print("sweep", ranks, asdict(cfg), results[-1].get("median_us"), flush=True)
+        for batch in args.batches:
+            inputs = [(torch.randn(batch, args.hidden, generator=gen, device=gen.device).to(torch.bfloat16),
+                       *expand_routes(i, r, ranks)) for i, r in routing_sets(gen, args, batch)]
+            job_rows = choose_moe_config(batch, inputs[0][1].numel(), w).job_rows
+            for cfg in sweep_configs():
+                row = {"ranks": ranks, "batch": batch, "job_rows": job_rows, "config": asdict(cfg)}
+                try:
+                    step = partial(fused_moe, w=w, cfg=MoEConfig(job_rows, cfg, cfg))
+                    row["median_us"] = statistics.median(clock.repeat(graph_timer(clock, step, inputs), args.reps))
+                except Exception as exc:
+                    row["error"] = repr(exc)[-500:]
+                results.append(row)
+                print("sweep", ranks, batch, job_rows, asdict(cfg), row.get("median_us"), flush=True)
 
 
 def stage_calls(w: MoEWeights, hidden: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor,
@@ -376,7 +385,7 @@ def main() -> None:
     parser.add_argument("--impls", type=lambda s: s.split(","), default=["ours", "bf16"],
                         help="comma-separated: ours, bf16, exllamav3 (ExLlamaV3's fused exl3_moe kernel, timed last)")
     parser.add_argument("--layouts", type=lambda s: s.split(","), default=["plain", "tr3"])
-    parser.add_argument("--sweep", action="store_true", help="then time a few core launch configs at batch 1")
+    parser.add_argument("--sweep", action="store_true", help="then time a few core launch configs at each batch")
     parser.add_argument("--stages", action="store_true", help="only time each launch of a batch-1 step, per config")
     parser.add_argument("--profile-step", action="store_true", help="only run one step per layout for ncu")
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 4, 16, 64])

@@ -210,7 +210,7 @@ def resource_usage(usage: str) -> list[str]:
 
 def compile_reports() -> dict:
     """Per core (tensor-core rows, GEMV) and target (sm_90, sm_121): registers, spills, shared memory, the K-loop
-    SASS instruction mix (K2 MCG; default config, and the one-token GEMV config; Triton's nvdisasm cannot decode
+    SASS instruction mix (K2 MCG; default config, and the one-row-job GEMV config; Triton's nvdisasm cannot decode
     sm_121a, so that mix is empty) and the PTX ops that only Hopper has (wgmma, TMA bulk tensor copies,
     setmaxnreg). Needs triton only, no GPU."""
     from glmquant.runtime.kernels.exl3_gemm import _exl3_gemv_kernel, _exl3_rows_kernel
@@ -226,7 +226,7 @@ def compile_reports() -> dict:
     cores = {  # name: (kernel, signature, config, extra constexprs)
         "rows": (_exl3_rows_kernel, rows_sig, default, {"ONE_ROW_JOBS": True}),
         "gemv": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 1, "PACKED": True}),
-        "gemv_one_token": (_exl3_gemv_kernel, gemv_sig, ONE_ROW_GEMV, {"JOB_ROWS_MAX": 1, "PACKED": True}),
+        "gemv_one_row_jobs": (_exl3_gemv_kernel, gemv_sig, ONE_ROW_GEMV, {"JOB_ROWS_MAX": 1, "PACKED": True}),
         "gemv_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 2, "PACKED": True}),
     }
     reports = {}

@@ -24,6 +24,7 @@ BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo pl
 
 @pytest.mark.parametrize(("codebook", "bits", "rows", "cfg"), [
     ("mcg", 2, 1, GemmConfig(ti=2, tj=4, split_tiles=8)),  # GEMV core, 2 K splits
+    ("mcg", 2, 1, GemmConfig(ti=8, tj=4)),  # GEMV core at the one-row-job steps (fused_moe.ONE_ROW_GEMV), one K split
     ("3inst", 2, 1, GemmConfig()),  # GEMV core, one K split
     ("mul1", 2, 1, GemmConfig(ti=1, tj=16, split_tiles=4)),  # GEMV core, 4 K splits
     ("3inst", 3, 19, GemmConfig(ti=1, tj=8, split_tiles=4)),  # 4 K splits, two jobs (16 + 3 rows), B = 4 windows

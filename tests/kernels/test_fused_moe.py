@@ -99,5 +99,5 @@ def test_job_size_follows_routes_per_expert():
     without the GEMV core (K3) one-row jobs for one token and tensor-core jobs from two."""
     k2, k3 = _empty_layer(288, 2), _empty_layer(288, 3)
     assert [choose_moe_config(t, t * 8, k2).job_rows for t in (1, 16, 64, 512)] == [1, 1, 2, 16]
-    assert [choose_moe_config(t, t * 8, k2).down.split_tiles for t in (1, 16)] == [32, 64]  # more K splits for one token
+    assert [choose_moe_config(t, t * 8, k2).down.ti for t in (1, 16, 64)] == [8, 8, 4]  # one-row jobs: 8 x 4-tile steps
     assert [choose_moe_config(t, t * 8, k3).job_rows for t in (1, 2, 64)] == [1, 16, 16]

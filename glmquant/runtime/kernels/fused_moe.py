@@ -140,9 +140,10 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
     return out
 
 
-ONE_ROW_GEMV = GemmConfig(ti=8, tj=4, split_tiles=32)  # one token: K splits of 512 rows, so the down core's 8 routes make
-# over a wave of programs on an H200 (0.48 at the default's 1,024: bench/results/ncu_gemv_core_h200.txt), and 8 x 4-tile
-# steps, which take 48 registers (10 programs per SM) instead of 64 for 4 x 8 (kernels_compile.json)
+ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)  # one-row GEMV jobs: 8 x 4-tile steps take 48 registers (10 programs per SM) instead
+# of 64 for 4 x 8 and make twice the programs (a batch-1 down launch: 1,024, was 0.48 waves of an H200 at 512:
+# bench/results/ncu_gemv_core_h200.txt); fastest of the swept configs at batches 1, 4 and 16 by 2-10 %
+# (moe_decode_h200.json `sweep`, moe_decode_h200_sweep_b4_b16.json)
 
 
 @dataclass(frozen=True)
@@ -156,16 +157,16 @@ class MoEConfig:
 
 def choose_moe_config(tokens: int, routes: int, w: MoEWeights) -> MoEConfig:
     """Jobs sized to how many routes an expert gets on average. With the GEMV core (K2, both stacks): one row
-    per route under 1/2 (and for one token, whose routes never share an expert, at `ONE_ROW_GEMV`), GEMV jobs of
+    per route under 1/2 and for one token, whose routes never share an expert (at `ONE_ROW_GEMV`), GEMV jobs of
     two rows (one decode, an FMA per row) under 4, tensor-core jobs of 16 rows beyond (prefill); H200 measurements
     at 0.03-1.8 routes per expert in bench/results/moe_decode_h200*.json, the switch at 4 is an estimate. Other K
     run the tensor-core core only: 16-row jobs once there are two tokens."""
     if not (uses_gemv(w.gate_up, GEMV_JOB_ROWS) and uses_gemv(w.down, GEMV_JOB_ROWS)):
         return MoEConfig(1 if tokens == 1 else JOB_ROWS.value)
-    if tokens == 1:
-        return MoEConfig(1, ONE_ROW_GEMV, ONE_ROW_GEMV)
     per_expert = routes / w.experts
-    return MoEConfig(1 if per_expert < 0.5 else GEMV_JOB_ROWS if per_expert < 4 else JOB_ROWS.value)
+    if tokens == 1 or per_expert < 0.5:
+        return MoEConfig(1, ONE_ROW_GEMV, ONE_ROW_GEMV)
+    return MoEConfig(GEMV_JOB_ROWS if per_expert < 4 else JOB_ROWS.value)
 
 
 def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
