@@ -8,9 +8,6 @@ import torch
 from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 
 
-GEMV_BOUND = 2e-3  # the GEMV core's relative error: fp16 activations; on the GPU each step's products summed in fp16
-
-
 def kernel_device() -> str:
     """Where the kernels run in this session; skips the test when they cannot run at all."""
     from glmquant.runtime import kernels

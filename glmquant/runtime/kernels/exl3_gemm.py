@@ -4,8 +4,8 @@
 Hadamard), `exl3_rows` (the decode-and-multiply core over the packed trellis, split along K into fp32
 partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router weights). The core works on
 *jobs*: a run of rows that share one weight (one expert), so each weight is decoded once per job however
-many rows use it. Jobs of one or two rows at K2 take the GEMV core (fp32 activations, CUDA-core products,
-nothing through shared memory); other jobs the tensor-core core (fp16 hi/lo activation planes, mma.sync).
+many rows use it. Jobs of one or two rows at K2 take the GEMV core (fp16 activations, fp16x2 CUDA-core
+products, nothing through shared memory); other jobs the tensor-core core (fp16 hi/lo activation planes, mma.sync).
 Weight stacks are [P, V, in/16, out/16, 16K]: P projections (gate and up side by side) of
 V experts; a single linear is P = V = 1.
 """
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from glmquant.exl3 import EXL3Tensor
+from glmquant.runtime.kernels import interpreted
 from glmquant.runtime.kernels.exl3_decode import (
     HASH_FLIP,
     HASH_MASK,
@@ -40,10 +41,11 @@ class GemmConfig:
     ti = 4, tj = 8 decodes a 64 x 128 weight block per step (64 codes per thread at 4 warps) into a
     16 x 128 fp32 accumulator in the tensor-core core: 118-119 registers (sm_90, sm_121) and 20 KB shared memory
     (decoded block + pipelined activations), so 4 programs fit per SM on a GB10 (64K registers, ~100 KB shared
-    memory). The GEMV core takes the same blocks with 56-72 registers and no shared memory in its loop.
+    memory). The GEMV core takes the same blocks with 64 registers (MCG, sm_90; bench/results/kernels_compile.json)
+    and no shared memory in its loop; one-row GEMV jobs run ti = 8, tj = 4 (`fused_moe.ONE_ROW_GEMV`).
     K is cut into splits of gcd(k_tiles, split_tiles) tile rows: the same on every GPU (deterministic
     sums), and at most a few trip counts to compile. 1024 rows per split gives a 4096 x 2048 expert
-    64 programs per route (1,024 for a batch-1 top-8 step: ~8 per SM on an H200, ~21 on a GB10).
+    64 programs per route at tj = 8, 128 at tj = 4.
     """
 
     ti: int = 4
@@ -172,6 +174,7 @@ def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_pt
 
 GEMV_BITS = (2,)  # K of the GEMV core: block windows of 8 positions end on 16-bit boundaries of the words
 GEMV_JOB_ROWS = 2  # the most rows of a job the GEMV core takes (one decode, an FMA per row)
+GEMV_ERROR_BOUND = 2e-3  # relative error of GEMV-core results: fp16 activations, each step's products summed in fp16
 PACKED_CODEBOOKS = (codebook_id("3inst"), codebook_id("mcg"))  # whose hash halves the GEMV core multiplies as fp16 pairs
 
 
@@ -184,7 +187,7 @@ def half2_fma(a, b, c):
 
 @triton.jit
 def half2_sum(a):
-    """fp32 of the fp16 sum of a uint32 pair's halves: rounded to fp16 once, as the codec rounds its two halves."""
+    """fp32 of the fp16 sum of a uint32 pair's halves (for one product by 1.0 this is the codec's rounding of lo + hi)."""
     return tl.inline_asm_elementwise(
         "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $1;\nadd.rn.f16 l, l, h;\ncvt.f32.f16 $0, l;\n}", "=f,r", [a],
         dtype=tl.float32, is_pure=True, pack=1)
@@ -208,8 +211,10 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
     the job and keeps two column sums per row; tile rows and the two words of a column are summed once at the end.
     Activations are fp16, twice per uint32 (`activation_buffer`). PACKED (GPU, 3INST/MCG): a weight stays the
     pair of fp16 halves its hash makes, one fp16x2 FMA multiplies both by the activation pair, and each step's
-    8 products per column are summed in fp16 and added to fp32 once (the halves' sum rounded to fp16 once, as the
-    codec does); otherwise (the interpreter, MUL1) weights are decoded to fp16 and multiplied in fp32.
+    8 products per column are summed in fp16, halves added in fp16, then added to fp32 (unit-vector activations
+    thus return the codec's weights bit for bit; those fp16 sums, at most 32 |x|, overflow once |activation|
+    passes ~2,000); otherwise (the interpreter, MUL1) weights are decoded to fp16 and multiplied
+    in fp32.
     Word indices are scrambled so that no load is vectorized and every load shares one layout (no conversions in
     the loop): Triton then puts a tile's words on lanes and the TJ tiles in registers, so a thread loads 8
     activations per row and 8 words per step. JOB_ROWS_MAX = 1 without job tables: program i is row i.
@@ -228,13 +233,14 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
         second = rows > 1  # the job has a second row (JOB_ROWS_MAX = 2); without one, row0's sums are recomputed, unstored
         xrow1 = xrow + second.to(tl.int64) * (KT * 16)
         first = split * STEP_TILES
-        acc0 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)  # row 0, columns g and g + 8; then row 1
-        acc1 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
-        acc2 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
-        acc3 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
-        step_words = tiles + (first + ti) * row_words
-        next_cur = tl.load(step_words + word)
-        next_prev = tl.load(step_words + (word + 15) % 16)
+        row0_g = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)  # fp32 sums of row 0 (row 1) at columns g, g + 8
+        row0_g8 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
+        row1_g = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
+        row1_g8 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
+        if JOB_ROWS_MAX == 1:
+            step_words = tiles + (first + ti) * row_words
+            next_cur = tl.load(step_words + word)
+            next_prev = tl.load(step_words + (word + 15) % 16)
         for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
             tile_row = first + step + ti
             if JOB_ROWS_MAX == 1:
@@ -249,50 +255,52 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
                 cur = tl.load(tiles + tile_row * row_words + word).to(tl.uint32, bitcast=True)
                 prev = tl.load(tiles + tile_row * row_words + (word + 15) % 16).to(tl.uint32, bitcast=True)
             xs = xrow + 16 * tile_row
-            xs1 = xrow1 + 16 * tile_row
-            if PACKED:
-                s0 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)  # fp16 pairs: this step's column sums
-                s1 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
-                s2 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
-                s3 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
+            if JOB_ROWS_MAX == 2:
+                xs1 = xrow1 + 16 * tile_row
+            if PACKED:  # this step's sums as fp16 pairs
+                step0_g = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
+                step0_g8 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
+                if JOB_ROWS_MAX == 2:
+                    step1_g = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
+                    step1_g8 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
             for j in tl.static_range(2):
                 win = ((prev << 16) | (cur >> 16)) if j == 0 else cur
                 if PACKED:
-                    pairs = k2_window_hashes(win, CB, hash_mask, hash_flip)
+                    pairs = k2_window_hashes(win, CB, hash_mask, hash_flip)  # positions e01 (column g), 4 + e01 (g + 8)
                 for e01 in tl.static_range(4):  # rows 4 h + 2 j + e0 + 8 e1 of the tile, e01 = 2 e1 + e0
                     e1, e0 = e01 // 2, e01 % 2
                     xv = tl.load(xs + 2 * j + e0 + 8 * e1).to(tl.uint32, bitcast=True)
                     if JOB_ROWS_MAX == 2:
                         xv1 = tl.load(xs1 + 2 * j + e0 + 8 * e1).to(tl.uint32, bitcast=True)
                     if PACKED:
-                        s0 = half2_fma(pairs[e01], xv, s0)
-                        s1 = half2_fma(pairs[4 + e01], xv, s1)
+                        step0_g = half2_fma(pairs[e01], xv, step0_g)
+                        step0_g8 = half2_fma(pairs[4 + e01], xv, step0_g8)
                         if JOB_ROWS_MAX == 2:
-                            s2 = half2_fma(pairs[e01], xv1, s2)
-                            s3 = half2_fma(pairs[4 + e01], xv1, s3)
+                            step1_g = half2_fma(pairs[e01], xv1, step1_g)
+                            step1_g8 = half2_fma(pairs[4 + e01], xv1, step1_g8)
                     else:
-                        lo = codebook_value((win >> (14 - 2 * e01)) & 0xFFFF, CB, hash_mask, hash_flip).to(tl.float32)
-                        hi = codebook_value((win >> (6 - 2 * e01)) & 0xFFFF, CB, hash_mask, hash_flip).to(tl.float32)
-                        acc0 += lo * low_half(xv)
-                        acc1 += hi * low_half(xv)
+                        w_g = codebook_value((win >> (14 - 2 * e01)) & 0xFFFF, CB, hash_mask, hash_flip).to(tl.float32)
+                        w_g8 = codebook_value((win >> (6 - 2 * e01)) & 0xFFFF, CB, hash_mask, hash_flip).to(tl.float32)
+                        row0_g += w_g * low_half(xv)
+                        row0_g8 += w_g8 * low_half(xv)
                         if JOB_ROWS_MAX == 2:
-                            acc2 += lo * low_half(xv1)
-                            acc3 += hi * low_half(xv1)
+                            row1_g += w_g * low_half(xv1)
+                            row1_g8 += w_g8 * low_half(xv1)
             if PACKED:
-                acc0 += half2_sum(s0)
-                acc1 += half2_sum(s1)
+                row0_g += half2_sum(step0_g)
+                row0_g8 += half2_sum(step0_g8)
                 if JOB_ROWS_MAX == 2:
-                    acc2 += half2_sum(s2)
-                    acc3 += half2_sum(s3)
+                    row1_g += half2_sum(step1_g)
+                    row1_g8 += half2_sum(step1_g8)
         cols = nb * TJ * 16 + tl.arange(0, TJ)[None, :] * 16 + (3 * tl.arange(0, 8)[:, None]) % 8
         dst = part_ptr + ((split * n_proj + p) * R + row0).to(tl.int64) * (NT * 16) + cols
-        tl.store(dst, tl.sum(tl.sum(acc0, axis=2), axis=1))
-        tl.store(dst + 8, tl.sum(tl.sum(acc1, axis=2), axis=1))
+        tl.store(dst, tl.sum(tl.sum(row0_g, axis=2), axis=1))
+        tl.store(dst + 8, tl.sum(tl.sum(row0_g8, axis=2), axis=1))
         if JOB_ROWS_MAX == 2:
             keep = cols * 0 + rows > 1  # `second` in the stored shape, built by a comparison (Triton 3.9's interpreter
             # rejects scalar masks and turns a broadcast bool & into int32)
-            tl.store(dst + NT * 16, tl.sum(tl.sum(acc2, axis=2), axis=1), mask=keep)
-            tl.store(dst + NT * 16 + 8, tl.sum(tl.sum(acc3, axis=2), axis=1), mask=keep)
+            tl.store(dst + NT * 16, tl.sum(tl.sum(row1_g, axis=2), axis=1), mask=keep)
+            tl.store(dst + NT * 16 + 8, tl.sum(tl.sum(row1_g8, axis=2), axis=1), mask=keep)
 
 
 @triton.jit
@@ -364,9 +372,14 @@ def job_rows(jobs: Jobs | None) -> int:
 
 
 def uses_gemv(stack: WeightStack, max_rows: int) -> bool:
-    """Whether `exl3_rows` runs the GEMV core (K in GEMV_BITS, jobs of <= GEMV_JOB_ROWS rows), which takes fp32
+    """Whether `exl3_rows` runs the GEMV core (K in GEMV_BITS, jobs of <= GEMV_JOB_ROWS rows), which takes fp16
     activations; otherwise the tensor-core core (jobs of <= JOB_ROWS rows)."""
     return stack.bits in GEMV_BITS and max_rows <= GEMV_JOB_ROWS
+
+
+def packed_gemv(xr: torch.Tensor, stack: WeightStack) -> bool:
+    """Whether the GEMV core multiplies fp16 pairs in inline PTX: compiled for an NVIDIA GPU, 3INST or MCG."""
+    return xr.is_cuda and torch.version.hip is None and not interpreted() and stack.codebook in PACKED_CODEBOOKS
 
 
 def activation_buffer(P: int, R: int, kp: int, gemv: bool, device: torch.device) -> torch.Tensor:
@@ -415,7 +428,7 @@ def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs:
         _exl3_gemv_kernel[grid](
             xr, stack.trellis.view(torch.int32), experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
             STEP_TILES=cfg.tiles_per_split(kt), K=stack.bits, CB=stack.codebook, JOB_ROWS_MAX=job_rows(jobs),
-            TI=cfg.ti, TJ=cfg.tj, PACKED=xr.is_cuda and stack.codebook in PACKED_CODEBOOKS, num_warps=cfg.num_warps)
+            TI=cfg.ti, TJ=cfg.tj, PACKED=packed_gemv(xr, stack), num_warps=cfg.num_warps)
         return part
     _exl3_rows_kernel[grid](
         xr, stack.trellis, experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,

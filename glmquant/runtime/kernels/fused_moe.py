@@ -90,7 +90,7 @@ def plan_routes(expert_ids: torch.Tensor, max_rows: int) -> RoutePlan:
     expert ids of any integer type, so the router's ids are used as they are).
     """
     n = expert_ids.shape[1]
-    flat = expert_ids.reshape(-1)
+    flat = expert_ids.reshape(-1).contiguous()  # the kernels index ids as contiguous (a copy only for strided ids)
     if max_rows == 1:
         return RoutePlan(flat, *flat_route_indices(flat.numel(), n, flat.device), None)
     idx = torch.arange(flat.numel(), device=flat.device)
@@ -140,8 +140,8 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
     return out
 
 
-ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)  # one-row GEMV jobs: 8 x 4-tile steps take 48 registers (10 programs per SM) instead
-# of 64 for 4 x 8 and make twice the programs (a batch-1 down launch: 1,024, was 0.48 waves of an H200 at 512:
+ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)  # one-row GEMV jobs: 8 x 4-tile steps take 48 registers at MCG (10 programs per
+# SM; 3INST 64) instead of 64 for 4 x 8 and make twice the programs (a batch-1 down launch: 1,024, was 0.48 waves of an H200 at 512:
 # bench/results/ncu_gemv_core_h200.txt); fastest of the swept configs at batches 1, 4 and 16 by 2-10 %
 # (moe_decode_h200.json `sweep`, moe_decode_h200_sweep_b4_b16.json)
 
