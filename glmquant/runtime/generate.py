@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from glmquant.errors import UsageError
+from glmquant.errors import NumericalError, UsageError
 from glmquant.runtime.text_stream import Decode, TextStream
 
 
@@ -80,7 +80,7 @@ def generate(model: nn.Module, prompt: PromptInputs, params: SamplingParams, dec
     vision = {k: v.to(device) for k, v in prompt.vision.items()}
     logits = model(input_ids=prompt.input_ids.to(device), logits_to_keep=1, **vision, **cache_kw).logits[0, -1]
     while len(tokens) < params.max_tokens:
-        token = next_token(logits, params, gen)
+        token = next_token(finite_logits(logits, len(tokens)), params, gen)
         if token in params.stop_token_ids:
             reason = "stop"
             break
@@ -93,6 +93,17 @@ def generate(model: nn.Module, prompt: PromptInputs, params: SamplingParams, dec
             logits = model(input_ids=torch.tensor([[token]], device=device), **cache_kw).logits[0, -1]
     _emit(stream.finish(), on_text)
     return Generation(tuple(tokens), stream.text, reason, prompt.num_tokens)
+
+
+def finite_logits(logits: torch.Tensor, generated: int) -> torch.Tensor:
+    """`logits`, or NumericalError when any is NaN/Inf: a token drawn from them would be garbage, silently."""
+    bad = int((~torch.isfinite(logits)).sum())
+    if bad:
+        raise NumericalError(
+            f"the model's logits after {generated} generated tokens hold {bad} NaN/Inf values of {logits.numel()}: "
+            "an activation overflowed (the triton backend's GEMV core sums rotated expert inputs in fp16, good to "
+            "about 2,000) or a weight is NaN/Inf")
+    return logits
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glmquant.errors import UsageError
+from glmquant.errors import NumericalError, UsageError
 from glmquant.runtime.generate import PromptInputs, SamplingParams, generate, next_token
 
 PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
@@ -53,6 +53,21 @@ def test_stops_on_eos_ids_stop_strings_and_budget(tr3_f32):
     cut = generate(tr3_f32.model, PROMPT, SamplingParams(max_tokens=8, stop=(stop,)), decode, streamed.append)
     assert cut.finish_reason == "stop" and cut.text == greedy.text[: greedy.text.find(stop)]
     assert "".join(streamed) == cut.text
+
+
+def test_non_finite_logits_stop_generation_with_a_clear_error(tr3_f32):
+    """A NaN from the third forward (an overflowed activation, say) raises instead of sampling garbage tokens."""
+    calls = []
+
+    def poison(mod, args, out):
+        calls.append(1)
+        return out.index_fill(-1, torch.tensor([5]), float("nan")) if len(calls) == 3 else out
+    hook = tr3_f32.model.lm_head.register_forward_hook(poison)
+    try:
+        with pytest.raises(NumericalError, match="after 2 generated tokens hold 1 NaN/Inf values"):
+            generate(tr3_f32.model, PROMPT, SamplingParams(max_tokens=8), decode)
+    finally:
+        hook.remove()
 
 
 def test_top_p_keeps_only_the_nucleus():
