@@ -133,8 +133,5 @@ def k2_window_hashes(win, CB: tl.constexpr, mask, flip):
     3INST (CB 0) and MCG (CB 1) only, GPU only (inline PTX): a byte permute, multiply and 3-input logic op per
     weight. MUL1 has no packed-halves form.
     """
-    if CB == 0:
-        return tl.inline_asm_elementwise(K2_HASH_3INST_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [win, mask, flip],
-                                         dtype=(tl.uint32,) * 8, is_pure=True, pack=1)
-    return tl.inline_asm_elementwise(K2_HASH_MCG_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [win, mask, flip],
-                                     dtype=(tl.uint32,) * 8, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(K2_HASH_3INST_PTX if CB == 0 else K2_HASH_MCG_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+                                     [win, mask, flip], dtype=(tl.uint32,) * 8, is_pure=True, pack=1)
