@@ -25,7 +25,6 @@ from glmquant.runtime.kernels.exl3_decode import (
     HASH_FLIP,
     HASH_MASK,
     codebook_id,
-    codebook_value,
     k2_window_hashes,
     load_window,
     window_values,
@@ -279,8 +278,8 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
                             step1_g = half2_fma(pairs[e01], xv1, step1_g)
                             step1_g8 = half2_fma(pairs[4 + e01], xv1, step1_g8)
                     else:
-                        w_g = codebook_value((win >> (14 - 2 * e01)) & 0xFFFF, CB, hash_mask, hash_flip).to(tl.float32)
-                        w_g8 = codebook_value((win >> (6 - 2 * e01)) & 0xFFFF, CB, hash_mask, hash_flip).to(tl.float32)
+                        w_g = window_values(win, 0, e01, K, CB, hash_mask, hash_flip).to(tl.float32)  # position e01
+                        w_g8 = window_values(win, 1, e01, K, CB, hash_mask, hash_flip).to(tl.float32)  # 4 + e01
                         row0_g += w_g * low_half(xv)
                         row0_g8 += w_g8 * low_half(xv)
                         if JOB_ROWS_MAX == 2:
