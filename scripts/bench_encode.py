@@ -1,85 +1,212 @@
-"""Encode throughput at real GLM-5.3-Flash expert shapes, projected to a whole layer and all 42 MoE layers.
+"""Encode throughput: one whole real-shape GLM-5.3-Flash MoE layer through the production unit pipeline, and the
+Viterbi kernels (ours and ExLlamaV3's) timed in the same run.
 
-A synthetic MoE layer: E experts with gate/up (4096 -> 2048) and down (2048 -> 4096) BF16-like weights,
-Hessians from random correlated activations (natural: each expert its own tokens; all: one shared gate/up
-Hessian). Encodes `--experts` of them (the projection assumes the other experts cost the same), tr3 rank
-slices or whole projections, and writes JSON to --out (default bench/results/).
+The layer: 288 experts with gate/up (4096 -> 2048) and down (2048 -> 4096) weights, Gaussian with heavy-tailed
+outlier channels, and natural-routing Hessians with realistic spectra: H = D (A A^T / r + 0.05 I) D with a
+rank-r random A and lognormal channel scales D with outlier channels. A reader thread generates unit i + 1 on the
+GPU (standing in for the disk read, whose rate is measured separately) while unit i encodes; every unit is written
+as a safetensors file (UnitStore), as the encoder does. Wall time runs from the first generated unit to the last
+written file. JSON goes to --out (default bench/results/).
 
-    python scripts/bench_encode.py --device cuda --experts 4 --mode natural --layout tr3
+    python scripts/bench_encode.py --layout tr3 --experts 288 --compare-experts 8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from glmquant.exl3 import Codebook, encode_linears
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HIDDEN, INTER, EXPERTS_PER_LAYER, MOE_LAYERS = 4096, 2048, 288, 42
-REFERENCE_S = {"tr3": {"gate_up": 0.88, "down": 0.24}, "exllamav3": {"gate_up": 0.85, "down": 0.60}}
+from glmquant.arch import load_model_spec  # noqa: E402
+from glmquant.checkpoint.layouts import expert_slices  # noqa: E402
+from glmquant.encode.layer import EncodedLayer, UnitInputs, encode_unit  # noqa: E402
+from glmquant.encode.slices import slice_hessian, slice_weight  # noqa: E402
+from glmquant.encode.units import UnitStore  # noqa: E402
+from glmquant.exl3 import Codebook  # noqa: E402
+from glmquant.exl3.backends import ENV_VAR, exllamav3_available, select_backend  # noqa: E402
+from glmquant.exl3.scale_search import EXLLAMAV3_SEARCH, ScaleSearch  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[1] / "tests/data/glm-5.3-flash/config.json"
+MOE_LAYERS = 42
+TARGET_LAYER_S = 171.0  # 42 layers in 2 h
+REDUCED_SEARCH = ScaleSearch(band_width=1, coarse_stride=3)
 
 
-def hessian(n_in: int, tokens: int, gen: torch.Generator, device: str) -> torch.Tensor:
-    mix = torch.randn(n_in, n_in // 8, generator=gen).to(device) / (n_in // 8) ** 0.5
-    x = torch.randn(tokens, n_in // 8, generator=gen).to(device) @ mix.T + 0.1 * torch.randn(tokens, n_in, generator=gen).to(device)
-    return (x.T @ x) / tokens
+def channel_scales(n: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    d = torch.exp(0.5 * torch.randn(n, generator=gen, device=device))
+    outliers = torch.randperm(n, generator=gen, device=device)[: max(1, n // 256)]
+    d[outliers] *= 8.0
+    return d
 
 
-def expert_items(layout: str, mode: str, shared: torch.Tensor | None, gen: torch.Generator, device: str):
-    gate = torch.randn(INTER, HIDDEN, generator=gen).to(device) * 0.02
-    up = torch.randn(INTER, HIDDEN, generator=gen).to(device) * 0.02
-    down = torch.randn(HIDDEN, INTER, generator=gen).to(device) * 0.02
-    h_in = shared if mode == "all" else hessian(HIDDEN, 512, gen, device)
-    h_down = hessian(INTER, 512, gen, device)
-    if layout == "exllamav3":
-        return [("gate_up", gate, h_in), ("gate_up", up, h_in), ("down", down, h_down)]
-    w = INTER // 4
-    items = [("gate_up", m[r * w:(r + 1) * w], h_in) for m in (gate, up) for r in range(4)]
-    items += [("down", down[:, r * w:(r + 1) * w], h_down[r * w:(r + 1) * w, r * w:(r + 1) * w]) for r in range(4)]
-    return items
+def hessian(n: int, rank: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    a = torch.randn(n, rank, generator=gen, device=device)
+    d = channel_scales(n, gen, device)
+    h = a @ a.T / rank
+    h.diagonal().add_(0.05)
+    return h * d[:, None] * d[None, :]
+
+
+def expert_weights(h: int, inter: int, gen: torch.Generator, device: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+        w = torch.randn(shape, generator=gen, device=device) * 0.02
+        w[:, channel_scales(shape[1], gen, device) > 6] *= 4.0  # a few heavy input columns
+        out[proj] = w.bfloat16().float()
+    return out
+
+
+def make_unit(spec, layout: str, experts: range, device: str) -> UnitInputs:
+    names, items, fallbacks = [], [], []
+    ranks = 4 if layout == "tr3" else None
+    for e in experts:
+        gen = torch.Generator(device=device).manual_seed(1000 + e)
+        weights = expert_weights(spec.hidden_size, spec.moe_intermediate_size, gen, device)
+        h_in = hessian(spec.hidden_size, 512, gen, device)
+        h_down = hessian(spec.moe_intermediate_size, 256, gen, device)
+        for s in expert_slices(spec, 3, e, e, ranks):
+            names.append(f"model.layers.3.{s.key}")
+            items.append((slice_weight(weights[s.proj], s), slice_hessian(h_down if s.proj == "down_proj" else h_in, s)))
+            fallbacks.append(None)
+    return UnitInputs(names, items, fallbacks)
+
+
+def tiles_of(unit: UnitInputs) -> int:
+    return sum(-(-w.shape[0] // 128) * 128 * -(-w.shape[1] // 128) * 128 // 256 for w, _ in unit.items)
+
+
+def encode_layer(spec, layout: str, experts: int, per_unit: int, device: str, store: UnitStore,
+                 search: ScaleSearch = EXLLAMAV3_SEARCH) -> tuple[float, list[float], int]:
+    """Wall time, proxy errors and LDLQ tiles of `experts` experts in units of `per_unit`, reading ahead."""
+    starts = list(range(0, experts, per_unit))
+    errors, tiles = [], 0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        pending = reader.submit(make_unit, spec, layout, range(0, min(per_unit, experts)), device)
+        for i, start in enumerate(starts):
+            unit = pending.result()
+            if i + 1 < len(starts):
+                nxt = starts[i + 1]
+                pending = reader.submit(make_unit, spec, layout, range(nxt, min(nxt + per_unit, experts)), device)
+            encoded: EncodedLayer = encode_unit(unit, 2, "mcg", 0, device, search)
+            store.write(3, i, encoded, 0.0)
+            errors += [r.proxy_error for r in encoded.reports]
+            tiles += tiles_of(unit)
+            print(f"  unit {i + 1}/{len(starts)}: {time.perf_counter() - t0:.1f} s", flush=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, errors, tiles
+
+
+def kernel_rate(backend: str, bits: int, codebook: str, count: int) -> float:
+    """Tiles per second of one backend on `count` Gaussian tiles (after a warm-up call)."""
+    search = select_backend("cuda", backend)
+    x = torch.randn(count, 256, generator=torch.Generator(device="cuda").manual_seed(bits), device="cuda") * 1.2
+    search(x[:256], bits, Codebook(codebook))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    search(x, bits, Codebook(codebook))
+    torch.cuda.synchronize()
+    return count / (time.perf_counter() - t0)
+
+
+def disk_read_gbps(directory: Path, nbytes: int = 2 << 30) -> float:
+    """Sequential read rate of a fresh file, cache dropped where the OS lets us."""
+    path = directory / "read-probe.bin"
+    with open(path, "wb") as f:
+        chunk = os.urandom(64 << 20)
+        for _ in range(nbytes // len(chunk)):
+            f.write(chunk)
+        os.fsync(f.fileno())
+    subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], capture_output=True)
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / seconds / 1e9
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--experts", type=int, default=4)
-    ap.add_argument("--mode", choices=["natural", "all"], default="natural")
     ap.add_argument("--layout", choices=["tr3", "exllamav3"], default="tr3")
+    ap.add_argument("--experts", type=int, default=288, help="experts of the layer to encode (288: the whole layer)")
+    ap.add_argument("--experts-per-unit", type=int, default=32)
+    ap.add_argument("--compare-experts", type=int, default=8,
+                    help="experts encoded again with ExLlamaV3's kernel and with the reduced scale search")
+    ap.add_argument("--kernel-tiles", type=int, default=65536)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    gen = torch.Generator().manual_seed(0)
-    shared = hessian(HIDDEN, 2048, gen, args.device) if args.mode == "all" else None
-    items = [it for _ in range(args.experts) for it in expert_items(args.layout, args.mode, shared, gen, args.device)]
-    kinds = [k for k, _, _ in items]
-    encode_linears([(items[0][1], items[0][2])], 2, Codebook.MCG, 0, device=args.device)  # warm-up
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    results = encode_linears([(w, h) for _, w, h in items], 2, Codebook.MCG, 0, device=args.device)
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    per_expert = seconds / args.experts
-    layer_s = per_expert * EXPERTS_PER_LAYER
-    ref = REFERENCE_S[args.layout]
-    ref_expert = sum(ref["gate_up"] if k == "gate_up" else ref["down"] for k in kinds) / args.experts
-    record = {
-        "bench": "encode", "layout": args.layout, "hessians": args.mode, "device": args.device,
-        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
-        "torch": torch.__version__, "experts_timed": args.experts, "tensors_timed": len(items),
-        "seconds": round(seconds, 3), "seconds_per_tensor": round(seconds / len(items), 4),
-        "mean_proxy_error": sum(r.proxy_error for r in results) / len(results),
-        "projected_layer_s": round(layer_s, 1), "projected_42_layers_h": round(layer_s * MOE_LAYERS / 3600, 2),
-        "exllamav3_reference_42_layers_h": round(ref_expert * EXPERTS_PER_LAYER * MOE_LAYERS / 3600, 2),
-        "date": time.strftime("%Y-%m-%d"),
-    }
+    spec = load_model_spec(CONFIG)
+    record: dict = {"bench": "encode_layer", "layout": args.layout, "hessians": "natural", "bits": 2, "codebook": "mcg",
+                    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+                    "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "experts_timed": args.experts,
+                    "experts_per_unit": args.experts_per_unit}
+    rates = {f"K{k}_mcg": kernel_rate("cuda", k, "mcg", args.kernel_tiles if k > 1 else args.kernel_tiles // 4)
+             for k in range(1, 9)}
+    rates |= {f"K2_{cb}": kernel_rate("cuda", 2, cb, args.kernel_tiles) for cb in ("3inst", "mul1")}
+    record["our_kernel_tiles_per_s"] = {k: round(v) for k, v in rates.items()}
+    record["our_tiles_per_s"] = round(rates["K2_mcg"])
+    print(json.dumps(record["our_kernel_tiles_per_s"]), flush=True)
+    with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as tmp:
+        store = UnitStore(Path(tmp) / "units")
+        wall, errors, tiles = encode_layer(spec, args.layout, args.experts, args.experts_per_unit, "cuda", store)
+        record["disk_read_gbps"] = round(disk_read_gbps(Path(tmp)), 2)
+        layer_s = wall * 288 / args.experts
+        record |= {
+            "layer_wall_s": round(layer_s, 1), "measured_wall_s": round(wall, 1), "ldlq_tiles": tiles,
+            "mean_proxy_error": sum(errors) / len(errors), "tensors": len(errors),
+            "end_to_end_tiles_per_s": round(tiles / wall),
+            "projected_42_layers_h": round(layer_s * MOE_LAYERS / 3600, 2),
+            "projection_formula": "layer_wall_s * 42 / 3600, layer_wall_s = measured_wall_s * 288 / experts_timed",
+            "goal_layer_s": TARGET_LAYER_S,
+            "unit_bytes_per_layer": sum(p.stat().st_size for p in store.directory.iterdir()) * 288 // args.experts,
+        }
+        print(json.dumps(record, indent=2), flush=True)
+        n = args.compare_experts
+        if n:
+            wall_r, errors_r, _ = encode_layer(spec, args.layout, n, n, "cuda", store, REDUCED_SEARCH)
+            wall_d, errors_d, _ = encode_layer(spec, args.layout, n, n, "cuda", store)
+            record["reduced_scale_search"] = {"experts": n, "wall_s": round(wall_r, 2), "default_wall_s": round(wall_d, 2),
+                                              "mean_proxy_error": sum(errors_r) / len(errors_r),
+                                              "default_mean_proxy_error": sum(errors_d) / len(errors_d)}
+    if exllamav3_available():
+        record["exllamav3_tiles_per_s"] = round(kernel_rate("exllamav3", 2, "mcg", args.kernel_tiles))
+        record["speedup_vs_exllamav3_kernel"] = round(record["our_tiles_per_s"] / record["exllamav3_tiles_per_s"], 2)
+        if args.compare_experts:
+            with tempfile.TemporaryDirectory() as tmp:
+                os.environ[ENV_VAR] = "exllamav3"
+                try:
+                    wall_x, errors_x, _ = encode_layer(spec, args.layout, args.compare_experts, args.compare_experts,
+                                                       "cuda", UnitStore(Path(tmp)))
+                finally:
+                    del os.environ[ENV_VAR]
+            record["exllamav3_kernel_encode"] = {"experts": args.compare_experts, "wall_s": round(wall_x, 2),
+                                                 "mean_proxy_error": sum(errors_x) / len(errors_x)}
+    else:
+        record["exllamav3_tiles_per_s"] = None
+        record["exllamav3_note"] = "exllamav3 not importable in this run"
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"encode_{args.layout}_{args.mode}_{args.device.split(':')[0]}.json"
+    path = args.out / f"encode_layer_{args.layout}_h200.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
 

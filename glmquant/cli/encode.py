@@ -30,13 +30,19 @@ def encode(
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     work_dir: Annotated[Optional[Path], typer.Option(help="resumable job state (default: ARTIFACT.work)")] = None,
     seed: Annotated[int, typer.Option(help="base seed of the EXL3 sign flips")] = 0,
+    experts_per_unit: Annotated[int, typer.Option(help="experts encoded together in one work unit (GPU batch)")] = 32,
     source_repo: Annotated[Optional[str], typer.Option(help="source repo id recorded in the provenance")] = None,
 ) -> None:
-    """EXL3-encode the routed experts, copy everything else byte-for-byte, write and verify the artifact."""
+    """EXL3-encode the routed experts, copy everything else byte-for-byte, write and verify the artifact.
+
+    On N GPUs: torchrun --nproc-per-node N -m glmquant encode ... --device cuda (shared storage for --out).
+    """
     cfg = EncodeConfig(source=source, out=out_dir, observations=observations, bits=bits, codebook=codebook,
                        layout=layout, hessians=hessians, keep=keep, prune_plan=prune_plan, device=device,
-                       work_dir=work_dir, seed=seed, source_repo=source_repo)
+                       work_dir=work_dir, seed=seed, source_repo=source_repo, experts_per_unit=experts_per_unit)
     result = encode_artifact(cfg, console)
+    if result is None:  # a rank other than 0 of a torchrun job: rank 0 writes and reports the artifact
+        return
     out.print(summary_table(result.layers))
     out.print(f"summary: {result.summary_path}")
     out.print(f"[bold]structural manifest SHA-256:[/] {result.artifact.manifest_sha256}")

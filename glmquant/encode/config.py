@@ -2,9 +2,11 @@
 
 Resuming a killed job (rerun the same command; the state lives in --work-dir, default ARTIFACT.work):
 
-    may change:  --work-dir location (moved with its contents), progress display, batch size of the codec
+    may change:  --work-dir location (moved with its contents), progress display, the number of processes
+                 (torchrun's world size: units are assigned by rank, each computed the same way anywhere)
     must match:  the source's tensors (content hash of its structure), the observations' token rows and
                  recipe, the kept experts, --bits --codebook --layout --hessians --keep --seed
+                 --experts-per-unit (the batch a GPU computes together)
                  --source-repo, the device type and the Viterbi backend (CPU and GPU arithmetic differ)
 
 A mismatch is refused with an error naming the state file; nothing already written is touched.
@@ -37,7 +39,7 @@ class EncodeConfig:
     device: str = "cpu"
     work_dir: Path | None = None
     seed: int = 0
-    batch_tensors: int = 24  # EXL3 tensors encoded together (the Viterbi vectorizes across them)
+    experts_per_unit: int = 32  # work unit: this many experts' EXL3 tensors encoded in one batched call
     source_repo: str | None = None
     verify: bool = True
 
@@ -50,7 +52,7 @@ class EncodeConfig:
         device type and Viterbi backend (CPU and GPU arithmetic differ), and the hashes of the inputs' contents
         (`inputs`: source structure, observations, prune plan), not their paths."""
         shaping = {k: str(v) for k, v in asdict(self).items()
-                   if k not in ("out", "work_dir", "verify", "batch_tensors", "source", "observations", "prune_plan")}
+                   if k not in ("out", "work_dir", "verify", "source", "observations", "prune_plan")}
         shaping["device"] = torch.device(self.device).type
         shaping["backend"] = os.environ.get("GLMQUANT_EXL3_BACKEND", "auto")
         return hashlib.sha256(json.dumps({**shaping, **inputs}, sort_keys=True).encode()).hexdigest()

@@ -1,19 +1,23 @@
-"""Encode one MoE layer's routed experts into the EXL3 parts of its planned files."""
+"""Encode a MoE layer's routed experts in work units: a fixed group of experts, all their EXL3 tensors encoded
+together (one set of batched LDLQ stacks and Viterbi calls). Reading a unit's inputs is separate from encoding
+them, so the runner can read the next unit while the device encodes this one."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from glmquant.arch import table_for
 from glmquant.checkpoint.layouts import ArtifactPlan, ExpertSlice
 from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
-from glmquant.arch import table_for
 from glmquant.encode.hessians import ExpertHessians, LayerHessiansView
 from glmquant.encode.slices import slice_hessian, slice_weight
 from glmquant.errors import NumericalError
 from glmquant.exl3 import Codebook, encode_linears
+from glmquant.exl3.scale_search import EXLLAMAV3_SEARCH, ScaleSearch
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,15 @@ class EncodedLayer:
     reports: list[TensorReport]
 
 
+@dataclass(frozen=True)
+class UnitInputs:
+    """What one unit encodes, read from the source and the observations (CPU tensors)."""
+
+    names: list[str]  # output tensor prefix per EXL3 tensor
+    items: list[tuple[torch.Tensor, torch.Tensor | None]]  # (HF weight, Hessian) per EXL3 tensor
+    fallbacks: list[str | None]
+
+
 def layer_slices(plan: ArtifactPlan, layer: int) -> list[ExpertSlice]:
     """The distinct EXL3 tensors of a layer, in plan order."""
     seen: dict[ExpertSlice, None] = {}
@@ -39,25 +52,80 @@ def layer_slices(plan: ArtifactPlan, layer: int) -> list[ExpertSlice]:
     return list(seen)
 
 
-def encode_layer(
-    plan: ArtifactPlan, layer: int, source: SourceCheckpoint, hessians: LayerHessiansView, seed: int,
-    device: str, batch: int, on_tensor: Callable[[int], None] = lambda n: None,
-) -> EncodedLayer:
+def layer_units(plan: ArtifactPlan, layer: int, experts_per_unit: int) -> list[list[ExpertSlice]]:
+    """The layer's EXL3 tensors grouped by expert, `experts_per_unit` experts (in plan order) per unit."""
+    by_expert: dict[int, list[ExpertSlice]] = {}
+    for s in layer_slices(plan, layer):
+        by_expert.setdefault(s.expert, []).append(s)
+    experts = list(by_expert.values())
+    return [[s for group in experts[i:i + experts_per_unit] for s in group]
+            for i in range(0, len(experts), experts_per_unit)]
+
+
+def read_unit(plan: ArtifactPlan, layer: int, unit: list[ExpertSlice], source: SourceCheckpoint,
+              hessians: LayerHessiansView) -> UnitInputs:
+    """Each slice's (finite) source weight and input Hessian; each expert's weights and Hessians read once."""
     prefix = table_for(plan.spec).layer_prefix(layer)
+    names, items, fallbacks = [], [], []
+    for s, weight, h in _slice_inputs(unit, source, plan, layer, hessians):
+        items.append((slice_weight(weight, s), slice_hessian(h.gate_up if s.proj != "down_proj" else h.down, s)))
+        names.append(prefix + s.key)
+        fallbacks.append(h.fallback)
+    return UnitInputs(names, items, fallbacks)
+
+
+def encode_unit(inputs: UnitInputs, bits: int, codebook: str, seed: int, device: str,
+                search: ScaleSearch = EXLLAMAV3_SEARCH) -> EncodedLayer:
+    """Encode every tensor of a unit in one batched call on `device`."""
+    dev = torch.device(device)
+    moved: dict[int, torch.Tensor] = {}  # one device copy per distinct Hessian (shared ones stay shared)
+
+    def to_device(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or t.device == dev:
+            return t
+        if id(t) not in moved:
+            moved[id(t)] = t.to(dev, non_blocking=True)
+        return moved[id(t)]
+
+    items = [(to_device(w), to_device(h)) for w, h in inputs.items]
+    encoded = encode_linears(items, bits, Codebook(codebook), seed, device=device, scale_search=search)
     tensors: dict[str, torch.Tensor] = {}
     reports: list[TensorReport] = []
-    for chunk in _chunks(layer_slices(plan, layer), batch):
-        items, names, fallbacks = [], [], []
-        for s, weight, h in _slice_inputs(chunk, source, plan, layer, hessians):
-            items.append((slice_weight(weight, s), slice_hessian(h.gate_up if s.proj != "down_proj" else h.down, s)))
-            names.append(prefix + s.key)
-            fallbacks.append(h.fallback)
-        encoded = encode_linears(items, plan.bits, Codebook(plan.codebook), seed, device=device)
-        for name, enc, fallback in zip(names, encoded, fallbacks):
-            tensors.update(enc.tensor.tensors(name))
-            reports.append(TensorReport(name, enc.proxy_error, fallback or enc.fallback))
-        on_tensor(len(chunk))
+    for name, enc, fallback in zip(inputs.names, encoded, inputs.fallbacks):
+        tensors.update(enc.tensor.tensors(name))
+        reports.append(TensorReport(name, enc.proxy_error, fallback or enc.fallback))
     return EncodedLayer(tensors, reports)
+
+
+def encode_layer(
+    plan: ArtifactPlan, layer: int, source: SourceCheckpoint, hessians: LayerHessiansView, seed: int,
+    device: str, experts_per_unit: int, on_tensor: Callable[[int], None] = lambda n: None,
+) -> EncodedLayer:
+    """All units of one layer, reading the next unit while this one encodes."""
+    tensors: dict[str, torch.Tensor] = {}
+    reports: list[TensorReport] = []
+    for encoded in encode_units(plan, [(layer, u) for u in layer_units(plan, layer, experts_per_unit)], source,
+                                lambda _: hessians, seed, device):
+        tensors.update(encoded.tensors)
+        reports.extend(encoded.reports)
+        on_tensor(len(encoded.reports))
+    return EncodedLayer(tensors, reports)
+
+
+def encode_units(plan: ArtifactPlan, units: list[tuple[int, list[ExpertSlice]]], source: SourceCheckpoint,
+                 hessians: Callable[[int], LayerHessiansView], seed: int, device: str) -> Iterator[EncodedLayer]:
+    """Encode (layer, unit) pairs in order; one reader thread reads unit i + 1 while unit i encodes (the source
+    reader is safe from several threads)."""
+    if not units:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-read") as reader:
+        pending = reader.submit(read_unit, plan, units[0][0], units[0][1], source, hessians(units[0][0]))
+        for i, (layer, _) in enumerate(units):
+            inputs = pending.result()
+            if i + 1 < len(units):
+                nxt_layer, nxt = units[i + 1]
+                pending = reader.submit(read_unit, plan, nxt_layer, nxt, source, hessians(nxt_layer))
+            yield encode_unit(inputs, plan.bits, plan.codebook, seed, device)
 
 
 def _slice_inputs(chunk: list[ExpertSlice], source: SourceCheckpoint, plan: ArtifactPlan, layer: int,
@@ -78,8 +146,3 @@ def _slice_inputs(chunk: list[ExpertSlice], source: SourceCheckpoint, plan: Arti
         if s.source_expert not in expert_h:
             expert_h[s.source_expert] = hessians.expert(s.source_expert)
         yield s, weights[key], expert_h[s.source_expert]
-
-
-def _chunks(items: list[ExpertSlice], size: int) -> Iterator[list[ExpertSlice]]:
-    for i in range(0, len(items), size):
-        yield items[i:i + size]

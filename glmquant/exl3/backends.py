@@ -1,4 +1,5 @@
-"""Viterbi backend selection: the C++ kernel on CPU, ExLlamaV3's CUDA kernels when installed, torch otherwise.
+"""Viterbi backend selection: the C++ kernel on CPU, our CUDA kernel on NVIDIA GPUs (ExLlamaV3's when asked for
+or when ours cannot be built), torch otherwise.
 
 Every backend maps (n, 256) fp32 ring-ordered tiles to (n, 256) int32 states; the caller decodes the
 values with the codebook, so backends can only differ in the path they choose.
@@ -14,10 +15,11 @@ from functools import lru_cache
 import torch
 
 from glmquant.exl3.codebooks import Codebook, codebook_values
+from glmquant.exl3.cuda_viterbi import cuda_viterbi_available, viterbi_cuda
 from glmquant.exl3.native import load_kernel, viterbi_native
 from glmquant.exl3.viterbi import viterbi_torch
 
-BACKENDS = ("native", "torch", "exllamav3")
+BACKENDS = ("native", "torch", "cuda", "exllamav3")
 ENV_VAR = "GLMQUANT_EXL3_BACKEND"
 
 
@@ -51,6 +53,10 @@ def _torch(tiles: torch.Tensor, bits: int, codebook: Codebook) -> torch.Tensor:
     return viterbi_torch(tiles, _lut(codebook, tiles.device), bits, chunk=chunk)
 
 
+def _cuda(tiles: torch.Tensor, bits: int, codebook: Codebook) -> torch.Tensor:
+    return viterbi_cuda(tiles if tiles.is_cuda else tiles.to("cuda"), bits, codebook).to(tiles.device)
+
+
 def _exllamav3(tiles: torch.Tensor, bits: int, codebook: Codebook) -> torch.Tensor:
     from exllamav3.modules.quant.exl3_lib.quantize import (
         quantize_tiles,  # lazy: optional, CUDA only
@@ -80,14 +86,16 @@ def select_backend(device: str | torch.device = "cpu", name: str | None = None) 
     is_cuda = torch.device(device).type == "cuda"
     if name is None:
         if is_cuda:
-            name = "exllamav3" if exllamav3_available() else "torch"
+            name = "cuda" if cuda_viterbi_available() else "exllamav3" if exllamav3_available() else "torch"
         else:
             name = "native" if load_kernel() is not None else "torch"
     if name == "native" and load_kernel() is None:
         raise RuntimeError("the native EXL3 Viterbi kernel could not be built (see the warning above)")
+    if name == "cuda" and not cuda_viterbi_available():
+        raise RuntimeError("backend 'cuda' needs a CUDA device and nvcc to build the kernel")
     if name == "exllamav3" and not exllamav3_available():
         raise RuntimeError("backend 'exllamav3' needs the exllamav3 package and a CUDA device")
-    return TileSearch(name, {"native": _native, "torch": _torch, "exllamav3": _exllamav3}[name])
+    return TileSearch(name, {"native": _native, "torch": _torch, "cuda": _cuda, "exllamav3": _exllamav3}[name])
 
 
 def quantize_tiles(search: TileSearch, tiles: torch.Tensor, bits: int, codebook: Codebook) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,7 @@ from glmquant.exl3.hessian import PreparedHessian, pad_hessian, prepare_hessian
 from glmquant.exl3.ldlq import ldlq
 from glmquant.exl3.refit import refit_scales
 from glmquant.exl3.regularize import LDLQ_DRIFT, regularize, sample_tiles
-from glmquant.exl3.scale_search import search_scales
+from glmquant.exl3.scale_search import EXLLAMAV3_SEARCH, ScaleSearch, search_scales
 from glmquant.exl3.tensor import EXL3Tensor, padded
 from glmquant.exl3.trellis import pack_trellis
 
@@ -105,11 +105,12 @@ def encode_linears(
     *,
     device: str | torch.device = "cpu",
     backend: str | None = None,
+    scale_search: ScaleSearch = EXLLAMAV3_SEARCH,
 ) -> list[EncodedLinear]:
     """Encode several (HF weight, Hessian or None) pairs; their Viterbi searches share backend calls.
 
     Each result equals encode_linear on that pair alone. backend: None (best for device), "native",
-    "torch" or "exllamav3".
+    "torch", "cuda" or "exllamav3".
     """
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be 1..8, got {bits}")
@@ -124,12 +125,42 @@ def encode_linears(
     shared: dict[int, PreparedHessian] = {}
     jobs = [_prepare(w, h, seed, dev, shared) for w, h in items]
     drift = LDLQ_DRIFT.get(bits, 1.0)
-    scales = search_scales([sample_tiles(j.w_reg) * drift for j in jobs], lambda t: values(t)[0])
+    scales = search_scales([sample_tiles(j.w_reg, scale_search.band_width) * drift for j in jobs], lambda t: values(t)[0],
+                           scale_search.coarse_stride)
     for job, g in zip(jobs, scales):
         job.w_reg *= g
         job.su = job.su / g
-    results = ldlq([(j.w_reg, j.prep.ldl) for j in jobs], values)
+    results = _ldlq_jobs(jobs, values)
     return [_finish(j, q, s, bits, codebook) for j, (q, s) in zip(jobs, results)]
+
+
+def _ldlq_jobs(jobs: list[_Job], values: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """LDLQ of every job in one set of stacks: jobs sharing a factorization become one [k, sum n] problem (LDLQ
+    treats columns independently), and problems of one shape are stacked, so each step is one batched matmul
+    per shape and one Viterbi call for all."""
+    by_factor: dict[int, list[int]] = {}
+    for i, job in enumerate(jobs):
+        by_factor.setdefault(id(job.prep), []).append(i)
+    by_shape: dict[tuple[int, int, bool], list[list[int]]] = {}
+    for members in by_factor.values():
+        first = jobs[members[0]]
+        key = (first.w_reg.shape[0], sum(jobs[i].w_reg.shape[1] for i in members), first.prep.ldl is not None)
+        by_shape.setdefault(key, []).append(members)
+    stacks = []
+    for shape in by_shape.values():
+        weights = torch.stack([torch.cat([jobs[i].w_reg for i in members], dim=1) for members in shape])
+        factors = [jobs[members[0]].prep.ldl for members in shape]
+        stacks.append((weights, None if factors[0] is None else torch.stack(factors)))
+    out: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty(0), torch.empty(0))] * len(jobs)
+    for shape, (q, states) in zip(by_shape.values(), ldlq(stacks, values)):
+        for g, members in enumerate(shape):
+            col = 0
+            for i in members:
+                n = jobs[i].w_reg.shape[1]
+                out[i] = (q[g, :, col:col + n], states[g, :, col // 16:(col + n) // 16])
+                col += n
+    return out
 
 
 def encode_linear(

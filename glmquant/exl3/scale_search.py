@@ -8,6 +8,7 @@ batch are evaluated in one Viterbi call per stage.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -15,16 +16,30 @@ COARSE = [0.1 + 0.2 * i for i in range(10)]
 FINE_STEP = 0.075
 
 
+@dataclass(frozen=True)
+class ScaleSearch:
+    """How many sample tiles the search quantizes: the diagonal band's width (sample_tiles) and the stride of the
+    subsample the coarse grid uses; the fine grid uses every sample."""
+
+    band_width: int = 3
+    coarse_stride: int = 3
+
+
+EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
+
+
 def _errors(pairs: list[tuple[int, float]], tiles: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor]) -> list[float]:
-    """MSE of each (tensor index, scale) pair, measured back at the tiles' own scale."""
-    batch = torch.cat([tiles[t] * s for t, s in pairs])
-    q = quantize(batch)
-    out, offset = [], 0
-    for t, s in pairs:
-        count = tiles[t].shape[0]
-        out.append((q[offset : offset + count] / s - tiles[t]).square().mean().item())
-        offset += count
-    return out
+    """MSE of each (tensor index, scale) pair, measured back at the tiles' own scale (one host sync in all)."""
+    scales = [s for _, s in pairs]
+    counts = [tiles[t].shape[0] for t, _ in pairs]
+    batch = torch.cat([tiles[t] for t, _ in pairs])
+    per_tile = torch.tensor(scales, dtype=batch.dtype, device=batch.device).repeat_interleave(
+        torch.tensor(counts, device=batch.device))
+    q = quantize(batch * per_tile[:, None])
+    tile_mse = (q / per_tile[:, None] - batch).square().mean(dim=1)
+    owner = torch.arange(len(pairs), device=batch.device).repeat_interleave(torch.tensor(counts, device=batch.device))
+    sums = torch.zeros(len(pairs), dtype=tile_mse.dtype, device=batch.device).index_add_(0, owner, tile_mse)
+    return (sums / torch.tensor(counts, dtype=sums.dtype, device=sums.device)).tolist()
 
 
 def _parabola(fine: list[float], err: list[float]) -> float:
@@ -37,9 +52,10 @@ def _parabola(fine: list[float], err: list[float]) -> float:
     return max(fine[best] + offset * FINE_STEP, 0.01)
 
 
-def search_scales(samples: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor]) -> list[float]:
+def search_scales(samples: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor],
+                  coarse_stride: int = EXLLAMAV3_SEARCH.coarse_stride) -> list[float]:
     """One global scale per tensor from its sample tiles; quantize maps tiles to quantized values."""
-    subs = [s[::3] for s in samples]
+    subs = [s[::coarse_stride] for s in samples]
     coarse = _errors([(t, s) for t in range(len(samples)) for s in COARSE], subs, quantize)
     centers = [COARSE[min(range(len(COARSE)), key=lambda i: coarse[t * len(COARSE) + i])] for t in range(len(samples))]
     fines = [[c + FINE_STEP * (i - 2) for i in range(5)] for c in centers]

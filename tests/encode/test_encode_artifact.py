@@ -11,34 +11,16 @@ import pytest
 import torch
 from rich.console import Console
 
-import glmquant.encode.run as encode_run
+import glmquant.encode.layer as encode_layer
+from encode_fixtures import QUIET, SMALL, digests
 from glmquant.arch import load_model_spec, table_for
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.verify import verify_artifact
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.exl3 import EXL3Tensor, decode_weight
-from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
-from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessian_reader import load_layer_hessians
-from glmquant.observe.run import observe
 from glmquant.observe.summary import ObservationSummary
-
-QUIET = Console(quiet=True)
-SMALL = TinyModelConfig(n_routed_experts=2, num_experts_per_tok=1)
-
-
-@pytest.fixture(scope="module")
-def small_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("enc-src"), SMALL)
-
-
-@pytest.fixture(scope="module")
-def small_observations(small_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("enc-obs")
-    observe(ObserveConfig(source=small_source, out=out, rows=4, tokens=64))
-    return out
-
 
 @pytest.fixture(scope="module")
 def tr3_artifact(small_source: Path, small_observations: Path, tmp_path_factory: pytest.TempPathFactory,
@@ -54,10 +36,6 @@ def monkeypatch_module():
     mp.setenv("SOURCE_DATE_EPOCH", "1767225600")
     yield mp
     mp.undo()
-
-
-def _digests(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
 def test_experts_decode_back_at_k2_quality(tr3_artifact: Path, small_source: Path) -> None:
@@ -117,17 +95,17 @@ def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source:
         assert not (out / "EXL3_MANIFEST.json").exists()
         assert not [p for p in out.iterdir() if ".tmp" in p.name]
 
-    real_encode_layer = encode_run.encode_layer
+    real_encode_unit = encode_layer.encode_unit
     calls = {"n": 0}
 
-    def dies_on_second_layer(*args, **kwargs):
+    def dies_on_second_layer(*args, **kwargs):  # the tiny model's layers are one work unit each
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real_encode_layer(*args, **kwargs)
+        return real_encode_unit(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(encode_run, "encode_layer", dies_on_second_layer)
+        mp.setattr(encode_layer, "encode_unit", dies_on_second_layer)
         with pytest.raises(KeyboardInterrupt):
             encode_artifact(cfg, QUIET)
     no_leftovers()
@@ -162,7 +140,7 @@ def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source:
             encode_artifact(cfg, QUIET)
     no_leftovers()
     encode_artifact(cfg, QUIET)
-    assert _digests(out) == _digests(tr3_artifact)
+    assert digests(out) == digests(tr3_artifact)
 
 
 def test_natural_hessians_and_documented_fallbacks(tr3_artifact: Path, small_source: Path,

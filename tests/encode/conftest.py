@@ -1,0 +1,27 @@
+"""The small source and its observations, built once for all encode tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from encode_fixtures import SMALL  # noqa: E402
+
+from glmquant.fixtures import build_tiny_checkpoint  # noqa: E402
+from glmquant.observe.config import ObserveConfig  # noqa: E402
+from glmquant.observe.run import observe  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def small_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("enc-src"), SMALL)
+
+
+@pytest.fixture(scope="session")
+def small_observations(small_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("enc-obs")
+    observe(ObserveConfig(source=small_source, out=out, rows=4, tokens=64))
+    return out

@@ -1,0 +1,92 @@
+"""The CUDA Viterbi kernel: its arithmetic (a torch model of it, checked on any machine), its build, and on a GPU
+the kernel itself, bit for bit against that model and in quality against the exact CPU search."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from glmquant.exl3 import Codebook
+from glmquant.exl3.backends import select_backend
+from glmquant.exl3.codebooks import codebook_values
+from glmquant.exl3.cuda_viterbi import build, codebook_pairs, cuda_viterbi_available, viterbi_cuda
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cuda_viterbi_reference import viterbi_cuda_reference  # noqa: E402
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or not cuda_viterbi_available(),
+                         reason="needs a CUDA GPU and nvcc")
+
+
+def tiles(count: int, seed: int, std: float = 1.2) -> torch.Tensor:
+    return torch.randn(count, 256, generator=torch.Generator().manual_seed(seed)) * std
+
+
+def closed(states: torch.Tensor, bits: int) -> bool:
+    return torch.equal(states >> bits, torch.roll(states, 1, dims=1) & ((1 << (16 - bits)) - 1))
+
+
+def test_codebook_pairs_put_state_pairs_in_one_word() -> None:
+    values = codebook_values("mcg").view(torch.int16)
+    for bits in (1, 2, 5, 8):
+        pairs = codebook_pairs(Codebook.MCG, bits, torch.device("cpu"))
+        kr = 16 - bits
+        assert pairs.shape == (1 << (bits - 1), 1 << kr) and pairs.dtype == torch.int32
+        cp, e = 1 if bits > 1 else 0, 5
+        lo, hi = pairs[cp, e:e + 1].view(torch.int16)
+        assert lo == values[((2 * cp) << kr) | e] and hi == values[((2 * cp + 1) << kr) | e]
+
+
+def test_kernel_arithmetic_closes_rings_at_exact_search_quality() -> None:
+    x = tiles(2, seed=11)
+    states = viterbi_cuda_reference(x, codebook_values("mcg"), 2)
+    assert closed(states, 2)
+    lut = codebook_values("mcg").float()
+    exact = select_backend("cpu", "torch")(x, 2, Codebook.MCG)
+    mse, mse_exact = ((lut[states.long()] - x) ** 2).mean(), ((lut[exact.long()] - x) ** 2).mean()
+    assert mse <= mse_exact * 1.003  # packing the argmin into the costs gives up next to nothing
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernel_builds_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLMQUANT_CACHE_DIR", str(tmp_path))
+    library = build("90")
+    assert library.is_file() and library.parent.parent == tmp_path
+    assert build("90") == library  # cached by source, flags and compiler
+
+
+@gpu
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("codebook", ["mcg", "3inst", "mul1"])
+def test_kernel_equals_its_arithmetic_bit_for_bit(bits: int, codebook: str) -> None:
+    x = tiles(3, seed=bits).cuda()
+    got = viterbi_cuda(x, bits, Codebook(codebook))
+    assert torch.equal(got.cpu(), viterbi_cuda_reference(x, codebook_values(codebook), bits).cpu())
+    assert closed(got, bits)
+
+
+@gpu
+def test_kernel_quality_deterministic_and_batch_independent() -> None:
+    x = tiles(300, seed=3)
+    got = viterbi_cuda(x.cuda(), 2, Codebook.MCG).cpu()
+    lut = codebook_values("mcg").float()
+    exact = select_backend("cpu", "native")(x, 2, Codebook.MCG)
+    mse, mse_exact = ((lut[got.long()] - x) ** 2).mean().item(), ((lut[exact.long()] - x) ** 2).mean().item()
+    assert mse / 1.44 < 0.070 and mse <= mse_exact * 1.002
+    assert torch.equal(got, viterbi_cuda(x.cuda(), 2, Codebook.MCG).cpu())
+    assert torch.equal(got[17:141], viterbi_cuda(x[17:141].cuda(), 2, Codebook.MCG).cpu())
+
+
+@gpu
+def test_kernel_refuses_targets_beyond_fp16() -> None:
+    x = tiles(2, seed=1).cuda()
+    x[1, 7] = 1e5
+    with pytest.raises(ValueError, match="below"):
+        viterbi_cuda(x, 2, Codebook.MCG)
+    x[1, 7] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        viterbi_cuda(x, 2, Codebook.MCG)
