@@ -8,7 +8,8 @@ GPU (standing in for the disk read, whose rate is measured separately) while uni
 as a safetensors file (UnitStore), as the encoder does. Wall time runs from the first generated unit to the last
 written file. JSON goes to --out (default bench/results/).
 
-    python scripts/bench_encode.py --layout tr3 --experts 288 --compare-experts 8
+    python scripts/bench_encode.py --layout tr3 --experts 288      # the layer, our kernel
+    python scripts/bench_encode.py --layout tr3 --compare          # + both kernels side by side, search variants
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from glmquant.encode.units import UnitStore  # noqa: E402
 from glmquant.exl3 import Codebook  # noqa: E402
 from glmquant.exl3.backends import ENV_VAR, exllamav3_available, select_backend  # noqa: E402
 from glmquant.exl3.scale_search import EXLLAMAV3_SEARCH, ScaleSearch  # noqa: E402
+from glmquant.exl3.timing import record_stages  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "tests/data/glm-5.3-flash/config.json"
 MOE_LAYERS = 42
 TARGET_LAYER_S = 171.0  # 42 layers in 2 h
-REDUCED_SEARCH = ScaleSearch(band_width=1, coarse_stride=3)
+REDUCED_SEARCHES = [ScaleSearch(band_width=1, coarse_stride=3, fine_stride=1),
+                    ScaleSearch(band_width=1, coarse_stride=6, fine_stride=3)]
 
 
 def channel_scales(n: int, gen: torch.Generator, device: str) -> torch.Tensor:
@@ -87,13 +90,14 @@ def tiles_of(unit: UnitInputs) -> int:
 
 
 def encode_layer(spec, layout: str, experts: int, per_unit: int, device: str, store: UnitStore,
-                 search: ScaleSearch = EXLLAMAV3_SEARCH) -> tuple[float, list[float], int]:
-    """Wall time, proxy errors and LDLQ tiles of `experts` experts in units of `per_unit`, reading ahead."""
+                 search: ScaleSearch = EXLLAMAV3_SEARCH) -> tuple[float, list[float], int, dict[str, float]]:
+    """Wall time, proxy errors, LDLQ tiles and seconds per encoder stage of `experts` experts in units of
+    `per_unit`, reading ahead."""
     starts = list(range(0, experts, per_unit))
     errors, tiles = [], 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=1) as reader:
+    with ThreadPoolExecutor(max_workers=1) as reader, record_stages() as stages:
         pending = reader.submit(make_unit, spec, layout, range(0, min(per_unit, experts)), device)
         for i, start in enumerate(starts):
             unit = pending.result()
@@ -106,7 +110,7 @@ def encode_layer(spec, layout: str, experts: int, per_unit: int, device: str, st
             tiles += tiles_of(unit)
             print(f"  unit {i + 1}/{len(starts)}: {time.perf_counter() - t0:.1f} s", flush=True)
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, errors, tiles
+    return time.perf_counter() - t0, errors, tiles, dict(stages)
 
 
 def kernel_rate(backend: str, bits: int, codebook: str, count: int) -> float:
@@ -146,67 +150,83 @@ def git_commit() -> str:
         return "unknown"
 
 
+def kernel_rates(backend: str, count: int) -> dict[str, int]:
+    rates = {f"K{k}_mcg": kernel_rate(backend, k, "mcg", count if k > 1 else count // 4) for k in range(1, 9)}
+    rates |= {f"K2_{cb}": kernel_rate(backend, 2, cb, count) for cb in ("3inst", "mul1")}
+    return {k: round(v) for k, v in rates.items()}
+
+
+def compare(spec, layout: str, experts: int) -> dict:
+    """The same experts with each kernel and scale-search sampling: wall time and mean proxy error."""
+    rows = {}
+    variants = [("ours_exllamav3_search", "cuda", EXLLAMAV3_SEARCH)] + [
+        (f"ours_search_band{v.band_width}_coarse{v.coarse_stride}_fine{v.fine_stride}", "cuda", v)
+        for v in REDUCED_SEARCHES]
+    if exllamav3_available():
+        variants.append(("exllamav3_kernel_exllamav3_search", "exllamav3", EXLLAMAV3_SEARCH))
+    for name, backend, search in variants:
+        os.environ[ENV_VAR] = backend
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                wall, errors, _, _ = encode_layer(spec, layout, experts, experts, "cuda", UnitStore(Path(tmp)), search)
+        finally:
+            del os.environ[ENV_VAR]
+        rows[name] = {"experts": experts, "wall_s": round(wall, 2), "mean_proxy_error": sum(errors) / len(errors)}
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layout", choices=["tr3", "exllamav3"], default="tr3")
     ap.add_argument("--experts", type=int, default=288, help="experts of the layer to encode (288: the whole layer)")
     ap.add_argument("--experts-per-unit", type=int, default=32)
-    ap.add_argument("--compare-experts", type=int, default=8,
-                    help="experts encoded again with ExLlamaV3's kernel and with the reduced scale search")
+    ap.add_argument("--compare-experts", type=int, default=4,
+                    help="--compare: experts encoded with each kernel and scale-search sampling")
+    ap.add_argument("--compare", action="store_true",
+                    help="kernels side by side (ours and ExLlamaV3's, same process) and the compare encodes, added "
+                         "to the JSON the layer run wrote")
     ap.add_argument("--kernel-tiles", type=int, default=65536)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     spec = load_model_spec(CONFIG)
+    path = args.out / f"encode_layer_{args.layout}_h200.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.compare:
+        record = json.loads(path.read_text()) if path.exists() else {}
+        record["our_kernel_tiles_per_s"] = kernel_rates("cuda", args.kernel_tiles)
+        record["our_tiles_per_s"] = record["our_kernel_tiles_per_s"]["K2_mcg"]
+        if exllamav3_available():
+            record["exllamav3_kernel_tiles_per_s"] = kernel_rates("exllamav3", args.kernel_tiles // 4)
+            record["exllamav3_tiles_per_s"] = record["exllamav3_kernel_tiles_per_s"]["K2_mcg"]
+            record["speedup_vs_exllamav3_kernel"] = round(record["our_tiles_per_s"] / record["exllamav3_tiles_per_s"], 2)
+        else:
+            record["exllamav3_tiles_per_s"] = None
+            record["exllamav3_note"] = "exllamav3 not importable in this run"
+        record["compare"] = compare(spec, args.layout, args.compare_experts)
+        record["compare_commit"] = git_commit()
+        path.write_text(json.dumps(record, indent=2) + "\n")
+        print(json.dumps(record, indent=2))
+        return
     record: dict = {"bench": "encode_layer", "layout": args.layout, "hessians": "natural", "bits": 2, "codebook": "mcg",
                     "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                     "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "experts_timed": args.experts,
                     "experts_per_unit": args.experts_per_unit}
-    rates = {f"K{k}_mcg": kernel_rate("cuda", k, "mcg", args.kernel_tiles if k > 1 else args.kernel_tiles // 4)
-             for k in range(1, 9)}
-    rates |= {f"K2_{cb}": kernel_rate("cuda", 2, cb, args.kernel_tiles) for cb in ("3inst", "mul1")}
-    record["our_kernel_tiles_per_s"] = {k: round(v) for k, v in rates.items()}
-    record["our_tiles_per_s"] = round(rates["K2_mcg"])
-    print(json.dumps(record["our_kernel_tiles_per_s"]), flush=True)
-    with tempfile.TemporaryDirectory(dir=args.out.parent if args.out.parent.exists() else None) as tmp:
+    record["our_tiles_per_s"] = round(kernel_rate("cuda", 2, "mcg", args.kernel_tiles))
+    with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         store = UnitStore(Path(tmp) / "units")
-        wall, errors, tiles = encode_layer(spec, args.layout, args.experts, args.experts_per_unit, "cuda", store)
+        wall, errors, tiles, stages = encode_layer(spec, args.layout, args.experts, args.experts_per_unit, "cuda", store)
         record["disk_read_gbps"] = round(disk_read_gbps(Path(tmp)), 2)
         layer_s = wall * 288 / args.experts
         record |= {
             "layer_wall_s": round(layer_s, 1), "measured_wall_s": round(wall, 1), "ldlq_tiles": tiles,
+            "stage_s": {k: round(v, 1) for k, v in stages.items()},
             "mean_proxy_error": sum(errors) / len(errors), "tensors": len(errors),
-            "end_to_end_tiles_per_s": round(tiles / wall),
+            "end_to_end_ldlq_tiles_per_s": round(tiles / wall),
             "projected_42_layers_h": round(layer_s * MOE_LAYERS / 3600, 2),
             "projection_formula": "layer_wall_s * 42 / 3600, layer_wall_s = measured_wall_s * 288 / experts_timed",
             "goal_layer_s": TARGET_LAYER_S,
             "unit_bytes_per_layer": sum(p.stat().st_size for p in store.directory.iterdir()) * 288 // args.experts,
         }
-        print(json.dumps(record, indent=2), flush=True)
-        n = args.compare_experts
-        if n:
-            wall_r, errors_r, _ = encode_layer(spec, args.layout, n, n, "cuda", store, REDUCED_SEARCH)
-            wall_d, errors_d, _ = encode_layer(spec, args.layout, n, n, "cuda", store)
-            record["reduced_scale_search"] = {"experts": n, "wall_s": round(wall_r, 2), "default_wall_s": round(wall_d, 2),
-                                              "mean_proxy_error": sum(errors_r) / len(errors_r),
-                                              "default_mean_proxy_error": sum(errors_d) / len(errors_d)}
-    if exllamav3_available():
-        record["exllamav3_tiles_per_s"] = round(kernel_rate("exllamav3", 2, "mcg", args.kernel_tiles))
-        record["speedup_vs_exllamav3_kernel"] = round(record["our_tiles_per_s"] / record["exllamav3_tiles_per_s"], 2)
-        if args.compare_experts:
-            with tempfile.TemporaryDirectory() as tmp:
-                os.environ[ENV_VAR] = "exllamav3"
-                try:
-                    wall_x, errors_x, _ = encode_layer(spec, args.layout, args.compare_experts, args.compare_experts,
-                                                       "cuda", UnitStore(Path(tmp)))
-                finally:
-                    del os.environ[ENV_VAR]
-            record["exllamav3_kernel_encode"] = {"experts": args.compare_experts, "wall_s": round(wall_x, 2),
-                                                 "mean_proxy_error": sum(errors_x) / len(errors_x)}
-    else:
-        record["exllamav3_tiles_per_s"] = None
-        record["exllamav3_note"] = "exllamav3 not importable in this run"
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"encode_layer_{args.layout}_h200.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
 

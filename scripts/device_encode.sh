@@ -11,14 +11,20 @@ export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=12 TORCH_EXTE
 t0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; }
 setsid bash -c "python3 -c 'import exllamav3.ext; print(\"exllamav3 extension ready\")' >'$OUT/exllamav3_build.log' 2>&1" &
-stamp "GPU tests of the CUDA Viterbi and encoder"
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/exl3/test_viterbi_cuda.py tests/exl3/test_encode.py \
-  -k "cuda or kernel" >"$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log" >>"$LOG"
-stamp "whole-layer encode benchmark ($EXPERTS experts)"
-timeout 420 python3 scripts/bench_encode.py --experts "$EXPERTS" --compare-experts 4 --out "$OUT" >>"$LOG" 2>&1
+BUILD=$!
+stamp "GPU test of the CUDA encoder"
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/exl3/test_encode.py -k cuda >"$OUT/gpu_tests.log" 2>&1
+tail -1 "$OUT/gpu_tests.log" >>"$LOG"
+stamp "whole-layer encode benchmark ($EXPERTS experts, our kernel)"
+timeout 400 python3 scripts/bench_encode.py --experts "$EXPERTS" --out "$OUT" >>"$LOG" 2>&1
+stamp "waiting for the exllamav3 build"
+while kill -0 $BUILD 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt 470 ]; do sleep 5; done
+tail -2 "$OUT/exllamav3_build.log" >>"$LOG"
+stamp "kernels side by side and compare encodes"
+timeout 85 python3 scripts/bench_encode.py --compare --compare-experts 4 --out "$OUT" >>"$LOG" 2>&1
 stamp "torchrun world size 1 on CUDA (tiny model)"
 T=/tmp/tiny; python3 -m glmquant fixture $T/src >>"$LOG" 2>&1 && \
 python3 -m glmquant observe $T/src --out $T/obs --rows 4 --tokens 64 >>"$LOG" 2>&1 && \
-timeout 120 torchrun --standalone --nproc-per-node 1 -m glmquant encode $T/src --out $T/art --observations $T/obs \
+timeout 40 torchrun --standalone --nproc-per-node 1 -m glmquant encode $T/src --out $T/art --observations $T/obs \
   --device cuda >"$OUT/torchrun_ws1.log" 2>&1; echo "torchrun rc=$?" >>"$LOG"; tail -2 "$OUT/torchrun_ws1.log" >>"$LOG"
 stamp "done"

@@ -118,9 +118,12 @@ class _Scratch:
 
 
 def _batch_tiles(n: int, device: torch.device) -> int:
-    """Tiles per launch: enough to fill the GPU many times over, with history scratch under ~1/8 of free memory."""
+    """Tiles per launch: whole waves of one block per SM (no half-empty last wave), 32 waves at most, with history
+    scratch under ~1/8 of free memory."""
     free, _ = torch.cuda.mem_get_info(device)
-    return max(1, min(n, 4096, free // 8 // HIST_BYTES_PER_TILE))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    waves = max(1, min(32, free // 8 // HIST_BYTES_PER_TILE // sms))
+    return max(1, min(n, sms * waves))
 
 
 def viterbi_cuda(tiles: torch.Tensor, bits: int, codebook: Codebook,

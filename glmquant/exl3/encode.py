@@ -17,6 +17,7 @@ from glmquant.exl3.refit import refit_scales
 from glmquant.exl3.regularize import LDLQ_DRIFT, regularize, sample_tiles
 from glmquant.exl3.scale_search import EXLLAMAV3_SEARCH, ScaleSearch, search_scales
 from glmquant.exl3.tensor import EXL3Tensor, padded
+from glmquant.exl3.timing import stage
 from glmquant.exl3.trellis import pack_trellis
 
 
@@ -88,12 +89,14 @@ def _prepare(
 def _finish(job: _Job, q: torch.Tensor, states: torch.Tensor, bits: int, codebook: Codebook) -> EncodedLinear:
     su, sv = job.su, job.sv
     if job.prep.hessian is not None:
-        wq = had_right(had_left(q) * su[:, None]) * sv[None, :]
-        su, sv = refit_scales(job.w, wq, job.prep.hessian, su, sv)
+        with stage("finish.refit", job.w.device):
+            wq = had_right(had_left(q) * su[:, None]) * sv[None, :]
+            su, sv = refit_scales(job.w, wq, job.prep.hessian, su, sv)
     out_f, in_f = job.weight.shape
-    tensor = EXL3Tensor(pack_trellis(states, bits).cpu(), su.half().cpu(), sv.half().cpu(), codebook, in_f, out_f)
+    on_device = EXL3Tensor(pack_trellis(states, bits), su.half(), sv.half(), codebook, in_f, out_f)
     used = job.hessian if job.prep.ldl is not None else None
-    error = proxy_error(job.weight, decode_weight(tensor, torch.float32), used)
+    error = proxy_error(job.weight, decode_weight(on_device, torch.float32), used)  # decoded where it was encoded
+    tensor = EXL3Tensor(on_device.trellis.cpu(), on_device.suh.cpu(), on_device.svh.cpu(), codebook, in_f, out_f)
     return EncodedLinear(tensor, error, job.prep.fallback)
 
 
@@ -120,18 +123,23 @@ def encode_linears(
     search: TileSearch = select_backend(dev, backend)
 
     def values(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_tiles(search, tiles, bits, codebook)
+        with stage("viterbi", dev):
+            return quantize_tiles(search, tiles, bits, codebook)
 
     shared: dict[int, PreparedHessian] = {}
-    jobs = [_prepare(w, h, seed, dev, shared) for w, h in items]
+    with stage("prepare", dev):
+        jobs = [_prepare(w, h, seed, dev, shared) for w, h in items]
     drift = LDLQ_DRIFT.get(bits, 1.0)
-    scales = search_scales([sample_tiles(j.w_reg, scale_search.band_width) * drift for j in jobs], lambda t: values(t)[0],
-                           scale_search.coarse_stride)
+    with stage("scale_search", dev):
+        scales = search_scales([sample_tiles(j.w_reg, scale_search.band_width) * drift for j in jobs],
+                               lambda t: values(t)[0], scale_search)
     for job, g in zip(jobs, scales):
         job.w_reg *= g
         job.su = job.su / g
-    results = _ldlq_jobs(jobs, values)
-    return [_finish(j, q, s, bits, codebook) for j, (q, s) in zip(jobs, results)]
+    with stage("ldlq", dev):
+        results = _ldlq_jobs(jobs, values)
+    with stage("finish", dev):
+        return [_finish(j, q, s, bits, codebook) for j, (q, s) in zip(jobs, results)]
 
 
 def _ldlq_jobs(jobs: list[_Job], values: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],

@@ -18,11 +18,12 @@ FINE_STEP = 0.075
 
 @dataclass(frozen=True)
 class ScaleSearch:
-    """How many sample tiles the search quantizes: the diagonal band's width (sample_tiles) and the stride of the
-    subsample the coarse grid uses; the fine grid uses every sample."""
+    """How many sample tiles the search quantizes: the diagonal band's width (sample_tiles) and the strides of the
+    subsamples the coarse and fine grids use."""
 
     band_width: int = 3
     coarse_stride: int = 3
+    fine_stride: int = 1
 
 
 EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
@@ -53,11 +54,12 @@ def _parabola(fine: list[float], err: list[float]) -> float:
 
 
 def search_scales(samples: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor],
-                  coarse_stride: int = EXLLAMAV3_SEARCH.coarse_stride) -> list[float]:
+                  search: ScaleSearch = EXLLAMAV3_SEARCH) -> list[float]:
     """One global scale per tensor from its sample tiles; quantize maps tiles to quantized values."""
-    subs = [s[::coarse_stride] for s in samples]
+    subs = [s[::search.coarse_stride] for s in samples]
     coarse = _errors([(t, s) for t in range(len(samples)) for s in COARSE], subs, quantize)
     centers = [COARSE[min(range(len(COARSE)), key=lambda i: coarse[t * len(COARSE) + i])] for t in range(len(samples))]
     fines = [[c + FINE_STEP * (i - 2) for i in range(5)] for c in centers]
-    err = _errors([(t, s) for t in range(len(samples)) for s in fines[t]], samples, quantize)
+    err = _errors([(t, s) for t in range(len(samples)) for s in fines[t]], [s[::search.fine_stride] for s in samples],
+                  quantize)
     return [_parabola(fines[t], err[5 * t : 5 * t + 5]) for t in range(len(samples))]
