@@ -36,14 +36,13 @@ from glmquant.encode.slices import slice_hessian, slice_weight  # noqa: E402
 from glmquant.encode.units import UnitStore  # noqa: E402
 from glmquant.exl3 import Codebook  # noqa: E402
 from glmquant.exl3.backends import ENV_VAR, exllamav3_available, select_backend  # noqa: E402
-from glmquant.exl3.scale_search import EXLLAMAV3_SEARCH, ScaleSearch  # noqa: E402
+from glmquant.exl3.scale_search import DEFAULT_SEARCH, EXLLAMAV3_SEARCH, ScaleSearch  # noqa: E402
 from glmquant.exl3.timing import record_stages  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "tests/data/glm-5.3-flash/config.json"
 MOE_LAYERS = 42
 TARGET_LAYER_S = 171.0  # 42 layers in 2 h
-REDUCED_SEARCHES = [ScaleSearch(band_width=1, coarse_stride=3, fine_stride=1),
-                    ScaleSearch(band_width=1, coarse_stride=6, fine_stride=3)]
+REDUCED_SEARCHES = [ScaleSearch(band_width=1, coarse_stride=6, fine_stride=3)]
 
 
 def channel_scales(n: int, gen: torch.Generator, device: str) -> torch.Tensor:
@@ -90,7 +89,8 @@ def tiles_of(unit: UnitInputs) -> int:
 
 
 def encode_layer(spec, layout: str, experts: int, per_unit: int, device: str, store: UnitStore,
-                 search: ScaleSearch = EXLLAMAV3_SEARCH) -> tuple[float, list[float], int, dict[str, float]]:
+                 search: ScaleSearch = DEFAULT_SEARCH, progress: Path | None = None,
+                 ) -> tuple[float, list[float], int, dict[str, float]]:
     """Wall time, proxy errors, LDLQ tiles and seconds per encoder stage of `experts` experts in units of
     `per_unit`, reading ahead."""
     starts = list(range(0, experts, per_unit))
@@ -108,7 +108,12 @@ def encode_layer(spec, layout: str, experts: int, per_unit: int, device: str, st
             store.write(3, i, encoded, 0.0)
             errors += [r.proxy_error for r in encoded.reports]
             tiles += tiles_of(unit)
-            print(f"  unit {i + 1}/{len(starts)}: {time.perf_counter() - t0:.1f} s", flush=True)
+            elapsed = time.perf_counter() - t0
+            print(f"  unit {i + 1}/{len(starts)}: {elapsed:.1f} s", flush=True)
+            if progress is not None:  # what a killed run still leaves behind
+                progress.write_text(json.dumps({"units_done": i + 1, "units": len(starts), "elapsed_s": elapsed,
+                                                "experts_done": min(starts[i] + per_unit, experts),
+                                                "stage_s": dict(stages)}) + "\n")
     torch.cuda.synchronize()
     return time.perf_counter() - t0, errors, tiles, dict(stages)
 
@@ -161,7 +166,7 @@ def compare(spec, layout: str, experts: int) -> dict:
     rows = {}
     variants = [("ours_exllamav3_search", "cuda", EXLLAMAV3_SEARCH)] + [
         (f"ours_search_band{v.band_width}_coarse{v.coarse_stride}_fine{v.fine_stride}", "cuda", v)
-        for v in REDUCED_SEARCHES]
+        for v in (DEFAULT_SEARCH, *REDUCED_SEARCHES)]
     if exllamav3_available():
         variants.append(("exllamav3_kernel_exllamav3_search", "exllamav3", EXLLAMAV3_SEARCH))
     for name, backend, search in variants:
@@ -187,9 +192,11 @@ def main() -> None:
                          "to the JSON the layer run wrote")
     ap.add_argument("--kernel-tiles", type=int, default=65536)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
     args = ap.parse_args()
+    commit = args.commit or git_commit()
     spec = load_model_spec(CONFIG)
-    path = args.out / f"encode_layer_{args.layout}_h200.json"
+    path = args.out / f"encode_layer_{'plain' if args.layout == 'exllamav3' else args.layout}_h200.json"
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compare:
         record = json.loads(path.read_text()) if path.exists() else {}
@@ -203,18 +210,20 @@ def main() -> None:
             record["exllamav3_tiles_per_s"] = None
             record["exllamav3_note"] = "exllamav3 not importable in this run"
         record["compare"] = compare(spec, args.layout, args.compare_experts)
-        record["compare_commit"] = git_commit()
+        record["compare_commit"] = commit
         path.write_text(json.dumps(record, indent=2) + "\n")
         print(json.dumps(record, indent=2))
         return
     record: dict = {"bench": "encode_layer", "layout": args.layout, "hessians": "natural", "bits": 2, "codebook": "mcg",
+                    "scale_search": DEFAULT_SEARCH.__dict__,
                     "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-                    "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "experts_timed": args.experts,
+                    "commit": commit, "date": time.strftime("%Y-%m-%d"), "experts_timed": args.experts,
                     "experts_per_unit": args.experts_per_unit}
     record["our_tiles_per_s"] = round(kernel_rate("cuda", 2, "mcg", args.kernel_tiles))
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         store = UnitStore(Path(tmp) / "units")
-        wall, errors, tiles, stages = encode_layer(spec, args.layout, args.experts, args.experts_per_unit, "cuda", store)
+        wall, errors, tiles, stages = encode_layer(spec, args.layout, args.experts, args.experts_per_unit, "cuda", store,
+                                                   progress=path.with_suffix(".progress.json"))
         record["disk_read_gbps"] = round(disk_read_gbps(Path(tmp)), 2)
         layer_s = wall * 288 / args.experts
         record |= {

@@ -17,7 +17,7 @@ from glmquant.encode.hessians import ExpertHessians, LayerHessiansView
 from glmquant.encode.slices import slice_hessian, slice_weight
 from glmquant.errors import NumericalError
 from glmquant.exl3 import Codebook, encode_linears
-from glmquant.exl3.scale_search import EXLLAMAV3_SEARCH, ScaleSearch
+from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def read_unit(plan: ArtifactPlan, layer: int, unit: list[ExpertSlice], source: S
 
 
 def encode_unit(inputs: UnitInputs, bits: int, codebook: str, seed: int, device: str,
-                search: ScaleSearch = EXLLAMAV3_SEARCH) -> EncodedLayer:
+                search: ScaleSearch = DEFAULT_SEARCH) -> EncodedLayer:
     """Encode every tensor of a unit in one batched call on `device`."""
     dev = torch.device(device)
     moved: dict[int, torch.Tensor] = {}  # one device copy per distinct Hessian (shared ones stay shared)

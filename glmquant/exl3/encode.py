@@ -15,7 +15,7 @@ from glmquant.exl3.hessian import PreparedHessian, pad_hessian, prepare_hessian
 from glmquant.exl3.ldlq import ldlq
 from glmquant.exl3.refit import refit_scales
 from glmquant.exl3.regularize import LDLQ_DRIFT, regularize, sample_tiles
-from glmquant.exl3.scale_search import EXLLAMAV3_SEARCH, ScaleSearch, search_scales
+from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch, search_scales
 from glmquant.exl3.tensor import EXL3Tensor, padded
 from glmquant.exl3.timing import stage
 from glmquant.exl3.trellis import pack_trellis
@@ -108,7 +108,7 @@ def encode_linears(
     *,
     device: str | torch.device = "cpu",
     backend: str | None = None,
-    scale_search: ScaleSearch = EXLLAMAV3_SEARCH,
+    scale_search: ScaleSearch = DEFAULT_SEARCH,
 ) -> list[EncodedLinear]:
     """Encode several (HF weight, Hessian or None) pairs; their Viterbi searches share backend calls.
 

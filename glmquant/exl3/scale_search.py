@@ -27,6 +27,10 @@ class ScaleSearch:
 
 
 EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
+# Ours: a band one tile wide. For tr3 rank slices (4096 x 512) ExLlamaV3's band makes the search cost 88 % of the
+# LDLQ's own Viterbi work; one tile wide cuts that to a third at the same proxy error (+0.002 % on an H200 run
+# over 4 real-shape experts, bench/results/encode_layer_tr3_h200.json).
+DEFAULT_SEARCH = ScaleSearch(band_width=1)
 
 
 def _errors(pairs: list[tuple[int, float]], tiles: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor]) -> list[float]:
