@@ -91,7 +91,7 @@ def _encode_layers(cfg: EncodeConfig, plan: ArtifactPlan, source: SourceCheckpoi
              for u, slices in enumerate(layer_units(plan, layer, cfg.experts_per_unit))]
     mine = [(layer, u, slices) for layer, u, slices in ranks.mine(units) if not store.has(layer, u)]
     device = ranks.device(cfg.device)
-    if torch.device(device).type == "cuda":
+    if torch.device(device).index is not None and torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
     views = lru_cache(maxsize=2)(HessianSource(cfg.observations, cfg.hessians).layer)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
