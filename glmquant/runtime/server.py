@@ -65,6 +65,7 @@ from glmquant.runtime.service import Job, ModelService, ServiceOptions
 log = logging.getLogger("glmquant.serve")
 MAX_REQUEST_BYTES = 64 << 20  # base64 images make bodies large; anything beyond is refused with 413 unread
 DONE = "data: [DONE]\n\n"
+_WORKERS: set[asyncio.Future[None]] = set()  # generations whose stream may have closed before they finished
 
 
 def build_app(service: ModelService, api_key: str | None = None) -> FastAPI:
@@ -177,6 +178,8 @@ async def _generation(service: ModelService, job: Job) -> AsyncIterator[Delta | 
             queue.put_nowait(exc)
 
     worker = asyncio.ensure_future(work())
+    _WORKERS.add(worker)  # the loop keeps only weak references to tasks
+    worker.add_done_callback(_WORKERS.discard)
     try:
         while True:
             item = await queue.get()
@@ -186,8 +189,7 @@ async def _generation(service: ModelService, job: Job) -> AsyncIterator[Delta | 
             if not isinstance(item, Delta):
                 return
     finally:
-        job.cancelled.set()
-        worker.add_done_callback(lambda _: None)  # the thread ends by itself at its next token
+        job.cancelled.set()  # a no-op once finished; else the thread ends the generation at its next token
 
 
 async def _stream(service: ModelService, job: Job, on_delta: Callable[[Delta], str],

@@ -405,3 +405,32 @@ def test_process_exits_cleanly_after_serving(artifacts, tmp_path) -> None:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+
+
+def test_stop_ends_running_and_queued_streams_with_a_final_chunk(artifacts):
+    """Shutdown with one stream generating and one waiting for the only slot: both end with a final chunk
+    (finish reason "abort"), their usage and `[DONE]`; the waiting one generated nothing."""
+    running = serve_in_background(artifacts["tr3"], expert_cache=16, max_model_len=4096)
+    body = {"messages": HELLO, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4000,
+            "temperature": 1.0}
+    streams = []
+    try:
+        for _ in range(2):
+            conn = http.client.HTTPConnection(*running.address, timeout=120)
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            streams.append(conn.getresponse())
+            assert streams[-1].readline().startswith(b"data:")
+        deadline = time.monotonic() + 60
+        while _get(running, "/health")["requests_waiting"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        stopper = threading.Thread(target=running.stop)
+        stopper.start()
+    ends = [[line.decode().strip().removeprefix("data: ") for line in s if line.startswith(b"data:")] for s in streams]
+    stopper.join(60)
+    assert not stopper.is_alive()
+    for events in ends:
+        assert events[-1] == "[DONE]" and json.loads(events[-3])["choices"][0]["finish_reason"] == "abort"
+    assert json.loads(ends[0][-2])["usage"]["completion_tokens"] > 0
+    assert json.loads(ends[1][-2])["usage"]["completion_tokens"] == 0
