@@ -39,7 +39,8 @@ def observe(
     resolved = resolve_source(source, revision)
     if resolved.repo_id is not None:
         out.print(f"source {resolved.repo_id} at commit {resolved.revision} ({resolved.path})")
-    config = ObserveConfig(resolved.path, out_dir, recipe, rows, tokens, hessians, dense_hessians, keep, device, batch_rows)
+    config = ObserveConfig(resolved.path, out_dir, recipe, rows, tokens, hessians, dense_hessians, keep, device,
+                           batch_rows)
     summary = run_observe(config, progress=True)
     out.print(f"observed {len(summary.layers)} layers ({len(summary.moe_layers())} MoE) into {out_dir}; "
               f"token rows {summary.token_rows_sha256[:16]}…, peak RSS {summary.peak_rss_bytes / 2**20:,.0f} MiB")

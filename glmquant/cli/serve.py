@@ -34,13 +34,14 @@ def serve(
     dtype: Annotated[str, typer.Option(
         help=f"activation dtype: {', '.join(DTYPE_CHOICES)} (auto: the checkpoint's 16-bit dtype)")] = "auto",
     device: Annotated[str, typer.Option(help="torch device: cpu, cuda, cuda:1, ...")] = "cpu",
-    expert_cache: Annotated[int, typer.Option(help="decoded virtual experts kept by the torch backend (0: none)")] = 256,
+    expert_cache: Annotated[int, typer.Option(help="decoded virtual experts the torch backend keeps (0: none)")] = 256,
     backend: Annotated[str, typer.Option(help="expert backend: torch (any device) or a registered GPU backend")] = "torch",
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /version and
     /metrics until Ctrl-C, which ends open streams cleanly before exiting."""
     runtime = RuntimeOptions(device=device, dtype=dtype, expert_cache=expert_cache, backend=backend)
-    options = ServiceOptions(served_model_name=served_model_name, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    options = ServiceOptions(served_model_name=served_model_name, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len)
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(console=console, show_path=False)])
     console.print(f"loading {artifact} on {device} ({dtype}, {backend} experts) ...")
     run_server(artifact, host, port, runtime, options, api_key, on_ready=_ready)

@@ -5,7 +5,8 @@ Resuming a killed job (rerun the same command; the state lives in --work-dir, de
     may change:  --work-dir location (moved with its contents), progress display, batch size of the codec
     must match:  the source's tensors (content hash of its structure), the observations' token rows and
                  recipe, the kept experts, --bits --codebook --layout --hessians --keep --seed
-                 --source-repo (and the commit a Hub source resolved to), the device type and the Viterbi backend (CPU and GPU arithmetic differ)
+                 --source-repo and --revision (the commit a Hub source resolved to), the device type
+                 and the Viterbi backend (CPU and GPU arithmetic differ)
 
 A mismatch is refused with an error naming the state file; nothing already written is touched.
 """

@@ -2,7 +2,8 @@
 MLA KV and DSA indexer state in one `DynamicCache`): one prefill forward, then one token per forward.
 
 Stops on the model's EOS ids, on stop strings (the text before the stop string is kept), after
-`max_tokens`, or when `should_stop` says so (finish reason "abort": a server shutting down). Sampling (temperature, top-p) draws from a torch.Generator seeded per request, so a fixed
+`max_tokens`, or when `should_stop` says so (finish reason "abort": a server shutting down).
+Sampling (temperature, top-p) draws from a torch.Generator seeded per request, so a fixed
 seed gives the same tokens on the same device.
 """
 

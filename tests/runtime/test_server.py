@@ -50,7 +50,8 @@ class Script:
 
 @pytest.fixture(scope="module")
 def server(artifacts) -> Iterator[RunningServer]:
-    with serve_in_background(artifacts["tr3"], expert_cache=16, max_model_len=1024, served_model_name="tiny") as running:
+    with serve_in_background(artifacts["tr3"], expert_cache=16, max_model_len=1024,
+                             served_model_name="tiny") as running:
         yield running
 
 
@@ -148,7 +149,7 @@ def test_image_request(client, script):
     (b"{not json", 400, None, "not valid JSON"),
     ({"model": "gpt-4", "messages": HELLO}, 404, "model", "does not exist"),
     ({"messages": [{"role": "user", "content": "x " * 600}]}, 400, "input_tokens", "maximum context length is 1024"),
-    ({"messages": HELLO, "max_tokens": 1020}, 400, "max_tokens", "'max_tokens' or 'max_completion_tokens' is too large"),
+    ({"messages": HELLO, "max_tokens": 1020}, 400, "max_tokens", "'max_completion_tokens' is too large"),
     ({"messages": [image_message("data:image/png;base64,aGVsbG8=")]}, 400, "messages", "could not be decoded"),
     ({"messages": [image_message("data:image/png;base64,@@@")]}, 400, "messages", "not valid base64"),
     ({"messages": []}, 400, "messages", "at least 1 item"),
@@ -301,7 +302,8 @@ def test_detokenize_and_version(server):
 def test_metrics_count_requests_tokens_and_latency(server, client, script):
     before = _metrics(server)
     script.say("one two three")
-    r = client.chat.completions.create(model="tiny", messages=HELLO, stream=True, stream_options={"include_usage": True})
+    r = client.chat.completions.create(model="tiny", messages=HELLO, stream=True,
+                                       stream_options={"include_usage": True})
     usage = [c.usage for c in r if c.usage][0]
     _post(server, "/v1/chat/completions", {"messages": HELLO, "n": 3})
     after = _metrics(server)
@@ -370,7 +372,8 @@ def test_concurrent_sequences_match_sequential(artifacts):
     prompts = [[{"role": "user", "content": f"question {i} " * (i + 1)}] for i in range(3)]
     with serve_in_background(artifacts["exllamav3"], max_num_seqs=2, expert_cache=4) as running:
         client = openai.OpenAI(base_url=running.base_url, api_key="unused", max_retries=0, timeout=120)
-        ask = lambda m: client.chat.completions.create(model="tiny-EXL3-2bit", messages=m, max_tokens=6).choices[0]  # noqa: E731
+        ask = lambda m: client.chat.completions.create(  # noqa: E731
+            model="tiny-EXL3-2bit", messages=m, max_tokens=6).choices[0]
         sequential = [ask(m).message.content for m in prompts]
         parallel: dict[int, str] = {}
         threads = [threading.Thread(target=lambda i=i: parallel.update({i: ask(prompts[i]).message.content}))
