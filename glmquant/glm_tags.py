@@ -12,6 +12,9 @@ import re
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 ARG_KEY_OPEN = "<arg_key>"
+# the tags whose tokens carry the output's structure (kept when other special tokens are dropped)
+OUTPUT_MARKUP = (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE, ARG_KEY_OPEN, "</arg_key>", "<arg_value>",
+                 "</arg_value>")
 TOOL_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 BOX_MARKERS = ("<|begin_of_box|>", "<|end_of_box|>")

@@ -11,6 +11,11 @@ from glmquant.checkpoint.writer import atomic_write_text
 MODEL_CARD_NAME = "MODEL_CARD.md"
 
 
+def artifact_model_name(manifest: Mapping[str, Any]) -> str:
+    """The artifact's model name: its source's name with the quantization, e.g. `GLM-5.3-Flash-EXL3-2bit`."""
+    return f"{manifest['source']['repo_id'].rstrip('/').split('/')[-1]}-EXL3-{manifest['layout']['bits']}bit"
+
+
 def model_card_text(manifest_sha256: str, manifest: Mapping[str, Any]) -> str:
     """A short README-style card summarising the manifest; deterministic for a given manifest."""
     layout, geo, source = manifest["layout"], manifest["geometry"], manifest["source"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, ParamSpec, TypeVar
+from typing import Annotated, Optional, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
@@ -21,6 +21,8 @@ R = TypeVar("R")
 
 ExistingPath = Annotated[Path, typer.Argument(exists=True, help="an existing file or directory")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="print machine-readable JSON instead of tables")]
+HubRevision = Annotated[Optional[str], typer.Option(
+    help="with a Hub repo id: branch, tag or commit (default main); files come through the Hugging Face cache")]
 
 
 def guarded(fn: Callable[P, R]) -> Callable[P, R]:

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from glmquant.cli.common import console, guarded, out
+from glmquant.checkpoint.hub import resolve_source
+from glmquant.cli.common import HubRevision, console, guarded, out
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.summary import summary_table
 
@@ -18,7 +19,7 @@ def register(app: typer.Typer) -> None:
 
 @guarded
 def encode(
-    source: Annotated[Path, typer.Argument(help="BF16 source checkpoint directory")],
+    source: Annotated[str, typer.Argument(help="BF16 source checkpoint: a directory or a Hub repo id")],
     out_dir: Annotated[Path, typer.Option("--out", help="artifact directory to write")],
     observations: Annotated[Optional[Path], typer.Option(help="output directory of `glmquant observe`")] = None,
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
@@ -31,15 +32,19 @@ def encode(
     work_dir: Annotated[Optional[Path], typer.Option(help="resumable job state (default: ARTIFACT.work)")] = None,
     seed: Annotated[int, typer.Option(help="base seed of the EXL3 sign flips")] = 0,
     experts_per_unit: Annotated[int, typer.Option(help="experts encoded together in one work unit (GPU batch)")] = 32,
-    source_repo: Annotated[Optional[str], typer.Option(help="source repo id recorded in the provenance")] = None,
+    source_repo: Annotated[Optional[str], typer.Option(
+        help="source repo id recorded in the provenance (default: the Hub repo id given as SOURCE)")] = None,
+    revision: HubRevision = None,
 ) -> None:
     """EXL3-encode the routed experts, copy everything else byte-for-byte, write and verify the artifact.
 
     On N GPUs: torchrun --nproc-per-node N -m glmquant encode ... --device cuda (shared storage for --out).
     """
-    cfg = EncodeConfig(source=source, out=out_dir, observations=observations, bits=bits, codebook=codebook,
+    resolved = resolve_source(source, revision)
+    cfg = EncodeConfig(source=resolved.path, out=out_dir, observations=observations, bits=bits, codebook=codebook,
                        layout=layout, hessians=hessians, keep=keep, prune_plan=prune_plan, device=device,
-                       work_dir=work_dir, seed=seed, source_repo=source_repo, experts_per_unit=experts_per_unit)
+                       work_dir=work_dir, seed=seed, source_repo=source_repo or resolved.repo_id,
+                       source_revision=resolved.revision, experts_per_unit=experts_per_unit)
     result = encode_artifact(cfg, console)
     if result is None:  # a rank other than 0 of a torchrun job: rank 0 writes and reports the artifact
         return

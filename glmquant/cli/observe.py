@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from glmquant.cli.common import guarded, out
+from glmquant.checkpoint.hub import resolve_source
+from glmquant.cli.common import HubRevision, guarded, out
 from glmquant.observe.config import DEFAULT_RECIPE, ObserveConfig
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.report import build_report, expert_table, layer_table
@@ -20,7 +21,7 @@ def register(app: typer.Typer) -> None:
 
 @guarded
 def observe(
-    source: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="BF16 source checkpoint directory")],
+    source: Annotated[str, typer.Argument(help="BF16 source checkpoint: a directory or a Hub repo id")],
     out_dir: Annotated[Path, typer.Option("--out", help="observations directory (rerun to resume)")],
     recipe: Annotated[Path, typer.Option(help="calibration recipe (YAML)")] = DEFAULT_RECIPE,
     rows: Annotated[Optional[int], typer.Option(help="rows per lane (overrides the recipe)")] = None,
@@ -32,9 +33,14 @@ def observe(
     batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
     report: Annotated[bool, typer.Option(help="print per-layer tables and write the REAP heat map")] = False,
     report_layer: Annotated[Optional[list[int]], typer.Option(help="with --report: every expert of this layer")] = None,
+    revision: HubRevision = None,
 ) -> None:
     """Stream calibration rows through the model layer by layer; save REAP statistics and Hessians."""
-    config = ObserveConfig(source, out_dir, recipe, rows, tokens, hessians, dense_hessians, keep, device, batch_rows)
+    resolved = resolve_source(source, revision)
+    if resolved.repo_id is not None:
+        out.print(f"source {resolved.repo_id} at commit {resolved.revision} ({resolved.path})")
+    config = ObserveConfig(resolved.path, out_dir, recipe, rows, tokens, hessians, dense_hessians, keep, device,
+                           batch_rows)
     summary = run_observe(config, progress=True)
     out.print(f"observed {len(summary.layers)} layers ({len(summary.moe_layers())} MoE) into {out_dir}; "
               f"token rows {summary.token_rows_sha256[:16]}…, peak RSS {summary.peak_rss_bytes / 2**20:,.0f} MiB")

@@ -11,7 +11,8 @@ from rich.table import Table
 
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import plan_artifact
-from glmquant.cli.common import JsonFlag, guarded, out
+from glmquant.checkpoint.hub import CONFIG_FILES, resolve_source
+from glmquant.cli.common import HubRevision, JsonFlag, guarded, out
 from glmquant.plan import load_source_shards, plan_to_json, summarize
 
 
@@ -21,16 +22,22 @@ def register(app: typer.Typer) -> None:
 
 @guarded
 def plan(
-    config: Annotated[Path, typer.Argument(help="config.json (or a directory holding one)")],
-    source_index: Annotated[Optional[Path], typer.Option(help="source model.safetensors.index.json")] = None,
+    config: Annotated[str, typer.Argument(help="config.json, a directory holding one, or a Hub repo id")],
+    source_index: Annotated[Optional[Path], typer.Option(
+        help="source model.safetensors.index.json (default with a Hub repo id: the repo's)")] = None,
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     as_json: JsonFlag = False,
     tensors: Annotated[bool, typer.Option(help="with --json: list every tensor of every file")] = True,
+    revision: HubRevision = None,
 ) -> None:
     """Predict every output file, tensor and byte of an artifact from a config alone."""
-    spec = load_model_spec(config)
+    resolved = resolve_source(config, revision, CONFIG_FILES)
+    repo_index = resolved.path / "model.safetensors.index.json"
+    if source_index is None and resolved.repo_id is not None and repo_index.is_file():
+        source_index = repo_index
+    spec = load_model_spec(resolved.path)
     shards = load_source_shards(source_index) if source_index else None
     result = plan_artifact(spec, layout, bits, codebook, shards)
     summary = summarize(result)

@@ -1,4 +1,4 @@
-"""`glmquant serve ARTIFACT`: an OpenAI-compatible chat server on the embedded runtime (127.0.0.1 by default)."""
+"""`glmquant serve ARTIFACT`: an OpenAI-compatible server on the embedded runtime, with vLLM's option names."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import typer
 from rich.logging import RichHandler
 
 from glmquant.cli.common import console, guarded, out
-from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.options import DTYPE_CHOICES, RuntimeOptions
 from glmquant.runtime.server import run_server
-from glmquant.runtime.service import ChatService, ServiceOptions
+from glmquant.runtime.service import ModelService, ServiceOptions
 
 
 def register(app: typer.Typer) -> None:
@@ -24,23 +24,31 @@ def serve(
     artifact: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="artifact directory (tr3 or exllamav3)")],
     host: Annotated[str, typer.Option(help="address to bind; keep 127.0.0.1 unless you mean to expose it")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: any free port)")] = 8000,
-    concurrency: Annotated[int, typer.Option(help="sequences generated at once; others wait in the queue")] = 1,
-    expert_cache: Annotated[int, typer.Option(help="decoded virtual experts kept by the torch backend (0: none)")] = 256,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        help="model name clients send (default: the artifact's, e.g. GLM-5.3-Flash-EXL3-2bit)")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(
+        help="prompt + completion tokens per request (default: the config's max_position_embeddings)")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="sequences generated at once; others wait in the queue")] = 1,
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="GLMQUANT_API_KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")] = None,
+    dtype: Annotated[str, typer.Option(
+        help=f"activation dtype: {', '.join(DTYPE_CHOICES)} (auto: the checkpoint's 16-bit dtype)")] = "auto",
     device: Annotated[str, typer.Option(help="torch device: cpu, cuda, cuda:1, ...")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="activation dtype: bfloat16, float16 or float32")] = "bfloat16",
+    expert_cache: Annotated[int, typer.Option(help="decoded virtual experts the torch backend keeps (0: none)")] = 256,
     backend: Annotated[str, typer.Option(help="expert backend: torch (any device) or a registered GPU backend")] = "torch",
-    model_id: Annotated[Optional[str], typer.Option(help="model name served (default: the directory name)")] = None,
-    max_context: Annotated[Optional[int], typer.Option(help="prompt + completion tokens (default: the config's)")] = None,
 ) -> None:
-    """Serve /v1/chat/completions (streaming too), /v1/models, /tokenize and /health until Ctrl-C."""
+    """Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /version and
+    /metrics until Ctrl-C, which ends open streams cleanly before exiting."""
     runtime = RuntimeOptions(device=device, dtype=dtype, expert_cache=expert_cache, backend=backend)
-    options = ServiceOptions(model_id=model_id, concurrency=concurrency, max_context=max_context)
+    options = ServiceOptions(served_model_name=served_model_name, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len)
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(console=console, show_path=False)])
     console.print(f"loading {artifact} on {device} ({dtype}, {backend} experts) ...")
-    run_server(artifact, host, port, runtime, options, on_ready=_ready)
+    run_server(artifact, host, port, runtime, options, api_key, on_ready=_ready)
+    console.print("stopped")
 
 
-def _ready(base_url: str, service: ChatService) -> None:
+def _ready(base_url: str, service: ModelService) -> None:
     artifact = service.loaded.artifact
-    out.print(f"[bold green]serving[/] {service.model_id} ({artifact.layout}, {len(artifact.quantized_layers)} quantized "
-              f"MoE layers, context {service.max_context}) at [bold]{base_url}[/]  (Ctrl-C stops)")
+    out.print(f"[bold green]serving[/] {service.model_name} ({artifact.layout}, {len(artifact.quantized_layers)} "
+              f"quantized MoE layers, context {service.max_model_len}) at [bold]{base_url}[/]  (Ctrl-C stops)")

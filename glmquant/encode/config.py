@@ -6,8 +6,9 @@ Resuming a killed job (rerun the same command; the state lives in --work-dir, de
                  (torchrun's world size: units are assigned by rank, each computed the same way anywhere)
     must match:  the source's tensors (content hash of its structure), the observations' token rows and
                  recipe, the kept experts, --bits --codebook --layout --hessians --keep --seed
-                 --experts-per-unit (the batch a GPU computes together)
-                 --source-repo, the device type and the Viterbi backend (CPU and GPU arithmetic differ)
+                 --experts-per-unit (the batch a GPU computes together), --source-repo and --revision
+                 (the commit a Hub source resolved to), the device type and the Viterbi backend (CPU and GPU
+                 arithmetic differ)
 
 A mismatch is refused with an error naming the state file; nothing already written is touched.
 """
@@ -41,6 +42,7 @@ class EncodeConfig:
     seed: int = 0
     experts_per_unit: int = 32  # work unit: this many experts' EXL3 tensors encoded in one batched call
     source_repo: str | None = None
+    source_revision: str | None = None  # the Hub commit a repo-id source resolved to
     verify: bool = True
 
     @property

@@ -29,6 +29,7 @@ def selection_sha256(keep: Mapping[int, Sequence[int]] | None) -> str | None:
 def build_provenance(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None) -> Provenance:
     return Provenance(
         source_repo=cfg.source_repo or source.directory.name,
+        source_revision=cfg.source_revision,
         source_manifest="model.safetensors.index.json",
         source_manifest_sha256=source_manifest_sha256(source),
         calibration=_calibration(cfg),

@@ -23,6 +23,7 @@ from typing import Any
 
 from glmquant.errors import UsageError
 from glmquant.runtime.generate import PromptInputs
+from glmquant.glm_tags import OUTPUT_MARKUP
 from glmquant.runtime.glm_output import THINK_CLOSE, THINK_OPEN
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -58,9 +59,19 @@ class ChatFormat:
         if not self.tokenizer.chat_template:
             raise UsageError(f"{path}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
         self.processor = _load_processor(Path(path), self.tokenizer) if has_vision else None
+        self._special_ids = frozenset(self.tokenizer.all_special_ids)
+        markup = {self.tokenizer.convert_tokens_to_ids(tag) for tag in OUTPUT_MARKUP}
+        self._special_ids_but_markup = self._special_ids - markup
+        # no token stands for more UTF-8 bytes of text than its vocabulary entry has (byte-level and
+        # SentencePiece entries spell one byte with up to 3): bytes / this bounds the tokens from below
+        self.max_token_bytes = max(len(token.encode()) for token in self.tokenizer.get_vocab())
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Token ids -> text, keeping special tokens (`<think>`, `<tool_call>`... carry the output structure)."""
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False, keep_markup: bool = False) -> str:
+        """Token ids -> text. `skip_special_tokens` drops special tokens (vLLM's option of that name), except,
+        with `keep_markup`, GLM's output markup (`<think>`, `<tool_call>`...) that the output parser reads."""
+        if skip_special_tokens:
+            hidden = self._special_ids_but_markup if keep_markup else self._special_ids
+            ids = [i for i in ids if i not in hidden]
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
@@ -177,7 +188,10 @@ def _decode_image(url: str) -> Any:
     try:
         image = Image.open(io.BytesIO(_data_url_bytes(url)))
         image.load()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+    except UnidentifiedImageError:  # its message shows the in-memory file's repr, not the reason
+        raise UsageError("the image data could not be decoded: it is in no format Pillow reads (PNG, JPEG, WebP, "
+                         "GIF, ...)") from None
+    except (OSError, Image.DecompressionBombError) as exc:
         raise UsageError(f"the image data could not be decoded ({exc})") from None
     return image.convert("RGB")
 

@@ -1,16 +1,17 @@
 """Greedy and sampled generation on a loaded model with transformers' own cache (KDA recurrent state,
 MLA KV and DSA indexer state in one `DynamicCache`): one prefill forward, then one token per forward.
 
-Stops on the model's EOS ids, on stop strings (the text before the stop string is kept), or after
-`max_tokens`. Sampling (temperature, top-p) draws from a torch.Generator seeded per request, so a fixed
+Stops on the model's EOS ids, on stop strings (the text before the stop string is kept), after
+`max_tokens`, or when `should_stop` says so (finish reason "abort": a server shutting down).
+Sampling (temperature, top-p) draws from a torch.Generator seeded per request, so a fixed
 seed gives the same tokens on the same device.
 """
 
 from __future__ import annotations
 
-import secrets
-
 import inspect
+import secrets
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -57,8 +58,10 @@ class PromptInputs:
 class Generation:
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str  # "stop" (EOS id or stop string) | "length"
+    finish_reason: str  # "stop" (EOS id or stop string) | "length" | "abort"
     prompt_tokens: int
+    first_token_at: float | None = None  # time.perf_counter() when the first token was drawn
+    finished_at: float = 0.0  # time.perf_counter() at the end
 
     @property
     def completion_tokens(self) -> int:
@@ -67,8 +70,10 @@ class Generation:
 
 @torch.no_grad()
 def generate(model: nn.Module, prompt: PromptInputs, params: SamplingParams, decode: Decode,
-             on_text: Callable[[str], None] | None = None) -> Generation:
-    """Generate from `prompt`; `on_text` receives each final piece of text as soon as it is known."""
+             on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None
+             ) -> Generation:
+    """Generate from `prompt`; `on_text` receives each final piece of text as soon as it is known;
+    `should_stop` is asked before each decode step (True ends the generation with reason "abort")."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -76,11 +81,12 @@ def generate(model: nn.Module, prompt: PromptInputs, params: SamplingParams, dec
     cache_kw = {_cache_argument(model): cache, "use_cache": True}
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-    stream, tokens, reason = TextStream(decode, params.stop), [], "length"
+    stream, tokens, reason, first_token_at = TextStream(decode, params.stop), [], "length", None
     vision = {k: v.to(device) for k, v in prompt.vision.items()}
     logits = model(input_ids=prompt.input_ids.to(device), logits_to_keep=1, **vision, **cache_kw).logits[0, -1]
     while len(tokens) < params.max_tokens:
         token = next_token(finite_logits(logits, len(tokens)), params, gen)
+        first_token_at = first_token_at or time.perf_counter()
         if token in params.stop_token_ids:
             reason = "stop"
             break
@@ -90,9 +96,12 @@ def generate(model: nn.Module, prompt: PromptInputs, params: SamplingParams, dec
             reason = "stop"
             break
         if len(tokens) < params.max_tokens:
+            if should_stop is not None and should_stop():
+                reason = "abort"
+                break
             logits = model(input_ids=torch.tensor([[token]], device=device), **cache_kw).logits[0, -1]
     _emit(stream.finish(), on_text)
-    return Generation(tuple(tokens), stream.text, reason, prompt.num_tokens)
+    return Generation(tuple(tokens), stream.text, reason, prompt.num_tokens, first_token_at, time.perf_counter())
 
 
 def finite_logits(logits: torch.Tensor, generated: int) -> torch.Tensor:

@@ -55,6 +55,7 @@ def load_model(path: str | Path, options: RuntimeOptions = RuntimeOptions()) -> 
         raise ConfigError(f"{path}: the runtime serves glm5_next artifacts, not {artifact.spec.family}")
     if torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {options.device}: no CUDA device is visible here")
+    options = options.resolved_for(artifact.config)
     dtype = options.torch_dtype
     with _default_dtype(dtype), torch.device("meta"):
         model = _model_class(artifact)(hf_config(artifact, options.dtype))

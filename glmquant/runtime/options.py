@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from glmquant.errors import UsageError
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# vLLM's --dtype names; "auto" is the checkpoint's own 16-bit dtype (BF16 for a float32 config)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32,
+          "float": torch.float32}
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 @dataclass(frozen=True)
@@ -22,8 +27,8 @@ class RuntimeOptions:
     backend: str = "torch"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.expert_cache < 0:
             raise UsageError(f"--expert-cache must be >= 0, got {self.expert_cache}")
         try:
@@ -33,4 +38,17 @@ class RuntimeOptions:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise UsageError("dtype 'auto' names no torch dtype until resolved against a config (resolved_for)")
         return DTYPES[self.dtype]
+
+    def resolved_for(self, config: Mapping[str, Any]) -> RuntimeOptions:
+        """These options with "auto" replaced by the config's dtype (float16 stays, anything else is
+        bfloat16, as vLLM does) and aliases by their torch names (half -> float16, float -> float32)."""
+        if self.dtype != "auto":
+            name = str(DTYPES[self.dtype]).removeprefix("torch.")
+        else:
+            text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else {}
+            declared = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+            name = "float16" if declared == "float16" else "bfloat16"
+        return replace(self, dtype=name)

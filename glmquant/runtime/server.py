@@ -1,219 +1,377 @@
-"""OpenAI-compatible HTTP server on the standard library (`ThreadingHTTPServer`, HTTP/1.1 keep-alive).
+"""The OpenAI-compatible HTTP server: a FastAPI app on uvicorn in front of a ModelService.
 
-Endpoints: POST /v1/chat/completions (JSON, or server-sent events with `data: [DONE]` when `stream`),
-GET /v1/models, POST /tokenize, GET /health. Every request runs in its own thread; generation is queued
-by the ChatService. Any failure becomes an OpenAI-style JSON error and the server keeps serving.
+Routes: POST /v1/chat/completions and /v1/completions (JSON, or server-sent events ending in `data: [DONE]`
+when `stream`), GET /v1/models, POST /tokenize and /detokenize, GET /health, /version and /metrics
+(Prometheus). Every error is JSON `{"error": {...}}` with vLLM's statuses: 400 for any invalid or unsupported
+field (with `param`), 401 without the API key, 404 unknown model or route, 405 wrong method, 413 body too
+large, 503 while shutting down. Generation runs in worker threads; the event loop only moves bytes.
+
+Shutdown (Ctrl-C, or `RunningServer.stop`): stop accepting, end running generations at their next token
+(finish reason "abort"; a stream gets its final chunk and `[DONE]`), refuse queued requests (503, or a final
+"abort" chunk for a stream), then exit. The socket is bound before the model loads, so a busy port fails fast.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import logging
+import secrets
 import socket
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, fields
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from glmquant.runtime.glm_output import Delta
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import glmquant
+from glmquant.errors import UsageError
+from glmquant.runtime.generate import Generation
+from glmquant.runtime.glm_output import Delta, ParsedOutput
 from glmquant.runtime.openai_api import (
     ApiError,
-    chunk_body,
-    completion_body,
-    completion_id,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    UsageInfo,
+    chat_delta,
+    chat_response,
+    completion_response,
     finish_reason,
-    parse_chat_request,
-    tool_call_json,
-    usage,
+    request_id,
+    validation_error,
 )
 from glmquant.runtime.options import RuntimeOptions
-from glmquant.runtime.service import ChatService, ServiceOptions
+from glmquant.runtime.service import Job, ModelService, ServiceOptions
 
 log = logging.getLogger("glmquant.serve")
-MAX_REQUEST_BYTES = 64 << 20  # base64 images make bodies large; anything beyond is refused with 413
+MAX_REQUEST_BYTES = 64 << 20  # base64 images make bodies large; anything beyond is refused with 413 unread
+DONE = "data: [DONE]\n\n"
+_WORKERS: set[asyncio.Future[None]] = set()  # generations whose stream may have closed before they finished
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _Server
+def build_app(service: ModelService, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `service`; with `api_key`, /v1 routes need `Authorization: Bearer <key>`."""
+    app = FastAPI(title="glmquant", version=glmquant.__version__, docs_url=None, redoc_url=None)
+    app.add_middleware(_CountRequests, service=service)
+    app.add_middleware(_LimitBody, limit=MAX_REQUEST_BYTES)
 
-    def do_GET(self) -> None:  # noqa: N802  (http.server's naming)
-        self._route({"/health": lambda _: self.server.service.health(),
-                     "/v1/models": lambda _: self.server.service.models()}, read_body=False)
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), exc.status)
 
-    def do_POST(self) -> None:  # noqa: N802
-        self._route({"/v1/chat/completions": self._chat, "/tokenize": self.server.service.tokenize})
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        error = validation_error(exc.errors(), exc.body)
+        return JSONResponse(error.body(), error.status)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        log.info("%s %s", self.address_string(), format % args)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
+        return JSONResponse(ApiError(exc.status_code, message).body(), exc.status_code, headers=exc.headers)
 
-    def _route(self, routes: dict[str, Any], read_body: bool = True) -> None:
-        path = self.path.split("?", 1)[0]
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), 500)
+
+    def authorized(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if api_key is not None and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "Unauthorized: this server needs 'Authorization: Bearer <api key>'")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest) -> Response:
+        job = service.admit_chat(request)
+        rid = request_id("chatcmpl")
+        if request.stream:
+            return _sse(_chat_events(service, job, rid, request.include_usage))
+        generation, parsed = await _run(service, job)
+        return _json(chat_response(rid, service.model_name, generation, parsed))
+
+    @v1.post("/completions")
+    async def completions(request: CompletionRequest) -> Response:
+        job = service.admit_completion(request)
+        rid = request_id("cmpl")
+        if request.stream:
+            return _sse(_completion_events(service, job, rid, request.include_usage))
+        generation, _ = await _run(service, job)
+        return _json(completion_response(rid, service.model_name, generation))
+
+    @v1.get("/models")
+    async def models() -> Response:
+        return _json(service.models())
+
+    app.include_router(v1)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return _json(await run_in_threadpool(service.tokenize, request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return _json(DetokenizeResponse(prompt=service.detokenize(request)))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return service.health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": glmquant.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    return app
+
+
+def _json(body: BaseModel) -> JSONResponse:
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _event(body: BaseModel | dict[str, Any]) -> str:
+    data = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def _run(service: ModelService, job: Job) -> tuple[Generation, ParsedOutput]:
+    return await run_in_threadpool(service.run, job)
+
+
+async def _generation(service: ModelService, job: Job) -> AsyncIterator[Delta | tuple[Generation, ParsedOutput]]:
+    """The job's deltas as the worker thread produces them, then its result; closing the iterator early (the
+    client went away) cancels the generation at its next token."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Delta | tuple[Generation, ParsedOutput] | BaseException] = asyncio.Queue()
+
+    async def work() -> None:
         try:
-            body = self._json_body() if read_body else None
-            if path not in routes:
-                raise ApiError(404, f"no route {self.command} {path}", code="not_found")
-            result = routes[path](body)
-            if result is not None:
-                self._send_json(200, result)
-        except ApiError as exc:
-            self._send_json(exc.status, exc.body())
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-        except Exception as exc:  # noqa: BLE001  (a bug must cost one request, not the server)
-            log.exception("request failed")
-            self._send_json(500, ApiError(500, f"internal error: {exc}", type="server_error").body())
+            queue.put_nowait(await run_in_threadpool(service.run, job,
+                                                     lambda d: loop.call_soon_threadsafe(queue.put_nowait, d)))
+        except BaseException as exc:  # noqa: BLE001  (handed to the consumer, which raises it)
+            queue.put_nowait(exc)
 
-    def _json_body(self) -> Any:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self.close_connection = True
-            raise ApiError(411 if length is None else 400, "a Content-Length header is required")
-        if int(length) > MAX_REQUEST_BYTES:
-            self.close_connection = True  # the body is not read
-            raise ApiError(413, f"request body of {length} bytes exceeds {MAX_REQUEST_BYTES}", code="request_too_large")
-        raw = self.rfile.read(int(length))
+    worker = asyncio.ensure_future(work())
+    _WORKERS.add(worker)  # the loop keeps only weak references to tasks
+    worker.add_done_callback(_WORKERS.discard)
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if not isinstance(item, Delta):
+                return
+    finally:
+        job.cancelled.set()  # a no-op once finished; else the thread ends the generation at its next token
+
+
+async def _stream(service: ModelService, job: Job, on_delta: Callable[[Delta], str],
+                  final: Callable[[Generation | None, ParsedOutput | None], Iterator[str]]) -> AsyncIterator[str]:
+    """Server-sent events of one job: a chunk per delta, then `final`'s chunks and `[DONE]`. A job refused at
+    shutdown still ends cleanly (final chunks without a generation); any other failure is an error event."""
+    result: tuple[Generation | None, ParsedOutput | None] = (None, None)
+    try:
+        async for item in _generation(service, job):
+            if isinstance(item, Delta):
+                yield on_delta(item)
+            else:
+                result = item
+    except ApiError as exc:
+        if exc.status != 503:
+            yield _event(exc.body())
+            yield DONE
+            return
+    except Exception as exc:  # noqa: BLE001  (the response has started: errors travel as an event)
+        log.exception("streamed request failed")
+        yield _event(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body())
+        yield DONE
+        return
+    for chunk in final(*result):
+        yield chunk
+    yield DONE
+
+
+def _chat_events(service: ModelService, job: Job, rid: str, include_usage: bool) -> AsyncIterator[str]:
+    model, tool_calls = service.model_name, 0
+
+    def chunk(delta: ChatDelta, finish: str | None = None) -> str:
+        return _event(ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(delta=delta,
+                                                                                        finish_reason=finish)]))
+
+    def on_delta(delta: Delta) -> str:
+        nonlocal tool_calls
+        out = chunk(chat_delta(delta, tool_calls))
+        tool_calls += delta.tool_call is not None
+        return out
+
+    def final(generation: Generation | None, parsed: ParsedOutput | None) -> Iterator[str]:
+        yield chunk(ChatDelta(), finish_reason(generation, parsed.tool_calls) if generation and parsed else "abort")
+        if include_usage:
+            yield _event(ChatCompletionChunk(id=rid, model=model, choices=[],
+                                             usage=UsageInfo.of(generation, job.prompt_tokens)))
+
+    async def events() -> AsyncIterator[str]:
+        yield chunk(ChatDelta(role="assistant", content=""))
+        async for event in _stream(service, job, on_delta, final):
+            yield event
+
+    return events()
+
+
+def _completion_events(service: ModelService, job: Job, rid: str, include_usage: bool) -> AsyncIterator[str]:
+    model = service.model_name
+
+    def chunk(text: str, finish: str | None = None) -> str:
+        return _event(CompletionResponse(id=rid, model=model, choices=[CompletionChoice(text=text,
+                                                                                        finish_reason=finish)]))
+
+    def final(generation: Generation | None, _: ParsedOutput | None) -> Iterator[str]:
+        yield chunk("", generation.finish_reason if generation else "abort")
+        if include_usage:
+            yield _event(CompletionResponse(id=rid, model=model, choices=[],
+                                            usage=UsageInfo.of(generation, job.prompt_tokens)))
+
+    return _stream(service, job, lambda d: chunk(d.content), final)
+
+
+class _LimitBody:
+    """413 for a body over `limit` bytes: at once from Content-Length, else as soon as the count passes it."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"0").decode("latin-1")
+        if not length.isdigit() or int(length) > self.limit:
+            error = (ApiError(413, f"the request body of {int(length):,} bytes exceeds the server's limit of "
+                                   f"{self.limit:,} bytes") if length.isdigit()
+                     else ApiError(400, f"Content-Length {length!r} is not a number"))
+            await JSONResponse(error.body(), error.status, headers={"Connection": "close"})(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413, f"the request body exceeds the server's limit of {self.limit:,} bytes")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class _CountRequests:
+    """Counts every HTTP request by method, route and status for /metrics."""
+
+    def __init__(self, app: ASGIApp, service: ModelService) -> None:
+        self.app, self.metrics = app, service.metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def noted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-
-    def _chat(self, body: Any) -> dict[str, Any] | None:
-        service = self.server.service
-        request = parse_chat_request(body, service.model_id, service.defaults)
-        if not request.stream:
-            generation, parsed = service.complete(request)
-            return completion_body(completion_id(), service.model_id, generation, parsed)
-        _SseStream(self, service.model_id, request.include_usage).run(lambda on_delta: service.complete(request, on_delta))
-        return None
-
-    def _send_json(self, status: int, body: Any) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+            await self.app(scope, receive, noted)
+        finally:
+            route = scope.get("route")
+            self.metrics.http_request(scope["method"], getattr(route, "path", "unmatched"), status)
 
 
-class _SseStream:
-    """One streamed completion: headers are sent with the first event, so early errors stay plain JSON."""
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server that stops the service first, so open streams end with a final chunk before uvicorn
+    waits for their connections to close."""
 
-    def __init__(self, handler: _Handler, model_id: str, include_usage: bool) -> None:
-        self.handler, self.model_id, self.include_usage = handler, model_id, include_usage
-        self.cid, self.started, self.tool_calls = completion_id(), False, 0
-
-    def run(self, complete: Any) -> None:
-        try:
-            generation, parsed = complete(self.on_delta)
-        except (BrokenPipeError, ConnectionResetError):
-            raise
-        except Exception as exc:  # noqa: BLE001  (once streaming, errors travel as an event)
-            if not self.started:
-                raise
-            log.exception("streamed request failed")
-            error = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {exc}", type="server_error")
-            self.event(error.body())
-        else:
-            self.chunk({} if self.started else {"role": "assistant", "content": ""},
-                       finish_reason(generation, parsed.tool_calls))
-            if self.include_usage:
-                self.event(chunk_body(self.cid, self.model_id, None, usage_=usage(generation), include_usage=True))
-        self.write(b"data: [DONE]\n\n")
-        self.write(b"")
-
-    def on_delta(self, delta: Delta) -> None:
-        if not self.started:
-            self.chunk({"role": "assistant", "content": ""})
-        if delta.tool_call is not None:
-            self.chunk({"tool_calls": [tool_call_json(delta.tool_call, self.tool_calls)]})
-            self.tool_calls += 1
-        else:
-            self.chunk({"content": delta.content} if delta.content else {"reasoning_content": delta.reasoning})
-
-    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> None:
-        self.event(chunk_body(self.cid, self.model_id, delta, finish, include_usage=self.include_usage))
-
-    def event(self, body: dict[str, Any]) -> None:
-        self.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
-
-    def write(self, data: bytes) -> None:
-        """Send one HTTP chunk (an empty one ends the response)."""
-        h = self.handler
-        if not self.started:
-            self.started = True
-            h.send_response(HTTPStatus.OK)
-            h.send_header("Content-Type", "text/event-stream")
-            h.send_header("Cache-Control", "no-cache")
-            h.send_header("Transfer-Encoding", "chunked")
-            h.end_headers()
-        h.wfile.write(f"{len(data):X}\r\n".encode() + data + b"\r\n")
-        h.wfile.flush()
-
-
-class _Server(ThreadingHTTPServer):
-    """Handler threads are joined on close (not left as daemons: a daemon thread killed while the interpreter
-    shuts down can abort the process from inside native code); idle keep-alive connections are closed first."""
-
-    daemon_threads = False
-    block_on_close = True
-
-    def __init__(self, address: tuple[str, int], service: ChatService) -> None:
-        super().__init__(address, _Handler)
+    def __init__(self, config: uvicorn.Config, service: ModelService) -> None:
+        super().__init__(config)
         self.service = service
-        self._open: set[socket.socket] = set()
-        self._open_lock = threading.Lock()
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._open_lock:
-            self._open.add(request)
-        super().process_request(request, client_address)
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.service.stop()
+        await super().shutdown(sockets)
 
-    def shutdown_request(self, request: Any) -> None:
-        with self._open_lock:
-            self._open.discard(request)
-        super().shutdown_request(request)
 
-    def close_connections(self) -> None:
-        """Wake every handler blocked on a kept-alive connection so that close can join it."""
-        with self._open_lock:
-            for conn in self._open:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (0: any free port), or a UsageError saying why not."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host!r} is not an address this machine can listen on ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UsageError(f"{host}:{port}: address already in use (another process listens there; "
+                             "choose another --port)") from None
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
-    def server_close(self) -> None:
-        self.close_connections()
-        super().server_close()
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that hangs up is routine; anything else is logged with its traceback."""
-        log.debug("connection from %s ended with an error", client_address, exc_info=True)
+def _uvicorn(service: ModelService, api_key: str | None) -> _Uvicorn:
+    config = uvicorn.Config(build_app(service, api_key), log_config=None, timeout_keep_alive=30,
+                            h11_max_incomplete_event_size=1 << 20)
+    return _Uvicorn(config, service)
 
 
 @dataclass
 class RunningServer:
     """A server running in a background thread; use as a context manager or call `stop()`."""
 
-    server: _Server
+    server: _Uvicorn
     thread: threading.Thread
+    service: ModelService
+    address: tuple[str, int]
 
     @property
     def base_url(self) -> str:
-        host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}/v1"
-
-    @property
-    def service(self) -> ChatService:
-        return self.server.service
+        return _base_url(self.address)
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        """Shut down gracefully (as on Ctrl-C) and release the artifact's files."""
+        self.server.should_exit = True
         self.thread.join()
         self.service.loaded.close()
 
@@ -224,37 +382,51 @@ class RunningServer:
         self.stop()
 
 
-def build_server(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 0,
-                 runtime: RuntimeOptions = RuntimeOptions(), options: ServiceOptions = ServiceOptions()) -> _Server:
-    """Load the artifact and bind the socket (port 0: any free port); `serve_forever()` starts serving."""
-    return _Server((host, port), ChatService(artifact_dir, runtime, options))
-
-
 def run_server(artifact_dir: str | Path, host: str, port: int, runtime: RuntimeOptions, options: ServiceOptions,
-               on_ready: Callable[[str, ChatService], None] | None = None) -> None:
-    """Load, bind and serve until interrupted (Ctrl-C), then close the socket."""
-    server = build_server(artifact_dir, host, port, runtime, options)
-    if on_ready is not None:
-        on_ready(f"http://{server.server_address[0]}:{server.server_address[1]}/v1", server.service)
+               api_key: str | None = None, on_ready: Callable[[str, ModelService], None] | None = None) -> None:
+    """Bind (a busy port fails here, before the model loads), load, serve until Ctrl-C, shut down gracefully."""
+    sock = bind_socket(host, port)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
+        service = ModelService(artifact_dir, runtime, options)
+    except BaseException:
+        sock.close()
+        raise
+    if on_ready is not None:
+        on_ready(_base_url(sock.getsockname()[:2]), service)
+    try:
+        _uvicorn(service, api_key).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down
         pass
     finally:
-        server.server_close()
+        service.loaded.close()
 
 
-def serve_in_background(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 0, **options: Any) -> RunningServer:
+def serve_in_background(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                        **options: Any) -> RunningServer:
     """Start a server thread. `options` are fields of RuntimeOptions (device, dtype, expert_cache, backend)
-    or ServiceOptions (model_id, concurrency, max_context, default_max_tokens)."""
+    or ServiceOptions (served_model_name, max_num_seqs, max_model_len)."""
     runtime_keys = {f.name for f in fields(RuntimeOptions)}
     service_keys = {f.name for f in fields(ServiceOptions)}
     unknown = set(options) - runtime_keys - service_keys
     if unknown:
         raise TypeError(f"unknown server option(s): {sorted(unknown)}")
-    server = build_server(artifact_dir, host, port,
-                          RuntimeOptions(**{k: v for k, v in options.items() if k in runtime_keys}),
-                          ServiceOptions(**{k: v for k, v in options.items() if k in service_keys}))
-    thread = threading.Thread(target=server.serve_forever, name="glmquant-serve", daemon=True)
+    sock = bind_socket(host, port)
+    service = ModelService(artifact_dir, RuntimeOptions(**{k: v for k, v in options.items() if k in runtime_keys}),
+                           ServiceOptions(**{k: v for k, v in options.items() if k in service_keys}))
+    server = _uvicorn(service, api_key)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="glmquant-serve", daemon=True)
     thread.start()
-    return RunningServer(server, thread)
+    deadline = time.monotonic() + 60
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not server.started:
+        server.should_exit = True
+        thread.join(5)
+        service.loaded.close()
+        raise RuntimeError("the server thread did not start")
+    return RunningServer(server, thread, service, sock.getsockname()[:2])
+
+
+def _base_url(address: tuple[str, int]) -> str:
+    return f"http://{address[0]}:{address[1]}/v1"
+

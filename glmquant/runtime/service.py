@@ -1,7 +1,9 @@
-"""ChatService: one loaded artifact answering chat completions, independent of HTTP.
+"""ModelService: one loaded artifact answering chat and text completions, independent of HTTP.
 
-Requests render their prompt concurrently, then wait for one of `concurrency` generation slots (a FIFO-ish
-queue: threads blocked on a semaphore); each slot runs one sequence with its own cache.
+A request is admitted first (model name, supported parameters, prompt size, context length: every refusal
+before any generation), then waits for one of `max_num_seqs` generation slots in arrival order; each slot
+runs one sequence with its own cache. `stop()` ends running generations (finish reason "abort") and refuses
+the waiting ones, so a server shutting down answers everything it accepted.
 """
 
 from __future__ import annotations
@@ -11,38 +13,118 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from glmquant.checkpoint.manifest import MANIFEST_NAME
+from glmquant.checkpoint.model_card import artifact_model_name
 from glmquant.errors import UsageError
 from glmquant.runtime.chat import ChatFormat, RenderedPrompt
-from glmquant.runtime.generate import Generation, SamplingParams, generate, stop_token_ids
+from glmquant.runtime.generate import Generation, PromptInputs, SamplingParams, generate, stop_token_ids
 from glmquant.runtime.glm_output import Delta, GlmOutputParser, ParsedOutput, collect
 from glmquant.runtime.loader import load_model
-from glmquant.runtime.openai_api import ApiError, ChatRequest
+from glmquant.runtime.metrics import ServerMetrics
+from glmquant.runtime.openai_api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.text_stream import Decode
 
 log = logging.getLogger("glmquant.serve")
 
 
 @dataclass(frozen=True)
 class ServiceOptions:
-    """`model_id` defaults to the artifact directory's name, `max_context` to max_position_embeddings."""
+    """vLLM's names: `served_model_name` defaults to the artifact's model name, `max_model_len` (prompt +
+    completion tokens) to the config's max_position_embeddings, `max_num_seqs` is sequences generated at once."""
 
-    model_id: str | None = None
-    concurrency: int = 1
-    max_context: int | None = None
-    default_max_tokens: int = 4096  # completion budget when a request names none (the context may cap it)
+    served_model_name: str | None = None
+    max_num_seqs: int = 1
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1:
-            raise UsageError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if self.max_num_seqs < 1:
+            raise UsageError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise UsageError(f"--max-model-len must be >= 2, got {self.max_model_len}")
 
 
-class ChatService:
-    """The model, its chat format and the generation queue."""
+@dataclass
+class Job:
+    """One admitted request: its prompt, sampling, how its tokens become text and how that text is read."""
+
+    inputs: PromptInputs
+    sampling: SamplingParams
+    decode: Decode
+    parser: GlmOutputParser | None  # None: the text as generated (/v1/completions)
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)  # the client went away
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.inputs.num_tokens
+
+
+class Slots:
+    """`size` generation slots handed out in arrival order; once closed, waiting requests are refused (503)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free = size
+        self._line: deque[object] = deque()
+        self._changed = threading.Condition()
+        self.closed = False
+        self.served = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._line)
+
+    @property
+    def running(self) -> int:
+        return self.size - self._free
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        me = object()
+        with self._changed:
+            self._line.append(me)
+            self._changed.wait_for(lambda: self.closed or (self._free > 0 and self._line[0] is me))
+            self._line.remove(me)
+            self._changed.notify_all()
+            if self.closed:
+                raise ApiError(503, "the server is shutting down; this request was not started")
+            self._free -= 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._free += 1
+                self.served += 1
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            self.closed = True
+            self._changed.notify_all()
+
+
+class ModelService:
+    """The model, its chat format, the generation slots and the metrics."""
 
     def __init__(self, artifact_dir: str | Path, runtime: RuntimeOptions = RuntimeOptions(),
                  options: ServiceOptions = ServiceOptions()) -> None:
@@ -50,94 +132,173 @@ class ChatService:
         self.loaded = load_model(path, runtime)
         spec = self.loaded.artifact.spec
         self.chat = ChatFormat(path, has_vision=spec.vision is not None)
-        self.model_id = options.model_id or path.resolve().name
-        self.max_context = options.max_context or int(spec.text.get("max_position_embeddings") or 4096)
-        self.defaults = _defaults(path, spec.text, options.default_max_tokens)
-        self._slots = threading.BoundedSemaphore(options.concurrency)
-        self._lock = threading.Lock()
-        self._served = self._waiting = 0
+        self.model_name = options.served_model_name or served_model_name(path)
+        limit = int(spec.text.get("max_position_embeddings") or 4096)
+        if options.max_model_len is not None and options.max_model_len > limit:
+            raise UsageError(f"--max-model-len {options.max_model_len} exceeds the model's context of {limit} tokens "
+                             "(max_position_embeddings)")
+        self.max_model_len = options.max_model_len or limit
+        self.defaults = _defaults(path, spec.text, self.max_model_len)
+        self.slots = Slots(options.max_num_seqs)
+        self.metrics = ServerMetrics(self.model_name)
+        self.metrics.track_queue(lambda: self.slots.running, lambda: self.slots.waiting)
 
-    def complete(self, request: ChatRequest, on_delta: Callable[[Delta], None] | None = None
-                 ) -> tuple[Generation, ParsedOutput]:
-        """Run one chat completion; `on_delta` sees reasoning, content and tool calls as they appear."""
-        prompt = self.render(request.messages, request.tools, request.template_kwargs)
-        room = self.max_context - prompt.inputs.num_tokens
-        if room < 1:
-            raise ApiError(400, f"the prompt has {prompt.inputs.num_tokens} tokens but the context holds "
-                                f"{self.max_context}", "messages", "context_length_exceeded")
-        sampling = replace(request.sampling, max_tokens=min(request.sampling.max_tokens, room))
-        parser, deltas = GlmOutputParser(request.tools, prompt.starts_in_reasoning), []
+    def admit_chat(self, request: ChatCompletionRequest) -> Job:
+        """Check and render a chat request; ApiError for anything that cannot run as asked."""
+        self._check(request)
+        self._bound_text(sum(m.text_bytes() for m in request.messages), "messages")
+        tools = request.active_tools
+        prompt = self._render([m.template_form() for m in request.messages], tools, request.chat_template_kwargs)
+        decode = partial(self.chat.decode, skip_special_tokens=request.skip_special_tokens, keep_markup=True)
+        return Job(prompt.inputs, self._sampling(request, request.budget, prompt.inputs.num_tokens), decode,
+                   GlmOutputParser(tools, prompt.starts_in_reasoning))
 
-        def on_text(text: str) -> None:
-            for delta in parser.feed(text):
+    def admit_completion(self, request: CompletionRequest) -> Job:
+        """Check and tokenize a text completion request (a prompt string or token ids)."""
+        self._check(request)
+        prompt = request.single_prompt
+        if isinstance(prompt, str):
+            self._bound_text(len(prompt.encode()), "prompt")
+            ids = self.chat.tokenizer(prompt, add_special_tokens=request.add_special_tokens)["input_ids"]
+        else:
+            ids = self._known_ids(prompt, "prompt")
+        inputs = PromptInputs(_as_batch(ids))
+        decode = partial(self.chat.decode, skip_special_tokens=request.skip_special_tokens)
+        return Job(inputs, self._sampling(request, request.max_tokens, inputs.num_tokens), decode, None)
+
+    def run(self, job: Job, on_delta: Callable[[Delta], None] | None = None) -> tuple[Generation, ParsedOutput]:
+        """Wait for a slot and generate (blocking); `on_delta` sees reasoning, content and tool calls as they
+        appear. ApiError 503 when the service stops before the job started."""
+        deltas: list[Delta] = []
+
+        def emit(found: Sequence[Delta]) -> None:
+            for delta in found:
                 deltas.append(delta)
                 if on_delta is not None:
                     on_delta(delta)
 
-        with self._queued():
-            start = time.perf_counter()
-            generation = generate(self.loaded.model, prompt.inputs, sampling, self.chat.decode, on_text)
-            seconds = time.perf_counter() - start
-        log.info("completion: %d prompt + %d generated tokens in %.2f s (%s), expert cache hit rate %.1f%%",
-                 generation.prompt_tokens, generation.completion_tokens, seconds, generation.finish_reason,
-                 100 * self.loaded.backend.stats().hit_rate)
-        for delta in parser.finish():
-            deltas.append(delta)
-            if on_delta is not None:
-                on_delta(delta)
+        def on_text(text: str) -> None:
+            emit(job.parser.feed(text) if job.parser is not None else [Delta(content=text)])
+
+        with self.slots.slot():
+            generation = generate(self.loaded.model, job.inputs, job.sampling, job.decode, on_text,
+                                  lambda: job.cancelled.is_set() or self.slots.closed)
+        if job.parser is not None:
+            emit(job.parser.finish())
+        self.metrics.generation(job.arrived, generation)
+        log.info("generation: %d prompt + %d generated tokens in %.2f s (%s), expert cache hit rate %.1f%%",
+                 generation.prompt_tokens, generation.completion_tokens, generation.finished_at - job.arrived,
+                 generation.finish_reason, 100 * self.loaded.backend.stats().hit_rate)
         return generation, collect(deltas)
 
-    def render(self, messages: Any, tools: Any = (), template_kwargs: Mapping[str, Any] | None = None) -> RenderedPrompt:
+    def stop(self) -> None:
+        """End running generations at their next token and refuse the waiting ones (server shutdown)."""
+        self.slots.close()
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: a `prompt` string as it is, or `messages` through the chat template."""
+        self._check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise ApiError(400, "/tokenize needs exactly one of 'prompt' (a string) or 'messages' (a list)", "prompt")
+        if request.prompt is not None:
+            self._bound_text(len(request.prompt.encode()), "prompt")
+            ids = self.chat.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens)["input_ids"]
+        else:
+            messages = request.messages or []
+            self._bound_text(sum(m.text_bytes() for m in messages), "messages")
+            tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
+            prompt = self._render([m.template_form() for m in messages], tools, request.chat_template_kwargs)
+            ids = prompt.inputs.input_ids[0].tolist()
+        strs = self.chat.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, request: DetokenizeRequest) -> str:
+        self._check_model(request.model)
+        return self.chat.decode(self._known_ids(request.tokens, "tokens"))
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+
+    def health(self) -> dict[str, Any]:
+        stats = self.loaded.backend.stats()
+        return {"status": "ok", "model": self.model_name, "layout": self.loaded.artifact.layout,
+                "requests_served": self.slots.served, "requests_running": self.slots.running,
+                "requests_waiting": self.slots.waiting,
+                "expert_cache": {"capacity": stats.capacity, "resident": stats.resident, "hits": stats.hits,
+                                 "misses": stats.misses, "hit_rate": round(stats.hit_rate, 4)}}
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                template_kwargs: Mapping[str, Any] | None) -> RenderedPrompt:
         try:
             return self.chat.render(messages, tools, template_kwargs)
         except UsageError as exc:
             raise ApiError(400, str(exc), "messages") from None
 
-    def tokenize(self, body: Any) -> dict[str, Any]:
-        """vLLM's /tokenize: a `prompt` string as is, or `messages` through the chat template."""
-        if isinstance(body, dict) and isinstance(body.get("prompt"), str):
-            ids = self.chat.tokenizer(body["prompt"], add_special_tokens=False)["input_ids"]
-        elif isinstance(body, dict) and isinstance(body.get("messages"), list):
-            prompt = self.render(body["messages"], body.get("tools") or (), body.get("chat_template_kwargs"))
-            ids = prompt.inputs.input_ids[0].tolist()
-        else:
-            raise ApiError(422, "/tokenize needs 'prompt' (a string) or 'messages' (a list)")
-        return {"count": len(ids), "max_model_len": self.max_context, "tokens": ids}
+    def _check(self, request: SamplingFields) -> None:
+        self._check_model(request.model)
+        request.refuse_unsupported()
+        if self.slots.closed:
+            raise ApiError(503, "the server is shutting down")
 
-    def models(self) -> dict[str, Any]:
-        entry = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "glmquant",
-                 "max_model_len": self.max_context}
-        return {"object": "list", "data": [entry]}
+    def _check_model(self, name: str | None) -> None:
+        if name not in (None, self.model_name):
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.", "model")
 
-    def health(self) -> dict[str, Any]:
-        stats = self.loaded.backend.stats()
-        with self._lock:
-            counts = {"requests_served": self._served, "requests_waiting": self._waiting}
-        return {"status": "ok", "model": self.model_id, "layout": self.loaded.artifact.layout, **counts,
-                "expert_cache": {"capacity": stats.capacity, "resident": stats.resident, "hits": stats.hits,
-                                 "misses": stats.misses, "hit_rate": round(stats.hit_rate, 4)}}
+    def _bound_text(self, text_bytes: int, param: str) -> None:
+        """Refuse, before tokenizing, text too long for the context whatever its tokens: no token stands for
+        more than `max_token_bytes` bytes, so this text is at least text_bytes / max_token_bytes tokens."""
+        if text_bytes > self.max_model_len * self.chat.max_token_bytes:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"your request has {text_bytes:,} bytes of text, more than {self.max_model_len} "
+                                f"tokens of this tokenizer can hold. Please reduce the length of the input.", param)
 
-    @contextlib.contextmanager
-    def _queued(self) -> Iterator[None]:
-        """Wait for a generation slot, counting the requests waiting for one."""
-        with self._lock:
-            self._waiting += 1
-        self._slots.acquire()
-        with self._lock:
-            self._waiting -= 1
-        try:
-            yield
-        finally:
-            self._slots.release()
-            with self._lock:
-                self._served += 1
+    def _known_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        vocab = len(self.chat.tokenizer)
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad or not ids:
+            raise ApiError(400, f"{param} must be a non-empty list of token ids in [0, {vocab}); got {bad[:5]}", param)
+        return list(ids)
+
+    def _sampling(self, request: SamplingFields, asked: int | None, prompt_tokens: int) -> SamplingParams:
+        """vLLM's length rules: the prompt leaves room for a token, `asked` fits beside the prompt, and with
+        no `asked` the budget is what the context leaves (capped by generation_config's max_new_tokens)."""
+        room = self.max_model_len - prompt_tokens
+        if room < 1:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                                f"request has {prompt_tokens} input tokens. Please reduce the length of the input "
+                                "messages.", "input_tokens")
+        if asked is not None and asked > room:
+            raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum "
+                                f"context length is {self.max_model_len} tokens and your request has {prompt_tokens} "
+                                f"input tokens ({asked} > {self.max_model_len} - {prompt_tokens}).", "max_tokens")
+        d = self.defaults
+        return SamplingParams(
+            max_tokens=asked or min(room, d.max_tokens),
+            temperature=d.temperature if request.temperature is None else request.temperature,
+            top_p=d.top_p if request.top_p is None else request.top_p,
+            seed=request.seed, stop=request.stop_strings, stop_token_ids=d.stop_token_ids)
 
 
-def _defaults(path: Path, text_config: Mapping[str, Any], max_tokens: int) -> SamplingParams:
-    """Sampling defaults from generation_config.json (greedy unless it asks to sample); EOS ids from both."""
+def served_model_name(artifact_dir: Path) -> str:
+    """The name an artifact is served under: its manifest's model name, else its directory's name (a Hugging
+    Face cache snapshot directory is named by its commit, which is why the manifest comes first)."""
+    try:
+        return artifact_model_name(json.loads((artifact_dir / MANIFEST_NAME).read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return artifact_dir.resolve().name
+
+
+def _as_batch(ids: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([list(ids)], dtype=torch.long)
+
+
+def _defaults(path: Path, text_config: Mapping[str, Any], max_model_len: int) -> SamplingParams:
+    """Sampling defaults from generation_config.json (greedy unless it asks to sample; max_new_tokens caps a
+    request that names no budget); EOS ids from both configs."""
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     eos = set(stop_token_ids(text_config.get("eos_token_id"))) | set(stop_token_ids(gen.get("eos_token_id")))
     sample = bool(gen.get("do_sample"))
-    return SamplingParams(max_tokens=max_tokens, temperature=float(gen.get("temperature", 1.0)) if sample else 0.0,
+    return SamplingParams(max_tokens=int(gen.get("max_new_tokens") or max_model_len),
+                          temperature=float(gen.get("temperature", 1.0)) if sample else 0.0,
                           top_p=float(gen.get("top_p", 1.0)) if sample else 1.0, stop_token_ids=tuple(sorted(eos)))

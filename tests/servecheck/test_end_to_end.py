@@ -21,6 +21,7 @@ pytest.importorskip("glmquant.runtime.server", reason="the runtime's embedded se
                                                       "is not importable here")
 
 from glmquant.cli import app
+from glmquant.runtime.service import served_model_name
 from glmquant.servecheck import ServeCheckConfig, ServeCheckReport, serve_check
 from glmquant.servecheck.tokens import PromptTokenizer
 
@@ -82,7 +83,7 @@ def test_speed_cells_pass_and_gates_a_random_model_cannot_answer_fail(embedded_r
 def test_report_files_hold_every_response(embedded_report: ServeCheckReport, artifact: Path) -> None:
     out = Path(embedded_report.settings["out"])
     data = json.loads((out / "serve-check.json").read_text())
-    assert data["passed"] is False and data["model"] == artifact.name
+    assert data["passed"] is False and data["model"] == served_model_name(artifact)  # the artifact's own name
     assert [g["name"] for g in data["gates"]] == ["text", "tools", "multilingual", "images", "needle", "speed"]
     speed = data["gates"][5]["cases"][0]
     assert len(speed["responses"]) == 2 and all(r["usage"]["prompt_tokens"] > 0 for r in speed["responses"])
@@ -118,7 +119,7 @@ def test_glmquant_serve_as_an_external_endpoint(glmquant_serve: str, artifact: P
         "--gates", "speed,multilingual", "--speed-inputs", "300", "--max-tokens", "4", "--seed", "2"])
     assert result.exit_code == 1, result.output  # multilingual cannot pass on a random model
     data = json.loads((tmp_path / "serve-check.json").read_text())
-    assert data["target"] == glmquant_serve and data["model"] == artifact.name
+    assert data["target"] == glmquant_serve and data["model"] == served_model_name(artifact)
     assert [g["passed"] for g in data["gates"]] == [False, True]
     assert all(c["responses"][0]["usage"]["completion_tokens"] <= 4 for c in data["gates"][0]["cases"])
 
