@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, ParamSpec, TypeVar
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
@@ -21,6 +23,12 @@ R = TypeVar("R")
 
 ExistingPath = Annotated[Path, typer.Argument(exists=True, help="an existing file or directory")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="print machine-readable JSON instead of tables")]
+
+
+def print_json(data: Any) -> None:
+    """JSON on stdout as plain text: rich's highlighter takes minutes on a plan's 583,090 tensor entries."""
+    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
 
 
 def guarded(fn: Callable[P, R]) -> Callable[P, R]:

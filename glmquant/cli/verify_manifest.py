@@ -5,7 +5,6 @@ Exit 0 when every check holds, 1 when the artifact fails, 2 for usage errors or 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,7 +12,7 @@ import typer
 from rich.table import Table
 
 from glmquant.checkpoint.verify import VerifyReport, verify_artifact, verify_manifest_only
-from glmquant.cli.common import JsonFlag, guarded, out
+from glmquant.cli.common import JsonFlag, guarded, out, print_json
 
 
 def register(app: typer.Typer) -> None:
@@ -34,7 +33,7 @@ def verify_manifest(
     else:
         report = verify_artifact(artifact, expect_sha256, fast=fast, show_progress=not as_json)
     if as_json:
-        out.print_json(json.dumps(report.to_json()))
+        print_json(report.to_json())
     else:
         _render(report)
     raise typer.Exit(0 if report.ok else 1)
