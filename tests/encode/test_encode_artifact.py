@@ -98,9 +98,7 @@ def test_retained_bytes_identical_and_plan_exact(tr3_artifact: Path, small_sourc
 def test_manifest_verifies(tr3_artifact: Path) -> None:
     report = verify_artifact(tr3_artifact, fast=False, show_progress=False)
     assert report.ok, report.failure_summary()
-    card = (tr3_artifact / "MODEL_CARD.md").read_text()
-    sha = hashlib.sha256((tr3_artifact / "EXL3_MANIFEST.json").read_bytes()).hexdigest()
-    assert sha in card
+    assert not any(c.warning for c in report.checks)  # every file the encoder wrote is listed
 
 
 def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source: Path, small_observations: Path,
