@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from glmquant.arch import classify, load_model_spec
@@ -17,15 +18,15 @@ from glmquant.checkpoint.artifact_writer import (
 from glmquant.checkpoint.layouts import ArtifactPlan, PlannedFile, plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.verify import VerifyReport, verify_artifact
-from glmquant.checkpoint.writer import atomic_write_text
+from glmquant.checkpoint.writer import atomic_write_text, remove_temp_files
 from glmquant.encode.config import EncodeConfig
 from glmquant.encode.hessians import HessianSource
 from glmquant.encode.layer import encode_layer, layer_slices
 from glmquant.encode.provenance import build_provenance, job_inputs
 from glmquant.encode.pruning import resolve_keep
 from glmquant.encode.state import EncodeState
-from glmquant.encode.summary import LayerSummary, summarize_layer
-from glmquant.errors import CheckpointFormatError
+from glmquant.encode.summary import LayerSummary, fallback_warnings, summarize_layer
+from glmquant.errors import CheckpointFormatError, NumericalError
 
 SUMMARY_NAME = "encode-summary.json"
 
@@ -47,12 +48,17 @@ def encode_artifact(cfg: EncodeConfig, console: Console) -> EncodeResult:
                              {n: source.shard_of(n) for n in source.names()}, keep)
         state = EncodeState.load_or_new(cfg.state_dir, cfg.fingerprint(job_inputs(cfg, source, keep)))
         cfg.out.mkdir(parents=True, exist_ok=True)
+        if cfg.uncalibrated:
+            console.print("[yellow]warning:[/] --uncalibrated: every tensor is encoded without calibration "
+                          "(identity Hessians)", highlight=False)
+        for directory in (cfg.out, cfg.state_dir):  # what a killed run was writing (kill -9 runs no cleanup)
+            remove_temp_files(directory)
         _encode_layers(cfg, plan, source, state, console)
         if not state.retained_done or not _files_present(cfg.out, _retained_files(plan)):
             console.print("copying retained tensors byte-for-byte")
             write_retained_shards(plan, source, cfg.out)
             state.finish_retained()
-        result = finalize_artifact(plan, source, cfg.out, build_provenance(cfg, source, keep))
+        result = finalize_artifact(plan, source, cfg.out, build_provenance(cfg, source, keep), cfg.verified_at)
     report = None
     if cfg.verify:
         report = verify_artifact(cfg.out, expect_sha256=result.manifest_sha256, fast=False)
@@ -92,8 +98,13 @@ def _encode_layers(cfg: EncodeConfig, plan: ArtifactPlan, source: SourceCheckpoi
                 rate = bar.tasks[overall].completed / max(time.monotonic() - started, 1e-9)
                 bar.update(overall, rate=f"{rate:.1f} tensors/s")
 
-            encoded = encode_layer(plan, layer, source, hessians.layer(layer), cfg.seed, cfg.device,
-                                   cfg.batch_tensors, advance)
+            try:
+                encoded = encode_layer(plan, layer, source, hessians.layer(layer), cfg.seed, cfg.device,
+                                       cfg.batch_tensors, advance)
+            except NumericalError as exc:
+                raise NumericalError(f"layer {layer}: {exc} (layers before it are kept; rerun to resume)") from None
+            for line in fallback_warnings(encoded.reports):
+                console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
             pending.update(encoded.tensors)
             done_now = done | {layer}
             bytes_written = 0
