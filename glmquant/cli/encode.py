@@ -21,6 +21,7 @@ def encode(
     source: Annotated[Path, typer.Argument(help="BF16 source checkpoint directory")],
     out_dir: Annotated[Path, typer.Option("--out", help="artifact directory to write")],
     observations: Annotated[Optional[Path], typer.Option(help="output directory of `glmquant observe`")] = None,
+    uncalibrated: Annotated[bool, typer.Option(help="encode without observations (identity Hessians)")] = False,
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
@@ -33,8 +34,9 @@ def encode(
     source_repo: Annotated[Optional[str], typer.Option(help="source repo id recorded in the provenance")] = None,
 ) -> None:
     """EXL3-encode the routed experts, copy everything else byte-for-byte, write and verify the artifact."""
-    cfg = EncodeConfig(source=source, out=out_dir, observations=observations, bits=bits, codebook=codebook,
-                       layout=layout, hessians=hessians, keep=keep, prune_plan=prune_plan, device=device,
+    cfg = EncodeConfig(source=source, out=out_dir, observations=observations, uncalibrated=uncalibrated, bits=bits,
+                       codebook=codebook, layout=layout, hessians=hessians, keep=keep, prune_plan=prune_plan,
+                       device=device,
                        work_dir=work_dir, seed=seed, source_repo=source_repo)
     result = encode_artifact(cfg, console)
     out.print(summary_table(result.layers))
