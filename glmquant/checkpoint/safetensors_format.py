@@ -70,7 +70,8 @@ def data_order(specs: Sequence[TensorLike]) -> list[TensorLike]:
     return sorted(specs, key=lambda s: (-DTYPE_RANK[s.dtype], s.name))
 
 
-def _header_json(specs: Sequence[TensorLike], metadata: Mapping[str, str] | None) -> tuple[bytes, list[TensorLike], list[int]]:
+def _header_json(specs: Sequence[TensorLike], metadata: Mapping[str, str] | None,
+                 ) -> tuple[bytes, list[TensorLike], list[int]]:
     """The padded header JSON, the tensors in data order and the end offset of each.
 
     The text is what json.dumps(header, separators=(",", ":"), ensure_ascii=False) gives, written entry by
@@ -89,7 +90,8 @@ def _header_json(specs: Sequence[TensorLike], metadata: Mapping[str, str] | None
     return blob + b" " * (-len(blob) % 8), ordered, ends
 
 
-def build_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[PlacedTensor]]:
+def build_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None,
+                 ) -> tuple[bytes, list[PlacedTensor]]:
     """The exact file prefix (length + padded JSON) and where each tensor's bytes go."""
     blob, ordered, ends = _header_json(specs, metadata)
     placed = [PlacedTensor(TensorSpec(s.name, s.dtype, s.shape), end - s.nbytes, end) for s, end in zip(ordered, ends)]

@@ -180,15 +180,16 @@ def _unlisted_check(state: ArtifactState, strict: bool) -> CheckResult:
     repository's own files are noted, anything else fails with `strict` and is a warning without."""
     listed = {PurePosixPath(e["path"]) for e in state.weight_entries + state.metadata_entries}
     listed.add(PurePosixPath(MANIFEST_NAME))
-    found = sorted(p.relative_to(state.root).as_posix() for p in state.root.rglob("*")
-                   if (p.is_file() or p.is_symlink()) and PurePosixPath(p.relative_to(state.root).as_posix()) not in listed)
+    every = (p.relative_to(state.root).as_posix() for p in state.root.rglob("*") if p.is_file() or p.is_symlink())
+    found = sorted(name for name in every if PurePosixPath(name) not in listed)
     failures, unvouched, expected = [], [], []
     for name in found:
         base = PurePosixPath(name).name
         if base.endswith(WEIGHT_SUFFIXES):
             failures.append(f"{name}: weight file not listed in the manifest")
         elif is_temp_file(base):
-            failures.append(f"{name}: temporary file of an interrupted write (rerun the job that wrote it, or delete it)")
+            failures.append(f"{name}: temporary file of an interrupted write (rerun the job that wrote it, "
+                            "or delete it)")
         elif name in EXPECTED_UNLISTED:
             expected.append(f"{name} ({EXPECTED_UNLISTED[name]})")
         elif name.startswith(HUB_CACHE):

@@ -15,8 +15,19 @@ from rich.markup import escape
 
 from glmquant.errors import GlmquantError
 
-console = Console(stderr=True)
-out = Console()
+UNWRAPPED_WIDTH = 100_000  # outside a terminal: lines as long as they are
+
+
+def _console(stderr: bool = False) -> Console:
+    """A terminal keeps its width; logs, CI and pipes get whole lines (rich would cut them at 80 columns)."""
+    made = Console(stderr=stderr)
+    if not made.is_terminal:
+        made.width = UNWRAPPED_WIDTH
+    return made
+
+
+console = _console(stderr=True)
+out = _console()
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from glmquant.errors import UsageError
+from glmquant.errors import MissingDependencyError, UsageError
 from glmquant.runtime.chat import ChatFormat, RenderedPrompt
 from glmquant.runtime.generate import Generation, SamplingParams, generate, stop_token_ids
 from glmquant.runtime.glm_output import Delta, GlmOutputParser, ParsedOutput, collect
@@ -90,6 +90,8 @@ class ChatService:
     def render(self, messages: Any, tools: Any = (), template_kwargs: Mapping[str, Any] | None = None) -> RenderedPrompt:
         try:
             return self.chat.render(messages, tools, template_kwargs)
+        except MissingDependencyError as exc:  # the server lacks a package: its gap, not a bad request
+            raise ApiError(501, str(exc), "messages", type="server_error") from None
         except UsageError as exc:
             raise ApiError(400, str(exc), "messages") from None
 

@@ -209,9 +209,10 @@ def test_manifest_only(tr3_artifact, tmp_path: Path) -> None:
 
 
 # The top-level fields of the published 2.0 bpw tr3 release's EXL3_MANIFEST.json, and of its layout block.
-RELEASE_PROVENANCE_HASHES = ("k3_source_audit_manifest_sha256", "k4_audit_manifest_sha256", "k4_encoded_status_sha256",
-                             "selection_audit_manifest_sha256", "selection_manifest_sha256", "tail_encoded_status_sha256",
-                             "tail_source_audit_manifest_sha256", "tier_bitmap_sha256")
+RELEASE_PROVENANCE_HASHES = (
+    "k3_source_audit_manifest_sha256", "k4_audit_manifest_sha256", "k4_encoded_status_sha256",
+    "selection_audit_manifest_sha256", "selection_manifest_sha256", "tail_encoded_status_sha256",
+    "tail_source_audit_manifest_sha256", "tier_bitmap_sha256")
 RELEASE_FIELDS = ("calibration", "effective_routed_tier_bpw", "files", "indexed_tensor_count", "layout", "method",
                   "physical_tensor_bytes", "retained_manifest_sha256", "retained_tensor_bytes", "runtime",
                   "schema_version", "source", "state", "structurally_verified_at", "target_bpw",

@@ -7,6 +7,7 @@ lm_head (the whole forward still runs; only the logits are replaced)."""
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import threading
 from collections.abc import Iterator
@@ -156,6 +157,16 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client, scrip
     got, error = _post(server, "/v1/chat/completions", body)
     assert got == status and fragment in error["error"]["message"]
     assert set(error["error"]) == {"message", "type", "param", "code"}
+    script.say("still here")
+    assert client.chat.completions.create(model="tiny", messages=HELLO).choices[0].message.content == "still here"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision present: video works")
+def test_video_without_the_server_package_is_a_5xx(server, client, script):
+    """A package the server lacks is the server's gap (501), not a bad request (4xx)."""
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    got, error = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [video]}]})
+    assert got == 501 and "torchvision" in error["error"]["message"] and error["error"]["type"] == "server_error"
     script.say("still here")
     assert client.chat.completions.create(model="tiny", messages=HELLO).choices[0].message.content == "still here"
 
