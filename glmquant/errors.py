@@ -32,5 +32,9 @@ class CheckpointFormatError(GlmquantError):
     """A safetensors file or index that is corrupt, truncated or inconsistent."""
 
 
+class MissingDependencyError(GlmquantError):
+    """A feature needs an optional package that is not installed (a gap of this installation, not of the input)."""
+
+
 class NumericalError(GlmquantError):
     """NaN/Inf weights or activations, or a linear-algebra failure that no fallback could absorb."""

@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from glmquant.arch import ModelSpec, TensorRole
+from glmquant.arch import ModelSpec, TensorRole, table_for
 from glmquant.checkpoint.layouts import ArtifactPlan, OutputTensor
 from glmquant.checkpoint.index import read_index
 
@@ -37,32 +37,38 @@ class PlanSummary:
 
 def summarize(plan: ArtifactPlan) -> PlanSummary:
     tensors = [t for f in plan.files for t in f.tensors]
-    counts, sizes = Counter(), Counter()
+    counts: Counter[TensorRole] = Counter()
+    sizes: Counter[TensorRole] = Counter()
+    mtp_tensors = mtp_bytes = 0
+    mtp = _mtp_prefixes(plan.spec)
     for t in tensors:
-        counts[t.role.value] += 1
-        sizes[t.role.value] += t.spec.nbytes
-    mtp = [t for t in tensors if _is_mtp(plan.spec, t)]
+        nbytes = t.nbytes
+        counts[t.role] += 1
+        sizes[t.role] += nbytes
+        if t.name.startswith(mtp):
+            mtp_tensors += 1
+            mtp_bytes += nbytes
     return PlanSummary(
         layout=plan.layout, bits=plan.bits, codebook=plan.codebook, file_count=len(plan.files),
         expert_file_count=sum(f.kind == "expert" for f in plan.files), indexed_tensor_count=len(tensors),
         physical_bytes=sum(f.size for f in plan.files),
-        roles=tuple(RoleTotal(r, counts[r], sizes[r]) for r in sorted(counts)),
-        mtp_tensors=len(mtp), mtp_bytes=sum(t.spec.nbytes for t in mtp),
-        decode_bytes_per_token=decode_bytes_per_token(plan.spec, tensors),
+        roles=tuple(sorted((RoleTotal(r.value, counts[r], sizes[r]) for r in counts), key=lambda r: r.role)),
+        mtp_tensors=mtp_tensors, mtp_bytes=mtp_bytes, decode_bytes_per_token=decode_bytes_per_token(plan.spec, tensors),
     )
 
 
 def decode_bytes_per_token(spec: ModelSpec, tensors: list[OutputTensor]) -> int:
     """Active experts (k of them per MoE layer) + every dense text-model weight + one embedding row."""
-    expert_bytes: Counter = Counter()
+    expert_bytes: Counter[tuple[int, int]] = Counter()
     dense = 0
+    mtp = _mtp_prefixes(spec)
     for t in tensors:
-        if _is_mtp(spec, t) or t.role in _DECODE_SKIPPED:
+        if t.role in _DECODE_SKIPPED or t.name.startswith(mtp):
             continue
         if t.expert is not None:
-            expert_bytes[(t.expert.layer, t.expert.expert)] += t.spec.nbytes
+            expert_bytes[(t.expert.layer, t.expert.expert)] += t.nbytes
         else:
-            dense += t.spec.nbytes
+            dense += t.nbytes
     per_layer: dict[int, list[int]] = {}
     for (layer, _), nbytes in expert_bytes.items():
         per_layer.setdefault(layer, []).append(nbytes)
@@ -71,8 +77,10 @@ def decode_bytes_per_token(spec: ModelSpec, tensors: list[OutputTensor]) -> int:
     return active + dense + embed_row
 
 
-def _is_mtp(spec: ModelSpec, t: OutputTensor) -> bool:
-    return any(f".layers.{layer}." in t.name for layer in spec.mtp_layers)
+def _mtp_prefixes(spec: ModelSpec) -> tuple[str, ...]:
+    """Name prefixes of the MTP layers' tensors (for str.startswith)."""
+    table = table_for(spec)
+    return tuple(table.layer_prefix(layer) for layer in spec.mtp_layers)
 
 
 def load_source_shards(index_path: str | Path) -> dict[str, str]:

@@ -95,7 +95,8 @@ def main() -> None:
     source, artifact = work / "source", work / "artifact"
     step(record, "build_fixture", lambda: {"path": str(build_tiny_checkpoint(source))})
     step(record, "encode_exllamav3_layout", lambda: {"manifest_sha256": encode_artifact(
-        EncodeConfig(source=source, out=artifact, layout="exllamav3", device="cuda"), Console(quiet=True)).artifact.manifest_sha256})
+        EncodeConfig(source=source, out=artifact, layout="exllamav3", device="cuda", uncalibrated=True),
+        Console(quiet=True)).artifact.manifest_sha256})
     step(record, "exllamav3_version", lambda: {"version": version("exllamav3")})
     step(record, "load_in_exllamav3_and_compare_experts", lambda: load_and_compare(artifact))
     (args.out / "exllamav3_interop.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from glmquant.arch import load_model_spec
-from glmquant.checkpoint.layouts import plan_artifact
+from glmquant.checkpoint.layouts import plan_artifact, predicted_source_shards
 from glmquant.cli import app
 from glmquant.plan import load_source_shards, summarize
 
@@ -39,6 +40,27 @@ def test_reference_release_structure(reference_config: Path) -> None:
     names = [t.name for f in plan.files for t in f.tensors]
     routed_weight = re.compile(r"layers\.(\d+)\.mlp\.experts\.\d+\.\w+_proj\.weight$")
     assert {int(m.group(1)) for n in names if (m := routed_weight.search(n))} == {45}
+
+
+def test_reference_files_from_the_config_alone(reference_config: Path) -> None:
+    """Without the source's index, its sharding is predicted: 120 source shards of which 49 hold retained
+    tensors, so the release's 133 files (84 expert + 49 retained) come out of the config alone."""
+    spec = load_model_spec(reference_config)
+    shards = predicted_source_shards(spec)
+    assert len(shards) == 38_770 and len(set(shards.values())) == 120
+    plan = plan_artifact(spec, "tr3")
+    retained = [f for f in plan.files if f.kind == "retained"]
+    assert len(plan.files) == 133 and len(retained) == 49
+    assert all(re.fullmatch(r"retained-\d{5}-of-00120\.safetensors", f.path) for f in retained)
+    assert all(shards[t.source] == f.source_shard for f in retained for t in f.tensors)
+    assert plan.files == plan_artifact(spec, "tr3", source_shards=shards).files
+
+
+def test_reference_plan_is_fast(reference_config: Path) -> None:
+    """`plan` is arithmetic: planning and summarizing the 583,090 tensors takes seconds of CPU, not minutes."""
+    start = time.process_time()
+    summary = summarize(plan_artifact(load_model_spec(reference_config), "tr3"))
+    assert summary.file_count == 133 and time.process_time() - start < 8.0
 
 
 def test_source_index_numbering(tiny_source: Path) -> None:

@@ -61,6 +61,8 @@ _FAMILIES = {
     "glm5_next_text": "glm5_next",
     "glm4_moe": "glm4_moe",
 }
+# transformers' model classes of each family, as `architectures` names them
+_ARCHITECTURES = {"glm5_next": ("Glm5NextForConditionalGeneration",), "glm4_moe": ("Glm4MoeForCausalLM",)}
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -89,11 +91,9 @@ def load_model_spec(config: str | Path | Mapping[str, Any]) -> ModelSpec:
     """Build the spec from a config path or an already-parsed config."""
     raw = dict(config) if isinstance(config, Mapping) else read_config(config)
     text = text_block(raw)
-    family = _FAMILIES.get(str(text.get("model_type") or raw.get("model_type")))
-    if family is None:
-        raise ConfigError(
-            f"unsupported model_type {raw.get('model_type')!r}; supported: {sorted(set(_FAMILIES.values()))}"
-        )
+    where = "config" if isinstance(config, Mapping) else str(Path(config) / "config.json" if Path(config).is_dir()
+                                                              else config)
+    family = _family(raw, text, where)
     try:
         n_layers = int(text["num_hidden_layers"])
         mlp_types = _mlp_layer_types(text, n_layers)
@@ -123,6 +123,31 @@ def load_model_spec(config: str | Path | Mapping[str, Any]) -> ModelSpec:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"config is missing or has a bad value for {exc}") from None
+
+
+def _family(raw: Mapping[str, Any], text: Mapping[str, Any], where: str) -> str:
+    """The architecture family, which the top level (model_type, architectures) and text_config must agree on:
+    a config that says one model at the top and another in text_config would be loaded as either."""
+    supported = sorted(set(_FAMILIES.values()))
+    types = {"model_type": raw.get("model_type")}
+    if text is not raw:
+        types["text_config.model_type"] = text.get("model_type")
+    families = {key: _FAMILIES.get(str(value)) for key, value in types.items() if value is not None}
+    if not families:
+        raise ConfigError(f"{where}: no model_type; supported: {supported}")
+    unknown = [f"{key} {types[key]!r}" for key, family in families.items() if family is None]
+    if unknown or len(set(families.values())) > 1:
+        said = ", ".join(f"{key} {types[key]!r}" for key in families)
+        reason = f"unsupported {' and '.join(unknown)}" if unknown else "the two levels name different models"
+        raise ConfigError(f"{where}: {said}: {reason}; supported: {supported} (at both levels)")
+    family = next(iter(families.values()))
+    architectures = raw.get("architectures") or []
+    wrong = [a for a in architectures if a not in _ARCHITECTURES[family]] if isinstance(architectures, list) else [
+        architectures]
+    if wrong:
+        raise ConfigError(f"{where}: architectures {wrong} is not a {family} model class "
+                          f"(expected {list(_ARCHITECTURES[family])}, as model_type says)")
+    return family
 
 
 def _mlp_layer_types(text: Mapping[str, Any], n_layers: int) -> tuple[str, ...]:

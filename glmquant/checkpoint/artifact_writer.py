@@ -26,8 +26,8 @@ from glmquant.checkpoint.artifact_config import (
 )
 from glmquant.checkpoint.index import INDEX_NAME, SafetensorsIndex, write_index
 from glmquant.checkpoint.layouts import ArtifactPlan, OutputTensor, PlannedFile
-from glmquant.checkpoint.manifest import MANIFEST_NAME, build_manifest, write_manifest
-from glmquant.checkpoint.model_card import write_model_card
+from glmquant.checkpoint.manifest import MANIFEST_NAME, build_manifest, with_metadata_files, write_manifest
+from glmquant.checkpoint.model_card import MODEL_CARD_NAME, write_model_card
 from glmquant.checkpoint.provenance import Provenance, build_timestamp
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.safetensors_format import TensorSpec
@@ -115,7 +115,8 @@ def finalize_artifact(
     plan: ArtifactPlan, source: SourceCheckpoint, out_dir: str | Path, provenance: Provenance,
     verified_at: str | None = None,
 ) -> ArtifactResult:
-    """After the weight files: index, config.json, quantization_config.json, small files, manifest, model card.
+    """After the weight files: index, config.json, quantization_config.json, small files, model card, manifest
+(which lists every one of them).
 
     The manifest is kept only if the artifact passes structural verification against it (headers, index,
     EXL3 shapes, config), so an artifact with a manifest is one that verified.
@@ -132,6 +133,8 @@ def finalize_artifact(
     small = copy_small_files(source.directory, root)
     metadata = sorted({"config.json", "quantization_config.json", INDEX_NAME, *small})
     manifest = build_manifest(plan, root, provenance, verified_at or build_timestamp(), metadata)
+    write_model_card(root, manifest)
+    manifest = with_metadata_files(manifest, root, [MODEL_CARD_NAME])
     sha = write_manifest(root, manifest)
     try:
         report = verify_artifact(root, expect_sha256=sha, fast=True, show_progress=False)
@@ -140,5 +143,4 @@ def finalize_artifact(
     except BaseException:  # killed or failed mid-check: no manifest may claim a verification that did not finish
         (root / MANIFEST_NAME).unlink(missing_ok=True)
         raise
-    write_model_card(root, sha, manifest)
     return ArtifactResult(root, sha, len(plan.files), manifest["physical_tensor_bytes"])

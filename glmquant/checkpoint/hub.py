@@ -109,7 +109,9 @@ def hub_card_text(manifest_sha256: str, manifest: Mapping[str, Any], source_card
         quantization={"method": "exl3", "bits": layout["bits"], "codebook": layout["codebook"],
                       "layout": layout["type"], "manifest_sha256": manifest_sha256},
         model_name=artifact_model_name(manifest))
-    return f"---\n{data.to_yaml()}\n---\n\n{model_card_text(manifest_sha256, manifest)}"
+    pin = (f"\nStructural manifest SHA-256: `{manifest_sha256}` (a download is checked with "
+           f"`glmquant verify-manifest . --expect-sha256 {manifest_sha256}`).\n")
+    return f"---\n{data.to_yaml()}\n---\n\n{model_card_text(manifest)}{pin}"
 
 
 def publish_artifact(artifact_dir: str | Path, repo_id: str, api: Any = None, private: bool = False,

@@ -5,7 +5,7 @@ cannot drift. Two layouts:
 - `tr3`: every routed expert projection split into 4 rank slices (gate/up along the output dim, down along
   the input dim), each an independent EXL3 tensor; experts in `layer-LL-part-tail-{0,1}.safetensors` (even
   experts in part 0, odd in part 1); every other tensor in `retained-NNNNN-of-MMMMM.safetensors` named after
-  the source shard that held it.
+  the source shard that held it (without the source's index, the sharding it was saved with is predicted).
 - `exllamav3`: one EXL3 tensor per expert projection; `model-NNNNN-of-MMMMM.safetensors` filled a whole
   module at a time up to a size cap.
 """
@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from math import prod
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
-from glmquant.arch import PROJECTIONS, ModelSpec, TensorInfo, TensorRole, source_tensors, table_for
+from glmquant.arch import DTYPE_BYTES, PROJECTIONS, ModelSpec, TensorInfo, TensorRole, source_tensors, table_for
 from glmquant.checkpoint.safetensors_format import TensorSpec, file_size
 from glmquant.errors import UsageError
 
 LAYOUTS = ("tr3", "exllamav3")
 TR3_RANKS = 4
 MARKER_PARTS = {"mcg": "mcg", "mul1": "mul1", "3inst": None}
-DEFAULT_RETAINED_SHARD_BYTES = 5 * 1024**3
+SOURCE_SHARD_BYTES = 5 * 1024**3  # how the BF16 source was saved (see predicted_source_shards)
 DEFAULT_EXL3_SHARD_BYTES = 8192 * 1024**2
 _SOURCE_SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 
@@ -52,8 +54,9 @@ class ExpertSlice:
         return base if self.rank is None else f"{base}.rank{self.rank}"
 
 
-@dataclass(frozen=True)
-class OutputTensor:
+class OutputTensor(NamedTuple):
+    """One tensor of the artifact (a NamedTuple, like TensorSpec: a plan makes one per output tensor)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -67,6 +70,10 @@ class OutputTensor:
     def spec(self) -> TensorSpec:
         return TensorSpec(self.name, self.dtype, self.shape)
 
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * DTYPE_BYTES[self.dtype]
+
 
 @dataclass(frozen=True)
 class PlannedFile:
@@ -79,11 +86,11 @@ class PlannedFile:
 
     @cached_property
     def size(self) -> int:
-        return file_size([t.spec for t in self.tensors])
+        return file_size(self.tensors)
 
     @property
     def tensor_bytes(self) -> int:
-        return sum(t.spec.nbytes for t in self.tensors)
+        return sum(t.nbytes for t in self.tensors)
 
 
 @dataclass(frozen=True)
@@ -145,8 +152,9 @@ def plan_artifact(
     keep: Mapping[int, Sequence[int]] | None = None,
     shard_bytes: int | None = None,
 ) -> ArtifactPlan:
-    """Every output file with its tensors. `source_shards` maps source tensor names to their shard file;
-    `keep` maps a MoE layer (MTP included) to the source experts it keeps, in output order."""
+    """Every output file with its tensors. `source_shards` maps source tensor names to their shard file
+    (default: `predicted_source_shards` with `shard_bytes`, tr3 only); `keep` maps a MoE layer (MTP included)
+    to the source experts it keeps, in output order; `shard_bytes` caps an exllamav3 shard."""
     if layout not in LAYOUTS:
         raise UsageError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if codebook not in MARKER_PARTS or not 1 <= bits <= 8:
@@ -156,7 +164,8 @@ def plan_artifact(
     ranks = TR3_RANKS if layout == "tr3" else None
     experts = {layer: _expert_parts(spec, layer, kept, bits, codebook, ranks) for layer in spec.moe_layers}
     if layout == "tr3":
-        files = _tr3_expert_files(experts) + _retained_files(retained, source_shards, shard_bytes or DEFAULT_RETAINED_SHARD_BYTES)
+        shards = source_shards or predicted_source_shards(spec, shard_bytes or SOURCE_SHARD_BYTES)
+        files = _tr3_expert_files(experts) + _retained_files(retained, shards)
     else:
         files = _module_files(spec, retained, experts, shard_bytes or DEFAULT_EXL3_SHARD_BYTES)
     return ArtifactPlan(spec, layout, bits, codebook, tuple(sorted(files, key=lambda f: f.path)),
@@ -215,26 +224,31 @@ def _tr3_expert_files(experts: Mapping[int, Mapping[int, list[OutputTensor]]]) -
     return files
 
 
-def _retained_files(retained: list[OutputTensor], source_shards: Mapping[str, str] | None, cap: int) -> list[PlannedFile]:
-    """Group retained tensors by the source shard that held them (or by a size cap without an index)."""
+def predicted_source_shards(spec: ModelSpec, shard_bytes: int = SOURCE_SHARD_BYTES) -> dict[str, str]:
+    """tensor name -> shard file, as the BF16 source was saved: names sorted, a new shard whenever the next
+    tensor would take the current one past `shard_bytes` (5 GiB reproduces GLM-5.3-Flash-BF16's 120 shards)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for t in sorted(source_tensors(spec), key=lambda t: t.name):
+        if shards[-1] and size + t.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t.name)
+        size += t.nbytes
+    return {name: f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            for i, names in enumerate(shards, 1) for name in names}
+
+
+def _retained_files(retained: list[OutputTensor], source_shards: Mapping[str, str]) -> list[PlannedFile]:
+    """Group retained tensors by the source shard that held them."""
+    missing = [t.source for t in retained if t.source not in source_shards]
+    if missing:
+        raise UsageError(f"source index lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
     groups: dict[str, list[OutputTensor]] = {}
-    if source_shards is not None:
-        missing = [t.source for t in retained if t.source not in source_shards]
-        if missing:
-            raise UsageError(f"source index lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
-        for t in retained:
-            groups.setdefault(source_shards[t.source], []).append(t)
-        names = _retained_names(sorted(set(source_shards.values())))
-    else:
-        size, index = 0, 0
-        for t in retained:
-            if groups and size + t.spec.nbytes > cap:
-                index, size = index + 1, 0
-            groups.setdefault(str(index), []).append(t)
-            size += t.spec.nbytes
-        names = {key: f"retained-{int(key) + 1:05d}-of-{len(groups):05d}.safetensors" for key in groups}
-    return [PlannedFile(names[shard], "retained", tuple(ts), source_shard=shard if source_shards else None)
-            for shard, ts in groups.items()]
+    for t in retained:
+        groups.setdefault(source_shards[t.source], []).append(t)
+    names = _retained_names(sorted(set(source_shards.values())))
+    return [PlannedFile(names[shard], "retained", tuple(ts), source_shard=shard) for shard, ts in groups.items()]
 
 
 def _retained_names(shards: list[str]) -> dict[str, str]:

@@ -26,6 +26,12 @@ SCHEMA_VERSION = 2
 STRUCTURAL_PASS = "STRUCTURAL_PASS"
 
 
+def written_by_glmquant(manifest: Mapping[str, Any]) -> bool:
+    """Whether glmquant wrote the manifest (its own fields and hash recipes apply), from method.implementation."""
+    method = manifest.get("method")
+    return isinstance(method, Mapping) and str(method.get("implementation", "")).startswith("glmquant ")
+
+
 def manifest_text(manifest: Mapping[str, Any]) -> str:
     return json.dumps(manifest, indent=2, sort_keys=True) + "\n"
 
@@ -88,6 +94,15 @@ def build_manifest(
         "geometry": geometry(plan.spec, n),
         **provenance_fields(provenance),
     }
+
+
+def with_metadata_files(manifest: Mapping[str, Any], artifact_dir: str | Path, names: Sequence[str]) -> dict[str, Any]:
+    """The manifest with more small files hashed into `metadata_files` (the model card, written from the
+    manifest's own facts once they are known)."""
+    root = Path(artifact_dir)
+    digests = sha256_files([root / n for n in names], 1)
+    added = [{"path": n, "bytes": (root / n).stat().st_size, "sha256": digests[root / n]} for n in names]
+    return {**manifest, "metadata_files": sorted([*manifest["metadata_files"], *added], key=lambda e: e["path"])}
 
 
 def geometry(spec: ModelSpec, n_routed_experts: int) -> dict[str, int]:

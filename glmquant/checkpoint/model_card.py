@@ -1,4 +1,9 @@
-"""MODEL_CARD.md: where users look for the artifact's structural SHA-256 and how to check it."""
+"""MODEL_CARD.md: what the artifact is and how to check a download of it.
+
+The card is one of the files EXL3_MANIFEST.json hashes, so it cannot carry the manifest's own SHA-256 (the
+structural hash): that pin is published beside the artifact (encode and the demo print it) and checked with
+`verify-manifest --expect-sha256`.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +21,8 @@ def artifact_model_name(manifest: Mapping[str, Any]) -> str:
     return f"{manifest['source']['repo_id'].rstrip('/').split('/')[-1]}-EXL3-{manifest['layout']['bits']}bit"
 
 
-def model_card_text(manifest_sha256: str, manifest: Mapping[str, Any]) -> str:
-    """A short README-style card summarising the manifest; deterministic for a given manifest."""
+def model_card_text(manifest: Mapping[str, Any]) -> str:
+    """A short README-style card summarising the manifest (written before the card's own entry is added)."""
     layout, geo, source = manifest["layout"], manifest["geometry"], manifest["source"]
     gib = manifest["physical_tensor_bytes"] / 1024**3
     lines = [
@@ -29,7 +34,6 @@ def model_card_text(manifest_sha256: str, manifest: Mapping[str, Any]) -> str:
         "",
         "| | |",
         "|---|---|",
-        f"| Structural manifest SHA-256 | `{manifest_sha256}` |",
         f"| Source | {source['repo_id']} @ {source['revision'] or 'unpinned'} |",
         f"| Weight files | {len(manifest['files'])} ({manifest['physical_tensor_bytes']:,} bytes, {gib:.2f} GiB) |",
         f"| Indexed tensors | {manifest['indexed_tensor_count']:,} |",
@@ -37,18 +41,20 @@ def model_card_text(manifest_sha256: str, manifest: Mapping[str, Any]) -> str:
         f"| Effective routed bpw | {manifest['effective_routed_tier_bpw']} (target {manifest['target_bpw']}) |",
         f"| State | {manifest['state']} at {manifest['structurally_verified_at']} |",
         "",
-        "Verify a download (every file's size and SHA-256, index closure, EXL3 tensor shapes, config):",
+        "Verify a download (every file's size and SHA-256, index closure, EXL3 tensor shapes, config) against the",
+        "structural SHA-256 (the SHA-256 of `EXL3_MANIFEST.json`) published with the artifact; this card is one of",
+        "the files the manifest hashes, so the pin cannot be written here:",
         "",
         "```",
-        f"glmquant verify-manifest . --expect-sha256 {manifest_sha256}",
+        "glmquant verify-manifest . --expect-sha256 <published structural SHA-256> --strict",
         "```",
         "",
     ]
     return "\n".join(lines)
 
 
-def write_model_card(artifact_dir: str | Path, manifest_sha256: str, summary: Mapping[str, Any]) -> Path:
-    """Write MODEL_CARD.md from the manifest (`summary`) and its hash."""
+def write_model_card(artifact_dir: str | Path, manifest: Mapping[str, Any]) -> Path:
+    """Write MODEL_CARD.md from the manifest's facts."""
     path = Path(artifact_dir) / MODEL_CARD_NAME
-    atomic_write_text(path, model_card_text(manifest_sha256, summary))
+    atomic_write_text(path, model_card_text(manifest))
     return path

@@ -6,12 +6,11 @@ Hashes are lowercase hex SHA-256; None where a build had no such input (e.g. an 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import glmquant
-from glmquant.errors import UsageError
+from glmquant.environment import source_date_epoch
 
 
 @dataclass(frozen=True)
@@ -50,10 +49,10 @@ class Provenance:
     runtime_status: str = "structural"  # what has been proven so far: structural, serve-checked, ...
 
 
-def build_timestamp() -> str:
-    """ISO-8601 UTC time of the build; SOURCE_DATE_EPOCH pins it so rebuilds are byte-identical."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    if epoch is not None and not epoch.isdigit():
-        raise UsageError(f"SOURCE_DATE_EPOCH must be whole seconds since 1970, got {epoch!r}")
-    moment = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
+def build_timestamp(default_epoch: int | None = None) -> str:
+    """ISO-8601 UTC time of the build; SOURCE_DATE_EPOCH (else `default_epoch`, else now) pins it so rebuilds are
+    byte-identical."""
+    epoch = source_date_epoch()
+    epoch = default_epoch if epoch is None else epoch
+    moment = datetime.fromtimestamp(epoch, timezone.utc) if epoch is not None else datetime.now(timezone.utc)
     return moment.replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -2,9 +2,11 @@
 
 1 the manifest's own SHA-256 against the pinned value, 2 the manifest's internal consistency (schema, totals,
 paths that stay inside the artifact), 3 every listed file present with its recorded size, 4 every file's
-full SHA-256 (skipped with `fast`), 5 no unlisted weight files, then the structural checks on the headers
-and config (`verify_structure`). Every check runs and reports; none stops the others, except that files
-outside the artifact directory are never opened.
+full SHA-256 (skipped with `fast`), 5 no file the manifest cannot vouch for (unlisted weight files and
+temporary files fail; other unlisted files fail with `strict`, else are reported), then the structural checks on
+the headers and config (`verify_structure`). Every check runs and reports; none stops the others, except that
+files outside the artifact directory are never opened. A manifest that cannot be read is a failed verification.
+`docs/manifest.md` says what each check proves.
 """
 
 from __future__ import annotations
@@ -25,29 +27,52 @@ from glmquant.checkpoint.manifest import MANIFEST_NAME
 from glmquant.checkpoint.manifest_schema import manifest_problems, safe_relative
 from glmquant.checkpoint.verify_report import ArtifactState, CheckResult, VerifyReport, check
 from glmquant.checkpoint.verify_structure import structure_checks
-from glmquant.errors import UsageError
+from glmquant.checkpoint.writer import is_temp_file
+from glmquant.errors import GlmquantError, UsageError
+
+# Files an artifact may hold that no manifest lists: a Hub repository's own files, and serve-check's reports
+# (written into the artifact after the build). Reported, never a failure.
+EXPECTED_UNLISTED = {".gitattributes": "Hub repository attributes", "README.md": "Hub repository card",
+                     "serve-check.json": "serve-check report", "serve-check.md": "serve-check report"}
+HUB_CACHE = ".cache/huggingface/"  # what `hf download --local-dir` leaves
 
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
+class UnreadableManifest(GlmquantError):
+    """A manifest file that is missing, unreadable, not JSON or not an object: the artifact fails (exit 1)."""
+
+
 def load_manifest(path: Path) -> tuple[bytes, dict[str, Any]]:
-    """The manifest's bytes and parsed object; unreadable input is a usage error (exit 2)."""
+    """The manifest's bytes and parsed object; raises UnreadableManifest naming the file."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise UsageError(f"{path}: cannot read manifest ({exc.strerror or exc})") from None
+        raise UnreadableManifest(f"{path}: cannot read manifest ({exc.strerror or exc})") from None
     try:
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"{path}: manifest is not valid JSON ({exc})") from None
+        raise UnreadableManifest(f"{path}: manifest is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict):
-        raise UsageError(f"{path}: manifest is not a JSON object")
+        raise UnreadableManifest(f"{path}: manifest is not a JSON object")
     return raw, manifest
 
 
-def _hash_check(raw: bytes, expect: str | None) -> tuple[str, CheckResult]:
+def _unreadable(target: Path, exc: UnreadableManifest) -> VerifyReport:
+    """The report of an artifact whose manifest cannot be read: one failed check, nothing else to check."""
+    try:
+        sha = sha256_bytes(target.read_bytes()) if target.is_file() else ""
+    except OSError:
+        sha = ""
+    return VerifyReport(str(target), sha, (CheckResult("manifest readable", False, str(exc)),))
+
+
+def _check_pin(expect: str | None) -> None:
     if expect is not None and not _HEX64.match(expect):
         raise UsageError(f"--expect-sha256 must be 64 hex digits, got {expect!r}")
+
+
+def _hash_check(raw: bytes, expect: str | None) -> tuple[str, CheckResult]:
     sha = sha256_bytes(raw)
     if expect is None:
         return sha, CheckResult("manifest sha256", True, f"{sha} (not pinned: no expected hash given)")
@@ -59,9 +84,15 @@ def _hash_check(raw: bytes, expect: str | None) -> tuple[str, CheckResult]:
 def verify_manifest_only(manifest_path: str | Path, expect_sha256: str | None = None) -> VerifyReport:
     """The manifest's own hash and internal consistency, without looking at any other file."""
     path = Path(manifest_path)
+    if not path.exists():
+        raise UsageError(f"{path}: no such file or directory")
+    _check_pin(expect_sha256)
     if path.is_dir():
         path = path / MANIFEST_NAME
-    raw, manifest = load_manifest(path)
+    try:
+        raw, manifest = load_manifest(path)
+    except UnreadableManifest as exc:
+        return _unreadable(path, exc)
     sha, first = _hash_check(raw, expect_sha256)
     schema = check("manifest consistency", manifest_problems(manifest), "schema, totals and paths consistent")
     return VerifyReport(str(path), sha, (first, schema))
@@ -69,22 +100,27 @@ def verify_manifest_only(manifest_path: str | Path, expect_sha256: str | None = 
 
 def verify_artifact(
     artifact_dir: str | Path, expect_sha256: str | None = None, fast: bool = False,
-    show_progress: bool = True, workers: int = 4,
+    show_progress: bool = True, workers: int = 4, strict: bool = False,
 ) -> VerifyReport:
-    """Every check, in order; `fast` reads headers only (no full-file hashes)."""
+    """Every check, in order; `fast` reads headers only (no full-file hashes); `strict` fails on any file the
+    manifest does not vouch for (beyond a Hub repository's own files)."""
     root = Path(artifact_dir)
     if root.is_file():
         root = root.parent
     if not root.is_dir():
         raise UsageError(f"{root}: no such artifact directory")
-    raw, manifest = load_manifest(root / MANIFEST_NAME)
+    _check_pin(expect_sha256)
+    try:
+        raw, manifest = load_manifest(root / MANIFEST_NAME)
+    except UnreadableManifest as exc:
+        return _unreadable(root / MANIFEST_NAME, exc)
     sha, first = _hash_check(raw, expect_sha256)
     state = ArtifactState(root, manifest)
     checks = [first, check("manifest consistency", manifest_problems(manifest), "schema, totals and paths consistent")]
     _select_entries(state)
     checks.append(check("files present", _presence_problems(state), f"{len(state.present)} files with recorded sizes"))
     checks.append(_sha_check(state, fast, show_progress, workers))
-    checks.append(check("no unlisted weight files", _unlisted(state), "every weight file is listed"))
+    checks.append(_unlisted_check(state, strict))
     state.read_headers()
     checks += structure_checks(state)
     return VerifyReport(str(root), sha, tuple(checks))
@@ -139,8 +175,31 @@ def _byte_progress(total: int, enabled: bool) -> Iterator[Callable[[int], None]]
         yield lambda n: bar.advance(task, n)
 
 
-def _unlisted(state: ArtifactState) -> list[str]:
-    listed = {PurePosixPath(e["path"]) for e in state.weight_entries}
-    found = sorted(p.relative_to(state.root).as_posix() for p in state.root.rglob("*")
-                   if p.name.endswith(WEIGHT_SUFFIXES) and (p.is_file() or p.is_symlink()))
-    return [f"{name}: weight file not listed in the manifest" for name in found if PurePosixPath(name) not in listed]
+def _unlisted_check(state: ArtifactState, strict: bool) -> CheckResult:
+    """Every file under the artifact that the manifest does not list: weight and temporary files fail, a Hub
+    repository's own files are noted, anything else fails with `strict` and is a warning without."""
+    listed = {PurePosixPath(e["path"]) for e in state.weight_entries + state.metadata_entries}
+    listed.add(PurePosixPath(MANIFEST_NAME))
+    every = (p.relative_to(state.root).as_posix() for p in state.root.rglob("*") if p.is_file() or p.is_symlink())
+    found = sorted(name for name in every if PurePosixPath(name) not in listed)
+    failures, unvouched, expected = [], [], []
+    for name in found:
+        base = PurePosixPath(name).name
+        if base.endswith(WEIGHT_SUFFIXES):
+            failures.append(f"{name}: weight file not listed in the manifest")
+        elif is_temp_file(base):
+            failures.append(f"{name}: temporary file of an interrupted write (rerun the job that wrote it, "
+                            "or delete it)")
+        elif name in EXPECTED_UNLISTED:
+            expected.append(f"{name} ({EXPECTED_UNLISTED[name]})")
+        elif name.startswith(HUB_CACHE):
+            continue
+        else:
+            unvouched.append(name)
+    if unvouched and strict:
+        failures.append(f"not covered by the manifest (--strict): {', '.join(unvouched)}")
+    if failures:
+        return check("unlisted files", failures, "")
+    notes = [f"not covered by the manifest: {', '.join(unvouched)}"] if unvouched else []
+    notes += [f"expected outside it: {', '.join(expected)}"] if expected else []
+    return CheckResult("unlisted files", True, "; ".join(notes) or "every file is listed", warning=bool(unvouched))

@@ -19,6 +19,7 @@ class CheckResult:
     ok: bool
     detail: str
     skipped: bool = False
+    warning: bool = False  # passed, with something a person should look at (e.g. files the manifest does not cover)
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,17 @@ class VerifyReport:
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
 
+    @property
+    def failed(self) -> list[str]:
+        return [c.name for c in self.checks if not c.ok]
+
     def failure_summary(self) -> str:
         return "; ".join(f"{c.name}: {c.detail}" for c in self.checks if not c.ok)
 
     def to_json(self) -> dict[str, Any]:
         return {"target": self.target, "manifest_sha256": self.manifest_sha256, "ok": self.ok,
-                "checks": [{"name": c.name, "ok": c.ok, "skipped": c.skipped, "detail": c.detail} for c in self.checks]}
+                "checks": [{"name": c.name, "ok": c.ok, "skipped": c.skipped, "warning": c.warning,
+                            "detail": c.detail} for c in self.checks]}
 
 
 def check(name: str, problems: Sequence[str], ok_detail: str) -> CheckResult:

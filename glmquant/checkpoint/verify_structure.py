@@ -15,7 +15,8 @@ from glmquant.checkpoint.artifact_config import TR3_KEYS, TR3_TIER_KEYS, tensor_
 from glmquant.checkpoint.exl3_groups import Exl3Group, exl3_groups, is_exl3_tensor
 from glmquant.checkpoint.index import INDEX_NAME, read_index
 from glmquant.checkpoint.layouts import TR3_RANKS, exl3_parts, expert_slices
-from glmquant.checkpoint.manifest import geometry, retained_manifest_sha256, routed_bpw_of
+from glmquant.checkpoint.manifest import geometry, retained_manifest_sha256, routed_bpw_of, written_by_glmquant
+from glmquant.checkpoint.manifest_schema import entry_kind
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.verify_report import ArtifactState, CheckResult, check
 from glmquant.errors import GlmquantError
@@ -50,6 +51,14 @@ class Structure:
     def quantized_layers(self) -> list[int]:
         return self.spec.moe_layers if self.spec else list(self.layout.get("quantized_layers", []))
 
+    def quantization(self, key: str, default: Any = None) -> Any:
+        """A quantization fact (bits, codebook) from the manifest's layout, else from the config's block (the
+        release's manifest leaves them to the config)."""
+        if key in self.layout:
+            return self.layout[key]
+        qc = self.config.get("quantization_config") if self.config else None
+        return qc.get(key, default) if isinstance(qc, dict) else default
+
 
 def structure_checks(state: ArtifactState) -> list[CheckResult]:
     s = Structure.read(state)
@@ -60,7 +69,9 @@ def structure_checks(state: ArtifactState) -> list[CheckResult]:
               f"none for quantized layers {_span(s.quantized_layers)}"),
         check("exl3 tensors", _exl3_problems(s), f"{len(s.groups):,} EXL3 tensors well-formed"),
         check("config geometry", _config_problems(state, s), "config, quantization block and files agree"),
-        check("retained totals", _retained_problems(state, s), "retained tensor and byte totals match"),
+        check("retained totals", _retained_problems(state, s), "retained tensor and byte totals match"
+              + ("" if written_by_glmquant(state.manifest) else
+                 " (retained_manifest_sha256 not recomputed: how this manifest's writer hashed it is not published)")),
     ]
 
 
@@ -104,17 +115,17 @@ def _routed_weight_problems(s: Structure) -> list[str]:
 
 
 def _exl3_problems(s: Structure) -> list[str]:
-    codebook = str(s.layout.get("codebook", "mcg"))
+    codebook = str(s.quantization("codebook", "mcg"))
     problems = [p for g in s.groups.values() for p in g.problems(codebook)]
     if not s.groups and s.quantized_layers:
         problems.append("no EXL3 tensors found, but the model has quantized MoE layers")
     return problems
 
 
-def expected_exl3(spec: ModelSpec, layout: Mapping[str, Any]) -> dict[str, TensorSpec]:
+def expected_exl3(spec: ModelSpec, layout_type: str, bits: int, codebook: str) -> dict[str, TensorSpec]:
     """Every EXL3 part the config implies: quantized layers x routed experts x projections (x rank slices)."""
-    ranks = TR3_RANKS if layout.get("type") == "tr3" else None
-    bits, codebook, table = int(layout.get("bits", 0)), str(layout.get("codebook")), table_for(spec)
+    ranks = TR3_RANKS if layout_type == "tr3" else None
+    table = table_for(spec)
     return {
         t.name: t.spec
         for layer in spec.moe_layers
@@ -127,14 +138,16 @@ def expected_exl3(spec: ModelSpec, layout: Mapping[str, Any]) -> dict[str, Tenso
 def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
     if s.spec is None or s.config is None:
         return [s.config_error or "config.json unreadable"]
-    spec, m = s.spec, state.manifest
-    problems = [f"geometry {k}: config {v}, manifest {m.get('geometry', {}).get(k)}"
-                for k, v in geometry(spec, spec.n_routed_experts).items() if m.get("geometry", {}).get(k) != v]
-    if spec.moe_layers != list(s.layout.get("quantized_layers", [])):
+    spec, stated = s.spec, state.manifest.get("geometry")  # geometry and quantized_layers: glmquant's manifests
+    stated = stated if isinstance(stated, dict) else None
+    problems = [f"geometry {k}: config {v}, manifest {stated.get(k)}"
+                for k, v in geometry(spec, spec.n_routed_experts).items() if stated.get(k) != v] if stated else []
+    if "quantized_layers" in s.layout and spec.moe_layers != list(s.layout["quantized_layers"]):
         problems.append(f"config's MoE layers {_span(spec.moe_layers)} != manifest's quantized layers")
     try:
-        expected = expected_exl3(spec, s.layout)
-    except (GlmquantError, KeyError, ValueError) as exc:
+        expected = expected_exl3(spec, str(s.layout.get("type")), int(s.quantization("bits", 0)),
+                                 str(s.quantization("codebook")))
+    except (GlmquantError, KeyError, ValueError, TypeError) as exc:
         return problems + [f"cannot derive the expected EXL3 tensors: {exc}"]
     actual = {p.name: p for g in s.groups.values() for p in g.parts.values()}
     problems += [f"{n}: expected by the config, missing from the files" for n in sorted(set(expected) - set(actual))]
@@ -157,7 +170,7 @@ def _block_problems(state: ArtifactState, s: Structure, spec: ModelSpec) -> list
     qc = s.config.get("quantization_config") if s.config else None
     if not isinstance(qc, dict):
         return ["config.json has no quantization_config block"]
-    expect = {"quant_method": "exl3", "codebook": s.layout.get("codebook")}
+    expect = {"quant_method": "exl3", "codebook": s.quantization("codebook")}
     problems = [f"quantization_config.{k} is {qc.get(k)!r}, expected {v!r}"
                 for k, v in expect.items() if qc.get(k) != v]
     bpw = routed_bpw_of(s.groups, spec.hidden_size, spec.moe_intermediate_size)
@@ -169,18 +182,17 @@ def _block_problems(state: ArtifactState, s: Structure, spec: ModelSpec) -> list
     except (OSError, ValueError) as exc:
         return problems + [f"quantization_config.json: {exc}"]
     if s.layout.get("type") == "tr3":
-        return problems + _tr3_block_problems(qc, qjson, s.layout, spec, bpw)
+        return problems + _tr3_block_problems(qc, qjson, s.quantization("bits"), spec, bpw)
     return problems + _exllamav3_block_problems(qc, qjson, s)
 
 
-def _tr3_block_problems(qc: Mapping[str, Any], qjson: Any, layout: Mapping[str, Any], spec: ModelSpec,
-                        bpw: float) -> list[str]:
+def _tr3_block_problems(qc: Mapping[str, Any], qjson: Any, bits: Any, spec: ModelSpec, bpw: float) -> list[str]:
     problems = []
     if set(qc) != TR3_KEYS:
         problems.append(f"quantization_config keys differ from the tr3 block: missing {sorted(TR3_KEYS - set(qc))}, "
                         f"extra {sorted(set(qc) - TR3_KEYS)}")
-    tier = TR3_TIER_KEYS.get(layout.get("bits"), "bits")
-    expect = {"bits": layout.get("bits"), "archive_tensor_parallel_size": TR3_RANKS, "rank_stacked_tp": TR3_RANKS,
+    tier = TR3_TIER_KEYS.get(bits, "bits")
+    expect = {"bits": bits, "archive_tensor_parallel_size": TR3_RANKS, "rank_stacked_tp": TR3_RANKS,
               "effective_routed_tier_bpw": bpw, tier: spec.n_routed_experts}
     problems += [f"quantization_config.{k} is {qc.get(k)!r}, files imply {v!r}"
                  for k, v in expect.items() if qc.get(k) != v]
@@ -209,24 +221,24 @@ def _retained_problems(state: ArtifactState, s: Structure) -> list[str]:
         kept = [t for t in specs if not is_exl3_tensor(t.name, s.groups)]
         retained += [(path, t) for t in kept]
         experts = {m.groups() for t in specs if is_exl3_tensor(t.name, s.groups) and (m := _EXPERT_KEY.search(t.name))}
-        facts = {"tensor_count": len(specs), "tensor_bytes": sum(t.nbytes for t in specs)}
-        kind = entry.get("kind")
-        if kind in ("expert", "model"):
-            facts["logical_expert_count"] = len(experts)
-        if kind == "model":
-            facts.update(retained_tensor_count=len(kept), retained_tensor_bytes=sum(t.nbytes for t in kept))
+        facts = {"tensor_count": len(specs), "tensor_bytes": sum(t.nbytes for t in specs),
+                 "logical_expert_count": len(experts), "retained_tensor_count": len(kept),
+                 "retained_tensor_bytes": sum(t.nbytes for t in kept)}
+        kind = entry_kind(entry)
         if kind == "expert" and kept:
             problems.append(f"{path}: {len(kept)} non-EXL3 tensor(s) in an expert file, e.g. {kept[0].name}")
         if kind == "retained" and len(kept) != len(specs):
             problems.append(f"{path}: {len(specs) - len(kept)} EXL3 tensor(s) in a retained file")
-        problems += [f"{path}: manifest {k} {entry.get(k)}, file has {v}"
-                     for k, v in facts.items() if entry.get(k) != v]
+        problems += [f"{path}: manifest {k} {entry[k]}, file has {v}"
+                     for k, v in facts.items() if k in entry and entry[k] != v]
+    if len(s.files) != len(state.weight_entries):  # totals are only meaningful when every header was read
+        return problems
     m = state.manifest
-    totals = {"retained_tensor_count": len(retained), "retained_tensor_bytes": sum(t.nbytes for _, t in retained),
-              "retained_manifest_sha256": retained_manifest_sha256(retained)}
-    if len(s.files) == len(state.weight_entries):  # totals are only meaningful when every header was read
-        problems += [f"manifest {k} {m.get(k)}, files give {v}" for k, v in totals.items() if m.get(k) != v]
-    return problems
+    totals = {"retained_tensor_count": len(retained), "retained_tensor_bytes": sum(t.nbytes for _, t in retained)}
+    if written_by_glmquant(m):  # the release does not publish how it hashed its retained tensor list
+        totals["retained_manifest_sha256"] = retained_manifest_sha256(retained)
+    return problems + [f"manifest {k} {m.get(k)}, files give {v}" for k, v in totals.items()
+                       if k in m and m[k] != v]
 
 
 def _span(layers: list[int]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,22 @@ from glmquant.errors import CheckpointFormatError, GlmquantError
 # bytes into the open file and returns how many it wrote (used to copy retained tensors without loading them).
 Streamer = Callable[[BinaryIO], int]
 Provided = Union[bytes, bytearray, memoryview, torch.Tensor, Streamer]
+
+
+_TEMP_NAME = re.compile(r"^\..+\.tmp-\d+$")  # `.NAME.tmp-PID`, as atomic_file names its temporary file
+
+
+def is_temp_file(name: str) -> bool:
+    """A file name atomic_file gives a write in progress (left behind only when the process was killed)."""
+    return bool(_TEMP_NAME.match(name))
+
+
+def remove_temp_files(directory: Path) -> list[Path]:
+    """Remove what killed writes left in `directory` (temporary files never replaced a real one); returns them."""
+    stale = [p for p in directory.iterdir() if p.is_file() and is_temp_file(p.name)] if directory.is_dir() else []
+    for path in stale:
+        path.unlink()
+    return stale
 
 
 @contextmanager

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional, ParamSpec, TypeVar
+from typing import Annotated, Any, Optional, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
@@ -13,8 +15,19 @@ from rich.markup import escape
 
 from glmquant.errors import GlmquantError
 
-console = Console(stderr=True)
-out = Console()
+UNWRAPPED_WIDTH = 100_000  # outside a terminal: lines as long as they are
+
+
+def _console(stderr: bool = False) -> Console:
+    """A terminal keeps its width; logs, CI and pipes get whole lines (rich would cut them at 80 columns)."""
+    made = Console(stderr=stderr)
+    if not made.is_terminal:
+        made.width = UNWRAPPED_WIDTH
+    return made
+
+
+console = _console(stderr=True)
+out = _console()
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -23,6 +36,12 @@ ExistingPath = Annotated[Path, typer.Argument(exists=True, help="an existing fil
 JsonFlag = Annotated[bool, typer.Option("--json", help="print machine-readable JSON instead of tables")]
 HubRevision = Annotated[Optional[str], typer.Option(
     help="with a Hub repo id: branch, tag or commit (default main); files come through the Hugging Face cache")]
+
+
+def print_json(data: Any) -> None:
+    """JSON on stdout as plain text: rich's highlighter takes minutes on a plan's 583,090 tensor entries."""
+    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
 
 
 def guarded(fn: Callable[P, R]) -> Callable[P, R]:

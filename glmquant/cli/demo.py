@@ -19,4 +19,6 @@ def register(app: typer.Typer) -> None:
 def demo(out_dir: Annotated[Path, typer.Argument(help="working directory for the tiny source, observations and artifact")]) -> None:
     """Build the tiny GLM-5.3-Flash-architecture model and run every stage on it."""
     result = run_demo(out_dir, out)
-    out.print(f"[bold green]demo finished[/]: {result}")
+    out.print("[bold green]demo finished[/]")
+    for line in result.summary_lines():
+        out.print(line, highlight=False, soft_wrap=True)

@@ -22,6 +22,7 @@ def encode(
     source: Annotated[str, typer.Argument(help="BF16 source checkpoint: a directory or a Hub repo id")],
     out_dir: Annotated[Path, typer.Option("--out", help="artifact directory to write")],
     observations: Annotated[Optional[Path], typer.Option(help="output directory of `glmquant observe`")] = None,
+    uncalibrated: Annotated[bool, typer.Option(help="encode without observations (identity Hessians)")] = False,
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
@@ -41,10 +42,11 @@ def encode(
     On N GPUs: torchrun --nproc-per-node N -m glmquant encode ... --device cuda (shared storage for --out).
     """
     resolved = resolve_source(source, revision)
-    cfg = EncodeConfig(source=resolved.path, out=out_dir, observations=observations, bits=bits, codebook=codebook,
-                       layout=layout, hessians=hessians, keep=keep, prune_plan=prune_plan, device=device,
-                       work_dir=work_dir, seed=seed, source_repo=source_repo or resolved.repo_id,
-                       source_revision=resolved.revision, experts_per_unit=experts_per_unit)
+    cfg = EncodeConfig(source=resolved.path, out=out_dir, observations=observations, uncalibrated=uncalibrated,
+                       bits=bits, codebook=codebook, layout=layout, hessians=hessians, keep=keep,
+                       prune_plan=prune_plan, device=device, work_dir=work_dir, seed=seed,
+                       source_repo=source_repo or resolved.repo_id, source_revision=resolved.revision,
+                       experts_per_unit=experts_per_unit)
     result = encode_artifact(cfg, console)
     if result is None:  # a rank other than 0 of a torchrun job: rank 0 writes and reports the artifact
         return

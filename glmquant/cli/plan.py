@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,7 +11,7 @@ from rich.table import Table
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.hub import CONFIG_FILES, resolve_source
-from glmquant.cli.common import HubRevision, JsonFlag, guarded, out
+from glmquant.cli.common import HubRevision, JsonFlag, guarded, out, print_json
 from glmquant.plan import load_source_shards, plan_to_json, summarize
 
 
@@ -42,7 +41,7 @@ def plan(
     result = plan_artifact(spec, layout, bits, codebook, shards)
     summary = summarize(result)
     if as_json:
-        out.print_json(json.dumps(plan_to_json(result, summary, tensors)))
+        print_json(plan_to_json(result, summary, tensors))
         return
     table = Table(title=f"{spec.architecture} → {layout} K{bits} {codebook}")
     table.add_column("role")

@@ -12,8 +12,9 @@ from rich.text import Text
 
 from glmquant.cli.common import console, guarded, out
 from glmquant.errors import UsageError
-from glmquant.servecheck import ALL_GATES, CaseResult, ServeCheckConfig, ServeCheckReport, serve_check
+from glmquant.servecheck import ALL_GATES, CaseResult, ServeCheckConfig, serve_check
 from glmquant.servecheck.config import REPORT_JSON, REPORT_MD
+from glmquant.servecheck.report import result_text, summary_table
 
 
 def register(app: typer.Typer) -> None:
@@ -40,10 +41,6 @@ def _cases_table(rows: list[list[str | Text]]) -> Table:
     return table
 
 
-def _result(passed: bool) -> Text:
-    return Text("PASS", style="green") if passed else Text("FAIL", style="red")
-
-
 class LiveTable:
     """The run's cases as rows of a rich table, redrawn as each case starts and ends."""
 
@@ -60,21 +57,12 @@ class LiveTable:
         ttft = r.timings.ttft_s if r and r.timings else None
         tps = r.decode_tps if r else None
         self.rows[(case.gate, case.name)] = [
-            case.gate, case.name, _result(case.passed), Text(case.reason),  # model text is never rich markup
+            case.gate, case.name, result_text(case.passed), Text(case.reason),  # model text is never rich markup
             "-" if ttft is None else f"{ttft:.2f}", "-" if tps is None else f"{tps:.1f}"]
         self.live.update(self.table())
 
     def table(self) -> Table:
         return _cases_table(list(self.rows.values()))
-
-
-def _summary(report: ServeCheckReport) -> Table:
-    table = Table(title=f"serve-check of {report.target}: {'PASS' if report.passed else 'FAIL'}")
-    for column in ("gate", "result", "summary"):
-        table.add_column(column, overflow="fold", no_wrap=column != "summary")
-    for gate in report.gates:
-        table.add_row(gate.name, _result(gate.passed), Text(gate.summary))
-    return table
 
 
 Opt = typer.Option
@@ -93,10 +81,12 @@ def serve_check_command(
     bf16_source: Annotated[Optional[Path], Opt(help="BF16 source checkpoint: enables the fidelity gate")] = None,
     kl_max: Annotated[float, Opt(help="fidelity: highest passing mean KL (nats)")] = 0.5,
     top1_min: Annotated[float, Opt(help="fidelity: lowest passing top-1 agreement (0-1)")] = 0.75,
+    min_decode_tps: Annotated[float, Opt(help="speed: lowest passing mean decode tok/s per stream")] = 5.0,
     panel_rows: Annotated[int, Opt(help="fidelity: panel rows")] = 4,
     panel_tokens: Annotated[int, Opt(help="fidelity: tokens per panel row")] = 256,
     panel_text: Annotated[Optional[Path], Opt(help="fidelity: a UTF-8 text file instead of the built-in panel")] = None,
-    tokenizer: Annotated[Optional[Path], Opt(help="the model's tokenizer directory (default: ARTIFACT)")] = None,
+    tokenizer: Annotated[Optional[Path], Opt(help="the model's tokenizer directory (default: ARTIFACT, else the "
+                                                  "endpoint's /tokenize)")] = None,
     max_tokens: Annotated[Optional[int], Opt(help="cap on generated tokens per request (default: none)")] = None,
     token_tolerance: Annotated[int, Opt(help="allowed |server - local| prompt tokens")] = 8,
     seed: Annotated[Optional[int], Opt(help="seed of nonces and needle values (default: random, recorded)")] = None,
@@ -110,13 +100,13 @@ def serve_check_command(
     config = ServeCheckConfig(
         artifact=artifact, endpoint=endpoint, model=model, gates=_csv(gates), needle_tokens=needle_tokens,
         speed_inputs=_ints(speed_inputs, "--speed-inputs"), concurrency=concurrency, bf16_source=bf16_source,
-        kl_max=kl_max, top1_min=top1_min, panel_rows=panel_rows, panel_tokens=panel_tokens, panel_text=panel_text,
-        out=out_dir, tokenizer=tokenizer, max_tokens=max_tokens, token_tolerance=token_tolerance, seed=seed,
-        timeout_s=timeout, device=device, api_key=api_key)
+        kl_max=kl_max, top1_min=top1_min, min_decode_tps=min_decode_tps, panel_rows=panel_rows,
+        panel_tokens=panel_tokens, panel_text=panel_text, out=out_dir, tokenizer=tokenizer, max_tokens=max_tokens,
+        token_tolerance=token_tolerance, seed=seed, timeout_s=timeout, device=device, api_key=api_key)
     with Live(console=console, refresh_per_second=4, transient=True) as live:
         cases = LiveTable(live)
         report = serve_check(config, cases)
     out.print(cases.table())
-    out.print(_summary(report))
+    out.print(summary_table(report))
     out.print(f"reports: {config.report_dir / REPORT_JSON}, {config.report_dir / REPORT_MD}")
     raise typer.Exit(0 if report.passed else 1)

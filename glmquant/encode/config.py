@@ -1,4 +1,4 @@
-"""The options of one encode job, built once at the CLI edge.
+"""The options of one encode job, built once at the CLI edge and checked here.
 
 Resuming a killed job (rerun the same command; the state lives in --work-dir, default ARTIFACT.work):
 
@@ -17,24 +17,31 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 
 import torch
 
-HESSIAN_MODES = ("natural", "all")
+from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS
+from glmquant.environment import exl3_backend
+from glmquant.errors import UsageError
+from glmquant.observe.config import check_device
+from glmquant.observe.hessians import HessianMode
+
+HESSIAN_MODES = (HessianMode.NATURAL, HessianMode.ALL)
 
 
 @dataclass(frozen=True)
 class EncodeConfig:
     source: Path
     out: Path
-    observations: Path | None = None  # None: uncalibrated (identity Hessians), reported as fallbacks
+    observations: Path | None = None  # `glmquant observe` output; None needs uncalibrated=True
+    uncalibrated: bool = False  # encode without observations (identity Hessians): asked for, never a silent default
     bits: int = 2
     codebook: str = "mcg"
     layout: str = "tr3"
-    hessians: str = "natural"
+    hessians: HessianMode = HessianMode.NATURAL
     keep: int | None = None  # REAP pruning: experts kept per layer, ranked by the observations' saliency
     prune_plan: Path | None = None  # or an explicit plan file
     device: str = "cpu"
@@ -44,6 +51,33 @@ class EncodeConfig:
     source_repo: str | None = None
     source_revision: str | None = None  # the Hub commit a repo-id source resolved to
     verify: bool = True
+    verified_at: str | None = None  # the manifest's timestamp (None: SOURCE_DATE_EPOCH, else the build's time)
+
+    def __post_init__(self) -> None:
+        if self.observations is None and not self.uncalibrated:
+            raise UsageError("no --observations: give the output of `glmquant observe`, or --uncalibrated to encode "
+                             "without calibration (identity Hessians, a much worse artifact)")
+        if self.observations is not None and self.uncalibrated:
+            raise UsageError("--uncalibrated and --observations exclude each other")
+        try:
+            object.__setattr__(self, "hessians", HessianMode(self.hessians))
+        except ValueError:
+            raise UsageError(f"--hessians must be natural or all, got {self.hessians!r}") from None
+        if self.hessians not in HESSIAN_MODES:
+            raise UsageError(f"--hessians must be natural or all (encode uses one), got {self.hessians.value!r}")
+        if self.layout not in LAYOUTS:
+            raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.codebook not in MARKER_PARTS:
+            raise UsageError(f"--codebook must be one of {', '.join(MARKER_PARTS)}, got {self.codebook!r}")
+        if not 1 <= self.bits <= 8:
+            raise UsageError(f"--bits must be 1..8, got {self.bits}")
+        for name, value in (("--keep", self.keep), ("--experts-per-unit", self.experts_per_unit)):
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be a positive integer, got {value}")
+        if self.keep is not None and self.prune_plan is not None:
+            raise UsageError("--keep and --prune-plan exclude each other")
+        check_device(self.device)
+        exl3_backend()
 
     @property
     def state_dir(self) -> Path:
@@ -53,8 +87,9 @@ class EncodeConfig:
         """What must not change between a killed run and its resume: every option that shapes the bytes, the
         device type and Viterbi backend (CPU and GPU arithmetic differ), and the hashes of the inputs' contents
         (`inputs`: source structure, observations, prune plan), not their paths."""
-        shaping = {k: str(v) for k, v in asdict(self).items()
-                   if k not in ("out", "work_dir", "verify", "source", "observations", "prune_plan")}
+        shaping = {k: v.value if isinstance(v, Enum) else str(v) for k, v in asdict(self).items()
+                   if k not in ("out", "work_dir", "verify", "source", "observations", "prune_plan",
+                                "uncalibrated", "verified_at")}
         shaping["device"] = torch.device(self.device).type
-        shaping["backend"] = os.environ.get("GLMQUANT_EXL3_BACKEND", "auto")
+        shaping["backend"] = exl3_backend() or "auto"
         return hashlib.sha256(json.dumps({**shaping, **inputs}, sort_keys=True).encode()).hexdigest()

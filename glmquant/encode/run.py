@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from glmquant.arch import classify, load_model_spec
@@ -19,17 +20,17 @@ from glmquant.checkpoint.artifact_writer import (
 from glmquant.checkpoint.layouts import ArtifactPlan, PlannedFile, plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.verify import VerifyReport, verify_artifact
-from glmquant.checkpoint.writer import atomic_write_text
+from glmquant.checkpoint.writer import atomic_write_text, remove_temp_files
 from glmquant.encode.config import EncodeConfig
 from glmquant.encode.hessians import HessianSource
 from glmquant.encode.distributed import Ranks, join, leave
-from glmquant.encode.layer import TensorReport, encode_units, layer_units
+from glmquant.encode.layer import encode_units, layer_units
 from glmquant.encode.provenance import build_provenance, job_inputs
 from glmquant.encode.pruning import resolve_keep
 from glmquant.encode.state import EncodeState
+from glmquant.encode.summary import LayerSummary, fallback_warnings, summarize_layer
 from glmquant.encode.units import UnitStore
-from glmquant.encode.summary import LayerSummary, summarize_layer
-from glmquant.errors import CheckpointFormatError
+from glmquant.errors import CheckpointFormatError, NumericalError
 
 SUMMARY_NAME = "encode-summary.json"
 
@@ -61,6 +62,13 @@ def _encode(cfg: EncodeConfig, console: Console, ranks: Ranks) -> EncodeResult |
                              {n: source.shard_of(n) for n in source.names()}, keep)
         state = EncodeState.load_or_new(cfg.state_dir, cfg.fingerprint(job_inputs(cfg, source, keep)))
         cfg.out.mkdir(parents=True, exist_ok=True)
+        if cfg.uncalibrated and ranks.is_main:
+            console.print("[yellow]warning:[/] --uncalibrated: every tensor is encoded without calibration "
+                          "(identity Hessians)", highlight=False)
+        if ranks.is_main:
+            for directory in (cfg.out, cfg.state_dir):  # what a killed run was writing (kill -9 runs no cleanup)
+                remove_temp_files(directory)
+        ranks.barrier()  # no rank writes before rank 0 has swept
         _encode_layers(cfg, plan, source, state, console, ranks)
         if not ranks.is_main:
             return None
@@ -68,7 +76,7 @@ def _encode(cfg: EncodeConfig, console: Console, ranks: Ranks) -> EncodeResult |
             console.print("copying retained tensors byte-for-byte")
             write_retained_shards(plan, source, cfg.out)
             state.finish_retained()
-        result = finalize_artifact(plan, source, cfg.out, build_provenance(cfg, source, keep))
+        result = finalize_artifact(plan, source, cfg.out, build_provenance(cfg, source, keep), cfg.verified_at)
     report = None
     if cfg.verify:
         report = verify_artifact(cfg.out, expect_sha256=result.manifest_sha256, fast=False)
@@ -85,7 +93,7 @@ def _encode_layers(cfg: EncodeConfig, plan: ArtifactPlan, source: SourceCheckpoi
                    console: Console, ranks: Ranks) -> None:
     """Encode this rank's units of the unfinished layers into unit files; rank 0 turns every layer whose units
     are all done into artifact files as soon as it can (and the rest after the ranks meet)."""
-    assembler = _Assembler(cfg, plan, source, state)
+    assembler = _Assembler(cfg, plan, source, state, console)
     store = assembler.store
     units = [(layer, u, slices) for layer in assembler.todo
              for u, slices in enumerate(layer_units(plan, layer, cfg.experts_per_unit))]
@@ -101,7 +109,11 @@ def _encode_layers(cfg: EncodeConfig, plan: ArtifactPlan, source: SourceCheckpoi
         task = bar.add_task(label, total=sum(len(s) for _, _, s in mine), rate="")
         started = t0 = time.monotonic()
         encoded_units = encode_units(plan, [(layer, s) for layer, _, s in mine], source, views, cfg.seed, device)
-        for (layer, u, _), encoded in zip(mine, encoded_units):
+        for layer, u, _ in mine:
+            try:
+                encoded = next(encoded_units)
+            except NumericalError as exc:
+                raise NumericalError(f"layer {layer}: {exc} (finished work units are kept; rerun to resume)") from None
             now = time.monotonic()
             store.write(layer, u, encoded, now - t0)
             t0 = now
@@ -122,8 +134,9 @@ class _Assembler:
     """Rank 0's side: layers whose units are all on disk become artifact files, in layer order; an expert file
     is written as soon as every layer it holds is assembled."""
 
-    def __init__(self, cfg: EncodeConfig, plan: ArtifactPlan, source: SourceCheckpoint, state: EncodeState) -> None:
-        self.cfg, self.plan, self.source, self.state = cfg, plan, source, state
+    def __init__(self, cfg: EncodeConfig, plan: ArtifactPlan, source: SourceCheckpoint, state: EncodeState,
+                 console: Console) -> None:
+        self.cfg, self.plan, self.source, self.state, self.console = cfg, plan, source, state, console
         self.store = UnitStore(cfg.state_dir / "units")
         self.expert_files = [f for f in plan.files if has_expert_parts(f)]
         self.layers_of = {f.path: {t.expert.layer for t in f.tensors if t.expert} for f in self.expert_files}
@@ -133,7 +146,6 @@ class _Assembler:
         self.written = {f.path for f in self.expert_files if self.layers_of[f.path] <= self.done}
         self.units = {layer: len(layer_units(plan, layer, cfg.experts_per_unit)) for layer in self.todo}
         self.pending: dict[str, torch.Tensor] = {}
-        self.loaded: dict[int, tuple[list[TensorReport], float]] = {}
 
     def assemble_ready(self) -> None:
         for layer in self.todo:
@@ -148,6 +160,8 @@ class _Assembler:
                 reports += encoded.reports
                 seconds += unit_seconds
             self.done.add(layer)
+            for line in fallback_warnings(reports):
+                self.console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
             bytes_written = 0
             for f in self.expert_files:
                 if f.path not in self.written and self.layers_of[f.path] <= self.done:

@@ -33,6 +33,32 @@ def summarize_layer(layer: int, reports: list[TensorReport], seconds: float, byt
                         round(seconds, 3), bytes_written)
 
 
+# What each fallback means, for the warning that names its tensor (the codec's labels and encode/hessians.py's).
+FALLBACK_MEANINGS = {
+    "no_tokens:all": "no calibration token was routed to this expert: encoded with the all-token Hessian",
+    "no_tokens:identity": "no calibration token was routed to this expert and there is no all-token Hessian: "
+                          "encoded uncalibrated",
+    "no_hessian": "no Hessian: encoded uncalibrated",
+    "nonfinite_hessian": "the Hessian holds NaN or Inf: encoded uncalibrated",
+    "negative_hessian": "the Hessian's diagonal is negative (no E[x x^T] is): encoded uncalibrated",
+    "zero_hessian": "the Hessian is zero (no input reached it): encoded uncalibrated",
+    "cholesky_failed": "the Hessian could not be factored even with extra damping: encoded uncalibrated",
+}
+
+
+def fallback_warnings(reports: list[TensorReport]) -> list[str]:
+    """One line per tensor encoded with a fallback, naming it and saying what was done instead."""
+    lines = []
+    for r in reports:
+        if r.fallback is None or r.fallback == "uncalibrated":  # --uncalibrated was asked for, and said once
+            continue
+        retries = r.fallback.removeprefix("cholesky_retry:")
+        meaning = (f"the Hessian needed {retries} extra damping step(s) to factor" if retries != r.fallback
+                   else FALLBACK_MEANINGS.get(r.fallback, r.fallback))
+        lines.append(f"{r.name}: {r.fallback} ({meaning})")
+    return lines
+
+
 def summary_table(layers: list[LayerSummary]) -> Table:
     table = Table(title="encode summary")
     for column in ("layer", "tensors", "mean proxy err", "worst tensor", "worst", "fallbacks", "s", "bytes"):

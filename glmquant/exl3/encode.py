@@ -14,11 +14,16 @@ from glmquant.exl3.hadamard import had_left, had_right
 from glmquant.exl3.hessian import PreparedHessian, pad_hessian, prepare_hessian
 from glmquant.exl3.ldlq import ldlq
 from glmquant.exl3.refit import refit_scales
-from glmquant.exl3.regularize import LDLQ_DRIFT, regularize, sample_tiles
+from glmquant.errors import NumericalError
+from glmquant.exl3.regularize import LDLQ_DRIFT, balance_scales, regularize, sample_tiles
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch, search_scales
 from glmquant.exl3.tensor import EXL3Tensor, padded
 from glmquant.exl3.timing import stage
 from glmquant.exl3.trellis import pack_trellis
+
+
+FP16_MAX = 65504.0
+FP16_SMALLEST_RMS = 2.0**-17  # a weight this small keeps ~1 % precision in float16's subnormals; smaller, less
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,8 @@ class EncodedLinear:
 
     tensor: EXL3Tensor
     proxy_error: float
-    fallback: str | None  # None, "no_hessian", "nonfinite_hessian", "zero_hessian", "cholesky_retry:N", "cholesky_failed"
+    # None, "no_hessian", "nonfinite_hessian", "negative_hessian", "zero_hessian", "cholesky_retry:N", "cholesky_failed"
+    fallback: str | None
 
 
 @dataclass
@@ -64,8 +70,11 @@ def _prepare(
 ) -> _Job:
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a 2-D float tensor (out_features, in_features), got {weight.dtype} {tuple(weight.shape)}")
+    if weight.numel() == 0:
+        raise ValueError(f"weight {tuple(weight.shape)} has no elements; EXL3 encodes a non-empty matrix")
     if not torch.isfinite(weight).all():
         raise ValueError(f"weight {tuple(weight.shape)} contains NaN or Inf values; EXL3 cannot encode it")
+    _check_fp16_range(weight)
     out_f, in_f = weight.shape
     if hessian is not None and tuple(hessian.shape) != (in_f, in_f):
         raise ValueError(f"hessian must have shape ({in_f}, {in_f}) for a weight of shape {tuple(weight.shape)}, got {tuple(hessian.shape)}")
@@ -86,18 +95,33 @@ def _prepare(
     return _Job(weight, hessian, w, prep, w_reg, su, sv)
 
 
+def _check_fp16_range(weight: torch.Tensor) -> None:
+    """EXL3 decodes in float16: a weight beyond its range, or below what it resolves, cannot be stored."""
+    w = weight.detach().float()
+    peak, rms = w.abs().max().item(), w.square().mean().sqrt().item()
+    if peak >= FP16_MAX:
+        raise NumericalError(f"weight {tuple(weight.shape)} reaches |w| = {peak:.4g}, beyond the float16 range "
+                             f"(65,504) that EXL3 decodes in; rescale the model's weights before encoding")
+    if 0 < rms < FP16_SMALLEST_RMS:
+        raise NumericalError(f"weight {tuple(weight.shape)} has RMS {rms:.3g}, below what float16 (which EXL3 decodes "
+                             f"in) resolves: it would decode to mostly zeros")
+
+
 def _finish(job: _Job, q: torch.Tensor, states: torch.Tensor, bits: int, codebook: Codebook) -> EncodedLinear:
     su, sv = job.su, job.sv
     if job.prep.hessian is not None:
         with stage("finish.refit", job.w.device):
             wq = had_right(had_left(q) * su[:, None]) * sv[None, :]
             su, sv = refit_scales(job.w, wq, job.prep.hessian, su, sv)
+    su, sv = balance_scales(su, sv)
     out_f, in_f = job.weight.shape
     on_device = EXL3Tensor(pack_trellis(states, bits), su.half(), sv.half(), codebook, in_f, out_f)
+    decoded = decode_weight(on_device, torch.float32)  # decoded where it was encoded
+    if not torch.isfinite(decoded).all():
+        raise NumericalError(f"weight {tuple(job.weight.shape)} decodes to non-finite values in float16")
     used = job.hessian if job.prep.ldl is not None else None
-    error = proxy_error(job.weight, decode_weight(on_device, torch.float32), used)  # decoded where it was encoded
     tensor = EXL3Tensor(on_device.trellis.cpu(), on_device.suh.cpu(), on_device.svh.cpu(), codebook, in_f, out_f)
-    return EncodedLinear(tensor, error, job.prep.fallback)
+    return EncodedLinear(tensor, proxy_error(job.weight, decoded, used), job.prep.fallback)
 
 
 def encode_linears(

@@ -52,6 +52,8 @@ def prepare_hessian(hessian: torch.Tensor | None, su_signs: torch.Tensor) -> Pre
     if not torch.isfinite(hessian).all():
         return PreparedHessian(None, None, "nonfinite_hessian")
     diag_mean = hessian.diagonal().mean().item()
+    if diag_mean < 0:  # E[x x^T] has a nonnegative diagonal: this is no input Hessian (a sign or data error)
+        return PreparedHessian(None, None, "negative_hessian")
     if diag_mean < 1e-20:
         return PreparedHessian(None, None, "zero_hessian")
     h = hessian.clone()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from glmquant.exl3.codebooks import CODEBOOK_SCALE
@@ -10,6 +12,10 @@ from glmquant.exl3.trellis import RING_ORDER
 
 # LDLQ feedback inflates the tiles the quantizer sees; the scale search anticipates it (ExLlamaV3 1.6.5).
 LDLQ_DRIFT = {1: 1.08, 2: 1.018, 3: 1.004}
+
+
+# Stored scales whose RMS leaves [2^-10, 2^10] are rebalanced (ordinary weights keep ExLlamaV3's exact scales).
+BALANCED_SCALE_RANGE = (2.0**-10, 2.0**10)
 
 
 def _rms(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -34,6 +40,21 @@ def regularize(w: torch.Tensor, su_signs: torch.Tensor, sv_signs: torch.Tensor) 
     row = torch.where(row.abs() < 1e-30, torch.full_like(row, 0.1), row)
     su = su_signs * row / (-CODEBOOK_SCALE) + 1e-10
     return had_left(w / su[:, None]), su, sv
+
+
+def balance_scales(su: torch.Tensor, sv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move a power of two between su and sv so both sit near the same magnitude before they are stored in fp16.
+
+    su carries the whole weight scale, so a weight of RMS 1e4 (or 1e-5) puts su, and the decoder's intermediate
+    had(Q) * su, past fp16's range (or into its subnormals). A power of two leaves every product su_i * sv_j, and so
+    the decoded weight, exactly as it was.
+    """
+    rms_u, rms_v = _rms(su, 0).item(), _rms(sv, 0).item()
+    low, high = BALANCED_SCALE_RANGE
+    if rms_u == 0 or rms_v == 0 or low <= rms_u <= high:
+        return su, sv
+    shift = round(math.log2(rms_u / rms_v) / 2)
+    return su * 2.0**-shift, sv * 2.0**shift
 
 
 def sample_tiles(w: torch.Tensor, width: int = 3) -> torch.Tensor:

@@ -87,3 +87,5 @@ def _validate(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, k: in
             raise ValueError(f"{name} must be float16, got {vec.dtype}")
         if tuple(vec.shape) != (size,):
             raise ValueError(f"{name} has shape {tuple(vec.shape)}, expected ({size},)")
+        if not torch.isfinite(vec).all():
+            raise ValueError(f"{name} contains NaN or Inf values")

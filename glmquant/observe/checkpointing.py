@@ -20,7 +20,7 @@ import torch
 
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.tensor_bytes import dtype_name
-from glmquant.checkpoint.writer import atomic_write_text, write_safetensors
+from glmquant.checkpoint.writer import atomic_write_text, remove_temp_files, write_safetensors
 from glmquant.errors import UsageError
 from glmquant.observe.tensor_file import chunk_streamer, read_rows
 
@@ -76,8 +76,7 @@ def write_state(obs: Path, fingerprint: Mapping[str, Any], next_layer: int) -> N
 def clean_stale(obs: Path) -> None:
     """Remove temp files a killed job left behind (they never replaced a real file)."""
     for directory in (obs, state_dir(obs)):
-        for tmp in directory.glob(".*.tmp-*") if directory.is_dir() else ():
-            tmp.unlink()
+        remove_temp_files(directory)
 
 
 def drop_hidden(obs: Path, layer: int) -> None:

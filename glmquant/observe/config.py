@@ -42,12 +42,17 @@ class ObserveConfig:
             raise UsageError(f"--batch-rows must be a positive integer, got {self.batch_rows}")
         if self.keep is not None and self.keep < 1:
             raise UsageError(f"--keep must be a positive integer, got {self.keep}")
-        try:
-            kind = torch.device(self.device).type
-        except RuntimeError:
-            kind = None
-        if kind not in ("cpu", "cuda"):
-            raise UsageError(f"--device must be cpu or cuda (or cuda:N), got {self.device!r}")
+        check_device(self.device)
+
+
+def check_device(device: str) -> None:
+    """A stage runs on the CPU or a CUDA device; anything else is refused before any work."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda (or cuda:N), got {device!r}")
 
 
 def fingerprint(config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtype) -> dict[str, Any]:

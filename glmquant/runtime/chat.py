@@ -4,8 +4,9 @@ Text goes through the tokenizer's chat template (with `tools` and template kwarg
 `enable_thinking`). Image and video parts (data: URLs only: the server fetches nothing) are decoded and
 handed to transformers' `Glm5NextProcessor`, which expands each `<|image|>` / `<|video|>` placeholder to
 the vision tower's token count and produces pixel_values / *_grid_thw for the prefill forward.
-transformers' video processor needs torchvision, and decoding a video needs PyAV or OpenCV; where they
-are missing, video parts are refused with a clear message and images still work.
+transformers' video processor needs torchvision (`pip install 'glmquant[video]'`), and decoding a video needs
+PyAV (a dependency) or OpenCV; where they are missing, video parts are refused with MissingDependencyError (the
+server answers 501: its gap, not the request's) and images still work.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmquant.errors import UsageError
+from glmquant.errors import MissingDependencyError, UsageError
 from glmquant.runtime.generate import PromptInputs
 from glmquant.glm_tags import OUTPUT_MARKUP
 from glmquant.runtime.glm_output import THINK_CLOSE, THINK_OPEN
@@ -93,7 +94,8 @@ class ChatFormat:
         if self.processor is None:
             raise UsageError("this model has no vision tower: image and video content is not accepted")
         if media.videos and self.processor.video_processor is None:
-            raise UsageError("video input needs transformers' video processor, which needs torchvision (not installed)")
+            raise MissingDependencyError("video input needs transformers' video processor, which needs torchvision: "
+                                         "install it on the server (pip install 'glmquant[video]')")
         images = [_decode_image(url) for url in media.images]
         decoded = [_decode_video(url) for url in media.videos]
         videos, metadata = [v for v, _ in decoded], [m for _, m in decoded]
@@ -203,7 +205,8 @@ def _decode_video(url: str) -> tuple[Any, Any]:
 
     backend = next((name for name, module in VIDEO_DECODERS if importlib.util.find_spec(module)), None)
     if backend is None:
-        raise UsageError("video input needs a video decoder: install av (PyAV) or opencv-python-headless")
+        raise MissingDependencyError("video input needs a video decoder: install av (PyAV) or opencv-python-headless "
+                                     "on the server")
     with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
         f.write(_data_url_bytes(url))
         f.flush()

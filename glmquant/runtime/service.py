@@ -24,7 +24,7 @@ import torch
 
 from glmquant.checkpoint.manifest import MANIFEST_NAME
 from glmquant.checkpoint.model_card import artifact_model_name
-from glmquant.errors import UsageError
+from glmquant.errors import MissingDependencyError, UsageError
 from glmquant.runtime.chat import ChatFormat, RenderedPrompt
 from glmquant.runtime.generate import Generation, PromptInputs, SamplingParams, generate, stop_token_ids
 from glmquant.runtime.glm_output import Delta, GlmOutputParser, ParsedOutput, collect
@@ -231,6 +231,8 @@ class ModelService:
                 template_kwargs: Mapping[str, Any] | None) -> RenderedPrompt:
         try:
             return self.chat.render(messages, tools, template_kwargs)
+        except MissingDependencyError as exc:  # the server lacks a package: its gap, not a bad request
+            raise ApiError(501, str(exc), "messages", type="server_error") from None
         except UsageError as exc:
             raise ApiError(400, str(exc), "messages") from None
 

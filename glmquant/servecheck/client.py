@@ -37,6 +37,15 @@ class ChatClient:
             raise UsageError(f"{self.base_url}: the server lists no models; name one with --model")
         return models[0].id
 
+    def max_model_len(self, model: str) -> int | None:
+        """The context length the server states for `model` in its listing (vLLM's `max_model_len`), if any."""
+        try:
+            entry = next((m for m in self._client.models.list() if m.id == model), None)
+        except openai.APIError:
+            return None
+        value = (entry.model_extra or {}).get("max_model_len") if entry is not None else None
+        return value if isinstance(value, int) and value > 0 else None
+
     def complete(self, model: str, request: ChatRequest) -> ChatResult:
         """Send one request at temperature 0 and collect the stream; transport failures become `error`."""
         kwargs: dict[str, Any] = {"model": model, "messages": list(request.messages), "temperature": 0,

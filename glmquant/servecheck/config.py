@@ -13,9 +13,10 @@ REPORT_JSON, REPORT_MD = "serve-check.json", "serve-check.md"
 
 @dataclass(frozen=True)
 class ServeCheckConfig:
-    """`gates=()` selects every gate, fidelity only when a BF16 source is given. `max_tokens=None` sends no
-    limit (as the gates doc asks); tiny models that never stop need one. `seed=None` draws a fresh nonce
-    seed (recorded in the report, so a run can be repeated with it)."""
+    """`gates=()` selects every gate, fidelity only when a BF16 source is given; `deselected_reason` says why the
+    others are skipped. `max_tokens=None` sends no limit (as the gates doc asks); tiny models that never stop need
+    one. `seed=None` draws a fresh nonce seed (recorded in the report, so a run can be repeated with it). Prompts
+    are sized with `tokenizer` (default: the artifact's), else with the endpoint's `/tokenize`."""
 
     artifact: Path | None = None
     endpoint: str | None = None
@@ -27,6 +28,7 @@ class ServeCheckConfig:
     bf16_source: Path | None = None
     kl_max: float = 0.5
     top1_min: float = 0.75
+    min_decode_tps: float = 5.0  # speed: the slowest passing mean decode tok/s of a cell's streams
     panel_rows: int = 4
     panel_tokens: int = 256
     panel_text: Path | None = None
@@ -38,6 +40,7 @@ class ServeCheckConfig:
     timeout_s: float = 1800.0
     device: str = "cpu"
     api_key: str = "EMPTY"
+    deselected_reason: str = "not selected (--gates)"
 
     def __post_init__(self) -> None:
         if (self.artifact is None) == (self.endpoint is None):
@@ -48,10 +51,6 @@ class ServeCheckConfig:
         if "fidelity" in self.selected_gates and (self.bf16_source is None or self.artifact is None):
             raise UsageError("the fidelity gate runs the artifact in-process against its BF16 source: "
                              "give ARTIFACT (not --endpoint) and --bf16-source DIR")
-        needs_tokenizer = sorted(set(self.selected_gates) & {"needle", "speed", "fidelity"})
-        if needs_tokenizer and self.tokenizer_dir is None:
-            raise UsageError(f"gate(s) {', '.join(needs_tokenizer)} size prompts with the model's tokenizer: "
-                             "give --tokenizer DIR (a directory with the model's tokenizer files)")
         for name, value in (("--needle-tokens", self.needle_tokens), ("--concurrency", self.concurrency),
                             ("--panel-rows", self.panel_rows), ("--panel-tokens", self.panel_tokens)):
             if value < 1:
@@ -62,12 +61,38 @@ class ServeCheckConfig:
             raise UsageError(f"--max-tokens must be >= 1, got {self.max_tokens}")
         if self.kl_max <= 0 or not 0 <= self.top1_min <= 1:
             raise UsageError(f"--kl-max must be > 0 and --top1-min in [0, 1], got {self.kl_max}, {self.top1_min}")
+        if self.min_decode_tps < 0:
+            raise UsageError(f"--min-decode-tps must be >= 0, got {self.min_decode_tps}")
 
     @property
     def selected_gates(self) -> tuple[str, ...]:
         if self.gates:
             return tuple(g for g in ALL_GATES if g in self.gates)
         return tuple(g for g in ALL_GATES if g != "fidelity" or self.bf16_source is not None)
+
+    @property
+    def skipped_gates(self) -> dict[str, str]:
+        """Every gate that will not run, and why."""
+        selected = self.selected_gates
+        return {g: ("needs --bf16-source DIR and ARTIFACT (it runs the artifact in-process)"
+                    if g == "fidelity" and self.bf16_source is None and not self.gates else self.deselected_reason)
+                for g in ALL_GATES if g not in selected}
+
+    @property
+    def thresholds(self) -> dict[str, str]:
+        """What each selected gate passes on."""
+        rules = {
+            "text": "content exactly FINAL_BASELINE_OK, finish stop",
+            "tools": "exactly one get_weather call with {city: Paris, country: France}",
+            "multilingual": "each echo exact, finish stop",
+            "images": "each JSON answer exact", "video": "each JSON answer exact",
+            "needle": f"all 4 values exact, finish stop, server prompt tokens within {self.token_tolerance} of the "
+                      f"local count, no prefix-cache hit",
+            "speed": f"every stream completes with usage, prompt tokens within {self.token_tolerance}, mean decode "
+                     f">= {self.min_decode_tps:g} tok/s",
+            "fidelity": f"mean KL <= {self.kl_max:g} nats and top-1 agreement >= {self.top1_min:g}",
+        }
+        return {g: rules[g] for g in self.selected_gates}
 
     @property
     def tokenizer_dir(self) -> Path | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from glmquant.errors import UsageError
-from glmquant.servecheck.tokens import PromptTokenizer
+from glmquant.servecheck.tokens import Tokenizer
 
 _SUBJECTS = ("The harbour master", "A travelling merchant", "The village baker", "An old cartographer",
              "The night watchman", "A young botanist", "The river ferryman", "A quiet librarian",
@@ -79,7 +79,7 @@ class Filler:
         return Filler(self.sentences[:n], self.lengths[:n])
 
 
-def fit_filler(tokenizer: PromptTokenizer, render: Render, target: int, seed: int) -> tuple[Filler, int]:
+def fit_filler(tokenizer: Tokenizer, render: Render, target: int, seed: int) -> tuple[Filler, int]:
     """The filler whose rendered prompt has `target` tokens (or just below), and that prompt's exact count."""
     base = tokenizer.count(render(Filler((), ())))
     if base > target:
@@ -100,7 +100,7 @@ def fit_filler(tokenizer: PromptTokenizer, render: Render, target: int, seed: in
     return _settle(tokenizer, render, Filler(tuple(sentences), tuple(lengths)), target)
 
 
-def _settle(tokenizer: PromptTokenizer, render: Render, filler: Filler, target: int) -> tuple[Filler, int]:
+def _settle(tokenizer: Tokenizer, render: Render, filler: Filler, target: int) -> tuple[Filler, int]:
     """Replace the estimate by exact counts: trim while over the target, then pad up to it."""
     count = tokenizer.count(render(filler))
     for _ in range(_SETTLE_ROUNDS):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from glmquant.servecheck.chat import ChatRequest, ChatResult
 from glmquant.servecheck.haystack import Filler, fit_filler
 from glmquant.servecheck.scoring import Verdict, score_json_answer
-from glmquant.servecheck.tokens import PromptTokenizer
+from glmquant.servecheck.tokens import Tokenizer
 
 NAMES = ("amber", "birch", "cobalt", "dahlia")
 DEPTHS = (0.05, 0.35, 0.65, 0.95)
@@ -36,7 +36,7 @@ def _hex16(rng: random.Random) -> str:
     return f"{rng.getrandbits(64):016x}"
 
 
-def build_needle_prompt(tokenizer: PromptTokenizer, target_tokens: int, seed: int,
+def build_needle_prompt(tokenizer: Tokenizer, target_tokens: int, seed: int,
                         max_tokens: int | None = None) -> NeedlePrompt:
     """A chat request of `target_tokens` prompt tokens (counted with the model's template) with 4 needles."""
     rng = random.Random(seed)
@@ -51,6 +51,11 @@ def build_needle_prompt(tokenizer: PromptTokenizer, target_tokens: int, seed: in
 
     filler, count = fit_filler(tokenizer, messages, target_tokens, seed)
     msgs = messages(filler)
+    if not tokenizer.renders:  # the server's /tokenize: depths from the filler's own token counts, no positions
+        before = [sum(filler.lengths[: filler.index_at(depth)]) for depth in DEPTHS]
+        total = max(sum(filler.lengths), 1)
+        return NeedlePrompt(ChatRequest(msgs, max_tokens=max_tokens), expected, nonce, count, (),
+                            tuple(b / total for b in before))
     rendered = tokenizer.render(msgs)
     body = rendered.index(head) + len(head)
     start, end = tokenizer.count_text(rendered[:body]), tokenizer.count_text(rendered[:rendered.index(QUESTION)])

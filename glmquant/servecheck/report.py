@@ -8,6 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+from rich.text import Text
+
 from glmquant.servecheck.chat import ChatResult
 from glmquant.servecheck.config import REPORT_JSON, REPORT_MD
 from glmquant.servecheck.results import CaseResult, ServeCheckReport
@@ -35,9 +38,9 @@ def report_json(report: ServeCheckReport) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION, "passed": report.passed, "target": report.target, "model": report.model,
         "started_at": report.started_at, "finished_at": report.finished_at, "seed": report.seed,
-        "settings": report.settings,
+        "settings": report.settings, "skipped_gates": report.skipped, "thresholds": report.thresholds,
         "gates": [{
-            "name": g.name, "passed": g.passed, "summary": g.summary, "error": g.error,
+            "name": g.name, "passed": g.passed, "summary": g.summary, "error": g.error, "notes": list(g.notes),
             "cases": [{"name": c.name, "passed": c.passed, "reason": c.reason, "expected": _plain(c.expected),
                        "got": _plain(c.got), "metrics": c.metrics,
                        "responses": [response_json(r) for r in c.responses]} for c in g.cases],
@@ -74,10 +77,13 @@ def report_markdown(report: ServeCheckReport) -> str:
     lines = [f"# serve-check: {'PASS' if report.passed else 'FAIL'}", "",
              f"- target: `{report.target}`", f"- model: `{report.model}`",
              f"- started {report.started_at}, finished {report.finished_at}", f"- seed: {report.seed}", "",
-             "| gate | result | summary |", "|---|---|---|"]
-    lines += [f"| {g.name} | {'PASS' if g.passed else 'FAIL'} | {_cell(g.summary)} |" for g in report.gates]
+             "| gate | result | summary | passes on |", "|---|---|---|---|"]
+    lines += [f"| {g.name} | {'PASS' if g.passed else 'FAIL'} | {_cell(g.summary)} | "
+              f"{_cell(report.thresholds.get(g.name, '-'))} |" for g in report.gates]
+    lines += [f"| {name} | SKIP | {_cell(why)} | - |" for name, why in report.skipped.items()]
     for gate in report.gates:
         lines += ["", f"## {gate.name}", ""]
+        lines += [f"- {_cell(note)}" for note in gate.notes] + ([""] if gate.notes else [])
         if gate.error is not None:
             lines.append(f"could not run: {gate.error}")
             continue
@@ -89,6 +95,23 @@ def report_markdown(report: ServeCheckReport) -> str:
             lines += ["", "| case | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
             lines += [f"| {c.name} | " + " | ".join(_num(c.metrics.get(k), 4) for k in keys) + " |" for c in measured]
     return "\n".join(lines) + "\n"
+
+
+def result_text(passed: bool) -> Text:
+    return Text("PASS", style="green") if passed else Text("FAIL", style="red")
+
+
+def summary_table(report: ServeCheckReport) -> Table:
+    """Every gate: its result and summary with any notes, what it passes on; skipped gates and why."""
+    table = Table(title=f"serve-check of {report.target}: {'PASS' if report.passed else 'FAIL'}")
+    for column in ("gate", "result", "summary", "passes on"):
+        table.add_column(column, overflow="fold", no_wrap=column in ("gate", "result"))
+    for gate in report.gates:
+        summary = "; ".join((gate.summary, *gate.notes))
+        table.add_row(gate.name, result_text(gate.passed), Text(summary), Text(report.thresholds.get(gate.name, "-")))
+    for name, why in report.skipped.items():
+        table.add_row(name, Text("SKIP", style="yellow"), Text(why), "-")
+    return table
 
 
 def write_report(report: ServeCheckReport, directory: Path) -> tuple[Path, Path]:

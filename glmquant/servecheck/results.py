@@ -27,6 +27,7 @@ class GateResult:
     name: str
     cases: tuple[CaseResult, ...]
     error: str | None = None  # the gate could not run at all (bad fixture, missing tokenizer, ...)
+    notes: tuple[str, ...] = ()  # cells skipped or resized, and why (e.g. the endpoint's max_model_len)
 
     @property
     def passed(self) -> bool:
@@ -51,6 +52,8 @@ class ServeCheckReport:
     seed: int
     settings: dict[str, Any]  # the run's configuration, as plain JSON values
     gates: tuple[GateResult, ...]
+    skipped: dict[str, str] = field(default_factory=dict)  # gate -> why it did not run
+    thresholds: dict[str, str] = field(default_factory=dict)  # gate -> what it passes on
 
     @property
     def passed(self) -> bool:

@@ -21,7 +21,9 @@ from glmquant.servecheck.panel import panel_ids
 from glmquant.servecheck.report import write_report
 from glmquant.servecheck.results import CaseResult, GateResult, ServeCheckReport
 from glmquant.servecheck.speed import build_speed_requests, run_cell, score_cell
-from glmquant.servecheck.tokens import PromptTokenizer
+from glmquant.servecheck.tokens import PromptTokenizer, ServerTokenizer, Tokenizer
+
+ANSWER_RESERVE = 1024  # context tokens left for the answer when --max-tokens does not say
 
 
 class Observer(Protocol):
@@ -72,13 +74,31 @@ class _Run:
     observer: Observer
     client: ChatClient | None = None
     model: str = ""
-    _tokenizer: PromptTokenizer | None = None
+    base_url: str = ""
+    max_model_len: int | None = None  # the endpoint's context length, when its model listing states one
+    notes: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    _tokenizer: Tokenizer | None = None
 
     @property
-    def tokenizer(self) -> PromptTokenizer:
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer files if at hand, else the endpoint's /tokenize."""
         if self._tokenizer is None:
-            self._tokenizer = PromptTokenizer.from_dir(self.config.tokenizer_dir)  # type: ignore[arg-type]
+            directory = self.config.tokenizer_dir
+            self._tokenizer = (PromptTokenizer.from_dir(directory) if directory is not None else
+                               ServerTokenizer(self.base_url.removesuffix("/v1"), self.model, self.config.timeout_s))
         return self._tokenizer
+
+    def fits(self, gate: str, prompt_tokens: int) -> int | None:
+        """The prompt size a cell can use within the endpoint's max_model_len (None: skip it), noted when cut."""
+        reserve = self.config.max_tokens or ANSWER_RESERVE
+        if self.max_model_len is None or prompt_tokens + reserve <= self.max_model_len:
+            return prompt_tokens
+        room = self.max_model_len - reserve
+        verdict = f"sized to {room}" if gate == "needle" and room > 0 else "skipped"
+        self.notes.setdefault(gate, []).append(
+            f"{prompt_tokens}-token prompt {verdict}: the endpoint's max_model_len is {self.max_model_len}, "
+            f"{reserve} tokens kept for the answer")
+        return room if verdict != "skipped" else None
 
     def send(self, request: ChatRequest) -> ChatResult:
         assert self.client is not None
@@ -97,8 +117,11 @@ class _Run:
 
     def needle(self) -> list[CaseResult]:
         cfg = self.config
-        self.observer.started("needle", f"{cfg.needle_tokens} tokens")
-        prompt = build_needle_prompt(self.tokenizer, cfg.needle_tokens, self.seed, cfg.max_tokens)
+        target = self.fits("needle", cfg.needle_tokens)
+        if target is None:
+            return []
+        self.observer.started("needle", f"{target} tokens")
+        prompt = build_needle_prompt(self.tokenizer, target, self.seed, cfg.max_tokens)
         result = self.send(prompt.request)
         verdict = score_needle(result, prompt, cfg.token_tolerance)
         metrics = {"local_prompt_tokens": prompt.prompt_tokens,
@@ -106,17 +129,19 @@ class _Run:
                    "cached_tokens": result.usage.cached_tokens if result.usage else None,
                    "needle_positions": list(prompt.positions), "needle_depths": [round(d, 4) for d in prompt.depths],
                    "nonce": prompt.nonce}
-        return [self.record(CaseResult("needle", f"{cfg.needle_tokens} tokens", verdict.passed, verdict.reason,
+        return [self.record(CaseResult("needle", f"{target} tokens", verdict.passed, verdict.reason,
                                        prompt.expected, verdict.got, (result,), metrics))]
 
     def speed(self) -> list[CaseResult]:
         cfg, out = self.config, []
         for n in cfg.speed_inputs:
+            if self.fits("speed", n) is None:
+                continue
             name = f"{n} in x{cfg.concurrency}"
             self.observer.started("speed", name)
             requests = build_speed_requests(self.tokenizer, n, cfg.concurrency, self.seed + n, cfg.max_tokens)
             results, wall = run_cell(self.send, requests)
-            verdict, metrics = score_cell(results, requests, wall, cfg.token_tolerance)
+            verdict, metrics = score_cell(results, requests, wall, cfg.token_tolerance, cfg.min_decode_tps)
             out.append(self.record(CaseResult("speed", name, verdict.passed, verdict.reason, None, None,
                                               tuple(results), dataclasses.asdict(metrics))))
         return out
@@ -140,11 +165,12 @@ class _Run:
         try:
             if name in CHAT_GATES:
                 return GateResult(name, tuple(self.chat_case(c) for c in CHAT_GATES[name](self.config.max_tokens)))
-            return GateResult(name, tuple(runners[name]()))
+            cases = tuple(runners[name]())
+            return GateResult(name, cases, notes=tuple(self.notes.get(name, ())))
         except UsageError:
             raise
         except GlmquantError as exc:
-            return GateResult(name, (), error=str(exc))
+            return GateResult(name, (), error=str(exc), notes=tuple(self.notes.get(name, ())))
 
 
 def _settings(config: ServeCheckConfig) -> dict[str, object]:
@@ -163,13 +189,14 @@ def serve_check(config: ServeCheckConfig, observer: Observer | None = None) -> S
     if served:
         with _server(config) as base_url, contextlib.closing(ChatClient(base_url, config.api_key,
                                                                         config.timeout_s)) as client:
-            run.client = client
+            run.client, run.base_url = client, base_url
             run.model = config.model or client.first_model()
+            run.max_model_len = client.max_model_len(run.model)
             gates += [run.gate(g) for g in served]
     if "fidelity" in config.selected_gates:
         gates.append(run.gate("fidelity"))
     target = str(config.endpoint or config.artifact)
     report = ServeCheckReport(target, run.model or config.model or Path(target).name, started, _now(), seed,
-                              _settings(config), tuple(gates))
+                              _settings(config), tuple(gates), config.skipped_gates, config.thresholds)
     write_report(report, config.report_dir)
     return report

@@ -1,8 +1,8 @@
 """Speed cells: N prompt tokens x C concurrent streams, timed from the stream (gates doc definitions).
 
 Each stream gets its own nonce and filler, so no request is served from another's prefix cache.
-A cell passes when every stream completed with usage and the server's prompt count matches the local
-one (so the cell measured the length it claims); the timings are reported, not judged.
+A cell passes when every stream completed with usage, the server's prompt count matches the local one (so the
+cell measured the length it claims) and the streams' mean decode rate reaches the stated threshold.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from glmquant.servecheck.chat import ChatRequest, ChatResult
 from glmquant.servecheck.haystack import Filler, fit_filler
 from glmquant.servecheck.needle import score_prompt_usage
 from glmquant.servecheck.scoring import Verdict
-from glmquant.servecheck.tokens import PromptTokenizer
+from glmquant.servecheck.tokens import Tokenizer
 
 ASK = "Now list 10 numbered facts about the history of astronomy."
 
@@ -40,7 +40,7 @@ class SpeedMetrics:
     completion_tokens: int
 
 
-def build_speed_requests(tokenizer: PromptTokenizer, input_tokens: int, concurrency: int, seed: int,
+def build_speed_requests(tokenizer: Tokenizer, input_tokens: int, concurrency: int, seed: int,
                          max_tokens: int | None = None) -> tuple[SpeedRequest, ...]:
     out = []
     for stream in range(concurrency):
@@ -70,7 +70,7 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def score_cell(results: list[ChatResult], requests: tuple[SpeedRequest, ...], wall_s: float,
-               tolerance: int) -> tuple[Verdict, SpeedMetrics]:
+               tolerance: int, min_decode_tps: float = 0.0) -> tuple[Verdict, SpeedMetrics]:
     failures: list[str] = []
     for i, (result, request) in enumerate(zip(results, requests)):
         problems = [f"request failed: {result.error}"] if result.error is not None else []
@@ -87,4 +87,7 @@ def score_cell(results: list[ChatResult], requests: tuple[SpeedRequest, ...], wa
         ttft_max_s=max((t for t in ttfts if t is not None), default=None),
         decode_tps=_mean([r.decode_tps for r in results]), aggregate_tps=completion / wall_s if wall_s > 0 else 0.0,
         completion_tokens=completion)
+    if not failures and (metrics.decode_tps or 0.0) < min_decode_tps:
+        rate = "no decode rate" if metrics.decode_tps is None else f"mean decode {metrics.decode_tps:.2f} tok/s"
+        failures.append(f"{rate}, below the {min_decode_tps:g} tok/s threshold")
     return Verdict(not failures, "; ".join(failures) or "ok"), metrics

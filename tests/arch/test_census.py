@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from glmquant.arch import TensorRole, classify, load_model_spec, source_tensors
+from glmquant.cli import app
 from glmquant.errors import ConfigError, TensorCensusError
 
 
@@ -79,6 +83,28 @@ def test_bad_configs_are_rejected(tmp_path: Path) -> None:
         load_model_spec({"model_type": "llama"})
     with pytest.raises(ConfigError, match="no such config"):
         load_model_spec(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+     "model_type 'llama', text_config.model_type 'glm5_next_text': unsupported model_type 'llama'"),
+    ({"architectures": ["LlamaForCausalLM"]}, "architectures ['LlamaForCausalLM'] is not a glm5_next model class"),
+    ({"model_type": "glm4_moe"}, "the two levels name different models"),
+])
+def test_top_level_and_text_config_must_agree(tiny_source: Path, tmp_path: Path, edit: dict, message: str) -> None:
+    """A config whose top level names another model than its text_config is refused by every stage, before any
+    work, naming the file (it used to be encoded as a LlamaForCausalLM artifact, or end in a traceback)."""
+    source = Path(shutil.copytree(tiny_source, tmp_path / "source"))
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_model_spec(source)
+    runner = CliRunner()
+    for args in (["encode", source, "--out", tmp_path / "art", "--uncalibrated"],
+                 ["observe", source, "--out", tmp_path / "obs"], ["plan", source]):
+        result = runner.invoke(app, [str(a) for a in args])
+        assert result.exit_code == 2 and f"{source / 'config.json'}: " in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "art").exists() or not any((tmp_path / "art").iterdir())
 
 
 def test_glm4_moe_table_matches_transformers(tmp_path: Path) -> None:

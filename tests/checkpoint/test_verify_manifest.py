@@ -3,6 +3,7 @@ input exits 2, and an intact artifact exits 0."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -85,8 +86,44 @@ def test_extra_weight_file(tr3_copy: Path) -> None:
     save_file({"x": torch.zeros(2)}, str(tr3_copy / "extra.safetensors"))
     code, checks = report(tr3_copy)
     assert code == 1
-    assert checks["no unlisted weight files"]["detail"] == "extra.safetensors: weight file not listed in the manifest"
-    assert [name for name, c in checks.items() if not c["ok"]] == ["no unlisted weight files"]
+    assert checks["unlisted files"]["detail"] == "extra.safetensors: weight file not listed in the manifest"
+    assert [name for name, c in checks.items() if not c["ok"]] == ["unlisted files"]
+
+
+def test_files_the_manifest_does_not_cover(tr3_copy: Path) -> None:
+    """Every file is vouched for by the manifest, reported, or (a Hub repo's own files) expected; --strict fails
+    on the reported ones, and a temporary file of a killed write always fails."""
+    manifest = json.loads((tr3_copy / MANIFEST_NAME).read_text())
+    assert "MODEL_CARD.md" in [e["path"] for e in manifest["metadata_files"]]
+    assert run(tr3_copy, "--strict")[0] == 0
+    (tr3_copy / "notes.txt").write_text("hello")
+    (tr3_copy / ".x").write_text("")
+    (tr3_copy / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (tr3_copy / "README.md").write_text("# hub card\n")
+    code, checks = report(tr3_copy, "--fast")
+    unlisted = checks["unlisted files"]
+    assert code == 0 and unlisted["ok"] and unlisted["warning"]
+    assert "not covered by the manifest: .x, notes.txt" in unlisted["detail"]
+    assert ".gitattributes (Hub repository attributes), README.md (Hub repository card)" in unlisted["detail"]
+    code, checks = report(tr3_copy, "--fast", "--strict")
+    assert code == 1 and checks["unlisted files"]["detail"] == "not covered by the manifest (--strict): .x, notes.txt"
+    (tr3_copy / "notes.txt").unlink()
+    (tr3_copy / ".x").unlink()
+    (tr3_copy / f".{SHARD}.tmp-4242").write_bytes(b"half a shard")
+    code, checks = report(tr3_copy, "--fast")
+    assert code == 1 and checks["unlisted files"]["detail"].startswith(f".{SHARD}.tmp-4242: temporary file")
+
+
+def test_model_card_and_metadata_files_are_hashed(tr3_copy: Path) -> None:
+    (tr3_copy / "MODEL_CARD.md").write_text("# edited card\n")
+    code, checks = report(tr3_copy)
+    assert code == 1 and "MODEL_CARD.md: " in checks["files present"]["detail"]
+    manifest = json.loads((tr3_copy / MANIFEST_NAME).read_text())
+    manifest["metadata_files"] = [e for e in manifest["metadata_files"] if e["path"] != "tokenizer.json"]
+    (tr3_copy / MANIFEST_NAME).write_text(manifest_text(manifest))  # unpinned, it still hashes consistently
+    code, checks = report(tr3_copy, "--fast")
+    assert "not covered by the manifest: tokenizer.json" in checks["unlisted files"]["detail"]
+    assert report(tr3_copy, "--fast", "--strict")[0] == 1
 
 
 def test_edited_index(tr3_copy: Path) -> None:
@@ -123,6 +160,7 @@ def test_wrong_expected_hash(tr3_artifact) -> None:
     _, result = tr3_artifact
     code, output = run(result.directory, "--expect-sha256", "0" * 64, "--fast")
     assert code == 1 and "FAIL" in output
+    assert f"manifest sha256 {result.manifest_sha256} (does NOT match the pin)" in output
     code, checks = report(result.directory, "--expect-sha256", "0" * 64, "--fast")
     assert checks["manifest sha256"]["detail"] == f"manifest hashes to {result.manifest_sha256}, expected {'0' * 64}"
     assert [name for name, c in checks.items() if not c["ok"]] == ["manifest sha256"]
@@ -134,11 +172,24 @@ def test_usage_errors(tr3_artifact, tmp_path: Path) -> None:
     assert code == 2 and "must be 64 hex digits" in output
     code, output = run(tmp_path / "nowhere")
     assert code == 2 and "no such artifact directory" in output
-    code, output = run(tmp_path)
-    assert code == 2 and "cannot read manifest" in output
-    (tmp_path / MANIFEST_NAME).write_text("{broken")
-    code, output = run(tmp_path)
-    assert code == 2 and "manifest is not valid JSON" in output
+    code, output = run(tmp_path / "nowhere", "--manifest-only")
+    assert code == 2 and "no such file or directory" in output
+
+
+def test_missing_or_broken_manifest_fails_verification(tr3_copy: Path) -> None:
+    """A missing, truncated or broken EXL3_MANIFEST.json inside an artifact is a failed verification (1)."""
+    path = tr3_copy / MANIFEST_NAME
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+    for args in ((tr3_copy,), (path, "--manifest-only")):
+        code, output = run(*args)
+        assert code == 1 and "manifest is not valid JSON" in output and "FAIL 1 of 1 checks failed" in output
+    path.write_text("[]")
+    code, checks = report(tr3_copy)
+    assert code == 1 and "manifest is not a JSON object" in checks["manifest readable"]["detail"]
+    path.unlink()
+    code, output = run(tr3_copy)
+    assert code == 1 and "cannot read manifest" in output
 
 
 def test_manifest_only(tr3_artifact, tmp_path: Path) -> None:
@@ -146,11 +197,64 @@ def test_manifest_only(tr3_artifact, tmp_path: Path) -> None:
     manifest_path = result.directory / MANIFEST_NAME
     code, checks = report(manifest_path, "--manifest-only", "--expect-sha256", result.manifest_sha256)
     assert code == 0 and list(checks) == ["manifest sha256", "manifest consistency"]
+    code, output = run(manifest_path, "--manifest-only", "--expect-sha256", result.manifest_sha256)
+    assert f"PASS all 2 checks passed manifest sha256 {result.manifest_sha256} (matches the pin)" in output
     manifest = json.loads((result.directory / MANIFEST_NAME).read_text())
     manifest["physical_tensor_bytes"] += 1
     (tmp_path / MANIFEST_NAME).write_text(manifest_text(manifest))
     code, checks = report(tmp_path / MANIFEST_NAME, "--manifest-only")
     assert code == 1 and "physical_tensor_bytes is" in checks["manifest consistency"]["detail"]
+    code, output = run(tmp_path / MANIFEST_NAME, "--manifest-only")
+    assert "FAIL 1 of 2 checks failed: manifest consistency manifest sha256" in output and "(not pinned)" in output
+
+
+# The top-level fields of the published 2.0 bpw tr3 release's EXL3_MANIFEST.json, and of its layout block.
+RELEASE_PROVENANCE_HASHES = (
+    "k3_source_audit_manifest_sha256", "k4_audit_manifest_sha256", "k4_encoded_status_sha256",
+    "selection_audit_manifest_sha256", "selection_manifest_sha256", "tail_encoded_status_sha256",
+    "tail_source_audit_manifest_sha256", "tier_bitmap_sha256")
+RELEASE_FIELDS = ("calibration", "effective_routed_tier_bpw", "files", "indexed_tensor_count", "layout", "method",
+                  "physical_tensor_bytes", "retained_manifest_sha256", "retained_tensor_bytes", "runtime",
+                  "schema_version", "source", "state", "structurally_verified_at", "target_bpw",
+                  *RELEASE_PROVENANCE_HASHES)
+
+
+def release_form(manifest: dict) -> dict:
+    """Our manifest with exactly the release's fields: no metadata_files, retained_tensor_count, geometry or entry
+    kinds; expert entries as the release writes them (tier "k2-k3-tail"), another writer's method block."""
+    files = []
+    for e in manifest["files"]:
+        keep = ("gpu", "logical_expert_count", "shadow_expert_count") if e["kind"] == "expert" else \
+            ("tensor_bytes", "tensor_count")
+        entry = {k: e[k] for k in ("path", "bytes", "sha256", *keep)}
+        files.append({**entry, "tier": "k2-k3-tail"} if e["kind"] == "expert" else entry)
+    n = manifest["layout"]["experts_per_layer"]
+    release = {**{k: manifest.get(k) for k in RELEASE_FIELDS}, "files": files,
+               "layout": {"type": "tr3", "tail_experts_per_layer": n, "k4_retained_experts_per_layer": 0,
+                          "shadow_tail_tensors_physically_present_but_unindexed": 0},
+               "method": {"claim": manifest["method"]["claim"], "implementation": "the release's own builder"}}
+    assert sorted(release) == sorted(RELEASE_FIELDS)
+    return release
+
+
+def test_release_manifest_verifies(tr3_copy: Path) -> None:
+    """The release's manifest fields alone verify, manifest-only and as a full directory (geometry from
+    config.json); the files it does not list are reported, not failed."""
+    release = release_form(json.loads((tr3_copy / MANIFEST_NAME).read_text()))
+    text = manifest_text(release)
+    (tr3_copy / MANIFEST_NAME).write_text(text)
+    pin = hashlib.sha256(text.encode()).hexdigest()
+    code, output = run(tr3_copy / MANIFEST_NAME, "--manifest-only", "--expect-sha256", pin)
+    assert code == 0 and f"PASS all 2 checks passed manifest sha256 {pin} (matches the pin)" in output
+    code, checks = report(tr3_copy, "--expect-sha256", pin)
+    assert code == 0, {k: c["detail"] for k, c in checks.items() if not c["ok"]}
+    assert "not covered by the manifest: " in checks["unlisted files"]["detail"]
+    assert "config.json" in checks["unlisted files"]["detail"]
+    assert "retained_manifest_sha256 not recomputed" in checks["retained totals"]["detail"]
+    release["files"][0]["logical_expert_count"] += 1
+    (tr3_copy / MANIFEST_NAME).write_text(manifest_text(release))
+    code, checks = report(tr3_copy, "--fast")
+    assert code == 1 and "logical_expert_count 3, file has 2" in checks["retained totals"]["detail"]
 
 
 def _reseal(directory: Path, plan: ArtifactPlan, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:

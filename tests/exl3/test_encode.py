@@ -9,6 +9,7 @@ from glmquant.exl3 import (
     encode_linears,
     proxy_error,
 )
+from glmquant.errors import NumericalError
 from glmquant.exl3.native import load_kernel
 
 CASES = [f"{cb}.K{k}" for cb in ("3inst", "mcg", "mul1") for k in (2, 3, 4)]
@@ -125,3 +126,34 @@ def test_cuda_encoder_matches_cpu_quality() -> None:
     gpu = encode_linear(w, h, 2, seed=2, device="cuda")
     assert gpu.tensor.trellis.device.type == "cpu"  # stored tensors always come back on the CPU
     assert gpu.proxy_error == pytest.approx(cpu.proxy_error, rel=0.03)
+
+
+def test_weights_beyond_float16_are_refused_or_rebalanced() -> None:
+    """EXL3 decodes in float16: scales are rebalanced by a power of two so weights of RMS 1e-5..1e4 keep their
+    quality; weights float16 cannot hold are refused with an error instead of decoding to NaN or zeros."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(128, 256, generator=g)
+    reference = encode_linear(w, None, 2).proxy_error
+    for scale in (1e4, 1e-5):
+        result = encode_linear(w * scale, None, 2)
+        assert torch.isfinite(decode_weight(result.tensor, torch.float32)).all()
+        assert result.proxy_error == pytest.approx(reference, rel=0.02), scale
+    with pytest.raises(NumericalError, match=r"reaches \|w\| = .*beyond the float16 range"):
+        encode_linear(w * 3e4, None, 2)
+    with pytest.raises(NumericalError, match="below what float16"):
+        encode_linear(w * 1e-7, None, 2)
+    assert encode_linear(torch.zeros(128, 256), None, 2).proxy_error == 0.0  # exactly zero is representable
+
+
+def test_degenerate_inputs_are_named() -> None:
+    w, h = correlated(128, 128, seed=7)
+    assert encode_linear(w, -h, 2).fallback == "negative_hessian"
+    assert encode_linear(w, torch.zeros_like(h), 2).fallback == "zero_hessian"
+    with pytest.raises(ValueError, match="has no elements"):
+        encode_linear(torch.randn(0, 256), None, 2)
+    tensor = encode_linear(w, None, 2).tensor
+    parts = tensor.tensors("x")
+    parts["x.suh"] = parts["x.suh"].clone()
+    parts["x.suh"][5] = float("nan")
+    with pytest.raises(ValueError, match="x.suh contains NaN or Inf"):
+        EXL3Tensor.from_tensors(parts, "x", 128, 128)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from runtime_media import image_message, mp4_data_url, png_data_url
 
-from glmquant.errors import UsageError
+from glmquant.errors import MissingDependencyError, UsageError
 from glmquant.runtime.chat import ChatFormat
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -64,7 +64,7 @@ def test_bad_content_is_a_usage_error(chat, part, message):
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision present: video works")
 def test_video_without_torchvision_is_refused_clearly(chat):
     video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
-    with pytest.raises(UsageError, match="torchvision"):
+    with pytest.raises(MissingDependencyError, match=r"torchvision: install it on the server \(pip install"):
         chat.render([{"role": "user", "content": [video, {"type": "text", "text": "direction?"}]}])
 
 

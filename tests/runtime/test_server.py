@@ -8,6 +8,7 @@ lm_head (the whole forward still runs; only the logits are replaced)."""
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import threading
 import time
@@ -231,6 +232,16 @@ def test_methods_and_routes_answer_json_errors(server):
         assert got == status and body["error"]["code"] == status, (method, path, got, body)
         assert headers["content-type"] == "application/json"
     assert "POST" in _request(server, "GET", "/v1/chat/completions")[2]["allow"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision present: video works")
+def test_video_without_the_server_package_is_a_5xx(server, client, script):
+    """A package the server lacks is the server's gap (501), not a bad request (4xx)."""
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    got, error = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [video]}]})
+    assert got == 501 and "torchvision" in error["error"]["message"]
+    script.say("still here")
+    assert client.chat.completions.create(model="tiny", messages=HELLO).choices[0].message.content == "still here"
 
 
 def test_oversize_body_is_refused_unread(server):

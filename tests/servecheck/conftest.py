@@ -76,6 +76,8 @@ class ScriptedServer:
     def __init__(self, tokenizer_dir: Path) -> None:
         self.tokenizer = PromptTokenizer.from_dir(tokenizer_dir)
         self.flawed = False
+        self.max_model_len: int | None = None  # stated in the model listing, as vLLM does
+        self.offers_tokenize = False  # vLLM's /tokenize
         self.requests: list[dict[str, Any]] = []
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -118,10 +120,22 @@ class ScriptedServer:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                self._json({"object": "list", "data": [{"id": "scripted-glm", "object": "model", "owned_by": "test"}]})
+                model = {"id": "scripted-glm", "object": "model", "owned_by": "test"}
+                if server.max_model_len is not None:
+                    model["max_model_len"] = server.max_model_len
+                self._json({"object": "list", "data": [model]})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize":
+                    if not server.offers_tokenize:
+                        self.send_error(404)
+                        return
+                    tok = server.tokenizer
+                    ids = (tok.encode(body["prompt"]) if "prompt" in body else
+                           tok.encode(tok.render(body["messages"])))
+                    self._json({"count": len(ids), "tokens": ids, "max_model_len": server.max_model_len})
+                    return
                 server.requests.append(body)
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")

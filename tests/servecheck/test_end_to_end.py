@@ -42,7 +42,8 @@ def embedded_report(artifact: Path, tmp_path_factory: pytest.TempPathFactory) ->
     out = tmp_path_factory.mktemp("servecheck-embedded")
     return serve_check(ServeCheckConfig(
         artifact=artifact, out=out, gates=("text", "tools", "multilingual", "images", "needle", "speed"),
-        needle_tokens=1500, speed_inputs=(200, 700), concurrency=2, max_tokens=MAX_TOKENS, seed=5, timeout_s=300))
+        needle_tokens=1500, speed_inputs=(200, 700), concurrency=2, max_tokens=MAX_TOKENS, seed=5, timeout_s=300,
+        min_decode_tps=1.0))
 
 
 def test_embedded_server_responses_are_complete_and_counted(embedded_report: ServeCheckReport, artifact: Path) -> None:
@@ -116,7 +117,8 @@ def test_glmquant_serve_as_an_external_endpoint(glmquant_serve: str, artifact: P
     """No fakes: serve-check pointed at a separately running `glmquant serve` like at any endpoint."""
     result = CliRunner().invoke(app, [
         "serve-check", "--endpoint", glmquant_serve, "--tokenizer", str(artifact), "--out", str(tmp_path),
-        "--gates", "speed,multilingual", "--speed-inputs", "300", "--max-tokens", "4", "--seed", "2"])
+        "--gates", "speed,multilingual", "--speed-inputs", "300", "--max-tokens", "4", "--seed", "2",
+        "--min-decode-tps", "1"])
     assert result.exit_code == 1, result.output  # multilingual cannot pass on a random model
     data = json.loads((tmp_path / "serve-check.json").read_text())
     assert data["target"] == glmquant_serve and data["model"] == served_model_name(artifact)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,8 @@ def test_cli_exit_codes(scripted, tiny_tokenizer_dir: Path, tmp_path: Path) -> N
     assert cli(common).exit_code == 1
     assert cli(["--gates", "text"]).exit_code == 2  # neither ARTIFACT nor --endpoint
     assert cli(["--endpoint", scripted.url, "--gates", "txt"]).exit_code == 2
-    assert cli(["--endpoint", scripted.url, "--gates", "needle"]).exit_code == 2  # no tokenizer to size with
+    no_tokenizer = cli(["--endpoint", scripted.url, "--gates", "needle", "--out", str(tmp_path)])
+    assert no_tokenizer.exit_code == 1 and "no usable /tokenize" in " ".join(no_tokenizer.output.split())
     assert cli(["--endpoint", scripted.url, "--speed-inputs", "1k"]).exit_code == 2
 
 
@@ -124,3 +126,48 @@ def test_cli_hands_the_library_the_exact_config(monkeypatch: pytest.MonkeyPatch,
     assert seen["config"] == ServeCheckConfig(
         artifact=tmp_path, gates=("needle", "speed", "fidelity"), needle_tokens=4096, speed_inputs=(512, 2048),
         concurrency=4, bf16_source=tmp_path, kl_max=0.3, top1_min=0.8, max_tokens=64)
+
+
+def test_skipped_gates_and_thresholds_are_listed(scripted, tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """The console and both reports name every gate that did not run and why, and what each gate passed on."""
+    result = cli(["--endpoint", scripted.url, "--tokenizer", str(tiny_tokenizer_dir), "--out", str(tmp_path),
+                  "--gates", "text,speed", "--speed-inputs", "600", "--min-decode-tps", "2", "--seed", "1"])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, output
+    for gate in ("tools", "multilingual", "images", "video", "needle", "fidelity"):
+        assert re.search(rf"{gate} │ SKIP │ not selected \(--gates\)", output), gate
+    assert "mean decode >= 2 tok/s" in output and "content exactly FINAL_BASELINE_OK" in output
+    saved = json.loads((tmp_path / "serve-check.json").read_text())
+    assert saved["skipped_gates"]["video"] == "not selected (--gates)"
+    assert saved["thresholds"]["speed"].endswith("mean decode >= 2 tok/s")
+    markdown = (tmp_path / "serve-check.md").read_text()
+    assert "| fidelity | SKIP | not selected (--gates) | - |" in markdown and "mean decode >= 2 tok/s" in markdown
+    default = ServeCheckConfig(endpoint=scripted.url)
+    assert default.skipped_gates == {"fidelity": "needs --bf16-source DIR and ARTIFACT (it runs the artifact in-process)"}
+    assert "mean KL <= 0.5 nats and top-1 agreement >= 0.75" in ServeCheckConfig(
+        artifact=tmp_path, bf16_source=tmp_path).thresholds["fidelity"]
+
+
+def test_speed_has_a_threshold(scripted, tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    report = serve_check(config(scripted.url, tiny_tokenizer_dir, tmp_path, gates=("speed",), min_decode_tps=1e9))
+    assert not report.passed
+    assert all("below the 1e+09 tok/s threshold" in c.reason for c in report.gates[0].cases)
+
+
+def test_max_model_len_and_the_servers_tokenizer(scripted, tmp_path: Path) -> None:
+    """Without --tokenizer the endpoint's /tokenize sizes the prompts; cells that cannot fit its max_model_len are
+    resized (needle) or skipped (speed), and the report says so."""
+    scripted.max_model_len, scripted.offers_tokenize = 2000, True
+    report = serve_check(ServeCheckConfig(endpoint=scripted.url, out=tmp_path, gates=("needle", "speed"),
+                                          needle_tokens=2500, speed_inputs=(600, 3000), max_tokens=64, seed=1,
+                                          timeout_s=30, min_decode_tps=0))
+    needle, speed = report.gates
+    assert report.passed, [g.summary for g in report.gates]
+    assert [c.name for c in needle.cases] == ["1936 tokens"]
+    assert abs(needle.cases[0].metrics["local_prompt_tokens"] - 1936) <= 3
+    assert needle.cases[0].metrics["server_prompt_tokens"] == needle.cases[0].metrics["local_prompt_tokens"]
+    assert needle.notes == ("2500-token prompt sized to 1936: the endpoint's max_model_len is 2000, 64 tokens kept "
+                            "for the answer",)
+    assert [c.name for c in speed.cases] == ["600 in x1"]
+    assert speed.notes[0].startswith("3000-token prompt skipped: the endpoint's max_model_len is 2000")
+    assert "- 3000-token prompt skipped" in (tmp_path / "serve-check.md").read_text()

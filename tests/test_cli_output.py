@@ -1,0 +1,31 @@
+"""What a person reads at the end of a run: whole lines outside a terminal, hashes unbroken, the demo's summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from glmquant.checkpoint.provenance import build_timestamp
+from glmquant.cli import app
+from glmquant.demo import DEMO_EPOCH, DemoResult
+
+
+def test_output_outside_a_terminal_is_not_cut_at_80_columns(reference_config: Path) -> None:
+    result = CliRunner().invoke(app, ["plan", str(reference_config)])
+    assert result.exit_code == 0, result.output
+    summary = [line for line in result.output.splitlines() if line.startswith("files: ")]
+    assert len(summary) == 1 and "decode reads 18,7" in summary[0] and len(summary[0]) > 80
+
+
+def test_demo_ends_with_a_readable_summary_and_a_reproducible_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
+    assert build_timestamp(DEMO_EPOCH) == "2026-01-01T00:00:00Z"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")
+    assert build_timestamp(DEMO_EPOCH) == "1970-01-01T00:00:00Z"
+    sha = "ab" * 32
+    lines = DemoResult(Path("out/tiny/artifact"), sha, "2026-01-01T00:00:00Z", Path("out/tiny/artifact/sc.md"))
+    text = "\n".join(lines.summary_lines())
+    assert f"structural manifest SHA-256: {sha}" in text and "DemoResult(" not in text
+    assert f"glmquant verify-manifest out/tiny/artifact --expect-sha256 {sha}" in text
