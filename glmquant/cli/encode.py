@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -41,12 +42,13 @@ def encode(
 
     On N GPUs: torchrun --nproc-per-node N -m glmquant encode ... --device cuda (shared storage for --out).
     """
-    resolved = resolve_source(source, revision)
-    cfg = EncodeConfig(source=resolved.path, out=out_dir, observations=observations, uncalibrated=uncalibrated,
+    cfg = EncodeConfig(source=Path(source), out=out_dir, observations=observations, uncalibrated=uncalibrated,
                        bits=bits, codebook=codebook, layout=layout, hessians=hessians, keep=keep,
-                       prune_plan=prune_plan, device=device, work_dir=work_dir, seed=seed,
-                       source_repo=source_repo or resolved.repo_id, source_revision=resolved.revision,
-                       experts_per_unit=experts_per_unit)
+                       prune_plan=prune_plan, device=device, work_dir=work_dir, seed=seed, source_repo=source_repo,
+                       experts_per_unit=experts_per_unit)  # options checked before a Hub source is fetched
+    resolved = resolve_source(source, revision)
+    cfg = replace(cfg, source=resolved.path, source_repo=source_repo or resolved.repo_id,
+                  source_revision=resolved.revision)
     result = encode_artifact(cfg, console)
     if result is None:  # a rank other than 0 of a torchrun job: rank 0 writes and reports the artifact
         return

@@ -86,7 +86,7 @@ def test_encode_from_a_repo_id_records_the_resolved_commit(hub_cache, tiny_sourc
     snapshot = fill_cache(hub_cache, tiny_source, names, refs=("v1.0",))
     seen = []
     monkeypatch.setattr(encode_cli, "encode_artifact", _recorder(seen))
-    CliRunner().invoke(app, ["encode", REPO, "--revision", "v1.0", "--out", str(tmp_path / "art")])
+    CliRunner().invoke(app, ["encode", REPO, "--revision", "v1.0", "--uncalibrated", "--out", str(tmp_path / "art")])
     (cfg,) = seen
     assert (cfg.source, cfg.source_repo, cfg.source_revision) == (snapshot, REPO, COMMIT)
     source = SourceCheckpoint.open(cfg.source)
@@ -120,7 +120,7 @@ def test_offline_without_the_files_is_one_clear_error(hub_cache, tiny_source, tm
     assert result.exit_code == 2 and "not (completely) in the Hugging Face cache" in result.output
     assert "HF_HUB_OFFLINE=1" in result.output
     fill_cache(hub_cache, tiny_source, ["config.json", "model.safetensors.index.json"])  # a plan-only download
-    result = CliRunner().invoke(app, ["encode", REPO, "--out", str(tmp_path / "art")])
+    result = CliRunner().invoke(app, ["encode", REPO, "--uncalibrated", "--out", str(tmp_path / "art")])
     assert result.exit_code == 2 and "snapshot lacks model" in result.output
     assert "download it once online" in result.output
     assert not (tmp_path / "art").exists()

@@ -20,7 +20,9 @@ from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.verify import verify_artifact
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.exl3 import EXL3Tensor, decode_weight
+from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessian_reader import load_layer_hessians
+from glmquant.observe.run import observe
 from glmquant.observe.summary import ObservationSummary
 
 @pytest.fixture(scope="module")
