@@ -3,7 +3,8 @@
 Which options may change when an unfinished run is resumed (the rest are part of its fingerprint and
 must match, see checkpointing.py):
 
-    may change:  keep (the prune plan is recomputed from the finished statistics), progress display
+    may change:  keep (the prune plan is recomputed from the finished statistics), stream_budget_gb (chunk outputs
+                 are the same whichever pass writes them), progress display
     must match:  source model, token rows (recipe, rows, tokens, tokenizer), hessians, dense_hessians,
                  device type, batch_rows, model dtype, torch and transformers versions
 """
@@ -36,8 +37,11 @@ class ObserveConfig:
     keep: int | None = None  # write prune_plan.json keeping this many experts per MoE layer
     device: str = "cpu"
     batch_rows: int = 4  # calibration rows pushed through a layer at once
+    stream_budget_gb: float | None = None  # most disk (1e9 B) the hidden streams may take; None: no limit
 
     def __post_init__(self) -> None:
+        if self.stream_budget_gb is not None and not self.stream_budget_gb > 0:
+            raise UsageError(f"--stream-budget-gb must be positive, got {self.stream_budget_gb}")
         if self.batch_rows < 1:
             raise UsageError(f"--batch-rows must be a positive integer, got {self.batch_rows}")
         if self.keep is not None and self.keep < 1:
@@ -48,6 +52,11 @@ class ObserveConfig:
             kind = None
         if kind not in ("cpu", "cuda"):
             raise UsageError(f"--device must be cpu or cuda (or cuda:N), got {self.device!r}")
+
+
+    @property
+    def stream_budget_bytes(self) -> int | None:
+        return None if self.stream_budget_gb is None else int(self.stream_budget_gb * 1e9)
 
 
 def fingerprint(config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtype) -> dict[str, Any]:
