@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import typer
 
-from glmquant.cli import demo, encode, fixture, observe, plan, serve, serve_check, verify_manifest
+from glmquant.cli import build, demo, encode, fixture, observe, plan, serve, serve_check, verify_manifest
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Build and prove 2-bit EXL3 checkpoints of huge GLM mixture-of-experts models.")
 
-for verb in (demo, fixture, plan, observe, encode, verify_manifest, serve, serve_check):
+for verb in (demo, fixture, plan, observe, encode, build, verify_manifest, serve, serve_check):
     verb.register(app)
 
 
