@@ -16,8 +16,9 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -34,9 +35,10 @@ from glmquant.observe.routing import RoutingParams
 from glmquant.observe.stats import ExpertStats, LayerStats, stats_path
 from glmquant.observe.streaming import TextModel, run_layer
 from glmquant.observe.streams import Chunk, StreamStore
-from glmquant.observe.summary import LaneSummary, LayerSummary, ObservationSummary
+from glmquant.observe.summary import LaneSummary, LayerCost, LayerSummary, ObservationSummary
 
 Advance = Callable[[int], None]
+T = TypeVar("T")
 
 
 class LayerResults(Protocol):
@@ -86,29 +88,52 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     streams = StreamStore(state_dir(config.out), [(x.name, *x.ids.shape) for x in rows.lanes], config.batch_rows,
                           (model.cfg.hc_mult, model.cfg.hidden_size), model.dtype, config.stream_budget_bytes)
     results.start(rows)
+    costs: dict[int | str, LayerCost] = {}
     with model.ckpt, _progress(progress) as bar:
         state = resumed
         if state is None:
             rows.save(config.out)
-            _embed(model, rows, streams)
+            _measured(model.device, costs.setdefault("embed", LayerCost()), "advance_s", _embed, model, rows, streams)
             state = RunState(fp, 0, False)
             write_state(config.out, fp, 0)
         layers = bar.add_task("layers", total=model.num_layers, completed=state.next_layer)
         chunks = bar.add_task("chunks", total=len(streams.chunks))
+        advance = lambda n: bar.advance(chunks, n)  # noqa: E731
         for layer in range(state.next_layer, model.num_layers):
+            cost = costs[layer] = LayerCost(chunks=len(streams.chunks))
             if not (layer == state.next_layer and state.committed):
                 bar.reset(chunks, description=f"layer {layer}")
-                _observe_layer(model, rows, config, streams, layer, results, lambda n: bar.advance(chunks, n))
+                found = _measured(model.device, cost, "observe_s", _observe_pass, model, rows, config, streams,
+                                  layer, advance)
+                if found is not None:
+                    results.save(layer, *found)
+                    del found
                 write_state(config.out, fp, layer, committed=True)
             bar.reset(chunks, description=f"layer {layer} streams")
-            _advance(model, streams, layer, lambda n: bar.advance(chunks, n))
+            cost.recomputed_chunks = _measured(model.device, cost, "advance_s", _advance, model, streams, layer,
+                                               advance)
             write_state(config.out, fp, layer + 1)
             streams.drop_layer(layer)
             bar.advance(layers)
     streams.drop_layer(model.num_layers)  # the final streams are not an output
-    summary = _summarize(model, rows, config, fp, resumed and resumed.next_layer, time.monotonic() - started)
+    summary = _summarize(model, rows, config, fp, resumed and resumed.next_layer, costs,
+                         time.monotonic() - started)
     summary.save(config.out)
     return summary
+
+
+def _measured(device: torch.device, cost: LayerCost, field: str, fn: Callable[..., T], *args: object) -> T:
+    """fn(*args), its wall time added to `cost.<field>` and its device peak folded into `cost.peak_device_bytes`."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.monotonic()
+    result = fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        cost.peak_device_bytes = max(cost.peak_device_bytes or 0, torch.cuda.max_memory_allocated(device))
+    setattr(cost, field, round(getattr(cost, field) + time.monotonic() - started, 3))
+    return result
 
 
 def _progress(enabled: bool) -> Progress:
@@ -129,10 +154,10 @@ def _embed(model: TextModel, rows: TokenRows, streams: StreamStore) -> None:
                 streams.write(0, chunk, emb)
 
 
-def _observe_layer(model: TextModel, rows: TokenRows, config: ObserveConfig, streams: StreamStore, layer: int,
-                   results: LayerResults, advance: Advance) -> None:
-    """The observing pass: every chunk through the layer with the hooks on (writing the output chunks that fit
-    the stream budget), then the layer's results go to `results`. A layer with nothing to observe is skipped."""
+def _observe_pass(model: TextModel, rows: TokenRows, config: ObserveConfig, streams: StreamStore, layer: int,
+                  advance: Advance) -> tuple[ExpertStats | None, HessianAccumulator | None] | None:
+    """Every chunk through the layer with the hooks on (writing the output chunks that fit the stream budget);
+    returns the layer's accumulators, None for a layer with nothing to observe. The layer is freed on return."""
     spec, device = model.spec, model.device
     moe = spec.mlp_layer_types[layer] == "sparse"
     uses = {use for lane in rows.lanes for use in lane.use}
@@ -143,7 +168,7 @@ def _observe_layer(model: TextModel, rows: TokenRows, config: ObserveConfig, str
         hessians = HessianAccumulator(mode, spec.n_routed_experts, spec.hidden_size, spec.moe_intermediate_size,
                                       device)
     if stats is None and hessians is None:
-        return
+        return None
     module = model.layer(layer)
     with LayerCapture(module, model.plan(layer), RoutingParams.from_spec(spec)) as capture:
         for lane in rows.lanes:
@@ -157,20 +182,23 @@ def _observe_layer(model: TextModel, rows: TokenRows, config: ObserveConfig, str
     del module
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    results.save(layer, stats, hessians)
+    return stats, hessians
 
 
-def _advance(model: TextModel, streams: StreamStore, layer: int, advance: Advance) -> None:
+def _advance(model: TextModel, streams: StreamStore, layer: int, advance: Advance) -> int:
     """The advancing pass (after the layer's results are saved): each output chunk not written yet, and each input
-    chunk deleted as soon as its output exists. Loads the layer only when an output is missing."""
-    module = None
+    chunk deleted as soon as its output exists. Loads the layer only when an output is missing; returns how many
+    outputs it computed."""
+    module, computed = None, 0
     for chunk in streams.chunks:
         if not streams.has(layer + 1, chunk):
             if module is None:
                 module = model.layer(layer)
             streams.write(layer + 1, chunk, _forward(module, streams, layer, chunk, model.device))
+            computed += 1
         streams.drop(layer, chunk)
         advance(1)
+    return computed
 
 
 def _forward(module: torch.nn.Module, streams: StreamStore, layer: int, chunk: Chunk, device: torch.device
@@ -181,11 +209,12 @@ def _forward(module: torch.nn.Module, streams: StreamStore, layer: int, chunk: C
 
 
 def _summarize(model: TextModel, rows: TokenRows, config: ObserveConfig, fp: dict, resumed: int | None,
-               elapsed: float) -> ObservationSummary:
-    layers = tuple(_layer_summary(model, config.out, i) for i in range(model.num_layers))
+               costs: dict[int | str, LayerCost], elapsed: float) -> ObservationSummary:
+    layers = tuple(replace(_layer_summary(model, config.out, i), cost=costs.get(i)) for i in range(model.num_layers))
     plan = write_prune_plan(config.out, config.keep).name if config.keep is not None else None
     lanes = tuple(LaneSummary(x.name, x.ids.shape[0], x.ids.shape[1], x.use) for x in rows.lanes)
-    peak_device = torch.cuda.max_memory_allocated() if model.device.type == "cuda" else None
+    peaks = [c.peak_device_bytes for c in costs.values() if c.peak_device_bytes is not None]
+    peak_device = max(peaks, default=0) if model.device.type == "cuda" else None
     return ObservationSummary(
         str(config.source), str(config.recipe), rows.recipe_sha256, rows.sha256, lanes, config.hessians.value,
         config.dense_hessians, config.device, config.batch_rows, fp, layers,

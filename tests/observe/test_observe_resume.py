@@ -28,21 +28,21 @@ def _assert_same_outputs(a: Path, b: Path) -> None:
 
 def test_killed_between_layers_resumes_identically(tiny_source: Path, observed: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    original = run._observe_layer
+    original = run._observe_pass
 
-    def dies_at_layer_2(model, rows, config, streams, layer, results, advance):
+    def dies_at_layer_2(model, rows, config, streams, layer, advance):
         if layer == 2:
             raise KeyboardInterrupt  # what a kill looks like to the code that was running
-        original(model, rows, config, streams, layer, results, advance)
+        return original(model, rows, config, streams, layer, advance)
 
-    monkeypatch.setattr(run, "_observe_layer", dies_at_layer_2)
+    monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
     with pytest.raises(KeyboardInterrupt):
         observe(observe_config(tiny_source, tmp_path))
     assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
     assert not (tmp_path / "layer-02.stats.safetensors").exists()
     (tmp_path / "state" / "streams-03").mkdir()
     (tmp_path / "state" / "streams-03" / ".mix-00001.safetensors.tmp-4242").write_bytes(b"half a file from a SIGKILL")
-    monkeypatch.setattr(run, "_observe_layer", original)
+    monkeypatch.setattr(run, "_observe_pass", original)
     summary = observe(observe_config(tiny_source, tmp_path))
     assert summary.resumed_from_layer == 2
     _assert_same_outputs(observed, tmp_path)
@@ -70,7 +70,7 @@ def test_killed_inside_a_layer_leaves_nothing_half_written(tiny_source: Path, ob
 
 def test_other_settings_are_refused_and_keep_may_change(tiny_source: Path, observed: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(run, "_observe_layer", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(run, "_observe_pass", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         observe(observe_config(tiny_source, tmp_path))
     with pytest.raises(UsageError, match="hessians: 'both' -> 'natural'"):
@@ -106,8 +106,9 @@ def test_stream_budget_keeps_the_disk_down_and_the_outputs_identical(tiny_source
         peaks.append(self.on_disk())
 
     monkeypatch.setattr(StreamStore, "write", write)
-    observe(observe_config(tiny_source, tmp_path, stream_budget_gb=budget / 1e9))
+    summary = observe(observe_config(tiny_source, tmp_path, stream_budget_gb=budget / 1e9))
     assert max(peaks) <= budget and max(peaks) > probe.layer_bytes
+    assert [layer.cost.recomputed_chunks for layer in summary.layers] == [1, 1, 1]  # of 2 chunks per layer
     _assert_same_outputs(observed, tmp_path)
 
 
