@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import glmquant
+from glmquant.devices import device_type
 from glmquant.errors import UsageError
 from glmquant.observe.hessians import HessianMode
 
@@ -46,12 +47,7 @@ class ObserveConfig:
             raise UsageError(f"--batch-rows must be a positive integer, got {self.batch_rows}")
         if self.keep is not None and self.keep < 1:
             raise UsageError(f"--keep must be a positive integer, got {self.keep}")
-        try:
-            kind = torch.device(self.device).type
-        except RuntimeError:
-            kind = None
-        if kind not in ("cpu", "cuda"):
-            raise UsageError(f"--device must be cpu or cuda (or cuda:N), got {self.device!r}")
+        device_type(self.device)
 
 
     @property
