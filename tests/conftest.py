@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,3 +25,22 @@ DATA = Path(__file__).resolve().parent / "data"
 def reference_config() -> Path:
     """The exact config of the reference GLM-5.3-Flash artifact (copied from ../shared/reference/glm-5.3-flash)."""
     return DATA / "glm-5.3-flash" / "config.json"
+
+
+@pytest.fixture
+def full_disk(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """`full_disk(pattern)`: from now on, writing tensor bytes into a file whose name matches the regex fails with
+    ENOSPC, as a full disk does; `full_disk("")` with an empty pattern frees the space again."""
+    import glmquant.checkpoint.writer as writer
+
+    original = writer._write_tensor
+
+    def fill(pattern: str) -> None:
+        def write(f, spec, data, path) -> None:  # noqa: ANN001 - the writer's own signature
+            if pattern and re.search(pattern, Path(path).name):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            original(f, spec, data, path)
+
+        monkeypatch.setattr(writer, "_write_tensor", write)
+
+    return fill

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from glmquant.cli import demo, encode, fixture, observe, plan, serve, serve_check, upload, verify_manifest
+from glmquant.cli import build, demo, encode, fixture, observe, plan, serve, serve_check, upload, verify_manifest
 from glmquant.cli.common import guarded
 from glmquant.environment import check_environment
 
@@ -19,7 +19,7 @@ def _environment() -> None:
     check_environment()
 
 
-for verb in (demo, fixture, plan, observe, encode, verify_manifest, serve, serve_check, upload):
+for verb in (demo, fixture, plan, observe, encode, build, verify_manifest, serve, serve_check, upload):
     verb.register(app)
 
 

@@ -31,6 +31,8 @@ def observe(
     keep: Annotated[Optional[int], typer.Option(help="write prune_plan.json keeping N experts per layer")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
+    stream_budget_gb: Annotated[Optional[float], typer.Option(
+        help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed")] = None,
     report: Annotated[bool, typer.Option(help="print per-layer tables and write the REAP heat map")] = False,
     report_layer: Annotated[Optional[list[int]], typer.Option(help="with --report: every expert of this layer")] = None,
     revision: HubRevision = None,
@@ -40,7 +42,7 @@ def observe(
     if resolved.repo_id is not None:
         out.print(f"source {resolved.repo_id} at commit {resolved.revision} ({resolved.path})")
     config = ObserveConfig(resolved.path, out_dir, recipe, rows, tokens, hessians, dense_hessians, keep, device,
-                           batch_rows)
+                           batch_rows, stream_budget_gb)
     summary = run_observe(config, progress=True)
     out.print(f"observed {len(summary.layers)} layers ({len(summary.moe_layers())} MoE) into {out_dir}; "
               f"token rows {summary.token_rows_sha256[:16]}…, peak RSS {summary.peak_rss_bytes / 2**20:,.0f} MiB")

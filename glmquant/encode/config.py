@@ -26,7 +26,7 @@ import torch
 from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
-from glmquant.observe.config import check_device
+from glmquant.devices import device_type
 from glmquant.observe.hessians import HessianMode
 
 HESSIAN_MODES = (HessianMode.NATURAL, HessianMode.ALL)
@@ -76,7 +76,7 @@ class EncodeConfig:
                 raise UsageError(f"{name} must be a positive integer, got {value}")
         if self.keep is not None and self.prune_plan is not None:
             raise UsageError("--keep and --prune-plan exclude each other")
-        check_device(self.device)
+        device_type(self.device)
         exl3_backend()
 
     @property

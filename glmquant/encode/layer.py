@@ -97,21 +97,6 @@ def encode_unit(inputs: UnitInputs, bits: int, codebook: str, seed: int, device:
     return EncodedLayer(tensors, reports)
 
 
-def encode_layer(
-    plan: ArtifactPlan, layer: int, source: SourceCheckpoint, hessians: LayerHessiansView, seed: int,
-    device: str, experts_per_unit: int, on_tensor: Callable[[int], None] = lambda n: None,
-) -> EncodedLayer:
-    """All units of one layer, reading the next unit while this one encodes."""
-    tensors: dict[str, torch.Tensor] = {}
-    reports: list[TensorReport] = []
-    for encoded in encode_units(plan, [(layer, u) for u in layer_units(plan, layer, experts_per_unit)], source,
-                                lambda _: hessians, seed, device):
-        tensors.update(encoded.tensors)
-        reports.extend(encoded.reports)
-        on_tensor(len(encoded.reports))
-    return EncodedLayer(tensors, reports)
-
-
 def encode_units(plan: ArtifactPlan, units: list[tuple[int, list[ExpertSlice]]], source: SourceCheckpoint,
                  hessians: Callable[[int], LayerHessiansView], seed: int, device: str) -> Iterator[EncodedLayer]:
     """Encode (layer, unit) pairs in order; one reader thread reads unit i + 1 while unit i encodes (the source

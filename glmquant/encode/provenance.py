@@ -26,32 +26,40 @@ def selection_sha256(keep: Mapping[int, Sequence[int]] | None) -> str | None:
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
-def build_provenance(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None) -> Provenance:
+def build_provenance(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None,
+                     calibration: CalibrationInfo) -> Provenance:
     return Provenance(
         source_repo=cfg.source_repo or source.directory.name,
         source_revision=cfg.source_revision,
         source_manifest="model.safetensors.index.json",
         source_manifest_sha256=source_manifest_sha256(source),
-        calibration=_calibration(cfg),
+        calibration=calibration,
         selection_sha256=selection_sha256(keep),
     )
 
 
-def job_inputs(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None) -> dict[str, str | None]:
+def job_inputs(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None,
+               calibration: CalibrationInfo) -> dict[str, str | None]:
     """Content hashes of what an encode reads, for its resume fingerprint."""
-    calibration = _calibration(cfg)
     return {"source": source_manifest_sha256(source), "token_rows": calibration.token_rows_sha256,
             "recipe": calibration.manifest_sha256, "selection": selection_sha256(keep)}
 
 
-def _calibration(cfg: EncodeConfig) -> CalibrationInfo:
-    """Hashes of the recipe and of the token rows actually used (not of observations.json, which records
-    timings and would make two identical observation runs look different)."""
+def observed_calibration(cfg: EncodeConfig) -> CalibrationInfo:
+    """The calibration of a finished observation (observations.json), none for an uncalibrated encode."""
     if cfg.observations is None:
         return CalibrationInfo(routing="none")
     summary = ObservationSummary.load(Path(cfg.observations))
+    return calibration_info(summary.recipe, summary.recipe_sha256, summary.token_rows_sha256,
+                            [(lane.rows, lane.tokens) for lane in summary.lanes], cfg.hessians)
+
+
+def calibration_info(recipe: str, recipe_sha256: str, token_rows_sha256: str, lanes: Sequence[tuple[int, int]],
+                     hessians: str) -> CalibrationInfo:
+    """Hashes of the recipe and of the token rows actually used (not of observations.json, which records
+    timings and would make two identical observation runs look different); `lanes` as (rows, tokens)."""
     return CalibrationInfo(
-        manifest=Path(summary.recipe).name, manifest_sha256=summary.recipe_sha256,
-        token_rows_sha256=summary.token_rows_sha256, rows=sum(lane.rows for lane in summary.lanes),
-        cols=max(lane.tokens for lane in summary.lanes), routing="natural" if cfg.hessians == "natural" else "all-token",
+        manifest=Path(recipe).name, manifest_sha256=recipe_sha256, token_rows_sha256=token_rows_sha256,
+        rows=sum(rows for rows, _ in lanes), cols=max(tokens for _, tokens in lanes),
+        routing="natural" if hessians == "natural" else "all-token",
     )

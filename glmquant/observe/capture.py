@@ -80,11 +80,21 @@ class LayerCapture:
             self._routed(x, routing, experts, natural)
 
     def _routed(self, x: torch.Tensor, routing: Routing, experts: nn.Module, natural: bool) -> None:
-        """Each expert on its own routed tokens: REAP statistics and natural-mode Hessians."""
-        for j in range(self.params.n_experts):
-            token, slot = torch.where(routing.indices == j)
-            if token.numel() == 0:
+        """Each expert on its own routed tokens: REAP statistics and natural-mode Hessians.
+
+        The (token, slot) pairs are grouped by expert with one stable sort, in the (token, slot) order a per-expert
+        `torch.where` gives, and the group sizes cross to the host once per batch (not once per expert), so on a
+        GPU the per-expert kernels queue up without waiting."""
+        top_k = routing.indices.shape[1]
+        flat = routing.indices.reshape(-1)  # [N*k]
+        pairs = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.params.n_experts).tolist()
+        start = 0
+        for j, count in enumerate(counts):
+            group, start = pairs[start:start + count], start + count
+            if count == 0:
                 continue
+            token, slot = group // top_k, group % top_k
             xj = x[token]
             act = experts._apply_gate(F.linear(xj, experts.gate_up_proj[j]))  # [n, I]
             if self.targets.stats is not None:

@@ -3,7 +3,8 @@
 Which options may change when an unfinished run is resumed (the rest are part of its fingerprint and
 must match, see checkpointing.py):
 
-    may change:  keep (the prune plan is recomputed from the finished statistics), progress display
+    may change:  keep (the prune plan is recomputed from the finished statistics), stream_budget_gb (chunk outputs
+                 are the same whichever pass writes them), progress display
     must match:  source model, token rows (recipe, rows, tokens, tokenizer), hessians, dense_hessians,
                  device type, batch_rows, model dtype, torch and transformers versions
 """
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 import glmquant
+from glmquant.devices import device_type
 from glmquant.errors import UsageError
 from glmquant.observe.hessians import HessianMode
 
@@ -36,23 +38,20 @@ class ObserveConfig:
     keep: int | None = None  # write prune_plan.json keeping this many experts per MoE layer
     device: str = "cpu"
     batch_rows: int = 4  # calibration rows pushed through a layer at once
+    stream_budget_gb: float | None = None  # most disk (1e9 B) the hidden streams may take; None: no limit
 
     def __post_init__(self) -> None:
+        if self.stream_budget_gb is not None and not self.stream_budget_gb > 0:
+            raise UsageError(f"--stream-budget-gb must be positive, got {self.stream_budget_gb}")
         if self.batch_rows < 1:
             raise UsageError(f"--batch-rows must be a positive integer, got {self.batch_rows}")
         if self.keep is not None and self.keep < 1:
             raise UsageError(f"--keep must be a positive integer, got {self.keep}")
-        check_device(self.device)
+        device_type(self.device)
 
-
-def check_device(device: str) -> None:
-    """A stage runs on the CPU or a CUDA device; anything else is refused before any work."""
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda (or cuda:N), got {device!r}")
+    @property
+    def stream_budget_bytes(self) -> int | None:
+        return None if self.stream_budget_gb is None else int(self.stream_budget_gb * 1e9)
 
 
 def fingerprint(config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtype) -> dict[str, Any]:

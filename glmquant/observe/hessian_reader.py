@@ -13,7 +13,7 @@ import torch
 
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import UsageError
-from glmquant.observe.hessians import FORMAT, HessianMode
+from glmquant.observe.hessians import FORMAT, HessianAccumulator, HessianMode
 from glmquant.observe.tensor_file import read_rows
 
 
@@ -87,3 +87,25 @@ def load_dense_hessian(obs_dir: str | Path, layer: int, weight_name: str) -> Hes
         if f"dense.{weight_name}.sum" not in f:
             raise UsageError(f"{path}: no dense Hessian for {weight_name} (observe with --dense-hessians)")
         return Hessian(f.read_tensor(f"dense.{weight_name}.sum"), int(f.read_tensor(f"dense.{weight_name}.count")))
+
+
+class HeldHessians:
+    """One layer's Hessians of one mode still in their accumulator (on its device), read like `LayerHessians`.
+
+    The fused build hands these to the encoder, so Hessians never leave the device; the matrices are the
+    accumulator's own sums, so the encoder sees exactly what it would read back from the file."""
+
+    def __init__(self, acc: HessianAccumulator, mode: HessianMode) -> None:
+        if mode not in (HessianMode.NATURAL, HessianMode.ALL) or f"{mode.value}.down" not in acc.sums:
+            raise UsageError(f"the accumulator holds no {mode.value!r} Hessians (it was made for {acc.mode.value!r})")
+        self.mode = mode
+        self._gate_up, self._down = acc.sums[f"{mode.value}.gate_up"], acc.sums[f"{mode.value}.down"]
+        self._gate_up_counts, self._down_counts = self._gate_up.count.tolist(), self._down.count.tolist()
+
+    def gate_up(self, expert: int) -> Hessian:
+        if self.mode is HessianMode.ALL:
+            return Hessian(self._gate_up.sum, int(self._gate_up_counts))
+        return Hessian(self._gate_up.sum[expert], self._gate_up_counts[expert])
+
+    def down(self, expert: int) -> Hessian:
+        return Hessian(self._down.sum[expert], self._down_counts[expert])

@@ -1,18 +1,24 @@
 """`observe`: calibration rows through the model one decoder layer at a time, collecting per MoE layer the
 REAP statistics and expert Hessians; resumable after a kill at any point (checkpointing.py).
 
-Per layer: load only that layer's weights, push every lane's rows through it `batch_rows` at a time
-(reading the streams entering the layer from disk, writing the streams leaving it), with hooks feeding
-the statistics (lanes that `use: reap`) and Hessians (lanes that `use: hessians`), then save, commit
-and free the layer. Memory: one layer + one batch of streams + the layer's accumulators.
+Per layer: load only that layer's weights and push every chunk of `batch_rows` rows of every lane through it
+(read from the stream files entering the layer), with hooks feeding the statistics (lanes that `use: reap`) and
+Hessians (lanes that `use: hessians`); hand the accumulators to the results sink (by default `ObservationFiles`:
+save them in the observations directory; the fused build encodes the layer from them instead); then advance
+the streams to the next layer. Memory: one layer + one chunk + the layer's accumulators. Disk: the streams
+entering the layer plus the output chunks written so far. Output chunks that would take the streams past the
+stream budget are not written while observing but recomputed once the layer's results are saved, when each
+input chunk is deleted as soon as its output exists (a second forward of those chunks, for a smaller disk).
 """
 
 from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,15 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from glmquant.calibration import TokenRows, load_recipe, reuse_or_build
 from glmquant.checkpoint.reader import assert_finite
 from glmquant.observe.capture import CaptureTargets, LayerCapture
-from glmquant.observe.checkpointing import (
-    clean_stale,
-    drop_hidden,
-    hidden_path,
-    read_hidden,
-    resume_point,
-    write_hidden,
-    write_state,
-)
+from glmquant.observe.checkpointing import RunState, clean_stale, resume_point, state_dir, write_state
 from glmquant.observe.config import ObserveConfig, fingerprint
 from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.hessians import HessianAccumulator, HessianMode
@@ -36,37 +34,106 @@ from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.routing import RoutingParams
 from glmquant.observe.stats import ExpertStats, LayerStats, stats_path
 from glmquant.observe.streaming import TextModel, run_layer
-from glmquant.observe.summary import LaneSummary, LayerSummary, ObservationSummary
+from glmquant.observe.streams import Chunk, StreamStore
+from glmquant.observe.summary import LaneSummary, LayerCost, LayerSummary, ObservationSummary
+
+Advance = Callable[[int], None]
+T = TypeVar("T")
 
 
-def observe(config: ObserveConfig, progress: bool = False) -> ObservationSummary:
+class LayerResults(Protocol):
+    """Where each observed layer's accumulators go once every calibration row went through the layer."""
+
+    kind: str  # recorded in the resume fingerprint: a run cannot switch sinks half-way
+
+    def start(self, rows: TokenRows) -> None:
+        """Called once the token rows are known, before the first layer."""
+
+    def save(self, layer: int, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:
+        """Make the layer's results durable (the run records the layer as committed right after)."""
+
+
+class ObservationFiles:
+    """The default sink: `layer-LL.stats.safetensors` and `layer-LL.hessians.safetensors` in the observations."""
+
+    kind = "files"
+
+    def __init__(self, obs_dir: Path) -> None:
+        self.obs_dir = obs_dir
+
+    def start(self, rows: TokenRows) -> None:
+        pass
+
+    def save(self, layer: int, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:
+        if stats is not None:
+            stats.result().save(stats_path(self.obs_dir, layer))
+        if hessians is not None and not hessians.empty:
+            hessians.save(hessians_path(self.obs_dir, layer), layer)
+
+
+def observe(config: ObserveConfig, progress: bool = False, results: LayerResults | None = None
+            ) -> ObservationSummary:
     """Run (or resume, or just re-summarize) an observation; returns what observations.json records."""
     from transformers import AutoTokenizer
 
     started = time.monotonic()
+    results = results or ObservationFiles(config.out)
     config.out.mkdir(parents=True, exist_ok=True)
     model = TextModel.open(config.source, config.device)
     recipe = load_recipe(config.recipe).with_shape(config.rows, config.tokens)
     rows = reuse_or_build(recipe, AutoTokenizer.from_pretrained(str(config.source)), config.out)
-    fp = fingerprint(config, rows.sha256, model.dtype)
+    fp = {**fingerprint(config, rows.sha256, model.dtype), "results": results.kind}
     clean_stale(config.out)
     resumed = resume_point(config.out, fp)
+    streams = StreamStore(state_dir(config.out), [(x.name, *x.ids.shape) for x in rows.lanes], config.batch_rows,
+                          (model.cfg.hc_mult, model.cfg.hidden_size), model.dtype, config.stream_budget_bytes)
+    results.start(rows)
+    costs: dict[int | str, LayerCost] = {}
     with model.ckpt, _progress(progress) as bar:
-        if resumed is None:
+        state = resumed
+        if state is None:
             rows.save(config.out)
-            _embed(model, rows, config, fp)
-        layers = bar.add_task("layers", total=model.num_layers, completed=resumed or 0)
-        batches = bar.add_task("rows", total=sum(lane.ids.shape[0] for lane in rows.lanes))
-        for layer in range(resumed or 0, model.num_layers):
-            bar.reset(batches, description=f"layer {layer}")
-            _observe_layer(model, rows, config, layer, lambda n: bar.advance(batches, n))
+            _measured(model.device, costs.setdefault("embed", LayerCost()), "advance_s", _embed, model, rows, streams)
+            state = RunState(fp, 0, False)
+            write_state(config.out, fp, 0)
+        layers = bar.add_task("layers", total=model.num_layers, completed=state.next_layer)
+        chunks = bar.add_task("chunks", total=len(streams.chunks))
+        advance = lambda n: bar.advance(chunks, n)  # noqa: E731
+        for layer in range(state.next_layer, model.num_layers):
+            cost = costs[layer] = LayerCost(chunks=len(streams.chunks))
+            if not (layer == state.next_layer and state.committed):
+                bar.reset(chunks, description=f"layer {layer}")
+                found = _measured(model.device, cost, "observe_s", _observe_pass, model, rows, config, streams,
+                                  layer, advance)
+                if found is not None:
+                    results.save(layer, *found)
+                    del found
+                write_state(config.out, fp, layer, committed=True)
+            bar.reset(chunks, description=f"layer {layer} streams")
+            cost.recomputed_chunks = _measured(model.device, cost, "advance_s", _advance, model, streams, layer,
+                                               advance)
             write_state(config.out, fp, layer + 1)
-            drop_hidden(config.out, layer)
+            streams.drop_layer(layer)
             bar.advance(layers)
-    drop_hidden(config.out, model.num_layers)  # the final streams are not an output
-    summary = _summarize(model, rows, config, fp, resumed, time.monotonic() - started)
+    streams.drop_layer(model.num_layers)  # the final streams are not an output
+    summary = _summarize(model, rows, config, fp, resumed and resumed.next_layer, costs,
+                         time.monotonic() - started)
     summary.save(config.out)
     return summary
+
+
+def _measured(device: torch.device, cost: LayerCost, field: str, fn: Callable[..., T], *args: object) -> T:
+    """fn(*args), its wall time added to `cost.<field>` and its device peak folded into `cost.peak_device_bytes`."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.monotonic()
+    result = fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        cost.peak_device_bytes = max(cost.peak_device_bytes or 0, torch.cuda.max_memory_allocated(device))
+    setattr(cost, field, round(getattr(cost, field) + time.monotonic() - started, 3))
+    return result
 
 
 def _progress(enabled: bool) -> Progress:
@@ -74,17 +141,23 @@ def _progress(enabled: bool) -> Progress:
                     disable=not enabled)
 
 
-def _embed(model: TextModel, rows: TokenRows, config: ObserveConfig, fp: dict) -> None:
-    """Streams entering layer 0 for every lane, then the first resume point."""
+def _lane_chunks(streams: StreamStore, lane: str) -> list[Chunk]:
+    return [c for c in streams.chunks if c.lane == lane]
+
+
+def _embed(model: TextModel, rows: TokenRows, streams: StreamStore) -> None:
+    """Streams entering layer 0 for every lane (chunks a killed run already wrote are kept)."""
     for lane in rows.lanes:
-        shape = (*lane.ids.shape, model.cfg.hc_mult, model.cfg.hidden_size)
-        write_hidden(hidden_path(config.out, lane.name, 0), shape, model.dtype,
-                     model.embed(lane.ids.split(config.batch_rows)))
-    write_state(config.out, fp, 0)
+        chunks = _lane_chunks(streams, lane.name)
+        for chunk, emb in zip(chunks, model.embed(lane.ids[c.start:c.stop] for c in chunks)):
+            if not streams.has(0, chunk):
+                streams.write(0, chunk, emb)
 
 
-def _observe_layer(model: TextModel, rows: TokenRows, config: ObserveConfig, layer: int, advance) -> None:
-    module = model.layer(layer)
+def _observe_pass(model: TextModel, rows: TokenRows, config: ObserveConfig, streams: StreamStore, layer: int,
+                  advance: Advance) -> tuple[ExpertStats | None, HessianAccumulator | None] | None:
+    """Every chunk through the layer with the hooks on (writing the output chunks that fit the stream budget);
+    returns the layer's accumulators, None for a layer with nothing to observe. The layer is freed on return."""
     spec, device = model.spec, model.device
     moe = spec.mlp_layer_types[layer] == "sparse"
     uses = {use for lane in rows.lanes for use in lane.use}
@@ -94,39 +167,54 @@ def _observe_layer(model: TextModel, rows: TokenRows, config: ObserveConfig, lay
     if "hessians" in uses and (mode is not HessianMode.NONE or config.dense_hessians):
         hessians = HessianAccumulator(mode, spec.n_routed_experts, spec.hidden_size, spec.moe_intermediate_size,
                                       device)
+    if stats is None and hessians is None:
+        return None
+    module = model.layer(layer)
     with LayerCapture(module, model.plan(layer), RoutingParams.from_spec(spec)) as capture:
         for lane in rows.lanes:
             capture.targets = CaptureTargets(stats if "reap" in lane.use else None,
                                              hessians if "hessians" in lane.use else None, config.dense_hessians)
-            shape = (*lane.ids.shape, model.cfg.hc_mult, model.cfg.hidden_size)
-            source = hidden_path(config.out, lane.name, layer)
-            write_hidden(hidden_path(config.out, lane.name, layer + 1), shape, model.dtype,
-                         _forward(module, source, lane.ids.shape[0], config.batch_rows, device, layer, advance))
-    if stats is not None:
-        stats.result().save(stats_path(config.out, layer))
-    if hessians is not None and not hessians.empty:
-        hessians.save(hessians_path(config.out, layer), layer)
-    del module, stats, hessians
+            for chunk in _lane_chunks(streams, lane.name):
+                out = _forward(module, streams, layer, chunk, device)
+                if not streams.has(layer + 1, chunk) and streams.fits(chunk):
+                    streams.write(layer + 1, chunk, out)
+                advance(1)
+    del module
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return stats, hessians
 
 
-def _forward(module: torch.nn.Module, source: Path, n_rows: int, step: int, device: torch.device, layer: int,
-             advance) -> Iterator[torch.Tensor]:
-    for start in range(0, n_rows, step):
-        stop = min(start + step, n_rows)
-        out = run_layer(module, read_hidden(source, start, stop).to(device))
-        assert_finite(f"hidden streams leaving layer {layer} (rows {start}-{stop})", out)
-        advance(stop - start)
-        yield out
+def _advance(model: TextModel, streams: StreamStore, layer: int, advance: Advance) -> int:
+    """The advancing pass (after the layer's results are saved): each output chunk not written yet, and each input
+    chunk deleted as soon as its output exists. Loads the layer only when an output is missing; returns how many
+    outputs it computed."""
+    module, computed = None, 0
+    for chunk in streams.chunks:
+        if not streams.has(layer + 1, chunk):
+            if module is None:
+                module = model.layer(layer)
+            streams.write(layer + 1, chunk, _forward(module, streams, layer, chunk, model.device))
+            computed += 1
+        streams.drop(layer, chunk)
+        advance(1)
+    return computed
+
+
+def _forward(module: torch.nn.Module, streams: StreamStore, layer: int, chunk: Chunk, device: torch.device
+             ) -> torch.Tensor:
+    out = run_layer(module, streams.read(layer, chunk).to(device))
+    assert_finite(f"hidden streams leaving layer {layer} (lane {chunk.lane}, rows {chunk.start}-{chunk.stop})", out)
+    return out
 
 
 def _summarize(model: TextModel, rows: TokenRows, config: ObserveConfig, fp: dict, resumed: int | None,
-               elapsed: float) -> ObservationSummary:
-    layers = tuple(_layer_summary(model, config.out, i) for i in range(model.num_layers))
+               costs: dict[int | str, LayerCost], elapsed: float) -> ObservationSummary:
+    layers = tuple(replace(_layer_summary(model, config.out, i), cost=costs.get(i)) for i in range(model.num_layers))
     plan = write_prune_plan(config.out, config.keep).name if config.keep is not None else None
     lanes = tuple(LaneSummary(x.name, x.ids.shape[0], x.ids.shape[1], x.use) for x in rows.lanes)
-    peak_device = torch.cuda.max_memory_allocated() if model.device.type == "cuda" else None
+    peaks = [c.peak_device_bytes for c in costs.values() if c.peak_device_bytes is not None]
+    peak_device = max(peaks, default=0) if model.device.type == "cuda" else None
     return ObservationSummary(
         str(config.source), str(config.recipe), rows.recipe_sha256, rows.sha256, lanes, config.hessians.value,
         config.dense_hessians, config.device, config.batch_rows, fp, layers,

@@ -106,3 +106,19 @@ def stream_final_hidden(source_dir: str | Path, input_ids: torch.Tensor, device:
             streams = torch.cat([run_layer(module, part) for part in streams.split(step)])
             del module
         return model.collapse(streams)
+
+
+def kda_implementation() -> str:
+    """Which KDA kernels transformers' GLM-5.3-Flash module runs: flash-linear-attention's Triton kernels when
+    `fla.ops.kda` imports (transformers resolves `chunk_kda` there when it first imports the model), else its
+    reference PyTorch loop (about 5x slower at real widths, and far more memory)."""
+    import importlib.metadata
+
+    try:
+        from fla.ops.kda import chunk_kda  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent, or present but broken (no Triton, no einops): the fallback runs
+        return "torch reference"
+    try:
+        return f"flash-linear-attention (fla-core {importlib.metadata.version('fla-core')})"
+    except importlib.metadata.PackageNotFoundError:
+        return "flash-linear-attention"

@@ -25,6 +25,18 @@ class LayerSummary:
     tokens: int  # calibration tokens in the REAP statistics (0 for dense layers)
     experts_hit: int  # experts that received at least one token
     load_imbalance: float  # busiest expert's count / mean count
+    cost: LayerCost | None = None  # what this invocation spent on the layer (None: done by an earlier one)
+
+
+@dataclass
+class LayerCost:
+    """Wall time and device peak of observing one layer, the results sink (a build's encode) excluded."""
+
+    observe_s: float = 0.0  # the pass with the hooks on
+    advance_s: float = 0.0  # the pass that finishes the streams entering the next layer
+    recomputed_chunks: int = 0  # output chunks the advancing pass had to compute (past the stream budget)
+    chunks: int = 0  # chunks of the layer's input streams
+    peak_device_bytes: int | None = None  # CUDA peak allocated during the two passes, None on CPU
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,8 @@ class ObservationSummary:
             if raw.pop("format", None) != FORMAT:
                 raise ValueError(f"not a {FORMAT} file")
             raw["lanes"] = tuple(LaneSummary(**{**x, "use": tuple(x["use"])}) for x in raw["lanes"])
-            raw["layers"] = tuple(LayerSummary(**x) for x in raw["layers"])
+            raw["layers"] = tuple(LayerSummary(**{**x, "cost": x.get("cost") and LayerCost(**x["cost"])})
+                                  for x in raw["layers"])
             return cls(**raw)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"{path}: unreadable observation summary ({exc}); run glmquant observe first") from None

@@ -7,9 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from observe_helpers import observe_config
 
-from glmquant.errors import UsageError
+from glmquant.errors import GlmquantError, UsageError
 from glmquant.observe import run
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.run import observe
@@ -27,20 +28,21 @@ def _assert_same_outputs(a: Path, b: Path) -> None:
 
 def test_killed_between_layers_resumes_identically(tiny_source: Path, observed: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    original = run._observe_layer
+    original = run._observe_pass
 
-    def dies_at_layer_2(model, rows, config, layer, advance):
+    def dies_at_layer_2(model, rows, config, streams, layer, advance):
         if layer == 2:
             raise KeyboardInterrupt  # what a kill looks like to the code that was running
-        original(model, rows, config, layer, advance)
+        return original(model, rows, config, streams, layer, advance)
 
-    monkeypatch.setattr(run, "_observe_layer", dies_at_layer_2)
+    monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
     with pytest.raises(KeyboardInterrupt):
         observe(observe_config(tiny_source, tmp_path))
     assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
     assert not (tmp_path / "layer-02.stats.safetensors").exists()
-    (tmp_path / "state" / ".input-mix-03.safetensors.tmp-4242").write_bytes(b"half a file from a SIGKILL")
-    monkeypatch.setattr(run, "_observe_layer", original)
+    (tmp_path / "state" / "streams-03").mkdir()
+    (tmp_path / "state" / "streams-03" / ".mix-00001.safetensors.tmp-4242").write_bytes(b"half a file from a SIGKILL")
+    monkeypatch.setattr(run, "_observe_pass", original)
     summary = observe(observe_config(tiny_source, tmp_path))
     assert summary.resumed_from_layer == 2
     _assert_same_outputs(observed, tmp_path)
@@ -68,7 +70,7 @@ def test_killed_inside_a_layer_leaves_nothing_half_written(tiny_source: Path, ob
 
 def test_other_settings_are_refused_and_keep_may_change(tiny_source: Path, observed: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(run, "_observe_layer", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(run, "_observe_pass", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         observe(observe_config(tiny_source, tmp_path))
     with pytest.raises(UsageError, match="hessians: 'both' -> 'natural'"):
@@ -84,3 +86,43 @@ def test_other_settings_are_refused_and_keep_may_change(tiny_source: Path, obser
     assert finished.resumed_from_layer == 3  # nothing left to run: only the prune plan is redone
     assert len(json.loads((copy / "prune_plan.json").read_text())["layers"]["1"]) == 3
     assert (copy / "layer-01.stats.safetensors").read_bytes() == (observed / "layer-01.stats.safetensors").read_bytes()
+
+
+def test_stream_budget_keeps_the_disk_down_and_the_outputs_identical(tiny_source: Path, observed: Path,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the budget at one layer's streams plus one chunk, outputs that do not fit are recomputed after the
+    layer's results are saved; the stream files never exceed the budget and every output is unchanged."""
+    from glmquant.observe.streams import StreamStore
+
+    config = observe_config(tiny_source, tmp_path)
+    shape = (config.rows, config.tokens)
+    probe = StreamStore(tmp_path, [("mix", *shape)], config.batch_rows, (4, 128), torch.bfloat16, None)
+    budget = probe.layer_bytes + max(probe.chunk_bytes(c) for c in probe.chunks)
+    peaks, real_write = [], StreamStore.write
+
+    def write(self, layer, chunk, streams) -> None:
+        real_write(self, layer, chunk, streams)
+        peaks.append(self.on_disk())
+
+    monkeypatch.setattr(StreamStore, "write", write)
+    summary = observe(observe_config(tiny_source, tmp_path, stream_budget_gb=budget / 1e9))
+    assert max(peaks) <= budget and max(peaks) > probe.layer_bytes
+    assert [layer.cost.recomputed_chunks for layer in summary.layers] == [1, 1, 1]  # of 2 chunks per layer
+    _assert_same_outputs(observed, tmp_path)
+
+
+def test_full_disk_is_named_leaves_nothing_half_written_and_resumes(tiny_source: Path, observed: Path,
+                                                                     tmp_path: Path, full_disk) -> None:
+    full_disk(r"^mix-00001")  # a stream chunk (the second one of the embeddings)
+    with pytest.raises(GlmquantError, match=r"mix-00001\.safetensors: disk full while writing"):
+        observe(observe_config(tiny_source, tmp_path))
+    assert not list(tmp_path.rglob("*.tmp-*"))
+    full_disk(r"^layer-02\.hessians")  # space freed, then the disk fills up again under a Hessian file
+    with pytest.raises(GlmquantError, match=r"layer-02\.hessians\.safetensors: disk full while writing"):
+        observe(observe_config(tiny_source, tmp_path))
+    assert not list(tmp_path.rglob("*.tmp-*")) and not (tmp_path / "layer-02.hessians.safetensors").exists()
+    assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
+    full_disk("")
+    assert observe(observe_config(tiny_source, tmp_path)).resumed_from_layer == 2
+    _assert_same_outputs(observed, tmp_path)

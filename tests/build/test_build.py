@@ -1,0 +1,106 @@
+"""The fused build (observe and encode layer by layer, Hessians in memory) gives the artifact of observe + encode,
+byte for byte, also when killed mid-way and resumed with a tighter stream budget."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import glmquant.encode.layer as encode_layer
+from glmquant.build import BuildConfig, build_artifact
+from glmquant.encode import EncodeConfig, encode_artifact
+from glmquant.errors import UsageError
+from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
+from glmquant.observe.config import ObserveConfig
+from glmquant.observe.hessians import HessianMode
+from glmquant.observe.run import observe
+
+QUIET = Console(quiet=True)
+ROWS, TOKENS, BATCH = 4, 64, 2
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("build-src"), TinyModelConfig(n_routed_experts=2,
+                                                                                       num_experts_per_tok=1))
+
+
+@pytest.fixture(autouse=True)
+def _pinned_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767225600")
+
+
+def _observe_config(source: Path, obs: Path, **changes) -> ObserveConfig:
+    base = dict(rows=ROWS, tokens=TOKENS, batch_rows=BATCH, hessians=HessianMode.BOTH, keep=1)
+    return ObserveConfig(source, obs, **{**base, **changes})
+
+
+def _build_config(source: Path, tmp: Path, **changes) -> BuildConfig:
+    return BuildConfig(_observe_config(source, tmp / "obs", **changes),
+                       EncodeConfig(source=source, out=tmp / "artifact", observations=tmp / "obs"))
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def two_step(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """observe (Hessians written to files) then encode: the artifact the fused build must reproduce."""
+    tmp = tmp_path_factory.mktemp("two-step")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SOURCE_DATE_EPOCH", "1767225600")
+        observe(_observe_config(source, tmp / "obs"))
+        encode_artifact(EncodeConfig(source=source, out=tmp / "artifact", observations=tmp / "obs"), QUIET)
+    return tmp
+
+
+def test_fused_build_equals_observe_then_encode(source: Path, two_step: Path, tmp_path: Path) -> None:
+    result = build_artifact(_build_config(source, tmp_path), QUIET)
+    assert _digests(tmp_path / "artifact") == _digests(two_step / "artifact")
+    assert result.encode.artifact.manifest_sha256 == json.loads(
+        (two_step / "artifact.work" / "encode-summary.json").read_text())["manifest_sha256"]
+    written = _digests(tmp_path / "obs")
+    assert not [n for n in written if "hessians" in n]  # Hessians never left memory
+    for name in ("token_rows.safetensors", "layer-01.stats.safetensors", "layer-02.stats.safetensors",
+                 "prune_plan.json"):
+        assert written[name] == _digests(two_step / "obs")[name], name
+    assert sorted(p.name for p in (tmp_path / "obs" / "state").iterdir()) == ["progress.json"]
+
+
+def test_killed_build_resumes_to_the_same_bytes(source: Path, two_step: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    real, calls = encode_layer.encode_unit, []  # the tiny model's layers are one work unit each
+
+    def dies_on_second_layer(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(encode_layer, "encode_unit", dies_on_second_layer)
+    with pytest.raises(KeyboardInterrupt):
+        build_artifact(_build_config(source, tmp_path), QUIET)
+    assert json.loads((tmp_path / "obs" / "state" / "progress.json").read_text())["next_layer"] == 2
+    monkeypatch.setattr(encode_layer, "encode_unit", real)
+    budget = 4 * 2 * TOKENS * 4 * 128 * 2 * 0.8e-9  # below two layers of streams: the output chunks are recomputed
+    with pytest.raises(UsageError, match="below one layer's hidden streams"):
+        build_artifact(_build_config(source, tmp_path, stream_budget_gb=budget / 3), QUIET)
+    build_artifact(_build_config(source, tmp_path, stream_budget_gb=budget), QUIET)
+    assert _digests(tmp_path / "artifact") == _digests(two_step / "artifact")
+
+
+def test_build_refuses_what_it_cannot_do(source: Path, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="--prune-plan"):
+        BuildConfig(_observe_config(source, tmp_path / "obs"),
+                    EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "obs", keep=1))
+    with pytest.raises(UsageError, match="needs them observed"):
+        BuildConfig(_observe_config(source, tmp_path / "obs", hessians=HessianMode.NATURAL),
+                    EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "obs", hessians="all"))
+    with pytest.raises(UsageError, match="the observations it writes"):
+        BuildConfig(_observe_config(source, tmp_path / "obs"),
+                    EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "other"))

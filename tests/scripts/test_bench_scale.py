@@ -1,0 +1,50 @@
+"""The scale rehearsal runs end to end on CPU at tiny widths (the same code path the H200 runs at real widths)
+and writes the report with the full-model extrapolation; a stage past the time limit fails loudly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench_scale.py"
+
+pytestmark = pytest.mark.slow
+
+
+def _run(tiny_source: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, str(SCRIPT), "--device", "cpu", "--config", str(tiny_source / "config.json"),
+            "--layers", "3", "--experts", "4", "--encode-experts", "2", "--rows", "2", "--tokens", "16",
+            "--batch-rows", "1", "--prompt-tokens", "8", "--decode-tokens", "2", "--work", str(tmp_path / "work"),
+            "--results", str(tmp_path / "scale.json"), *extra]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+
+
+def test_rehearsal_runs_end_to_end_on_cpu(tiny_source: Path, tmp_path: Path) -> None:
+    run = _run(tiny_source, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads((tmp_path / "scale.json").read_text())
+    assert set(record["stages"]) == {"fixture", "build", "verify", "runtime"} and "failed" not in record
+    build = record["stages"]["build"]
+    assert [l["layer"] for l in build["encode_layers"]] == [1, 2]
+    assert all(l["cost"]["observe_s"] > 0 for l in build["observation"]["layers"] if l["mlp"] == "moe")
+    assert build["observation_disk_peak_bytes"] > 0 and record["stages"]["verify"]["ok"]
+    assert len(record["stages"]["runtime"]["tokens"]) == 2
+    full = record["full_model"]
+    assert {"observe_h", "encode_h", "peak_host_rss_gb", "peak_gpu_gb", "observation_disk_gb"} <= set(full)
+    assert all(fig["formula"] for fig in record["extrapolation"].values())
+    tokens = record["extrapolation"]["tokens"]["value"]
+    assert tokens == 600 * 2048 + 4 * 128 * 1024  # the full recipe's token count
+
+
+def test_a_stage_past_the_time_limit_fails_loudly(tiny_source: Path, tmp_path: Path) -> None:
+    run = _run(tiny_source, tmp_path, "--time-limit-s", "15")
+    assert run.returncode != 0 and re.search(r"stage '\w+' (did not finish within|no time left)", run.stderr)
+    assert json.loads((tmp_path / "scale.json").read_text())["failed"]["stage"] in ("fixture", "build")
