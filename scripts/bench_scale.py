@@ -109,18 +109,18 @@ def stage_build(args: argparse.Namespace) -> dict[str, Any]:
     encoded: list[dict[str, Any]] = []
     real_encode, real_finish = EncodeJob.encode, EncodeJob.finish
 
-    def encode(job, layer, hessians, on_tensor=lambda n: None):
+    def encode(job, layer, hessians):
         with Peak(args.device) as peak:
-            summary = real_encode(job, layer, hessians, on_tensor)
+            summary = real_encode(job, layer, hessians)
         encoded.append({"layer": layer, "tensors": summary.tensors, "seconds": peak.seconds,
                         "peak_gpu_bytes": peak.gpu_bytes, "bytes_written": summary.bytes_written})
         return summary
 
     finish: dict[str, Any] = {}
 
-    def finish_job(job, console):
+    def finish_job(job):
         with Peak(args.device) as peak:
-            result = real_finish(job, console)
+            result = real_finish(job)
         finish.update(seconds=peak.seconds, peak_gpu_bytes=peak.gpu_bytes)
         return result
 

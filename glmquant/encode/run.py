@@ -119,10 +119,11 @@ class EncodeJob:
                 raise CheckpointFormatError(f"{self.store.directory}: units of MoE layers {self.todo} are missing "
                                             "after all ranks finished; rerun the same command")
 
-    def encode(self, layer: int, hessians: LayerHessiansView) -> None:
+    def encode(self, layer: int, hessians: LayerHessiansView) -> LayerSummary:
         """Every unit of one layer with the given Hessians (one process), then its artifact files."""
         self._run([(layer, u, slices) for u, slices in enumerate(self._units[layer])], lambda _: hessians)
         self._assemble_ready()
+        return LayerSummary(**self.state.layers[str(layer)])
 
     def _run(self, units: list[Unit], views: Callable[[int], LayerHessiansView]) -> None:
         """Encode the units not already on disk into unit files; rank 0 assembles layers as they complete."""
