@@ -22,7 +22,7 @@ from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.cli import app
 from glmquant.cli import encode as encode_cli
 from glmquant.cli import observe as observe_cli
-from glmquant.encode.provenance import build_provenance
+from glmquant.encode.provenance import build_provenance, observed_calibration
 
 REPO = "glmquant/tiny-source"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -90,7 +90,7 @@ def test_encode_from_a_repo_id_records_the_resolved_commit(hub_cache, tiny_sourc
     (cfg,) = seen
     assert (cfg.source, cfg.source_repo, cfg.source_revision) == (snapshot, REPO, COMMIT)
     source = SourceCheckpoint.open(cfg.source)
-    fields = provenance_fields(build_provenance(cfg, source, None))["source"]
+    fields = provenance_fields(build_provenance(cfg, source, None, observed_calibration(cfg)))["source"]
     assert (fields["repo_id"], fields["revision"]) == (REPO, COMMIT)
 
 
