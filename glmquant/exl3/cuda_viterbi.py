@@ -9,18 +9,16 @@ ties: same format, same quality (checked against the CPU reference in the tests 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 from glmquant.exl3.codebooks import Codebook, codebook_values
-from glmquant.exl3.native import _cache_dir
+from glmquant.exl3.native import compile_cached
 
 _SOURCE = Path(__file__).with_name("viterbi_cuda.cu")
 PASS1_BEFORE = PASS1_AFTER = 128  # ExLlamaV3's seam search: the ring rotated by 128
@@ -48,21 +46,11 @@ def build(arch: str) -> Path:
     nvcc = _nvcc()
     version = subprocess.run([nvcc, "--version"], check=True, capture_output=True, text=True).stdout
     flags = ["-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(flags).encode(), version.encode()]))
-    target = _cache_dir() / f"viterbi-cuda-sm{arch}-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            result = subprocess.run([nvcc, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise CudaViterbiUnavailable(f"nvcc failed building {_SOURCE.name}: {result.stderr[-2000:]}")
-            os.replace(tmp, target)  # atomic: concurrent builders never load a partial file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target
+    try:
+        return compile_cached(f"viterbi-cuda-sm{arch}", [nvcc, *flags, str(_SOURCE)],
+                              [_SOURCE.read_bytes(), " ".join(flags).encode(), version.encode()])
+    except subprocess.CalledProcessError as err:
+        raise CudaViterbiUnavailable(f"nvcc failed building {_SOURCE.name}: {err.stderr[-2000:]}") from None
 
 
 @lru_cache(maxsize=4)

@@ -43,21 +43,28 @@ def _cpu_signature() -> str:
     return os.uname().machine
 
 
-def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_signature().encode()]))
-    target = _cache_dir() / f"viterbi-{key.hexdigest()[:16]}.so"
+def compile_cached(name: str, command: list[str], key: list[bytes]) -> Path:
+    """Run `command + ["-o", tmp]` once per `key` (source, flags, compiler...) and keep the library in the cache
+    as `name-<hash>.so`; atomic, so concurrent builders never load a partial file. A failed build raises
+    subprocess.CalledProcessError with the compiler's output."""
+    digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
-            os.replace(tmp, target)  # atomic: concurrent builders never load a partial file
+            subprocess.run([*command, "-o", tmp], check=True, capture_output=True, text=True)
+            os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return target
+
+
+def _build(compiler: str) -> Path:
+    key = [_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), compiler.encode(), _cpu_signature().encode()]
+    return compile_cached("viterbi", [compiler, *_FLAGS, str(_SOURCE)], key)
 
 
 @lru_cache(maxsize=1)
