@@ -1,0 +1,116 @@
+"""Engine: GLM-5.3-Flash's text model on the runtime's own forward with static caches.
+
+A sequence lives in a cache slot: `prefill` runs its prompt in chunks (chunked KDA, the indexer's top-k per query),
+`decode` runs one token for each of B consecutive slots at once. On CUDA a decode step of the whole model
+(embedding, every layer, final norm, lm_head) is one CUDA graph, captured per (first slot, batch size, indexer
+window) on its second use and replayed after; elsewhere the same code runs eagerly. The indexer scores only the
+first `pools_for(context)` k-pools (the context rounded up to a power of two): a short sequence does not pay for
+the cache's full length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from glmquant.arch.glm5_next_math import rms_norm
+from glmquant.errors import UsageError
+from glmquant.runtime.artifact import Artifact
+from glmquant.runtime.engine.blocks import decoder_layer
+from glmquant.runtime.engine.cache import Caches, LayerCache
+from glmquant.runtime.engine.config import EngineConfig
+from glmquant.runtime.engine.experts import engine_experts
+from glmquant.runtime.engine.weights import ModelWeights, load_weights
+from glmquant.runtime.loader import hf_config
+from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.quantized_experts import ExpertBackend
+
+PREFILL_CHUNK = 8192  # prompt tokens per forward: bounds activations while the kernels stay efficient
+
+
+@dataclass
+class Engine:
+    cfg: EngineConfig
+    weights: ModelWeights
+    experts: ExpertBackend
+    caches: Caches
+    ranks: int  # virtual experts per logical expert (tr3: 4)
+    graphs: object | None  # StepGraphs on CUDA with graphs on, else None
+
+    @classmethod
+    def load(cls, artifact: Artifact, options: RuntimeOptions, max_batch: int = 1, max_len: int = 4096,
+             cuda_graphs: bool = True) -> Engine:
+        """Weights (one layer at a time), experts and caches for `max_batch` sequences of `max_len` tokens."""
+        options = options.resolved_for(artifact.config)
+        device, dtype = torch.device(options.device), options.torch_dtype
+        cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())
+        weights = load_weights(artifact, cfg, dtype, device)
+        experts = engine_experts(artifact, options)
+        graphs = None
+        if cuda_graphs and device.type == "cuda":
+            from glmquant.runtime.kernels.cuda_graphs import StepGraphs
+
+            graphs = StepGraphs()
+        return cls(cfg, weights, experts, Caches.allocate(cfg, max_batch, max_len, dtype, device), artifact.ranks,
+                   graphs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embed.device
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, caches: tuple[LayerCache, ...],
+                pools: int) -> torch.Tensor:
+        """Logits [B, V] of the last of S new tokens per row: tokens and positions [B, S] (int64, on the device),
+        `caches` those rows' caches, `pools` the k-pools the indexer scores (covering every position)."""
+        cfg, w = self.cfg, self.weights
+        x = F.embedding(tokens, w.embed)
+        streams = x.unsqueeze(-2).expand(*x.shape[:-1], cfg.hc_mult, x.shape[-1]).contiguous()
+        for layer, (lw, cache) in enumerate(zip(w.layers, caches, strict=True)):
+            streams = decoder_layer(streams, layer, lw, cache, positions, pools, cfg, self.experts, self.ranks)
+        return F.linear(rms_norm(streams[:, -1].mean(dim=-2), w.norm, cfg.rms_eps), w.lm_head)
+
+    def prefill(self, slot: int, token_ids: torch.Tensor, start: int = 0, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+        """Feed token_ids [S] to `slot` from position `start` (0 starts a new sequence); logits [V] of the last."""
+        end = start + token_ids.numel()
+        self._check_room(slot, end)
+        if start == 0:
+            self.caches.reset(slot)
+        ids = token_ids.to(self.device).view(1, -1)
+        rows = self.caches.rows(slot, slot + 1)
+        for c in range(0, ids.shape[1], chunk):
+            part = ids[:, c:c + chunk]
+            positions = torch.arange(start + c, start + c + part.shape[1], device=self.device).view(1, -1)
+            logits = self.forward(part, positions, rows, self.pools_for(start + c + part.shape[1]))
+        return logits[0]
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, context: int, first_slot: int = 0
+               ) -> torch.Tensor:
+        """One token for each of slots first_slot .. first_slot + B - 1: tokens, positions [B] on the device;
+        `context` bounds every position + 1 (the host knows the lengths; it picks the indexer window).
+        Logits [B, V]; from a graph, the same tensor is overwritten by the next step."""
+        self._check_room(first_slot + tokens.shape[0] - 1, context)
+        pools = self.pools_for(context)
+        step = partial(self._step, first_slot=first_slot, pools=pools)
+        if self.graphs is None:
+            return step(tokens, positions)
+        return self.graphs(("decode", first_slot, pools), step, tokens, positions)
+
+    def pools_for(self, context: int) -> int:
+        """k-pools the indexer scores for sequences up to `context` tokens: a power of two, at least the top-k's,
+        at most the cache's (few windows: few graphs)."""
+        tokens = max(self.cfg.index_topk, 1 << max(0, context - 1).bit_length())
+        return min(tokens, self.caches.max_len) // self.cfg.kpool
+
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, first_slot: int, pools: int) -> torch.Tensor:
+        rows = self.caches.rows(first_slot, first_slot + tokens.shape[0])
+        return self.forward(tokens.view(-1, 1), positions.view(-1, 1), rows, pools)
+
+    def _check_room(self, slot: int, end: int) -> None:
+        if not 0 <= slot < self.caches.max_batch:
+            raise UsageError(f"slot {slot} is outside the engine's {self.caches.max_batch} cache slots")
+        if end > self.caches.max_len:
+            raise UsageError(f"{end} tokens exceed the engine's cache of {self.caches.max_len} tokens per sequence")
