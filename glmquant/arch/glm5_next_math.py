@@ -22,14 +22,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
-def hyper_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-                  norm_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC (`Glm5NextTextHyperConnection`) mixing weights of streams [T, N, H]: pre [T, N], post [T, N] and the
-    doubly stochastic comb [T, N, N], all fp32."""
-    n = streams.shape[-2]
+def hyper_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """mHC's projection of the RMS-normalized streams [T, N, H] -> [T, (2 + N) N] fp32 (pre, post, comb logits)."""
     flat = streams.flatten(-2).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([n, n, n * n], dim=-1)
+    return F.linear(flat, fn.float())
+
+
+def hyper_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, hc_eps: float,
+                  sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC (`Glm5NextTextHyperConnection`) weights of n streams from `hyper_mix`'s [T, (2 + n) n]: pre [T, n],
+    post [T, n] and the doubly stochastic comb [T, n, n] (Sinkhorn-Knopp), all fp32."""
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)

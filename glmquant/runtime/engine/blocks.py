@@ -9,6 +9,7 @@ can be captured in a CUDA graph; a prefill chunk (B = 1) runs the same code eage
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from glmquant.arch.glm5_next_math import (
     gated_rms_norm,
     hyper_collapse,
     hyper_expand,
+    hyper_mix,
     hyper_weights,
     index_scores,
     kda_gate,
@@ -54,9 +56,20 @@ def decoder_layer(streams: torch.Tensor, layer: int, w: LayerWeights, cache: Lay
 def _hyper_residual(streams: torch.Tensor, hc: Hyper, norm: torch.Tensor, cfg: EngineConfig,
                     block: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """One block inside mHC: collapse the streams, norm, the block, spread its output and mix the streams."""
-    pre, post, comb = hyper_weights(streams, hc.fn, hc.base, hc.scale, cfg.hc_eps, cfg.rms_eps, cfg.sinkhorn_iters)
+    mix = hyper_mix(streams, hc.fn, cfg.rms_eps)
+    pre, post, comb = _hyper_weights(mix.device)(mix, hc.base, hc.scale, cfg.hc_mult, cfg.hc_eps, cfg.sinkhorn_iters)
     out = block(rms_norm(hyper_collapse(pre, streams), norm, cfg.rms_eps))
     return hyper_expand(post, comb, out, streams)
+
+
+@cache
+def _hyper_weights(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The fused Triton mHC kernel on CUDA (one launch instead of ~120), the PyTorch math elsewhere."""
+    if device.type != "cuda":
+        return hyper_weights
+    from glmquant.runtime.kernels.mhc import hyper_weights as fused
+
+    return fused
 
 
 def mlp(x: torch.Tensor, w: MLP, cfg: EngineConfig) -> torch.Tensor:
