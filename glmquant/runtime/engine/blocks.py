@@ -78,11 +78,16 @@ def mlp(x: torch.Tensor, w: MLP, cfg: EngineConfig) -> torch.Tensor:
 
 def moe_block(x: torch.Tensor, w: MoEBlock, layer: int, cfg: EngineConfig, experts: ExpertBackend,
               ranks: int) -> torch.Tensor:
-    """Routed experts (noaux_tc routing, rank slices as virtual experts) plus the shared expert."""
+    """Routed experts plus the shared expert."""
+    return routed_experts(x, w, layer, cfg, experts, ranks) + mlp(x, w.shared, cfg)
+
+
+def routed_experts(x: torch.Tensor, w: MoEBlock, layer: int, cfg: EngineConfig, experts: ExpertBackend,
+                   ranks: int) -> torch.Tensor:
+    """noaux_tc routing, then the routed experts (rank slices as virtual experts) through the backend."""
     flat = x.reshape(-1, x.shape[-1])
     ids, weights = route(flat, w.router, w.bias, cfg.top_k, cfg.routed_scaling, cfg.norm_topk)
-    routed = experts.forward(layer, flat, *expand_routes(ids, weights, ranks))
-    return routed.view(x.shape) + mlp(x, w.shared, cfg)
+    return experts.forward(layer, flat, *expand_routes(ids, weights, ranks)).view(x.shape)
 
 
 def kda_block(x: torch.Tensor, w: KDAWeights, cache: KDACache, cfg: EngineConfig) -> torch.Tensor:

@@ -70,11 +70,16 @@ class Caches:
 
     def copy_slot(self, source: int, targets: range) -> None:
         """Give slots `targets` the same history as `source` (a benchmark's batch of equal sequences)."""
-        for c in self.layers:
-            for f in fields(c):
-                t = getattr(c, f.name)
-                t[targets.start:targets.stop].copy_(t[source:source + 1].expand(len(targets), *t.shape[1:]))
+        for t in self._tensors():
+            t[targets.start:targets.stop].copy_(t[source:source + 1].expand(len(targets), *t.shape[1:]))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(getattr(c, f.name).nbytes for c in self.layers for f in fields(c))
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of every cache tensor (a benchmark replays the same history twice)."""
+        return [t.clone() for t in self._tensors()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for t, s in zip(self._tensors(), saved, strict=True):
+            t.copy_(s)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [getattr(c, f.name) for c in self.layers for f in fields(c)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +23,16 @@ from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.engine.blocks import decoder_layer
 from glmquant.runtime.engine.cache import Caches, LayerCache
 from glmquant.runtime.engine.config import EngineConfig
-from glmquant.runtime.engine.experts import engine_experts
+from glmquant.runtime.engine.experts import ResidentExperts, engine_experts
 from glmquant.runtime.engine.weights import ModelWeights, load_weights
 from glmquant.runtime.loader import hf_config
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.quantized_experts import ExpertBackend
 
-PREFILL_CHUNK = 8192  # prompt tokens per forward: bounds activations while the kernels stay efficient
+if TYPE_CHECKING:
+    from glmquant.runtime.kernels.cuda_graphs import StepGraphs
+
+PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds activations (the MoE step's buffers grow with routes)
 
 
 @dataclass
@@ -38,7 +42,8 @@ class Engine:
     experts: ExpertBackend
     caches: Caches
     ranks: int  # virtual experts per logical expert (tr3: 4)
-    graphs: object | None  # StepGraphs on CUDA with graphs on, else None
+    graphs: StepGraphs | None  # on CUDA with graphs on
+    cuda_graphs: bool = False  # decode steps replay graphs where the device has them
 
     @classmethod
     def load(cls, artifact: Artifact, options: RuntimeOptions, max_batch: int = 1, max_len: int = 4096,
@@ -49,13 +54,9 @@ class Engine:
         cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())
         weights = load_weights(artifact, cfg, dtype, device)
         experts = engine_experts(artifact, options)
-        graphs = None
-        if cuda_graphs and device.type == "cuda":
-            from glmquant.runtime.kernels.cuda_graphs import StepGraphs
-
-            graphs = StepGraphs()
+        cuda_graphs = cuda_graphs and isinstance(experts, ResidentExperts)  # the torch backend syncs with the host
         return cls(cfg, weights, experts, Caches.allocate(cfg, max_batch, max_len, dtype, device), artifact.ranks,
-                   graphs)
+                   _graphs(device) if cuda_graphs else None, cuda_graphs)
 
     @property
     def device(self) -> torch.device:
@@ -87,17 +88,26 @@ class Engine:
             logits = self.forward(part, positions, rows, self.pools_for(start + c + part.shape[1]))
         return logits[0]
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, context: int, first_slot: int = 0
-               ) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, context: int, first_slot: int = 0,
+               eager: bool = False) -> torch.Tensor:
         """One token for each of slots first_slot .. first_slot + B - 1: tokens, positions [B] on the device;
         `context` bounds every position + 1 (the host knows the lengths; it picks the indexer window).
-        Logits [B, V]; from a graph, the same tensor is overwritten by the next step."""
+        Logits [B, V]; from a graph, the same tensor is overwritten by the next step. `eager` skips the graphs."""
         self._check_room(first_slot + tokens.shape[0] - 1, context)
         pools = self.pools_for(context)
         step = partial(self._step, first_slot=first_slot, pools=pools)
-        if self.graphs is None:
+        if self.graphs is None or eager:
             return step(tokens, positions)
         return self.graphs(("decode", first_slot, pools), step, tokens, positions)
+
+    def reallocate(self, max_batch: int, max_len: int) -> None:
+        """Fresh zeroed caches of another size (captured graphs are dropped: they address the old ones)."""
+        dtype, device = self.weights.embed.dtype, self.device
+        self.caches = self.graphs = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.caches = Caches.allocate(self.cfg, max_batch, max_len, dtype, device)
+        self.graphs = _graphs(device) if self.cuda_graphs else None
 
     def pools_for(self, context: int) -> int:
         """k-pools the indexer scores for sequences up to `context` tokens: a power of two, at least the top-k's,
@@ -114,3 +124,12 @@ class Engine:
             raise UsageError(f"slot {slot} is outside the engine's {self.caches.max_batch} cache slots")
         if end > self.caches.max_len:
             raise UsageError(f"{end} tokens exceed the engine's cache of {self.caches.max_len} tokens per sequence")
+
+
+def _graphs(device: torch.device) -> StepGraphs | None:
+    """A StepGraphs on CUDA (decode steps replay graphs), None elsewhere."""
+    if device.type != "cuda":
+        return None
+    from glmquant.runtime.kernels.cuda_graphs import StepGraphs
+
+    return StepGraphs()
