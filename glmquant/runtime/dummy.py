@@ -19,18 +19,20 @@ from glmquant.checkpoint.provenance import Provenance
 from glmquant.errors import ConfigError
 from glmquant.runtime.artifact import Artifact
 
-LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: "auto" reads the artifact's files
 
-
-def dummy_artifact(config: str | Path, layout: str = "tr3", bits: int = 2, codebook: str = "mcg",
-                   device: torch.device | str = "cpu", seed: int = 0) -> Artifact:
-    """The artifact `plan` predicts for `config` (a config.json or a directory holding one), values on `device`."""
+def dummy_artifact(config: str | Path, layout: str | None = None, bits: int | None = None,
+                   codebook: str | None = None, device: torch.device | str = "cpu", seed: int = 0) -> Artifact:
+    """The artifact `plan` predicts for `config` (a config.json or a directory holding one), values on `device`.
+    Layout, bits and codebook default to what the config's quantization block declares, else tr3 K2 MCG."""
     path = Path(config)
     raw = read_config(path)
     spec = load_model_spec(raw)
     if spec.family != "glm5_next":
         raise ConfigError(f"{path}: the runtime serves glm5_next models, not {spec.family}")
-    plan = plan_artifact(spec, layout, bits, codebook)
+    declared = raw.get("quantization_config") or {}
+    layout = layout or ("exllamav3" if declared and "rank_stacked_tp" not in declared else "tr3")
+    bits = bits or int(declared.get("bits", 2))
+    plan = plan_artifact(spec, layout, bits, codebook or declared.get("codebook", "mcg"))
     block = quantization_block(plan, Provenance(source_repo="dummy", runtime_status="dummy"))
     checkpoint = DummyCheckpoint(plan, seed, torch.device(device))
     ranks = TR3_RANKS if layout == "tr3" else 1
