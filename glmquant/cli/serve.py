@@ -50,7 +50,10 @@ def serve(
                              load_format=load_format, model_impl=model_impl)
     options = ServiceOptions(served_model_name=served_model_name, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(console=console, show_path=False)])
+    # A terminal gets rich's aligned log; a pipe or file plain lines (rich would pad each to the console's width)
+    handler = RichHandler(console=console, show_path=False) if console.is_terminal else logging.StreamHandler()
+    fmt = "%(message)s" if console.is_terminal else "%(asctime)s %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, handlers=[handler])
     console.print(f"loading {artifact} on {device} ({dtype}, {backend} experts, {model_impl} modules"
                   f"{', dummy weights' if load_format == 'dummy' else ''}) ...")
     run_server(artifact, host, port, runtime, options, api_key, on_ready=_ready)

@@ -218,13 +218,10 @@ cudaError_t search(const float* targets, int64_t n, const uint32_t* lut, int bef
 
 }  // namespace
 
-// Scratch the caller allocates for `batch` tiles: history words and (K = 1) global cost arrays, in bytes.
-extern "C" int64_t exl3_viterbi_cuda_hist_bytes(int64_t batch) { return batch * 256 * THREADS * 4; }
-extern "C" int64_t exl3_viterbi_cuda_cost_bytes(int K, int64_t batch) { return K == 1 ? batch * 2 * 32768 * 4 : 0; }
-
 // targets: [n][256] fp32 ring-ordered (device); lut: the codebook's fp16 values in pairs for this K (see
-// forward_kernel), device; states: [n][256] int32 out;
-// edges: [batch] int32 scratch. 0 on success, else a cudaError_t (or -1 for bad arguments).
+// forward_kernel), device; states: [n][256] int32 out; scratch for `batch` tiles at a time: hist
+// [batch][256][1024] words, edges [batch] int32, global_costs [batch][2][32768] floats (K = 1 only).
+// 0 on success, else a cudaError_t (or -1 for bad arguments).
 extern "C" int exl3_viterbi_cuda(const float* targets, int64_t n, const void* lut, int K, int before, int after,
                                  int32_t* states, uint32_t* hist, int32_t* edges, float* global_costs, int64_t batch,
                                  void* stream)

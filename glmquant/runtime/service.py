@@ -243,7 +243,7 @@ class ModelService:
         try:
             return self.chat.render(messages, tools, template_kwargs)
         except MissingDependencyError as exc:  # the server lacks a package: its gap, not a bad request
-            raise ApiError(501, str(exc), "messages", type="server_error") from None
+            raise ApiError(501, str(exc), "messages") from None
         except UsageError as exc:
             raise ApiError(400, str(exc), "messages") from None
 
