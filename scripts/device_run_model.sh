@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One H200 call (under 10 minutes) for issue 16, the whole model from dummy weights. Installs the carried wheels
+# (.whl/: fla-core, flash-linear-attention, einops), checks the GPU paths first (fused mHC kernel, the engine with
+# resident Triton experts, fla KDA and whole-step CUDA graphs against the CPU reference on the tiny artifact), then
+# runs scripts/bench_model.py. Every step is bounded by `timeout`; results are refreshed in $OUT/results.tgz.
+# Usage on the device:
+#   bash scripts/device_run_model.sh "$OUT" COMMIT quick     # checks + --quick (decode 1k, prefill 8k, classes)
+#   bash scripts/device_run_model.sh "$OUT" COMMIT decode    # graphs, decode 1k and 32k, classes (no checks)
+#   bash scripts/device_run_model.sh "$OUT" COMMIT prefill   # prefill 8k, 64k, 200k (no checks)
+# then: python scripts/bench_model.py --merge decode.json prefill.json --out bench/results/model_h200.json
+set -u
+OUT=${1:?output dir}; COMMIT=${2:?commit}; MODE=${3:-quick}
+RES=/tmp/res; mkdir -p "$RES"; LOG="$OUT/run.log"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+t0=$(date +%s)
+stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; tar czf "$OUT/results.tgz" -C "$RES" .; }
+python3 -c "import torch, triton, fla; print(torch.__version__, triton.__version__, fla.__version__, torch.cuda.get_device_name())" >>"$LOG" 2>&1
+case $MODE in
+  quick)
+    stamp "GPU checks: mHC kernel, engine vs CPU reference (fla, graphs), resident experts"
+    timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mhc.py tests/kernels/test_engine_resident.py \
+      tests/runtime/test_engine.py >"$RES/pytest.log" 2>&1; echo "pytest exit $?" >>"$LOG"
+    args=(--quick) ;;
+  decode) args=(--parts graphs,decode,classes) ;;
+  prefill) args=(--parts prefill) ;;
+  *) echo "mode must be quick, decode or prefill" >&2; exit 2 ;;
+esac
+stamp "bench_model.py ${args[*]}"
+timeout $(( 580 - ($(date +%s) - t0) )) python3 scripts/bench_model.py --commit "$COMMIT" "${args[@]}" \
+  --out "$RES/model_h200_$MODE.json" >>"$LOG" 2>&1
+echo "bench exit $?" >>"$LOG"
+stamp "done"
