@@ -75,11 +75,11 @@ def main() -> None:
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
     config, device = (tiny_config(), "cpu") if args.smoke else (args.config, "cuda")
     report: dict[str, Any] = {"command": " ".join(sys.argv), "commit": args.commit, "environment": environment(device),
-                              "sizes": sizes.__dict__, "parts": {}}
+                              "sizes": sizes.__dict__, "compile_decode": args.compile_decode, "parts": {}}
     t0 = time.perf_counter()
     artifact = dummy_artifact(config, args.layout, args.bits, device=device)
     engine = Engine.load(artifact, RuntimeOptions(device=device, backend="torch" if args.smoke else "triton"),
-                         max_batch=1, max_len=sizes.chunk)
+                         max_batch=1, max_len=sizes.chunk, compile_decode=args.compile_decode)
     sync(engine)
     report["model"] = model_record(artifact, engine, time.perf_counter() - t0, config)
     save(report, args.out)
@@ -103,6 +103,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--config", type=Path, default=REFERENCE_CONFIG, help="config.json of the model to build")
     p.add_argument("--layout", default="tr3", choices=("tr3", "exllamav3"))
     p.add_argument("--bits", type=int, default=2)
+    p.add_argument("--compile-decode", action="store_true", help="decode steps' math through torch.compile")
     p.add_argument("--quick", action="store_true", help="about 6 minutes of an H200: 1k decode, 8k prefill")
     p.add_argument("--smoke", action="store_true", help="the tiny config on the CPU, every part at tiny sizes")
     p.add_argument("--parts", type=lambda s: tuple(s.split(",")), default=PARTS)

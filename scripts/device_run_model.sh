@@ -7,6 +7,7 @@
 #   bash scripts/device_run_model.sh "$OUT" COMMIT quick     # checks + --quick (decode 1k, prefill 8k, classes)
 #   bash scripts/device_run_model.sh "$OUT" COMMIT decode    # graphs, decode 1k and 32k, classes (no checks)
 #   bash scripts/device_run_model.sh "$OUT" COMMIT prefill   # prefill 8k, 64k, 200k (no checks)
+#   bash scripts/device_run_model.sh "$OUT" COMMIT compiled  # decode 1k with the decode math torch.compile'd
 # then: python scripts/bench_model.py --merge decode.json prefill.json --out bench/results/model_h200.json
 set -u
 OUT=${1:?output dir}; COMMIT=${2:?commit}; MODE=${3:-quick}
@@ -24,7 +25,8 @@ case $MODE in
     args=(--quick) ;;
   decode) args=(--parts graphs,decode,classes) ;;
   prefill) args=(--parts prefill) ;;
-  *) echo "mode must be quick, decode or prefill" >&2; exit 2 ;;
+  compiled) args=(--quick --parts graphs,decode,classes --compile-decode) ;;
+  *) echo "mode must be quick, decode, prefill or compiled" >&2; exit 2 ;;
 esac
 stamp "bench_model.py ${args[*]}"
 timeout $(( 580 - ($(date +%s) - t0) )) python3 scripts/bench_model.py --commit "$COMMIT" "${args[@]}" \

@@ -85,6 +85,17 @@ def test_batched_decode_equals_each_sequence_alone(artifacts: dict[str, Path]) -
         tokens = logits.argmax(dim=-1)
 
 
+@pytest.mark.slow
+def test_compiled_decode_math_equals_eager(artifacts: dict[str, Path]) -> None:
+    """torch.compile'd decode math (engine/ops.py) gives the eager logits (here inductor's C++; Triton on CUDA)."""
+    artifact = open_artifact(artifacts["tr3"])
+    engines = [Engine.load(artifact, F32, max_len=64, compile_decode=compiled) for compiled in (False, True)]
+    for batch in (1, 2):  # a second shape: dynamic dims after the first recompile
+        logits = [_greedy(engine, PROMPT.input_ids[0, :12 + batch], 3) for engine in engines]
+        for eager, compiled in zip(*logits):
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
+
+
 def _greedy(engine: Engine, prompt: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Logits of the prompt and of `steps` - 1 greedy tokens, decoded alone in slot 0."""
     out = [engine.prefill(0, prompt)]

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from glmquant.arch.glm5_next_math import rms_norm
 from glmquant.errors import UsageError
 from glmquant.runtime.artifact import Artifact
-from glmquant.runtime.engine.blocks import decoder_layer
+from glmquant.runtime.engine.blocks import Run, decoder_layer
 from glmquant.runtime.engine.cache import Caches, LayerCache
 from glmquant.runtime.engine.config import EngineConfig
 from glmquant.runtime.engine.experts import ResidentExperts, engine_experts
+from glmquant.runtime.engine.ops import ops_for
 from glmquant.runtime.engine.weights import ModelWeights, load_weights
 from glmquant.runtime.loader import hf_config
 from glmquant.runtime.options import RuntimeOptions
@@ -39,40 +39,46 @@ PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds activations (the MoE s
 class Engine:
     cfg: EngineConfig
     weights: ModelWeights
-    experts: ExpertBackend
     caches: Caches
-    ranks: int  # virtual experts per logical expert (tr3: 4)
+    prefill_run: Run  # eager math
+    decode_run: Run  # eager or compiled math (`compile_decode`)
     graphs: StepGraphs | None  # on CUDA with graphs on
     cuda_graphs: bool = False  # decode steps replay graphs where the device has them
 
     @classmethod
     def load(cls, artifact: Artifact, options: RuntimeOptions, max_batch: int = 1, max_len: int = 4096,
-             cuda_graphs: bool = True) -> Engine:
-        """Weights (one layer at a time), experts and caches for `max_batch` sequences of `max_len` tokens."""
+             cuda_graphs: bool = True, compile_decode: bool = False) -> Engine:
+        """Weights (one layer at a time), experts and caches for `max_batch` sequences of `max_len` tokens;
+        `compile_decode` runs decode steps' math through torch.compile (`engine/ops.py`)."""
         options = options.resolved_for(artifact.config)
         device, dtype = torch.device(options.device), options.torch_dtype
         cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())
         weights = load_weights(artifact, cfg, dtype, device)
         experts = engine_experts(artifact, options)
         cuda_graphs = cuda_graphs and isinstance(experts, ResidentExperts)  # the torch backend syncs with the host
-        return cls(cfg, weights, experts, Caches.allocate(cfg, max_batch, max_len, dtype, device), artifact.ranks,
+        runs = [Run(cfg, ops_for(device, compiled), experts, artifact.ranks) for compiled in (False, compile_decode)]
+        return cls(cfg, weights, Caches.allocate(cfg, max_batch, max_len, dtype, device), *runs,
                    _graphs(device) if cuda_graphs else None, cuda_graphs)
 
     @property
     def device(self) -> torch.device:
         return self.weights.embed.device
 
+    @property
+    def experts(self) -> ExpertBackend:
+        return self.decode_run.experts
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, caches: tuple[LayerCache, ...],
-                pools: int) -> torch.Tensor:
+                pools: int, run: Run) -> torch.Tensor:
         """Logits [B, V] of the last of S new tokens per row: tokens and positions [B, S] (int64, on the device),
         `caches` those rows' caches, `pools` the k-pools the indexer scores (covering every position)."""
         cfg, w = self.cfg, self.weights
         x = F.embedding(tokens, w.embed)
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], cfg.hc_mult, x.shape[-1]).contiguous()
         for layer, (lw, cache) in enumerate(zip(w.layers, caches, strict=True)):
-            streams = decoder_layer(streams, layer, lw, cache, positions, pools, cfg, self.experts, self.ranks)
-        return F.linear(rms_norm(streams[:, -1].mean(dim=-2), w.norm, cfg.rms_eps), w.lm_head)
+            streams = decoder_layer(streams, layer, lw, cache, positions, pools, run)
+        return F.linear(run.ops.rms_norm(streams[:, -1].mean(dim=-2), w.norm, cfg.rms_eps), w.lm_head)
 
     def prefill(self, slot: int, token_ids: torch.Tensor, start: int = 0, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
         """Feed token_ids [S] to `slot` from position `start` (0 starts a new sequence); logits [V] of the last."""
@@ -85,7 +91,7 @@ class Engine:
         for c in range(0, ids.shape[1], chunk):
             part = ids[:, c:c + chunk]
             positions = torch.arange(start + c, start + c + part.shape[1], device=self.device).view(1, -1)
-            logits = self.forward(part, positions, rows, self.pools_for(start + c + part.shape[1]))
+            logits = self.forward(part, positions, rows, self.pools_for(start + c + part.shape[1]), self.prefill_run)
         return logits[0]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, context: int, first_slot: int = 0,
@@ -117,7 +123,7 @@ class Engine:
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, first_slot: int, pools: int) -> torch.Tensor:
         rows = self.caches.rows(first_slot, first_slot + tokens.shape[0])
-        return self.forward(tokens.view(-1, 1), positions.view(-1, 1), rows, pools)
+        return self.forward(tokens.view(-1, 1), positions.view(-1, 1), rows, pools, self.decode_run)
 
     def _check_room(self, slot: int, end: int) -> None:
         if not 0 <= slot < self.caches.max_batch:

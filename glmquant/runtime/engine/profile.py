@@ -15,7 +15,6 @@ from dataclasses import fields
 import torch
 import torch.nn.functional as F
 
-from glmquant.arch.glm5_next_math import rms_norm, route
 from glmquant.runtime.engine.blocks import kda_block, mla_block, mlp, routed_experts
 from glmquant.runtime.engine.cache import KDACache
 from glmquant.runtime.engine.model import Engine
@@ -33,7 +32,7 @@ def block_input(engine: Engine, batch: int, seed: int = 0) -> torch.Tensor:
 
 def class_steps(engine: Engine, x: torch.Tensor, position: int) -> dict[str, Callable[[], object]]:
     """Each class over all layers for the rows of x [B, 1, H] at `position` (caches of slots 0..B-1 are written)."""
-    cfg, w = engine.cfg, engine.weights
+    cfg, w, run = engine.cfg, engine.weights, engine.decode_run
     rows = engine.caches.rows(0, x.shape[0])
     positions = torch.full((x.shape[0], 1), position, dtype=torch.long, device=engine.device)
     pools = engine.pools_for(position + 1)
@@ -44,26 +43,26 @@ def class_steps(engine: Engine, x: torch.Tensor, position: int) -> dict[str, Cal
     mlps = [lw.mlp if isinstance(lw.mlp, MLP) else lw.mlp.shared for _, lw in layers]
 
     def run_kda() -> object:
-        return [kda_block(x, a, c, cfg) for a, c in kda]
+        return [kda_block(x, a, c, run) for a, c in kda]
 
     def run_mla() -> object:
-        return [mla_block(x, a, c, positions, pools, cfg) for a, c in mla]
+        return [mla_block(x, a, c, positions, pools, run) for a, c in mla]
 
     def run_routed() -> object:
-        return [routed_experts(x, m, i, cfg, engine.experts, engine.ranks) for i, m in moe]
+        return [routed_experts(x, m, i, run) for i, m in moe]
 
     def run_mlps() -> object:
-        return [mlp(x, m, cfg) for m in mlps]
+        return [mlp(x, m, run) for m in mlps]
 
     def run_head() -> object:
-        return F.linear(rms_norm(x[:, -1], w.norm, cfg.rms_eps), w.lm_head)
+        return F.linear(run.ops.rms_norm(x[:, -1], w.norm, cfg.rms_eps), w.lm_head)
 
     return dict(zip(CLASSES, (run_kda, run_mla, run_routed, run_mlps, run_head)))
 
 
 def unique_experts(engine: Engine, x: torch.Tensor) -> int:
     """Logical experts the rows of x route to, summed over the MoE layers (each layer routes the same x)."""
-    cfg, flat = engine.cfg, x.reshape(-1, x.shape[-1])
+    cfg, route, flat = engine.cfg, engine.decode_run.ops.route, x.reshape(-1, x.shape[-1])
     total = 0
     for lw in engine.weights.layers:
         if isinstance(lw.mlp, MoEBlock):
