@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -87,9 +87,16 @@ def main() -> None:
     for part in args.parts:
         reset_peak(engine)
         try:
-            report["parts"][part] = runs[part](engine, sizes, artifact)
+            result = runs[part](engine, sizes, artifact)
+            if isinstance(result, Iterator):  # rows, each saved as soon as it is measured
+                rows = report["parts"][part] = []
+                for row in result:
+                    rows.append(row)
+                    save(report, args.out)
+            else:
+                report["parts"][part] = result
         except Exception:  # noqa: BLE001  (one failed part must not lose the others)
-            report["parts"][part] = {"error": traceback.format_exc()[-4000:]}
+            report["parts"][part + "_error"] = traceback.format_exc()[-4000:]
         report["parts"][part + "_peak_gpu_gb"] = peak_gb(engine)
         report["summary"] = summary(report)
         save(report, args.out)
@@ -124,7 +131,7 @@ def tiny_config() -> Path:
 
 # --- parts ---------------------------------------------------------------------------------------------------------
 
-def check_graphs(engine: Engine, sizes: Sizes, artifact: object) -> list[dict[str, Any]]:
+def check_graphs(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dict[str, Any]]:
     """B sequences (prompts just past the indexer's top-k, of different lengths) decoded greedily from the same
     cache state, eagerly and with CUDA graphs: the tokens must be equal, one graph captured per batch size."""
     lengths = [engine.cfg.index_topk + 64 + 5 * slot for slot in range(max(sizes.batches))]
@@ -132,7 +139,6 @@ def check_graphs(engine: Engine, sizes: Sizes, artifact: object) -> list[dict[st
     first = torch.stack([engine.prefill(slot, random_ids(engine, n, seed=slot), chunk=sizes.chunk)
                          for slot, n in enumerate(lengths)]).argmax(dim=-1)
     saved = engine.caches.snapshot()
-    rows = []
     for batch in sizes.batches:
         runs = {}
         before = engine.graphs.captured if engine.graphs else 0
@@ -140,11 +146,10 @@ def check_graphs(engine: Engine, sizes: Sizes, artifact: object) -> list[dict[st
             engine.caches.restore(saved)
             positions = torch.tensor(lengths[:batch], device=engine.device)
             runs[eager] = greedy(engine, first[:batch], positions, sizes.check_steps, eager)
-        rows.append({"batch": batch, "steps": sizes.check_steps, "tokens_equal": runs[True][0] == runs[False][0],
-                     "max_abs_logit_diff_last_step": float((runs[True][1] - runs[False][1]).abs().max()),
-                     "graphs_captured": (engine.graphs.captured - before) if engine.graphs else 0,
-                     "cuda_graphs": engine.graphs is not None})
-    return rows
+        yield {"batch": batch, "steps": sizes.check_steps, "tokens_equal": runs[True][0] == runs[False][0],
+               "max_abs_logit_diff_last_step": float((runs[True][1] - runs[False][1]).abs().max()),
+               "graphs_captured": (engine.graphs.captured - before) if engine.graphs else 0,
+               "cuda_graphs": engine.graphs is not None}
 
 
 def greedy(engine: Engine, tokens: torch.Tensor, positions: torch.Tensor, steps: int,
@@ -158,9 +163,8 @@ def greedy(engine: Engine, tokens: torch.Tensor, positions: torch.Tensor, steps:
     return out, logits.float().clone()
 
 
-def decode_speed(engine: Engine, sizes: Sizes, artifact: object) -> list[dict[str, Any]]:
+def decode_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dict[str, Any]]:
     """Per context: prefill slot 0, copy it to every slot, then per batch time graph-replayed greedy steps."""
-    rows = []
     for context in sizes.contexts:
         engine.reallocate(max(sizes.batches), context + sizes.steps + 8)
         engine.prefill(0, random_ids(engine, context), chunk=sizes.chunk)
@@ -177,22 +181,19 @@ def decode_speed(engine: Engine, sizes: Sizes, artifact: object) -> list[dict[st
                     tokens = engine.decode(tokens, positions + i, context + sizes.steps).argmax(dim=-1)
 
             ms = timed_ms(engine, steps) / sizes.steps
-            rows.append({"context": context, "batch": batch, "ms_per_step": round(ms, 3),
-                         "tok_s": round(batch * 1000 / ms, 2)})
-    return rows
+            yield {"context": context, "batch": batch, "ms_per_step": round(ms, 3),
+                   "tok_s": round(batch * 1000 / ms, 2)}
 
 
-def prefill_speed(engine: Engine, sizes: Sizes, artifact: object) -> list[dict[str, Any]]:
-    rows = []
+def prefill_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dict[str, Any]]:
     for length in sizes.prefill:
         engine.reallocate(1, length + 8)
         engine.prefill(0, random_ids(engine, 2 * sizes.chunk), chunk=sizes.chunk)  # compiles every chunk kernel
         reset_peak(engine)
         ids = random_ids(engine, length)
         ms = timed_ms(engine, lambda: engine.prefill(0, ids, chunk=sizes.chunk))
-        rows.append({"tokens": length, "seconds": round(ms / 1000, 3), "tok_s": round(length * 1000 / ms, 1),
-                     "chunk": sizes.chunk, "peak_gpu_gb": peak_gb(engine)})
-    return rows
+        yield {"tokens": length, "seconds": round(ms / 1000, 3), "tok_s": round(length * 1000 / ms, 1),
+               "chunk": sizes.chunk, "peak_gpu_gb": peak_gb(engine)}
 
 
 def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
@@ -225,7 +226,8 @@ def project_gb10(classes: dict[str, tuple[float, int]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "formula": "per class c: t_c = max(bytes_c / BW, h200_ms_c x (132 x 1.98 GHz) / (48 x GB10 clock)); "
                    "tok/s = 1000 / sum_c t_c (ms), batch 1",
-        "assumptions": {"h200": H200, "gb10": GB10, "compute_scale": round(scale, 4), "bandwidths_gb_s": GB10_BANDWIDTHS,
+        "assumptions": {"h200": H200, "gb10": GB10, "compute_scale": round(scale, 4),
+                        "bandwidths_gb_s": GB10_BANDWIDTHS,
                         "caveats": "H200 kernel time is taken as SM-throughput-bound and scaled by SMs x clock; "
                                    "L2 size, launch latency and the GB10's unified memory are not modelled"},
         "classes": {}}
@@ -334,19 +336,17 @@ def environment(device: str) -> dict[str, Any]:
 
 def summary(report: dict[str, Any]) -> dict[str, Any]:
     parts = report["parts"]
-    decode = [r for r in parts.get("decode", []) if isinstance(r, dict) and "tok_s" in r] \
-        if isinstance(parts.get("decode"), list) else []
+    decode = parts.get("decode", [])
     first = min((r["context"] for r in decode), default=None)
     at = {r["batch"]: r["tok_s"] for r in decode if r["context"] == first}
-    prefill = {r["tokens"]: r["seconds"] for r in parts.get("prefill", []) if isinstance(r, dict)} \
-        if isinstance(parts.get("prefill"), list) else {}
-    projection = parts.get("classes", {}).get("projection", {}) if isinstance(parts.get("classes"), dict) else {}
+    prefill = {r["tokens"]: r["seconds"] for r in parts.get("prefill", [])}
+    projection = parts.get("classes", {}).get("projection", {})
     graphs = parts.get("graphs")
     peaks = [v for k, v in parts.items() if k.endswith("_peak_gpu_gb") and v is not None]
     return {"decode_tok_s_b1": at.get(1), "decode_tok_s_b16": at.get(16), "decode_context": first,
             "prefill_200k_s": prefill.get(200_000), "peak_gpu_gb": max(peaks, default=None),
             "gb10_tok_s_218": projection.get("gb10_tok_s_218"), "gb10_tok_s_273": projection.get("gb10_tok_s_273"),
-            "graphs_equal_eager": all(r["tokens_equal"] for r in graphs) if isinstance(graphs, list) else None}
+            "graphs_equal_eager": all(r["tokens_equal"] for r in graphs) if graphs else None}
 
 
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
