@@ -16,7 +16,7 @@ from glmquant.runtime.loader import make_backend
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.quantized_experts import ExpertBackend
 
-GPU_BACKENDS = ("triton", "triton-eager")  # both mean resident stacks here: graphs belong to the whole step
+GPU_BACKENDS = ("triton", "triton-eager")  # resident stacks; "triton" replays whole decode steps as CUDA graphs
 
 
 def engine_experts(artifact: Artifact, options: RuntimeOptions) -> ExpertBackend:

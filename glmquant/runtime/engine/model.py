@@ -22,7 +22,7 @@ from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.engine.blocks import Run, decoder_layer
 from glmquant.runtime.engine.cache import Caches, LayerCache
 from glmquant.runtime.engine.config import EngineConfig
-from glmquant.runtime.engine.experts import ResidentExperts, engine_experts
+from glmquant.runtime.engine.experts import engine_experts
 from glmquant.runtime.engine.ops import ops_for
 from glmquant.runtime.engine.weights import ModelWeights, load_weights
 from glmquant.runtime.loader import hf_config
@@ -55,7 +55,7 @@ class Engine:
         cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())
         weights = load_weights(artifact, cfg, dtype, device)
         experts = engine_experts(artifact, options)
-        cuda_graphs = cuda_graphs and isinstance(experts, ResidentExperts)  # the torch backend syncs with the host
+        cuda_graphs = cuda_graphs and options.backend == "triton"  # the torch backend syncs with the host
         runs = [Run(cfg, ops_for(device, compiled), experts, artifact.ranks) for compiled in (False, compile_decode)]
         return cls(cfg, weights, Caches.allocate(cfg, max_batch, max_len, dtype, device), *runs,
                    _graphs(device) if cuda_graphs else None, cuda_graphs)
