@@ -38,6 +38,8 @@ class DummyCheckpoint:
     seed: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     reads: set[str] = field(default_factory=set, repr=False)  # every name read so far (tests check the load)
+    tensors: dict[str, OutputTensor] = field(init=False, repr=False)
+    directory: Path = field(init=False)  # names the dummy in messages, as a checkpoint's directory does
 
     def __post_init__(self) -> None:
         self.tensors = {t.name: t for f in self.plan.files for t in f.tensors}
