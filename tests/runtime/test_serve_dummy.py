@@ -1,6 +1,6 @@
-"""`serve --load-format dummy --model-impl glmquant`: a bare config directory (no weights, no tokenizer) is served
-by the runtime's own forward and answers OpenAI requests; the engine's cache slots keep concurrent sequences
-apart; on a real artifact the engine's greedy answers equal transformers' modules'."""
+"""`serve --load-format dummy`: a bare config directory (no weights, no tokenizer) is served by the runtime's own
+forward or by transformers' modules and answers OpenAI requests, concurrent sequences kept apart (the engine: in
+its cache slots); on a real artifact the engine's greedy answers equal transformers' modules'."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+import pytest
 
 from glmquant.runtime.server import serve_in_background
 
@@ -17,12 +18,13 @@ def _client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
 
 
-def test_dummy_weights_answer_openai_requests(tiny_source: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("impl", ["glmquant", "transformers"])
+def test_dummy_weights_answer_openai_requests(tiny_source: Path, tmp_path: Path, impl: str) -> None:
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(tiny_source / "config.json", bare / "config.json")
     prompts = [[{"role": "user", "content": f"question {i} " * (i + 1)}] for i in range(3)]
-    with serve_in_background(bare, load_format="dummy", model_impl="glmquant", max_model_len=256,
+    with serve_in_background(bare, load_format="dummy", model_impl=impl, max_model_len=256,
                              max_num_seqs=2) as running:
         client = _client(running.base_url)
         ask = lambda m: client.chat.completions.create(model="bare", messages=m, max_tokens=5)  # noqa: E731
