@@ -16,7 +16,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 t0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; tar czf "$OUT/results.tgz" -C "$RES" .; }
-python3 -c "import torch, triton, fla; print(torch.__version__, triton.__version__, fla.__version__, torch.cuda.get_device_name())" >>"$LOG" 2>&1
+python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__,
+  'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())" >>"$LOG" 2>&1
 case $MODE in
   quick)
     stamp "GPU checks: mHC kernel, engine vs CPU reference (fla, graphs), resident experts"
