@@ -147,6 +147,7 @@ def check_graphs(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dic
             positions = torch.tensor(lengths[:batch], device=engine.device)
             runs[eager] = greedy(engine, first[:batch], positions, sizes.check_steps, eager)
         yield {"batch": batch, "steps": sizes.check_steps, "tokens_equal": runs[True][0] == runs[False][0],
+               "logits_finite": all(bool(torch.isfinite(run[1]).all()) for run in runs.values()),
                "max_abs_logit_diff_last_step": float((runs[True][1] - runs[False][1]).abs().max()),
                "graphs_captured": (engine.graphs.captured - before) if engine.graphs else 0,
                "cuda_graphs": engine.graphs is not None}
@@ -346,7 +347,8 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     return {"decode_tok_s_b1": at.get(1), "decode_tok_s_b16": at.get(16), "decode_context": first,
             "prefill_200k_s": prefill.get(200_000), "peak_gpu_gb": max(peaks, default=None),
             "gb10_tok_s_218": projection.get("gb10_tok_s_218"), "gb10_tok_s_273": projection.get("gb10_tok_s_273"),
-            "graphs_equal_eager": all(r["tokens_equal"] for r in graphs) if graphs else None}
+            "graphs_equal_eager": all(r["tokens_equal"] for r in graphs) if graphs else None,
+            "logits_finite": all(r["logits_finite"] for r in graphs) if graphs else None}
 
 
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:

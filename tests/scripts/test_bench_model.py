@@ -47,7 +47,7 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     assert set(summary) >= {"decode_tok_s_b1", "decode_tok_s_b16", "prefill_200k_s", "peak_gpu_gb",
                             "gb10_tok_s_218", "gb10_tok_s_273"}
     assert summary["decode_tok_s_b1"] > 0 and summary["gb10_tok_s_273"] >= summary["gb10_tok_s_218"] > 0
-    assert summary["graphs_equal_eager"] is True
+    assert summary["graphs_equal_eager"] is True and summary["logits_finite"] is True
 
     merged = tmp_path / "merged.json"
     assert _run("--merge", str(out), str(out), "--out", str(merged)).returncode == 0
