@@ -92,6 +92,11 @@ def serve_check_command(
     seed: Annotated[Optional[int], Opt(help="seed of nonces and needle values (default: random, recorded)")] = None,
     timeout: Annotated[float, Opt(help="seconds per request")] = 1800.0,
     device: Annotated[str, Opt(help="device of the embedded server and the fidelity gate")] = "cpu",
+    backend: Annotated[str, Opt(help="expert backend of the embedded server (as serve's --backend)")] = "torch",
+    model_impl: Annotated[str, Opt(help="the embedded server's modules: transformers or glmquant (as serve's)")
+                          ] = "transformers",
+    load_format: Annotated[str, Opt(help="auto, or dummy: the embedded server makes weights from the config "
+                                         "(as serve's; for speed and load tests, not answers)")] = "auto",
     api_key: Annotated[str, Opt(envvar="OPENAI_API_KEY", help="API key for --endpoint")] = "EMPTY",
     out_dir: Annotated[Optional[Path], Opt("--out", help="directory for serve-check.json/.md "
                                                          "(default: ARTIFACT, else .)")] = None,
@@ -102,7 +107,8 @@ def serve_check_command(
         speed_inputs=_ints(speed_inputs, "--speed-inputs"), concurrency=concurrency, bf16_source=bf16_source,
         kl_max=kl_max, top1_min=top1_min, min_decode_tps=min_decode_tps, panel_rows=panel_rows,
         panel_tokens=panel_tokens, panel_text=panel_text, out=out_dir, tokenizer=tokenizer, max_tokens=max_tokens,
-        token_tolerance=token_tolerance, seed=seed, timeout_s=timeout, device=device, api_key=api_key)
+        token_tolerance=token_tolerance, seed=seed, timeout_s=timeout, device=device, backend=backend,
+        model_impl=model_impl, load_format=load_format, api_key=api_key)
     with Live(console=console, refresh_per_second=4, transient=True) as live:
         cases = LiveTable(live)
         report = serve_check(config, cases)

@@ -1,5 +1,6 @@
-"""Greedy and sampled generation on a loaded model with transformers' own cache (KDA recurrent state,
-MLA KV and DSA indexer state in one `DynamicCache`): one prefill forward, then one token per forward.
+"""Greedy and sampled generation through a `Decoder`: one prefill forward, then one token per forward. A plain
+transformers model runs with its own cache (KDA recurrent state, MLA KV and DSA indexer state in one
+`DynamicCache`); the runtime's own engine brings its decoder (`runtime.engine.EngineDecoder`).
 
 Stops on the model's EOS ids, on stop strings (the text before the stop string is kept), after
 `max_tokens`, or when `should_stop` says so (finish reason "abort": a server shutting down).
@@ -14,6 +15,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -68,22 +70,51 @@ class Generation:
         return len(self.token_ids)
 
 
+@runtime_checkable
+class Decoder(Protocol):
+    """One sequence at a time: `prefill` starts it from a prompt, `step` feeds one more token; both return the
+    logits [V] of the next token."""
+
+    device: torch.device
+
+    def prefill(self, prompt: PromptInputs) -> torch.Tensor: ...
+
+    def step(self, token: int) -> torch.Tensor: ...
+
+
+class TransformersDecoder:
+    """A transformers model as a `Decoder`, with a fresh `DynamicCache` per prompt."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache_kw: dict[str, object] = {}
+
+    def prefill(self, prompt: PromptInputs) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config.get_text_config())
+        self.cache_kw = {_cache_argument(self.model): cache, "use_cache": True}
+        vision = {k: v.to(self.device) for k, v in prompt.vision.items()}
+        return self.model(input_ids=prompt.input_ids.to(self.device), logits_to_keep=1, **vision,
+                          **self.cache_kw).logits[0, -1]
+
+    def step(self, token: int) -> torch.Tensor:
+        return self.model(input_ids=torch.tensor([[token]], device=self.device), **self.cache_kw).logits[0, -1]
+
+
 @torch.no_grad()
-def generate(model: nn.Module, prompt: PromptInputs, params: SamplingParams, decode: Decode,
+def generate(model: nn.Module | Decoder, prompt: PromptInputs, params: SamplingParams, decode: Decode,
              on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None
              ) -> Generation:
-    """Generate from `prompt`; `on_text` receives each final piece of text as soon as it is known;
-    `should_stop` is asked before each decode step (True ends the generation with reason "abort")."""
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config.get_text_config())
-    cache_kw = {_cache_argument(model): cache, "use_cache": True}
-    gen = torch.Generator(device=device)
+    """Generate from `prompt` with a `Decoder` (a transformers model is wrapped in one); `on_text` receives each
+    final piece of text as soon as it is known; `should_stop` is asked before each decode step (True ends the
+    generation with reason "abort")."""
+    decoder = model if isinstance(model, Decoder) else TransformersDecoder(model)
+    gen = torch.Generator(device=decoder.device)
     gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
     stream, tokens, reason, first_token_at = TextStream(decode, params.stop), [], "length", None
-    vision = {k: v.to(device) for k, v in prompt.vision.items()}
-    logits = model(input_ids=prompt.input_ids.to(device), logits_to_keep=1, **vision, **cache_kw).logits[0, -1]
+    logits = decoder.prefill(prompt)
     while len(tokens) < params.max_tokens:
         token = next_token(finite_logits(logits, len(tokens)), params, gen)
         first_token_at = first_token_at or time.perf_counter()
@@ -99,7 +130,7 @@ def generate(model: nn.Module, prompt: PromptInputs, params: SamplingParams, dec
             if should_stop is not None and should_stop():
                 reason = "abort"
                 break
-            logits = model(input_ids=torch.tensor([[token]], device=device), **cache_kw).logits[0, -1]
+            logits = decoder.step(token)
     _emit(stream.finish(), on_text)
     return Generation(tuple(tokens), stream.text, reason, prompt.num_tokens, first_token_at, time.perf_counter())
 

@@ -47,12 +47,27 @@ class LoadedModel:
         """Release the artifact's open shard files (experts are read from them on demand while serving)."""
         self.artifact.checkpoint.close()
 
+    @contextlib.contextmanager
+    def session(self) -> Iterator[nn.Module]:
+        """What one generation runs on: the model itself (each generation makes its own cache)."""
+        yield self.model
 
-def load_model(path: str | Path, options: RuntimeOptions = RuntimeOptions()) -> LoadedModel:
-    """Open the artifact at `path` and return the model in eval mode on `options.device`."""
-    artifact = open_artifact(path)
+
+def load_artifact(path: str | Path, options: RuntimeOptions) -> Artifact:
+    """The artifact at `path`; with `--load-format dummy` the one `plan` predicts from the config there (weights
+    made on `options.device`, no files read)."""
+    if options.load_format == "dummy":
+        from glmquant.runtime.dummy import dummy_artifact
+
+        return dummy_artifact(path, device=options.device)
+    return open_artifact(path)
+
+
+def load_model(source: str | Path | Artifact, options: RuntimeOptions = RuntimeOptions()) -> LoadedModel:
+    """The artifact at `source` (or already open) as transformers' model in eval mode on `options.device`."""
+    artifact = source if isinstance(source, Artifact) else load_artifact(source, options)
     if artifact.spec.family != "glm5_next":
-        raise ConfigError(f"{path}: the runtime serves glm5_next artifacts, not {artifact.spec.family}")
+        raise ConfigError(f"{artifact.path}: the runtime serves glm5_next artifacts, not {artifact.spec.family}")
     if torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {options.device}: no CUDA device is visible here")
     options = options.resolved_for(artifact.config)

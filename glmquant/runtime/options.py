@@ -14,23 +14,33 @@ from glmquant.errors import UsageError
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32,
           "float": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: "auto" reads the artifact's weight files
+MODEL_IMPLS = ("transformers", "glmquant")  # vLLM's --model-impl: whose modules run the model
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
     """`dtype` is that of the activations and of every tensor transformers keeps in the model dtype;
-    `expert_cache` counts decoded virtual experts the torch backend keeps (0: decode on every use)."""
+    `expert_cache` counts decoded virtual experts the torch backend keeps (0: decode on every use);
+    `load_format` "dummy" makes the weights from the config (`runtime.dummy`) instead of reading files;
+    `model_impl` "glmquant" runs the runtime's own forward (`runtime.engine`) instead of transformers' modules."""
 
     device: str = "cpu"
     dtype: str = "bfloat16"
     expert_cache: int = 256
     backend: str = "torch"
+    load_format: str = "auto"
+    model_impl: str = "transformers"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.expert_cache < 0:
             raise UsageError(f"--expert-cache must be >= 0, got {self.expert_cache}")
+        for option, value, choices in (("--load-format", self.load_format, LOAD_FORMATS),
+                                       ("--model-impl", self.model_impl, MODEL_IMPLS)):
+            if value not in choices:
+                raise UsageError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
         try:
             torch.device(self.device)
         except RuntimeError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import tempfile
 import threading
 import time
 from collections import deque
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,7 +29,7 @@ from glmquant.errors import MissingDependencyError, UsageError
 from glmquant.runtime.chat import ChatFormat, RenderedPrompt
 from glmquant.runtime.generate import Generation, PromptInputs, SamplingParams, generate, stop_token_ids
 from glmquant.runtime.glm_output import Delta, GlmOutputParser, ParsedOutput, collect
-from glmquant.runtime.loader import load_model
+from glmquant.runtime.loader import LoadedModel, load_artifact, load_model
 from glmquant.runtime.metrics import ServerMetrics
 from glmquant.runtime.openai_api import (
     ApiError,
@@ -43,6 +44,9 @@ from glmquant.runtime.openai_api import (
 )
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.text_stream import Decode
+
+if TYPE_CHECKING:
+    from glmquant.runtime.engine.loaded import LoadedEngine
 
 log = logging.getLogger("glmquant.serve")
 
@@ -129,15 +133,22 @@ class ModelService:
     def __init__(self, artifact_dir: str | Path, runtime: RuntimeOptions = RuntimeOptions(),
                  options: ServiceOptions = ServiceOptions()) -> None:
         path = Path(artifact_dir)
-        self.loaded = load_model(path, runtime)
-        spec = self.loaded.artifact.spec
-        self.chat = ChatFormat(path, has_vision=spec.vision is not None)
-        self.model_name = options.served_model_name or served_model_name(path)
+        artifact = load_artifact(path, runtime)
+        spec = artifact.spec
         limit = int(spec.text.get("max_position_embeddings") or 4096)
         if options.max_model_len is not None and options.max_model_len > limit:
             raise UsageError(f"--max-model-len {options.max_model_len} exceeds the model's context of {limit} tokens "
                              "(max_position_embeddings)")
         self.max_model_len = options.max_model_len or limit
+        if runtime.model_impl == "glmquant":
+            from glmquant.runtime.engine.loaded import load_engine
+
+            self.loaded: LoadedModel | LoadedEngine = load_engine(artifact, runtime, options.max_num_seqs,
+                                                                  self.max_model_len)
+        else:
+            self.loaded = load_model(artifact, runtime)
+        self.chat = ChatFormat(*chat_source(path, runtime.load_format, spec.vision is not None))
+        self.model_name = options.served_model_name or served_model_name(path)
         self.defaults = _defaults(path, spec.text, self.max_model_len)
         self.slots = Slots(options.max_num_seqs)
         self.metrics = ServerMetrics(self.model_name)
@@ -180,8 +191,8 @@ class ModelService:
         def on_text(text: str) -> None:
             emit(job.parser.feed(text) if job.parser is not None else [Delta(content=text)])
 
-        with self.slots.slot():
-            generation = generate(self.loaded.model, job.inputs, job.sampling, job.decode, on_text,
+        with self.slots.slot(), self.loaded.session() as model:
+            generation = generate(model, job.inputs, job.sampling, job.decode, on_text,
                                   lambda: job.cancelled.is_set() or self.slots.closed)
         if job.parser is not None:
             emit(job.parser.finish())
@@ -279,6 +290,19 @@ class ModelService:
             temperature=d.temperature if request.temperature is None else request.temperature,
             top_p=d.top_p if request.top_p is None else request.top_p,
             seed=request.seed, stop=request.stop_strings, stop_token_ids=d.stop_token_ids)
+
+
+def chat_source(path: Path, load_format: str, has_vision: bool) -> tuple[Path, bool]:
+    """Where the tokenizer and chat template come from: the artifact; for dummy weights from a directory without a
+    tokenizer (a bare config), the byte-level test tokenizer, text only (its ids are a corner of the vocabulary)."""
+    if load_format != "dummy" or (path / "tokenizer_config.json").is_file():
+        return path, has_vision
+    from glmquant.fixtures.tokenizer import save_tiny_tokenizer
+
+    fallback = Path(tempfile.mkdtemp(prefix="glmquant-dummy-tokenizer-"))
+    save_tiny_tokenizer(fallback)
+    log.warning("%s has no tokenizer: dummy weights are served with the byte-level test tokenizer", path)
+    return fallback, False
 
 
 def served_model_name(artifact_dir: Path) -> str:

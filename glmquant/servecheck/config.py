@@ -39,6 +39,9 @@ class ServeCheckConfig:
     seed: int | None = None
     timeout_s: float = 1800.0
     device: str = "cpu"
+    backend: str = "torch"  # the embedded server's expert backend, model implementation and weights (RuntimeOptions)
+    model_impl: str = "transformers"
+    load_format: str = "auto"
     api_key: str = "EMPTY"
     deselected_reason: str = "not selected (--gates)"
 
@@ -96,8 +99,9 @@ class ServeCheckConfig:
 
     @property
     def tokenizer_dir(self) -> Path | None:
-        """Where the model's tokenizer is: the explicit one, else the artifact's, else the BF16 source's."""
-        return self.tokenizer or self.artifact or self.bf16_source
+        """Where the model's tokenizer is: the explicit one, else the artifact's (not with dummy weights: the server
+        may use a stand-in, so its /tokenize counts), else the BF16 source's."""
+        return self.tokenizer or (self.artifact if self.load_format == "auto" else None) or self.bf16_source
 
     @property
     def report_dir(self) -> Path:

@@ -61,6 +61,7 @@ def _server(config: ServeCheckConfig) -> Iterator[str]:
     from glmquant.runtime.server import serve_in_background
 
     with serve_in_background(config.artifact, host="127.0.0.1", port=0, device=config.device,
+                             backend=config.backend, model_impl=config.model_impl, load_format=config.load_format,
                              max_num_seqs=config.concurrency) as server:
         yield _openai_base(server.base_url)
 

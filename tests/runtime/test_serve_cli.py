@@ -45,9 +45,21 @@ def test_vllm_option_names_reach_run_server(monkeypatch, tmp_path):
     assert calls[0][3].dtype == "auto" and calls[0][5] is None  # the checkpoint's dtype, no key
 
 
+def test_dummy_weights_and_the_runtime_engine_are_options(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(serve, "run_server", lambda *args, **kwargs: calls.append(args))
+    result = CliRunner().invoke(_app(), ["serve", str(tmp_path), "--load-format", "dummy", "--model-impl", "glmquant",
+                                         "--device", "cuda", "--backend", "triton"])
+    assert result.exit_code == 0, result.output
+    assert calls[0][3] == RuntimeOptions(device="cuda", dtype="auto", backend="triton", load_format="dummy",
+                                         model_impl="glmquant")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--dtype", "int8"], "--dtype must be one of auto, bfloat16, float16, half, float32, float"),
+    (["--load-format", "safetensors"], "--load-format must be one of auto, dummy"),
+    (["--model-impl", "vllm"], "--model-impl must be one of transformers, glmquant"),
 ])
 def test_bad_option_is_one_line_and_exit_2(monkeypatch, tmp_path, args, message):
     monkeypatch.setattr(serve, "run_server", lambda *args, **kwargs: None)

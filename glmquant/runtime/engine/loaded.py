@@ -1,0 +1,57 @@
+"""LoadedEngine: the runtime's own forward (`--model-impl glmquant`) ready to serve, with one decoder per cache
+slot handed out to generations as they run (as many as `--max-num-seqs`)."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from glmquant.runtime.artifact import Artifact
+from glmquant.runtime.engine.decoder import EngineDecoder
+from glmquant.runtime.engine.model import Engine
+from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.quantized_experts import ExpertBackend
+
+
+@dataclass
+class LoadedEngine:
+    engine: Engine
+    artifact: Artifact
+    options: RuntimeOptions
+    decoders: queue.Queue[EngineDecoder]
+
+    @property
+    def backend(self) -> ExpertBackend:
+        return self.engine.experts
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def close(self) -> None:
+        self.artifact.checkpoint.close()
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[EngineDecoder]:
+        """A free cache slot's decoder for one generation (waits while every slot is busy)."""
+        decoder = self.decoders.get()
+        try:
+            yield decoder
+        finally:
+            self.decoders.put(decoder)
+
+
+def load_engine(artifact: Artifact, options: RuntimeOptions, max_seqs: int, max_len: int) -> LoadedEngine:
+    """The engine with caches for `max_seqs` sequences of `max_len` tokens; its decoders share one lock, so one
+    forward runs at a time (sequences interleave token by token; they are not batched together)."""
+    engine = Engine.load(artifact, options, max_batch=max_seqs, max_len=max_len)
+    lock = threading.Lock()
+    decoders: queue.Queue[EngineDecoder] = queue.Queue()
+    for slot in range(max_seqs):
+        decoders.put(EngineDecoder(engine, slot, lock))
+    return LoadedEngine(engine, artifact, options, decoders)

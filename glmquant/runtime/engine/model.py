@@ -1,0 +1,141 @@
+"""Engine: GLM-5.3-Flash's text model on the runtime's own forward with static caches.
+
+A sequence lives in a cache slot: `prefill` runs its prompt in chunks (chunked KDA, the indexer's top-k per query),
+`decode` runs one token for each of B consecutive slots at once. On CUDA a decode step of the whole model
+(embedding, every layer, final norm, lm_head) is one CUDA graph, captured per (first slot, batch size, indexer
+window) on its second use and replayed after; elsewhere the same code runs eagerly. The indexer scores only the
+first `pools_for(context)` k-pools (the context rounded up to a power of two): a short sequence does not pay for
+the cache's full length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from glmquant.errors import UsageError
+from glmquant.runtime.artifact import Artifact
+from glmquant.runtime.engine.blocks import Run, decoder_layer
+from glmquant.runtime.engine.cache import Caches, LayerCache
+from glmquant.runtime.engine.config import EngineConfig
+from glmquant.runtime.engine.experts import engine_experts
+from glmquant.runtime.engine.ops import ops_for
+from glmquant.runtime.engine.weights import ModelWeights, load_weights
+from glmquant.runtime.loader import hf_config
+from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.quantized_experts import ExpertBackend
+
+if TYPE_CHECKING:
+    from glmquant.runtime.kernels.cuda_graphs import StepGraphs
+
+PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds activations (the MoE step's buffers grow with routes)
+
+
+@dataclass
+class Engine:
+    cfg: EngineConfig
+    weights: ModelWeights
+    caches: Caches
+    prefill_run: Run  # eager math
+    decode_run: Run  # eager or compiled math (`compile_decode`)
+    graphs: StepGraphs | None  # on CUDA with graphs on
+    cuda_graphs: bool = False  # decode steps replay graphs where the device has them
+
+    @classmethod
+    def load(cls, artifact: Artifact, options: RuntimeOptions, max_batch: int = 1, max_len: int = 4096,
+             cuda_graphs: bool = True, compile_decode: bool = False) -> Engine:
+        """Weights (one layer at a time), experts and caches for `max_batch` sequences of `max_len` tokens;
+        `compile_decode` runs decode steps' math through torch.compile (`engine/ops.py`)."""
+        options = options.resolved_for(artifact.config)
+        device, dtype = torch.device(options.device), options.torch_dtype
+        cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())
+        weights = load_weights(artifact, cfg, dtype, device)
+        experts = engine_experts(artifact, options)
+        cuda_graphs = cuda_graphs and options.backend == "triton"  # the torch backend syncs with the host
+        runs = [Run(cfg, ops_for(device, compiled), experts, artifact.ranks) for compiled in (False, compile_decode)]
+        return cls(cfg, weights, Caches.allocate(cfg, max_batch, max_len, dtype, device), *runs,
+                   _graphs(device) if cuda_graphs else None, cuda_graphs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embed.device
+
+    @property
+    def experts(self) -> ExpertBackend:
+        return self.decode_run.experts
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, caches: tuple[LayerCache, ...],
+                pools: int, run: Run) -> torch.Tensor:
+        """Logits [B, V] of the last of S new tokens per row: tokens and positions [B, S] (int64, on the device),
+        `caches` those rows' caches, `pools` the k-pools the indexer scores (covering every position)."""
+        cfg, w = self.cfg, self.weights
+        x = F.embedding(tokens, w.embed)
+        streams = x.unsqueeze(-2).expand(*x.shape[:-1], cfg.hc_mult, x.shape[-1]).contiguous()
+        for layer, (lw, cache) in enumerate(zip(w.layers, caches, strict=True)):
+            streams = decoder_layer(streams, layer, lw, cache, positions, pools, run)
+        return F.linear(run.ops.rms_norm(streams[:, -1].mean(dim=-2), w.norm, cfg.rms_eps), w.lm_head)
+
+    def prefill(self, slot: int, token_ids: torch.Tensor, start: int = 0, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+        """Feed token_ids [S] to `slot` from position `start` (0 starts a new sequence); logits [V] of the last."""
+        end = start + token_ids.numel()
+        self._check_room(slot, end)
+        if start == 0:
+            self.caches.reset(slot)
+        ids = token_ids.to(self.device).view(1, -1)
+        rows = self.caches.rows(slot, slot + 1)
+        for c in range(0, ids.shape[1], chunk):
+            part = ids[:, c:c + chunk]
+            positions = torch.arange(start + c, start + c + part.shape[1], device=self.device).view(1, -1)
+            logits = self.forward(part, positions, rows, self.pools_for(start + c + part.shape[1]), self.prefill_run)
+        return logits[0]
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, context: int, first_slot: int = 0,
+               eager: bool = False) -> torch.Tensor:
+        """One token for each of slots first_slot .. first_slot + B - 1: tokens, positions [B] on the device;
+        `context` bounds every position + 1 (the host knows the lengths; it picks the indexer window).
+        Logits [B, V]; from a graph, the same tensor is overwritten by the next step. `eager` skips the graphs."""
+        self._check_room(first_slot + tokens.shape[0] - 1, context)
+        pools = self.pools_for(context)
+        step = partial(self._step, first_slot=first_slot, pools=pools)
+        if self.graphs is None or eager:
+            return step(tokens, positions)
+        return self.graphs(("decode", first_slot, pools), step, tokens, positions)
+
+    def reallocate(self, max_batch: int, max_len: int) -> None:
+        """Fresh zeroed caches of another size (captured graphs are dropped: they address the old ones)."""
+        dtype, device = self.weights.embed.dtype, self.device
+        self.caches = self.graphs = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.caches = Caches.allocate(self.cfg, max_batch, max_len, dtype, device)
+        self.graphs = _graphs(device) if self.cuda_graphs else None
+
+    def pools_for(self, context: int) -> int:
+        """k-pools the indexer scores for sequences up to `context` tokens: a power of two, at least the top-k's,
+        at most the cache's (few windows: few graphs)."""
+        tokens = max(self.cfg.index_topk, 1 << max(0, context - 1).bit_length())
+        return min(tokens, self.caches.max_len) // self.cfg.kpool
+
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, first_slot: int, pools: int) -> torch.Tensor:
+        rows = self.caches.rows(first_slot, first_slot + tokens.shape[0])
+        return self.forward(tokens.view(-1, 1), positions.view(-1, 1), rows, pools, self.decode_run)
+
+    def _check_room(self, slot: int, end: int) -> None:
+        if not 0 <= slot < self.caches.max_batch:
+            raise UsageError(f"slot {slot} is outside the engine's {self.caches.max_batch} cache slots")
+        if end > self.caches.max_len:
+            raise UsageError(f"{end} tokens exceed the engine's cache of {self.caches.max_len} tokens per sequence")
+
+
+def _graphs(device: torch.device) -> StepGraphs | None:
+    """A StepGraphs on CUDA (decode steps replay graphs), None elsewhere."""
+    if device.type != "cuda":
+        return None
+    from glmquant.runtime.kernels.cuda_graphs import StepGraphs
+
+    return StepGraphs()

@@ -1,0 +1,48 @@
+"""The math a forward calls, as one object: GLM-5.3-Flash's PyTorch functions (`arch.glm5_next_math`), or the same
+functions compiled by `torch.compile`, and on CUDA the fused Triton mHC kernel.
+
+A decode step is bound by launches more than by work: each elementwise chain (a norm, the SwiGLU clamps, the KDA
+gate, the router) is five to ten tiny kernels in eager PyTorch, ~180 per layer. Compiled, each chain is one or two
+kernels; the whole step stays one CUDA graph (compiled code is captured like any other). Prefill keeps the eager
+functions: its chunks are large and of many lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from glmquant.arch import glm5_next_math as math
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable[..., torch.Tensor]
+    hyper_mix: Callable[..., torch.Tensor]
+    hyper_weights: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    hyper_collapse: Callable[..., torch.Tensor]
+    hyper_expand: Callable[..., torch.Tensor]
+    swiglu: Callable[..., torch.Tensor]
+    route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    kda_gate: Callable[..., torch.Tensor]
+    gated_rms_norm: Callable[..., torch.Tensor]
+    pool_keys: Callable[..., torch.Tensor]
+    index_scores: Callable[..., torch.Tensor]
+    select_tokens: Callable[..., torch.Tensor]
+    absorbed_query: Callable[..., torch.Tensor]
+    sparse_mla: Callable[..., torch.Tensor]
+
+
+def ops_for(device: torch.device, compiled: bool = False) -> Ops:
+    """The functions for `device`: compiled (torch.compile, shapes dynamic after their first change) if asked;
+    mHC's weights from the fused Triton kernel on CUDA."""
+    funcs = {f.name: getattr(math, f.name) for f in fields(Ops)}
+    if compiled:
+        funcs = {name: torch.compile(fn, dynamic=None) for name, fn in funcs.items()}
+    if device.type == "cuda":
+        from glmquant.runtime.kernels.mhc import hyper_weights
+
+        funcs["hyper_weights"] = hyper_weights
+    return Ops(**funcs)

@@ -1,0 +1,100 @@
+"""Where a decode step's time and bytes go, per kernel class: KDA, MLA/DSA (indexer included), routed MoE (router
+included), shared/dense MLP, lm_head, and the rest (mHC, norms, embedding, adds: the whole step minus the others).
+
+`class_steps` gives each class as a function that runs it for every layer of the model on the engine's own weights
+and caches, for B rows at one position, so a benchmark can capture and time it like the whole step. `class_bytes`
+counts what each class reads per step: weights, plus cache state (KDA state read and written, MLA latents of the
+selected tokens and the scored k-pool keys) and the routed experts' EXL3 bytes; activations are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+
+import torch
+import torch.nn.functional as F
+
+from glmquant.runtime.engine.blocks import kda_block, mla_block, mlp, routed_experts
+from glmquant.runtime.engine.cache import KDACache
+from glmquant.runtime.engine.model import Engine
+from glmquant.runtime.engine.weights import MLP, KDAWeights, MLAWeights, MoEBlock
+
+CLASSES = ("kda", "mla_dsa", "routed_moe", "shared_dense_mlp", "lm_head")
+
+
+def block_input(engine: Engine, batch: int, seed: int = 0) -> torch.Tensor:
+    """A normed block input [B, 1, H]: unit RMS, the model dtype."""
+    gen = torch.Generator(device=engine.device).manual_seed(seed)
+    x = torch.randn(batch, 1, engine.cfg.hidden, generator=gen, device=engine.device)
+    return x.to(engine.weights.embed.dtype)
+
+
+def class_steps(engine: Engine, x: torch.Tensor, position: int) -> dict[str, Callable[[], object]]:
+    """Each class over all layers for the rows of x [B, 1, H] at `position` (caches of slots 0..B-1 are written)."""
+    cfg, w, run = engine.cfg, engine.weights, engine.decode_run
+    rows = engine.caches.rows(0, x.shape[0])
+    positions = torch.full((x.shape[0], 1), position, dtype=torch.long, device=engine.device)
+    pools = engine.pools_for(position + 1)
+    layers = list(enumerate(w.layers))
+    kda = [(lw.attention, rows[i]) for i, lw in layers if isinstance(lw.attention, KDAWeights)]
+    mla = [(lw.attention, rows[i]) for i, lw in layers if isinstance(lw.attention, MLAWeights)]
+    moe = [(i, lw.mlp) for i, lw in layers if isinstance(lw.mlp, MoEBlock)]
+    mlps = [lw.mlp if isinstance(lw.mlp, MLP) else lw.mlp.shared for _, lw in layers]
+
+    def run_kda() -> object:
+        return [kda_block(x, a, c, run) for a, c in kda]
+
+    def run_mla() -> object:
+        return [mla_block(x, a, c, positions, pools, run) for a, c in mla]
+
+    def run_routed() -> object:
+        return [routed_experts(x, m, i, run) for i, m in moe]
+
+    def run_mlps() -> object:
+        return [mlp(x, m, run) for m in mlps]
+
+    def run_head() -> object:
+        return F.linear(run.ops.rms_norm(x[:, -1], w.norm, cfg.rms_eps), w.lm_head)
+
+    return dict(zip(CLASSES, (run_kda, run_mla, run_routed, run_mlps, run_head)))
+
+
+def unique_experts(engine: Engine, x: torch.Tensor) -> int:
+    """Logical experts the rows of x route to, summed over the MoE layers (each layer routes the same x)."""
+    cfg, route, flat = engine.cfg, engine.decode_run.ops.route, x.reshape(-1, x.shape[-1])
+    total = 0
+    for lw in engine.weights.layers:
+        if isinstance(lw.mlp, MoEBlock):
+            ids, _ = route(flat, lw.mlp.router, lw.mlp.bias, cfg.top_k, cfg.routed_scaling, cfg.norm_topk)
+            total += int(torch.unique(ids).numel())
+    return total
+
+
+def class_bytes(engine: Engine, batch: int, context: int, experts_routed: int, expert_bytes: int) -> dict[str, int]:
+    """Bytes each class reads in one decode step of `batch` rows at `context` tokens, and "rest"'s weights.
+
+    experts_routed: logical experts routed over all MoE layers (`unique_experts`); expert_bytes: the EXL3 bytes of
+    one logical expert (gate, up and down, every rank slice)."""
+    cfg, w = engine.cfg, engine.weights
+    item = w.embed.element_size()
+    layers = w.layers
+    kda_state = sum(_nbytes(c) for c in engine.caches.rows(0, batch) if isinstance(c, KDACache))
+    selected = min(cfg.index_topk, context) + cfg.kpool - 1
+    per_mla_row = selected * cfg.kv_rank * item + engine.pools_for(context) * cfg.index_dim * item
+    mla = [lw.attention for lw in layers if isinstance(lw.attention, MLAWeights)]
+    moe = [lw.mlp for lw in layers if isinstance(lw.mlp, MoEBlock)]
+    return {
+        "kda": sum(_nbytes(lw.attention) for lw in layers if isinstance(lw.attention, KDAWeights)) + 2 * kda_state,
+        "mla_dsa": sum(_nbytes(a) for a in mla) + len(mla) * batch * per_mla_row,
+        "routed_moe": sum(m.router.nbytes + m.bias.nbytes for m in moe) + experts_routed * expert_bytes,
+        "shared_dense_mlp": sum(_nbytes(lw.mlp if isinstance(lw.mlp, MLP) else lw.mlp.shared) for lw in layers),
+        "lm_head": w.lm_head.nbytes + w.norm.nbytes,
+        "rest": sum(_nbytes(lw.attn_hc) + _nbytes(lw.ffn_hc) + lw.input_norm.nbytes + lw.post_norm.nbytes
+                    for lw in layers) + batch * cfg.hidden * item,
+    }
+
+
+def _nbytes(obj: object) -> int:
+    """Bytes of every tensor field of a weights or cache dataclass."""
+    return sum(getattr(obj, f.name).nbytes for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor))

@@ -1,0 +1,162 @@
+"""The runtime's own copy of every non-expert text-model tensor, on the device, read one decoder layer at a time.
+
+Projections that read the same input are concatenated so one matmul serves them (KDA: q, k, v, f_a, g_a, b; MLA:
+q_a, kv_a and the indexer's wk, weights_proj and k-pool gate; q_b with the indexer's wq_b; gate with up).
+Tensors keep transformers' dtypes: fp32 where its model keeps them fp32 (KDA conv, A_log, dt_bias, router, mHC
+base and scale), the model dtype otherwise. Every tensor of a layer must be used, and only those exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from rich.progress import track
+
+from glmquant.arch import TensorRole, table_for
+from glmquant.errors import CheckpointFormatError
+from glmquant.runtime.artifact import Artifact
+from glmquant.runtime.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class Hyper:
+    fn: torch.Tensor  # [(2 + N) N, N H]
+    base: torch.Tensor  # fp32 [(2 + N) N]
+    scale: torch.Tensor  # fp32 [3]
+
+
+@dataclass(frozen=True)
+class MLP:
+    gate_up: torch.Tensor  # [2 I, H], gate rows first
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass(frozen=True)
+class MoEBlock:
+    router: torch.Tensor  # fp32 [E, H]
+    bias: torch.Tensor  # fp32 [E]
+    shared: MLP
+
+
+@dataclass(frozen=True)
+class KDAWeights:
+    in_proj: torch.Tensor  # [3 P + 2 D + heads, H]: q, k, v, f_a, g_a, b
+    conv: torch.Tensor  # fp32 [3 P, kernel]
+    f_b: torch.Tensor  # [P, D]
+    g_b: torch.Tensor  # [P, D]
+    dt_bias: torch.Tensor  # fp32 [P]
+    a_log: torch.Tensor  # fp32 [heads]
+    o_norm: torch.Tensor  # [D]
+    o_proj: torch.Tensor  # [H, P]
+
+
+@dataclass(frozen=True)
+class MLAWeights:
+    in_proj: torch.Tensor  # [q_rank + kv_rank + 2 index_dim + index_heads, H]: q_a, kv_a, wk, k-pool gate, weights_proj
+    q_norm: torch.Tensor  # [q_rank]
+    kv_norm: torch.Tensor  # [kv_rank]
+    q_b: torch.Tensor  # [heads nope + index_heads index_dim, q_rank]: q_b, then the indexer's wq_b
+    kv_b: torch.Tensor  # [heads (nope + v), kv_rank]
+    o_proj: torch.Tensor  # [H, heads v]
+    k_norm_weight: torch.Tensor  # [index_dim]
+    k_norm_bias: torch.Tensor  # [index_dim]
+    ape: torch.Tensor  # [kpool, index_dim]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_hc: Hyper
+    ffn_hc: Hyper
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attention: KDAWeights | MLAWeights
+    mlp: MLP | MoEBlock
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    layers: tuple[LayerWeights, ...]
+
+
+class _LayerReader:
+    """Reads a layer's tensors by suffix onto the device and checks that every one of them was used."""
+
+    def __init__(self, artifact: Artifact, prefix: str, names: list[str], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.artifact, self.prefix, self.dtype, self.device = artifact, prefix, dtype, device
+        self.left = set(names)
+
+    def __call__(self, suffix: str, fp32: bool = False) -> torch.Tensor:
+        name = self.prefix + suffix
+        if name not in self.artifact.checkpoint:
+            raise CheckpointFormatError(f"{self.artifact.path}: tensor {name} is missing")
+        self.left.discard(name)
+        return self.artifact.checkpoint.read_tensor(name).to(self.device, torch.float32 if fp32 else self.dtype)
+
+    def cat(self, *suffixes: str) -> torch.Tensor:
+        return torch.cat([self(s) for s in suffixes])
+
+    def finish(self) -> None:
+        if self.left:
+            raise CheckpointFormatError(f"{self.artifact.path}: the runtime has no use for {len(self.left)} tensor(s) "
+                                        f"of {self.prefix.rstrip('.')}, e.g. {sorted(self.left)[:3]}")
+
+
+def load_weights(artifact: Artifact, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+    """Every non-expert tensor of the text model (the MTP layer and vision tower are not read)."""
+    spec, table = artifact.spec, table_for(artifact.spec)
+    layers = []
+    for layer in track(range(cfg.layers), description="text layers to device", transient=True):
+        names = [t.name for t in table.layer_tensors(spec, layer) if t.role is not TensorRole.ROUTED_EXPERT]
+        read = _LayerReader(artifact, table.layer_prefix(layer), names, dtype, device)
+        layers.append(_layer(read, cfg, layer))
+        read.finish()
+    top = _LayerReader(artifact, "", [t.name for t in table.top_level(spec) if t.role is not TensorRole.VISION],
+                       dtype, device)
+    p = table.text_prefix
+    embed = top(p + "embed_tokens.weight")
+    weights = ModelWeights(embed, top(p + "norm.weight"),
+                           embed if spec.tie_word_embeddings else top("lm_head.weight"), tuple(layers))
+    top.finish()
+    return weights
+
+
+def _layer(read: _LayerReader, cfg: EngineConfig, layer: int) -> LayerWeights:
+    def hyper(site: str) -> Hyper:
+        return Hyper(read(f"hc_{site}_fn"), read(f"hc_{site}_base", True), read(f"hc_{site}_scale", True))
+
+    attention = _kda(read) if cfg.layer_kinds[layer] == "kda" else _mla(read)
+    if cfg.mlp_kinds[layer] == "dense":
+        mlp: MLP | MoEBlock = _mlp(read, "mlp.")
+    else:
+        mlp = MoEBlock(read("mlp.gate.weight", True), read("mlp.gate.e_score_correction_bias", True),
+                       _mlp(read, "mlp.shared_experts."))
+    return LayerWeights(hyper("attn"), hyper("ffn"), read("input_layernorm.weight"),
+                        read("post_attention_layernorm.weight"), attention, mlp)
+
+
+def _mlp(read: _LayerReader, prefix: str) -> MLP:
+    return MLP(read.cat(prefix + "gate_proj.weight", prefix + "up_proj.weight"), read(prefix + "down_proj.weight"))
+
+
+def _kda(read: _LayerReader) -> KDAWeights:
+    a = "self_attn."
+    conv = torch.cat([read(f"{a}{x}_conv1d.weight", True) for x in "qkv"]).squeeze(1)
+    return KDAWeights(
+        read.cat(*(f"{a}{x}.weight" for x in ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"))),
+        conv, read(a + "f_b_proj.weight"), read(a + "g_b_proj.weight"), read(a + "dt_bias", True),
+        read(a + "A_log", True), read(a + "o_norm.weight"), read(a + "o_proj.weight"))
+
+
+def _mla(read: _LayerReader) -> MLAWeights:
+    a, i = "self_attn.", "self_attn.indexer."
+    return MLAWeights(
+        torch.cat([read(a + "q_a_proj.weight"), read(a + "kv_a_proj_with_mqa.weight"), read(i + "wk.weight"),
+                   read(i + "index_kpool_compress_gate"), read(i + "weights_proj.weight")]),
+        read(a + "q_a_layernorm.weight"), read(a + "kv_a_layernorm.weight"),
+        read.cat(a + "q_b_proj.weight", i + "wq_b.weight"), read(a + "kv_b_proj.weight"), read(a + "o_proj.weight"),
+        read(i + "k_norm.weight"), read(i + "k_norm.bias"), read(i + "index_kpool_compress_ape"))

@@ -1,0 +1,48 @@
+"""Kimi delta attention (KDA) for the runtime: flash-linear-attention's Triton kernels on CUDA when `fla` is
+installed (the optional extra `fla`), transformers' reference PyTorch functions otherwise (any device).
+
+Both entry points take q, k [B, S, heads, dk], v [B, S, heads, dv] in the model dtype, the fp32 log decay g
+[B, S, heads, dk], beta [B, S, heads] and the fp32 recurrent state [B, heads, dk, dv], which they update in place
+(static address: a captured decode graph keeps reading it); q and k are L2-normalized inside, scale dk^-1/2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from functools import cache
+
+import torch
+
+FLA_AVAILABLE = importlib.util.find_spec("fla") is not None
+KDAFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def uses_fla(device: torch.device) -> bool:
+    """Whether KDA on `device` runs flash-linear-attention's kernels."""
+    return FLA_AVAILABLE and device.type == "cuda"
+
+
+@cache
+def _functions(fla: bool) -> tuple[KDAFunction, KDAFunction]:
+    """(recurrent, chunked) implementations: fla's, or the torch functions transformers falls back to."""
+    if fla:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+        return fused_recurrent_kda, chunk_kda
+    from transformers.models.glm5_next import modeling_glm5_next as glm
+
+    unwrap = lambda fn: getattr(fn, "__wrapped__", fn)  # noqa: E731  (the hub-kernel wrapper may pick fla itself)
+    return unwrap(glm.recurrent_kimi_delta_attention), unwrap(glm.chunk_kimi_delta_attention)
+
+
+def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        state: torch.Tensor) -> torch.Tensor:
+    """KDA over S new tokens from `state`; returns the output [B, S, heads, dv] and leaves the final state in
+    `state`. One token per sequence takes the recurrent kernel (decode), more the chunked one (prefill)."""
+    recurrent, chunked = _functions(uses_fla(q.device))
+    fn = recurrent if q.shape[1] == 1 else chunked
+    out, final = fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
+    state.copy_(final)
+    return out

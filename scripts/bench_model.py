@@ -1,0 +1,371 @@
+"""The whole GLM-5.3-Flash text model on one GPU from `--load-format dummy` weights (tr3 K2 by default): decode tok/s
+at batch 1, 4 and 16 with 1k and 32k of context, prefill tok/s at 8k, 64k and 200k, peak GPU memory, where a batch-1
+decode step's time and bytes go per kernel class, and a GB10 projection from those measurements.
+
+Parts (each saved to --out as soon as it is done, so a run cut short keeps what it measured):
+- graphs:     greedy tokens of B sequences decoded with CUDA graphs equal those of the eager path (B = 1, 4, 16),
+              and each decode step is one captured graph per batch size;
+- decode:     per context, one prompt prefilled and copied to every slot, then timed graph-replayed steps;
+- prefill:    one prompt of each length, chunked, timed from first chunk to last logits;
+- classes:    each kernel class captured and timed alone over all layers (batch 1, context 1k); "rest" is the whole
+              step minus the classes; bytes per token from the tensors each class reads (`engine/profile.py`);
+              the GB10 projection per class: max(bytes / BW, H200 time x (132 SMs x 1.98 GHz) / (48 SMs x GB10 clock)).
+
+    python scripts/bench_model.py --commit SHA [--quick] [--parts graphs,decode,prefill,classes] [--out FILE]
+    python scripts/bench_model.py --smoke --out FILE          # the tiny config on the CPU, every part (a test runs it)
+    python scripts/bench_model.py --merge A.json B.json --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glmquant.arch import PROJECTIONS, TensorRole, table_for
+from glmquant.exl3.tensor import EXL3Tensor
+from glmquant.runtime.dummy import dummy_artifact
+from glmquant.runtime.engine import Engine
+from glmquant.runtime.engine.profile import CLASSES, block_input, class_bytes, class_steps, unique_experts
+from glmquant.runtime.options import RuntimeOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_CONFIG = ROOT / "tests" / "data" / "glm-5.3-flash" / "config.json"
+H200 = {"sms": 132, "clock_ghz": 1.98}
+GB10 = {"sms": 48, "clock_ghz": 2.52, "clock_source": (
+    "derived, not a published clock: NVIDIA's 31 TFLOPS FP32 for the GB10 GPU (Hot Chips 2025, reported by "
+    "ferra.ru 2025-08-28) / (2 FLOP x 6,144 CUDA cores) = 2.52 GHz; DGX Spark has 48 SMs (6,144 / 128)")}
+GB10_BANDWIDTHS = {"218": "measured copy bandwidth of one DGX Spark (docs anchors)", "273": "LPDDR5X spec"}
+PARTS = ("graphs", "decode", "prefill", "classes")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    contexts: tuple[int, ...]  # decode contexts; the first is the summary's
+    batches: tuple[int, ...]
+    prefill: tuple[int, ...]
+    steps: int  # timed decode steps per (context, batch)
+    check_steps: int  # greedy steps compared eager vs graphs
+    chunk: int  # prefill chunk
+
+
+FULL = Sizes((1024, 32768), (1, 4, 16), (8192, 65536, 200_000), 64, 16, 4096)
+QUICK = Sizes((1024,), (1, 4, 16), (8192,), 32, 8, 4096)
+SMOKE = Sizes((24, 40), (1, 2), (48,), 3, 3, 16)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.merge:
+        report = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        save(report, args.out)
+        return
+    sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
+    config, device = (tiny_config(), "cpu") if args.smoke else (args.config, "cuda")
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "commit": args.commit, "environment": environment(device),
+                              "sizes": sizes.__dict__, "compile_decode": args.compile_decode, "parts": {}}
+    t0 = time.perf_counter()
+    artifact = dummy_artifact(config, args.layout, args.bits, device=device)
+    engine = Engine.load(artifact, RuntimeOptions(device=device, backend="torch" if args.smoke else "triton"),
+                         max_batch=1, max_len=sizes.chunk, compile_decode=args.compile_decode)
+    sync(engine)
+    report["model"] = model_record(artifact, engine, time.perf_counter() - t0, config)
+    save(report, args.out)
+    runs = {"graphs": check_graphs, "decode": decode_speed, "prefill": prefill_speed, "classes": breakdown}
+    for part in args.parts:
+        reset_peak(engine)
+        try:
+            result = runs[part](engine, sizes, artifact)
+            if isinstance(result, Iterator):  # rows, each saved as soon as it is measured
+                rows = report["parts"][part] = []
+                for row in result:
+                    rows.append(row)
+                    save(report, args.out)
+            else:
+                report["parts"][part] = result
+        except Exception:  # noqa: BLE001  (one failed part must not lose the others)
+            report["parts"][part + "_error"] = traceback.format_exc()[-4000:]
+        report["parts"][part + "_peak_gpu_gb"] = peak_gb(engine)
+        report["summary"] = summary(report)
+        save(report, args.out)
+        print(f"{part}: done at +{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "model_h200.json")
+    p.add_argument("--commit", default=None, help="the commit measured (git is unreliable on the device)")
+    p.add_argument("--config", type=Path, default=REFERENCE_CONFIG, help="config.json of the model to build")
+    p.add_argument("--layout", default="tr3", choices=("tr3", "exllamav3"))
+    p.add_argument("--bits", type=int, default=2)
+    p.add_argument("--compile-decode", action="store_true", help="decode steps' math through torch.compile")
+    p.add_argument("--quick", action="store_true", help="about 6 minutes of an H200: 1k decode, 8k prefill")
+    p.add_argument("--smoke", action="store_true", help="the tiny config on the CPU, every part at tiny sizes")
+    p.add_argument("--parts", type=lambda s: tuple(s.split(",")), default=PARTS)
+    p.add_argument("--merge", nargs="+", type=Path, help="combine the parts of earlier reports into --out")
+    args = p.parse_args()
+    if set(args.parts) - set(PARTS):
+        p.error(f"--parts takes {', '.join(PARTS)}")
+    if not args.smoke and not args.merge and not torch.cuda.is_available():
+        p.error("no CUDA device: use --smoke on the CPU")
+    return args
+
+
+def tiny_config() -> Path:
+    from glmquant.fixtures import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="bench-model-"))) / "config.json"
+
+
+# --- parts ---------------------------------------------------------------------------------------------------------
+
+def check_graphs(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dict[str, Any]]:
+    """B sequences (prompts just past the indexer's top-k, of different lengths) decoded greedily from the same
+    cache state, eagerly and with CUDA graphs: the tokens must be equal, one graph captured per batch size."""
+    lengths = [engine.cfg.index_topk + 64 + 5 * slot for slot in range(max(sizes.batches))]
+    engine.reallocate(len(lengths), max(lengths) + sizes.check_steps + 8)
+    first = torch.stack([engine.prefill(slot, random_ids(engine, n, seed=slot), chunk=sizes.chunk)
+                         for slot, n in enumerate(lengths)]).argmax(dim=-1)
+    saved = engine.caches.snapshot()
+    for batch in sizes.batches:
+        runs = {}
+        before = engine.graphs.captured if engine.graphs else 0
+        for eager in (True, False):
+            engine.caches.restore(saved)
+            positions = torch.tensor(lengths[:batch], device=engine.device)
+            runs[eager] = greedy(engine, first[:batch], positions, sizes.check_steps, eager)
+        yield {"batch": batch, "steps": sizes.check_steps, "tokens_equal": runs[True][0] == runs[False][0],
+               "logits_finite": all(bool(torch.isfinite(run[1]).all()) for run in runs.values()),
+               "max_abs_logit_diff_last_step": float((runs[True][1] - runs[False][1]).abs().max()),
+               "graphs_captured": (engine.graphs.captured - before) if engine.graphs else 0,
+               "cuda_graphs": engine.graphs is not None}
+
+
+def greedy(engine: Engine, tokens: torch.Tensor, positions: torch.Tensor, steps: int,
+           eager: bool) -> tuple[list[list[int]], torch.Tensor]:
+    """`steps` greedy decode steps of slots 0..B-1 from their tokens at their positions; the tokens, last logits."""
+    out = []
+    for _ in range(steps):
+        logits = engine.decode(tokens, positions, int(positions.max()) + 1, eager=eager)
+        tokens, positions = logits.argmax(dim=-1), positions + 1
+        out.append(tokens.tolist())
+    return out, logits.float().clone()
+
+
+def decode_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dict[str, Any]]:
+    """Per context: prefill slot 0, copy it to every slot, then per batch time graph-replayed greedy steps."""
+    for context in sizes.contexts:
+        engine.reallocate(max(sizes.batches), context + sizes.steps + 8)
+        engine.prefill(0, random_ids(engine, context), chunk=sizes.chunk)
+        engine.caches.copy_slot(0, range(1, max(sizes.batches)))
+        for batch in sizes.batches:
+            tokens = torch.zeros(batch, dtype=torch.long, device=engine.device)
+            positions = torch.full((batch,), context, dtype=torch.long, device=engine.device)
+            for _ in range(2):  # the first call of a signature runs eagerly, the second captures
+                tokens = engine.decode(tokens, positions, context + sizes.steps).argmax(dim=-1)
+
+            def steps() -> None:
+                nonlocal tokens
+                for i in range(sizes.steps):
+                    tokens = engine.decode(tokens, positions + i, context + sizes.steps).argmax(dim=-1)
+
+            ms = timed_ms(engine, steps) / sizes.steps
+            yield {"context": context, "batch": batch, "ms_per_step": round(ms, 3),
+                   "tok_s": round(batch * 1000 / ms, 2)}
+
+
+def prefill_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dict[str, Any]]:
+    for length in sizes.prefill:
+        engine.reallocate(1, length + 8)
+        engine.prefill(0, random_ids(engine, 2 * sizes.chunk), chunk=sizes.chunk)  # compiles every chunk kernel
+        reset_peak(engine)
+        ids = random_ids(engine, length)
+        ms = timed_ms(engine, lambda: engine.prefill(0, ids, chunk=sizes.chunk))
+        yield {"tokens": length, "seconds": round(ms / 1000, 3), "tok_s": round(length * 1000 / ms, 1),
+               "chunk": sizes.chunk, "peak_gpu_gb": peak_gb(engine)}
+
+
+def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
+    """Batch-1 decode at the first context: the whole step and each class, per token, and the GB10 projection."""
+    context = sizes.contexts[0]
+    engine.reallocate(1, context + 16)
+    x = block_input(engine, 1)
+    tokens = torch.zeros(1, dtype=torch.long, device=engine.device)
+    position = torch.full((1,), context, dtype=torch.long, device=engine.device)
+    for _ in range(2):
+        engine.decode(tokens, position, context + 1)
+    whole = timed_ms(engine, lambda: engine.decode(tokens, position, context + 1), reps=20) / 20
+    times = {name: timed_ms(engine, replayable(engine, fn), reps=20) / 20
+             for name, fn in class_steps(engine, x, context).items()}
+    times["rest"] = whole - sum(times.values())
+    nbytes = class_bytes(engine, 1, context, unique_experts(engine, x), logical_expert_bytes(artifact))
+    classes = {name: {"ms_per_token": round(times[name], 4), "bytes_per_token": nbytes[name],
+                      "achieved_gb_s": round(nbytes[name] / times[name] / 1e6, 1) if times[name] > 0 else None}
+               for name in (*CLASSES, "rest")}
+    return {"batch": 1, "context": context, "whole_step_ms": round(whole, 4), "classes": classes,
+            "rest_is": "the whole step minus the classes (mHC, norms, embedding, adds, gaps between kernels)",
+            "bytes_are": "weights + KDA state read and written + MLA latents of the selected tokens + scored k-pool "
+                         "keys + the routed experts' EXL3 bytes; activations not counted",
+            "projection": project_gb10({n: (c["ms_per_token"], c["bytes_per_token"]) for n, c in classes.items()})}
+
+
+def project_gb10(classes: dict[str, tuple[float, int]]) -> dict[str, Any]:
+    """Per class the larger of its bytes over the GB10's bandwidth and its H200 time scaled by SM count x clock."""
+    scale = (H200["sms"] * H200["clock_ghz"]) / (GB10["sms"] * GB10["clock_ghz"])
+    out: dict[str, Any] = {
+        "formula": "per class c: t_c = max(bytes_c / BW, h200_ms_c x (132 x 1.98 GHz) / (48 x GB10 clock)); "
+                   "tok/s = 1000 / sum_c t_c (ms), batch 1",
+        "assumptions": {"h200": H200, "gb10": GB10, "compute_scale": round(scale, 4),
+                        "bandwidths_gb_s": GB10_BANDWIDTHS,
+                        "caveats": "H200 kernel time is taken as SM-throughput-bound and scaled by SMs x clock; "
+                                   "L2 size, launch latency and the GB10's unified memory are not modelled"},
+        "classes": {}}
+    for bw in GB10_BANDWIDTHS:
+        total = 0.0
+        for name, (ms, nbytes) in classes.items():
+            memory_ms, compute_ms = nbytes / (float(bw) * 1e9) * 1e3, max(ms, 0.0) * scale
+            row = out["classes"].setdefault(name, {"h200_ms": ms, "bytes": nbytes})
+            row[f"gb10_ms_{bw}"] = round(max(memory_ms, compute_ms), 4)
+            row[f"bound_{bw}"] = "bandwidth" if memory_ms >= compute_ms else "compute"
+            total += max(memory_ms, compute_ms)
+        out[f"gb10_tok_s_{bw}"] = round(1000 / total, 2)
+    return out
+
+
+# --- measuring -----------------------------------------------------------------------------------------------------
+
+def timed_ms(engine: Engine, work: Callable[[], object], reps: int = 1) -> float:
+    """Wall time of `reps` calls of work, ms, the device synchronized before and after (CUDA events on a GPU)."""
+    sync(engine)
+    if engine.device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            work()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        work()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def replayable(engine: Engine, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn captured as a CUDA graph after one eager run (its replay), or fn itself off CUDA."""
+    fn()
+    if engine.device.type != "cuda":
+        return fn
+    sync(engine)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def random_ids(engine: Engine, n: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, engine.cfg.vocab, (n,), generator=gen)
+
+
+def sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb(engine: Engine) -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 1e9, 2) if engine.device.type == "cuda" else None
+
+
+def logical_expert_bytes(artifact: Any) -> int:
+    """EXL3 bytes of one logical routed expert: gate, up and down, every rank slice (read from expert 0)."""
+    layer = artifact.quantized_layers[0]
+    parts = [artifact.read_expert(layer, 0, proj) for proj in PROJECTIONS]
+    return artifact.ranks * sum(EXL3Tensor.storage_bytes(t.in_features, t.out_features, t.bits, t.codebook)
+                                for t in parts)
+
+
+# --- report --------------------------------------------------------------------------------------------------------
+
+def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> dict[str, Any]:
+    spec, table, ckpt = artifact.spec, table_for(artifact.spec), artifact.checkpoint
+    mtp = tuple(table.layer_prefix(layer) for layer in spec.mtp_layers)
+    vision = {t.name for t in table.top_level(spec) if t.role is TensorRole.VISION}
+    skipped = [n for n in ckpt.names() if n.startswith(mtp) or n in vision]
+    return {"config": str(config), "layout": artifact.layout, "bits": ckpt.plan.bits, "codebook": ckpt.plan.codebook,
+            "planned_tensors": len(ckpt.names()), "load_s": round(load_s, 1),
+            "resident_gb": round(torch.cuda.memory_allocated() / 1e9, 2) if engine.device.type == "cuda" else None,
+            "not_resident": {"what": "MTP layer and vision tower (plain text decoding uses neither)",
+                             "tensors": len(skipped), "bytes": sum(ckpt.spec(n).nbytes for n in skipped)}}
+
+
+def environment(device: str) -> dict[str, Any]:
+    def package(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    env: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+                           **{name: package(name) for name in ("triton", "transformers", "flash-linear-attention",
+                                                               "fla-core")}}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, sms=props.multi_processor_count, gpu_memory_gb=round(props.total_memory / 1e9, 1),
+                   cuda=torch.version.cuda)
+    else:
+        env["gpu"] = None
+    return env
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    parts = report["parts"]
+    decode = parts.get("decode", [])
+    first = min((r["context"] for r in decode), default=None)
+    at = {r["batch"]: r["tok_s"] for r in decode if r["context"] == first}
+    prefill = {r["tokens"]: r["seconds"] for r in parts.get("prefill", [])}
+    projection = parts.get("classes", {}).get("projection", {})
+    graphs = parts.get("graphs")
+    peaks = [v for k, v in parts.items() if k.endswith("_peak_gpu_gb") and v is not None]
+    return {"decode_tok_s_b1": at.get(1), "decode_tok_s_b16": at.get(16), "decode_context": first,
+            "prefill_200k_s": prefill.get(200_000), "peak_gpu_gb": max(peaks, default=None),
+            "gb10_tok_s_218": projection.get("gb10_tok_s_218"), "gb10_tok_s_273": projection.get("gb10_tok_s_273"),
+            "graphs_equal_eager": all(r["tokens_equal"] for r in graphs) if graphs else None,
+            "logits_finite": all(r["logits_finite"] for r in graphs) if graphs else None}
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Later reports' parts replace earlier ones of the same name; the summary is recomputed."""
+    merged = {**reports[0], "parts": {}, "merged_from": [r.get("command") for r in reports]}
+    for r in reports:
+        merged["parts"].update(r["parts"])
+    merged["summary"] = summary(merged)
+    return merged
+
+
+def save(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One H200 call (under 10 minutes) for issue 16, the whole model from dummy weights. Installs the carried wheels
+# (.whl/: fla-core, flash-linear-attention, einops), then one mode. Every step is bounded by `timeout`; results are
+# refreshed in $OUT/results.tgz, the log is $OUT/run.log.
+# Usage on the device:
+#   bash scripts/device_run_model.sh "$OUT" COMMIT checks    # GPU tests: fused mHC kernel, engine vs the CPU reference
+#                                                            # (fla KDA, whole-step graphs, bf16), resident experts
+#   bash scripts/device_run_model.sh "$OUT" COMMIT quick     # --quick: graphs check, decode 1k, prefill 8k, classes
+#   bash scripts/device_run_model.sh "$OUT" COMMIT decode    # graphs, decode 1k and 32k, classes
+#   bash scripts/device_run_model.sh "$OUT" COMMIT prefill   # prefill 8k, 64k, 200k
+#   bash scripts/device_run_model.sh "$OUT" COMMIT compiled  # decode 1k with the decode math torch.compile'd
+# then, here: python scripts/bench_model.py --merge model_h200_decode.json model_h200_prefill.json \
+#                --out bench/results/model_h200.json
+set -u
+OUT=${1:?output dir}; COMMIT=${2:?commit}; MODE=${3:-quick}
+RES=/tmp/res; mkdir -p "$RES"; LOG="$OUT/run.log"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+t0=$(date +%s)
+stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; tar czf "$OUT/results.tgz" -C "$RES" .; }
+python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__,
+  'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())" >>"$LOG" 2>&1
+case $MODE in
+  checks)
+    stamp "GPU checks: mHC kernel, engine vs CPU reference (fla, graphs, bf16), resident experts"
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc.py \
+      tests/kernels/test_engine_resident.py tests/runtime/test_engine.py >"$RES/pytest.log" 2>&1
+    echo "pytest exit $?" >>"$LOG"; stamp "done"; exit 0 ;;
+  quick) args=(--quick) ;;
+  decode) args=(--parts graphs,decode,classes) ;;
+  prefill) args=(--parts prefill) ;;
+  compiled) args=(--quick --parts graphs,decode,classes --compile-decode) ;;
+  *) echo "mode must be checks, quick, decode, prefill or compiled" >&2; exit 2 ;;
+esac
+stamp "bench_model.py ${args[*]}"
+timeout $(( 580 - ($(date +%s) - t0) )) python3 scripts/bench_model.py --commit "$COMMIT" "${args[@]}" \
+  --out "$RES/model_h200_$MODE.json" >>"$LOG" 2>&1
+echo "bench exit $?" >>"$LOG"
+stamp "done"

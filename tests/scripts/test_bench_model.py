@@ -1,0 +1,54 @@
+"""The whole-model benchmark runs every part on the CPU at tiny sizes (`--smoke`, the code path the H200 runs with
+the real config) and writes the report the issue asks for: decode and prefill rows, the per-class breakdown with
+bytes, the GB10 projection with its formula and assumptions, and the summary keys; `--merge` recombines parts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench_model.py"
+
+pytestmark = pytest.mark.slow
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_INTERPRET", None)  # the smoke run uses the torch expert backend
+    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+
+
+def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
+    out = tmp_path / "model.json"
+    run = _run("--smoke", "--commit", "abc123", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    parts = report["parts"]
+    assert not [key for key in parts if key.endswith("_error")], parts
+    assert report["commit"] == "abc123" and report["environment"]["torch"]
+    assert report["model"]["not_resident"]["tensors"] > 0  # the MTP layer and vision tower
+    assert all(row["tokens_equal"] for row in parts["graphs"])
+    assert {(r["context"], r["batch"]) for r in parts["decode"]} == {(24, 1), (24, 2), (40, 1), (40, 2)}
+    assert all(r["tok_s"] > 0 for r in parts["decode"]) and parts["prefill"][0]["tokens"] == 48
+    classes = parts["classes"]["classes"]
+    assert set(classes) == {"kda", "mla_dsa", "routed_moe", "shared_dense_mlp", "lm_head", "rest"}
+    assert all(c["bytes_per_token"] > 0 for c in classes.values())
+    projection = parts["classes"]["projection"]
+    assert "max(bytes_c / BW" in projection["formula"] and projection["assumptions"]["gb10"]["clock_source"]
+    assert set(projection["classes"]) == set(classes)
+    summary = report["summary"]
+    assert set(summary) >= {"decode_tok_s_b1", "decode_tok_s_b16", "prefill_200k_s", "peak_gpu_gb",
+                            "gb10_tok_s_218", "gb10_tok_s_273"}
+    assert summary["decode_tok_s_b1"] > 0 and summary["gb10_tok_s_273"] >= summary["gb10_tok_s_218"] > 0
+    assert summary["graphs_equal_eager"] is True and summary["logits_finite"] is True
+
+    merged = tmp_path / "merged.json"
+    assert _run("--merge", str(out), str(out), "--out", str(merged)).returncode == 0
+    assert json.loads(merged.read_text())["summary"] == summary
