@@ -254,7 +254,8 @@ def build_corpus(recipe: CorpusRecipe, out_dir: Path) -> dict[str, Any]:
         langs: dict[str, int] = {}
         for d in docs:
             langs[d.lang] = langs.get(d.lang, 0) + len(d.text.encode())
-        splits[split] = {"documents": len(docs), "bytes": sum(langs.values()), "sha256": hashlib.sha256(body).hexdigest(),
+        splits[split] = {"documents": len(docs), "bytes": sum(langs.values()),
+                         "sha256": hashlib.sha256(body).hexdigest(),
                          "bytes_by_lang": dict(sorted(langs.items(), key=lambda kv: -kv[1]))}
     summary = {"recipe": recipe.path, "recipe_sha256": recipe.sha256(), "max_bytes": recipe.max_bytes,
                "sources": sources, "splits": splits,

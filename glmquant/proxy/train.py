@@ -169,7 +169,7 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     tokenizer.save_pretrained(model_dir)
     shape = replace(cfg.shape, vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
     stream = token_stream(tokenizer, texts)
-    heldout = _split_rows(corpus_dir, "heldout", cfg.heldout_rows, cfg.seq_len, tokenizer)
+    heldout = split_rows(corpus_dir, "heldout", cfg.heldout_rows, cfg.seq_len, tokenizer)
     split_recipe(corpus_dir, "calibration", cfg.calibration_rows, cfg.seq_len)
     log(f"tokenizer: {len(tokenizer)} tokens; train stream {stream.numel():,} tokens; "
         f"{cfg.steps * cfg.batch_rows * cfg.seq_len:,} to train on")
@@ -241,7 +241,7 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     return record
 
 
-def _split_rows(corpus_dir: Path, split: str, rows: int, tokens: int, tokenizer: Any) -> torch.Tensor:
+def split_rows(corpus_dir: Path, split: str, rows: int, tokens: int, tokenizer: Any) -> torch.Tensor:
     """`rows` packed rows of `tokens` from a split, through the calibration packer (as observe packs them)."""
     return build_token_rows(load_recipe(split_recipe(corpus_dir, split, rows, tokens)), tokenizer).lanes[0].ids.long()
 
