@@ -22,7 +22,9 @@ after the first three use the Hessians (natural, all-token or blend) that gave t
     python scripts/bench_fidelity.py --proxy /tmp/proxy-smoke --device cpu --layout exllamav3 --rows 4 \
         --tokens 32 --heldout-rows 2 --heldout-tokens 32 --work /tmp/fid --results /tmp/fid.json
 
-The results are written after every row; `summary` names the seed method's row, the best row at the seed's bytes
+The results are written after every row; `--resume` keeps the rows of an earlier run with the same proxy and
+settings and measures only the missing ones (the observations are reused), so the benchmark can span several
+time-limited calls. `summary` names the seed method's row, the best row at the seed's bytes
 (lowest KL) and the ExLlamaV3 row, and checks the issue's goal (KL <= 0.7x the seed's, top-1 >= 3 points higher,
 KL no worse than ExLlamaV3's).
 """
@@ -234,6 +236,12 @@ class Bench:
                                        "calibration": {"rows": args.rows, "tokens": args.tokens},
                                        "heldout": {"rows": args.heldout_rows, "tokens": args.heldout_tokens},
                                        "proxy": _proxy_facts(args.proxy), "rows": self.rows}
+        if args.resume and args.results.is_file():
+            earlier = json.loads(args.results.read_text())
+            if all(earlier.get(k) == self.record[k] for k in ("layout", "calibration", "heldout", "proxy")):
+                self.rows += [r for r in earlier["rows"] if not r["recipe"].startswith("exllamav3") or "error" not in r]
+                self.record["hessians_chosen"] = earlier.get("hessians_chosen")
+                self.log(f"resuming: {len(self.rows)} rows already measured in {args.results}")
 
     def log(self, line: str) -> None:
         self.console.print(line, highlight=False)
@@ -264,12 +272,14 @@ class Bench:
         targets = self.ids[:, 1:].to(self.reference.device).unsqueeze(-1)
         self.record["bf16_ppl"] = math.exp(float(-self.reference[:, :-1].gather(-1, targets).mean()))
         wanted = set(args.recipes.split(",")) if args.recipes else None
+        done = {r["recipe"] for r in self.rows}
         for recipe in recipes(self.spec.n_routed_experts):
-            if wanted is None or recipe.name in wanted:
+            if (wanted is None or recipe.name in wanted) and recipe.name not in done:
                 self.row(recipe, observations)
-        if args.exllamav3 and importlib.util.find_spec("exllamav3") is not None:
+        peer_done = any(r["recipe"].startswith("exllamav3") for r in self.rows)
+        if args.exllamav3 and not peer_done and importlib.util.find_spec("exllamav3") is not None:
             self.exllamav3_row()
-        elif args.exllamav3:
+        elif args.exllamav3 and not peer_done:
             self.rows.append({"recipe": "exllamav3-1.6.5", "routed_bytes": None, "kl": None, "top1": None,
                               "ppl": None, "error": "exllamav3 is not installed here"})
         self.record["summary"] = summarize(self.rows)
@@ -279,6 +289,9 @@ class Bench:
     def hessians(self, recipe: Recipe) -> tuple[str, float | None]:
         if recipe.hessians != "best":
             return recipe.hessians, recipe.blend
+        if self.best_hessians is None and self.record.get("hessians_chosen"):
+            chosen = self.record["hessians_chosen"]
+            self.best_hessians = (chosen["hessians"], chosen["blend"])
         if self.best_hessians is None:
             measured = [r for r in self.rows if r["recipe"] in HESSIAN_ROWS and r.get("kl") is not None]
             best = min(measured, key=lambda r: r["kl"]) if measured else {"hessians": "natural", "blend": None}
@@ -404,6 +417,7 @@ def main() -> None:
     ap.add_argument("--recipes", default=None, help="comma-separated subset of the rows (default: all)")
     ap.add_argument("--no-exllamav3", dest="exllamav3", action="store_false", help="skip ExLlamaV3's converter")
     ap.add_argument("--keep-artifacts", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds for this proxy")
     os.environ.setdefault("SOURCE_DATE_EPOCH", "1767225600")
     Bench(ap.parse_args()).run()
 

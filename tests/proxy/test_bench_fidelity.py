@@ -84,3 +84,7 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
     assert record["hessians_chosen"]["from"] in ("seed", "all-token", "blend-0.5") and record["bf16_ppl"] > 1
     exl = next(r for r in record["rows"] if r["recipe"].startswith("exllamav3"))
     assert exl.get("error") or exl["kl"] is not None  # measured where exllamav3 imports, else why not
+    again = subprocess.run([*argv, "--resume"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert again.returncode == 0 and "resuming: 5 rows" in again.stderr, again.stderr[-3000:]
+    resumed = json.loads(results.read_text())
+    assert [r["recipe"] for r in resumed["rows"]][:5] == list(SMOKE_ROWS) and resumed["rows"][:5] == record["rows"][:5]
