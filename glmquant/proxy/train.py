@@ -13,6 +13,8 @@ Routing is trained the GLM / DeepSeek-V3 way, without an auxiliary loss: after e
 never a gradient), so no expert starves. The indexer of the DSA layers is not trained (transformers runs it
 without gradients); `index_topk` k-pools cover the whole training context, so their attention is dense.
 The MTP layer is written untrained (transformers has no module for it; the runtime does not use it).
+Training runs in float32 (TF32 matmuls on a GPU) with transformers' eager expert loop: the same dtypes and code on
+the CPU and the GPU, so the CPU smoke test covers the GPU path; the checkpoint is cast to BF16 when written.
 
 Reproducible: the seed fixes the corpus, the tokenizer, the initial weights and the batches, and training runs
 with torch's deterministic algorithms, so a rerun on the CPU gives the same bytes. On a GPU cuBLAS needs
@@ -74,7 +76,7 @@ class TrainConfig:
     heldout_rows: int = 64
     calibration_rows: int = 64  # rows of the routing check
     log_every: int = 50
-    experts_implementation: str = "grouped_mm"
+    experts_implementation: str = "eager"  # transformers' per-expert loop: any dtype, any device
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_rows", "seq_len", "heldout_rows", "calibration_rows", "log_every"):
@@ -139,13 +141,12 @@ def text_model_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor
 
 
 @torch.no_grad()
-def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int, autocast: Callable[[], Any]) -> float:
+def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int) -> float:
     """exp(mean next-token NLL) over `rows` [N, T]."""
     model.eval()
     nll, count = 0.0, 0
     for part in rows.split(batch):
-        with autocast():
-            logits = text_model_logits(model, part)
+        logits = text_model_logits(model, part)
         nll += float(F.cross_entropy(logits[:, :-1].float().flatten(0, 1), part[:, 1:].flatten(), reduction="sum"))
         count += part[:, 1:].numel()
     model.train()
@@ -176,8 +177,9 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
 
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic, precision = torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()
     torch.use_deterministic_algorithms(True, warn_only=True)  # CPU: bit-identical reruns (index_add_ would race)
+    torch.set_float32_matmul_precision("high")  # fp32 weights and activations, TF32 matmuls on a GPU
     hf_config = shape.hf_config(tokenizer)
     hf_config.text_config._experts_implementation = cfg.experts_implementation
     model = Glm5NextForConditionalGeneration(hf_config).float().to(device).train()  # fp32 master weights
@@ -190,9 +192,6 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
     sampler = torch.Generator().manual_seed(cfg.seed)
     curve, stopped_early, step = [], False, 0
     train_started = time.monotonic()
@@ -201,8 +200,7 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
         batch = torch.stack([stream[s:s + cfg.seq_len + 1] for s in starts.tolist()]).long().to(device)
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(step)
-        with autocast():
-            logits = text_model_logits(model, batch[:, :-1])
+        logits = text_model_logits(model, batch[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -221,7 +219,8 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
             break
     train_seconds = time.monotonic() - train_started
     torch.use_deterministic_algorithms(deterministic)
-    ppl = perplexity(model, heldout.to(device), cfg.batch_rows, autocast)
+    torch.set_float32_matmul_precision(precision)
+    ppl = perplexity(model, heldout.to(device), cfg.batch_rows)
     log(f"held-out perplexity {ppl:.3f} ({heldout.numel():,} tokens)")
 
     model = model.to("cpu").float()
