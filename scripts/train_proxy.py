@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU smoke size: tiny model, corpus and run")
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     for name in ("seed", "device", "steps", "batch_rows", "seq_len", "lr", "warmup_steps", "corpus_bytes",
-                 "max_minutes", "heldout_rows", "calibration_rows", "log_every", "experts_implementation"):
+                 "max_minutes", "heldout_rows", "calibration_rows", "log_every", "experts_implementation", "dtype"):
         kind = type(defaults[name]) if defaults[name] is not None else float if name == "max_minutes" else int
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     ap.add_argument("--corpus-recipe", type=Path, default=None)

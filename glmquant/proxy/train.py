@@ -15,6 +15,7 @@ without gradients); `index_topk` k-pools cover the whole training context, so th
 The MTP layer is written untrained (transformers has no module for it; the runtime does not use it).
 Training runs in float32 (TF32 matmuls on a GPU) with transformers' eager expert loop: the same dtypes and code on
 the CPU and the GPU, so the CPU smoke test covers the GPU path; the checkpoint is cast to BF16 when written.
+`--dtype bfloat16` trains in BF16 throughout instead (weights, activations and AdamW state), a fallback.
 
 Reproducible: the seed fixes the corpus, the tokenizer, the initial weights and the batches, and training runs
 with torch's deterministic algorithms, so a rerun on the CPU gives the same bytes. On a GPU cuBLAS needs
@@ -54,6 +55,7 @@ SMOKE_SHAPE = TinyModelConfig(
     hidden_size=128, num_hidden_layers=4, first_dense_layers=1, n_routed_experts=32, num_experts_per_tok=8,
     moe_intermediate_size=512, intermediate_size=256, vocab_size=512, shard_bytes=32 << 20, index_topk=32)
 VOCAB_MULTIPLE = 64
+TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class TrainConfig:
     calibration_rows: int = 64  # rows of the routing check
     log_every: int = 50
     experts_implementation: str = "eager"  # transformers' per-expert loop: any dtype, any device
+    dtype: str = "float32"  # weights and activations; "bfloat16" is the fallback should a GPU kernel refuse float32
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_rows", "seq_len", "heldout_rows", "calibration_rows", "log_every"):
@@ -86,6 +89,8 @@ class TrainConfig:
             raise UsageError("--lr must be positive, --min-lr-fraction in [0, 1], --warmup-steps >= 0")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise UsageError(f"--max-minutes must be positive, got {self.max_minutes}")
+        if self.dtype not in TRAIN_DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(TRAIN_DTYPES)}, got {self.dtype!r}")
         device_type(self.device)
 
     def lr_at(self, step: int) -> float:
@@ -182,7 +187,7 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     torch.set_float32_matmul_precision("high")  # fp32 weights and activations, TF32 matmuls on a GPU
     hf_config = shape.hf_config(tokenizer)
     hf_config.text_config._experts_implementation = cfg.experts_implementation
-    model = Glm5NextForConditionalGeneration(hf_config).float().to(device).train()  # fp32 master weights
+    model = Glm5NextForConditionalGeneration(hf_config).to(device, TRAIN_DTYPES[cfg.dtype]).train()
     text = model.model.language_model
     balancer = LoadBalancer([layer.mlp.gate for layer in text.layers if hasattr(layer.mlp, "experts")],
                             cfg.bias_update_rate)

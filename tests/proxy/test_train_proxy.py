@@ -43,3 +43,8 @@ def test_same_seed_same_weights(corpus_recipe: Path, smoke_proxy: Path, tmp_path
 def test_learning_rate_schedule() -> None:
     cfg = TrainConfig(out=Path("x"), device="cpu", steps=100, warmup_steps=10, lr=1.0, min_lr_fraction=0.1)
     assert cfg.lr_at(0) == 0.1 and cfg.lr_at(9) == 1.0 and abs(cfg.lr_at(99) - 0.1) < 1e-3
+
+
+def test_bfloat16_fallback_trains(corpus_recipe: Path, tmp_path: Path) -> None:
+    record = train_proxy(smoke_config(tmp_path, corpus_recipe, steps=1, dtype="bfloat16"), log=lambda _line: None)
+    assert record["train_config"]["dtype"] == "bfloat16" and record["heldout_ppl"] > 1
