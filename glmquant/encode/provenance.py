@@ -43,10 +43,11 @@ def build_provenance(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[
 def job_inputs(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None,
                calibration: CalibrationInfo, tiers: Mapping[int, Sequence[int]] | None = None
                ) -> dict[str, str | None]:
-    """Content hashes of what an encode reads, for its resume fingerprint."""
-    return {"source": source_manifest_sha256(source), "token_rows": calibration.token_rows_sha256,
-            "recipe": calibration.manifest_sha256, "selection": selection_sha256(keep),
-            "tiers": tier_bitmap_sha256(tiers) if tiers else None}
+    """Content hashes of what an encode reads, for its resume fingerprint (the tiers only when there are some, so
+    the fingerprints of one-K jobs stay as they were)."""
+    inputs = {"source": source_manifest_sha256(source), "token_rows": calibration.token_rows_sha256,
+              "recipe": calibration.manifest_sha256, "selection": selection_sha256(keep)}
+    return {**inputs, "tiers": tier_bitmap_sha256(tiers)} if tiers else inputs
 
 
 def observed_calibration(cfg: EncodeConfig) -> CalibrationInfo:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from glmquant.arch import ModelSpec
+from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
 from glmquant.encode.config import EncodeConfig
 from glmquant.errors import UsageError
 from glmquant.observe.tiers import TierPlan, load_tier_plan
@@ -65,4 +66,8 @@ def resolve_tiers(cfg: EncodeConfig, spec: ModelSpec, keep: Mapping[int, Sequenc
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         path = write_tier_plan(cfg.observations, cfg.tiers, quantized, cfg.state_dir / TIER_PLAN_NAME)
     experts = len(next(iter(keep.values()))) if keep else spec.n_routed_experts
-    return load_tier_plan(path, spec.moe_layers, experts)
+    plan = load_tier_plan(path, spec.moe_layers, experts)
+    widths = {b for bits in plan.expert_bits.values() for b in bits}
+    if cfg.layout == "tr3" and not widths <= set(TR3_TIER_BITS):
+        raise UsageError(f"{path}: K{sorted(widths)} experts; the tr3 layout's tiers are K1 to K4")
+    return plan
