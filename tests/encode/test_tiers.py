@@ -150,3 +150,21 @@ def test_plan_cli_predicts_the_tiered_files(tiny_source: Path, observed: Path, t
     manifest = json.loads((tiered / MANIFEST_NAME).read_text())
     assert {f["path"]: f["bytes"] for f in predicted["files"]} == {e["path"]: e["bytes"] for e in manifest["files"]}
     assert predicted["tier_bitmap_sha256"] == manifest["tier_bitmap_sha256"]
+
+
+def test_gpu_backend_loads_one_stack_per_k(tiered: Path) -> None:
+    pytest.importorskip("triton", reason="the GPU backend's stacks import triton")
+    from glmquant.errors import CheckpointFormatError
+    from glmquant.runtime.artifact import open_artifact
+    from glmquant.runtime.kernels.backend import load_layer, load_tier_groups
+
+    artifact = open_artifact(tiered)
+    layer = artifact.quantized_layers[0]
+    groups = load_tier_groups(artifact, layer, torch.device("cpu"))
+    assert [g.weights.gate_up.bits for g in groups] == [1, 2, 3]
+    local = torch.stack([g.local_id for g in groups])
+    assert ((local >= 0).sum(0) == 1).all()  # every virtual expert in exactly one stack
+    assert [int((g.local_id >= 0).sum()) for g in groups] == [4, 8, 4]  # 1, 2 and 1 experts x 4 rank slices
+    with pytest.raises(CheckpointFormatError, match="several bit widths"):
+        load_layer(artifact, layer, torch.device("cpu"))
+    artifact.checkpoint.close()

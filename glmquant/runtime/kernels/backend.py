@@ -40,7 +40,17 @@ class TierGroup:
     local_id: torch.Tensor  # int64 [virtual experts of the layer]
 
 
-def load_layer(artifact: Artifact, layer: int, device: torch.device) -> list[TierGroup]:
+def load_layer(artifact: Artifact, layer: int, device: torch.device) -> MoEWeights:
+    """Every virtual expert of a one-K MoE layer, stacked on `device` (gate and up as one P = 2 stack); a layer
+    with tiers (several K) is refused: `load_tier_groups` loads those."""
+    groups = load_tier_groups(artifact, layer, device)
+    if len(groups) > 1:
+        raise CheckpointFormatError(f"{artifact.path}: layer {layer} routed experts have several bit widths (tiers); "
+                                    "load them with load_tier_groups and run them with tiered_step")
+    return groups[0].weights
+
+
+def load_tier_groups(artifact: Artifact, layer: int, device: torch.device) -> list[TierGroup]:
     """Every virtual expert of one MoE layer on `device`, one stack per bit width (gate and up as one P = 2
     stack): a layer of one K is one group; tiers (per-expert K) give one group per K."""
     experts = {p: [artifact.read_expert(layer, v, p) for v in range(artifact.virtual_experts)] for p in PROJECTIONS}
@@ -85,7 +95,7 @@ class GraphedExperts:
     def __init__(self, artifact: Artifact, device: torch.device, make_step: Callable[[MoEWeights], Step],
                  cuda_graphs: bool) -> None:
         layers = track(artifact.quantized_layers, description="experts to GPU", transient=True)
-        self.steps = {layer: tiered_step(load_layer(artifact, layer, device), make_step) for layer in layers}
+        self.steps = {layer: tiered_step(load_tier_groups(artifact, layer, device), make_step) for layer in layers}
         self.graphs = StepGraphs() if cuda_graphs and device.type == "cuda" else None
         self.capacity = len(self.steps) * artifact.virtual_experts
         self.uses = 0
