@@ -9,6 +9,7 @@ from pathlib import Path
 from glmquant.arch import ModelSpec, TensorRole, table_for
 from glmquant.checkpoint.layouts import ArtifactPlan, OutputTensor
 from glmquant.checkpoint.index import read_index
+from glmquant.checkpoint.tiers import tier_bitmap_sha256
 
 _DECODE_SKIPPED = (TensorRole.VISION, TensorRole.EMBEDDING)
 
@@ -95,10 +96,11 @@ def plan_to_json(plan: ArtifactPlan, summary: PlanSummary, with_tensors: bool = 
         if with_tensors:
             entry["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in f.tensors]
         files.append(entry)
+    tiers = {"tier_bitmap_sha256": tier_bitmap_sha256(plan.expert_bits)} if plan.expert_bits else {}
     return {
         "layout": summary.layout, "bits": summary.bits, "codebook": summary.codebook,
         "file_count": summary.file_count, "expert_file_count": summary.expert_file_count,
         "indexed_tensor_count": summary.indexed_tensor_count, "physical_tensor_bytes": summary.physical_bytes,
         "roles": [r.__dict__ for r in summary.roles], "mtp": {"tensors": summary.mtp_tensors, "bytes": summary.mtp_bytes},
-        "decode_bytes_per_token": summary.decode_bytes_per_token, "files": files,
+        "decode_bytes_per_token": summary.decode_bytes_per_token, "files": files, **tiers,
     }

@@ -59,7 +59,7 @@ class EncodedLayers:
             return LayerHessiansView(None, None)
         mode = HessianMode(self.config.encode.hessians)
         backup = HeldHessians(hessians, HessianMode.ALL) if mode.natural and hessians.mode.all_tokens else None
-        return LayerHessiansView(HeldHessians(hessians, mode), backup)
+        return LayerHessiansView(HeldHessians(hessians, mode), backup, self.config.encode.blend)
 
 
 def build_artifact(config: BuildConfig, console: Console, progress: bool = False) -> BuildResult:

@@ -92,8 +92,8 @@ class Recipe:
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-class _Fields:
-    """Typed access to one mapping of the YAML, with errors naming the file and the key path."""
+class Fields:
+    """Typed access to one mapping of a YAML file, with errors naming the file and the key path."""
 
     def __init__(self, file: Path, where: str, data: object) -> None:
         if not isinstance(data, dict):
@@ -133,18 +133,22 @@ class _Fields:
             raise UsageError(f"{self.file}: {self.key(extra[0])}: unknown key")
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Parse and validate a recipe file."""
-    file = Path(path)
+def read_yaml(file: Path) -> object:
+    """A recipe file's parsed YAML; unreadable or invalid files are a UsageError naming the file."""
     try:
-        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
+        return yaml.safe_load(file.read_text(encoding="utf-8"))
     except OSError as exc:
         raise UsageError(f"{file}: cannot read recipe ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
         raise UsageError(f"{file}: not valid YAML ({exc})") from None
-    top = _Fields(file, "", raw)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Parse and validate a recipe file."""
+    file = Path(path)
+    top = Fields(file, "", read_yaml(file))
     name, seed = top.get("name", str), top.get("seed", int, 0)
-    sources_raw = _Fields(file, "sources", top.get("sources", dict))
+    sources_raw = Fields(file, "sources", top.get("sources", dict))
     sources = {key: _source(file, key, sources_raw.get(key, dict)) for key in sources_raw.data}
     lanes_raw = top.get("lanes", list)
     if not lanes_raw:
@@ -157,7 +161,7 @@ def load_recipe(path: str | Path) -> Recipe:
 
 
 def _source(file: Path, name: str, data: object) -> SourceSpec:
-    f = _Fields(file, f"sources.{name}", data)
+    f = Fields(file, f"sources.{name}", data)
     kind = f.choice("kind", SOURCE_KINDS, "text")
     path = f.get("path", str, None)
     if kind in ("text", "jsonl", "parquet"):
@@ -178,13 +182,13 @@ def _source(file: Path, name: str, data: object) -> SourceSpec:
 
 
 def _lane(file: Path, where: str, data: object, sources: Mapping[str, SourceSpec]) -> Lane:
-    f = _Fields(file, where, data)
+    f = Fields(file, where, data)
     use = tuple(f.get("use", list, list(USES)))
     if not use or set(use) - set(USES):
         raise UsageError(f"{file}: {f.key('use')}: must list some of {', '.join(USES)}; got {list(use)}")
     mix = []
     for i, item in enumerate(f.get("mix", list)):
-        m = _Fields(file, f"{f.key('mix')}[{i}]", item)
+        m = Fields(file, f"{f.key('mix')}[{i}]", item)
         source, weight = m.get("source", str), float(m.get("weight", (int, float), 1))
         if source not in sources:
             raise UsageError(f"{file}: {m.key('source')}: no source named {source!r} under sources")

@@ -20,17 +20,21 @@ from glmquant.checkpoint.layouts import ArtifactPlan
 from glmquant.checkpoint.provenance import Provenance
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.tensor_bytes import TORCH_DTYPES
+from glmquant.checkpoint.tiers import mean_bits, tier_counts
 from glmquant.checkpoint.writer import atomic_file
 from glmquant.errors import UsageError
 
 TR3_FORMAT = "glm53-brandon-style-k2-k3-tail-k4-retained-v1"
-TR3_TIER_KEYS = {2: "k2_experts_per_layer", 3: "k3_experts_per_layer", 4: "k4_retained_experts_per_layer"}
+RELEASE_TIER_KEYS = {2: "k2_experts_per_layer", 3: "k3_experts_per_layer", 4: "k4_retained_experts_per_layer"}
+K1_TIER_KEY = "k1_experts_per_layer"  # glmquant's, written only when a K1 tier is used (the release has none)
+TR3_TIER_KEYS = {1: K1_TIER_KEY, **RELEASE_TIER_KEYS}
+TR3_TIER_BITS = tuple(TR3_TIER_KEYS)
 TR3_KEYS = frozenset({
     "archive_tensor_parallel_size", "bits", "codebook", "effective_routed_tier_bpw", "format", "quant_method",
     "rank_stacked_tp", "raw_private_content_included", "requires_custom_loader", "runtime_tensor_parallel_size",
     "selection", "session_calibration_manifest_sha256", "session_calibration_tokens_sha256",
     "session_calibration_verification_sha256", "source_manifest_sha256", "tail_experts_per_layer",
-    "target_routed_tier_bpw", *TR3_TIER_KEYS.values(),
+    "target_routed_tier_bpw", *RELEASE_TIER_KEYS.values(),
 })
 EXLLAMAV3_VERSION = "1.6.5"  # the converter whose output format the exllamav3 layout reproduces
 SMALL_FILE_LIMIT = 64 << 20
@@ -58,12 +62,30 @@ def experts_per_layer(plan: ArtifactPlan) -> int:
     return len(next(iter(kept.values()))) if kept else plan.spec.n_routed_experts
 
 
+def plan_tier_counts(plan: ArtifactPlan) -> dict[int, int]:
+    """Experts per bit width in every quantized layer."""
+    return tier_counts(plan.expert_bits) if plan.expert_bits else {plan.bits: experts_per_layer(plan)}
+
+
+def target_bits(plan: ArtifactPlan) -> float:
+    """The routed experts' mean bits per weight as planned (K, or the tiers' mean)."""
+    return round(mean_bits(plan.expert_bits), 4) if plan.expert_bits else float(plan.bits)
+
+
+def selection_text(counts: Mapping[int, int]) -> str:
+    """The block's `selection`: how the experts of a layer are split over bit widths."""
+    if len(counts) == 1:
+        return f"all routed experts use K{next(iter(counts))}"
+    return "per-expert tiers by REAP saliency: " + ", ".join(f"K{b} for {n}" for b, n in sorted(counts.items(),
+                                                                                               reverse=True))
+
+
 def quantization_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
     """The `quantization_config` of config.json for the plan's layout."""
     if plan.layout == "tr3":
         return _tr3_block(plan, provenance)
     block: dict[str, Any] = {
-        "quant_method": "exl3", "version": EXLLAMAV3_VERSION, "bits": round(float(plan.bits), 2),
+        "quant_method": "exl3", "version": EXLLAMAV3_VERSION, "bits": round(target_bits(plan), 2),
         "head_bits": UNQUANTIZED_BITS,
     }
     cal = provenance.calibration
@@ -77,18 +99,19 @@ def quantization_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, 
 
 
 def _tr3_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
-    if plan.bits not in TR3_TIER_KEYS:
-        raise UsageError(f"the tr3 layout has K2, K3 and K4 tiers only; got bits={plan.bits}")
+    counts = plan_tier_counts(plan)
+    if not set(counts) <= set(TR3_TIER_KEYS):
+        raise UsageError(f"the tr3 layout has K1 to K4 tiers only; got K{sorted(counts)}")
     n = experts_per_layer(plan)
     cal = provenance.calibration
-    block: dict[str, Any] = {key: 0 for key in TR3_TIER_KEYS.values()}
+    block: dict[str, Any] = {key: 0 for key in RELEASE_TIER_KEYS.values()}
+    block.update({TR3_TIER_KEYS[b]: c for b, c in counts.items()})
     block.update({
-        TR3_TIER_KEYS[plan.bits]: n,
         "archive_tensor_parallel_size": 4, "rank_stacked_tp": 4, "runtime_tensor_parallel_size": 1,
         "bits": plan.bits, "codebook": plan.codebook, "quant_method": "exl3", "format": TR3_FORMAT,
-        "effective_routed_tier_bpw": plan_routed_bpw(plan), "target_routed_tier_bpw": float(plan.bits),
+        "effective_routed_tier_bpw": plan_routed_bpw(plan), "target_routed_tier_bpw": target_bits(plan),
         "raw_private_content_included": provenance.raw_private_content_included,
-        "requires_custom_loader": True, "selection": f"all routed experts use K{plan.bits}",
+        "requires_custom_loader": True, "selection": selection_text(counts),
         "tail_experts_per_layer": n,
         "session_calibration_manifest_sha256": cal.manifest_sha256,
         "session_calibration_tokens_sha256": cal.token_rows_sha256,

@@ -101,10 +101,22 @@ class ArtifactPlan:
     codebook: str
     files: tuple[PlannedFile, ...]
     kept_experts: Mapping[int, tuple[int, ...]] | None = field(default=None)
+    # per quantized layer, the bits of each output expert (tiers); None: every expert has `bits`
+    expert_bits: Mapping[int, tuple[int, ...]] | None = field(default=None)
 
     @property
     def quantized_layers(self) -> list[int]:
         return self.spec.moe_layers
+
+    def bits_of(self, layer: int, expert: int) -> int:
+        """K of one output expert."""
+        return self.bits if self.expert_bits is None else self.expert_bits[layer][expert]
+
+    @property
+    def tier_bits(self) -> tuple[int, ...]:
+        """The bit widths the routed experts use, ascending."""
+        return (self.bits,) if self.expert_bits is None else tuple(sorted({b for v in self.expert_bits.values()
+                                                                            for b in v}))
 
     def expert_files(self, layer: int) -> list[PlannedFile]:
         """Files holding EXL3 parts of `layer` (an exllamav3-layout file may hold several layers)."""
@@ -151,25 +163,42 @@ def plan_artifact(
     source_shards: Mapping[str, str] | None = None,
     keep: Mapping[int, Sequence[int]] | None = None,
     shard_bytes: int | None = None,
+    expert_bits: Mapping[int, Sequence[int]] | None = None,
 ) -> ArtifactPlan:
     """Every output file with its tensors. `source_shards` maps source tensor names to their shard file
     (default: `predicted_source_shards` with `shard_bytes`, tr3 only); `keep` maps a MoE layer (MTP included)
-    to the source experts it keeps, in output order; `shard_bytes` caps an exllamav3 shard."""
+    to the source experts it keeps, in output order; `shard_bytes` caps an exllamav3 shard; `expert_bits` maps
+    each quantized layer to the bits of its output experts (tiers; default `bits` for all)."""
     if layout not in LAYOUTS:
         raise UsageError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if codebook not in MARKER_PARTS or not 1 <= bits <= 8:
         raise UsageError(f"bits must be 1..8 and codebook one of {sorted(MARKER_PARTS)}")
     kept = _kept_experts(spec, keep)
+    tiers = _expert_bits(spec, kept, expert_bits)
     retained = _retained_tensors(spec, kept)
     ranks = TR3_RANKS if layout == "tr3" else None
-    experts = {layer: _expert_parts(spec, layer, kept, bits, codebook, ranks) for layer in spec.moe_layers}
+    experts = {layer: _expert_parts(spec, layer, kept, tiers[layer] if tiers else (bits,) * len(kept[layer]),
+                                    codebook, ranks) for layer in spec.moe_layers}
     if layout == "tr3":
         shards = source_shards or predicted_source_shards(spec, shard_bytes or SOURCE_SHARD_BYTES)
         files = _tr3_expert_files(experts) + _retained_files(retained, shards)
     else:
         files = _module_files(spec, retained, experts, shard_bytes or DEFAULT_EXL3_SHARD_BYTES)
     return ArtifactPlan(spec, layout, bits, codebook, tuple(sorted(files, key=lambda f: f.path)),
-                        {k: tuple(v) for k, v in kept.items()} if keep else None)
+                        {k: tuple(v) for k, v in kept.items()} if keep else None, tiers)
+
+
+def _expert_bits(spec: ModelSpec, kept: Mapping[int, tuple[int, ...]], expert_bits: Mapping[int, Sequence[int]] | None
+                 ) -> dict[int, tuple[int, ...]] | None:
+    """Tiers checked against the plan: every quantized layer, one width of 1..8 per kept expert; None if uniform."""
+    if expert_bits is None:
+        return None
+    if sorted(expert_bits) != spec.moe_layers:
+        raise UsageError(f"tiers name layers {sorted(expert_bits)}, the quantized layers are {spec.moe_layers}")
+    for layer, bits in expert_bits.items():
+        if len(bits) != len(kept[layer]) or not all(1 <= b <= 8 for b in bits):
+            raise UsageError(f"tiers of layer {layer} must give 1..8 bits to each of its {len(kept[layer])} experts")
+    return {layer: tuple(expert_bits[layer]) for layer in spec.moe_layers}
 
 
 def _kept_experts(spec: ModelSpec, keep: Mapping[int, Sequence[int]] | None) -> dict[int, tuple[int, ...]]:
@@ -206,11 +235,12 @@ def _retained_tensors(spec: ModelSpec, kept: Mapping[int, tuple[int, ...]]) -> l
     return out
 
 
-def _expert_parts(spec: ModelSpec, layer: int, kept: Mapping[int, tuple[int, ...]], bits: int, codebook: str,
-                  ranks: int | None) -> dict[int, list[OutputTensor]]:
+def _expert_parts(spec: ModelSpec, layer: int, kept: Mapping[int, tuple[int, ...]], bits: Sequence[int],
+                  codebook: str, ranks: int | None) -> dict[int, list[OutputTensor]]:
     prefix = table_for(spec).layer_prefix(layer)
     return {
-        new_id: [part for s in expert_slices(spec, layer, new_id, src, ranks) for part in exl3_parts(s, prefix, bits, codebook)]
+        new_id: [part for s in expert_slices(spec, layer, new_id, src, ranks)
+                 for part in exl3_parts(s, prefix, bits[new_id], codebook)]
         for new_id, src in enumerate(kept[layer])
     }
 

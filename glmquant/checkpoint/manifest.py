@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from glmquant.arch import ModelSpec
-from glmquant.checkpoint.artifact_config import experts_per_layer, routed_tier_bpw
+from glmquant.checkpoint.artifact_config import experts_per_layer, plan_tier_counts, routed_tier_bpw, target_bits
 from glmquant.checkpoint.exl3_groups import Exl3Group, exl3_groups, is_exl3_tensor
 from glmquant.checkpoint.hashing import sha256_bytes, sha256_files
 from glmquant.checkpoint.layouts import TR3_RANKS, ArtifactPlan, PlannedFile
@@ -79,7 +79,7 @@ def build_manifest(
         "schema_version": SCHEMA_VERSION,
         "state": STRUCTURAL_PASS,
         "structurally_verified_at": verified_at,
-        "files": [_file_entry(f, headers[f.path], sha[f.path], plan.bits)
+        "files": [_file_entry(f, headers[f.path], sha[f.path], plan)
                   for f in sorted(plan.files, key=lambda f: f.path)],
         "metadata_files": [{"path": p, "bytes": (root / p).stat().st_size, "sha256": sha[p]}
                            for p in sorted(metadata_files)],
@@ -88,7 +88,7 @@ def build_manifest(
         "retained_tensor_count": len(retained),
         "retained_tensor_bytes": sum(s.nbytes for _, s in retained),
         "retained_manifest_sha256": retained_manifest_sha256(retained),
-        "target_bpw": float(plan.bits),
+        "target_bpw": target_bits(plan),
         "effective_routed_tier_bpw": routed_bpw_of(groups, plan.spec.hidden_size, plan.spec.moe_intermediate_size),
         "layout": _layout(plan, n),
         "geometry": geometry(plan.spec, n),
@@ -118,13 +118,20 @@ def geometry(spec: ModelSpec, n_routed_experts: int) -> dict[str, int]:
 def _layout(plan: ArtifactPlan, n: int) -> dict[str, Any]:
     layout: dict[str, Any] = {"type": plan.layout, "bits": plan.bits, "codebook": plan.codebook,
                               "experts_per_layer": n, "quantized_layers": plan.quantized_layers}
+    if plan.expert_bits is not None:
+        layout["tier_experts_per_layer"] = {f"k{b}": c for b, c in sorted(plan_tier_counts(plan).items())}
     if plan.layout == "tr3":
         layout.update({"archive_tensor_parallel_size": TR3_RANKS, "rank_stacked_tp": TR3_RANKS,
                        "tail_experts_per_layer": n, "expert_parts_per_layer": 2})
     return layout
 
 
-def _file_entry(f: PlannedFile, header: ParsedHeader, sha256: str, bits: int) -> dict[str, Any]:
+def file_tier(bits: Iterable[int]) -> str:
+    """An expert file's `tier`: its experts' bit widths, e.g. "k2" or "k1-k2-k3"."""
+    return "-".join(f"k{b}" for b in sorted(set(bits)))
+
+
+def _file_entry(f: PlannedFile, header: ParsedHeader, sha256: str, plan: ArtifactPlan) -> dict[str, Any]:
     specs = header.specs
     entry: dict[str, Any] = {"path": f.path, "kind": f.kind, "bytes": header.file_size, "sha256": sha256,
                              "tensor_count": len(specs), "tensor_bytes": sum(s.nbytes for s in specs)}
@@ -132,7 +139,7 @@ def _file_entry(f: PlannedFile, header: ParsedHeader, sha256: str, bits: int) ->
     experts = {(t.expert.layer, t.expert.expert) for t in f.tensors if t.expert}
     if f.kind == "expert":
         entry.update({"layer": f.layer, "gpu": f.gpu, "logical_expert_count": len(experts),
-                      "shadow_expert_count": 0, "tier": f"k{bits}"})
+                      "shadow_expert_count": 0, "tier": file_tier(plan.bits_of(l, e) for l, e in experts)})
     elif f.kind == "retained":
         entry["source_shard"] = f.source_shard
     else:

@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from glmquant.arch import ModelSpec, load_model_spec, table_for
-from glmquant.checkpoint.artifact_config import TR3_KEYS, TR3_TIER_KEYS, tensor_storage
+from glmquant.checkpoint.artifact_config import K1_TIER_KEY, TR3_KEYS, TR3_TIER_KEYS, tensor_storage
 from glmquant.checkpoint.exl3_groups import Exl3Group, exl3_groups, is_exl3_tensor
 from glmquant.checkpoint.index import INDEX_NAME, read_index
 from glmquant.checkpoint.layouts import TR3_RANKS, exl3_parts, expert_slices
 from glmquant.checkpoint.manifest import geometry, retained_manifest_sha256, routed_bpw_of, written_by_glmquant
 from glmquant.checkpoint.manifest_schema import entry_kind
 from glmquant.checkpoint.safetensors_format import TensorSpec
+from glmquant.checkpoint.tiers import tier_bitmap_sha256, tier_counts
 from glmquant.checkpoint.verify_report import ArtifactState, CheckResult, check
-from glmquant.errors import GlmquantError
+from glmquant.errors import GlmquantError, UsageError
 
 _ROUTED_WEIGHT = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 _EXPERT_KEY = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
@@ -122,8 +123,10 @@ def _exl3_problems(s: Structure) -> list[str]:
     return problems
 
 
-def expected_exl3(spec: ModelSpec, layout_type: str, bits: int, codebook: str) -> dict[str, TensorSpec]:
-    """Every EXL3 part the config implies: quantized layers x routed experts x projections (x rank slices)."""
+def expected_exl3(spec: ModelSpec, layout_type: str, bits: int, codebook: str,
+                  expert_bits: Mapping[int, Sequence[int]] | None = None) -> dict[str, TensorSpec]:
+    """Every EXL3 part the config implies: quantized layers x routed experts x projections (x rank slices), each
+    expert at its tier's K when `expert_bits` gives them."""
     ranks = TR3_RANKS if layout_type == "tr3" else None
     table = table_for(spec)
     return {
@@ -131,8 +134,26 @@ def expected_exl3(spec: ModelSpec, layout_type: str, bits: int, codebook: str) -
         for layer in spec.moe_layers
         for e in range(spec.n_routed_experts)
         for sl in expert_slices(spec, layer, e, e, ranks)
-        for t in exl3_parts(sl, table.layer_prefix(layer), bits, codebook)
+        for t in exl3_parts(sl, table.layer_prefix(layer),
+                            expert_bits[layer][e] if expert_bits else bits, codebook)
     }
+
+
+def files_expert_bits(s: Structure, spec: ModelSpec) -> tuple[dict[int, tuple[int, ...]], list[str]]:
+    """K of every routed expert of the quantized layers, read from its trellis shapes (an expert with no EXL3
+    tensor counts at the block's bits, and is reported missing elsewhere); problems for experts whose tensors
+    disagree on K."""
+    found: dict[tuple[int, int], set[int]] = {}
+    for key, group in s.groups.items():
+        m = _EXPERT_KEY.search(key + ".")
+        if m and group.bits is not None:
+            found.setdefault((int(m[1]), int(m[2])), set()).add(group.bits)
+    base = int(s.quantization("bits", 0) or 0)
+    problems = [f"layer {layer} expert {e}: its EXL3 tensors mix K {sorted(k)}"
+                for (layer, e), k in found.items() if len(k) > 1]
+    bits = {layer: tuple(min(found.get((layer, e), {base})) for e in range(spec.n_routed_experts))
+            for layer in spec.moe_layers}
+    return bits, problems
 
 
 def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
@@ -144,9 +165,11 @@ def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
                 for k, v in geometry(spec, spec.n_routed_experts).items() if stated.get(k) != v] if stated else []
     if "quantized_layers" in s.layout and spec.moe_layers != list(s.layout["quantized_layers"]):
         problems.append(f"config's MoE layers {_span(spec.moe_layers)} != manifest's quantized layers")
+    expert_bits, mixed = files_expert_bits(s, spec)
+    problems += mixed + _tier_bitmap_problems(state, expert_bits)
     try:
         expected = expected_exl3(spec, str(s.layout.get("type")), int(s.quantization("bits", 0)),
-                                 str(s.quantization("codebook")))
+                                 str(s.quantization("codebook")), expert_bits)
     except (GlmquantError, KeyError, ValueError, TypeError) as exc:
         return problems + [f"cannot derive the expected EXL3 tensors: {exc}"]
     actual = {p.name: p for g in s.groups.values() for p in g.parts.values()}
@@ -155,7 +178,20 @@ def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
     problems += [f"{n}: {actual[n].dtype} {list(actual[n].shape)}, config implies {e.dtype} {list(e.shape)}"
                  for n, e in expected.items() if n in actual and actual[n] != e]
     problems += _router_problems(s, spec)
-    return problems + _block_problems(state, s, spec)
+    return problems + _block_problems(state, s, spec, expert_bits)
+
+
+def _tier_bitmap_problems(state: ArtifactState, expert_bits: Mapping[int, Sequence[int]]) -> list[str]:
+    """A glmquant manifest's `tier_bitmap_sha256` against the experts' K in the files (null: one K for all)."""
+    if not written_by_glmquant(state.manifest) or not expert_bits:
+        return []
+    recorded = state.manifest.get("tier_bitmap_sha256")
+    mixed = len({b for bits in expert_bits.values() for b in bits}) > 1
+    if recorded is None:
+        return ["the routed experts have several bit widths but the manifest has no tier_bitmap_sha256"] if mixed \
+            else []
+    actual = tier_bitmap_sha256(expert_bits)
+    return [] if recorded == actual else [f"manifest tier_bitmap_sha256 {recorded} != {actual} from the files"]
 
 
 def _router_problems(s: Structure, spec: ModelSpec) -> list[str]:
@@ -165,7 +201,8 @@ def _router_problems(s: Structure, spec: ModelSpec) -> list[str]:
             for specs in s.files.values() for t in specs if t.name in routers and t.shape[0] != spec.n_routed_experts]
 
 
-def _block_problems(state: ArtifactState, s: Structure, spec: ModelSpec) -> list[str]:
+def _block_problems(state: ArtifactState, s: Structure, spec: ModelSpec,
+                    expert_bits: Mapping[int, Sequence[int]]) -> list[str]:
     """The quantization block against the layout and the files; quantization_config.json against the block."""
     qc = s.config.get("quantization_config") if s.config else None
     if not isinstance(qc, dict):
@@ -182,18 +219,25 @@ def _block_problems(state: ArtifactState, s: Structure, spec: ModelSpec) -> list
     except (OSError, ValueError) as exc:
         return problems + [f"quantization_config.json: {exc}"]
     if s.layout.get("type") == "tr3":
-        return problems + _tr3_block_problems(qc, qjson, s.quantization("bits"), spec, bpw)
+        return problems + _tr3_block_problems(qc, qjson, s.quantization("bits"), expert_bits, bpw)
     return problems + _exllamav3_block_problems(qc, qjson, s)
 
 
-def _tr3_block_problems(qc: Mapping[str, Any], qjson: Any, bits: Any, spec: ModelSpec, bpw: float) -> list[str]:
+def _tr3_block_problems(qc: Mapping[str, Any], qjson: Any, bits: Any, expert_bits: Mapping[int, Sequence[int]],
+                        bpw: float) -> list[str]:
     problems = []
-    if set(qc) != TR3_KEYS:
-        problems.append(f"quantization_config keys differ from the tr3 block: missing {sorted(TR3_KEYS - set(qc))}, "
-                        f"extra {sorted(set(qc) - TR3_KEYS)}")
-    tier = TR3_TIER_KEYS.get(bits, "bits")
+    try:
+        counts = tier_counts(expert_bits)
+    except UsageError as exc:
+        return [f"routed experts: {exc} (the tr3 block states one count per tier)"]
+    keys = TR3_KEYS | ({K1_TIER_KEY} if 1 in counts else set())
+    if set(qc) != keys:
+        problems.append(f"quantization_config keys differ from the tr3 block: missing {sorted(keys - set(qc))}, "
+                        f"extra {sorted(set(qc) - keys)}")
+    problems += [f"K{b} routed experts: the tr3 layout's tiers are K1 to K4" for b in counts if b not in TR3_TIER_KEYS]
     expect = {"bits": bits, "archive_tensor_parallel_size": TR3_RANKS, "rank_stacked_tp": TR3_RANKS,
-              "effective_routed_tier_bpw": bpw, tier: spec.n_routed_experts}
+              "effective_routed_tier_bpw": bpw,
+              **{key: counts.get(b, 0) for b, key in TR3_TIER_KEYS.items() if key in keys}}
     problems += [f"quantization_config.{k} is {qc.get(k)!r}, files imply {v!r}"
                  for k, v in expect.items() if qc.get(k) != v]
     if qjson != qc:

@@ -12,6 +12,7 @@ from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.hub import CONFIG_FILES, resolve_source
 from glmquant.cli.common import HubRevision, JsonFlag, guarded, out, print_json
+from glmquant.observe.tiers import load_tier_plan
 from glmquant.plan import load_source_shards, plan_to_json, summarize
 
 
@@ -26,6 +27,8 @@ def plan(
         help="source model.safetensors.index.json (default with a Hub repo id: the repo's)")] = None,
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
+    tier_plan: Annotated[Optional[Path], typer.Option(
+        help="per-expert K from an observation's tier_plan.json (observe --tiers; replaces --bits)")] = None,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     as_json: JsonFlag = False,
     tensors: Annotated[bool, typer.Option(help="with --json: list every tensor of every file")] = True,
@@ -38,12 +41,15 @@ def plan(
         source_index = repo_index
     spec = load_model_spec(resolved.path)
     shards = load_source_shards(source_index) if source_index else None
-    result = plan_artifact(spec, layout, bits, codebook, shards)
+    tiers = load_tier_plan(tier_plan, spec.moe_layers, spec.n_routed_experts) if tier_plan else None
+    result = plan_artifact(spec, layout, tiers.rest_bits if tiers else bits, codebook, shards,
+                           expert_bits=tiers.expert_bits if tiers else None)
     summary = summarize(result)
     if as_json:
         print_json(plan_to_json(result, summary, tensors))
         return
-    table = Table(title=f"{spec.architecture} → {layout} K{bits} {codebook}")
+    widths = "/".join(f"K{b}" for b in result.tier_bits)
+    table = Table(title=f"{spec.architecture} → {layout} {widths} {codebook}")
     table.add_column("role")
     table.add_column("tensors", justify="right")
     table.add_column("bytes", justify="right")

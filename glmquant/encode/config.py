@@ -5,7 +5,8 @@ Resuming a killed job (rerun the same command; the state lives in --work-dir, de
     may change:  --work-dir location (moved with its contents), progress display, the number of processes
                  (torchrun's world size: units are assigned by rank, each computed the same way anywhere)
     must match:  the source's tensors (content hash of its structure), the observations' token rows and
-                 recipe, the kept experts, --bits --codebook --layout --hessians --keep --seed
+                 recipe, the kept experts and their tiers, --bits --codebook --layout --hessians --blend --keep
+                 --tiers --seed
                  --experts-per-unit (the batch a GPU computes together), --source-repo and --revision
                  (the commit a Hub source resolved to), the device type and the Viterbi backend (CPU and GPU
                  arithmetic differ)
@@ -23,11 +24,13 @@ from pathlib import Path
 
 import torch
 
+from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
 from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
 from glmquant.devices import device_type
 from glmquant.observe.hessians import HessianMode
+from glmquant.observe.tiers import TierSpec
 
 HESSIAN_MODES = (HessianMode.NATURAL, HessianMode.ALL)
 
@@ -42,8 +45,11 @@ class EncodeConfig:
     codebook: str = "mcg"
     layout: str = "tr3"
     hessians: HessianMode = HessianMode.NATURAL
+    blend: float | None = None  # natural share s of the Hessians s·natural + (1 - s)·all-token (needs both)
     keep: int | None = None  # REAP pruning: experts kept per layer, ranked by the observations' saliency
     prune_plan: Path | None = None  # or an explicit plan file
+    tiers: TierSpec | None = None  # per-expert bit widths by REAP saliency (replaces `bits`)
+    tier_plan: Path | None = None  # or an explicit tier_plan.json
     device: str = "cpu"
     work_dir: Path | None = None
     seed: int = 0
@@ -71,6 +77,18 @@ class EncodeConfig:
             raise UsageError(f"--codebook must be one of {', '.join(MARKER_PARTS)}, got {self.codebook!r}")
         if not 1 <= self.bits <= 8:
             raise UsageError(f"--bits must be 1..8, got {self.bits}")
+        if self.blend is not None and not (0 < self.blend < 1 and self.hessians is HessianMode.NATURAL):
+            raise UsageError(f"--blend is the natural Hessians' share in (0, 1), with --hessians natural; got "
+                             f"{self.blend} with {self.hessians.value}")
+        if isinstance(self.tiers, str):
+            object.__setattr__(self, "tiers", TierSpec.parse(self.tiers))
+        if self.tiers is not None and self.tier_plan is not None:
+            raise UsageError("--tiers and --tier-plan exclude each other")
+        if (self.tiers is not None or self.tier_plan is not None) and self.uncalibrated:
+            raise UsageError("--tiers ranks experts by the observations' REAP saliency: it needs --observations")
+        if self.tiers is not None and self.layout == "tr3" and max(self.tiers.bits) > max(TR3_TIER_BITS):
+            raise UsageError(f"the tr3 layout's tiers are K{min(TR3_TIER_BITS)}..K{max(TR3_TIER_BITS)}; "
+                             f"--tiers {self.tiers.text} asks for more")
         for name, value in (("--keep", self.keep), ("--experts-per-unit", self.experts_per_unit)):
             if value is not None and value < 1:
                 raise UsageError(f"{name} must be a positive integer, got {value}")
@@ -88,7 +106,7 @@ class EncodeConfig:
         device type and Viterbi backend (CPU and GPU arithmetic differ), and the hashes of the inputs' contents
         (`inputs`: source structure, observations, prune plan), not their paths."""
         shaping = {k: v.value if isinstance(v, Enum) else str(v) for k, v in asdict(self).items()
-                   if k not in ("out", "work_dir", "verify", "source", "observations", "prune_plan",
+                   if k not in ("out", "work_dir", "verify", "source", "observations", "prune_plan", "tier_plan",
                                 "uncalibrated", "verified_at")}
         shaping["device"] = torch.device(self.device).type
         shaping["backend"] = exl3_backend() or "auto"

@@ -4,6 +4,8 @@ natural mode: an expert's gate/up Hessian from the tokens routed to it, its down
 activations. An expert that received no calibration token falls back to the all-token Hessians when the
 observations hold them ("no_tokens:all"), else to uncalibrated encoding ("no_tokens:identity").
 all mode: the layer's shared gate/up Hessian and each expert's all-token down Hessian.
+blend (natural mode with a natural share s): s·natural + (1 - s)·all-token, each a mean E[x xᵀ], per expert;
+an expert without routed tokens takes the all-token Hessians ("no_tokens:all").
 No observations at all: every tensor is encoded uncalibrated ("uncalibrated").
 """
 
@@ -29,9 +31,10 @@ class ExpertHessians:
 class HessianSource:
     """Per-layer access to the observations, opened lazily (one expert's matrices in memory at a time)."""
 
-    def __init__(self, observations: Path | None, mode: str) -> None:
+    def __init__(self, observations: Path | None, mode: str, blend: float | None = None) -> None:
         self.observations = observations
         self.mode = mode
+        self.blend = blend
 
     def layer(self, layer: int) -> LayerHessiansView:
         if self.observations is None:
@@ -42,17 +45,23 @@ class HessianSource:
             try:
                 backup = load_layer_hessians(self.observations, layer, "all")
             except UsageError:
-                backup = None
-        return LayerHessiansView(primary, backup)
+                if self.blend is not None:
+                    raise UsageError(f"--blend mixes natural and all-token Hessians: {self.observations} has no "
+                                     f"all-token Hessians for layer {layer} (observe with --hessians both)") from None
+        return LayerHessiansView(primary, backup, self.blend)
 
 
 class LayerHessiansView:
     """One layer's Hessians for the encoder. The all-token gate/up Hessian is one matrix shared by every expert:
     it is read once per layer and handed out as the same tensor object, so the codec factorizes it once."""
 
-    def __init__(self, primary: LayerHessians | None, backup: LayerHessians | None) -> None:
+    def __init__(self, primary: LayerHessians | None, backup: LayerHessians | None, blend: float | None = None
+                 ) -> None:
+        if blend is not None and backup is None:
+            raise UsageError("a Hessian blend needs the all-token Hessians beside the natural ones")
         self.primary = primary
-        self.backup = backup  # all-token Hessians, the fallback of natural mode
+        self.backup = backup  # all-token Hessians, the fallback of natural mode (and the other half of a blend)
+        self.blend = blend  # natural share of a blend; None: the primary mode alone
         self._shared: dict[str, tuple[torch.Tensor | None, int]] = {}
 
     def expert(self, source_expert: int) -> ExpertHessians:
@@ -60,13 +69,18 @@ class LayerHessiansView:
             return ExpertHessians(None, None, "uncalibrated")
         gate_up, tokens = self._gate_up("primary", self.primary, source_expert)
         down = self.primary.down(source_expert)
-        if tokens and down.count:
+        if tokens and down.count and self.blend is None:
             return ExpertHessians(gate_up, down.mean(), None)
-        if self.backup is not None:
-            gate_up, tokens = self._gate_up("backup", self.backup, source_expert)
-            down = self.backup.down(source_expert)
-            if tokens and down.count:
-                return ExpertHessians(gate_up, down.mean(), "no_tokens:all")
+        if self.backup is None:
+            return ExpertHessians(None, None, "no_tokens:identity")
+        all_gate_up, all_tokens = self._gate_up("backup", self.backup, source_expert)
+        all_down = self.backup.down(source_expert)
+        if tokens and down.count:  # a blend
+            s = self.blend
+            return ExpertHessians(s * gate_up + (1 - s) * all_gate_up, s * down.mean() + (1 - s) * all_down.mean(),
+                                  None)
+        if all_tokens and all_down.count:
+            return ExpertHessians(all_gate_up, all_down.mean(), "no_tokens:all")
         return ExpertHessians(None, None, "no_tokens:identity")
 
     def _gate_up(self, which: str, hessians: LayerHessians, expert: int) -> tuple[torch.Tensor | None, int]:

@@ -17,6 +17,7 @@ from glmquant.encode.hessians import ExpertHessians, LayerHessiansView
 from glmquant.encode.slices import slice_hessian, slice_weight
 from glmquant.errors import NumericalError
 from glmquant.exl3 import Codebook, encode_linears
+from glmquant.exl3.encode import EncodedLinear
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch
 
 
@@ -40,6 +41,7 @@ class UnitInputs:
     names: list[str]  # output tensor prefix per EXL3 tensor
     items: list[tuple[torch.Tensor, torch.Tensor | None]]  # (HF weight, Hessian) per EXL3 tensor
     fallbacks: list[str | None]
+    bits: list[int] | None = None  # K per EXL3 tensor (its expert's tier); None: all at encode_unit's `bits`
 
 
 def layer_slices(plan: ArtifactPlan, layer: int) -> list[ExpertSlice]:
@@ -71,12 +73,12 @@ def read_unit(plan: ArtifactPlan, layer: int, unit: list[ExpertSlice], source: S
         items.append((slice_weight(weight, s), slice_hessian(h.gate_up if s.proj != "down_proj" else h.down, s)))
         names.append(prefix + s.key)
         fallbacks.append(h.fallback)
-    return UnitInputs(names, items, fallbacks)
+    return UnitInputs(names, items, fallbacks, [plan.bits_of(layer, s.expert) for s in unit])
 
 
 def encode_unit(inputs: UnitInputs, bits: int, codebook: str, seed: int, device: str,
                 search: ScaleSearch = DEFAULT_SEARCH) -> EncodedLayer:
-    """Encode every tensor of a unit in one batched call on `device`."""
+    """Encode every tensor of a unit on `device`: one batched call per bit width (tiers), results in unit order."""
     dev = torch.device(device)
     moved: dict[int, torch.Tensor] = {}  # one device copy per distinct Hessian (shared ones stay shared)
 
@@ -88,7 +90,13 @@ def encode_unit(inputs: UnitInputs, bits: int, codebook: str, seed: int, device:
         return moved[id(t)]
 
     items = [(to_device(w), to_device(h)) for w, h in inputs.items]
-    encoded = encode_linears(items, bits, Codebook(codebook), seed, device=device, scale_search=search)
+    widths = inputs.bits or [bits] * len(items)
+    encoded: list[EncodedLinear | None] = [None] * len(items)
+    for k in sorted(set(widths)):
+        batch = [i for i, w in enumerate(widths) if w == k]
+        for i, enc in zip(batch, encode_linears([items[i] for i in batch], k, Codebook(codebook), seed, device=device,
+                                                scale_search=search)):
+            encoded[i] = enc
     tensors: dict[str, torch.Tensor] = {}
     reports: list[TensorReport] = []
     for name, enc, fallback in zip(inputs.names, encoded, inputs.fallbacks):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from glmquant.checkpoint.provenance import CalibrationInfo, Provenance
 from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.checkpoint.tiers import tier_bitmap_sha256
 from glmquant.encode.config import EncodeConfig
 from glmquant.observe.summary import ObservationSummary
 
@@ -27,7 +28,7 @@ def selection_sha256(keep: Mapping[int, Sequence[int]] | None) -> str | None:
 
 
 def build_provenance(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None,
-                     calibration: CalibrationInfo) -> Provenance:
+                     calibration: CalibrationInfo, tiers: Mapping[int, Sequence[int]] | None = None) -> Provenance:
     return Provenance(
         source_repo=cfg.source_repo or source.directory.name,
         source_revision=cfg.source_revision,
@@ -35,14 +36,18 @@ def build_provenance(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[
         source_manifest_sha256=source_manifest_sha256(source),
         calibration=calibration,
         selection_sha256=selection_sha256(keep),
+        tier_bitmap_sha256=tier_bitmap_sha256(tiers) if tiers else None,
     )
 
 
 def job_inputs(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None,
-               calibration: CalibrationInfo) -> dict[str, str | None]:
-    """Content hashes of what an encode reads, for its resume fingerprint."""
-    return {"source": source_manifest_sha256(source), "token_rows": calibration.token_rows_sha256,
-            "recipe": calibration.manifest_sha256, "selection": selection_sha256(keep)}
+               calibration: CalibrationInfo, tiers: Mapping[int, Sequence[int]] | None = None
+               ) -> dict[str, str | None]:
+    """Content hashes of what an encode reads, for its resume fingerprint (the tiers only when there are some, so
+    the fingerprints of one-K jobs stay as they were)."""
+    inputs = {"source": source_manifest_sha256(source), "token_rows": calibration.token_rows_sha256,
+              "recipe": calibration.manifest_sha256, "selection": selection_sha256(keep)}
+    return {**inputs, "tiers": tier_bitmap_sha256(tiers)} if tiers else inputs
 
 
 def observed_calibration(cfg: EncodeConfig) -> CalibrationInfo:
@@ -51,7 +56,12 @@ def observed_calibration(cfg: EncodeConfig) -> CalibrationInfo:
         return CalibrationInfo(routing="none")
     summary = ObservationSummary.load(Path(cfg.observations))
     return calibration_info(summary.recipe, summary.recipe_sha256, summary.token_rows_sha256,
-                            [(lane.rows, lane.tokens) for lane in summary.lanes], cfg.hessians)
+                            [(lane.rows, lane.tokens) for lane in summary.lanes], hessian_routing(cfg))
+
+
+def hessian_routing(cfg: EncodeConfig) -> str:
+    """The Hessians' coverage as the provenance states it: natural, all, or blend:<natural share>."""
+    return cfg.hessians.value if cfg.blend is None else f"blend:{cfg.blend:g}"
 
 
 def calibration_info(recipe: str, recipe_sha256: str, token_rows_sha256: str, lanes: Sequence[tuple[int, int]],
@@ -61,5 +71,5 @@ def calibration_info(recipe: str, recipe_sha256: str, token_rows_sha256: str, la
     return CalibrationInfo(
         manifest=Path(recipe).name, manifest_sha256=recipe_sha256, token_rows_sha256=token_rows_sha256,
         rows=sum(rows for rows, _ in lanes), cols=max(tokens for _, tokens in lanes),
-        routing="natural" if hessians == "natural" else "all-token",
+        routing="natural" if hessians == "natural" else "all-token" if hessians == "all" else hessians,
     )

@@ -1,4 +1,5 @@
-"""Which experts an encode keeps: all, an explicit prune plan, or the top-N by the observations' REAP saliency.
+"""Which experts an encode keeps (all, an explicit prune plan, or the top-N by the observations' REAP saliency)
+and at which bit widths (one K, an explicit tier plan, or tiers by REAP saliency: `glmquant/observe/tiers.py`).
 
 A prune plan (`prune_plan.json`, written by `glmquant observe --keep N`) maps MoE layers to the source
 experts kept, in output order: {"keep": N, "layers": {"3": [17, 4, ...], ...}}. The MTP layer has no
@@ -9,13 +10,17 @@ last MoE layer, so every layer has the same expert count as `n_routed_experts` i
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from glmquant.arch import ModelSpec
+from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
 from glmquant.encode.config import EncodeConfig
 from glmquant.errors import UsageError
+from glmquant.observe.tiers import TierPlan, load_tier_plan
 
 PRUNE_PLAN_NAME = "prune_plan.json"
+TIER_PLAN_NAME = "tier_plan.json"
 
 
 def resolve_keep(cfg: EncodeConfig, spec: ModelSpec) -> dict[int, list[int]] | None:
@@ -47,3 +52,22 @@ def load_prune_plan(path: Path, spec: ModelSpec, expect_keep: int | None = None)
     for mtp in spec.mtp_layers:
         layers.setdefault(mtp, layers[last])
     return layers
+
+
+def resolve_tiers(cfg: EncodeConfig, spec: ModelSpec, keep: Mapping[int, Sequence[int]] | None) -> TierPlan | None:
+    """Bits of each output expert per quantized layer (None: every expert at --bits)."""
+    if cfg.tiers is None and cfg.tier_plan is None:
+        return None
+    path = cfg.tier_plan
+    if path is None:
+        from glmquant.observe.tiers import write_tier_plan
+
+        quantized = {layer: experts for layer, experts in keep.items() if layer in spec.moe_layers} if keep else None
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        path = write_tier_plan(cfg.observations, cfg.tiers, quantized, cfg.state_dir / TIER_PLAN_NAME)
+    experts = len(next(iter(keep.values()))) if keep else spec.n_routed_experts
+    plan = load_tier_plan(path, spec.moe_layers, experts)
+    widths = {b for bits in plan.expert_bits.values() for b in bits}
+    if cfg.layout == "tr3" and not widths <= set(TR3_TIER_BITS):
+        raise UsageError(f"{path}: K{sorted(widths)} experts; the tr3 layout's tiers are K1 to K4")
+    return plan

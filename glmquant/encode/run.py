@@ -34,7 +34,7 @@ from glmquant.encode.distributed import Ranks, join, leave
 from glmquant.encode.hessians import HessianSource, LayerHessiansView
 from glmquant.encode.layer import encode_units, layer_units
 from glmquant.encode.provenance import build_provenance, job_inputs, observed_calibration
-from glmquant.encode.pruning import resolve_keep
+from glmquant.encode.pruning import resolve_keep, resolve_tiers
 from glmquant.encode.state import EncodeState
 from glmquant.encode.summary import LayerSummary, fallback_warnings, summarize_layer
 from glmquant.encode.units import UnitStore
@@ -78,10 +78,13 @@ class EncodeJob:
         classify(spec, source.names())
         self.cfg, self.source, self.calibration, self.console, self.ranks = cfg, source, calibration, console, ranks
         self.keep = resolve_keep(cfg, spec)
-        self.plan = plan_artifact(spec, cfg.layout, cfg.bits, cfg.codebook,
-                                  {n: source.shard_of(n) for n in source.names()}, self.keep)
+        tiers = resolve_tiers(cfg, spec, self.keep)
+        self.tiers = tiers.expert_bits if tiers else None
+        self.plan = plan_artifact(spec, cfg.layout, tiers.rest_bits if tiers else cfg.bits, cfg.codebook,
+                                  {n: source.shard_of(n) for n in source.names()}, self.keep,
+                                  expert_bits=self.tiers)
         self.state = EncodeState.load_or_new(cfg.state_dir, cfg.fingerprint(job_inputs(cfg, source, self.keep,
-                                                                                       calibration)))
+                                                                                       calibration, self.tiers)))
         cfg.out.mkdir(parents=True, exist_ok=True)
         if ranks.is_main:
             if cfg.uncalibrated:
@@ -111,7 +114,7 @@ class EncodeJob:
         """This rank's units of every unfinished layer; then rank 0 assembles whatever is left."""
         units = [(layer, u, slices) for layer in self.todo for u, slices in enumerate(self._units[layer])]
         self._run(self.ranks.mine(units), lru_cache(maxsize=2)(HessianSource(self.cfg.observations,
-                                                                              self.cfg.hessians).layer))
+                                                                              self.cfg.hessians, self.cfg.blend).layer))
         self.ranks.barrier()
         if self.ranks.is_main:
             self._assemble_ready()
@@ -189,7 +192,8 @@ class EncodeJob:
             write_retained_shards(plan, self.source, cfg.out)
             state.finish_retained()
         result = finalize_artifact(plan, self.source, cfg.out,
-                                   build_provenance(cfg, self.source, self.keep, self.calibration), cfg.verified_at)
+                                   build_provenance(cfg, self.source, self.keep, self.calibration, self.tiers),
+                                   cfg.verified_at)
         report = None
         if cfg.verify:
             report = verify_artifact(cfg.out, expect_sha256=result.manifest_sha256, fast=False)

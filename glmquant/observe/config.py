@@ -3,7 +3,8 @@
 Which options may change when an unfinished run is resumed (the rest are part of its fingerprint and
 must match, see checkpointing.py):
 
-    may change:  keep (the prune plan is recomputed from the finished statistics), stream_budget_gb (chunk outputs
+    may change:  keep and tiers (the prune and tier plans are recomputed from the finished statistics),
+                 stream_budget_gb (chunk outputs
                  are the same whichever pass writes them), progress display
     must match:  source model, token rows (recipe, rows, tokens, tokenizer), hessians, dense_hessians,
                  device type, batch_rows, model dtype, torch and transformers versions
@@ -22,6 +23,7 @@ import glmquant
 from glmquant.devices import device_type
 from glmquant.errors import UsageError
 from glmquant.observe.hessians import HessianMode
+from glmquant.observe.tiers import TierSpec
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "calibration" / "default.yaml"
 
@@ -39,6 +41,7 @@ class ObserveConfig:
     device: str = "cpu"
     batch_rows: int = 4  # calibration rows pushed through a layer at once
     stream_budget_gb: float | None = None  # most disk (1e9 B) the hidden streams may take; None: no limit
+    tiers: TierSpec | None = None  # write tier_plan.json: per-expert bit widths by REAP saliency
 
     def __post_init__(self) -> None:
         if self.stream_budget_gb is not None and not self.stream_budget_gb > 0:
@@ -47,6 +50,8 @@ class ObserveConfig:
             raise UsageError(f"--batch-rows must be a positive integer, got {self.batch_rows}")
         if self.keep is not None and self.keep < 1:
             raise UsageError(f"--keep must be a positive integer, got {self.keep}")
+        if isinstance(self.tiers, str):
+            object.__setattr__(self, "tiers", TierSpec.parse(self.tiers))
         device_type(self.device)
 
     @property

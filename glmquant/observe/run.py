@@ -13,6 +13,7 @@ input chunk is deleted as soon as its output exists (a second forward of those c
 
 from __future__ import annotations
 
+import json
 import resource
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from glmquant.observe.config import ObserveConfig, fingerprint
 from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.hessians import HessianAccumulator, HessianMode
 from glmquant.observe.prune import write_prune_plan
+from glmquant.observe.tiers import write_tier_plan
 from glmquant.observe.routing import RoutingParams
 from glmquant.observe.stats import ExpertStats, LayerStats, stats_path
 from glmquant.observe.streaming import TextModel, run_layer
@@ -211,14 +213,18 @@ def _forward(module: torch.nn.Module, streams: StreamStore, layer: int, chunk: C
 def _summarize(model: TextModel, rows: TokenRows, config: ObserveConfig, fp: dict, resumed: int | None,
                costs: dict[int | str, LayerCost], elapsed: float) -> ObservationSummary:
     layers = tuple(replace(_layer_summary(model, config.out, i), cost=costs.get(i)) for i in range(model.num_layers))
-    plan = write_prune_plan(config.out, config.keep).name if config.keep is not None else None
+    plan = write_prune_plan(config.out, config.keep) if config.keep is not None else None
+    tiers = None
+    if config.tiers is not None:  # tiers among the kept experts, in their output order
+        kept = {int(l): v for l, v in json.loads(plan.read_text())["layers"].items()} if plan else None
+        tiers = write_tier_plan(config.out, config.tiers, kept).name
     lanes = tuple(LaneSummary(x.name, x.ids.shape[0], x.ids.shape[1], x.use) for x in rows.lanes)
     peaks = [c.peak_device_bytes for c in costs.values() if c.peak_device_bytes is not None]
     peak_device = max(peaks, default=0) if model.device.type == "cuda" else None
     return ObservationSummary(
         str(config.source), str(config.recipe), rows.recipe_sha256, rows.sha256, lanes, config.hessians.value,
         config.dense_hessians, config.device, config.batch_rows, fp, layers,
-        peak_rss_bytes(), peak_device, round(elapsed, 3), resumed, plan)
+        peak_rss_bytes(), peak_device, round(elapsed, 3), resumed, plan and plan.name, tiers)
 
 
 def _layer_summary(model: TextModel, obs_dir: Path, layer: int) -> LayerSummary:

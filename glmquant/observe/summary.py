@@ -65,6 +65,7 @@ class ObservationSummary:
     elapsed_s: float  # wall time of this invocation (a resumed run counts only its own part)
     resumed_from_layer: int | None
     prune_plan: str | None
+    tier_plan: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"

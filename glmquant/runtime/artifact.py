@@ -20,6 +20,7 @@ import torch
 from glmquant.arch import PROJECTIONS, ModelSpec, load_model_spec, read_config, table_for
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import CheckpointFormatError
+from glmquant.exl3.decode import decode_weight
 from glmquant.exl3.tensor import EXL3Tensor
 
 EXL3_PARTS = ("trellis", "suh", "svh", "mcg", "mul1")
@@ -66,6 +67,13 @@ class Artifact:
             return EXL3Tensor.from_tensors(tensors, prefix, *self.features(proj))
         except ValueError as exc:
             raise CheckpointFormatError(f"{self.path}: {exc}") from None
+
+    def decode_expert(self, layer: int, expert: int, proj: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One logical expert's projection as its HF (out, in) weight: the rank slices decoded and concatenated
+        (gate/up along the output dim, down along the input dim)."""
+        parts = [decode_weight(self.read_expert(layer, expert * self.ranks + r, proj), dtype)
+                 for r in range(self.ranks)]
+        return torch.cat(parts, dim=1 if proj == "down_proj" else 0)
 
     def retained_names(self) -> list[str]:
         """Tensors loaded as they are: everything but the quantized routed experts and the MTP layer.

@@ -47,5 +47,17 @@ def test_tr3_tiers_only(tiny_source: Path) -> None:
     block = quantization_block(plan_artifact(spec, "tr3", bits=3), Provenance("x"))
     tiers = (block["k2_experts_per_layer"], block["k3_experts_per_layer"], block["selection"])
     assert tiers == (0, 4, "all routed experts use K3")
-    with pytest.raises(UsageError, match="K2, K3 and K4 tiers only"):
+    with pytest.raises(UsageError, match="K1 to K4 tiers only"):
         quantization_block(plan_artifact(spec, "tr3", bits=5), Provenance("x"))
+
+
+def test_tr3_block_counts_mixed_tiers(tiny_source: Path) -> None:
+    spec = load_model_spec(tiny_source)
+    tiers = {layer: (3, 2, 1, 2) for layer in spec.moe_layers}
+    block = quantization_block(plan_artifact(spec, "tr3", bits=2, expert_bits=tiers), Provenance("x"))
+    counts = {k: v for k, v in block.items() if k.endswith("_experts_per_layer") and k.startswith("k")}
+    assert counts == {"k1_experts_per_layer": 1, "k2_experts_per_layer": 2, "k3_experts_per_layer": 1,
+                      "k4_retained_experts_per_layer": 0}
+    assert block["target_routed_tier_bpw"] == 2.0 and block["selection"].startswith("per-expert tiers")
+    uniform = quantization_block(plan_artifact(spec, "tr3", bits=2), Provenance("x"))
+    assert "k1_experts_per_layer" not in uniform  # the release's keys exactly

@@ -11,11 +11,13 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from rich.progress import track
 
+from glmquant.arch import PROJECTIONS
 from glmquant.errors import CheckpointFormatError, UsageError
 from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.expert_cache import CacheStats
@@ -29,15 +31,62 @@ GRAPH_TOKENS = 16  # decode batches up to this size replay a graph; larger (pref
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class TierGroup:
+    """The virtual experts of one MoE layer that share a bit width, stacked, and where each virtual expert of the
+    layer sits in the stack (-1: in another group)."""
+
+    weights: MoEWeights
+    local_id: torch.Tensor  # int64 [virtual experts of the layer]
+
+
 def load_layer(artifact: Artifact, layer: int, device: torch.device) -> MoEWeights:
-    """Every virtual expert of one MoE layer, stacked on `device` (gate and up as one P = 2 stack)."""
-    read = lambda proj: [artifact.read_expert(layer, v, proj) for v in range(artifact.virtual_experts)]  # noqa: E731
+    """Every virtual expert of a one-K MoE layer, stacked on `device` (gate and up as one P = 2 stack); a layer
+    with tiers (several K) is refused: `load_tier_groups` loads those."""
+    groups = load_tier_groups(artifact, layer, device)
+    if len(groups) > 1:
+        raise CheckpointFormatError(f"{artifact.path}: layer {layer} routed experts have several bit widths (tiers); "
+                                    "load them with load_tier_groups and run them with tiered_step")
+    return groups[0].weights
+
+
+def load_tier_groups(artifact: Artifact, layer: int, device: torch.device) -> list[TierGroup]:
+    """Every virtual expert of one MoE layer on `device`, one stack per bit width (gate and up as one P = 2
+    stack): a layer of one K is one group; tiers (per-expert K) give one group per K."""
+    experts = {p: [artifact.read_expert(layer, v, p) for v in range(artifact.virtual_experts)] for p in PROJECTIONS}
+    widths = [t.bits for t in experts["down_proj"]]
+    groups = []
     try:
-        gate_up = WeightStack.from_tensors([read("gate_proj"), read("up_proj")], device)
-        down = WeightStack.from_tensors([read("down_proj")], device)
-        return MoEWeights(gate_up, down, artifact.spec.swiglu_limit)
+        for k in sorted(set(widths)):
+            members = [v for v, w in enumerate(widths) if w == k]
+            pick = lambda proj: [experts[proj][v] for v in members]  # noqa: E731
+            gate_up = WeightStack.from_tensors([pick("gate_proj"), pick("up_proj")], device)
+            down = WeightStack.from_tensors([pick("down_proj")], device)
+            local = torch.full((len(widths),), -1, dtype=torch.int64)
+            local[members] = torch.arange(len(members))
+            groups.append(TierGroup(MoEWeights(gate_up, down, artifact.spec.swiglu_limit), local.to(device)))
     except ValueError as exc:
         raise CheckpointFormatError(f"{artifact.path}: layer {layer} routed experts: {exc}") from None
+    return groups
+
+
+def tiered_step(groups: list[TierGroup], make_step: Callable[[MoEWeights], Step]) -> Step:
+    """One MoE step over a layer's tier groups. One group: its step as it is. Several: every group's step runs
+    over all routes, a route of another group mapped to local expert 0 with router weight 0 (so it adds exactly
+    0), and the outputs are summed in fp32: static shapes and no host sync, so it still graph-captures, at the
+    cost of one pass per bit width."""
+    steps = [make_step(g.weights) for g in groups]
+    if len(groups) == 1:
+        return steps[0]
+
+    def step(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        for group, run in zip(groups, steps):
+            local = group.local_id[expert_ids]
+            mine = local >= 0
+            out += run(hidden, local.clamp(min=0), torch.where(mine, weights, 0.0)).float()
+        return out.to(hidden.dtype)
+    return step
 
 
 class GraphedExperts:
@@ -46,7 +95,7 @@ class GraphedExperts:
     def __init__(self, artifact: Artifact, device: torch.device, make_step: Callable[[MoEWeights], Step],
                  cuda_graphs: bool) -> None:
         layers = track(artifact.quantized_layers, description="experts to GPU", transient=True)
-        self.steps = {layer: make_step(load_layer(artifact, layer, device)) for layer in layers}
+        self.steps = {layer: tiered_step(load_tier_groups(artifact, layer, device), make_step) for layer in layers}
         self.graphs = StepGraphs() if cuda_graphs and device.type == "cuda" else None
         self.capacity = len(self.steps) * artifact.virtual_experts
         self.uses = 0

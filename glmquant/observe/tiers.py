@@ -1,0 +1,160 @@
+"""Per-expert bit widths (tiers) from REAP saliency, as data for the encoder.
+
+A tier spec names the ranking and the tiers from the most salient experts down, e.g.
+`reap:K4=8,K3=16,K2=rest,K1=8`: in every MoE layer the 8 most salient experts get K4, the next 16 K3, the 8
+least salient K1 and every other K2. A count is a number of experts or a percentage of the layer's (kept)
+experts (`K3=25%`, rounded down); exactly one tier is `rest`. Ties in saliency rank the lower expert id first,
+as the prune plan does, so the assignment is deterministic.
+
+`tier_plan.json` (written by `glmquant observe --tiers SPEC`, or by encode from the observations):
+
+    {"format": "glmquant.tier_plan.v1", "spec": "reap:K3=16,K2=rest", "criterion": "reap",
+     "token_rows_sha256": "...", "layers": {"3": [2, 3, 2, ...]}, "counts": {"2": 48, "3": 16},
+     "mean_bits": 2.25, "bitmap_sha256": "..."}
+
+`layers[L]` holds the bits of each output expert (after pruning, in kept order). `bitmap_sha256` is the hash
+an artifact's manifest records as `tier_bitmap_sha256` (`tier_bitmap_sha256` below).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from glmquant.checkpoint.tiers import mean_bits, tier_bitmap_sha256, tier_counts
+from glmquant.checkpoint.writer import atomic_write_text
+from glmquant.errors import UsageError
+
+TIER_PLAN_FILE = "tier_plan.json"
+FORMAT = "glmquant.tier_plan.v1"
+CRITERIA = ("reap",)
+_TIER = re.compile(r"^K(\d)=(rest|\d+%?)$")
+
+
+@dataclass(frozen=True)
+class Tier:
+    bits: int
+    count: int | None = None  # experts; None with percent or for the rest
+    percent: int | None = None
+
+    def size(self, experts: int) -> int | None:
+        """Experts in this tier out of `experts`; None for the rest."""
+        if self.percent is not None:
+            return experts * self.percent // 100
+        return self.count
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    criterion: str
+    tiers: tuple[Tier, ...]  # most salient first
+
+    @classmethod
+    def parse(cls, text: str) -> TierSpec:
+        criterion, _, body = text.partition(":")
+        if criterion not in CRITERIA or not body:
+            raise UsageError(f"--tiers {text!r}: expected {'|'.join(CRITERIA)}:K<bits>=<count|N%|rest>,..., "
+                             "e.g. reap:K3=32,K2=rest")
+        tiers = []
+        for item in body.split(","):
+            m = _TIER.match(item.strip())
+            if m is None or not 1 <= int(m[1]) <= 8:
+                raise UsageError(f"--tiers {text!r}: {item.strip()!r} is not K<1..8>=<count|N%|rest>")
+            value = m[2]
+            tiers.append(Tier(int(m[1]), None if value == "rest" or value.endswith("%") else int(value),
+                              int(value[:-1]) if value.endswith("%") else None))
+        if sum(t.count is None and t.percent is None for t in tiers) != 1:
+            raise UsageError(f"--tiers {text!r}: exactly one tier must be 'rest'")
+        if len({t.bits for t in tiers}) != len(tiers):
+            raise UsageError(f"--tiers {text!r}: each bit width may appear once")
+        return cls(criterion, tuple(tiers))
+
+    @property
+    def text(self) -> str:
+        def size(t: Tier) -> str:
+            return "rest" if t.count is None and t.percent is None else f"{t.percent}%" if t.percent is not None \
+                else str(t.count)
+        return f"{self.criterion}:" + ",".join(f"K{t.bits}={size(t)}" for t in self.tiers)
+
+    @property
+    def bits(self) -> tuple[int, ...]:
+        return tuple(t.bits for t in self.tiers)
+
+    @property
+    def rest_bits(self) -> int:
+        return next(t.bits for t in self.tiers if t.size(1) is None)
+
+    def counts(self, experts: int) -> list[tuple[int, int]]:
+        """(bits, experts) per tier in salience order for a layer of `experts` experts."""
+        fixed = sum(t.size(experts) or 0 for t in self.tiers)
+        if fixed > experts:
+            raise UsageError(f"--tiers {self.text}: the counted tiers take {fixed} experts, the layer has {experts}")
+        return [(t.bits, experts - fixed if t.size(experts) is None else t.size(experts)) for t in self.tiers]
+
+    def assign(self, saliency: Sequence[float]) -> tuple[int, ...]:
+        """Bits per expert (by index) from its saliency: the most salient fill the first tier, and so on."""
+        ranked = sorted(range(len(saliency)), key=lambda e: (-saliency[e], e))
+        bits = [0] * len(saliency)
+        start = 0
+        for width, count in self.counts(len(saliency)):
+            for e in ranked[start:start + count]:
+                bits[e] = width
+            start += count
+        return tuple(bits)
+
+
+def plan_tiers(saliency: Mapping[int, Sequence[float]], spec: TierSpec,
+               keep: Mapping[int, Sequence[int]] | None = None) -> dict[int, tuple[int, ...]]:
+    """Bits of each output expert per MoE layer: `saliency[L]` by source expert, `keep[L]` the kept source
+    experts in output order (None: all)."""
+    out = {}
+    for layer, values in sorted(saliency.items()):
+        kept = list(keep[layer]) if keep is not None else list(range(len(values)))
+        out[layer] = spec.assign([float(values[e]) for e in kept])
+    return out
+
+
+def write_tier_plan(obs_dir: Path, spec: TierSpec, keep: Mapping[int, Sequence[int]] | None = None,
+                    path: Path | None = None) -> Path:
+    """Plan tiers from a finished observation's REAP statistics and write them (default: OBS/tier_plan.json)."""
+    from glmquant.calibration.token_rows import TokenRows
+    from glmquant.observe.stats import LayerStats, stats_files
+
+    saliency = {layer: LayerStats.load(f).reap.tolist() for layer, f in stats_files(Path(obs_dir)).items()}
+    if not saliency:
+        raise UsageError(f"{obs_dir}: no MoE layer statistics to plan tiers from")
+    bits = plan_tiers(saliency, spec, keep)
+    body = {"format": FORMAT, "spec": spec.text, "criterion": spec.criterion,
+            "token_rows_sha256": TokenRows.load(Path(obs_dir)).sha256,
+            "layers": {str(layer): list(b) for layer, b in bits.items()},
+            "counts": {str(b): n for b, n in sorted(tier_counts(bits).items())},
+            "mean_bits": round(mean_bits(bits), 4), "bitmap_sha256": tier_bitmap_sha256(bits)}
+    target = path or Path(obs_dir) / TIER_PLAN_FILE
+    atomic_write_text(target, json.dumps(body, indent=2, sort_keys=True) + "\n")
+    return target
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    expert_bits: dict[int, tuple[int, ...]]  # per MoE layer, the bits of each output expert
+    rest_bits: int  # the `rest` tier's K: the artifact's base `bits`
+
+
+def load_tier_plan(path: Path, moe_layers: Sequence[int], experts: int) -> TierPlan:
+    """A tier plan's bits per output expert of every MoE layer, checked against the layers and expert count."""
+    try:
+        data = json.loads(Path(path).read_text())
+        layers = {int(k): tuple(int(b) for b in v) for k, v in data["layers"].items()}
+        rest = TierSpec.parse(data["spec"]).rest_bits
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UsageError) as exc:
+        raise UsageError(f"{path}: not a tier plan ({exc})") from None
+    if sorted(layers) != sorted(moe_layers):
+        raise UsageError(f"{path}: tiers for layers {sorted(layers)}, the model's MoE layers are {list(moe_layers)}")
+    bad = [l for l, bits in layers.items() if len(bits) != experts or not all(1 <= b <= 8 for b in bits)]
+    if bad:
+        raise UsageError(f"{path}: layer(s) {bad} do not give 1..8 bits to each of {experts} experts")
+    tier_counts(layers)
+    return TierPlan(layers, rest)

@@ -1,0 +1,289 @@
+"""Train the fidelity proxy: a small `Glm5NextForConditionalGeneration` with GLM-5.3-Flash's layer pattern and
+routing, from a fixed seed, on the package-text corpus, with its own tokenizer; then write it as a release-layout
+BF16 source checkpoint and check it (held-out perplexity, routing not collapsed).
+
+Output directory:
+  corpus/        train / calibration / heldout splits (.jsonl), corpus.json, calibration.yaml, heldout.yaml
+  model/         the BF16 source checkpoint (tokenizer, config, shards, index): what observe and encode read
+  routing/       `glmquant observe` statistics of the calibration split (REAP, load), no Hessians
+  proxy.json     the record: configs, corpus summary, tokenizer hash, loss curve, held-out perplexity, routing
+
+Routing is trained the GLM / DeepSeek-V3 way, without an auxiliary loss: after every step each MoE layer's
+`e_score_correction_bias` moves by `bias_update_rate` against the sign of each expert's load error (a buffer,
+never a gradient), so no expert starves. The indexer of the DSA layers is not trained (transformers runs it
+without gradients); `index_topk` k-pools cover the whole training context, so their attention is dense.
+The MTP layer is written untrained (transformers has no module for it; the runtime does not use it).
+Training runs in float32 (TF32 matmuls on a GPU) with transformers' eager expert loop: the same dtypes and code on
+the CPU and the GPU, so the CPU smoke test covers the GPU path; the checkpoint is cast to BF16 when written.
+`--dtype bfloat16` trains in BF16 throughout instead (weights, activations and AdamW state), a fallback.
+
+Reproducible: the seed fixes the corpus, the tokenizer, the initial weights and the batches, and training runs
+with torch's deterministic algorithms, so a rerun on the CPU gives the same bytes. On a GPU cuBLAS needs
+CUBLAS_WORKSPACE_CONFIG=:4096:8 (scripts/train_proxy.py sets it) and flash-linear-attention's Triton kernels
+may still sum in varying order: reruns agree to float rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from glmquant.calibration import load_recipe
+from glmquant.calibration.build import build_token_rows, tokenizer_sha256
+from glmquant.devices import device_type
+from glmquant.errors import UsageError
+from glmquant.fixtures.tiny import TinyModelConfig, save_release_checkpoint
+from glmquant.proxy.corpus import DEFAULT_CORPUS_RECIPE, build_corpus, load_corpus_recipe, read_split, split_recipe
+from glmquant.proxy.tokenizer import train_tokenizer
+
+# The H200 proxy: 8 layers (2 dense, then MoE; DSA at 3 and 7, KDA elsewhere), 64 experts top-8 + a shared one.
+PROXY_SHAPE = TinyModelConfig(
+    hidden_size=256, num_hidden_layers=8, first_dense_layers=2, n_routed_experts=64, num_experts_per_tok=8,
+    moe_intermediate_size=512, intermediate_size=1024, vocab_size=8192, shard_bytes=128 << 20, attention_heads=4,
+    head_dim=64, q_lora_rank=128, kv_lora_rank=64, index_topk=128)
+# The CPU smoke proxy: the same pattern at 4 layers (1 dense, DSA at 3) and 32 experts.
+SMOKE_SHAPE = TinyModelConfig(
+    hidden_size=128, num_hidden_layers=4, first_dense_layers=1, n_routed_experts=32, num_experts_per_tok=8,
+    moe_intermediate_size=512, intermediate_size=256, vocab_size=512, shard_bytes=32 << 20, index_topk=32)
+VOCAB_MULTIPLE = 64
+TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out: Path
+    shape: TinyModelConfig = PROXY_SHAPE
+    corpus_recipe: Path = DEFAULT_CORPUS_RECIPE
+    corpus_bytes: int | None = None  # None: the recipe's max_bytes
+    seed: int = 0
+    device: str = "cuda"
+    steps: int = 2500
+    batch_rows: int = 32
+    seq_len: int = 512
+    lr: float = 2e-3
+    min_lr_fraction: float = 0.1  # cosine decay ends at lr * this
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    bias_update_rate: float = 1e-3
+    max_minutes: float | None = None  # stop early past this (recorded: the result is then not reproducible)
+    heldout_rows: int = 64
+    calibration_rows: int = 64  # rows of the routing check
+    log_every: int = 50
+    experts_implementation: str = "eager"  # transformers' per-expert loop: any dtype, any device
+    dtype: str = "float32"  # weights and activations; "bfloat16" is the fallback should a GPU kernel refuse float32
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_rows", "seq_len", "heldout_rows", "calibration_rows", "log_every"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if not self.lr > 0 or not 0 <= self.min_lr_fraction <= 1 or self.warmup_steps < 0:
+            raise UsageError("--lr must be positive, --min-lr-fraction in [0, 1], --warmup-steps >= 0")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise UsageError(f"--max-minutes must be positive, got {self.max_minutes}")
+        if self.dtype not in TRAIN_DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(TRAIN_DTYPES)}, got {self.dtype!r}")
+        device_type(self.device)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to lr * min_lr_fraction at the last step."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        t = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        return self.lr * (self.min_lr_fraction + (1 - self.min_lr_fraction) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@dataclass
+class LoadBalancer:
+    """Aux-loss-free balancing: each router's selections are counted during the step, then its bias moves."""
+
+    routers: list[torch.nn.Module]
+    rate: float
+    counts: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.counts = [torch.zeros(r.num_experts, device=r.e_score_correction_bias.device) for r in self.routers]
+        for router, count in zip(self.routers, self.counts):
+            router.register_forward_hook(self._counter(count))
+
+    @staticmethod
+    def _counter(count: torch.Tensor) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, _args: tuple, out: tuple) -> None:  # returns None: output unchanged
+            count.add_(torch.bincount(out[2].reshape(-1), minlength=count.numel()).float())
+        return hook
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """Update every bias; returns the worst layer's load imbalance (max / mean count) of this step."""
+        worst = 0.0
+        for router, count in zip(self.routers, self.counts):
+            mean = count.mean()
+            worst = max(worst, float(count.max() / mean.clamp(min=1)))
+            router.e_score_correction_bias.add_(self.rate * torch.sign(mean - count))
+            count.zero_()
+        return worst
+
+
+def token_stream(tokenizer: Any, texts: list[str]) -> torch.Tensor:
+    """Every training document's tokens, each followed by the end-of-text token, as one int32 stream."""
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return torch.tensor([t for doc in ids for t in (*doc, eos)], dtype=torch.int32)
+
+
+def text_model_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the language model alone (the vision tower is not involved in text)."""
+    hidden = model.model.language_model(input_ids=ids).last_hidden_state
+    return model.lm_head(hidden)
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int) -> float:
+    """exp(mean next-token NLL) over `rows` [N, T]."""
+    model.eval()
+    nll, count = 0.0, 0
+    for part in rows.split(batch):
+        logits = text_model_logits(model, part)
+        nll += float(F.cross_entropy(logits[:, :-1].float().flatten(0, 1), part[:, 1:].flatten(), reduction="sum"))
+        count += part[:, 1:].numel()
+    model.train()
+    return math.exp(nll / count)
+
+
+def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Corpus, tokenizer, training, checkpoint and checks; returns (and writes) the record."""
+    from transformers import Glm5NextForConditionalGeneration
+
+    started = time.monotonic()
+    corpus_dir, model_dir = cfg.out / "corpus", cfg.out / "model"
+    recipe = load_corpus_recipe(cfg.corpus_recipe)
+    recipe = recipe.scaled(cfg.corpus_bytes) if cfg.corpus_bytes else recipe
+    corpus = build_corpus(recipe, corpus_dir)
+    log(f"corpus: {json.dumps({k: (v['documents'], v['bytes']) for k, v in corpus['splits'].items()})}, "
+        f"{len(corpus['languages'])} languages")
+    texts = read_split(corpus_dir, "train")
+    tokenizer = train_tokenizer(texts, cfg.shape.vocab_size)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(model_dir)
+    shape = replace(cfg.shape, vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+    stream = token_stream(tokenizer, texts)
+    heldout = split_rows(corpus_dir, "heldout", cfg.heldout_rows, cfg.seq_len, tokenizer)
+    split_recipe(corpus_dir, "calibration", cfg.calibration_rows, cfg.seq_len)
+    log(f"tokenizer: {len(tokenizer)} tokens; train stream {stream.numel():,} tokens; "
+        f"{cfg.steps * cfg.batch_rows * cfg.seq_len:,} to train on")
+
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    deterministic, precision = torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # CPU: bit-identical reruns (index_add_ would race)
+    torch.set_float32_matmul_precision("high")  # fp32 weights and activations, TF32 matmuls on a GPU
+    hf_config = shape.hf_config(tokenizer)
+    hf_config.text_config._experts_implementation = cfg.experts_implementation
+    model = Glm5NextForConditionalGeneration(hf_config).to(device, TRAIN_DTYPES[cfg.dtype]).train()
+    text = model.model.language_model
+    balancer = LoadBalancer([layer.mlp.gate for layer in text.layers if hasattr(layer.mlp, "experts")],
+                            cfg.bias_update_rate)
+    params = [p for n, p in model.named_parameters() if "visual" not in n]
+    decay = [p for p in params if p.dim() >= 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+    sampler = torch.Generator().manual_seed(cfg.seed)
+    curve, stopped_early, step = [], False, 0
+    train_started = time.monotonic()
+    for step in range(cfg.steps):
+        starts = torch.randint(0, stream.numel() - cfg.seq_len - 1, (cfg.batch_rows,), generator=sampler)
+        batch = torch.stack([stream[s:s + cfg.seq_len + 1] for s in starts.tolist()]).long().to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        logits = text_model_logits(model, batch[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        imbalance = balancer.step()
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            elapsed = time.monotonic() - train_started
+            curve.append({"step": step, "loss": round(loss.item(), 4), "load_imbalance": round(imbalance, 3),
+                          "seconds": round(elapsed, 1)})
+            log(f"step {step}: loss {loss.item():.4f}, load imbalance {imbalance:.2f}, "
+                f"{(step + 1) * cfg.batch_rows * cfg.seq_len / max(elapsed, 1e-9):,.0f} tokens/s")
+        if cfg.max_minutes is not None and time.monotonic() - train_started > 60 * cfg.max_minutes:
+            stopped_early = True
+            log(f"stopped after step {step}: --max-minutes {cfg.max_minutes} reached (not reproducible)")
+            break
+    train_seconds = time.monotonic() - train_started
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_float32_matmul_precision(precision)
+    ppl = perplexity(model, heldout.to(device), cfg.batch_rows)
+    log(f"held-out perplexity {ppl:.3f} ({heldout.numel():,} tokens)")
+
+    model = model.to("cpu").float()
+    save_release_checkpoint(model, model_dir, tokenizer, cfg.seed, shape.shard_bytes, made_up_router_bias=False)
+    routing = routing_check(model_dir, corpus_dir / "calibration.yaml", cfg.out / "routing", cfg.device)
+    log(f"routing: {json.dumps(routing['verdict'])}")
+    record = {
+        "format": "glmquant.proxy.v1", "seed": cfg.seed,
+        "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "shape"},
+        "shape": asdict(shape), "corpus": corpus, "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "tokenizer_vocab": len(tokenizer), "train_tokens": stream.numel(),
+        "steps_done": step + 1, "stopped_early": stopped_early, "train_seconds": round(train_seconds, 1),
+        "loss_curve": curve, "heldout_ppl": ppl, "heldout_tokens": heldout.numel(), "routing": routing,
+        "mtp_trained": False, "environment": _environment(device), "seconds": round(time.monotonic() - started, 1),
+    }
+    (cfg.out / "proxy.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    return record
+
+
+def split_rows(corpus_dir: Path, split: str, rows: int, tokens: int, tokenizer: Any) -> torch.Tensor:
+    """`rows` packed rows of `tokens` from a split, through the calibration packer (as observe packs them)."""
+    return build_token_rows(load_recipe(split_recipe(corpus_dir, split, rows, tokens)), tokenizer).lanes[0].ids.long()
+
+
+def routing_check(model_dir: Path, recipe: Path, obs_dir: Path, device: str) -> dict[str, Any]:
+    """`glmquant observe` (REAP statistics only) over the calibration split: per MoE layer the load imbalance,
+    the experts that got no token and the spread of REAP saliency; collapsed routing (a starved expert, or one
+    expert taking over 4x its share) fails the verdict."""
+    from glmquant.observe.config import ObserveConfig
+    from glmquant.observe.hessians import HessianMode
+    from glmquant.observe.run import observe
+    from glmquant.observe.stats import LayerStats, stats_files
+
+    observe(ObserveConfig(model_dir, obs_dir, recipe=recipe, hessians=HessianMode.NONE, device=device))
+    layers = {}
+    for layer, path in stats_files(obs_dir).items():
+        s = LayerStats.load(path)
+        reap = s.reap[s.count > 0]
+        quarter = max(1, reap.numel() // 4)
+        ranked = reap.sort(descending=True).values
+        layers[str(layer)] = {
+            "load_imbalance": round(s.load_imbalance, 3), "experts_without_tokens": int((s.count == 0).sum()),
+            "reap_max_over_min": round(float(reap.max() / reap.min()), 3) if reap.numel() else None,
+            "reap_cv": round(float(reap.std() / reap.mean()), 4) if reap.numel() > 1 else None,
+            "reap_top_over_bottom_quarter": round(float(ranked[:quarter].mean() / ranked[-quarter:].mean()), 3)
+            if reap.numel() else None,
+        }
+    worst = max((l["load_imbalance"] for l in layers.values()), default=0.0)
+    starved = sum(l["experts_without_tokens"] for l in layers.values())
+    return {"layers": layers, "verdict": {"collapsed": worst > 4 or starved > 0, "worst_load_imbalance": worst,
+                                          "experts_without_tokens": starved}}
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    from glmquant.observe.streaming import kda_implementation
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "kda": kda_implementation()}

@@ -1,0 +1,426 @@
+"""Fidelity of routed-expert recipes on the trained proxy, at equal routed bytes (issue 17).
+
+For every recipe: encode the proxy's routed experts (observations of its calibration split), verify the artifact,
+decode its experts into the BF16 proxy (everything else stays BF16, so only the experts differ; pruned experts
+are never selected: their router correction bias is set to -1e4, which is what slicing the router does), and
+compare next-token distributions with the BF16 proxy on held-out text that neither training nor calibration saw:
+mean KL(BF16 || recipe) in nats, top-1 agreement (a fraction) and the recipe's perplexity. Every row states its
+routed bytes (the EXL3 tensors of the routed experts), their ratio to the seed method's and whether it is at most
+the seed's (1 % slack): pruning leaves a few % of scale vectors unspent, so those rows compete with fewer bytes.
+
+Rows: the seed method (natural-routing Hessians, uniform K2 MCG); all-token Hessians; a 50/50 blend; REAP tiers
+at the seed's bytes (K3 or K4 for the most salient experts, K1 for the least, K2 for the rest); REAP pruning with
+the freed bytes on K3; codebooks 3INST and MUL1; a quarter of the calibration rows; uniform K3 and K4 as
+references above the seed's bytes; and ExLlamaV3 1.6.5's own converter on the same proxy when `exllamav3` imports
+(its routed-expert tensors evaluated the same way; attention, shared experts and head stay BF16 here too). Rows
+after the first three use the Hessians (natural, all-token or blend) that gave the lowest KL among them.
+
+    # H200, after scripts/train_proxy.py --out /tmp/proxy --device cuda:
+    python scripts/bench_fidelity.py --proxy /tmp/proxy --device cuda --work /tmp/fidelity \
+        --results bench/results/fidelity_proxy.json
+    # CPU smoke (tests/proxy/test_bench_fidelity.py): a tiny proxy, the exllamav3 layout (no rank slices)
+    python scripts/bench_fidelity.py --proxy /tmp/proxy-smoke --device cpu --layout exllamav3 --rows 4 \
+        --tokens 32 --heldout-rows 2 --heldout-tokens 32 --work /tmp/fid --results /tmp/fid.json
+
+The results are written after every row; `--resume` keeps the rows of an earlier run with the same proxy and
+settings and measures only the missing ones (the observations are reused), so the benchmark can span several
+time-limited calls. `summary` names the seed method's row, the best row at the seed's bytes
+(lowest KL) and the ExLlamaV3 row, and checks the issue's goal (KL <= 0.7x the seed's, top-1 >= 3 points higher,
+KL no worse than ExLlamaV3's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+
+from glmquant.arch import PROJECTIONS, load_model_spec
+from glmquant.checkpoint.exl3_groups import exl3_groups
+from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.encode import EncodeConfig, encode_artifact
+from glmquant.exl3 import EXL3Tensor, decode_weight
+from glmquant.observe.config import ObserveConfig
+from glmquant.observe.hessians import HessianMode
+from glmquant.observe.prune import write_prune_plan
+from glmquant.observe.run import observe
+from glmquant.proxy.train import split_rows
+from glmquant.runtime.artifact import open_artifact
+
+ROOT = Path(__file__).resolve().parents[1]
+AT_SEED_BYTES = 1.01  # rows with at most this times the seed's routed bytes compete with it
+PRUNED_BIAS = -1e4  # router correction bias of a pruned expert: never among the top-k
+EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.trellis$")
+HESSIAN_ROWS = ("seed", "all-token", "blend-0.5")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    hessians: str = "natural"  # natural | all | best (the best of HESSIAN_ROWS)
+    blend: float | None = None
+    codebook: str = "mcg"
+    bits: int = 2
+    tiers: str | None = None
+    keep: int | None = None
+    observations: str = "full"  # full | small (a quarter of the calibration rows)
+    reference: bool = False  # above the seed's bytes on purpose
+
+
+def recipes(experts: int) -> list[Recipe]:
+    """The benchmark's rows for a layer of `experts` routed experts."""
+    e4, e8 = experts // 4, experts // 8
+    return [
+        Recipe("seed", "seed method: natural-routing Hessians, uniform K2 MCG"),
+        Recipe("all-token", "all-token Hessians (ExLlamaV3's convention), uniform K2", hessians="all"),
+        Recipe("blend-0.5", "Hessians 0.5 natural + 0.5 all-token, uniform K2", blend=0.5),
+        Recipe("tiers-k3-k1", f"REAP tiers: K3 for the {e4} most salient experts, K1 for the {e4} least, K2 rest",
+               "best", tiers=f"reap:K3={e4},K2=rest,K1={e4}"),
+        Recipe("tiers-k4-k1", f"REAP tiers: K4 for the {e8} most salient, K1 for the {e4} least, K2 rest", "best",
+               tiers=f"reap:K4={e8},K2=rest,K1={2 * e8}"),
+        Recipe("tiers-k3-k1-narrow", f"REAP tiers: K3 for the {e8} most salient, K1 for the {e8} least, K2 rest",
+               "best", tiers=f"reap:K3={e8},K2=rest,K1={e8}"),
+        Recipe("prune25-k3", f"REAP pruning 25 % (keep {experts - e4}), freed bytes on K3 for the {2 * e4} most "
+               "salient kept", "best", keep=experts - e4, tiers=f"reap:K3={2 * e4},K2=rest"),
+        Recipe("prune12-k3", f"REAP pruning 12.5 % (keep {experts - e8}), freed bytes on K3 for the {e4} most "
+               "salient kept", "best", keep=experts - e8, tiers=f"reap:K3={e4},K2=rest"),
+        Recipe("codebook-3inst", "the best Hessians, uniform K2, 3INST codebook", "best", codebook="3inst"),
+        Recipe("codebook-mul1", "the best Hessians, uniform K2, MUL1 codebook (ExLlamaV3's default)", "best",
+               codebook="mul1"),
+        Recipe("calibration-quarter", "the best Hessians, uniform K2, a quarter of the calibration rows", "best",
+               observations="small"),
+        Recipe("uniform-k3", "reference above the seed's bytes: the best Hessians, uniform K3", "best", bits=3,
+               reference=True),
+        Recipe("uniform-k4", "reference above the seed's bytes: the best Hessians, uniform K4", "best", bits=4,
+               reference=True),
+    ]
+
+
+class PatchedProxy:
+    """The BF16 proxy in memory, whose routed experts can be replaced by decoded ones and restored."""
+
+    def __init__(self, model_dir: Path, device: str) -> None:
+        from transformers import Glm5NextForConditionalGeneration
+
+        self.model = Glm5NextForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+        self.model = self.model.to(device).eval()
+        self.layers = {i: layer.mlp for i, layer in enumerate(self.model.model.language_model.layers)
+                       if hasattr(layer.mlp, "experts")}
+        self.original = {i: (m.experts.gate_up_proj.detach().clone(), m.experts.down_proj.detach().clone(),
+                             m.gate.e_score_correction_bias.detach().clone()) for i, m in self.layers.items()}
+
+    @torch.no_grad()
+    def set_experts(self, experts: dict[tuple[int, int], dict[str, torch.Tensor]],
+                    pruned: dict[int, list[int]]) -> None:
+        """experts[(layer, source expert)][proj] = HF (out, in) weight; pruned[layer] = source experts dropped."""
+        self.restore()
+        for (layer, e), w in experts.items():
+            mlp = self.layers[layer]
+            mlp.experts.gate_up_proj[e] = torch.cat((w["gate_proj"], w["up_proj"])).to(mlp.experts.gate_up_proj)
+            mlp.experts.down_proj[e] = w["down_proj"].to(mlp.experts.down_proj)
+        for layer, dropped in pruned.items():
+            self.layers[layer].gate.e_score_correction_bias[dropped] = PRUNED_BIAS
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for i, (gate_up, down, bias) in self.original.items():
+            m = self.layers[i]
+            m.experts.gate_up_proj.copy_(gate_up)
+            m.experts.down_proj.copy_(down)
+            m.gate.e_score_correction_bias.copy_(bias)
+
+    @torch.no_grad()
+    def logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        """[rows, tokens, vocab] float32 next-token log-probabilities."""
+        device = next(self.model.parameters()).device
+        return torch.cat([F.log_softmax(self.model(input_ids=row[None].to(device)).logits.float(), dim=-1)
+                          for row in ids])
+
+
+def compare(reference: torch.Tensor, got: torch.Tensor, ids: torch.Tensor) -> dict[str, float]:
+    """Mean KL(reference || got) over positions, top-1 agreement, and got's perplexity on the next tokens."""
+    kl = (reference.exp() * (reference - got)).sum(-1)
+    top1 = (reference.argmax(-1) == got.argmax(-1)).float()
+    targets = ids[:, 1:].to(got.device).unsqueeze(-1)
+    nll = -got[:, :-1].gather(-1, targets).mean()
+    return {"kl": float(kl.mean()), "top1": float(top1.mean()), "ppl": math.exp(float(nll))}
+
+
+def routed_bytes(artifact: Path) -> tuple[int, float]:
+    """(bytes of every routed-expert EXL3 tensor, trellis bits per routed weight) from the headers."""
+    with SourceCheckpoint.open(artifact) as ckpt:
+        specs = [ckpt.spec(n) for n in ckpt.names()]
+        spec = load_model_spec(ckpt.config_path)
+    groups = exl3_groups(specs)
+    total = sum(p.nbytes for g in groups.values() for p in g.parts.values())
+    trellis = sum(g.parts["trellis"].nbytes for g in groups.values() if "trellis" in g.parts)
+    weights = len(spec.moe_layers) * spec.n_routed_experts * 3 * spec.hidden_size * spec.moe_intermediate_size
+    return total, round(8 * trellis / weights, 4)
+
+
+def artifact_experts(artifact: Path, keep: dict[int, list[int]] | None, source_experts: int
+                     ) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict[int, list[int]]]:
+    """Decoded routed experts of an artifact by (layer, source expert), and the source experts it dropped."""
+    art = open_artifact(artifact)
+    out, pruned = {}, {}
+    for layer in art.quantized_layers:
+        kept = keep[layer] if keep else list(range(source_experts))
+        for new_id, source_id in enumerate(kept):
+            out[(layer, source_id)] = {p: art.decode_expert(layer, new_id, p) for p in PROJECTIONS}
+        if keep:
+            pruned[layer] = sorted(set(range(source_experts)) - set(kept))
+    art.checkpoint.close()
+    return out, pruned
+
+
+def exllamav3_experts(out_dir: Path) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], int, list[int]]:
+    """Decoded routed experts of an ExLlamaV3-converted model by (layer, expert), their EXL3 bytes and widths."""
+    found: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    nbytes, widths = 0, set()
+    with SourceCheckpoint.open(out_dir) as ckpt:
+        names = ckpt.names()
+        for name in names:
+            m = EXPERT_KEY.search(name)
+            if m is None:
+                continue
+            key = name.removesuffix(".trellis")
+            parts = {n: ckpt.read_tensor(n) for n in names if n.rpartition(".")[0] == key}
+            t = parts[name]
+            tensor = EXL3Tensor.from_tensors(parts, key, t.shape[0] * 16, t.shape[1] * 16)
+            found.setdefault((int(m[1]), int(m[2])), {})[m[3]] = decode_weight(tensor, torch.float32)
+            nbytes += sum(v.numel() * v.element_size() for v in parts.values())
+            widths.add(tensor.bits)
+    if not found:
+        raise RuntimeError(f"{out_dir}: no per-expert EXL3 tensors (…layers.L.mlp.experts.E.PROJ.trellis) found")
+    return found, nbytes, sorted(widths)
+
+
+def convert_with_exllamav3(model_dir: Path, out_dir: Path, work_dir: Path, rows: int, tokens: int) -> None:
+    """ExLlamaV3's converter in its own process (it prints a lot and may exit): -b 2.0, MCG, head unquantized."""
+    args = ["-i", str(model_dir), "-o", str(out_dir), "-w", str(work_dir), "-b", "2.0", "-hb", "16", "-cb", "mcg",
+            "-cr", str(rows), "-cc", str(tokens)]
+    code = ("import sys; from exllamav3.conversion.convert_model import parser, prepare, main\n"
+            "a, s, ok, err = prepare(parser.parse_args(sys.argv[1:]))\n"
+            "sys.exit(err) if not ok else main(a, s)")
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"ExLlamaV3's converter failed ({run.returncode}): {(run.stderr or run.stdout)[-2000:]}")
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.console = Console(stderr=True)
+        self.work = args.work
+        self.model_dir = args.proxy / "model"
+        self.spec = load_model_spec(self.model_dir / "config.json")
+        self.rows: list[dict[str, Any]] = []
+        self.best_hessians: tuple[str, float | None] | None = None
+        self.record: dict[str, Any] = {"format": "glmquant.bench_fidelity.v1", "commit": _commit(),
+                                       "device": _device_name(args.device), "layout": args.layout,
+                                       "calibration": {"rows": args.rows, "tokens": args.tokens},
+                                       "heldout": {"rows": args.heldout_rows, "tokens": args.heldout_tokens},
+                                       "proxy": _proxy_facts(args.proxy), "rows": self.rows}
+        if args.resume and args.results.is_file():
+            earlier = json.loads(args.results.read_text())
+            if all(earlier.get(k) == self.record[k] for k in ("layout", "calibration", "heldout", "proxy")):
+                self.rows += [r for r in earlier["rows"] if not r["recipe"].startswith("exllamav3") or "error" not in r]
+                self.record["hessians_chosen"] = earlier.get("hessians_chosen")
+                self.log(f"resuming: {len(self.rows)} rows already measured in {args.results}")
+
+    def log(self, line: str) -> None:
+        self.console.print(line, highlight=False)
+
+    def save(self) -> None:
+        self.args.results.parent.mkdir(parents=True, exist_ok=True)
+        self.args.results.write_text(json.dumps(self.record, indent=2) + "\n")
+
+    def observe(self, name: str, rows: int) -> Path:
+        out = self.work / f"obs-{name}"
+        t0 = time.monotonic()
+        observe(ObserveConfig(self.model_dir, out, recipe=self.args.proxy / "corpus" / "calibration.yaml", rows=rows,
+                              tokens=self.args.tokens, hessians=HessianMode.BOTH, device=self.args.device,
+                              batch_rows=self.args.batch_rows))
+        self.log(f"observed {name} ({rows} x {self.args.tokens} tokens) in {time.monotonic() - t0:.1f} s")
+        return out
+
+    def run(self) -> None:
+        args = self.args
+        self.work.mkdir(parents=True, exist_ok=True)
+        observations = {"full": self.observe("full", args.rows), "small": self.observe("small", max(1, args.rows // 4))}
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.ids = split_rows(args.proxy / "corpus", "heldout", args.heldout_rows, args.heldout_tokens, tokenizer)
+        self.proxy = PatchedProxy(self.model_dir, args.device)
+        self.reference = self.proxy.logprobs(self.ids)
+        targets = self.ids[:, 1:].to(self.reference.device).unsqueeze(-1)
+        self.record["bf16_ppl"] = math.exp(float(-self.reference[:, :-1].gather(-1, targets).mean()))
+        wanted = set(args.recipes.split(",")) if args.recipes else None
+        done = {r["recipe"] for r in self.rows}
+        for recipe in recipes(self.spec.n_routed_experts):
+            if (wanted is None or recipe.name in wanted) and recipe.name not in done:
+                self.row(recipe, observations)
+        peer_done = any(r["recipe"].startswith("exllamav3") for r in self.rows)
+        if args.exllamav3 and not peer_done and importlib.util.find_spec("exllamav3") is not None:
+            self.exllamav3_row()
+        elif args.exllamav3 and not peer_done:
+            self.rows.append({"recipe": "exllamav3-1.6.5", "routed_bytes": None, "kl": None, "top1": None,
+                              "ppl": None, "error": "exllamav3 is not installed here"})
+        self.record["summary"] = summarize(self.rows)
+        self.save()
+        self.log(json.dumps(self.record["summary"], indent=2))
+
+    def hessians(self, recipe: Recipe) -> tuple[str, float | None]:
+        if recipe.hessians != "best":
+            return recipe.hessians, recipe.blend
+        if self.best_hessians is None and self.record.get("hessians_chosen"):
+            chosen = self.record["hessians_chosen"]
+            self.best_hessians = (chosen["hessians"], chosen["blend"])
+        if self.best_hessians is None:
+            measured = [r for r in self.rows if r["recipe"] in HESSIAN_ROWS and r.get("kl") is not None]
+            best = min(measured, key=lambda r: r["kl"]) if measured else {"hessians": "natural", "blend": None}
+            self.best_hessians = (best["hessians"], best["blend"])
+            self.record["hessians_chosen"] = {"hessians": best["hessians"], "blend": best["blend"],
+                                              "from": best.get("recipe", "default")}
+        return self.best_hessians
+
+    def row(self, recipe: Recipe, observations: dict[str, Path]) -> None:
+        hessians, blend = self.hessians(recipe)
+        obs = observations[recipe.observations]
+        out = self.work / f"artifact-{recipe.name}"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)
+        keep = None
+        plan = None
+        if recipe.keep is not None:
+            plan = write_prune_plan(obs, recipe.keep, self.work / f"prune-{recipe.name}.json")
+            keep = {int(k): v for k, v in json.loads(plan.read_text())["layers"].items()}
+        cfg = EncodeConfig(source=self.model_dir, out=out, observations=obs, bits=recipe.bits,
+                           codebook=recipe.codebook, layout=self.args.layout, hessians=hessians, blend=blend,
+                           prune_plan=plan, tiers=recipe.tiers, device=self.args.device,
+                           verified_at="2026-01-01T00:00:00Z")
+        t0 = time.monotonic()
+        result = encode_artifact(cfg, Console(quiet=True))
+        encode_s = time.monotonic() - t0
+        nbytes, bpw = routed_bytes(out)
+        experts, pruned = artifact_experts(out, keep, self.spec.n_routed_experts)
+        metrics = self.measure(experts, pruned)
+        self.add({"recipe": recipe.name, "routed_bytes": nbytes, "routed_bpw": bpw, **metrics,
+                  **{k: v for k, v in asdict(replace(recipe, hessians=hessians, blend=blend)).items() if k != "name"},
+                  "manifest_sha256": result.artifact.manifest_sha256, "encode_seconds": round(encode_s, 1)})
+        if not self.args.keep_artifacts:
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)
+
+    def measure(self, experts: dict[tuple[int, int], dict[str, torch.Tensor]],
+                pruned: dict[int, list[int]]) -> dict[str, float]:
+        self.proxy.set_experts(experts, pruned)
+        got = self.proxy.logprobs(self.ids)
+        self.proxy.restore()
+        return compare(self.reference, got, self.ids)
+
+    def add(self, row: dict[str, Any]) -> None:
+        seed = next((r for r in self.rows if r["recipe"] == "seed"), row if row["recipe"] == "seed" else None)
+        if seed is not None and row.get("routed_bytes"):
+            row["bytes_vs_seed"] = round(row["routed_bytes"] / seed["routed_bytes"], 4)
+            row["at_seed_bytes"] = row["bytes_vs_seed"] <= AT_SEED_BYTES
+        self.rows.append(row)
+        self.save()
+        self.log(f"{row['recipe']}: " + ", ".join(f"{k} {row[k]:.4g}" for k in ("kl", "top1", "ppl")
+                                                  if row.get(k) is not None) + f", {row.get('routed_bytes')} B")
+
+    def exllamav3_row(self) -> None:
+        from importlib.metadata import version
+
+        name = f"exllamav3-{version('exllamav3')}"
+        out, work = self.work / "exllamav3-out", self.work / "exllamav3-work"
+        for d in (out, work):
+            shutil.rmtree(d, ignore_errors=True)
+        row: dict[str, Any] = {"recipe": name, "description": "ExLlamaV3's own converter (-b 2.0 -hb 16 -cb mcg, its "
+                               "calibration data at our rows x tokens); its routed-expert tensors in the BF16 proxy"}
+        try:
+            t0 = time.monotonic()
+            convert_with_exllamav3(self.model_dir, out, work, self.args.rows, self.args.tokens)
+            experts, nbytes, widths = exllamav3_experts(out)
+            row.update({"routed_bytes": nbytes, "bits_seen": widths, "encode_seconds": round(time.monotonic() - t0, 1),
+                        **self.measure(experts, {})})
+        except Exception as exc:  # noqa: BLE001 - recorded: the other rows stand on their own
+            row.update({"routed_bytes": None, "kl": None, "top1": None, "ppl": None,
+                        "error": f"{type(exc).__name__}: {exc}"[-3000:]})
+        self.add(row)
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The seed method's row, the best row at its bytes (lowest KL), the ExLlamaV3 row and the issue's goal."""
+    seed = next((r for r in rows if r["recipe"] == "seed"), None)
+    peers = [r for r in rows if r.get("at_seed_bytes") and r.get("kl") is not None and not r.get("reference")]
+    best = min(peers, key=lambda r: r["kl"]) if peers else None
+    exl = next((r for r in rows if r["recipe"].startswith("exllamav3")), None)
+    out: dict[str, Any] = {"seed_method": seed and seed["recipe"], "best": best and best["recipe"],
+                           "exllamav3": exl["recipe"] if exl and exl.get("kl") is not None else None}
+    if seed and best:
+        out["goal"] = {"kl_at_most_0.7x_seed": best["kl"] <= 0.7 * seed["kl"],
+                       "top1_at_least_seed_plus_3_points": best["top1"] >= seed["top1"] + 0.03,
+                       "kl_ratio_to_seed": round(best["kl"] / seed["kl"], 4) if seed["kl"] else None,
+                       "top1_points_over_seed": round(100 * (best["top1"] - seed["top1"]), 2)}
+        if out["exllamav3"]:
+            out["goal"]["no_worse_than_exllamav3"] = best["kl"] <= exl["kl"]
+    return out
+
+
+def _proxy_facts(proxy: Path) -> dict[str, Any]:
+    path = proxy / "proxy.json"
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    return {k: record.get(k) for k in ("heldout_ppl", "shape", "steps_done", "stopped_early", "tokenizer_sha256",
+                                       "train_seconds")} | {"routing": record.get("routing", {}).get("verdict")}
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else "cpu"
+
+
+def _commit() -> str | None:
+    run = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return run.stdout.strip() or None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--proxy", type=Path, required=True, help="output directory of scripts/train_proxy.py")
+    ap.add_argument("--work", type=Path, required=True, help="scratch directory (observations, artifacts)")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "fidelity_proxy.json")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layout", choices=["tr3", "exllamav3"], default="tr3")
+    ap.add_argument("--rows", type=int, default=128, help="calibration rows (the small observation: a quarter)")
+    ap.add_argument("--tokens", type=int, default=512, help="tokens per calibration row")
+    ap.add_argument("--batch-rows", type=int, default=8, help="calibration rows per observe step")
+    ap.add_argument("--heldout-rows", type=int, default=64)
+    ap.add_argument("--heldout-tokens", type=int, default=512)
+    ap.add_argument("--recipes", default=None, help="comma-separated subset of the rows (default: all)")
+    ap.add_argument("--no-exllamav3", dest="exllamav3", action="store_false", help="skip ExLlamaV3's converter")
+    ap.add_argument("--keep-artifacts", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds for this proxy")
+    os.environ.setdefault("SOURCE_DATE_EPOCH", "1767225600")
+    Bench(ap.parse_args()).run()
+
+
+if __name__ == "__main__":
+    main()

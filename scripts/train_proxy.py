@@ -1,0 +1,45 @@
+"""Train the fidelity proxy (glmquant/proxy/train.py): corpus from installed package text, its own tokenizer, a
+small GLM-5.3-Flash-architecture model from a fixed seed, written as a BF16 source checkpoint with its checks.
+
+    # H200 (fla-core/flash-linear-attention on the path for the KDA kernels; about 8 minutes):
+    python scripts/train_proxy.py --out /tmp/proxy --device cuda
+    # CPU smoke (tests/proxy/test_train_proxy.py runs this):
+    python scripts/train_proxy.py --out /tmp/proxy-smoke --device cpu --smoke
+
+Writes OUT/proxy.json (held-out perplexity, routing check, loss curve) and OUT/model (the checkpoint that
+scripts/bench_fidelity.py quantizes); the same command on the same machine gives the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
+
+from glmquant.proxy.train import PROXY_SHAPE, SMOKE_SHAPE, TrainConfig, train_proxy
+
+SMOKE = dict(corpus_bytes=2_000_000, steps=6, batch_rows=2, seq_len=64, warmup_steps=2, heldout_rows=2,
+             calibration_rows=2, log_every=2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU smoke size: tiny model, corpus and run")
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    for name in ("seed", "device", "steps", "batch_rows", "seq_len", "lr", "warmup_steps", "corpus_bytes",
+                 "max_minutes", "heldout_rows", "calibration_rows", "log_every", "experts_implementation", "dtype"):
+        kind = type(defaults[name]) if defaults[name] is not None else float if name == "max_minutes" else int
+        ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    ap.add_argument("--corpus-recipe", type=Path, default=None)
+    args = ap.parse_args()
+    given = {k: v for k, v in vars(args).items() if v is not None and k in defaults and k != "out"}
+    preset = {**SMOKE, "shape": SMOKE_SHAPE} if args.smoke else {"shape": PROXY_SHAPE}
+    train_proxy(TrainConfig(out=args.out, **{**preset, **given}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The proxy corpus: documents of every kind, disjoint splits chosen by hash, the same corpus from the same files,
+and a tokenizer trained on it that round-trips any text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from proxy_helpers import write_mo
+
+from glmquant.calibration.build import tokenizer_sha256
+from glmquant.errors import UsageError
+from glmquant.proxy.corpus import build_corpus, cut, load_corpus_recipe, read_split
+from glmquant.proxy.tokenizer import train_tokenizer
+
+
+def test_corpus_splits_are_disjoint_and_reproducible(corpus_recipe: Path, tmp_path: Path) -> None:
+    recipe = load_corpus_recipe(corpus_recipe)
+    first = build_corpus(recipe, tmp_path / "a")
+    second = build_corpus(recipe, tmp_path / "b")
+    assert {s: v["sha256"] for s, v in first["splits"].items()} == {s: v["sha256"] for s, v in second["splits"].items()}
+    paths = {s: {json.loads(l)["path"] for l in (tmp_path / "a" / f"{s}.jsonl").read_text().splitlines()}
+             for s in ("train", "calibration", "heldout")}
+    assert all(paths.values()) and not (paths["train"] & paths["heldout"]) and not (paths["calibration"] &
+                                                                                   paths["heldout"])
+    assert {"python", "en", "de", "pl"} <= set(first["languages"])
+    assert first["sources"]["code"]["files"] > 0 and not any("_header" in p for p in paths["train"])
+    sizes = {name: s["bytes"] for name, s in first["sources"].items()}
+    assert all(sizes[n] <= first["sources"][n]["budget_bytes"] for n in sizes)
+
+
+def test_gettext_catalogs_give_their_translations(tmp_path: Path) -> None:
+    write_mo(tmp_path / "loc" / "fr" / "LC_MESSAGES" / "x.mo", {"a": "Fichier introuvable", "b": "Accès refusé"})
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(json.dumps({
+        "name": "t", "max_bytes": 10_000, "doc_bytes": 100, "max_file_bytes": 10_000,
+        "splits": {"calibration": 0.2, "heldout": 0.2},
+        "sources": [{"name": "tr", "kind": "gettext", "lang": "from_path", "roots": [str(tmp_path / "loc")],
+                     "include": ["**/*.mo"], "share": 1.0}]}))
+    summary = build_corpus(load_corpus_recipe(recipe_file), tmp_path / "out")
+    texts = [t for s in ("train", "calibration", "heldout") for t in read_split(tmp_path / "out", s)]
+    assert summary["languages"] == ["fr"] and texts == ["Fichier introuvable\nAccès refusé"]
+
+
+def test_recipe_errors_name_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(json.dumps({"name": "t", "max_bytes": 1, "doc_bytes": 1, "max_file_bytes": 1,
+                               "splits": {"calibration": 0.1, "heldout": 0.1},
+                               "sources": [{"name": "x", "kind": "text", "lang": "from_path", "roots": ["/"],
+                                            "include": ["*"], "share": 0.5}]}))
+    with pytest.raises(UsageError, match=r"sources\[0\]\.lang: from_path applies to gettext"):
+        load_corpus_recipe(bad)
+
+
+def test_cut_keeps_whole_lines() -> None:
+    text = "".join(f"line {i}\n" for i in range(100))
+    parts = cut(text, 50)
+    assert "\n".join(parts) == text.strip() and all(len(p) < 60 for p in parts)
+
+
+def test_tokenizer_is_reproducible_and_round_trips(corpus_recipe: Path, tmp_path: Path) -> None:
+    build_corpus(load_corpus_recipe(corpus_recipe), tmp_path)
+    texts = read_split(tmp_path, "train")
+    tok = train_tokenizer(texts, 400)
+    assert tokenizer_sha256(tok) == tokenizer_sha256(train_tokenizer(texts, 400)) and len(tok) == 400
+    sample = "Zugriff verweigert — 你好, مرحبا\n    return x"
+    assert tok.decode(tok(sample)["input_ids"]) == sample
+    assert tok.convert_tokens_to_ids("<|endoftext|>") == 0 and tok.chat_template
