@@ -79,7 +79,9 @@ def make_unit(spec, layout: str, experts: range, device: str) -> UnitInputs:
         h_down = hessian(spec.moe_intermediate_size, 256, gen, device)
         for s in expert_slices(spec, 3, e, e, ranks):
             names.append(f"model.layers.3.{s.key}")
-            items.append((slice_weight(weights[s.proj], s), slice_hessian(h_down if s.proj == "down_proj" else h_in, s)))
+            items.append(
+                (slice_weight(weights[s.proj], s), slice_hessian(h_down if s.proj == "down_proj" else h_in, s))
+            )
             fallbacks.append(None)
     return UnitInputs(names, items, fallbacks)
 
@@ -88,9 +90,16 @@ def tiles_of(unit: UnitInputs) -> int:
     return sum(-(-w.shape[0] // 128) * 128 * -(-w.shape[1] // 128) * 128 // 256 for w, _ in unit.items)
 
 
-def encode_layer(spec, layout: str, experts: int, per_unit: int, device: str, store: UnitStore,
-                 search: ScaleSearch = DEFAULT_SEARCH, progress: Path | None = None,
-                 ) -> tuple[float, list[float], int, dict[str, float]]:
+def encode_layer(
+    spec,
+    layout: str,
+    experts: int,
+    per_unit: int,
+    device: str,
+    store: UnitStore,
+    search: ScaleSearch = DEFAULT_SEARCH,
+    progress: Path | None = None,
+) -> tuple[float, list[float], int, dict[str, float]]:
     """Wall time, proxy errors, LDLQ tiles and seconds per encoder stage of `experts` experts in units of
     `per_unit`, reading ahead."""
     starts = list(range(0, experts, per_unit))
@@ -111,9 +120,18 @@ def encode_layer(spec, layout: str, experts: int, per_unit: int, device: str, st
             elapsed = time.perf_counter() - t0
             print(f"  unit {i + 1}/{len(starts)}: {elapsed:.1f} s", flush=True)
             if progress is not None:  # what a killed run still leaves behind
-                progress.write_text(json.dumps({"units_done": i + 1, "units": len(starts), "elapsed_s": elapsed,
-                                                "experts_done": min(starts[i] + per_unit, experts),
-                                                "stage_s": dict(stages)}) + "\n")
+                progress.write_text(
+                    json.dumps(
+                        {
+                            "units_done": i + 1,
+                            "units": len(starts),
+                            "elapsed_s": elapsed,
+                            "experts_done": min(starts[i] + per_unit, experts),
+                            "stage_s": dict(stages),
+                        }
+                    )
+                    + "\n"
+                )
     torch.cuda.synchronize()
     return time.perf_counter() - t0, errors, tiles, dict(stages)
 
@@ -166,7 +184,8 @@ def compare(spec, layout: str, experts: int) -> dict:
     rows = {}
     variants = [("ours_exllamav3_search", "cuda", EXLLAMAV3_SEARCH)] + [
         (f"ours_search_band{v.band_width}_coarse{v.coarse_stride}_fine{v.fine_stride}", "cuda", v)
-        for v in (DEFAULT_SEARCH, *REDUCED_SEARCHES)]
+        for v in (DEFAULT_SEARCH, *REDUCED_SEARCHES)
+    ]
     if exllamav3_available():
         variants.append(("exllamav3_kernel_exllamav3_search", "exllamav3", EXLLAMAV3_SEARCH))
     for name, backend, search in variants:
@@ -185,11 +204,18 @@ def main() -> None:
     ap.add_argument("--layout", choices=["tr3", "exllamav3"], default="tr3")
     ap.add_argument("--experts", type=int, default=288, help="experts of the layer to encode (288: the whole layer)")
     ap.add_argument("--experts-per-unit", type=int, default=32)
-    ap.add_argument("--compare-experts", type=int, default=4,
-                    help="--compare: experts encoded with each kernel and scale-search sampling")
-    ap.add_argument("--compare", action="store_true",
-                    help="kernels side by side (ours and ExLlamaV3's, same process) and the compare encodes, added "
-                         "to the JSON the layer run wrote")
+    ap.add_argument(
+        "--compare-experts",
+        type=int,
+        default=4,
+        help="--compare: experts encoded with each kernel and scale-search sampling",
+    )
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="kernels side by side (ours and ExLlamaV3's, same process) and the compare encodes, added "
+        "to the JSON the layer run wrote",
+    )
     ap.add_argument("--kernel-tiles", type=int, default=65536)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
@@ -205,7 +231,9 @@ def main() -> None:
         if exllamav3_available():
             record["exllamav3_kernel_tiles_per_s"] = kernel_rates("exllamav3", args.kernel_tiles // 4)
             record["exllamav3_tiles_per_s"] = record["exllamav3_kernel_tiles_per_s"]["K2_mcg"]
-            record["speedup_vs_exllamav3_kernel"] = round(record["our_tiles_per_s"] / record["exllamav3_tiles_per_s"], 2)
+            record["speedup_vs_exllamav3_kernel"] = round(
+                record["our_tiles_per_s"] / record["exllamav3_tiles_per_s"], 2
+            )
         else:
             record["exllamav3_tiles_per_s"] = None
             record["exllamav3_note"] = "exllamav3 not importable in this run"
@@ -214,22 +242,42 @@ def main() -> None:
         path.write_text(json.dumps(record, indent=2) + "\n")
         print(json.dumps(record, indent=2))
         return
-    record: dict = {"bench": "encode_layer", "layout": args.layout, "hessians": "natural", "bits": 2, "codebook": "mcg",
-                    "scale_search": DEFAULT_SEARCH.__dict__,
-                    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-                    "commit": commit, "date": time.strftime("%Y-%m-%d"), "experts_timed": args.experts,
-                    "experts_per_unit": args.experts_per_unit}
+    record: dict = {
+        "bench": "encode_layer",
+        "layout": args.layout,
+        "hessians": "natural",
+        "bits": 2,
+        "codebook": "mcg",
+        "scale_search": DEFAULT_SEARCH.__dict__,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "experts_timed": args.experts,
+        "experts_per_unit": args.experts_per_unit,
+    }
     record["our_tiles_per_s"] = round(kernel_rate("cuda", 2, "mcg", args.kernel_tiles))
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         store = UnitStore(Path(tmp) / "units")
-        wall, errors, tiles, stages = encode_layer(spec, args.layout, args.experts, args.experts_per_unit, "cuda", store,
-                                                   progress=path.with_suffix(".progress.json"))
+        wall, errors, tiles, stages = encode_layer(
+            spec,
+            args.layout,
+            args.experts,
+            args.experts_per_unit,
+            "cuda",
+            store,
+            progress=path.with_suffix(".progress.json"),
+        )
         record["disk_read_gbps"] = round(disk_read_gbps(Path(tmp)), 2)
         layer_s = wall * 288 / args.experts
         record |= {
-            "layer_wall_s": round(layer_s, 1), "measured_wall_s": round(wall, 1), "ldlq_tiles": tiles,
+            "layer_wall_s": round(layer_s, 1),
+            "measured_wall_s": round(wall, 1),
+            "ldlq_tiles": tiles,
             "stage_s": {k: round(v, 1) for k, v in stages.items()},
-            "mean_proxy_error": sum(errors) / len(errors), "tensors": len(errors),
+            "mean_proxy_error": sum(errors) / len(errors),
+            "tensors": len(errors),
             "end_to_end_ldlq_tiles_per_s": round(tiles / wall),
             "projected_42_layers_h": round(layer_s * MOE_LAYERS / 3600, 2),
             "projection_formula": "layer_wall_s * 42 / 3600, layer_wall_s = measured_wall_s * 288 / experts_timed",

@@ -61,7 +61,13 @@ def encode_seconds(in_f: int, out_f: int, bits: int) -> dict:
     w = torch.randn(out_f, in_f, generator=g) * 0.02
     start = time.perf_counter()
     result = encode_linear(w, h, bits, Codebook.MCG)
-    return {"in_features": in_f, "out_features": out_f, "bits": bits, "seconds": round(time.perf_counter() - start, 2), "proxy_error": round(result.proxy_error, 6)}
+    return {
+        "in_features": in_f,
+        "out_features": out_f,
+        "bits": bits,
+        "seconds": round(time.perf_counter() - start, 2),
+        "proxy_error": round(result.proxy_error, 6),
+    }
 
 
 def main() -> None:

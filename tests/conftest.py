@@ -12,6 +12,7 @@ import pytest
 
 from glmquant.fixtures import build_tiny_checkpoint
 
+
 @pytest.fixture(scope="session")
 def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny GLM-5.3-Flash-architecture BF16 checkpoint (built once per test session)."""

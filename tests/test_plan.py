@@ -94,8 +94,13 @@ def _write_plan(plan, source: Path, out: Path) -> None:
 def test_predicted_files_equal_written(tiny_source: Path, tmp_path: Path, layout: str) -> None:
     spec = load_model_spec(tiny_source)
     keep = {layer: (3, 0, 2) for layer in spec.moe_layers + spec.mtp_layers} if layout == "exllamav3" else None
-    plan = plan_artifact(spec, layout, source_shards=load_source_shards(tiny_source / "model.safetensors.index.json"),
-                         keep=keep, shard_bytes=1 << 20)
+    plan = plan_artifact(
+        spec,
+        layout,
+        source_shards=load_source_shards(tiny_source / "model.safetensors.index.json"),
+        keep=keep,
+        shard_bytes=1 << 20,
+    )
     _write_plan(plan, tiny_source, tmp_path)
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == sorted(f.path for f in plan.files)
@@ -110,8 +115,18 @@ def test_predicted_files_equal_written(tiny_source: Path, tmp_path: Path, layout
 
 
 def test_plan_cli_json(tiny_source: Path) -> None:
-    result = CliRunner().invoke(app, ["plan", str(tiny_source), "--layout", "tr3", "--json",
-                                      "--source-index", str(tiny_source / "model.safetensors.index.json")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            str(tiny_source),
+            "--layout",
+            "tr3",
+            "--json",
+            "--source-index",
+            str(tiny_source / "model.safetensors.index.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["indexed_tensor_count"] == sum(f["tensor_count"] for f in data["files"])

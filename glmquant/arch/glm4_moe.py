@@ -23,12 +23,16 @@ def _attention(s: ModelSpec) -> tuple[T, ...]:
         T("self_attn.o_proj.weight", R.ATTENTION, lambda s: (s.hidden_size, q * hd)),
     ]
     if s.text.get("attention_bias", False):
-        group += [T("self_attn.q_proj.bias", R.ATTENTION, lambda s: (q * hd,)),
-                  T("self_attn.k_proj.bias", R.ATTENTION, lambda s: (kv * hd,)),
-                  T("self_attn.v_proj.bias", R.ATTENTION, lambda s: (kv * hd,))]
+        group += [
+            T("self_attn.q_proj.bias", R.ATTENTION, lambda s: (q * hd,)),
+            T("self_attn.k_proj.bias", R.ATTENTION, lambda s: (kv * hd,)),
+            T("self_attn.v_proj.bias", R.ATTENTION, lambda s: (kv * hd,)),
+        ]
     if s.text.get("use_qk_norm", False):
-        group += [T("self_attn.q_norm.weight", R.ATTENTION, lambda s: (hd,)),
-                  T("self_attn.k_norm.weight", R.ATTENTION, lambda s: (hd,))]
+        group += [
+            T("self_attn.q_norm.weight", R.ATTENTION, lambda s: (hd,)),
+            T("self_attn.k_norm.weight", R.ATTENTION, lambda s: (hd,)),
+        ]
     return tuple(group)
 
 

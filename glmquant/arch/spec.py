@@ -91,8 +91,11 @@ def load_model_spec(config: str | Path | Mapping[str, Any]) -> ModelSpec:
     """Build the spec from a config path or an already-parsed config."""
     raw = dict(config) if isinstance(config, Mapping) else read_config(config)
     text = text_block(raw)
-    where = "config" if isinstance(config, Mapping) else str(Path(config) / "config.json" if Path(config).is_dir()
-                                                              else config)
+    where = (
+        "config"
+        if isinstance(config, Mapping)
+        else str(Path(config) / "config.json" if Path(config).is_dir() else config)
+    )
     family = _family(raw, text, where)
     try:
         n_layers = int(text["num_hidden_layers"])
@@ -142,11 +145,16 @@ def _family(raw: Mapping[str, Any], text: Mapping[str, Any], where: str) -> str:
         raise ConfigError(f"{where}: {said}: {reason}; supported: {supported} (at both levels)")
     family = next(iter(families.values()))
     architectures = raw.get("architectures") or []
-    wrong = [a for a in architectures if a not in _ARCHITECTURES[family]] if isinstance(architectures, list) else [
-        architectures]
+    wrong = (
+        [a for a in architectures if a not in _ARCHITECTURES[family]]
+        if isinstance(architectures, list)
+        else [architectures]
+    )
     if wrong:
-        raise ConfigError(f"{where}: architectures {wrong} is not a {family} model class "
-                          f"(expected {list(_ARCHITECTURES[family])}, as model_type says)")
+        raise ConfigError(
+            f"{where}: architectures {wrong} is not a {family} model class "
+            f"(expected {list(_ARCHITECTURES[family])}, as model_type says)"
+        )
     return family
 
 

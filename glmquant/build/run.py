@@ -44,8 +44,13 @@ class EncodedLayers:
         self.job: EncodeJob | None = None
 
     def start(self, rows: TokenRows) -> None:
-        calibration = calibration_info(str(self.config.observe.recipe), rows.recipe_sha256, rows.sha256,
-                                       [tuple(lane.ids.shape) for lane in rows.lanes], self.config.encode.hessians)
+        calibration = calibration_info(
+            str(self.config.observe.recipe),
+            rows.recipe_sha256,
+            rows.sha256,
+            [tuple(lane.ids.shape) for lane in rows.lanes],
+            self.config.encode.hessians,
+        )
         self.job = EncodeJob(self.config.encode, self.source, calibration, self.console)
 
     def save(self, layer: int, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:

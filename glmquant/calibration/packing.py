@@ -22,8 +22,9 @@ class Packed:
     epochs: int  # passes over the source's documents (1 = no document used twice)
 
 
-def pack_rows(docs_for_epoch: Callable[[int], Iterator[str]], tokenizer: Any, rows: int, tokens: int,
-              source: str) -> Packed:
+def pack_rows(
+    docs_for_epoch: Callable[[int], Iterator[str]], tokenizer: Any, rows: int, tokens: int, source: str
+) -> Packed:
     """Fill `rows` x `tokens` from the documents; `docs_for_epoch(e)` yields epoch e's documents."""
     need, stream, epoch = rows * tokens, [], 0
     separator = _separator(tokenizer)

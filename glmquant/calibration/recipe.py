@@ -172,9 +172,19 @@ def _source(file: Path, name: str, data: object) -> SourceSpec:
     if kind == "hf" and dataset is None:
         raise UsageError(f"{file}: {f.key('dataset')}: required for kind hf")
     spec = SourceSpec(
-        name, kind, path, dataset, f.get("subset", str, None), f.get("split", str, "train"),
-        tuple(f.get("data_files", list, [])), f.get("field", str, "text"), f.choice("format", ("text", "chat"), "text"),
-        f.get("response_field", str, None), f.get("separator", str, "\n\n"), f.positive("shuffle_buffer", 10_000))
+        name,
+        kind,
+        path,
+        dataset,
+        f.get("subset", str, None),
+        f.get("split", str, "train"),
+        tuple(f.get("data_files", list, [])),
+        f.get("field", str, "text"),
+        f.choice("format", ("text", "chat"), "text"),
+        f.get("response_field", str, None),
+        f.get("separator", str, "\n\n"),
+        f.positive("shuffle_buffer", 10_000),
+    )
     if spec.response_field and spec.format != "chat":
         raise UsageError(f"{file}: {f.key('response_field')}: only meaningful with format: chat")
     f.done()

@@ -53,10 +53,15 @@ class Exl3Group:
                     out.append(f"{vec.name}: {vec.dtype} {list(vec.shape)}, expected F16 [{size}] for the trellis")
         markers = [self.parts[m] for m in MARKERS if m in self.parts]
         if len(markers) != (codebook != "3inst"):
-            out.append(f"{self.key}: {len(markers)} codebook markers (.mcg/.mul1), expected "
-                       + ("none for 3inst" if codebook == "3inst" else "exactly one"))
-        out += [f"{m.name}: {m.dtype} {list(m.shape)}, expected a 0-dim I32 marker"
-                for m in markers if m.dtype != "I32" or m.shape != ()]
+            out.append(
+                f"{self.key}: {len(markers)} codebook markers (.mcg/.mul1), expected "
+                + ("none for 3inst" if codebook == "3inst" else "exactly one")
+            )
+        out += [
+            f"{m.name}: {m.dtype} {list(m.shape)}, expected a 0-dim I32 marker"
+            for m in markers
+            if m.dtype != "I32" or m.shape != ()
+        ]
         return out
 
 

@@ -111,16 +111,19 @@ def _write_tensor(f: BinaryIO, spec: TensorSpec, data: Provided, path: str | Pat
         if dtype_name(data) != spec.dtype or tuple(data.shape) != spec.shape:
             raise CheckpointFormatError(
                 f"{path}: tensor {spec.name} provided as {dtype_name(data)} {list(data.shape)}, "
-                f"header says {spec.dtype} {list(spec.shape)}")
+                f"header says {spec.dtype} {list(spec.shape)}"
+            )
         data = tensor_to_bytes(data)
     if callable(data):
         start = f.tell()
         written = data(f)
         if written != spec.nbytes or f.tell() - start != spec.nbytes:
             raise CheckpointFormatError(
-                f"{path}: tensor {spec.name} streamed {f.tell() - start} bytes, expected {spec.nbytes}")
+                f"{path}: tensor {spec.name} streamed {f.tell() - start} bytes, expected {spec.nbytes}"
+            )
         return
     if len(memoryview(data).cast("B")) != spec.nbytes:
         raise CheckpointFormatError(
-            f"{path}: tensor {spec.name} provided {len(memoryview(data).cast('B'))} bytes, expected {spec.nbytes}")
+            f"{path}: tensor {spec.name} provided {len(memoryview(data).cast('B'))} bytes, expected {spec.nbytes}"
+        )
     f.write(data)

@@ -34,8 +34,12 @@ R = TypeVar("R")
 
 ExistingPath = Annotated[Path, typer.Argument(exists=True, help="an existing file or directory")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="print machine-readable JSON instead of tables")]
-HubRevision = Annotated[Optional[str], typer.Option(
-    help="with a Hub repo id: branch, tag or commit (default main); files come through the Hugging Face cache")]
+HubRevision = Annotated[
+    Optional[str],
+    typer.Option(
+        help="with a Hub repo id: branch, tag or commit (default main); files come through the Hugging Face cache"
+    ),
+]
 
 
 def print_json(data: Any) -> None:

@@ -29,13 +29,18 @@ def observe(
     hessians: Annotated[HessianMode, typer.Option(help="routed-expert Hessian coverage")] = HessianMode.NATURAL,
     dense_hessians: Annotated[bool, typer.Option(help="also capture attention/shared-expert/dense Hessians")] = False,
     keep: Annotated[Optional[int], typer.Option(help="write prune_plan.json keeping N experts per layer")] = None,
-    tiers: Annotated[Optional[str], typer.Option(
-        help="write tier_plan.json: per-expert K by REAP saliency, e.g. reap:K3=32,K2=rest (of the kept experts)")
+    tiers: Annotated[
+        Optional[str],
+        typer.Option(
+            help="write tier_plan.json: per-expert K by REAP saliency, e.g. reap:K3=32,K2=rest (of the kept experts)"
+        ),
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
-    stream_budget_gb: Annotated[Optional[float], typer.Option(
-        help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed")] = None,
+    stream_budget_gb: Annotated[
+        Optional[float],
+        typer.Option(help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed"),
+    ] = None,
     report: Annotated[bool, typer.Option(help="print per-layer tables and write the REAP heat map")] = False,
     report_layer: Annotated[Optional[list[int]], typer.Option(help="with --report: every expert of this layer")] = None,
     revision: HubRevision = None,
@@ -44,11 +49,25 @@ def observe(
     resolved = resolve_source(source, revision)
     if resolved.repo_id is not None:
         out.print(f"source {resolved.repo_id} at commit {resolved.revision} ({resolved.path})")
-    config = ObserveConfig(resolved.path, out_dir, recipe, rows, tokens, hessians, dense_hessians, keep, device,
-                           batch_rows, stream_budget_gb, tiers)
+    config = ObserveConfig(
+        resolved.path,
+        out_dir,
+        recipe,
+        rows,
+        tokens,
+        hessians,
+        dense_hessians,
+        keep,
+        device,
+        batch_rows,
+        stream_budget_gb,
+        tiers,
+    )
     summary = run_observe(config, progress=True)
-    out.print(f"observed {len(summary.layers)} layers ({len(summary.moe_layers())} MoE) into {out_dir}; "
-              f"token rows {summary.token_rows_sha256[:16]}…, peak RSS {summary.peak_rss_bytes / 2**20:,.0f} MiB")
+    out.print(
+        f"observed {len(summary.layers)} layers ({len(summary.moe_layers())} MoE) into {out_dir}; "
+        f"token rows {summary.token_rows_sha256[:16]}…, peak RSS {summary.peak_rss_bytes / 2**20:,.0f} MiB"
+    )
     if summary.prune_plan:
         out.print(f"prune plan: {out_dir / summary.prune_plan}")
     if summary.tier_plan:

@@ -46,8 +46,10 @@ class HessianSource:
                 backup = load_layer_hessians(self.observations, layer, "all")
             except UsageError:
                 if self.blend is not None:
-                    raise UsageError(f"--blend mixes natural and all-token Hessians: {self.observations} has no "
-                                     f"all-token Hessians for layer {layer} (observe with --hessians both)") from None
+                    raise UsageError(
+                        f"--blend mixes natural and all-token Hessians: {self.observations} has no "
+                        f"all-token Hessians for layer {layer} (observe with --hessians both)"
+                    ) from None
         return LayerHessiansView(primary, backup, self.blend)
 
 
@@ -55,8 +57,7 @@ class LayerHessiansView:
     """One layer's Hessians for the encoder. The all-token gate/up Hessian is one matrix shared by every expert:
     it is read once per layer and handed out as the same tensor object, so the codec factorizes it once."""
 
-    def __init__(self, primary: LayerHessians | None, backup: LayerHessians | None, blend: float | None = None
-                 ) -> None:
+    def __init__(self, primary: LayerHessians | None, backup: LayerHessians | None, blend: float | None = None) -> None:
         if blend is not None and backup is None:
             raise UsageError("a Hessian blend needs the all-token Hessians beside the natural ones")
         self.primary = primary
@@ -77,8 +78,9 @@ class LayerHessiansView:
         all_down = self.backup.down(source_expert)
         if tokens and down.count:  # a blend
             s = self.blend
-            return ExpertHessians(s * gate_up + (1 - s) * all_gate_up, s * down.mean() + (1 - s) * all_down.mean(),
-                                  None)
+            return ExpertHessians(
+                s * gate_up + (1 - s) * all_gate_up, s * down.mean() + (1 - s) * all_down.mean(), None
+            )
         if all_tokens and all_down.count:
             return ExpertHessians(all_gate_up, all_down.mean(), "no_tokens:all")
         return ExpertHessians(None, None, "no_tokens:identity")

@@ -59,6 +59,7 @@ class LayerCapture:
         def hook(_module: nn.Module, args: tuple) -> None:
             if self.targets.dense and self.targets.hessians is not None:
                 self.targets.hessians.add_dense(weight_name, args[0])
+
         return hook
 
     def _on_router(self, gate: nn.Module, args: tuple, output: tuple) -> None:
@@ -91,7 +92,7 @@ class LayerCapture:
         counts = torch.bincount(flat, minlength=self.params.n_experts).tolist()
         start = 0
         for j, count in enumerate(counts):
-            group, start = pairs[start:start + count], start + count
+            group, start = pairs[start : start + count], start + count
             if count == 0:
                 continue
             token, slot = group // top_k, group % top_k
@@ -109,7 +110,9 @@ def check_same_routing(routing: Routing, indices: torch.Tensor, weights: torch.T
     mine, order = routing.indices.sort(dim=-1)
     theirs, their_order = indices.sort(dim=-1)
     same = torch.equal(mine, theirs) and torch.allclose(
-        routing.weights.gather(1, order), weights.float().gather(1, their_order), rtol=1e-6, atol=0)
+        routing.weights.gather(1, order), weights.float().gather(1, their_order), rtol=1e-6, atol=0
+    )
     if not same:
-        raise NumericalError(f"layer {layer}: routing.route disagrees with the model's router "
-                             "(transformers changed its routing?)")
+        raise NumericalError(
+            f"layer {layer}: routing.route disagrees with the model's router (transformers changed its routing?)"
+        )

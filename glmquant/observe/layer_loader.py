@@ -29,8 +29,12 @@ RENAMES = (
     (r"self_attn\.f_b_proj\.", "self_attn.forget_gate.f_b_proj."),
     (r"self_attn\.dt_bias", "self_attn.forget_gate.dt_bias"),
     (r"self_attn\.A_log", "self_attn.forget_gate.A_log"),
-    (r"hc_attn_fn", "attn_hc.fn"), (r"hc_attn_base", "attn_hc.base"), (r"hc_attn_scale", "attn_hc.scale"),
-    (r"hc_ffn_fn", "ffn_hc.fn"), (r"hc_ffn_base", "ffn_hc.base"), (r"hc_ffn_scale", "ffn_hc.scale"),
+    (r"hc_attn_fn", "attn_hc.fn"),
+    (r"hc_attn_base", "attn_hc.base"),
+    (r"hc_attn_scale", "attn_hc.scale"),
+    (r"hc_ffn_fn", "ffn_hc.fn"),
+    (r"hc_ffn_base", "ffn_hc.base"),
+    (r"hc_ffn_scale", "ffn_hc.scale"),
 )
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _CONV = re.compile(r"^self_attn\.([qkv])_conv1d\.weight$")
@@ -60,8 +64,11 @@ class LayerPlan:
         return hits[0].source if len(hits) == 1 and hits[0].where == () else None
 
 
-def text_config(source: str | Path, attn_implementation: str = ATTN_IMPLEMENTATION,
-                experts_implementation: str = EXPERTS_IMPLEMENTATION):
+def text_config(
+    source: str | Path,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
+    experts_implementation: str = EXPERTS_IMPLEMENTATION,
+):
     """The transformers text config of a checkpoint, with the implementations from_pretrained would pick."""
     from transformers import AutoConfig
 
@@ -87,15 +94,16 @@ def layer_plan(spec: ModelSpec, layer: int, moe_intermediate: int) -> LayerPlan:
     prefix = table.layer_prefix(layer)
     out: list[Placement] = []
     for info in table.layer_tensors(spec, layer):
-        suffix = info.name[len(prefix):]
+        suffix = info.name[len(prefix) :]
         if m := _EXPERT.match(suffix):
             expert, proj = int(m.group(1)), m.group(2)
             if proj == "down_proj":
                 out.append(Placement(info.name, "mlp.experts.down_proj", (expert,)))
             else:
                 start = 0 if proj == "gate_proj" else moe_intermediate
-                out.append(Placement(info.name, "mlp.experts.gate_up_proj",
-                                     (expert, slice(start, start + moe_intermediate))))
+                out.append(
+                    Placement(info.name, "mlp.experts.gate_up_proj", (expert, slice(start, start + moe_intermediate)))
+                )
         elif m := _CONV.match(suffix):
             width = info.shape[0]
             start = "qkv".index(m.group(1)) * width
@@ -117,8 +125,9 @@ def fp32_names(patterns: object) -> re.Pattern | None:
     return re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in globs)) if globs else None
 
 
-def load_decoder_layer(ckpt: SourceCheckpoint, spec: ModelSpec, cfg, layer: int,
-                       device: str | torch.device = "cpu") -> nn.Module:
+def load_decoder_layer(
+    ckpt: SourceCheckpoint, spec: ModelSpec, cfg, layer: int, device: str | torch.device = "cpu"
+) -> nn.Module:
     """Build decoder layer `layer` with its weights read from `ckpt`, in eval mode on `device`."""
     from transformers.models.glm5_next import modeling_glm5_next as glm
 
@@ -133,14 +142,20 @@ def load_decoder_layer(ckpt: SourceCheckpoint, spec: ModelSpec, cfg, layer: int,
     finally:
         torch.set_default_dtype(previous)
     keep_fp32 = fp32_names(glm.Glm5NextPreTrainedModel._keep_in_fp32_modules_strict)
-    state = read_layer_state(ckpt, layer_plan(spec, layer, cfg.moe_intermediate_size), module.state_dict(),
-                             keep_fp32, torch.device(device))
+    state = read_layer_state(
+        ckpt, layer_plan(spec, layer, cfg.moe_intermediate_size), module.state_dict(), keep_fp32, torch.device(device)
+    )
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval()
 
 
-def read_layer_state(ckpt: SourceCheckpoint, plan: LayerPlan, meta: Mapping[str, torch.Tensor],
-                     keep_fp32: re.Pattern | None, device: torch.device) -> dict[str, torch.Tensor]:
+def read_layer_state(
+    ckpt: SourceCheckpoint,
+    plan: LayerPlan,
+    meta: Mapping[str, torch.Tensor],
+    keep_fp32: re.Pattern | None,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
     """The module state `plan` fills from `ckpt`: each tensor allocated once (fp32 where `keep_fp32` matches,
     else the dtype of `meta`'s entry) and filled from the source tensors placed into it; every entry of
     `meta` must be filled exactly."""
@@ -148,7 +163,8 @@ def read_layer_state(ckpt: SourceCheckpoint, plan: LayerPlan, meta: Mapping[str,
     if targets != set(meta):
         raise CheckpointFormatError(
             f"{ckpt.directory}: layer {plan.layer} tensors do not fill the transformers module: missing "
-            f"{sorted(set(meta) - targets)[:5]}, unexpected {sorted(targets - set(meta))[:5]}")
+            f"{sorted(set(meta) - targets)[:5]}, unexpected {sorted(targets - set(meta))[:5]}"
+        )
     state: dict[str, torch.Tensor] = {}
     for name, empty in meta.items():
         fp32 = keep_fp32 is not None and keep_fp32.search(name) is not None
@@ -160,12 +176,13 @@ def read_layer_state(ckpt: SourceCheckpoint, plan: LayerPlan, meta: Mapping[str,
         value = ckpt.read_tensor(p.source)
         view = state[p.target][p.where] if p.where else state[p.target]
         if tuple(view.shape) != tuple(value.shape):
-            raise CheckpointFormatError(f"{ckpt.directory}: tensor {p.source} has shape {list(value.shape)}, "
-                                        f"expected {list(view.shape)} for {p.target}")
+            raise CheckpointFormatError(
+                f"{ckpt.directory}: tensor {p.source} has shape {list(value.shape)}, "
+                f"expected {list(view.shape)} for {p.target}"
+            )
         view.copy_(value)
         filled[p.target] += value.numel()
     short = [n for n, count in filled.items() if count != state[n].numel()]
     if short:
         raise CheckpointFormatError(f"{ckpt.directory}: layer {plan.layer} leaves {short[:3]} partly unfilled")
     return state
-

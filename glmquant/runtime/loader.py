@@ -109,8 +109,9 @@ def _model_class(artifact: Artifact) -> type[nn.Module]:
 
     cls = getattr(transformers, artifact.spec.architecture, None)
     if cls is None:
-        raise ConfigError(f"{artifact.path}/config.json: transformers {transformers.__version__} has no "
-                          f"{artifact.spec.architecture}")
+        raise ConfigError(
+            f"{artifact.path}/config.json: transformers {transformers.__version__} has no {artifact.spec.architecture}"
+        )
     return cls
 
 
@@ -129,8 +130,11 @@ def _load_retained(model: nn.Module, artifact: Artifact, dtype: torch.dtype, dev
     """Assign every retained tensor, one decoder layer at a time; unknown or missing tensors fail closed."""
     spec, ckpt = artifact.spec, artifact.checkpoint
     table = table_for(spec)
-    keep_fp32 = fp32_names(getattr(model, "_keep_in_fp32_modules_strict", None)) \
-        if dtype in (torch.float16, torch.bfloat16) else None
+    keep_fp32 = (
+        fp32_names(getattr(model, "_keep_in_fp32_modules_strict", None))
+        if dtype in (torch.float16, torch.bfloat16)
+        else None
+    )
     retained = set(artifact.retained_names())
     placed: set[str] = set()
     for layer in track(range(spec.num_hidden_layers), description="loading layers", transient=True):
@@ -152,7 +156,8 @@ def _load_retained(model: nn.Module, artifact: Artifact, dtype: torch.dtype, dev
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointFormatError(
-            f"{artifact.path}: {len(missing)} model tensor(s) not in the artifact, e.g. {missing[:3]}")
+            f"{artifact.path}: {len(missing)} model tensor(s) not in the artifact, e.g. {missing[:3]}"
+        )
 
 
 def _materialize_buffers(model: nn.Module, device: torch.device) -> None:

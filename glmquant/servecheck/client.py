@@ -48,8 +48,13 @@ class ChatClient:
 
     def complete(self, model: str, request: ChatRequest) -> ChatResult:
         """Send one request at temperature 0 and collect the stream; transport failures become `error`."""
-        kwargs: dict[str, Any] = {"model": model, "messages": list(request.messages), "temperature": 0,
-                                  "stream": True, "stream_options": {"include_usage": True}}
+        kwargs: dict[str, Any] = {
+            "model": model,
+            "messages": list(request.messages),
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if request.tools:
             kwargs["tools"] = list(request.tools)
         if request.max_tokens is not None:
@@ -95,8 +100,9 @@ class _Collector:
     def add(self, chunk: Any, now: float) -> None:
         if chunk.usage is not None:
             details = getattr(chunk.usage, "prompt_tokens_details", None)
-            self.usage = Usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
-                               getattr(details, "cached_tokens", None))
+            self.usage = Usage(
+                chunk.usage.prompt_tokens, chunk.usage.completion_tokens, getattr(details, "cached_tokens", None)
+            )
         for choice in chunk.choices:
             delta = choice.delta
             produced = False
@@ -122,5 +128,12 @@ class _Collector:
 
     def result(self, end: float, error: str | None = None) -> ChatResult:
         calls = tuple(ToolCall(name, args) for _, (name, args) in sorted(self.calls.items()))
-        return ChatResult("".join(self.content), "".join(self.reasoning), calls, self.finish, self.usage,
-                          Timings(self.start, self.first, self.last, end), error)
+        return ChatResult(
+            "".join(self.content),
+            "".join(self.reasoning),
+            calls,
+            self.finish,
+            self.usage,
+            Timings(self.start, self.first, self.last, end),
+            error,
+        )

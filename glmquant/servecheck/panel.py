@@ -106,6 +106,8 @@ def panel_ids(tokenizer: PromptTokenizer, rows: int, tokens: int, text_file: Pat
             raise UsageError(f"{text_file}: cannot read the panel text ({exc})") from None
     ids = tokenizer.encode(text)
     if len(ids) < rows * tokens:
-        raise UsageError(f"the fidelity panel ({text_file or 'built-in'}) holds {len(ids)} tokens of this tokenizer; "
-                         f"--panel-rows x --panel-tokens = {rows} x {tokens} asks for more")
+        raise UsageError(
+            f"the fidelity panel ({text_file or 'built-in'}) holds {len(ids)} tokens of this tokenizer; "
+            f"--panel-rows x --panel-tokens = {rows} x {tokens} asks for more"
+        )
     return torch.tensor(ids[: rows * tokens], dtype=torch.long).view(rows, tokens)

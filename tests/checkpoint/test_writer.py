@@ -63,11 +63,14 @@ def _no_files_left(directory: Path) -> bool:
     return list(directory.iterdir()) == []
 
 
-@pytest.mark.parametrize("bad,message", [
-    (torch.zeros(5, 7, dtype=torch.float16), "provided as F16 \\[5, 7\\], header says BF16 \\[5, 7\\]"),
-    (b"short", "provided 5 bytes, expected 70"),
-    (lambda f: f.write(b"x" * 3), "streamed 3 bytes, expected 70"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (torch.zeros(5, 7, dtype=torch.float16), "provided as F16 \\[5, 7\\], header says BF16 \\[5, 7\\]"),
+        (b"short", "provided 5 bytes, expected 70"),
+        (lambda f: f.write(b"x" * 3), "streamed 3 bytes, expected 70"),
+    ],
+)
 def test_wrong_provider_output(tmp_path: Path, bad: object, message: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -110,6 +113,7 @@ def test_disk_full_is_a_clear_error(tmp_path: Path) -> None:
         def stream(f) -> int:
             f.write(b"\0" * 8)
             raise OSError(errno.ENOSPC, "No space left on device")
+
         return stream
 
     with pytest.raises(GlmquantError, match="x.safetensors: disk full while writing") as err:

@@ -55,7 +55,9 @@ def test_encoding_is_deterministic_and_seeded() -> None:
     for x, y in zip(a.tensor.tensors("p").values(), b.tensor.tensors("p").values()):
         assert torch.equal(x, y)
     c = encode_linear(w, h, 3, "3inst", seed=8)
-    assert not torch.equal(a.tensor.suh.abs(), c.tensor.suh.abs()) or not torch.equal(a.tensor.trellis, c.tensor.trellis)
+    assert not torch.equal(a.tensor.suh.abs(), c.tensor.suh.abs()) or not torch.equal(
+        a.tensor.trellis, c.tensor.trellis
+    )
 
 
 def test_batch_equals_one_by_one_and_handles_shapes_and_fallbacks() -> None:

@@ -26,8 +26,13 @@ def tr3_artifact(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def _routes(artifact, tokens: int, seed: int):
     spec, gen = artifact.spec, torch.Generator().manual_seed(seed)
     hidden = torch.randn(tokens, spec.hidden_size, generator=gen)
-    top = torch.stack([torch.randperm(spec.n_routed_experts, generator=gen)[: spec.num_experts_per_tok] for _ in range(tokens)])
-    return (hidden, *expand_routes(top, torch.rand(tokens, spec.num_experts_per_tok, generator=gen) * 2.5, artifact.ranks))
+    top = torch.stack(
+        [torch.randperm(spec.n_routed_experts, generator=gen)[: spec.num_experts_per_tok] for _ in range(tokens)]
+    )
+    return (
+        hidden,
+        *expand_routes(top, torch.rand(tokens, spec.num_experts_per_tok, generator=gen) * 2.5, artifact.ranks),
+    )
 
 
 def test_triton_backend_matches_torch_backend(tr3_artifact):

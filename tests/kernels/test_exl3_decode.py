@@ -36,7 +36,9 @@ def decode_tiles(trellis: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     """Q (in_pad, out_pad) fp16 through `load_window` + `window_values`, written by the test-only kernel."""
     kt, nt, words = trellis.shape
     out = torch.empty((kt * 16, nt * 16), dtype=torch.float16, device=trellis.device)
-    tiles_kernel[(kt * nt // 64,)](trellis, out, nt, HASH_MASK, HASH_FLIP, K=words // 16, CB=codebook_id(codebook), TILES=64)
+    tiles_kernel[(kt * nt // 64,)](
+        trellis, out, nt, HASH_MASK, HASH_FLIP, K=words // 16, CB=codebook_id(codebook), TILES=64
+    )
     return out
 
 

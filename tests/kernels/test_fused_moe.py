@@ -70,7 +70,7 @@ def test_plan_groups_rows_by_expert_in_jobs_of_at_most_16():
     jobs = {(int(s), int(r)) for s, r in zip(starts, rows, strict=True) if r > 0}
     e = plan.experts.tolist()
     assert sorted(e) == e and sum(r for _, r in jobs) == ids.numel()
-    assert all(r <= 16 and len(set(e[s:s + r])) == 1 for s, r in jobs)
+    assert all(r <= 16 and len(set(e[s : s + r])) == 1 for s, r in jobs)
     assert sorted(r for s, r in jobs if e[s] == 2) == [5, 16]
     assert torch.equal(plan.experts[plan.pos.long()].view(21, 2), ids.int())  # pos maps routes to rows
     assert torch.equal(plan.tokens[plan.pos.long()].view(21, 2), torch.arange(21).int()[:, None].expand(21, 2))
@@ -90,10 +90,17 @@ def test_one_row_plan_keeps_router_ids_and_reuses_its_index_tensors():
 
 def _empty_layer(experts: int, bits: int) -> MoEWeights:
     """Zero EXL3 stacks of 128 x 128 experts: enough for choosing launch shapes."""
+
     def stack(p: int) -> WeightStack:
-        return WeightStack(torch.zeros(p, experts, 8, 8, 16 * bits, dtype=torch.int16),
-                           torch.ones(p, experts, 128, dtype=torch.float16), torch.ones(p, experts, 128, dtype=torch.float16),
-                           1, 128, 128)
+        return WeightStack(
+            torch.zeros(p, experts, 8, 8, 16 * bits, dtype=torch.int16),
+            torch.ones(p, experts, 128, dtype=torch.float16),
+            torch.ones(p, experts, 128, dtype=torch.float16),
+            1,
+            128,
+            128,
+        )
+
     return MoEWeights(stack(2), stack(1), None)
 
 
@@ -124,8 +131,11 @@ def test_tiered_layer_runs_each_expert_at_its_k(job_rows):
         local = torch.full((len(widths),), -1, dtype=torch.int64)
         local[members] = torch.arange(len(members))
         pick = lambda ts: [ts[v] for v in members]  # noqa: E731
-        w = MoEWeights(WeightStack.from_tensors([pick(gates), pick(ups)], device),
-                       WeightStack.from_tensors([pick(downs)], device), 1.5)
+        w = MoEWeights(
+            WeightStack.from_tensors([pick(gates), pick(ups)], device),
+            WeightStack.from_tensors([pick(downs)], device),
+            1.5,
+        )
         groups.append(TierGroup(w, local.to(device)))
     x = torch.randn(3, 128, generator=gen)
     ids = torch.tensor([[0, 2], [1, 4], [2, 3]])

@@ -21,13 +21,34 @@ def app() -> typer.Typer:
     return app
 
 
-def test_options_become_one_config(app: typer.Typer, observed: Path, tiny_source: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_options_become_one_config(
+    app: typer.Typer, observed: Path, tiny_source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[ObserveConfig] = []
     monkeypatch.setattr(cli, "run_observe", lambda config, progress: seen.append(config) or _summary(observed))
-    result = CliRunner().invoke(app, ["observe", str(tiny_source), "--out", str(observed), "--rows", "8",
-                                      "--tokens", "64", "--hessians", "all", "--dense-hessians", "--keep", "3",
-                                      "--batch-rows", "2", "--report", "--report-layer", "2"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "observe",
+            str(tiny_source),
+            "--out",
+            str(observed),
+            "--rows",
+            "8",
+            "--tokens",
+            "64",
+            "--hessians",
+            "all",
+            "--dense-hessians",
+            "--keep",
+            "3",
+            "--batch-rows",
+            "2",
+            "--report",
+            "--report-layer",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert seen == [ObserveConfig(tiny_source, observed, DEFAULT_RECIPE, 8, 64, HessianMode.ALL, True, 3, "cpu", 2)]
     assert "REAP statistics" in result.output and "layer 2 experts" in result.output

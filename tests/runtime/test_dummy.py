@@ -57,8 +57,9 @@ def test_dummy_load_reads_every_text_model_tensor_and_decodes_finite_logits(tiny
                 a, b = getattr(getattr(ours, stack), f.name), getattr(getattr(generic, stack), f.name)
                 assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (layer, stack, f.name)
     mtp = tuple(table.layer_prefix(layer) for layer in spec.mtp_layers)
-    text = {n for n in artifact.checkpoint.names() if not n.startswith(mtp)} - \
-        {t.name for t in table.top_level(spec) if t.role is TensorRole.VISION}
+    text = {n for n in artifact.checkpoint.names() if not n.startswith(mtp)} - {
+        t.name for t in table.top_level(spec) if t.role is TensorRole.VISION
+    }
     assert artifact.checkpoint.reads == text
     logits = engine.prefill(0, torch.arange(20))
     for position in range(20, 26):
@@ -71,8 +72,12 @@ def test_dummy_artifact_of_the_reference_config_plans_the_release(reference_conf
     """583,090 indexed tensors, as `plan` pins for GLM-5.3-Flash; a few small ones read with their planned specs."""
     ckpt = dummy_artifact(reference_config).checkpoint
     assert len(ckpt.names()) == 583_090
-    for name in ("model.language_model.layers.3.mlp.experts.0.down_proj.rank3.suh",
-                 "model.language_model.layers.3.self_attn.indexer.k_norm.weight"):
+    for name in (
+        "model.language_model.layers.3.mlp.experts.0.down_proj.rank3.suh",
+        "model.language_model.layers.3.self_attn.indexer.k_norm.weight",
+    ):
         spec = ckpt.spec(name)
-        assert (tuple(ckpt.read_tensor(name).shape), ckpt.read_tensor(name).dtype) == \
-            (spec.shape, TORCH_DTYPES[spec.dtype])
+        assert (tuple(ckpt.read_tensor(name).shape), ckpt.read_tensor(name).dtype) == (
+            spec.shape,
+            TORCH_DTYPES[spec.dtype],
+        )

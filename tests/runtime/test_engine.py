@@ -91,7 +91,7 @@ def test_compiled_decode_math_equals_eager(artifacts: dict[str, Path]) -> None:
     artifact = open_artifact(artifacts["tr3"])
     engines = [Engine.load(artifact, F32, max_len=64, compile_decode=compiled) for compiled in (False, True)]
     for batch in (1, 2):  # a second shape: dynamic dims after the first recompile
-        logits = [_greedy(engine, PROMPT.input_ids[0, :12 + batch], 3) for engine in engines]
+        logits = [_greedy(engine, PROMPT.input_ids[0, : 12 + batch], 3) for engine in engines]
         for eager, compiled in zip(*logits):
             torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
 
@@ -126,8 +126,9 @@ def test_cuda_engine_with_graphs_decodes_like_the_cpu_reference(artifacts: dict[
     for i in range(11):
         position = PROMPT.num_tokens + i
         token = torch.tensor([eager[-1]], device="cuda")
-        eager.append(int(engine.decode(token, torch.tensor([position], device="cuda"), position + 1, eager=True)[0]
-                         .argmax()))
+        eager.append(
+            int(engine.decode(token, torch.tensor([position], device="cuda"), position + 1, eager=True)[0].argmax())
+        )
     assert tuple(eager) == expected_tokens
 
 

@@ -62,6 +62,7 @@ def test_non_finite_logits_stop_generation_with_a_clear_error(tr3_f32):
     def poison(mod, args, out):
         calls.append(1)
         return out.index_fill(-1, torch.tensor([5]), float("nan")) if len(calls) == 3 else out
+
     hook = tr3_f32.model.lm_head.register_forward_hook(poison)
     try:
         with pytest.raises(NumericalError, match="after 2 generated tokens hold 1 NaN/Inf values"):

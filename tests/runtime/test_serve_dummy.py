@@ -24,8 +24,7 @@ def test_dummy_weights_answer_openai_requests(tiny_source: Path, tmp_path: Path,
     bare.mkdir()
     shutil.copy(tiny_source / "config.json", bare / "config.json")
     prompts = [[{"role": "user", "content": f"question {i} " * (i + 1)}] for i in range(3)]
-    with serve_in_background(bare, load_format="dummy", model_impl=impl, max_model_len=256,
-                             max_num_seqs=2) as running:
+    with serve_in_background(bare, load_format="dummy", model_impl=impl, max_model_len=256, max_num_seqs=2) as running:
         client = _client(running.base_url)
         ask = lambda m: client.chat.completions.create(model="bare", messages=m, max_tokens=5)  # noqa: E731
         first = ask(prompts[0])
@@ -45,6 +44,7 @@ def test_engine_answers_like_transformers_on_an_artifact(artifacts: dict[str, Pa
     for impl in ("transformers", "glmquant"):
         with serve_in_background(artifacts["tr3"], model_impl=impl, dtype="float32", max_model_len=128) as running:
             reply = _client(running.base_url).chat.completions.create(
-                model="tiny-EXL3-2bit", messages=messages, max_tokens=8)
+                model="tiny-EXL3-2bit", messages=messages, max_tokens=8
+            )
             answers.append((reply.choices[0].message.content, reply.usage.completion_tokens))
     assert answers[0] == answers[1]

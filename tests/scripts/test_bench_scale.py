@@ -19,10 +19,35 @@ pytestmark = pytest.mark.slow
 
 
 def _run(tiny_source: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, str(SCRIPT), "--device", "cpu", "--config", str(tiny_source / "config.json"),
-            "--layers", "3", "--experts", "4", "--encode-experts", "2", "--rows", "2", "--tokens", "16",
-            "--batch-rows", "1", "--prompt-tokens", "8", "--decode-tokens", "2", "--work", str(tmp_path / "work"),
-            "--results", str(tmp_path / "scale.json"), *extra]
+    argv = [
+        sys.executable,
+        str(SCRIPT),
+        "--device",
+        "cpu",
+        "--config",
+        str(tiny_source / "config.json"),
+        "--layers",
+        "3",
+        "--experts",
+        "4",
+        "--encode-experts",
+        "2",
+        "--rows",
+        "2",
+        "--tokens",
+        "16",
+        "--batch-rows",
+        "1",
+        "--prompt-tokens",
+        "8",
+        "--decode-tokens",
+        "2",
+        "--work",
+        str(tmp_path / "work"),
+        "--results",
+        str(tmp_path / "scale.json"),
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
 

@@ -24,8 +24,10 @@ def engine_experts(artifact: Artifact, options: RuntimeOptions) -> ExpertBackend
     if options.backend == "torch":
         return make_backend(artifact, options)
     if options.backend not in GPU_BACKENDS:
-        raise UsageError(f"the runtime's own forward runs experts with {', '.join(('torch', *GPU_BACKENDS))}, "
-                         f"not {options.backend!r}")
+        raise UsageError(
+            f"the runtime's own forward runs experts with {', '.join(('torch', *GPU_BACKENDS))}, "
+            f"not {options.backend!r}"
+        )
     from glmquant.runtime.kernels.backend import _device
 
     return ResidentExperts(artifact, _device(options, options.backend))
@@ -43,8 +45,9 @@ class ResidentExperts:
         self.capacity = len(self.weights) * artifact.virtual_experts
         self.uses = 0
 
-    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         self.uses += expert_ids.numel()
         return self.fused_moe(hidden.contiguous(), expert_ids, weights, self.weights[layer])
 

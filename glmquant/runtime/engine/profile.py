@@ -90,8 +90,10 @@ def class_bytes(engine: Engine, batch: int, context: int, experts_routed: int, e
         "routed_moe": sum(m.router.nbytes + m.bias.nbytes for m in moe) + experts_routed * expert_bytes,
         "shared_dense_mlp": sum(_nbytes(lw.mlp if isinstance(lw.mlp, MLP) else lw.mlp.shared) for lw in layers),
         "lm_head": w.lm_head.nbytes + w.norm.nbytes,
-        "rest": sum(_nbytes(lw.attn_hc) + _nbytes(lw.ffn_hc) + lw.input_norm.nbytes + lw.post_norm.nbytes
-                    for lw in layers) + batch * cfg.hidden * item,
+        "rest": sum(
+            _nbytes(lw.attn_hc) + _nbytes(lw.ffn_hc) + lw.input_norm.nbytes + lw.post_norm.nbytes for lw in layers
+        )
+        + batch * cfg.hidden * item,
     }
 
 

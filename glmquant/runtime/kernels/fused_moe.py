@@ -45,11 +45,15 @@ class MoEWeights:
     def __post_init__(self) -> None:
         gu, d = self.gate_up, self.down
         if gu.trellis.shape[0] != 2 or d.trellis.shape[0] != 1 or gu.trellis.shape[1] != d.trellis.shape[1]:
-            raise ValueError(f"gate_up must stack 2 and down 1 projection of the same experts, got "
-                             f"{tuple(gu.trellis.shape[:2])} and {tuple(d.trellis.shape[:2])}")
+            raise ValueError(
+                f"gate_up must stack 2 and down 1 projection of the same experts, got "
+                f"{tuple(gu.trellis.shape[:2])} and {tuple(d.trellis.shape[:2])}"
+            )
         if (gu.out_features, gu.in_features) != (d.in_features, d.out_features):
-            raise ValueError(f"gate/up {gu.in_features}->{gu.out_features} does not chain with down "
-                             f"{d.in_features}->{d.out_features}")
+            raise ValueError(
+                f"gate/up {gu.in_features}->{gu.out_features} does not chain with down "
+                f"{d.in_features}->{d.out_features}"
+            )
 
     @property
     def experts(self) -> int:
@@ -106,8 +110,21 @@ def plan_routes(expert_ids: torch.Tensor, max_rows: int) -> RoutePlan:
 
 
 @triton.jit
-def _swiglu_kernel(part_ptr, R, expert_ptr, svh_ptr, suh_d_ptr, out_ptr, V, Ip, n_inter, limit,
-                   SPLITS: tl.constexpr, ROWS: tl.constexpr, GEMV: tl.constexpr):
+def _swiglu_kernel(
+    part_ptr,
+    R,
+    expert_ptr,
+    svh_ptr,
+    suh_d_ptr,
+    out_ptr,
+    V,
+    Ip,
+    n_inter,
+    limit,
+    SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    GEMV: tl.constexpr,
+):
     """out[i, blk] = (down core's format) had(silu(min(g, L)) * clamp(u, -L, L) ∘ suh_down), g/u = had(partials) ∘ svh."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)[None, :]
@@ -135,8 +152,20 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
     out = activation_buffer(1, R, ip, gemv, part.device)
     limit = float("inf") if w.swiglu_limit is None else float(w.swiglu_limit)
     _swiglu_kernel[(triton.cdiv(R, 16), ip // 128)](
-        part, R, plan.experts, w.gate_up.svh, w.down.suh, out, w.experts, ip, w.gate_up.out_features, limit,
-        SPLITS=splits, ROWS=16, GEMV=gemv)
+        part,
+        R,
+        plan.experts,
+        w.gate_up.svh,
+        w.down.suh,
+        out,
+        w.experts,
+        ip,
+        w.gate_up.out_features,
+        limit,
+        SPLITS=splits,
+        ROWS=16,
+        GEMV=gemv,
+    )
     return out
 
 
@@ -169,8 +198,14 @@ def choose_moe_config(tokens: int, routes: int, w: MoEWeights) -> MoEConfig:
     return MoEConfig(GEMV_JOB_ROWS if per_expert < 4 else JOB_ROWS.value)
 
 
-def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
-              cfg: MoEConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def fused_moe(
+    hidden: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w: MoEWeights,
+    cfg: MoEConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """sum_j weights[t, j] * down_v(silu(clamp(gate_v x_t)) * clamp(up_v x_t)), v = expert_ids[t, j].
 
     hidden [T, H] any float dtype; expert_ids [T, n] virtual expert ids; weights [T, n] router weights.
