@@ -16,6 +16,7 @@ from rich.console import Console
 
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import plan_artifact
+from glmquant.checkpoint.provenance import build_timestamp
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.summary import summary_table
 from glmquant.errors import GlmquantError
@@ -23,11 +24,9 @@ from glmquant.fixtures import build_tiny_checkpoint
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.run import observe
 from glmquant.plan import load_source_shards, summarize
-from glmquant.checkpoint.provenance import build_timestamp
 from glmquant.servecheck.config import REPORT_MD, ServeCheckConfig
 from glmquant.servecheck.report import summary_table as serve_check_summary
 from glmquant.servecheck.run import serve_check
-
 
 DEMO_EPOCH = 1_767_225_600  # 2026-01-01T00:00:00Z: the demo's manifest time unless SOURCE_DATE_EPOCH says otherwise
 CANNOT_ANSWER = "a tiny random model cannot answer it (run it on a real artifact)"

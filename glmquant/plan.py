@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glmquant.arch import ModelSpec, TensorRole, table_for
-from glmquant.checkpoint.layouts import ArtifactPlan, OutputTensor
 from glmquant.checkpoint.index import read_index
+from glmquant.checkpoint.layouts import ArtifactPlan, OutputTensor
 from glmquant.checkpoint.tiers import tier_bitmap_sha256
 
 _DECODE_SKIPPED = (TensorRole.VISION, TensorRole.EMBEDDING)

@@ -29,15 +29,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from glmquant.arch import load_model_spec  # noqa: E402
-from glmquant.checkpoint.layouts import expert_slices  # noqa: E402
-from glmquant.encode.layer import EncodedLayer, UnitInputs, encode_unit  # noqa: E402
-from glmquant.encode.slices import slice_hessian, slice_weight  # noqa: E402
-from glmquant.encode.units import UnitStore  # noqa: E402
-from glmquant.exl3 import Codebook  # noqa: E402
-from glmquant.exl3.backends import ENV_VAR, exllamav3_available, select_backend  # noqa: E402
-from glmquant.exl3.scale_search import DEFAULT_SEARCH, EXLLAMAV3_SEARCH, ScaleSearch  # noqa: E402
-from glmquant.exl3.timing import record_stages  # noqa: E402
+from glmquant.arch import load_model_spec
+from glmquant.checkpoint.layouts import expert_slices
+from glmquant.encode.layer import EncodedLayer, UnitInputs, encode_unit
+from glmquant.encode.slices import slice_hessian, slice_weight
+from glmquant.encode.units import UnitStore
+from glmquant.exl3 import Codebook
+from glmquant.exl3.backends import ENV_VAR, exllamav3_available, select_backend
+from glmquant.exl3.scale_search import DEFAULT_SEARCH, EXLLAMAV3_SEARCH, ScaleSearch
+from glmquant.exl3.timing import record_stages
 
 CONFIG = Path(__file__).resolve().parents[1] / "tests/data/glm-5.3-flash/config.json"
 MOE_LAYERS = 42
@@ -107,8 +107,8 @@ def encode_layer(
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=1) as reader, record_stages() as stages:
-        pending = reader.submit(make_unit, spec, layout, range(0, min(per_unit, experts)), device)
-        for i, start in enumerate(starts):
+        pending = reader.submit(make_unit, spec, layout, range(min(per_unit, experts)), device)
+        for i in range(len(starts)):
             unit = pending.result()
             if i + 1 < len(starts):
                 nxt = starts[i + 1]

@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -198,13 +198,8 @@ def decode_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dic
             positions = torch.full((batch,), context, dtype=torch.long, device=engine.device)
             for _ in range(2):  # the first call of a signature runs eagerly, the second captures
                 tokens = engine.decode(tokens, positions, context + sizes.steps).argmax(dim=-1)
-
-            def steps() -> None:
-                nonlocal tokens
-                for i in range(sizes.steps):
-                    tokens = engine.decode(tokens, positions + i, context + sizes.steps).argmax(dim=-1)
-
-            ms = timed_ms(engine, steps) / sizes.steps
+            run = partial(greedy_replays, engine, tokens, positions, context + sizes.steps, sizes.steps)
+            ms = timed_ms(engine, run) / sizes.steps
             yield {
                 "context": context,
                 "batch": batch,
@@ -213,13 +208,19 @@ def decode_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dic
             }
 
 
+def greedy_replays(engine: Engine, tokens: torch.Tensor, positions: torch.Tensor, length: int, steps: int) -> None:
+    """`steps` graph-replayed greedy decode steps from `tokens` at `positions` (caches of `length` tokens)."""
+    for i in range(steps):
+        tokens = engine.decode(tokens, positions + i, length).argmax(dim=-1)
+
+
 def prefill_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dict[str, Any]]:
     for length in sizes.prefill:
         engine.reallocate(1, length + 8)
         engine.prefill(0, random_ids(engine, 2 * sizes.chunk), chunk=sizes.chunk)  # compiles every chunk kernel
         reset_peak(engine)
         ids = random_ids(engine, length)
-        ms = timed_ms(engine, lambda: engine.prefill(0, ids, chunk=sizes.chunk))
+        ms = timed_ms(engine, partial(engine.prefill, 0, ids, chunk=sizes.chunk))
         yield {
             "tokens": length,
             "seconds": round(ms / 1000, 3),

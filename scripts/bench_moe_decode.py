@@ -31,8 +31,15 @@ import triton
 
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
 from glmquant.runtime.kernels.exl3_decode import codebook_id
-from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack
-from glmquant.runtime.kernels.exl3_gemm import exl3_rows, job_rows, rotate_in, rotate_out, uses_gemv
+from glmquant.runtime.kernels.exl3_gemm import (
+    GemmConfig,
+    WeightStack,
+    exl3_rows,
+    job_rows,
+    rotate_in,
+    rotate_out,
+    uses_gemv,
+)
 from glmquant.runtime.kernels.fused_moe import (
     MoEConfig,
     MoEWeights,
@@ -76,10 +83,12 @@ def random_stack(
     trellis = torch.randint(
         -32768, 32768, (p, v, inf // 16, outf // 16, 16 * bits), generator=gen, device=dev, dtype=torch.int32
     ).to(torch.int16)
-    signed = lambda *s: (
-        (torch.randint(0, 2, s, generator=gen, device=dev) * 2 - 1)  # noqa: E731
-        * (0.5 + torch.rand(s, generator=gen, device=dev))
-    )
+
+    def signed(*s: int) -> torch.Tensor:
+        return (torch.randint(0, 2, s, generator=gen, device=dev) * 2 - 1) * (
+            0.5 + torch.rand(s, generator=gen, device=dev)
+        )
+
     return WeightStack(
         trellis, (signed(p, v, inf) * scale).half(), signed(p, v, outf).half(), codebook_id(codebook), inf, outf
     )
@@ -106,7 +115,10 @@ def routing_sets(gen: torch.Generator, args: argparse.Namespace, batch: int) -> 
 
 def expert_bytes(w: MoEWeights) -> int:
     """EXL3 bytes of one virtual expert: gate, up and down, each trellis + fp16 suh + svh."""
-    proj = lambda s: s.trellis[0, 0].numel() * 2 + 2 * (s.suh.shape[-1] + s.svh.shape[-1])  # noqa: E731
+
+    def proj(s: WeightStack) -> int:
+        return s.trellis[0, 0].numel() * 2 + 2 * (s.suh.shape[-1] + s.svh.shape[-1])
+
     return 2 * proj(w.gate_up) + proj(w.down)
 
 
@@ -213,11 +225,11 @@ def summarize(
 
 
 def exllamav3_version() -> str | None:
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         return version("exllamav3")
-    except Exception:
+    except PackageNotFoundError:
         return None
 
 
@@ -277,7 +289,7 @@ def time_impl(
     key = f"{impl}.{case.layout.name}.b{case.batch}"
     try:
         times = clock.repeat(make_timer(), args.reps)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - recorded in the notes: one failed case must not lose the others
         notes[key] = traceback.format_exc()[-2000:]
         print(f"{key}: FAILED {exc!r}"[:300], flush=True)
         return "CUDA error" not in str(exc)
@@ -332,7 +344,10 @@ def run_exllamav3(args, clock: Clock, cases: list[Case], copy_bw: float, results
 
 
 def run_sweep(args, gen, clock: Clock, results: list) -> None:
-    """Graphed steps per core config (`sweep_configs`) at each --batches size; jobs as `choose_moe_config` sizes them."""
+    """Graphed steps per core config (`sweep_configs`) at each --batches size.
+
+    Jobs are sized as `choose_moe_config` sizes them.
+    """
     for ranks in (1, args.ranks):
         w = make_layer(gen, args, ranks)
         for batch in args.batches:
@@ -349,7 +364,7 @@ def run_sweep(args, gen, clock: Clock, results: list) -> None:
                 try:
                     step = partial(fused_moe, w=w, cfg=MoEConfig(job_rows, cfg, cfg))
                     row["median_us"] = statistics.median(clock.repeat(graph_timer(clock, step, inputs), args.reps))
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - recorded in the row: a config that fails is a result
                     row["error"] = repr(exc)[-500:]
                 results.append(row)
                 print("sweep", ranks, batch, job_rows, asdict(cfg), row.get("median_us"), flush=True)
@@ -528,7 +543,7 @@ def main() -> None:
     if healthy and "exllamav3" in args.impls:
         try:
             run_exllamav3(args, clock, cases, copy_bw, results, notes)
-        except Exception:
+        except Exception:  # noqa: BLE001 - recorded in the notes: ours and BF16 are already measured
             notes["exllamav3"] = traceback.format_exc()[-3000:]
         save()
     print(json.dumps(report["projection"], indent=1), flush=True)

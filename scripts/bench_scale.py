@@ -23,6 +23,7 @@ The `full_model` object extrapolates to --full-config with the --full-recipe tok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -274,10 +275,8 @@ def dir_bytes_safe(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):
         for name in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += os.stat(os.path.join(root, name)).st_size
-            except FileNotFoundError:
-                pass
     return total
 
 
@@ -433,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage:
         run_stage_here(args)
         return
-    from scale_extrapolation import extrapolate  # noqa: E402  (beside this script)
+    from scale_extrapolation import extrapolate  # beside this script
 
     record: dict[str, Any] = {
         "bench": "scale",

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a plain checkout, no install
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout, no install
 
 from glmquant.exl3 import (
     Codebook,
@@ -42,6 +41,8 @@ from glmquant.exl3 import (
 from glmquant.exl3.backends import exllamav3_available, select_backend
 from glmquant.exl3.codebooks import codebook_values
 from glmquant.exl3.native import load_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = [f"{cb}.K{k}" for cb in ("3inst", "mcg", "mul1") for k in (2, 3, 4)]
 LARGE = [(4096, 2048), (4096, 512)]  # (in_features, out_features)

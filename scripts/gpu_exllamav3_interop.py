@@ -29,7 +29,7 @@ def step(record: dict, name: str, fn):
     t0 = time.perf_counter()
     try:
         record[name] = {"ok": True, **(fn() or {})}
-    except Exception as exc:  # recorded, not raised: the other steps still run
+    except Exception as exc:  # noqa: BLE001 - recorded, not raised: the other steps still run
         record[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
     record[name]["seconds"] = round(time.perf_counter() - t0, 2)
     print(name, json.dumps({k: v for k, v in record[name].items() if k != "trace"})[:600], flush=True)
@@ -90,7 +90,7 @@ def load_and_compare(artifact: Path) -> dict:
         ids = torch.tensor([[256, 258, 260, 72, 101, 108, 108, 111]], dtype=torch.long)
         logits = model.forward(ids, {"attn_mode": "flash_attn_nc"})
         result.update(forward_logits_shape=list(logits.shape), forward_logits_finite=bool(torch.isfinite(logits).all()))
-    except Exception as exc:  # recorded: the load and the weights are the check, the tiny dims may not suit its kernels
+    except Exception as exc:  # noqa: BLE001 - recorded: the load and the weights are the check, the tiny dims may not suit its kernels
         result["forward_error"] = f"{type(exc).__name__}: {exc}"[:500]
     return result
 

@@ -134,7 +134,9 @@ def check_linear(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int)
 
 
 def moe_case(gen: torch.Generator, cb: str, k: int, experts: int, hidden: int, inter: int):
-    make = lambda i, o, s: [random_exl3(gen, i, o, k, cb, s) for _ in range(experts)]  # noqa: E731
+    def make(i: int, o: int, s: float) -> list[EXL3Tensor]:
+        return [random_exl3(gen, i, o, k, cb, s) for _ in range(experts)]
+
     gates, ups, downs = make(hidden, inter, 0.06), make(hidden, inter, 0.06), make(inter, hidden, 0.01)
     dev = gen.device
     w = MoEWeights(WeightStack.from_tensors([gates, ups], dev), WeightStack.from_tensors([downs], dev), 10.0)
@@ -180,7 +182,10 @@ def check_graphs(gen: torch.Generator, hidden: int, inter: int) -> dict:
     """Eager, capture, then replays with fresh inputs: every replay equals an eager run bit for bit."""
     w, *_ = moe_case(gen, "mcg", 2, 16, hidden, inter)
     graphs, diffs = StepGraphs(), []
-    step = lambda h, i, r: fused_moe(h, i, r, w)  # noqa: E731
+
+    def step(h: torch.Tensor, i: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return fused_moe(h, i, r, w)
+
     for _ in range(5):
         x = torch.randn(2, hidden, generator=gen, device="cuda")
         ids = torch.stack([torch.randperm(16, generator=gen, device="cuda")[:8] for _ in range(2)])
@@ -209,7 +214,7 @@ def compile_for(fn, signature: dict, constexprs: dict, cc: int, num_warps: int, 
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     src = triton.compiler.ASTSource(
-        fn=fn, signature={**signature, **{c: "constexpr" for c in constexprs}}, constexprs=constexprs, attrs=attrs
+        fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs, attrs=attrs
     )
     kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -386,7 +391,7 @@ def run(name: str, fn, results: dict) -> None:
     t0 = time.time()
     try:
         results[name] = fn()
-    except Exception:  # a failing check is recorded and the others still run
+    except Exception:  # noqa: BLE001 - a failing check is recorded and the others still run
         results[name] = {"error": traceback.format_exc()[-3000:]}
     print(f"{name}: {time.time() - t0:.1f}s", flush=True)
 

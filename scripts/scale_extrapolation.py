@@ -67,14 +67,14 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     missing = sorted(set(kinds) - set(per))
     if missing:
         raise SystemExit(f"the rehearsal has no layer of kind(s) {missing}: use more --layers")
-    measured = sum(l["cost"]["observe_s"] + l["cost"]["advance_s"] for l in layers)
+    measured = sum(layer["cost"]["observe_s"] + layer["cost"]["advance_s"] for layer in layers)
     warm = sum(
         t_run
         * (
-            per[layer_kind(l)]["observe"]
-            + per[layer_kind(l)]["forward"] * l["cost"]["recomputed_chunks"] / max(l["cost"]["chunks"], 1)
+            per[layer_kind(layer)]["observe"]
+            + per[layer_kind(layer)]["forward"] * layer["cost"]["recomputed_chunks"] / max(layer["cost"]["chunks"], 1)
         )
-        for l in layers
+        for layer in layers
     )
     first_calls = max(measured - warm, 0.0)
     observe_s = (
@@ -88,7 +88,9 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     )
 
     encoded = build["encode_layers"]
-    s_per_tensor = sum(l["seconds"] for l in encoded) / sum(l["tensors"] for l in encoded)
+    s_per_tensor = sum(encoded_layer["seconds"] for encoded_layer in encoded) / sum(
+        encoded_layer["tensors"] for encoded_layer in encoded
+    )
     tensors_full = len(full.moe_layers) * full.n_routed_experts * TR3_SLICES_PER_EXPERT
     artifact_full = sum(f.size for f in plan_artifact(full, "tr3").files)
     finish_full = build["finish"]["seconds"] * artifact_full / build["artifact_bytes"]
@@ -97,7 +99,10 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     e_run = max(1, args.experts or full.n_routed_experts)
     h, i = full.hidden_size, full.moe_intermediate_size
     per_expert_gpu = 3 * h * i * 2 + (h * h + i * i) * 4  # BF16 weights + natural Hessian sums (F32)
-    peak_gpu_run = max([build["observation"]["peak_device_bytes"] or 0] + [l["peak_gpu_bytes"] or 0 for l in encoded])
+    peak_gpu_run = max(
+        [build["observation"]["peak_device_bytes"] or 0]
+        + [encoded_layer["peak_gpu_bytes"] or 0 for encoded_layer in encoded]
+    )
     peak_gpu_full = peak_gpu_run + max(full.n_routed_experts - e_run, 0) * per_expert_gpu
     streams_peak = min(2 * s_full, max(budget, s_full))
     disk = streams_peak + t_full * 4 + len(full.moe_layers) * full.n_routed_experts * 11 * 8

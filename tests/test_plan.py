@@ -71,7 +71,7 @@ def test_source_index_numbering(tiny_source: Path) -> None:
     for f in retained:
         assert f.path == f.source_shard.replace("model-", "retained-")
         assert all(shards[t.source] == f.source_shard for t in f.tensors)
-    expert_only = {s for s in shards.values()} - {f.source_shard for f in retained}
+    expert_only = set(shards.values()) - {f.source_shard for f in retained}
     assert expert_only  # source shards that held only quantized experts produce no retained file
 
 
@@ -93,7 +93,7 @@ def _write_plan(plan, source: Path, out: Path) -> None:
 @pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
 def test_predicted_files_equal_written(tiny_source: Path, tmp_path: Path, layout: str) -> None:
     spec = load_model_spec(tiny_source)
-    keep = {layer: (3, 0, 2) for layer in spec.moe_layers + spec.mtp_layers} if layout == "exllamav3" else None
+    keep = dict.fromkeys(spec.moe_layers + spec.mtp_layers, (3, 0, 2)) if layout == "exllamav3" else None
     plan = plan_artifact(
         spec,
         layout,
@@ -108,7 +108,7 @@ def test_predicted_files_equal_written(tiny_source: Path, tmp_path: Path, layout
         path = tmp_path / f.path
         assert path.stat().st_size == f.size, f.path
         with safe_open(path, "pt") as sf:
-            assert {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()} == {t.name: t.shape for t in f.tensors}
+            assert {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()} == {t.name: t.shape for t in f.tensors}  # noqa: SIM118 - safe_open has keys() but no __iter__
     if keep:
         router = next(t for f in plan.files for t in f.tensors if t.name.endswith("layers.1.mlp.gate.weight"))
         assert router.shape[0] == 3 and router.rows == (3, 0, 2)

@@ -3,10 +3,11 @@ experts with a correction bias, MTP layers appended after the decoder layers."""
 
 from __future__ import annotations
 
+from glmquant.arch.glm_common import DENSE_MLP, LAYER_NORMS, MOE, MTP_EXTRA
 from glmquant.arch.roles import TensorRole as R
 from glmquant.arch.spec import ModelSpec
-from glmquant.arch.glm_common import DENSE_MLP, LAYER_NORMS, MOE, MTP_EXTRA
-from glmquant.arch.table import ArchitectureTable, Template as T, TensorInfo, register
+from glmquant.arch.table import ArchitectureTable, TensorInfo, register
+from glmquant.arch.table import Template as T
 
 
 def _heads(s: ModelSpec) -> tuple[int, int, int]:

@@ -123,7 +123,7 @@ def _tr3_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
         raise UsageError(f"the tr3 layout has K1 to K4 tiers only; got K{sorted(counts)}")
     n = experts_per_layer(plan)
     cal = provenance.calibration
-    block: dict[str, Any] = {key: 0 for key in RELEASE_TIER_KEYS.values()}
+    block: dict[str, Any] = dict.fromkeys(RELEASE_TIER_KEYS.values(), 0)
     block.update({TR3_TIER_KEYS[b]: c for b, c in counts.items()})
     block.update(
         {

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from math import prod
 from dataclasses import dataclass, field
 from functools import cached_property
+from math import prod
 from typing import NamedTuple
 
-from glmquant.arch import DTYPE_BYTES, PROJECTIONS, ModelSpec, TensorInfo, TensorRole, source_tensors, table_for
+from glmquant.arch import DTYPE_BYTES, PROJECTIONS, ModelSpec, TensorRole, source_tensors, table_for
 from glmquant.checkpoint.safetensors_format import TensorSpec, file_size
 from glmquant.errors import UsageError
 

@@ -164,7 +164,7 @@ def _file_entry(f: PlannedFile, header: ParsedHeader, sha256: str, plan: Artifac
                 "gpu": f.gpu,
                 "logical_expert_count": len(experts),
                 "shadow_expert_count": 0,
-                "tier": file_tier(plan.bits_of(l, e) for l, e in experts),
+                "tier": file_tier(plan.bits_of(layer, e) for layer, e in experts),
             }
         )
     elif f.kind == "retained":

@@ -14,11 +14,11 @@ import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from json.encoder import encode_basestring
 from itertools import accumulate
+from json.encoder import encode_basestring
 from math import prod
-from typing import NamedTuple, Protocol
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 from glmquant.arch.table import DTYPE_BYTES
 from glmquant.errors import CheckpointFormatError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -25,29 +25,25 @@ def build(
     observations: Annotated[Path, typer.Option(help="observations directory: statistics, token rows, resume state")],
     out_dir: Annotated[Path, typer.Option("--out", help="artifact directory to write")],
     recipe: Annotated[Path, typer.Option(help="calibration recipe (YAML)")] = DEFAULT_RECIPE,
-    rows: Annotated[Optional[int], typer.Option(help="rows per lane (overrides the recipe)")] = None,
-    tokens: Annotated[Optional[int], typer.Option(help="tokens per row (overrides the recipe)")] = None,
+    rows: Annotated[int | None, typer.Option(help="rows per lane (overrides the recipe)")] = None,
+    tokens: Annotated[int | None, typer.Option(help="tokens per row (overrides the recipe)")] = None,
     hessians: Annotated[
         HessianMode, typer.Option(help="Hessians to observe; 'all' encodes with all-token Hessians, else natural ones")
     ] = HessianMode.NATURAL,
-    keep: Annotated[
-        Optional[int], typer.Option(help="also write OBS/prune_plan.json keeping N experts per layer")
-    ] = None,
-    prune_plan: Annotated[
-        Optional[Path], typer.Option(help="encode only the experts this prune_plan.json keeps")
-    ] = None,
+    keep: Annotated[int | None, typer.Option(help="also write OBS/prune_plan.json keeping N experts per layer")] = None,
+    prune_plan: Annotated[Path | None, typer.Option(help="encode only the experts this prune_plan.json keeps")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda (observation and encoding)")] = "cpu",
     batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
     stream_budget_gb: Annotated[
-        Optional[float],
+        float | None,
         typer.Option(help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed"),
     ] = None,
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
-    work_dir: Annotated[Optional[Path], typer.Option(help="resumable encode state (default: ARTIFACT.work)")] = None,
+    work_dir: Annotated[Path | None, typer.Option(help="resumable encode state (default: ARTIFACT.work)")] = None,
     seed: Annotated[int, typer.Option(help="base seed of the EXL3 sign flips")] = 0,
-    source_repo: Annotated[Optional[str], typer.Option(help="source repo id recorded in the provenance")] = None,
+    source_repo: Annotated[str | None, typer.Option(help="source repo id recorded in the provenance")] = None,
 ) -> None:
     """Observe and encode layer by layer: the same artifact as observe + encode, without Hessians on disk."""
     config = BuildConfig(

@@ -4,7 +4,7 @@ config's widths (the reference GLM-5.3-Flash config unless --config says otherwi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -29,13 +29,13 @@ def fixture(
     out_dir: Annotated[Path, typer.Argument(help="directory to write the BF16 checkpoint into")],
     seed: Annotated[int, typer.Option(help="random seed of the weights")] = 0,
     experts: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(
             help=f"routed experts per MoE layer (tiny: {TinyModelConfig.n_routed_experts}; with --layers: the config's)"
         ),
     ] = None,
     layers: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(
             help="build a real-width checkpoint of the first N decoder layers of --config (plus its MTP layer)"
         ),

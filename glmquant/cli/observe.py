@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -24,13 +24,13 @@ def observe(
     source: Annotated[str, typer.Argument(help="BF16 source checkpoint: a directory or a Hub repo id")],
     out_dir: Annotated[Path, typer.Option("--out", help="observations directory (rerun to resume)")],
     recipe: Annotated[Path, typer.Option(help="calibration recipe (YAML)")] = DEFAULT_RECIPE,
-    rows: Annotated[Optional[int], typer.Option(help="rows per lane (overrides the recipe)")] = None,
-    tokens: Annotated[Optional[int], typer.Option(help="tokens per row (overrides the recipe)")] = None,
+    rows: Annotated[int | None, typer.Option(help="rows per lane (overrides the recipe)")] = None,
+    tokens: Annotated[int | None, typer.Option(help="tokens per row (overrides the recipe)")] = None,
     hessians: Annotated[HessianMode, typer.Option(help="routed-expert Hessian coverage")] = HessianMode.NATURAL,
     dense_hessians: Annotated[bool, typer.Option(help="also capture attention/shared-expert/dense Hessians")] = False,
-    keep: Annotated[Optional[int], typer.Option(help="write prune_plan.json keeping N experts per layer")] = None,
+    keep: Annotated[int | None, typer.Option(help="write prune_plan.json keeping N experts per layer")] = None,
     tiers: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             help="write tier_plan.json: per-expert K by REAP saliency, e.g. reap:K3=32,K2=rest (of the kept experts)"
         ),
@@ -38,11 +38,11 @@ def observe(
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
     stream_budget_gb: Annotated[
-        Optional[float],
+        float | None,
         typer.Option(help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed"),
     ] = None,
     report: Annotated[bool, typer.Option(help="print per-layer tables and write the REAP heat map")] = False,
-    report_layer: Annotated[Optional[list[int]], typer.Option(help="with --report: every expert of this layer")] = None,
+    report_layer: Annotated[list[int] | None, typer.Option(help="with --report: every expert of this layer")] = None,
     revision: HubRevision = None,
 ) -> None:
     """Stream calibration rows through the model layer by layer; save REAP statistics and Hessians."""

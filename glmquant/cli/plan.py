@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from glmquant.arch import load_model_spec
-from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.hub import CONFIG_FILES, resolve_source
+from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.cli.common import HubRevision, JsonFlag, guarded, out, print_json
 from glmquant.observe.tiers import load_tier_plan
 from glmquant.plan import load_source_shards, plan_to_json, summarize
@@ -24,13 +24,13 @@ def register(app: typer.Typer) -> None:
 def plan(
     config: Annotated[str, typer.Argument(help="config.json, a directory holding one, or a Hub repo id")],
     source_index: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(help="source model.safetensors.index.json (default with a Hub repo id: the repo's)"),
     ] = None,
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
     tier_plan: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(help="per-expert K from an observation's tier_plan.json (observe --tiers; replaces --bits)"),
     ] = None,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.logging import RichHandler
@@ -36,16 +36,16 @@ def serve(
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: any free port)")] = 8000,
     served_model_name: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="model name clients send (default: the artifact's, e.g. GLM-5.3-Flash-EXL3-2bit)"),
     ] = None,
     max_model_len: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(help="prompt + completion tokens per request (default: the config's max_position_embeddings)"),
     ] = None,
     max_num_seqs: Annotated[int, typer.Option(help="sequences generated at once; others wait in the queue")] = 1,
     api_key: Annotated[
-        Optional[str], typer.Option(envvar="GLMQUANT_API_KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
+        str | None, typer.Option(envvar="GLMQUANT_API_KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
     ] = None,
     dtype: Annotated[
         str, typer.Option(help=f"activation dtype: {', '.join(DTYPE_CHOICES)} (auto: the checkpoint's 16-bit dtype)")
@@ -59,8 +59,8 @@ def serve(
         str,
         typer.Option(
             help=(
-                "auto: read the artifact's weights; dummy: make them from its config, as `plan` predicts them (speed tests "
-                "without weight files; layout and bits from the config's quantization block, else tr3 K2)"
+                "auto: read the artifact's weights; dummy: make them from its config, as `plan` predicts them "
+                "(speed tests without weight files; layout and bits from the config's quantization block, else tr3 K2)"
             )
         ),
     ] = "auto",
@@ -68,8 +68,8 @@ def serve(
         str,
         typer.Option(
             help=(
-                "transformers: transformers' modules; glmquant: the runtime's own forward (static caches, chunked prefill, "
-                "whole decode steps as CUDA graphs with --backend triton; text only)"
+                "transformers: transformers' modules; glmquant: the runtime's own forward (static caches, chunked "
+                "prefill, whole decode steps as CUDA graphs with --backend triton; text only)"
             )
         ),
     ] = "transformers",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.live import Live
@@ -75,9 +75,9 @@ Opt = typer.Option
 
 @guarded
 def serve_check_command(
-    artifact: Annotated[Optional[Path], typer.Argument(help="artifact directory, served on a free local port")] = None,
-    endpoint: Annotated[Optional[str], Opt(help="an OpenAI-compatible server instead (http://host:8000/v1)")] = None,
-    model: Annotated[Optional[str], Opt(help="model name to ask for (default: the first one listed)")] = None,
+    artifact: Annotated[Path | None, typer.Argument(help="artifact directory, served on a free local port")] = None,
+    endpoint: Annotated[str | None, Opt(help="an OpenAI-compatible server instead (http://host:8000/v1)")] = None,
+    model: Annotated[str | None, Opt(help="model name to ask for (default: the first one listed)")] = None,
     gates: Annotated[
         str,
         Opt(help=f"comma-separated subset of {','.join(ALL_GATES)} (default: all; fidelity only with --bf16-source)"),
@@ -85,19 +85,19 @@ def serve_check_command(
     needle_tokens: Annotated[int, Opt(help="prompt tokens of the long-context gate")] = 200_000,
     speed_inputs: Annotated[str, Opt(help="comma-separated prompt lengths of the speed cells")] = "1024,32768",
     concurrency: Annotated[int, Opt(help="concurrent streams per speed cell")] = 1,
-    bf16_source: Annotated[Optional[Path], Opt(help="BF16 source checkpoint: enables the fidelity gate")] = None,
+    bf16_source: Annotated[Path | None, Opt(help="BF16 source checkpoint: enables the fidelity gate")] = None,
     kl_max: Annotated[float, Opt(help="fidelity: highest passing mean KL (nats)")] = 0.5,
     top1_min: Annotated[float, Opt(help="fidelity: lowest passing top-1 agreement (0-1)")] = 0.75,
     min_decode_tps: Annotated[float, Opt(help="speed: lowest passing mean decode tok/s per stream")] = 5.0,
     panel_rows: Annotated[int, Opt(help="fidelity: panel rows")] = 4,
     panel_tokens: Annotated[int, Opt(help="fidelity: tokens per panel row")] = 256,
-    panel_text: Annotated[Optional[Path], Opt(help="fidelity: a UTF-8 text file instead of the built-in panel")] = None,
+    panel_text: Annotated[Path | None, Opt(help="fidelity: a UTF-8 text file instead of the built-in panel")] = None,
     tokenizer: Annotated[
-        Optional[Path], Opt(help="the model's tokenizer directory (default: ARTIFACT, else the endpoint's /tokenize)")
+        Path | None, Opt(help="the model's tokenizer directory (default: ARTIFACT, else the endpoint's /tokenize)")
     ] = None,
-    max_tokens: Annotated[Optional[int], Opt(help="cap on generated tokens per request (default: none)")] = None,
+    max_tokens: Annotated[int | None, Opt(help="cap on generated tokens per request (default: none)")] = None,
     token_tolerance: Annotated[int, Opt(help="allowed |server - local| prompt tokens")] = 8,
-    seed: Annotated[Optional[int], Opt(help="seed of nonces and needle values (default: random, recorded)")] = None,
+    seed: Annotated[int | None, Opt(help="seed of nonces and needle values (default: random, recorded)")] = None,
     timeout: Annotated[float, Opt(help="seconds per request")] = 1800.0,
     device: Annotated[str, Opt(help="device of the embedded server and the fidelity gate")] = "cpu",
     backend: Annotated[str, Opt(help="expert backend of the embedded server (as serve's --backend)")] = "torch",
@@ -113,7 +113,7 @@ def serve_check_command(
     ] = "auto",
     api_key: Annotated[str, Opt(envvar="OPENAI_API_KEY", help="API key for --endpoint")] = "EMPTY",
     out_dir: Annotated[
-        Optional[Path], Opt("--out", help="directory for serve-check.json/.md (default: ARTIFACT, else .)")
+        Path | None, Opt("--out", help="directory for serve-check.json/.md (default: ARTIFACT, else .)")
     ] = None,
 ) -> None:
     """Run the acceptance gates; write serve-check.json and serve-check.md; exit 0 only if every gate passed."""

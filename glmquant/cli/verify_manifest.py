@@ -7,7 +7,7 @@ errors (bad options, a path that does not exist).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
 @guarded
 def verify_manifest(
     artifact: Annotated[Path, typer.Argument(help="artifact directory (or its EXL3_MANIFEST.json)")],
-    expect_sha256: Annotated[Optional[str], typer.Option(help="pinned SHA-256 of EXL3_MANIFEST.json")] = None,
+    expect_sha256: Annotated[str | None, typer.Option(help="pinned SHA-256 of EXL3_MANIFEST.json")] = None,
     fast: Annotated[bool, typer.Option(help="read headers only; skip full-file SHA-256")] = False,
     manifest_only: Annotated[bool, typer.Option(help="check only the manifest's own hash and consistency")] = False,
     strict: Annotated[

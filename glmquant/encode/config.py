@@ -26,9 +26,9 @@ import torch
 
 from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
 from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS
+from glmquant.devices import device_type
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
-from glmquant.devices import device_type
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.tiers import TierSpec
 

@@ -125,7 +125,7 @@ def encode_units(
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-read") as reader:
         pending = reader.submit(read_unit, plan, units[0][0], units[0][1], source, hessians(units[0][0]))
-        for i, (layer, _) in enumerate(units):
+        for i in range(len(units)):
             inputs = pending.result()
             if i + 1 < len(units):
                 nxt_layer, nxt = units[i + 1]

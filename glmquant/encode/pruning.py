@@ -43,7 +43,7 @@ def load_prune_plan(path: Path, spec: ModelSpec, expect_keep: int | None = None)
         layers = {int(k): [int(e) for e in v] for k, v in data["layers"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"{path}: not a prune plan ({exc})") from None
-    missing = [l for l in spec.moe_layers if l not in layers]
+    missing = [layer for layer in spec.moe_layers if layer not in layers]
     if missing:
         raise UsageError(f"{path}: no kept experts for MoE layer(s) {missing}")
     if expect_keep is not None and any(len(v) != expect_keep for v in layers.values()):

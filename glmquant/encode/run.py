@@ -120,9 +120,9 @@ class EncodeJob:
         self._expert_files = [f for f in self.plan.files if has_expert_parts(f)]
         self._layers_of = {f.path: {t.expert.layer for t in f.tensors if t.expert} for f in self._expert_files}
         self._done = {
-            int(l)
-            for l in self.state.layers
-            if _files_present(cfg.out, [f for f in self._expert_files if int(l) in self._layers_of[f.path]])
+            int(layer)
+            for layer in self.state.layers
+            if _files_present(cfg.out, [f for f in self._expert_files if int(layer) in self._layers_of[f.path]])
         }
         self._written = {f.path for f in self._expert_files if self._layers_of[f.path] <= self._done}
         self._units = {layer: layer_units(self.plan, layer, cfg.experts_per_unit) for layer in self.todo}
@@ -131,7 +131,7 @@ class EncodeJob:
     @property
     def todo(self) -> list[int]:
         """MoE layers not encoded yet (their files not all on disk)."""
-        return [l for l in self.plan.spec.moe_layers if l not in self._done]
+        return [layer for layer in self.plan.spec.moe_layers if layer not in self._done]
 
     def encode_all(self) -> None:
         """This rank's units of every unfinished layer; then rank 0 assembles whatever is left."""
@@ -242,7 +242,10 @@ class EncodeJob:
         summary_path = cfg.state_dir / SUMMARY_NAME
         atomic_write_text(
             summary_path,
-            json.dumps({"manifest_sha256": result.manifest_sha256, "layers": [l.__dict__ for l in layers]}, indent=2)
+            json.dumps(
+                {"manifest_sha256": result.manifest_sha256, "layers": [summary.__dict__ for summary in layers]},
+                indent=2,
+            )
             + "\n",
         )
         return EncodeResult(result, layers, summary_path, report)

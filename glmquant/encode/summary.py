@@ -74,16 +74,16 @@ def summary_table(layers: list[LayerSummary]) -> Table:
     table = Table(title="encode summary")
     for column in ("layer", "tensors", "mean proxy err", "worst tensor", "worst", "fallbacks", "s", "bytes"):
         table.add_column(column, justify="left" if column == "worst tensor" else "right")
-    for l in layers:
-        fb = ", ".join(f"{k}: {v}" for k, v in sorted(l.fallbacks.items())) or "-"
+    for summary in layers:
+        fb = ", ".join(f"{k}: {v}" for k, v in sorted(summary.fallbacks.items())) or "-"
         table.add_row(
-            str(l.layer),
-            str(l.tensors),
-            f"{l.mean_proxy_error:.4f}",
-            l.worst_tensor.split("layers.")[-1],
-            f"{l.worst_proxy_error:.4f}",
+            str(summary.layer),
+            str(summary.tensors),
+            f"{summary.mean_proxy_error:.4f}",
+            summary.worst_tensor.split("layers.")[-1],
+            f"{summary.worst_proxy_error:.4f}",
             fb,
-            f"{l.seconds:.1f}",
-            f"{l.bytes_written:,}",
+            f"{summary.seconds:.1f}",
+            f"{summary.bytes_written:,}",
         )
     return table

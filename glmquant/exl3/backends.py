@@ -72,7 +72,7 @@ def _exllamav3(tiles: torch.Tensor, bits: int, codebook: Codebook) -> torch.Tens
 def exllamav3_available() -> bool:
     """True when exllamav3 and its compiled extension import (needs CUDA)."""
     try:
-        import exllamav3.modules.quant.exl3_lib.quantize  # noqa: F401
+        import exllamav3.modules.quant.exl3_lib.quantize  # noqa: F401 - imported only to see that it imports
     except Exception:  # noqa: BLE001 - an absent package or a failed extension build: "not available"
         return False
     return torch.cuda.is_available()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glmquant.errors import NumericalError
 from glmquant.exl3.backends import TileSearch, quantize_tiles, select_backend
 from glmquant.exl3.codebooks import Codebook
 from glmquant.exl3.decode import decode_weight
@@ -14,13 +15,11 @@ from glmquant.exl3.hadamard import had_left, had_right
 from glmquant.exl3.hessian import PreparedHessian, pad_hessian, prepare_hessian
 from glmquant.exl3.ldlq import ldlq
 from glmquant.exl3.refit import refit_scales
-from glmquant.errors import NumericalError
 from glmquant.exl3.regularize import LDLQ_DRIFT, balance_scales, regularize, sample_tiles
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch, search_scales
 from glmquant.exl3.tensor import EXL3Tensor, padded
 from glmquant.exl3.timing import stage
 from glmquant.exl3.trellis import pack_trellis
-
 
 FP16_MAX = 65504.0
 FP16_SMALLEST_RMS = 2.0**-17  # a weight this small keeps ~1 % precision in float16's subnormals; smaller, less
@@ -84,7 +83,8 @@ def _prepare(
     out_f, in_f = weight.shape
     if hessian is not None and tuple(hessian.shape) != (in_f, in_f):
         raise ValueError(
-            f"hessian must have shape ({in_f}, {in_f}) for a weight of shape {tuple(weight.shape)}, got {tuple(hessian.shape)}"
+            f"hessian must have shape ({in_f}, {in_f}) for a weight of shape {tuple(weight.shape)}, "
+            f"got {tuple(hessian.shape)}"
         )
     k, n = padded(in_f), padded(out_f)
     w = torch.zeros((k, n), dtype=torch.float32, device=device)

@@ -169,7 +169,7 @@ def read_layer_state(
     for name, empty in meta.items():
         fp32 = keep_fp32 is not None and keep_fp32.search(name) is not None
         state[name] = torch.empty(empty.shape, dtype=torch.float32 if fp32 else empty.dtype, device=device)
-    filled = {name: 0 for name in meta}
+    filled = dict.fromkeys(meta, 0)
     for p in plan.placements:
         if p.source not in ckpt:
             raise CheckpointFormatError(f"{ckpt.directory}: tensor {p.source} (layer {plan.layer}) is missing")

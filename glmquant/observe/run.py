@@ -32,12 +32,12 @@ from glmquant.observe.config import ObserveConfig, fingerprint
 from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.hessians import HessianAccumulator, HessianMode
 from glmquant.observe.prune import write_prune_plan
-from glmquant.observe.tiers import write_tier_plan
 from glmquant.observe.routing import RoutingParams
 from glmquant.observe.stats import ExpertStats, LayerStats, stats_path
 from glmquant.observe.streaming import TextModel, run_layer
 from glmquant.observe.streams import Chunk, StreamStore
 from glmquant.observe.summary import LaneSummary, LayerCost, LayerSummary, ObservationSummary
+from glmquant.observe.tiers import write_tier_plan
 
 Advance = Callable[[int], None]
 T = TypeVar("T")
@@ -105,7 +105,10 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
             write_state(config.out, fp, 0)
         layers = bar.add_task("layers", total=model.num_layers, completed=state.next_layer)
         chunks = bar.add_task("chunks", total=len(streams.chunks))
-        advance = lambda n: bar.advance(chunks, n)  # noqa: E731
+
+        def advance(n: int) -> None:
+            bar.advance(chunks, n)
+
         for layer in range(state.next_layer, model.num_layers):
             cost = costs[layer] = LayerCost(chunks=len(streams.chunks))
             if not (layer == state.next_layer and state.committed):
@@ -234,7 +237,7 @@ def _summarize(
     plan = write_prune_plan(config.out, config.keep) if config.keep is not None else None
     tiers = None
     if config.tiers is not None:  # tiers among the kept experts, in their output order
-        kept = {int(l): v for l, v in json.loads(plan.read_text())["layers"].items()} if plan else None
+        kept = {int(layer): v for layer, v in json.loads(plan.read_text())["layers"].items()} if plan else None
         tiers = write_tier_plan(config.out, config.tiers, kept).name
     lanes = tuple(LaneSummary(x.name, x.ids.shape[0], x.ids.shape[1], x.use) for x in rows.lanes)
     peaks = [c.peak_device_bytes for c in costs.values() if c.peak_device_bytes is not None]

@@ -118,7 +118,7 @@ def kda_implementation() -> str:
     import importlib.metadata
 
     try:
-        from fla.ops.kda import chunk_kda  # noqa: F401
+        from fla.ops.kda import chunk_kda  # noqa: F401 - imported only to see that it imports
     except Exception:  # noqa: BLE001 - absent, or present but broken (no Triton, no einops): the fallback runs
         return "torch reference"
     try:

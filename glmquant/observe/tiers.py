@@ -172,7 +172,7 @@ def load_tier_plan(path: Path, moe_layers: Sequence[int], experts: int) -> TierP
         raise UsageError(f"{path}: not a tier plan ({exc})") from None
     if sorted(layers) != sorted(moe_layers):
         raise UsageError(f"{path}: tiers for layers {sorted(layers)}, the model's MoE layers are {list(moe_layers)}")
-    bad = [l for l, bits in layers.items() if len(bits) != experts or not all(1 <= b <= 8 for b in bits)]
+    bad = [layer for layer, bits in layers.items() if len(bits) != experts or not all(1 <= b <= 8 for b in bits)]
     if bad:
         raise UsageError(f"{path}: layer(s) {bad} do not give 1..8 bits to each of {experts} experts")
     tier_counts(layers)

@@ -96,7 +96,10 @@ def load_corpus_recipe(path: str | Path = DEFAULT_CORPUS_RECIPE) -> CorpusRecipe
 
 def _source(file: Path, where: str, data: object) -> CorpusSource:
     f = Fields(file, where, data)
-    strings = lambda key, default=None: tuple(str(x) for x in f.get(key, list, default))  # noqa: E731
+
+    def strings(key: str, default: list[str] | None = None) -> tuple[str, ...]:
+        return tuple(str(x) for x in f.get(key, list, default))
+
     source = CorpusSource(
         f.get("name", str),
         f.choice("kind", KINDS, "text"),

@@ -327,8 +327,8 @@ def routing_check(model_dir: Path, recipe: Path, obs_dir: Path, device: str) -> 
             if reap.numel()
             else None,
         }
-    worst = max((l["load_imbalance"] for l in layers.values()), default=0.0)
-    starved = sum(l["experts_without_tokens"] for l in layers.values())
+    worst = max((stats["load_imbalance"] for stats in layers.values()), default=0.0)
+    starved = sum(stats["experts_without_tokens"] for stats in layers.values())
     return {
         "layers": layers,
         "verdict": {

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from glmquant.errors import MissingDependencyError, UsageError
-from glmquant.runtime.generate import PromptInputs
 from glmquant.glm_tags import OUTPUT_MARKUP
+from glmquant.runtime.generate import PromptInputs
 from glmquant.runtime.glm_output import THINK_CLOSE, THINK_OPEN
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -94,7 +94,7 @@ class ChatFormat:
                 add_generation_prompt=True,
                 **dict(template_kwargs or {}),
             )
-        except Exception as exc:  # jinja raises many types on odd input (e.g. raise_exception in a template)
+        except Exception as exc:  # noqa: BLE001 - jinja raises many types on odd input (e.g. raise_exception in a template)
             raise UsageError(f"the chat template could not render these messages: {exc}") from None
         return RenderedPrompt(text, self._encode(text, media))
 
@@ -120,7 +120,7 @@ class ChatFormat:
                 video_metadata=metadata or None,
                 return_tensors="pt",
             )
-        except Exception as exc:  # processors raise many types on odd media
+        except Exception as exc:  # noqa: BLE001 - processors raise many types on odd media
             raise UsageError(f"could not process the image/video content: {exc}") from None
         return PromptInputs(out["input_ids"], {k: out[k] for k in VISION_KEYS if k in out})
 
@@ -233,5 +233,5 @@ def _decode_video(url: str) -> tuple[Any, Any]:
         f.flush()
         try:
             return load_video(f.name, backend=backend)
-        except Exception as exc:  # decoders raise many types on bad data
+        except Exception as exc:  # noqa: BLE001 - decoders raise many types on bad data
             raise UsageError(f"the video data could not be decoded ({exc})") from None

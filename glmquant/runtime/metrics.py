@@ -23,7 +23,10 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         label = {"model_name": model_name}
-        counter = lambda name, doc, *extra: Counter(name, doc, [*label, *extra], registry=self.registry)  # noqa: E731
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(name, doc, [*label, *extra], registry=self.registry)
+
         self._http = counter(
             "glmquant:http_requests", "HTTP requests by method, route and status", "method", "handler", "status"
         )

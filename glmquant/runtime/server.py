@@ -213,7 +213,7 @@ async def _stream(
             yield _event(exc.body())
             yield DONE
             return
-    except Exception as exc:  # noqa: BLE001  (the response has started: errors travel as an event)
+    except Exception as exc:  # the response has started: errors travel as an event
         log.exception("streamed request failed")
         yield _event(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body())
         yield DONE

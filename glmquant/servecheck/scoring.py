@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from glmquant.servecheck.chat import ChatResult
 from glmquant.glm_tags import TOOL_OPEN
 from glmquant.servecheck.answer import final_answer, unfinished_reasoning
+from glmquant.servecheck.chat import ChatResult
 
 
 @dataclass(frozen=True)

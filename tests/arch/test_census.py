@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from glmquant.arch import TensorRole, classify, load_model_spec, source_tensors
@@ -153,7 +152,7 @@ def test_glm4_moe_table_matches_transformers(tmp_path: Path) -> None:
     from safetensors import safe_open
 
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
-        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open has keys() but no __iter__
     spec = load_model_spec(tmp_path)
     expected = {t.name: t.shape for t in source_tensors(spec) if not t.mtp}
     assert saved == expected

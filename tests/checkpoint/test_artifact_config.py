@@ -67,7 +67,7 @@ def test_tr3_tiers_only(tiny_source: Path) -> None:
 
 def test_tr3_block_counts_mixed_tiers(tiny_source: Path) -> None:
     spec = load_model_spec(tiny_source)
-    tiers = {layer: (3, 2, 1, 2) for layer in spec.moe_layers}
+    tiers = dict.fromkeys(spec.moe_layers, (3, 2, 1, 2))
     block = quantization_block(plan_artifact(spec, "tr3", bits=2, expert_bits=tiers), Provenance("x"))
     counts = {k: v for k, v in block.items() if k.endswith("_experts_per_layer") and k.startswith("k")}
     assert counts == {

@@ -163,7 +163,7 @@ def test_rebuild_is_byte_identical(tr3_artifact, tiny_source: Path, tmp_path: Pa
 
 
 def test_pruned_build_slices_router_rows(tiny_source: Path, tmp_path: Path) -> None:
-    keep = {layer: (3, 1) for layer in (1, 2, 3)}  # MoE layers 1, 2 and the MTP layer 3
+    keep = dict.fromkeys((1, 2, 3), (3, 1))  # MoE layers 1, 2 and the MTP layer 3
     plan, result = build(tiny_source, tmp_path / "pruned", "tr3", keep=keep)
     assert verify_artifact(result.directory, result.manifest_sha256, show_progress=False).ok
     config = json.loads((result.directory / "config.json").read_text())

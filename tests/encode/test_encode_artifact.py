@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import re
@@ -10,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from encode_fixtures import QUIET, digests
 from rich.console import Console
 
 import glmquant.encode.layer as encode_layer
-from encode_fixtures import QUIET, SMALL, digests
 from glmquant.arch import load_model_spec, table_for
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
@@ -192,7 +191,7 @@ def test_exllamav3_layout_with_pruning(small_source: Path, tmp_path: Path) -> No
     """One EXL3 tensor per projection, modules packed into model-* shards, REAP-style pruning to 1 expert."""
     spec = load_model_spec(small_source)
     plan_file = tmp_path / "prune_plan.json"
-    plan_file.write_text(json.dumps({"keep": 1, "layers": {str(l): [1] for l in spec.moe_layers}}))
+    plan_file.write_text(json.dumps({"keep": 1, "layers": {str(layer): [1] for layer in spec.moe_layers}}))
     out = tmp_path / "artifact"
     encode_artifact(
         EncodeConfig(source=small_source, out=out, layout="exllamav3", prune_plan=plan_file, uncalibrated=True), QUIET
@@ -285,7 +284,7 @@ def test_expert_without_tokens_uses_the_all_token_fallback(small_source: Path, t
     out = tmp_path / "artifact"
     console = Console(file=io.StringIO(), width=400)
     result = encode_artifact(EncodeConfig(source=source, out=out, observations=obs), console)
-    last = next(l for l in result.layers if l.layer == layer)
+    last = next(summary for summary in result.layers if summary.layer == layer)
     assert last.fallbacks == {"no_tokens:all": 12}
     assert all(".experts.0." in name for name in last.fallback_tensors)
     warnings = [line for line in console.file.getvalue().splitlines() if line.startswith("warning: ")]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from encode_fixtures import QUIET
+
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.manifest import MANIFEST_NAME, manifest_text

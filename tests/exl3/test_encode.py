@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from glmquant.errors import NumericalError
 from glmquant.exl3 import (
     Codebook,
     EXL3Tensor,
@@ -9,7 +10,6 @@ from glmquant.exl3 import (
     encode_linears,
     proxy_error,
 )
-from glmquant.errors import NumericalError
 from glmquant.exl3.native import load_kernel
 
 CASES = [f"{cb}.K{k}" for cb in ("3inst", "mcg", "mul1") for k in (2, 3, 4)]

@@ -16,7 +16,7 @@ from glmquant.exl3.codebooks import codebook_values
 from glmquant.exl3.cuda_viterbi import build, codebook_pairs, cuda_viterbi_available, viterbi_cuda
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_viterbi_reference import viterbi_cuda_reference  # noqa: E402
+from cuda_viterbi_reference import viterbi_cuda_reference
 
 gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or not cuda_viterbi_available(), reason="needs a CUDA GPU and nvcc"

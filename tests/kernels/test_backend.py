@@ -10,12 +10,12 @@ from kernel_helpers import kernel_device, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from glmquant.fixtures.random_artifact import build_artifact  # noqa: E402
-from glmquant.runtime.artifact import open_artifact  # noqa: E402
-from glmquant.runtime.loader import make_backend  # noqa: E402
-from glmquant.runtime.options import RuntimeOptions  # noqa: E402
-from glmquant.runtime.quantized_experts import expand_routes  # noqa: E402
-from glmquant.runtime.torch_backend import TorchExpertBackend  # noqa: E402
+from glmquant.fixtures.random_artifact import build_artifact
+from glmquant.runtime.artifact import open_artifact
+from glmquant.runtime.loader import make_backend
+from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.quantized_experts import expand_routes
+from glmquant.runtime.torch_backend import TorchExpertBackend
 
 
 @pytest.fixture(scope="module")

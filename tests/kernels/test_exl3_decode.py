@@ -11,10 +11,11 @@ from safetensors.torch import load_file
 
 from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-import triton.language as tl  # noqa: E402
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+import triton
+import triton.language as tl
 
-from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, load_window, window_values  # noqa: E402,E501
+from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, load_window, window_values
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "exl3_golden.safetensors"
 

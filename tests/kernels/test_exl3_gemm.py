@@ -1,4 +1,7 @@
-"""The EXL3 cores (decode in registers; GEMV on fp16 activations, tensor-core GEMM) against an exact float64 reference."""
+"""The EXL3 cores against an exact float64 reference.
+
+Both decode in registers: the GEMV core on fp16 activations, the tensor-core GEMM on fp16 hi/lo planes.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from glmquant.exl3 import decode_inner  # noqa: E402
-from glmquant.runtime.kernels.exl3_gemm import (  # noqa: E402
+from glmquant.exl3 import decode_inner
+from glmquant.runtime.kernels.exl3_gemm import (
     GEMV_ERROR_BOUND,
     GemmConfig,
     Jobs,
@@ -70,7 +73,10 @@ def test_config_splits_k_into_whole_steps():
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
 @pytest.mark.parametrize("job_rows", [1, 2])
 def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook, job_rows):
-    """Unit-vector activations through the GEMV core (K2, one- or two-row jobs): each output row is a row of Q exactly."""
+    """Unit-vector activations through the GEMV core (K2, one- or two-row jobs).
+
+    Each output row is a row of Q exactly.
+    """
     device = kernel_device()
     t = random_exl3(torch.Generator().manual_seed(3), 128, 128, 2, codebook, scale=1.0)
     stack = WeightStack.from_tensors([[t]], device)

@@ -9,15 +9,17 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from glmquant.runtime.kernels.exl3_gemm import GEMV_ERROR_BOUND, GemmConfig, WeightStack  # noqa: E402
-from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes  # noqa: E402
-from glmquant.runtime.quantized_experts import expand_routes  # noqa: E402
+from glmquant.runtime.kernels.exl3_gemm import GEMV_ERROR_BOUND, GemmConfig, WeightStack
+from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes
+from glmquant.runtime.quantized_experts import expand_routes
 
 BOUND = 1e-4  # tensor-core jobs (16 rows); GEMV jobs (1, 2 rows at K2) take fp16 activations: GEMV_ERROR_BOUND
 
 
 def _experts(gen, n, hidden, inter, bits=2, codebook="mcg"):
-    make = lambda i, o: [random_exl3(gen, i, o, bits, codebook, scale=0.08) for _ in range(n)]  # noqa: E731
+    def make(i, o):
+        return [random_exl3(gen, i, o, bits, codebook, scale=0.08) for _ in range(n)]
+
     return make(hidden, inter), make(hidden, inter), make(inter, hidden)
 
 
@@ -130,10 +132,10 @@ def test_tiered_layer_runs_each_expert_at_its_k(job_rows):
         members = [v for v, w in enumerate(widths) if w == k]
         local = torch.full((len(widths),), -1, dtype=torch.int64)
         local[members] = torch.arange(len(members))
-        pick = lambda ts: [ts[v] for v in members]  # noqa: E731
+        gate, up, down = ([ts[v] for v in members] for ts in (gates, ups, downs))
         w = MoEWeights(
-            WeightStack.from_tensors([pick(gates), pick(ups)], device),
-            WeightStack.from_tensors([pick(downs)], device),
+            WeightStack.from_tensors([gate, up], device),
+            WeightStack.from_tensors([down], device),
             1.5,
         )
         groups.append(TierGroup(w, local.to(device)))

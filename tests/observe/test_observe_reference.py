@@ -57,8 +57,8 @@ def test_reap_statistics_equal_brute_force(observed: Path, reference) -> None:
                 gate[j] += g
                 gate_norm[j] += g * norm
                 peak[j] = max(peak[j], norm)
-        count, total, gate, gate_norm, peak = map(
-            lambda v: torch.tensor(v, dtype=torch.float64), (count, total, gate, gate_norm, peak)
+        count, total, gate, gate_norm, peak = (
+            torch.tensor(v, dtype=torch.float64) for v in (count, total, gate, gate_norm, peak)
         )
         got = LayerStats.load(stats_path(observed, layer))
         assert got.tokens == n_tokens

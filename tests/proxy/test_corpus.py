@@ -21,7 +21,7 @@ def test_corpus_splits_are_disjoint_and_reproducible(corpus_recipe: Path, tmp_pa
     second = build_corpus(recipe, tmp_path / "b")
     assert {s: v["sha256"] for s, v in first["splits"].items()} == {s: v["sha256"] for s, v in second["splits"].items()}
     paths = {
-        s: {json.loads(l)["path"] for l in (tmp_path / "a" / f"{s}.jsonl").read_text().splitlines()}
+        s: {json.loads(line)["path"] for line in (tmp_path / "a" / f"{s}.jsonl").read_text().splitlines()}
         for s in ("train", "calibration", "heldout")
     }
     assert (

@@ -17,7 +17,10 @@ from glmquant.runtime.options import RuntimeOptions
 
 PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 5, 7, 9, 11, 200, 201, 33]]))
 F32 = RuntimeOptions(dtype="float32")
-decode = lambda ids: "".join(chr(65 + i % 26) for i in ids)  # noqa: E731
+
+
+def decode(ids):
+    return "".join(chr(65 + i % 26) for i in ids)
 
 
 class Recording(EngineDecoder):

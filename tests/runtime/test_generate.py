@@ -10,7 +10,10 @@ from glmquant.errors import NumericalError, UsageError
 from glmquant.runtime.generate import PromptInputs, SamplingParams, generate, next_token
 
 PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
-decode = lambda ids: "".join(chr(65 + i % 26) for i in ids)  # noqa: E731  (one letter per token)
+
+
+def decode(ids):
+    return "".join(chr(65 + i % 26) for i in ids)  # one letter per token
 
 
 def test_incremental_decoding_equals_full_recompute(tr3_f32):

@@ -83,7 +83,10 @@ def test_results_do_not_depend_on_cache_size(artifacts):
 def test_lru_keeps_the_most_recently_used():
     cache: LRUCache[int] = LRUCache(2)
     loads = []
-    get = lambda k: cache.get(k, lambda: loads.append(k) or k)  # noqa: E731
+
+    def get(k):
+        return cache.get(k, lambda: loads.append(k) or k)
+
     for key in ("a", "b", "a", "c", "a", "b"):
         get(key)
     assert loads == ["a", "b", "c", "b"]  # "b" was evicted by "c" ("a" was used more recently)

@@ -26,12 +26,18 @@ def test_dummy_weights_answer_openai_requests(tiny_source: Path, tmp_path: Path,
     prompts = [[{"role": "user", "content": f"question {i} " * (i + 1)}] for i in range(3)]
     with serve_in_background(bare, load_format="dummy", model_impl=impl, max_model_len=256, max_num_seqs=2) as running:
         client = _client(running.base_url)
-        ask = lambda m: client.chat.completions.create(model="bare", messages=m, max_tokens=5)  # noqa: E731
+
+        def ask(m):
+            return client.chat.completions.create(model="bare", messages=m, max_tokens=5)
+
         first = ask(prompts[0])
         assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 5
         text = client.completions.create(model="bare", prompt=[256, 10, 20, 30], max_tokens=3)
         assert text.usage.completion_tokens == 3
-        content = lambda m: ask(m).choices[0].message.content  # noqa: E731
+
+        def content(m):
+            return ask(m).choices[0].message.content
+
         sequential = [content(m) for m in prompts]
         with ThreadPoolExecutor(len(prompts)) as pool:  # 3 requests on 2 cache slots
             assert list(pool.map(content, prompts)) == sequential

@@ -388,7 +388,10 @@ def test_metrics_count_requests_tokens_and_latency(server, client, script):
     usage = [c.usage for c in r if c.usage][0]
     _post(server, "/v1/chat/completions", {"messages": HELLO, "n": 3})
     after = _metrics(server)
-    grew = lambda name: after.get(name, 0) - before.get(name, 0)  # noqa: E731
+
+    def grew(name):
+        return after.get(name, 0) - before.get(name, 0)
+
     assert grew("glmquant:generation_tokens_total") == usage.completion_tokens
     assert grew("glmquant:prompt_tokens_total") == usage.prompt_tokens
     assert grew('glmquant:request_success_total{finished_reason="stop"}') == 1
@@ -461,9 +464,10 @@ def test_concurrent_sequences_match_sequential(artifacts):
     prompts = [[{"role": "user", "content": f"question {i} " * (i + 1)}] for i in range(3)]
     with serve_in_background(artifacts["exllamav3"], max_num_seqs=2, expert_cache=4) as running:
         client = openai.OpenAI(base_url=running.base_url, api_key="unused", max_retries=0, timeout=120)
-        ask = lambda m: client.chat.completions.create(  # noqa: E731
-            model="tiny-EXL3-2bit", messages=m, max_tokens=6
-        ).choices[0]
+
+        def ask(m):
+            return client.chat.completions.create(model="tiny-EXL3-2bit", messages=m, max_tokens=6).choices[0]
+
         sequential = [ask(m).message.content for m in prompts]
         parallel: dict[int, str] = {}
         threads = [

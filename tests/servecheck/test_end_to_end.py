@@ -22,11 +22,10 @@ pytest.importorskip(
 )
 
 from glmquant.cli import app
+from glmquant.fixtures.random_artifact import build_artifact, write_reference
 from glmquant.runtime.service import served_model_name
 from glmquant.servecheck import ServeCheckConfig, ServeCheckReport, serve_check
 from glmquant.servecheck.tokens import PromptTokenizer
-
-from glmquant.fixtures.random_artifact import build_artifact, write_reference
 
 MAX_TOKENS = 6
 SERVE_MAIN = "from glmquant.cli import main; main()"

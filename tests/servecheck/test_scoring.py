@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from glmquant.servecheck.answer import final_answer
 from glmquant.servecheck.chat import ChatResult, Timings, ToolCall, Usage
 from glmquant.servecheck.gates import (
     IDENTITY_ANSWER,
@@ -15,7 +16,6 @@ from glmquant.servecheck.gates import (
     tools_cases,
     video_cases,
 )
-from glmquant.servecheck.answer import final_answer
 from glmquant.servecheck.scoring import json_equal, score_json_answer
 
 REASONING = "The user wants the literal token. I will answer with it and nothing else."

@@ -40,10 +40,12 @@ def decoder_layer(
     streams: torch.Tensor, layer: int, w: LayerWeights, cache: LayerCache, positions: torch.Tensor, pools: int, run: Run
 ) -> torch.Tensor:
     """streams [B, S, N, H] -> the next layer's streams (attention, then the feed-forward, each inside mHC)."""
-    if isinstance(w.attention, KDAWeights):
-        attention = lambda h: kda_block(h, w.attention, cache, run)  # noqa: E731
-    else:
-        attention = lambda h: mla_block(h, w.attention, cache, positions, pools, run)  # noqa: E731
+
+    def attention(h: torch.Tensor) -> torch.Tensor:
+        if isinstance(w.attention, KDAWeights):
+            return kda_block(h, w.attention, cache, run)
+        return mla_block(h, w.attention, cache, positions, pools, run)
+
     streams = _hyper_residual(streams, w.attn_hc, w.input_norm, run, attention)
     if isinstance(w.mlp, MLP):
         return _hyper_residual(streams, w.ffn_hc, w.post_norm, run, lambda h: mlp(h, w.mlp, run))
@@ -142,7 +144,10 @@ def _store(
     """Write the new positions' latents, indexer keys and gates, then recompute the k-pool key of every pool they
     touch (a pool's key is final once its last token is written; selection ignores pools not yet complete)."""
     b, s, kpool = *positions.shape, run.cfg.kpool
-    at = lambda t: positions.unsqueeze(-1).expand(b, s, t.shape[-1])  # noqa: E731
+
+    def at(t: torch.Tensor) -> torch.Tensor:
+        return positions.unsqueeze(-1).expand(b, s, t.shape[-1])
+
     for target, value in ((cache.latents, latent), (cache.index_keys, index_key), (cache.index_gates, index_gate)):
         target.scatter_(1, at(value), value.to(target.dtype))
     pool = positions // kpool  # [B, S]

@@ -44,7 +44,10 @@ class Caches:
     ) -> Caches:
         """Zeroed caches; max_len is rounded up to whole k-pools."""
         max_len = -(-max_len // cfg.kpool) * cfg.kpool
-        empty = lambda *shape, d=dtype: torch.zeros(shape, dtype=d, device=device)  # noqa: E731
+
+        def empty(*shape: int, d: torch.dtype = dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=d, device=device)
+
         layers: list[LayerCache] = []
         for kind in cfg.layer_kinds:
             if kind == "kda":

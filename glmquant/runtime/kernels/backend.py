@@ -61,9 +61,9 @@ def load_tier_groups(artifact: Artifact, layer: int, device: torch.device) -> li
     try:
         for k in sorted(set(widths)):
             members = [v for v, w in enumerate(widths) if w == k]
-            pick = lambda proj: [experts[proj][v] for v in members]  # noqa: E731
-            gate_up = WeightStack.from_tensors([pick("gate_proj"), pick("up_proj")], device)
-            down = WeightStack.from_tensors([pick("down_proj")], device)
+            picked = {proj: [experts[proj][v] for v in members] for proj in PROJECTIONS}
+            gate_up = WeightStack.from_tensors([picked["gate_proj"], picked["up_proj"]], device)
+            down = WeightStack.from_tensors([picked["down_proj"]], device)
             local = torch.full((len(widths),), -1, dtype=torch.int64)
             local[members] = torch.arange(len(members))
             groups.append(TierGroup(MoEWeights(gate_up, down, artifact.spec.swiglu_limit), local.to(device)))

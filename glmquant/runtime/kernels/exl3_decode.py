@@ -66,10 +66,7 @@ def codebook_value(state, CB: tl.constexpr, mask, flip):
         x = state * 0x83DCD12D
         b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
         return ((b.to(tl.float32) + 1024.0) * MUL1_SCALE + MUL1_BIAS).to(tl.float16)
-    if CB == 0:
-        x = state * 89226354 + 64248484
-    else:
-        x = state * 0xCBAC1FED
+    x = state * 89226354 + 64248484 if CB == 0 else state * 0xCBAC1FED
     y = (x & mask.to(tl.uint32, bitcast=True)) ^ flip.to(tl.uint32, bitcast=True)
     lo = (y & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
     hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True)

@@ -115,7 +115,10 @@ def _rotate_in_kernel(
     ROWS: tl.constexpr,
     GEMV: tl.constexpr,
 ):
-    """out[p, i, blk] = had(x[src[i], blk] ∘ scale[p, scale_row[i], blk]) in the core's format; x columns >= x_cols are 0."""
+    """out[p, i, blk] = had(x[src[i], blk] ∘ scale[p, scale_row[i], blk]) in the core's format.
+
+    Columns of x at or beyond x_cols read as 0.
+    """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     p = tl.program_id(1)
     cols = tl.program_id(2) * 128 + tl.arange(0, 128)[None, :]
@@ -225,7 +228,10 @@ def half2_fma(a, b, c):
 
 @triton.jit
 def half2_sum(a):
-    """fp32 of the fp16 sum of a uint32 pair's halves (for one product by 1.0 this is the codec's rounding of lo + hi)."""
+    """fp32 of the fp16 sum of a uint32 pair's halves.
+
+    For one product by 1.0 this is the codec's rounding of lo + hi.
+    """
     return tl.inline_asm_elementwise(
         "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $1;\nadd.rn.f16 l, l, h;\ncvt.f32.f16 $0, l;\n}",
         "=f,r",
@@ -594,7 +600,10 @@ def rotate_out(
 def exl3_linear(
     x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConfig | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """y = x @ W.T for one EXL3 linear (x [M, in_features], any float dtype; y [M, out_features], x's dtype or out's)."""
+    """y = x @ W.T for one EXL3 linear.
+
+    x is [M, in_features] of any float dtype; y is [M, out_features] in x's dtype, or out's when given.
+    """
     stack = tensor if isinstance(tensor, WeightStack) else WeightStack.from_tensors([[tensor]], x.device)
     M = x.shape[0]
     cfg = cfg or GemmConfig()

@@ -23,10 +23,10 @@ from glmquant.runtime.kernels.exl3_gemm import (
     GemmConfig,
     Jobs,
     WeightStack,
+    activation_buffer,
     exl3_rows,
     had128_rows,
     job_rows,
-    activation_buffer,
     rotate_in,
     rotate_out,
     store_activations,
@@ -125,7 +125,10 @@ def _swiglu_kernel(
     ROWS: tl.constexpr,
     GEMV: tl.constexpr,
 ):
-    """out[i, blk] = (down core's format) had(silu(min(g, L)) * clamp(u, -L, L) ∘ suh_down), g/u = had(partials) ∘ svh."""
+    """out[i, blk] = had(silu(min(g, L)) * clamp(u, -L, L) ∘ suh_down) in the down core's format.
+
+    g and u are had(partials) ∘ svh of the gate and up projections.
+    """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)[None, :]
     live = rows < R
@@ -169,15 +172,19 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
     return out
 
 
-ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)  # one-row GEMV jobs: 8 x 4-tile steps take 48 registers at MCG (10 programs per
-# SM; 3INST 64) instead of 64 for 4 x 8 and make twice the programs (a batch-1 down launch: 1,024, was 0.48 waves of an H200 at 512:
+# one-row GEMV jobs: 8 x 4-tile steps take 48 registers at MCG (10 programs per SM; 3INST 64) instead of 64 for
+# 4 x 8 and make twice the programs (a batch-1 down launch: 1,024, was 0.48 waves of an H200 at 512:
 # bench/results/ncu_gemv_core_h200.txt); fastest of the swept configs at batches 1, 4 and 16 by 2-10 %
 # (moe_decode_h200.json `sweep`, moe_decode_h200_sweep_b4_b16.json)
+ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Launch shapes of one step: the most rows a job may hold (1: one row per route, unsorted) and the cores' configs."""
+    """Launch shapes of one step: the most rows a job may hold and the cores' configs.
+
+    One row per job means one row per route, unsorted.
+    """
 
     job_rows: int
     gate_up: GemmConfig = GemmConfig()

@@ -32,7 +32,9 @@ def _functions(fla: bool) -> tuple[KDAFunction, KDAFunction]:
         return fused_recurrent_kda, chunk_kda
     from transformers.models.glm5_next import modeling_glm5_next as glm
 
-    unwrap = lambda fn: getattr(fn, "__wrapped__", fn)  # noqa: E731  (the hub-kernel wrapper may pick fla itself)
+    def unwrap(fn: Callable) -> Callable:
+        return getattr(fn, "__wrapped__", fn)  # the hub-kernel wrapper may pick fla itself
+
     return unwrap(glm.recurrent_kimi_delta_attention), unwrap(glm.chunk_kimi_delta_attention)
 
 
