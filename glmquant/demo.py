@@ -19,7 +19,7 @@ from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.provenance import build_timestamp
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.summary import summary_table
-from glmquant.errors import GlmquantError
+from glmquant.errors import GlmquantError, UsageError
 from glmquant.fixtures import build_tiny_checkpoint
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.run import observe
@@ -82,6 +82,8 @@ def run_demo(out_dir: Path, console: Console) -> DemoResult:
     result = encode_artifact(
         EncodeConfig(source=source, out=artifact, observations=observations, verified_at=verified_at), console
     )
+    if result is None or result.verification is None:
+        raise UsageError("the demo runs in one process (not under torchrun) and verifies what it encodes")
     console.print(summary_table(result.layers))
     _step(console, "5. verify-manifest (run by encode: every file hashed against EXL3_MANIFEST.json)")
     console.print(f"all {len(result.verification.checks)} checks passed")

@@ -70,7 +70,9 @@ def expert_weights(h: int, inter: int, gen: torch.Generator, device: str) -> dic
 
 
 def make_unit(spec, layout: str, experts: range, device: str) -> UnitInputs:
-    names, items, fallbacks = [], [], []
+    names: list[str] = []
+    items: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    fallbacks: list[str | None] = []
     ranks = 4 if layout == "tr3" else None
     for e in experts:
         gen = torch.Generator(device=device).manual_seed(1000 + e)
@@ -225,22 +227,22 @@ def main() -> None:
     path = args.out / f"encode_layer_{'plain' if args.layout == 'exllamav3' else args.layout}_h200.json"
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compare:
-        record = json.loads(path.read_text()) if path.exists() else {}
-        record["our_kernel_tiles_per_s"] = kernel_rates("cuda", args.kernel_tiles)
-        record["our_tiles_per_s"] = record["our_kernel_tiles_per_s"]["K2_mcg"]
+        compared = json.loads(path.read_text()) if path.exists() else {}
+        compared["our_kernel_tiles_per_s"] = kernel_rates("cuda", args.kernel_tiles)
+        compared["our_tiles_per_s"] = compared["our_kernel_tiles_per_s"]["K2_mcg"]
         if exllamav3_available():
-            record["exllamav3_kernel_tiles_per_s"] = kernel_rates("exllamav3", args.kernel_tiles // 4)
-            record["exllamav3_tiles_per_s"] = record["exllamav3_kernel_tiles_per_s"]["K2_mcg"]
-            record["speedup_vs_exllamav3_kernel"] = round(
-                record["our_tiles_per_s"] / record["exllamav3_tiles_per_s"], 2
+            compared["exllamav3_kernel_tiles_per_s"] = kernel_rates("exllamav3", args.kernel_tiles // 4)
+            compared["exllamav3_tiles_per_s"] = compared["exllamav3_kernel_tiles_per_s"]["K2_mcg"]
+            compared["speedup_vs_exllamav3_kernel"] = round(
+                compared["our_tiles_per_s"] / compared["exllamav3_tiles_per_s"], 2
             )
         else:
-            record["exllamav3_tiles_per_s"] = None
-            record["exllamav3_note"] = "exllamav3 not importable in this run"
-        record["compare"] = compare(spec, args.layout, args.compare_experts)
-        record["compare_commit"] = commit
-        path.write_text(json.dumps(record, indent=2) + "\n")
-        print(json.dumps(record, indent=2))
+            compared["exllamav3_tiles_per_s"] = None
+            compared["exllamav3_note"] = "exllamav3 not importable in this run"
+        compared["compare"] = compare(spec, args.layout, args.compare_experts)
+        compared["compare_commit"] = commit
+        path.write_text(json.dumps(compared, indent=2) + "\n")
+        print(json.dumps(compared, indent=2))
         return
     record: dict = {
         "bench": "encode_layer",

@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/exl3_cpu.json"))
     args = parser.parse_args()
 
-    report = {
+    report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "cores": os.cpu_count(),

@@ -44,7 +44,7 @@ from glmquant.runtime.options import RuntimeOptions
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_CONFIG = ROOT / "tests" / "data" / "glm-5.3-flash" / "config.json"
 H200 = {"sms": 132, "clock_ghz": 1.98}
-GB10 = {
+GB10: dict[str, Any] = {
     "sms": 48,
     "clock_ghz": 2.52,
     "clock_source": (
@@ -74,8 +74,8 @@ SMOKE = Sizes((24, 40), (1, 2), (48,), 3, 3, 16)
 def main() -> None:
     args = parse_args()
     if args.merge:
-        report = merge([json.loads(Path(p).read_text()) for p in args.merge])
-        save(report, args.out)
+        merged = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        save(merged, args.out)
         return
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
     config, device = (tiny_config(), "cpu") if args.smoke else (args.config, "cuda")
@@ -246,7 +246,7 @@ def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
     }
     times["rest"] = whole - sum(times.values())
     nbytes = class_bytes(engine, 1, context, unique_experts(engine, x), logical_expert_bytes(artifact))
-    classes = {
+    classes: dict[str, dict[str, Any]] = {
         name: {
             "ms_per_token": round(times[name], 4),
             "bytes_per_token": nbytes[name],

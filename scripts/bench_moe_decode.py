@@ -20,10 +20,11 @@ import platform
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +159,7 @@ def capture(clock: Clock, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
     return type("Step", (), {"graph": replay, "inputs": static})
 
 
-def graph_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: list[tuple[torch.Tensor, ...]]):
+def graph_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: Sequence[tuple[torch.Tensor, ...]]):
     """Per call i: copy inputs[i] into the captured step's static inputs (untimed), time one replay."""
     step = capture(clock, fn, *inputs[0])
 
@@ -170,7 +171,12 @@ def graph_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: list[tupl
     return run
 
 
-def eager_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: list[tuple[torch.Tensor, ...]]):
+def replays(clock: Clock, graph: torch.cuda.CUDAGraph) -> Callable[[int], Callable[[], float]]:
+    """A `Clock.repeat` run that replays `graph` once per repetition."""
+    return lambda _i: clock.span(graph.replay)
+
+
+def eager_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: Sequence[tuple[torch.Tensor, ...]]):
     fn(*inputs[0])
     return lambda i: clock.span(lambda: fn(*inputs[i % len(inputs)]))
 
@@ -414,7 +420,7 @@ def run_stages(args, gen, clock: Clock, cfg: GemmConfig) -> list[dict]:
             with torch.cuda.graph(graph):
                 for c in calls:
                     c[stage]()
-            times = clock.repeat(lambda i, g=graph: clock.span(g.replay), 20)
+            times = clock.repeat(replays(clock, graph), 20)
             rows.append(
                 {
                     "ranks": ranks,
@@ -443,7 +449,7 @@ def profile_one_step(args, gen) -> None:
 
 def projection(results: list[Timing], plan_bytes: int, gb10: list[float]) -> dict:
     """GB10 single-stream tok/s from the batch-1 roofline fraction of the tr3 (reference) layout."""
-    out = {"plan_decode_bytes_per_token": plan_bytes}
+    out: dict[str, Any] = {"plan_decode_bytes_per_token": plan_bytes}
     for r in results:
         if r.batch == 1 and r.impl in ("ours_graph", "exllamav3_fused_graph"):
             key = f"{r.impl}.{r.layout}"

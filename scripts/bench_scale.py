@@ -158,7 +158,7 @@ def stage_build(args: argparse.Namespace) -> dict[str, Any]:
         finish.update(seconds=peak.seconds, peak_gpu_bytes=peak.gpu_bytes)
         return result
 
-    EncodeJob.encode, EncodeJob.finish = encode, finish_job
+    EncodeJob.encode, EncodeJob.finish = encode, finish_job  # type: ignore[method-assign]  # timed wrappers
     with DiskPeak(p["obs"]) as disk:
         result = build_artifact(config, Console(stderr=True), progress=True)
     obs = json.loads((p["obs"] / "observations.json").read_text())

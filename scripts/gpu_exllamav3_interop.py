@@ -52,6 +52,14 @@ def rel_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours.cuda() - theirs.float()).abs().max() / ours.abs().max()).item()
 
 
+def encode_plain(source: Path, artifact: Path) -> dict:
+    """The tiny checkpoint encoded in ExLlamaV3's layout (uncalibrated) on the GPU."""
+    cfg = EncodeConfig(source=source, out=artifact, layout="exllamav3", device="cuda", uncalibrated=True)
+    result = encode_artifact(cfg, Console(quiet=True))
+    assert result is not None  # one process: it writes the artifact
+    return {"manifest_sha256": result.artifact.manifest_sha256}
+
+
 def load_and_compare(artifact: Path) -> dict:
     """Load the artifact with ExLlamaV3's own loader and compare each expert Linear it built with our decode."""
     from exllamav3 import Config, Model
@@ -63,7 +71,7 @@ def load_and_compare(artifact: Path) -> dict:
     seen, worst, missing_shape = set(), 0.0, []
     for module in model:
         inner = getattr(module, "inner", None)
-        if type(inner).__name__ != "LinearEXL3":
+        if inner is None or type(inner).__name__ != "LinearEXL3":
             continue
         key = next(
             (k for k in ours if module.key == k or module.key.endswith("." + k) or k.endswith("." + module.key)), None
@@ -104,16 +112,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     source, artifact = work / "source", work / "artifact"
     step(record, "build_fixture", lambda: {"path": str(build_tiny_checkpoint(source))})
-    step(
-        record,
-        "encode_exllamav3_layout",
-        lambda: {
-            "manifest_sha256": encode_artifact(
-                EncodeConfig(source=source, out=artifact, layout="exllamav3", device="cuda", uncalibrated=True),
-                Console(quiet=True),
-            ).artifact.manifest_sha256
-        },
-    )
+    step(record, "encode_exllamav3_layout", lambda: encode_plain(source, artifact))
     step(record, "exllamav3_version", lambda: {"version": version("exllamav3")})
     step(record, "load_in_exllamav3_and_compare_experts", lambda: load_and_compare(artifact))
     (args.out / "exllamav3_interop.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -29,6 +29,7 @@ import traceback
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +70,7 @@ def random_exl3(gen: torch.Generator, inf: int, outf: int, bits: int, codebook: 
 def exact_w(t: EXL3Tensor) -> torch.Tensor:
     """float64 W (in, out) = diag(suh) P Q P diag(svh) from the bit-exact Q, on the tensor's device."""
     i = torch.arange(128, device=t.trellis.device)
-    parity = sum(((i[:, None] & i[None, :]) >> b) & 1 for b in range(7)) % 2
+    parity = sum((((i[:, None] & i[None, :]) >> b) & 1 for b in range(7)), torch.zeros_like(i[:, None] * i)) % 2
     h = (1 - 2 * parity).double() / 128**0.5
     q = decode_inner(t.trellis, t.codebook).double()
     kp, np_ = q.shape
@@ -255,7 +256,9 @@ def compile_reports() -> dict:
         return {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "TI": cfg.ti, "TJ": cfg.tj, **extra}
 
     default = GemmConfig()
-    cores = {  # name: (kernel, signature, config, extra constexprs)
+    cores: dict[
+        str, tuple[Any, dict, GemmConfig, dict[str, int | bool]]
+    ] = {  # name: (kernel, signature, config, extra constexprs)
         "rows": (_exl3_rows_kernel, rows_sig, default, {"ONE_ROW_JOBS": True}),
         "gemv": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 1, "PACKED": True}),
         "gemv_one_row_jobs": (_exl3_gemv_kernel, gemv_sig, ONE_ROW_GEMV, {"JOB_ROWS_MAX": 1, "PACKED": True}),
@@ -281,7 +284,7 @@ def compile_reports() -> dict:
             mix = loop_mix(sass)
             ptx = kernel.asm["ptx"]
             reports[f"{name}.sm_{cc}"] = {
-                "target": re.search(r"\.target\s+(\S+)", ptx)[1],
+                "target": ptx_target(ptx),
                 "resource_usage": resource_usage(usage),
                 "shared_bytes_launch": kernel.metadata.shared,
                 "k_loop_sass": mix,
@@ -385,6 +388,14 @@ def check_runtime(tmp: Path) -> dict:
         "triton_equals_torch_cuda": tokens["triton_cuda_graphs"] == tokens["torch_cuda"],
         "triton_equals_torch_cpu": tokens["triton_cuda_graphs"] == tokens["torch_cpu"],
     }
+
+
+def ptx_target(ptx: str) -> str:
+    """The `.target` a PTX module was compiled for."""
+    found = re.search(r"\.target\s+(\S+)", ptx)
+    if found is None:
+        raise ValueError("the PTX names no .target")
+    return found[1]
 
 
 def run(name: str, fn, results: dict) -> None:

@@ -32,7 +32,7 @@ def recipe_tokens(recipe, rows: int | None = None, tokens: int | None = None) ->
 def rates(layers: list[dict[str, Any]], tokens: int) -> dict[str, dict[str, float]]:
     """Per layer kind, the warm (fastest layer of the kind) seconds per calibration token of the observing pass
     (hooks on) and of a plain forward (the advancing pass per chunk it computed)."""
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}  # observe and forward rates (forward None when never measured)
     for layer in layers:
         cost = layer["cost"]
         observe = cost["observe_s"] / tokens

@@ -30,7 +30,7 @@ def test_reference_release_structure(reference_config: Path) -> None:
     assert (summary.mtp_tensors, summary.mtp_bytes) == (889, 14_865_185_408)
     assert round(summary.decode_bytes_per_token / 1e9, 1) == 18.7
     part0 = next(f for f in plan.files if f.path == "layer-03-part-tail-0.safetensors")
-    assert len(part0.tensors) == 6912 and {t.expert.expert % 2 for t in part0.tensors} == {0}
+    assert len(part0.tensors) == 6912 and {t.expert_slice.expert % 2 for t in part0.tensors} == {0}
     shapes = {t.name.split(".experts.0.")[1]: t.shape for t in part0.tensors if ".experts.0." in t.name}
     assert shapes["gate_proj.rank0.trellis"] == (256, 32, 32) and shapes["down_proj.rank3.trellis"] == (32, 256, 32)
     assert shapes["gate_proj.rank2.suh"] == (4096,) and shapes["down_proj.rank1.svh"] == (4096,)
@@ -52,7 +52,7 @@ def test_reference_files_from_the_config_alone(reference_config: Path) -> None:
     retained = [f for f in plan.files if f.kind == "retained"]
     assert len(plan.files) == 133 and len(retained) == 49
     assert all(re.fullmatch(r"retained-\d{5}-of-00120\.safetensors", f.path) for f in retained)
-    assert all(shards[t.source] == f.source_shard for f in retained for t in f.tensors)
+    assert all(shards[t.source_name] == f.source_shard for f in retained for t in f.tensors)
     assert plan.files == plan_artifact(spec, "tr3", source_shards=shards).files
 
 
@@ -69,8 +69,8 @@ def test_source_index_numbering(tiny_source: Path) -> None:
     plan = plan_artifact(spec, "tr3", source_shards=shards)
     retained = [f for f in plan.files if f.kind == "retained"]
     for f in retained:
-        assert f.path == f.source_shard.replace("model-", "retained-")
-        assert all(shards[t.source] == f.source_shard for t in f.tensors)
+        assert f.source_shard is not None and f.path == f.source_shard.replace("model-", "retained-")
+        assert all(shards[t.source_name] == f.source_shard for t in f.tensors)
     expert_only = set(shards.values()) - {f.source_shard for f in retained}
     assert expert_only  # source shards that held only quantized experts produce no retained file
 

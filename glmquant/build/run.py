@@ -55,6 +55,7 @@ class EncodedLayers:
 
     def save(self, layer: int, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:
         self.statistics.save(layer, stats, None)
+        assert self.job is not None  # observe starts the sink before it saves a layer
         if layer in self.job.todo:  # an encode killed after its layer finished but before observe recorded it
             self.job.encode(layer, self._view(hessians))
 
@@ -71,4 +72,5 @@ def build_artifact(config: BuildConfig, console: Console, progress: bool = False
     with SourceCheckpoint.open(config.encode.source) as source:
         sink = EncodedLayers(config, source, console)
         observation = observe(config.observe, progress, sink)
+        assert sink.job is not None  # observe started it
         return BuildResult(observation, sink.job.finish())

@@ -98,7 +98,8 @@ class Fields:
     def __init__(self, file: Path, where: str, data: object) -> None:
         if not isinstance(data, dict):
             raise UsageError(f"{file}: {where or 'top level'}: expected a mapping, got {type(data).__name__}")
-        self.file, self.where, self.data, self.used = file, where, data, set()
+        self.file, self.where, self.data = file, where, data
+        self.used: set[str] = set()
 
     def key(self, name: str) -> str:
         return f"{self.where}.{name}" if self.where else name

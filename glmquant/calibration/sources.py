@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,13 @@ def derive_seed(*parts: object) -> int:
 
 def documents(spec: SourceSpec, seed: int, tokenizer: Any) -> Iterator[str]:
     """The source's documents as text, shuffled by `seed` (a new seed gives a new order)."""
+    records: Iterable[Any]
     if spec.kind == "hf":
         records = _hf_records(spec, seed)
     else:
-        records = _local_records(spec)
-        random.Random(seed).shuffle(records)
+        local = _local_records(spec)
+        random.Random(seed).shuffle(local)
+        records = local
     for record in records:
         text = _render(spec, record, tokenizer)
         if text:
@@ -84,7 +86,7 @@ def _hf_records(spec: SourceSpec, seed: int) -> Iterator[Any]:
         ) from None
 
 
-def _field(spec: SourceSpec, record: object, where: str) -> Any:
+def _field(spec: SourceSpec, record: Any, where: str) -> Any:  # record: parsed JSON or a parquet row
     """The record's text (or messages); a prompt/response pair becomes a two-message chat."""
     wanted = [spec.field] + ([spec.response_field] if spec.response_field else [])
     missing = [f for f in wanted if not isinstance(record, dict) or f not in record]

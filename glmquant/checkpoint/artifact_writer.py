@@ -76,17 +76,18 @@ def write_planned_file(
 
 def _retained_bytes(source: SourceCheckpoint, t: OutputTensor) -> Provided:
     """A streamer copying the source tensor's stored bytes (only the kept rows when the plan pruned it)."""
-    if t.source not in source:
-        raise CheckpointFormatError(f"{source.directory}: retained tensor {t.source} is not in the source checkpoint")
-    src = source.spec(t.source)
-    if src.dtype != t.dtype or src.shape[1:] != t.shape[1:] or (t.rows is None and src.shape != t.shape):
+    name, rows = t.source_name, t.rows
+    if name not in source:
+        raise CheckpointFormatError(f"{source.directory}: retained tensor {name} is not in the source checkpoint")
+    src = source.spec(name)
+    if src.dtype != t.dtype or src.shape[1:] != t.shape[1:] or (rows is None and src.shape != t.shape):
         raise CheckpointFormatError(
-            f"source tensor {t.source} is {src.dtype} {list(src.shape)}, the plan expects {t.dtype} {list(t.shape)}"
+            f"source tensor {name} is {src.dtype} {list(src.shape)}, the plan expects {t.dtype} {list(t.shape)}"
         )
-    if t.rows is None:
-        return lambda f: source.copy_raw_into(t.source, f)
+    if rows is None:
+        return lambda f: source.copy_raw_into(name, f)
     row_bytes = src.nbytes // src.shape[0]
-    return lambda f: sum(source.copy_raw_into(t.source, f, r * row_bytes, row_bytes) for r in t.rows)
+    return lambda f: sum(source.copy_raw_into(name, f, r * row_bytes, row_bytes) for r in rows)
 
 
 def write_retained_shards(plan: ArtifactPlan, source: SourceCheckpoint, out_dir: str | Path) -> list[Path]:

@@ -74,6 +74,20 @@ class OutputTensor(NamedTuple):
     def nbytes(self) -> int:
         return prod(self.shape) * DTYPE_BYTES[self.dtype]
 
+    @property
+    def expert_slice(self) -> ExpertSlice:
+        """The expert slice an EXL3 part belongs to (ValueError for a retained tensor, which has none)."""
+        if self.expert is None:
+            raise ValueError(f"{self.name} is not an EXL3 part: it belongs to no expert slice")
+        return self.expert
+
+    @property
+    def source_name(self) -> str:
+        """The source tensor a retained tensor copies (ValueError for an EXL3 part, which copies none)."""
+        if self.source is None:
+            raise ValueError(f"{self.name} is not a retained tensor: it copies no source tensor")
+        return self.source
+
 
 @dataclass(frozen=True)
 class PlannedFile:
@@ -241,13 +255,17 @@ def _retained_tensors(spec: ModelSpec, kept: Mapping[int, tuple[int, ...]]) -> l
     out = []
     for t in source_tensors(spec):
         if t.role is TensorRole.ROUTED_EXPERT:
+            assert (
+                t.layer is not None and t.expert is not None and t.proj is not None
+            )  # the table sets them for experts
             if t.layer in quantized:
                 continue
             new_id = kept[t.layer].index(t.expert) if t.expert in kept[t.layer] else None
             if new_id is not None:
                 out.append(OutputTensor(table.expert_name(t.layer, new_id, t.proj), t.dtype, t.shape, t.role, t.name))
             continue
-        if t.role in (TensorRole.ROUTER_WEIGHT, TensorRole.ROUTER_BIAS) and len(kept[t.layer]) != spec.n_routed_experts:
+        router = t.role in (TensorRole.ROUTER_WEIGHT, TensorRole.ROUTER_BIAS)
+        if router and t.layer is not None and len(kept[t.layer]) != spec.n_routed_experts:
             rows = kept[t.layer]
             out.append(OutputTensor(t.name, t.dtype, (len(rows), *t.shape[1:]), t.role, t.name, rows))
             continue
@@ -301,19 +319,19 @@ def predicted_source_shards(spec: ModelSpec, shard_bytes: int = SOURCE_SHARD_BYT
 
 def _retained_files(retained: list[OutputTensor], source_shards: Mapping[str, str]) -> list[PlannedFile]:
     """Group retained tensors by the source shard that held them."""
-    missing = [t.source for t in retained if t.source not in source_shards]
+    missing = [t.source_name for t in retained if t.source_name not in source_shards]
     if missing:
         raise UsageError(f"source index lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
     groups: dict[str, list[OutputTensor]] = {}
     for t in retained:
-        groups.setdefault(source_shards[t.source], []).append(t)
+        groups.setdefault(source_shards[t.source_name], []).append(t)
     names = _retained_names(sorted(set(source_shards.values())))
     return [PlannedFile(names[shard], "retained", tuple(ts), source_shard=shard) for shard, ts in groups.items()]
 
 
 def _retained_names(shards: list[str]) -> dict[str, str]:
-    matches = [_SOURCE_SHARD.match(s) for s in shards]
-    if all(matches):
+    matches = [m for s in shards if (m := _SOURCE_SHARD.match(s))]
+    if len(matches) == len(shards):
         return {s: f"retained-{m.group(1)}-of-{m.group(2)}.safetensors" for s, m in zip(shards, matches)}
     return {s: f"retained-{i:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards, 1)}
 

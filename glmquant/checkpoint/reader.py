@@ -47,7 +47,8 @@ class SourceCheckpoint:
 
     @classmethod
     def _from_shards(cls, directory: Path, shards: list[str], index: SafetensorsIndex | None) -> SourceCheckpoint:
-        headers, locations = {}, {}
+        headers: dict[str, ParsedHeader] = {}
+        locations: dict[str, str] = {}
         for shard in shards:
             if not (directory / shard).is_file():
                 raise CheckpointFormatError(f"{directory / INDEX_NAME}: shard {shard} is listed but missing")

@@ -42,4 +42,4 @@ def tensor_from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: t
 def tensor_to_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in row-major order, as a safetensors file stores them (CPU copy if needed)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")

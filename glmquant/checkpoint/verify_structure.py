@@ -41,7 +41,8 @@ class Structure:
     def read(cls, state: ArtifactState) -> Structure:
         files = {path: header.specs for path, header in state.headers.items()}
         groups = exl3_groups(s for specs in files.values() for s in specs)
-        layout = state.manifest.get("layout") if isinstance(state.manifest.get("layout"), dict) else {}
+        declared = state.manifest.get("layout")
+        layout = declared if isinstance(declared, dict) else {}
         try:
             config = json.loads((state.root / "config.json").read_text(encoding="utf-8"))
             return cls(files, groups, layout, config, load_model_spec(config), None)
@@ -334,11 +335,18 @@ def _retained_problems(state: ArtifactState, s: Structure) -> list[str]:
         ]
     if len(s.files) != len(state.weight_entries):  # totals are only meaningful when every header was read
         return problems
-    m = state.manifest
-    totals = {"retained_tensor_count": len(retained), "retained_tensor_bytes": sum(t.nbytes for _, t in retained)}
-    if written_by_glmquant(m):  # the release does not publish how it hashed its retained tensor list
+    manifest = state.manifest
+    totals: dict[str, int | str] = {
+        "retained_tensor_count": len(retained),
+        "retained_tensor_bytes": sum(t.nbytes for _, t in retained),
+    }
+    if written_by_glmquant(manifest):  # the release does not publish how it hashed its retained tensor list
         totals["retained_manifest_sha256"] = retained_manifest_sha256(retained)
-    return problems + [f"manifest {k} {m.get(k)}, files give {v}" for k, v in totals.items() if k in m and m[k] != v]
+    return problems + [
+        f"manifest {k} {manifest.get(k)}, files give {v}"
+        for k, v in totals.items()
+        if k in manifest and manifest[k] != v
+    ]
 
 
 def _span(layers: list[int]) -> str:

@@ -57,7 +57,7 @@ def build(
             bits=bits,
             codebook=codebook,
             layout=layout,
-            hessians="all" if hessians is HessianMode.ALL else "natural",
+            hessians=HessianMode.ALL if hessians is HessianMode.ALL else HessianMode.NATURAL,
             prune_plan=prune_plan,
             device=device,
             work_dir=work_dir,

@@ -66,11 +66,11 @@ def encode(
         bits=bits,
         codebook=codebook,
         layout=layout,
-        hessians=hessians,
+        hessians=hessians,  # type: ignore[arg-type]  # EncodeConfig parses the text; a bad value is a UsageError
         blend=blend,
         keep=keep,
         prune_plan=prune_plan,
-        tiers=tiers,
+        tiers=tiers,  # type: ignore[arg-type]  # parsed by EncodeConfig too
         tier_plan=tier_plan,
         device=device,
         work_dir=work_dir,

@@ -61,7 +61,7 @@ def observe(
         device,
         batch_rows,
         stream_budget_gb,
-        tiers,
+        tiers,  # type: ignore[arg-type]  # ObserveConfig parses the text; a bad value is a UsageError
     )
     summary = run_observe(config, progress=True)
     out.print(

@@ -86,16 +86,16 @@ def encode_unit(
     dev = torch.device(device)
     moved: dict[int, torch.Tensor] = {}  # one device copy per distinct Hessian (shared ones stay shared)
 
-    def to_device(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or t.device == dev:
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        if t.device == dev:
             return t
         if id(t) not in moved:
             moved[id(t)] = t.to(dev, non_blocking=True)
         return moved[id(t)]
 
-    items = [(to_device(w), to_device(h)) for w, h in inputs.items]
+    items = [(to_device(w), None if h is None else to_device(h)) for w, h in inputs.items]
     widths = inputs.bits or [bits] * len(items)
-    encoded: list[EncodedLinear | None] = [None] * len(items)
+    encoded: dict[int, EncodedLinear] = {}
     for k in sorted(set(widths)):
         batch = [i for i, w in enumerate(widths) if w == k]
         for i, enc in zip(
@@ -105,7 +105,7 @@ def encode_unit(
             encoded[i] = enc
     tensors: dict[str, torch.Tensor] = {}
     reports: list[TensorReport] = []
-    for name, enc, fallback in zip(inputs.names, encoded, inputs.fallbacks):
+    for name, enc, fallback in zip(inputs.names, (encoded[i] for i in range(len(items))), inputs.fallbacks):
         tensors.update(enc.tensor.tensors(name))
         reports.append(TensorReport(name, enc.proxy_error, fallback or enc.fallback))
     return EncodedLayer(tensors, reports)

@@ -84,7 +84,7 @@ def hessian_routing(cfg: EncodeConfig) -> str:
 
 
 def calibration_info(
-    recipe: str, recipe_sha256: str, token_rows_sha256: str, lanes: Sequence[tuple[int, int]], hessians: str
+    recipe: str, recipe_sha256: str, token_rows_sha256: str, lanes: Sequence[tuple[int, ...]], hessians: str
 ) -> CalibrationInfo:
     """Hashes of the recipe and of the token rows actually used (not of observations.json, which records
     timings and would make two identical observation runs look different); `lanes` as (rows, tokens)."""

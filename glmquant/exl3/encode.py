@@ -197,8 +197,9 @@ def _ldlq_jobs(
     stacks = []
     for shape in by_shape.values():
         weights = torch.stack([torch.cat([jobs[i].w_reg for i in members], dim=1) for members in shape])
-        factors = [jobs[members[0]].prep.ldl for members in shape]
-        stacks.append((weights, None if factors[0] is None else torch.stack(factors)))
+        # a shape's jobs all have a factor or none (the key says which)
+        factors = [ldl for members in shape if (ldl := jobs[members[0]].prep.ldl) is not None]
+        stacks.append((weights, torch.stack(factors) if factors else None))
     out: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty(0), torch.empty(0))] * len(jobs)
     for shape, (q, states) in zip(by_shape.values(), ldlq(stacks, values)):
         for g, members in enumerate(shape):

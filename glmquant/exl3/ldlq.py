@@ -36,10 +36,11 @@ def ldlq(
                 continue
             r0, r1 = 16 * strip, 16 * strip + 16
             rows = w[:, r0:r1]
-            if ldl is not None:
+            acc = accs[m]
+            if ldl is not None and acc is not None:  # acc exists exactly when ldl does
                 end = (r0 // BLOCK + 1) * BLOCK
                 err = w[:, r1:end] - qs[m][:, r1:end]
-                rows = rows + accs[m][:, r0:r1] + ldl[:, r1:end, r0:r1].transpose(1, 2) @ err
+                rows = rows + acc[:, r0:r1] + ldl[:, r1:end, r0:r1].transpose(1, 2) @ err
             active.append((m, strip))
             targets.append(to_ring(rows).reshape(-1, 256))
         values, found = quantize(torch.cat(targets))
@@ -51,7 +52,8 @@ def ldlq(
             qs[m][:, r0 : r0 + 16] = from_ring(values[offset : offset + count].view(g, 1, tn, 256))
             states[m][:, strip] = found[offset : offset + count].view(g, tn, 256)
             offset += count
-            if ldl is not None and r0 % BLOCK == 0 and r0 > 0:
+            acc = accs[m]
+            if ldl is not None and acc is not None and r0 % BLOCK == 0 and r0 > 0:
                 done = w[:, r0 : r0 + BLOCK] - qs[m][:, r0 : r0 + BLOCK]
-                accs[m][:, :r0] += ldl[:, r0 : r0 + BLOCK, :r0].transpose(1, 2) @ done
+                acc[:, :r0] += ldl[:, r0 : r0 + BLOCK, :r0].transpose(1, 2) @ done
     return list(zip(qs, states))

@@ -12,9 +12,10 @@ so, the model dtype otherwise.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -119,7 +120,7 @@ def _rename(suffix: str) -> str:
     return suffix
 
 
-def fp32_names(patterns: object) -> re.Pattern | None:
+def fp32_names(patterns: Iterable[str] | None) -> re.Pattern | None:
     """The regex transformers builds from `_keep_in_fp32_modules_strict` (globs, searched in the name)."""
     globs = sorted(patterns or [])
     return re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in globs)) if globs else None
@@ -149,8 +150,19 @@ def load_decoder_layer(
     return module.eval()
 
 
+class TensorSource(Protocol):
+    """What filling a layer reads from a checkpoint: a source or artifact checkpoint, or the dummy one."""
+
+    @property
+    def directory(self) -> Path: ...
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def read_tensor(self, name: str) -> torch.Tensor: ...
+
+
 def read_layer_state(
-    ckpt: SourceCheckpoint,
+    ckpt: TensorSource,
     plan: LayerPlan,
     meta: Mapping[str, torch.Tensor],
     keep_fp32: re.Pattern | None,

@@ -128,7 +128,9 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
             streams.drop_layer(layer)
             bar.advance(layers)
     streams.drop_layer(model.num_layers)  # the final streams are not an output
-    summary = _summarize(model, rows, config, fp, resumed and resumed.next_layer, costs, time.monotonic() - started)
+    summary = _summarize(
+        model, rows, config, fp, resumed.next_layer if resumed is not None else None, costs, time.monotonic() - started
+    )
     summary.save(config.out)
     return summary
 
@@ -258,7 +260,7 @@ def _summarize(
         peak_device,
         round(elapsed, 3),
         resumed,
-        plan and plan.name,
+        plan.name if plan is not None else None,
         tiers,
     )
 

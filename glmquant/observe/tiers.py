@@ -104,7 +104,11 @@ class TierSpec:
         fixed = sum(t.size(experts) or 0 for t in self.tiers)
         if fixed > experts:
             raise UsageError(f"--tiers {self.text}: the counted tiers take {fixed} experts, the layer has {experts}")
-        return [(t.bits, experts - fixed if t.size(experts) is None else t.size(experts)) for t in self.tiers]
+        counts = []
+        for t in self.tiers:
+            size = t.size(experts)
+            counts.append((t.bits, experts - fixed if size is None else size))
+        return counts
 
     def assign(self, saliency: Sequence[float]) -> tuple[int, ...]:
         """Bits per expert (by index) from its saliency: the most salient fill the first tier, and so on."""

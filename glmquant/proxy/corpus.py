@@ -73,9 +73,9 @@ def load_corpus_recipe(path: str | Path = DEFAULT_CORPUS_RECIPE) -> CorpusRecipe
     file = Path(path)
     top = Fields(file, "", read_yaml(file))
     splits = Fields(file, "splits", top.get("splits", dict))
-    fractions = [float(splits.get(s, (int, float))) for s in ("calibration", "heldout")]
+    calibration, heldout = (float(splits.get(s, (int, float))) for s in ("calibration", "heldout"))
     splits.done()
-    if not all(0 < f < 0.5 for f in fractions):
+    if not all(0 < f < 0.5 for f in (calibration, heldout)):
         raise UsageError(f"{file}: splits: calibration and heldout must each be a fraction in (0, 0.5)")
     sources = tuple(_source(file, f"sources[{i}]", item) for i, item in enumerate(top.get("sources", list)))
     if not sources or len({s.name for s in sources}) != len(sources):
@@ -87,7 +87,8 @@ def load_corpus_recipe(path: str | Path = DEFAULT_CORPUS_RECIPE) -> CorpusRecipe
         top.positive("max_bytes"),
         top.positive("doc_bytes"),
         top.positive("max_file_bytes"),
-        *fractions,
+        calibration,
+        heldout,
         sources,
     )
     top.done()

@@ -126,7 +126,7 @@ class TrainConfig:
 class LoadBalancer:
     """Aux-loss-free balancing: each router's selections are counted during the step, then its bias moves."""
 
-    routers: list[torch.nn.Module]
+    routers: list[Any]  # transformers' MoE routers: num_experts, e_score_correction_bias
     rate: float
     counts: list[torch.Tensor] = field(default_factory=list)
 
@@ -161,7 +161,7 @@ def token_stream(tokenizer: Any, texts: list[str]) -> torch.Tensor:
     return torch.tensor([t for doc in ids for t in (*doc, eos)], dtype=torch.int32)
 
 
-def text_model_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def text_model_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:  # a Glm5NextForConditionalGeneration
     """Logits of the language model alone (the vision tower is not involved in text)."""
     hidden = model.model.language_model(input_ids=ids).last_hidden_state
     return model.lm_head(hidden)
@@ -213,7 +213,8 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     torch.set_float32_matmul_precision("high")  # fp32 weights and activations, TF32 matmuls on a GPU
     hf_config = shape.hf_config(tokenizer)
     hf_config.text_config._experts_implementation = cfg.experts_implementation
-    model = Glm5NextForConditionalGeneration(hf_config).to(device, TRAIN_DTYPES[cfg.dtype]).train()
+    model: Any = Glm5NextForConditionalGeneration(hf_config)  # transformers types its `to` unbound
+    model = model.to(device, TRAIN_DTYPES[cfg.dtype]).train()
     text = model.model.language_model
     balancer = LoadBalancer(
         [layer.mlp.gate for layer in text.layers if hasattr(layer.mlp, "experts")], cfg.bias_update_rate
@@ -312,7 +313,7 @@ def routing_check(model_dir: Path, recipe: Path, obs_dir: Path, device: str) -> 
     from glmquant.observe.stats import LayerStats, stats_files
 
     observe(ObserveConfig(model_dir, obs_dir, recipe=recipe, hessians=HessianMode.NONE, device=device))
-    layers = {}
+    layers: dict[str, dict[str, Any]] = {}
     for layer, path in stats_files(obs_dir).items():
         s = LayerStats.load(path)
         reap = s.reap[s.count > 0]

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from glmquant.arch import PROJECTIONS, ModelSpec, load_model_spec, read_config, table_for
+from glmquant.checkpoint.dummy import DummyCheckpoint
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import CheckpointFormatError
 from glmquant.exl3.decode import decode_weight
@@ -36,7 +37,7 @@ class Artifact:
     layout: str  # "tr3" | "exllamav3"
     ranks: int  # rank slices per expert projection: virtual experts per logical expert
     quantized_layers: tuple[int, ...]
-    checkpoint: SourceCheckpoint = field(repr=False, compare=False)
+    checkpoint: SourceCheckpoint | DummyCheckpoint = field(repr=False, compare=False)  # the dummy: --load-format dummy
 
     @property
     def virtual_experts(self) -> int:

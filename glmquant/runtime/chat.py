@@ -56,7 +56,7 @@ class ChatFormat:
     def __init__(self, path: str | Path, has_vision: bool) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(path))  # the class the checkpoint names
         if not self.tokenizer.chat_template:
             raise UsageError(
                 f"{path}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)"
@@ -232,6 +232,7 @@ def _decode_video(url: str) -> tuple[Any, Any]:
         f.write(_data_url_bytes(url))
         f.flush()
         try:
-            return load_video(f.name, backend=backend)
+            # transformers annotates load_video narrower than it is: it takes a path, returns (frames, metadata)
+            return load_video(f.name, backend=backend)  # type: ignore[arg-type, return-value]
         except Exception as exc:  # noqa: BLE001 - decoders raise many types on bad data
             raise UsageError(f"the video data could not be decoded ({exc})") from None

@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -86,7 +86,7 @@ class TransformersDecoder:
     """A transformers model as a `Decoder`, with a fresh `DynamicCache` per prompt."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        self.model: Any = model  # a transformers model: its config and cache keyword are read
         self.device = next(model.parameters()).device
         self.cache_kw: dict[str, object] = {}
 
@@ -119,7 +119,8 @@ def generate(
     decoder = model if isinstance(model, Decoder) else TransformersDecoder(model)
     gen = torch.Generator(device=decoder.device)
     gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-    stream, tokens, reason, first_token_at = TextStream(decode, params.stop), [], "length", None
+    stream, reason, first_token_at = TextStream(decode, params.stop), "length", None
+    tokens: list[int] = []
     logits = decoder.prefill(prompt)
     while len(tokens) < params.max_tokens:
         token = next_token(finite_logits(logits, len(tokens)), params, gen)

@@ -65,7 +65,8 @@ class RuntimeOptions:
         if self.dtype != "auto":
             name = str(DTYPES[self.dtype]).removeprefix("torch.")
         else:
-            text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else {}
+            nested = config.get("text_config")
+            text = nested if isinstance(nested, Mapping) else {}
             declared = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
             name = "float16" if declared == "float16" else "bfloat16"
         return replace(self, dtype=name)

@@ -170,11 +170,12 @@ async def _generation(service: ModelService, job: Job) -> AsyncIterator[Delta | 
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Delta | tuple[Generation, ParsedOutput] | BaseException] = asyncio.Queue()
 
+    def forward(delta: Delta) -> None:  # called on the worker thread
+        loop.call_soon_threadsafe(queue.put_nowait, delta)
+
     async def work() -> None:
         try:
-            queue.put_nowait(
-                await run_in_threadpool(service.run, job, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
-            )
+            queue.put_nowait(await run_in_threadpool(service.run, job, forward))
         except BaseException as exc:  # noqa: BLE001  (handed to the consumer, which raises it)
             queue.put_nowait(exc)
 

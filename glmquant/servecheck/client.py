@@ -66,7 +66,7 @@ class ChatClient:
         try:
             for chunk in self._client.chat.completions.create(**kwargs):
                 collected.add(chunk, time.perf_counter())
-        except (openai.APIError, *_TRANSPORT_ERRORS) as exc:  # the server's errors, and transport failures mid-stream
+        except _STREAM_ERRORS as exc:
             return collected.result(time.perf_counter(), error=f"{type(exc).__name__}: {exc}")
         return collected.result(time.perf_counter())
 
@@ -81,7 +81,8 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return ()
 
 
-_TRANSPORT_ERRORS = _transport_errors()
+# the server's errors, and transport failures mid-stream
+_STREAM_ERRORS: tuple[type[BaseException], ...] = (openai.APIError, *_transport_errors())
 
 
 class _Collector:

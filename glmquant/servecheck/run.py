@@ -60,6 +60,7 @@ def _server(config: ServeCheckConfig) -> Iterator[str]:
         return
     from glmquant.runtime.server import serve_in_background
 
+    assert config.artifact is not None  # ServeCheckConfig takes an artifact or an endpoint, exactly one
     with serve_in_background(
         config.artifact,
         host="127.0.0.1",

@@ -113,7 +113,7 @@ def test_build_refuses_what_it_cannot_do(source: Path, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="needs them observed"):
         BuildConfig(
             _observe_config(source, tmp_path / "obs", hessians=HessianMode.NATURAL),
-            EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "obs", hessians="all"),
+            EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "obs", hessians="all"),  # type: ignore[arg-type]  # the config parses option text
         )
     with pytest.raises(UsageError, match="the observations it writes"):
         BuildConfig(

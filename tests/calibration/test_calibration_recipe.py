@@ -15,7 +15,8 @@ RECIPES = Path(__file__).resolve().parents[2] / "calibration"
 def test_shipped_recipes_load() -> None:
     default = load_recipe(RECIPES / "default.yaml")
     assert [lane.name for lane in default.lanes] == ["mix"] and default.lanes[0].use == ("hessians", "reap")
-    assert Path(default.sources["prose"].path).is_file()  # resolved against the recipe's directory
+    prose = default.sources["prose"].path
+    assert prose is not None and Path(prose).is_file()  # resolved against the recipe's directory
     real = load_recipe(RECIPES / "glm-5.3-flash.yaml")
     hessian = real.lanes[0]
     assert (hessian.name, hessian.rows, hessian.tokens, hessian.use) == ("hessian", 600, 2048, ("hessians",))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,14 +49,14 @@ def placeholder_experts(planned: PlannedFile) -> Mapping[str, torch.Tensor]:
             torch.randn(i * 16, generator=gen).half(),
             torch.randn(o * 16, generator=gen).half(),
             codebook,
-            t.expert.in_features,
-            t.expert.out_features,
+            t.expert_slice.in_features,
+            t.expert_slice.out_features,
         )
         out.update(x.tensors(t.name[: -len(".trellis")]))
     return out
 
 
-def build(source_dir: Path, out: Path, layout: str, **plan_args: object) -> tuple[ArtifactPlan, ArtifactResult]:
+def build(source_dir: Path, out: Path, layout: str, **plan_args: Any) -> tuple[ArtifactPlan, ArtifactResult]:
     with SourceCheckpoint.open(source_dir) as source:
         spec = load_model_spec(source.config_path)
         plan = plan_artifact(spec, layout, source_shards=source.locations, **plan_args)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import huggingface_hub
@@ -129,7 +130,7 @@ class Recorded(Exception):
     """Ends a verb once its config was recorded (the stage itself has its own tests)."""
 
 
-def _recorder(seen: list):  # type: ignore[no-untyped-def]
+def _recorder(seen: list) -> Callable[..., None]:
     def record(config: object, *args: object, **kwargs: object) -> None:
         seen.append(config)
         raise Recorded

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.tensor_bytes import dtype_name, tensor_to_bytes
-from glmquant.checkpoint.writer import atomic_write_text, write_safetensors
+from glmquant.checkpoint.writer import Provided, atomic_write_text, write_safetensors
 from glmquant.errors import CheckpointFormatError, GlmquantError
 
 
@@ -71,7 +71,7 @@ def _no_files_left(directory: Path) -> bool:
         (lambda f: f.write(b"x" * 3), "streamed 3 bytes, expected 70"),
     ],
 )
-def test_wrong_provider_output(tmp_path: Path, bad: object, message: str) -> None:
+def test_wrong_provider_output(tmp_path: Path, bad: Provided, message: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(CheckpointFormatError, match=message):

@@ -282,12 +282,13 @@ def test_expert_without_tokens_uses_the_all_token_fallback(small_source: Path, t
     observe(ObserveConfig(source=source, out=obs, rows=2, tokens=32, hessians=HessianMode.BOTH))
     assert int(load_layer_hessians(obs, layer, "natural").gate_up_counts[0]) == 0
     out = tmp_path / "artifact"
-    console = Console(file=io.StringIO(), width=400)
-    result = encode_artifact(EncodeConfig(source=source, out=out, observations=obs), console)
+    log = io.StringIO()
+    result = encode_artifact(EncodeConfig(source=source, out=out, observations=obs), Console(file=log, width=400))
+    assert result is not None
     last = next(summary for summary in result.layers if summary.layer == layer)
     assert last.fallbacks == {"no_tokens:all": 12}
     assert all(".experts.0." in name for name in last.fallback_tensors)
-    warnings = [line for line in console.file.getvalue().splitlines() if line.startswith("warning: ")]
+    warnings = [line for line in log.getvalue().splitlines() if line.startswith("warning: ")]
     assert sorted(warnings) == [
         f"warning: {name}: no_tokens:all (no calibration token was routed to this expert: "
         f"encoded with the all-token Hessian)"

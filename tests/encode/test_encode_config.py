@@ -69,7 +69,7 @@ def test_bad_environment_is_refused_before_any_work(
 
 
 def test_hessian_mode_is_typed_and_the_fingerprint_stable(tmp_path: Path) -> None:
-    as_text = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, hessians="all")
+    as_text = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, hessians="all")  # type: ignore[arg-type]  # the config parses option text
     typed = EncodeConfig(source=tmp_path, out=tmp_path / "b", uncalibrated=True, hessians=HessianMode.ALL)
     assert as_text.hessians is HessianMode.ALL
     assert as_text.fingerprint({}) == typed.fingerprint({})

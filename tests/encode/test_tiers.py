@@ -32,7 +32,7 @@ SPEC = "reap:K3=1,K2=rest,K1=1"
 @pytest.fixture(scope="module")
 def observed(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiers-obs")
-    observe(ObserveConfig(source=tiny_source, out=out, rows=4, tokens=64, hessians=HessianMode.BOTH, tiers=SPEC))
+    observe(ObserveConfig(source=tiny_source, out=out, rows=4, tokens=64, hessians=HessianMode.BOTH, tiers=SPEC))  # type: ignore[arg-type]  # the config parses option text
     return out
 
 
@@ -44,7 +44,7 @@ def tiered(tiny_source: Path, observed: Path, tmp_path_factory: pytest.TempPathF
             source=tiny_source,
             out=out,
             observations=observed,
-            tiers=SPEC,
+            tiers=SPEC,  # type: ignore[arg-type]  # the config parses option text
             blend=0.5,
             verified_at="2026-01-01T00:00:00Z",
         ),
@@ -158,11 +158,11 @@ def test_exllamav3_layout_with_tiers(tiny_source: Path, observed: Path, tmp_path
 
 def test_tier_options_are_checked() -> None:
     with pytest.raises(UsageError, match="tr3 layout's tiers are K1..K4"):
-        EncodeConfig(source=Path("s"), out=Path("o"), observations=Path("x"), tiers="reap:K5=1,K2=rest")
+        EncodeConfig(source=Path("s"), out=Path("o"), observations=Path("x"), tiers="reap:K5=1,K2=rest")  # type: ignore[arg-type]  # the config parses option text
     with pytest.raises(UsageError, match="needs --observations"):
-        EncodeConfig(source=Path("s"), out=Path("o"), uncalibrated=True, tiers="reap:K3=1,K2=rest")
+        EncodeConfig(source=Path("s"), out=Path("o"), uncalibrated=True, tiers="reap:K3=1,K2=rest")  # type: ignore[arg-type]  # the config parses option text
     with pytest.raises(UsageError, match="--blend"):
-        EncodeConfig(source=Path("s"), out=Path("o"), observations=Path("x"), hessians="all", blend=0.5)
+        EncodeConfig(source=Path("s"), out=Path("o"), observations=Path("x"), hessians="all", blend=0.5)  # type: ignore[arg-type]  # the config parses option text
 
 
 def test_plan_cli_predicts_the_tiered_files(tiny_source: Path, observed: Path, tiered: Path) -> None:

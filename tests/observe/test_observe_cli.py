@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from glmquant.cli import observe as cli
 from glmquant.observe.config import DEFAULT_RECIPE, ObserveConfig
 from glmquant.observe.hessians import HessianMode
+from glmquant.observe.summary import ObservationSummary
 
 
 @pytest.fixture
@@ -25,7 +26,12 @@ def test_options_become_one_config(
     app: typer.Typer, observed: Path, tiny_source: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[ObserveConfig] = []
-    monkeypatch.setattr(cli, "run_observe", lambda config, progress: seen.append(config) or _summary(observed))
+
+    def run_observe(config: ObserveConfig, progress: bool) -> ObservationSummary:
+        seen.append(config)
+        return _summary(observed)
+
+    monkeypatch.setattr(cli, "run_observe", run_observe)
     result = CliRunner().invoke(
         app,
         [
@@ -54,9 +60,7 @@ def test_options_become_one_config(
     assert "REAP statistics" in result.output and "layer 2 experts" in result.output
 
 
-def _summary(observed: Path):
-    from glmquant.observe.summary import ObservationSummary
-
+def _summary(observed: Path) -> ObservationSummary:
     return ObservationSummary.load(observed)
 
 

@@ -47,18 +47,18 @@ def test_reap_statistics_equal_brute_force(observed: Path, reference) -> None:
                 for j in range(n_experts)
             ]
         ).tolist()  # [E][N]
-        count, total, gate, gate_norm, peak = ([0.0] * n_experts for _ in range(5))
+        counts, totals, gates, gate_norms, peaks = ([0.0] * n_experts for _ in range(5))
         for t in range(n_tokens):
             for slot in range(top_k):
                 j, g = int(indices[t, slot]), float(weights[t, slot])
                 norm = norms[j][t]
-                count[j] += 1
-                total[j] += norm
-                gate[j] += g
-                gate_norm[j] += g * norm
-                peak[j] = max(peak[j], norm)
+                counts[j] += 1
+                totals[j] += norm
+                gates[j] += g
+                gate_norms[j] += g * norm
+                peaks[j] = max(peaks[j], norm)
         count, total, gate, gate_norm, peak = (
-            torch.tensor(v, dtype=torch.float64) for v in (count, total, gate, gate_norm, peak)
+            torch.tensor(v, dtype=torch.float64) for v in (counts, totals, gates, gate_norms, peaks)
         )
         got = LayerStats.load(stats_path(observed, layer))
         assert got.tokens == n_tokens

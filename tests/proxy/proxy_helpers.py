@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -108,8 +109,8 @@ def small_corpus_recipe(tmp: Path) -> Path:
     return path
 
 
-def smoke_config(out: Path, recipe: Path, **changes: object) -> TrainConfig:
-    options = dict(
+def smoke_config(out: Path, recipe: Path, **changes: Any) -> TrainConfig:
+    options: dict[str, Any] = dict(
         shape=SMOKE_SHAPE,
         corpus_recipe=recipe,
         device="cpu",

@@ -44,7 +44,7 @@ class Recording(EngineDecoder):
 def transformers_logits(path: Path, steps: int) -> tuple[list[torch.Tensor], tuple[int, ...]]:
     model = load_model(path, F32).model
     seen: list[torch.Tensor] = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out[0, -1].clone()))
+    hook = model.get_submodule("lm_head").register_forward_hook(lambda mod, args, out: seen.append(out[0, -1].clone()))
     try:
         tokens = generate(model, PROMPT, SamplingParams(max_tokens=steps), decode).token_ids
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from glmquant.runtime.server import serve_in_background
 
@@ -31,9 +32,10 @@ def test_dummy_weights_answer_openai_requests(tiny_source: Path, tmp_path: Path,
             return client.chat.completions.create(model="bare", messages=m, max_tokens=5)
 
         first = ask(prompts[0])
-        assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 5
+        assert first.choices[0].finish_reason == "length"
+        assert first.usage is not None and first.usage.completion_tokens == 5
         text = client.completions.create(model="bare", prompt=[256, 10, 20, 30], max_tokens=3)
-        assert text.usage.completion_tokens == 3
+        assert text.usage is not None and text.usage.completion_tokens == 3
 
         def content(m):
             return ask(m).choices[0].message.content
@@ -45,12 +47,13 @@ def test_dummy_weights_answer_openai_requests(tiny_source: Path, tmp_path: Path,
 
 
 def test_engine_answers_like_transformers_on_an_artifact(artifacts: dict[str, Path]) -> None:
-    messages = [{"role": "user", "content": "Say something about the sea."}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something about the sea."}]
     answers = []
     for impl in ("transformers", "glmquant"):
         with serve_in_background(artifacts["tr3"], model_impl=impl, dtype="float32", max_model_len=128) as running:
             reply = _client(running.base_url).chat.completions.create(
                 model="tiny-EXL3-2bit", messages=messages, max_tokens=8
             )
+            assert reply.usage is not None
             answers.append((reply.choices[0].message.content, reply.usage.completion_tokens))
     assert answers[0] == answers[1]

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime_media import image_message, png_data_url
 
 import glmquant
+from glmquant.runtime.loader import LoadedModel
 from glmquant.runtime.server import RunningServer, serve_in_background
 
 TOOLS = [
@@ -47,7 +48,9 @@ class Script:
         self.tokenizer = server.service.chat.tokenizer
         self.eos = server.service.defaults.stop_token_ids[0]
         self.queue: list[int] = []
-        server.service.loaded.model.lm_head.register_forward_hook(self._hook)
+        loaded = server.service.loaded
+        assert isinstance(loaded, LoadedModel)  # served by transformers' modules
+        loaded.model.get_submodule("lm_head").register_forward_hook(self._hook)
 
     def say(self, text: str) -> None:
         self.queue = self.tokenizer.encode(text, add_special_tokens=False) + [self.eos]

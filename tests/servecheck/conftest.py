@@ -135,7 +135,7 @@ class ScriptedServer:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                model = {"id": "scripted-glm", "object": "model", "owned_by": "test"}
+                model: dict[str, object] = {"id": "scripted-glm", "object": "model", "owned_by": "test"}
                 if server.max_model_len is not None:
                     model["max_model_len"] = server.max_model_len
                 self._json({"object": "list", "data": [model]})

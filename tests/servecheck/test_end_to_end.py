@@ -68,6 +68,7 @@ def test_embedded_server_responses_are_complete_and_counted(embedded_report: Ser
         assert r.timings is not None and r.timings.ttft_s is not None and r.timings.ttft_s > 0
     identity = embedded_report.gates[0].cases[0].responses[0]
     prompt = "Return exactly FINAL_BASELINE_OK as your final answer, with no punctuation or surrounding text."
+    assert identity.usage is not None
     assert identity.usage.prompt_tokens == tokenizer.count([{"role": "user", "content": prompt}])
 
 
@@ -86,8 +87,13 @@ def test_speed_cells_pass_and_gates_a_random_model_cannot_answer_fail(embedded_r
     assert gates["speed"].passed, gates["speed"].summary
     for cell, n in zip(gates["speed"].cases, (200, 700)):
         assert n - 3 <= cell.metrics["input_tokens"] <= n and cell.metrics["concurrency"] == 2
-        assert cell.metrics["completion_tokens"] == sum(r.usage.completion_tokens for r in cell.responses)
-        assert cell.metrics["wall_s"] >= max(r.timings.wall_s for r in cell.responses)
+        assert cell.responses
+        completion_tokens, wall_s = 0, 0.0
+        for r in cell.responses:
+            assert r.usage is not None and r.timings is not None
+            completion_tokens, wall_s = completion_tokens + r.usage.completion_tokens, max(wall_s, r.timings.wall_s)
+        assert cell.metrics["completion_tokens"] == completion_tokens
+        assert cell.metrics["wall_s"] >= wall_s
     assert not gates["text"].passed and not gates["images"].passed and not embedded_report.passed
 
 
@@ -109,6 +115,7 @@ def glmquant_serve(artifact: Path) -> Iterator[str]:
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "COLUMNS": "400"}
     )  # wide: the URL must not be wrapped
+    assert proc.stdout is not None
     try:
         deadline, url = time.monotonic() + 120, None
         while url is None and time.monotonic() < deadline and proc.poll() is None:

@@ -3,6 +3,8 @@ raw markup, wrong finish reason."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from glmquant.servecheck.answer import final_answer
@@ -25,7 +27,7 @@ def reply(
     content: str = "",
     reasoning: str = "",
     finish: str | None = "stop",
-    tool_calls: tuple = (),
+    tool_calls: Sequence[ToolCall] = (),
     error: str | None = None,
 ) -> ChatResult:
     return ChatResult(content, reasoning, tuple(tool_calls), finish, Usage(21, 9), Timings(0.0, 0.4, 1.3, 1.3), error)

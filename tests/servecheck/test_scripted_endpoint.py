@@ -42,7 +42,9 @@ def test_stream_is_collected_with_usage_reasoning_and_timings(scripted) -> None:
     assert result.usage is not None and result.usage.cached_tokens == 0
     assert result.usage.prompt_tokens == scripted.tokenizer.count([{"role": "user", "content": prompt}])
     t = result.timings
-    assert t is not None and t.start < t.first_token < t.last_token <= t.end and result.decode_tps > 0
+    assert t is not None and t.first_token is not None and t.last_token is not None
+    assert t.start < t.first_token < t.last_token <= t.end
+    assert result.decode_tps is not None and result.decode_tps > 0
     sent = scripted.requests[-1]
     assert sent["temperature"] == 0 and sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert sent["chat_template_kwargs"] == {"enable_thinking": True} and "max_tokens" not in sent

@@ -42,14 +42,18 @@ def decoder_layer(
     """streams [B, S, N, H] -> the next layer's streams (attention, then the feed-forward, each inside mHC)."""
 
     def attention(h: torch.Tensor) -> torch.Tensor:
-        if isinstance(w.attention, KDAWeights):
-            return kda_block(h, w.attention, cache, run)
-        return mla_block(h, w.attention, cache, positions, pools, run)
+        weights = w.attention
+        if isinstance(weights, KDAWeights) and isinstance(cache, KDACache):
+            return kda_block(h, weights, cache, run)
+        if isinstance(weights, MLAWeights) and isinstance(cache, MLACache):
+            return mla_block(h, weights, cache, positions, pools, run)
+        raise TypeError(f"layer {layer}: {type(weights).__name__} with a {type(cache).__name__}")
 
     streams = _hyper_residual(streams, w.attn_hc, w.input_norm, run, attention)
-    if isinstance(w.mlp, MLP):
-        return _hyper_residual(streams, w.ffn_hc, w.post_norm, run, lambda h: mlp(h, w.mlp, run))
-    return _hyper_residual(streams, w.ffn_hc, w.post_norm, run, lambda h: moe_block(h, w.mlp, layer, run))
+    block = w.mlp
+    if isinstance(block, MLP):
+        return _hyper_residual(streams, w.ffn_hc, w.post_norm, run, lambda h: mlp(h, block, run))
+    return _hyper_residual(streams, w.ffn_hc, w.post_norm, run, lambda h: moe_block(h, block, layer, run))
 
 
 def _hyper_residual(

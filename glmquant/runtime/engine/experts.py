@@ -71,12 +71,22 @@ def resident_layer(artifact: Artifact, layer: int, device: torch.device):  # -> 
 
     def stack(projections: tuple[str, ...]) -> WeightStack:
         prefixes = [artifact.expert_prefix(layer, v, p) for p in projections for v in range(artifact.virtual_experts)]
-        parts = [ckpt.read_stack([f"{x}.{part}" for x in prefixes]).to(device) for part in ("trellis", "suh", "svh")]
+        trellis, suh, svh = (
+            ckpt.read_stack([f"{x}.{part}" for x in prefixes]).to(device) for part in ("trellis", "suh", "svh")
+        )
         if codebook in MARKER_VALUES:  # read like every other planned tensor, and checked
             markers = ckpt.read_stack([f"{x}.{codebook.value}" for x in prefixes])
             if not bool((markers == MARKER_VALUES[codebook]).all()):
                 raise CheckpointFormatError(f"{ckpt.directory}: layer {layer} {codebook.value} markers are wrong")
-        shaped = [t.view(len(projections), artifact.virtual_experts, *t.shape[1:]) for t in parts]
-        return WeightStack(*shaped, codebook_id(codebook), *artifact.features(projections[0]))
+        p, v = len(projections), artifact.virtual_experts
+        in_features, out_features = artifact.features(projections[0])
+        return WeightStack(
+            trellis.view(p, v, *trellis.shape[1:]),
+            suh.view(p, v, *suh.shape[1:]),
+            svh.view(p, v, *svh.shape[1:]),
+            codebook_id(codebook),
+            in_features,
+            out_features,
+        )
 
     return MoEWeights(stack(("gate_proj", "up_proj")), stack(("down_proj",)), artifact.spec.swiglu_limit)

@@ -63,12 +63,15 @@ class Engine:
         weights = load_weights(artifact, cfg, dtype, device)
         experts = engine_experts(artifact, options)
         cuda_graphs = cuda_graphs and options.backend == "triton"  # the torch backend syncs with the host
-        runs = [Run(cfg, ops_for(device, compiled), experts, artifact.ranks) for compiled in (False, compile_decode)]
+        prefill_run, decode_run = (
+            Run(cfg, ops_for(device, compiled), experts, artifact.ranks) for compiled in (False, compile_decode)
+        )
         return cls(
             cfg,
             weights,
             Caches.allocate(cfg, max_batch, max_len, dtype, device),
-            *runs,
+            prefill_run,
+            decode_run,
             _graphs(device) if cuda_graphs else None,
             cuda_graphs,
         )
@@ -124,7 +127,8 @@ class Engine:
     def reallocate(self, max_batch: int, max_len: int) -> None:
         """Fresh zeroed caches of another size (captured graphs are dropped: they address the old ones)."""
         dtype, device = self.weights.embed.dtype, self.device
-        self.caches = self.graphs = None
+        self.graphs = None
+        del self.caches  # the old caches are freed before the new ones are allocated
         if device.type == "cuda":
             torch.cuda.empty_cache()
         self.caches = Caches.allocate(self.cfg, max_batch, max_len, dtype, device)

@@ -436,11 +436,18 @@ class WeightStack:
                         f"projection {p} expert {v}: {t.codebook.value} {tuple(t.trellis.shape)} does not "
                         f"match {first.codebook.value} {tuple(first.trellis.shape)}"
                     )
-        stack = [
+        trellis, suh, svh = (
             torch.stack([getattr(t, name) for g in groups for t in g]).to(device) for name in ("trellis", "suh", "svh")
-        ]
-        shaped = [s.view(len(groups), len(groups[0]), *s.shape[1:]) for s in stack]
-        return cls(*shaped, codebook_id(first.codebook), first.in_features, first.out_features)
+        )
+        p, v = len(groups), len(groups[0])
+        return cls(
+            trellis.view(p, v, *trellis.shape[1:]),
+            suh.view(p, v, *suh.shape[1:]),
+            svh.view(p, v, *svh.shape[1:]),
+            codebook_id(first.codebook),
+            first.in_features,
+            first.out_features,
+        )
 
 
 @dataclass(frozen=True)
