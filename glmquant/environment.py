@@ -8,7 +8,9 @@ from pathlib import Path
 
 from glmquant.errors import UsageError
 
-EXL3_BACKEND = "GLMQUANT_EXL3_BACKEND"  # the EXL3 Viterbi backend: native, torch, cuda or exllamav3 (unset: the fastest)
+EXL3_BACKEND = (
+    "GLMQUANT_EXL3_BACKEND"  # the EXL3 Viterbi backend: native, torch, cuda or exllamav3 (unset: the fastest)
+)
 CACHE_DIR = "GLMQUANT_CACHE_DIR"  # where the C++ Viterbi kernel is compiled to (default ~/.cache/glmquant)
 SOURCE_DATE_EPOCH = "SOURCE_DATE_EPOCH"  # the manifest's timestamp, in whole seconds since 1970 (reproducible builds)
 EXL3_BACKENDS = ("native", "torch", "cuda", "exllamav3")  # exl3.backends.BACKENDS, without importing torch
@@ -18,8 +20,10 @@ def exl3_backend() -> str | None:
     """$GLMQUANT_EXL3_BACKEND, checked; None when unset or empty."""
     value = os.environ.get(EXL3_BACKEND) or None
     if value is not None and value not in EXL3_BACKENDS:
-        raise UsageError(f"{EXL3_BACKEND}={value!r} is not an EXL3 backend; choose one of {', '.join(EXL3_BACKENDS)} "
-                         "or unset it (the fastest one for the device)")
+        raise UsageError(
+            f"{EXL3_BACKEND}={value!r} is not an EXL3 backend; choose one of {', '.join(EXL3_BACKENDS)} "
+            "or unset it (the fastest one for the device)"
+        )
     return value
 
 

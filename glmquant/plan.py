@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glmquant.arch import ModelSpec, TensorRole, table_for
-from glmquant.checkpoint.layouts import ArtifactPlan, OutputTensor
 from glmquant.checkpoint.index import read_index
+from glmquant.checkpoint.layouts import ArtifactPlan, OutputTensor
 from glmquant.checkpoint.tiers import tier_bitmap_sha256
 
 _DECODE_SKIPPED = (TensorRole.VISION, TensorRole.EMBEDDING)
@@ -50,11 +50,17 @@ def summarize(plan: ArtifactPlan) -> PlanSummary:
             mtp_tensors += 1
             mtp_bytes += nbytes
     return PlanSummary(
-        layout=plan.layout, bits=plan.bits, codebook=plan.codebook, file_count=len(plan.files),
-        expert_file_count=sum(f.kind == "expert" for f in plan.files), indexed_tensor_count=len(tensors),
+        layout=plan.layout,
+        bits=plan.bits,
+        codebook=plan.codebook,
+        file_count=len(plan.files),
+        expert_file_count=sum(f.kind == "expert" for f in plan.files),
+        indexed_tensor_count=len(tensors),
         physical_bytes=sum(f.size for f in plan.files),
         roles=tuple(sorted((RoleTotal(r.value, counts[r], sizes[r]) for r in counts), key=lambda r: r.role)),
-        mtp_tensors=mtp_tensors, mtp_bytes=mtp_bytes, decode_bytes_per_token=decode_bytes_per_token(plan.spec, tensors),
+        mtp_tensors=mtp_tensors,
+        mtp_bytes=mtp_bytes,
+        decode_bytes_per_token=decode_bytes_per_token(plan.spec, tensors),
     )
 
 
@@ -98,9 +104,16 @@ def plan_to_json(plan: ArtifactPlan, summary: PlanSummary, with_tensors: bool = 
         files.append(entry)
     tiers = {"tier_bitmap_sha256": tier_bitmap_sha256(plan.expert_bits)} if plan.expert_bits else {}
     return {
-        "layout": summary.layout, "bits": summary.bits, "codebook": summary.codebook,
-        "file_count": summary.file_count, "expert_file_count": summary.expert_file_count,
-        "indexed_tensor_count": summary.indexed_tensor_count, "physical_tensor_bytes": summary.physical_bytes,
-        "roles": [r.__dict__ for r in summary.roles], "mtp": {"tensors": summary.mtp_tensors, "bytes": summary.mtp_bytes},
-        "decode_bytes_per_token": summary.decode_bytes_per_token, "files": files, **tiers,
+        "layout": summary.layout,
+        "bits": summary.bits,
+        "codebook": summary.codebook,
+        "file_count": summary.file_count,
+        "expert_file_count": summary.expert_file_count,
+        "indexed_tensor_count": summary.indexed_tensor_count,
+        "physical_tensor_bytes": summary.physical_bytes,
+        "roles": [r.__dict__ for r in summary.roles],
+        "mtp": {"tensors": summary.mtp_tensors, "bytes": summary.mtp_bytes},
+        "decode_bytes_per_token": summary.decode_bytes_per_token,
+        "files": files,
+        **tiers,
     }

@@ -29,15 +29,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from glmquant.arch import load_model_spec  # noqa: E402
-from glmquant.checkpoint.layouts import expert_slices  # noqa: E402
-from glmquant.encode.layer import EncodedLayer, UnitInputs, encode_unit  # noqa: E402
-from glmquant.encode.slices import slice_hessian, slice_weight  # noqa: E402
-from glmquant.encode.units import UnitStore  # noqa: E402
-from glmquant.exl3 import Codebook  # noqa: E402
-from glmquant.exl3.backends import ENV_VAR, exllamav3_available, select_backend  # noqa: E402
-from glmquant.exl3.scale_search import DEFAULT_SEARCH, EXLLAMAV3_SEARCH, ScaleSearch  # noqa: E402
-from glmquant.exl3.timing import record_stages  # noqa: E402
+from glmquant.arch import load_model_spec
+from glmquant.checkpoint.layouts import expert_slices
+from glmquant.encode.layer import EncodedLayer, UnitInputs, encode_unit
+from glmquant.encode.slices import slice_hessian, slice_weight
+from glmquant.encode.units import UnitStore
+from glmquant.exl3 import Codebook
+from glmquant.exl3.backends import ENV_VAR, exllamav3_available, select_backend
+from glmquant.exl3.scale_search import DEFAULT_SEARCH, EXLLAMAV3_SEARCH, ScaleSearch
+from glmquant.exl3.timing import record_stages
 
 CONFIG = Path(__file__).resolve().parents[1] / "tests/data/glm-5.3-flash/config.json"
 MOE_LAYERS = 42
@@ -70,7 +70,9 @@ def expert_weights(h: int, inter: int, gen: torch.Generator, device: str) -> dic
 
 
 def make_unit(spec, layout: str, experts: range, device: str) -> UnitInputs:
-    names, items, fallbacks = [], [], []
+    names: list[str] = []
+    items: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    fallbacks: list[str | None] = []
     ranks = 4 if layout == "tr3" else None
     for e in experts:
         gen = torch.Generator(device=device).manual_seed(1000 + e)
@@ -79,7 +81,9 @@ def make_unit(spec, layout: str, experts: range, device: str) -> UnitInputs:
         h_down = hessian(spec.moe_intermediate_size, 256, gen, device)
         for s in expert_slices(spec, 3, e, e, ranks):
             names.append(f"model.layers.3.{s.key}")
-            items.append((slice_weight(weights[s.proj], s), slice_hessian(h_down if s.proj == "down_proj" else h_in, s)))
+            items.append(
+                (slice_weight(weights[s.proj], s), slice_hessian(h_down if s.proj == "down_proj" else h_in, s))
+            )
             fallbacks.append(None)
     return UnitInputs(names, items, fallbacks)
 
@@ -88,9 +92,16 @@ def tiles_of(unit: UnitInputs) -> int:
     return sum(-(-w.shape[0] // 128) * 128 * -(-w.shape[1] // 128) * 128 // 256 for w, _ in unit.items)
 
 
-def encode_layer(spec, layout: str, experts: int, per_unit: int, device: str, store: UnitStore,
-                 search: ScaleSearch = DEFAULT_SEARCH, progress: Path | None = None,
-                 ) -> tuple[float, list[float], int, dict[str, float]]:
+def encode_layer(
+    spec,
+    layout: str,
+    experts: int,
+    per_unit: int,
+    device: str,
+    store: UnitStore,
+    search: ScaleSearch = DEFAULT_SEARCH,
+    progress: Path | None = None,
+) -> tuple[float, list[float], int, dict[str, float]]:
     """Wall time, proxy errors, LDLQ tiles and seconds per encoder stage of `experts` experts in units of
     `per_unit`, reading ahead."""
     starts = list(range(0, experts, per_unit))
@@ -98,8 +109,8 @@ def encode_layer(spec, layout: str, experts: int, per_unit: int, device: str, st
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=1) as reader, record_stages() as stages:
-        pending = reader.submit(make_unit, spec, layout, range(0, min(per_unit, experts)), device)
-        for i, start in enumerate(starts):
+        pending = reader.submit(make_unit, spec, layout, range(min(per_unit, experts)), device)
+        for i in range(len(starts)):
             unit = pending.result()
             if i + 1 < len(starts):
                 nxt = starts[i + 1]
@@ -111,9 +122,18 @@ def encode_layer(spec, layout: str, experts: int, per_unit: int, device: str, st
             elapsed = time.perf_counter() - t0
             print(f"  unit {i + 1}/{len(starts)}: {elapsed:.1f} s", flush=True)
             if progress is not None:  # what a killed run still leaves behind
-                progress.write_text(json.dumps({"units_done": i + 1, "units": len(starts), "elapsed_s": elapsed,
-                                                "experts_done": min(starts[i] + per_unit, experts),
-                                                "stage_s": dict(stages)}) + "\n")
+                progress.write_text(
+                    json.dumps(
+                        {
+                            "units_done": i + 1,
+                            "units": len(starts),
+                            "elapsed_s": elapsed,
+                            "experts_done": min(starts[i] + per_unit, experts),
+                            "stage_s": dict(stages),
+                        }
+                    )
+                    + "\n"
+                )
     torch.cuda.synchronize()
     return time.perf_counter() - t0, errors, tiles, dict(stages)
 
@@ -166,7 +186,8 @@ def compare(spec, layout: str, experts: int) -> dict:
     rows = {}
     variants = [("ours_exllamav3_search", "cuda", EXLLAMAV3_SEARCH)] + [
         (f"ours_search_band{v.band_width}_coarse{v.coarse_stride}_fine{v.fine_stride}", "cuda", v)
-        for v in (DEFAULT_SEARCH, *REDUCED_SEARCHES)]
+        for v in (DEFAULT_SEARCH, *REDUCED_SEARCHES)
+    ]
     if exllamav3_available():
         variants.append(("exllamav3_kernel_exllamav3_search", "exllamav3", EXLLAMAV3_SEARCH))
     for name, backend, search in variants:
@@ -185,11 +206,18 @@ def main() -> None:
     ap.add_argument("--layout", choices=["tr3", "exllamav3"], default="tr3")
     ap.add_argument("--experts", type=int, default=288, help="experts of the layer to encode (288: the whole layer)")
     ap.add_argument("--experts-per-unit", type=int, default=32)
-    ap.add_argument("--compare-experts", type=int, default=4,
-                    help="--compare: experts encoded with each kernel and scale-search sampling")
-    ap.add_argument("--compare", action="store_true",
-                    help="kernels side by side (ours and ExLlamaV3's, same process) and the compare encodes, added "
-                         "to the JSON the layer run wrote")
+    ap.add_argument(
+        "--compare-experts",
+        type=int,
+        default=4,
+        help="--compare: experts encoded with each kernel and scale-search sampling",
+    )
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="kernels side by side (ours and ExLlamaV3's, same process) and the compare encodes, added "
+        "to the JSON the layer run wrote",
+    )
     ap.add_argument("--kernel-tiles", type=int, default=65536)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
@@ -199,37 +227,59 @@ def main() -> None:
     path = args.out / f"encode_layer_{'plain' if args.layout == 'exllamav3' else args.layout}_h200.json"
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compare:
-        record = json.loads(path.read_text()) if path.exists() else {}
-        record["our_kernel_tiles_per_s"] = kernel_rates("cuda", args.kernel_tiles)
-        record["our_tiles_per_s"] = record["our_kernel_tiles_per_s"]["K2_mcg"]
+        compared = json.loads(path.read_text()) if path.exists() else {}
+        compared["our_kernel_tiles_per_s"] = kernel_rates("cuda", args.kernel_tiles)
+        compared["our_tiles_per_s"] = compared["our_kernel_tiles_per_s"]["K2_mcg"]
         if exllamav3_available():
-            record["exllamav3_kernel_tiles_per_s"] = kernel_rates("exllamav3", args.kernel_tiles // 4)
-            record["exllamav3_tiles_per_s"] = record["exllamav3_kernel_tiles_per_s"]["K2_mcg"]
-            record["speedup_vs_exllamav3_kernel"] = round(record["our_tiles_per_s"] / record["exllamav3_tiles_per_s"], 2)
+            compared["exllamav3_kernel_tiles_per_s"] = kernel_rates("exllamav3", args.kernel_tiles // 4)
+            compared["exllamav3_tiles_per_s"] = compared["exllamav3_kernel_tiles_per_s"]["K2_mcg"]
+            compared["speedup_vs_exllamav3_kernel"] = round(
+                compared["our_tiles_per_s"] / compared["exllamav3_tiles_per_s"], 2
+            )
         else:
-            record["exllamav3_tiles_per_s"] = None
-            record["exllamav3_note"] = "exllamav3 not importable in this run"
-        record["compare"] = compare(spec, args.layout, args.compare_experts)
-        record["compare_commit"] = commit
-        path.write_text(json.dumps(record, indent=2) + "\n")
-        print(json.dumps(record, indent=2))
+            compared["exllamav3_tiles_per_s"] = None
+            compared["exllamav3_note"] = "exllamav3 not importable in this run"
+        compared["compare"] = compare(spec, args.layout, args.compare_experts)
+        compared["compare_commit"] = commit
+        path.write_text(json.dumps(compared, indent=2) + "\n")
+        print(json.dumps(compared, indent=2))
         return
-    record: dict = {"bench": "encode_layer", "layout": args.layout, "hessians": "natural", "bits": 2, "codebook": "mcg",
-                    "scale_search": DEFAULT_SEARCH.__dict__,
-                    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-                    "commit": commit, "date": time.strftime("%Y-%m-%d"), "experts_timed": args.experts,
-                    "experts_per_unit": args.experts_per_unit}
+    record: dict = {
+        "bench": "encode_layer",
+        "layout": args.layout,
+        "hessians": "natural",
+        "bits": 2,
+        "codebook": "mcg",
+        "scale_search": DEFAULT_SEARCH.__dict__,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "experts_timed": args.experts,
+        "experts_per_unit": args.experts_per_unit,
+    }
     record["our_tiles_per_s"] = round(kernel_rate("cuda", 2, "mcg", args.kernel_tiles))
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         store = UnitStore(Path(tmp) / "units")
-        wall, errors, tiles, stages = encode_layer(spec, args.layout, args.experts, args.experts_per_unit, "cuda", store,
-                                                   progress=path.with_suffix(".progress.json"))
+        wall, errors, tiles, stages = encode_layer(
+            spec,
+            args.layout,
+            args.experts,
+            args.experts_per_unit,
+            "cuda",
+            store,
+            progress=path.with_suffix(".progress.json"),
+        )
         record["disk_read_gbps"] = round(disk_read_gbps(Path(tmp)), 2)
         layer_s = wall * 288 / args.experts
         record |= {
-            "layer_wall_s": round(layer_s, 1), "measured_wall_s": round(wall, 1), "ldlq_tiles": tiles,
+            "layer_wall_s": round(layer_s, 1),
+            "measured_wall_s": round(wall, 1),
+            "ldlq_tiles": tiles,
             "stage_s": {k: round(v, 1) for k, v in stages.items()},
-            "mean_proxy_error": sum(errors) / len(errors), "tensors": len(errors),
+            "mean_proxy_error": sum(errors) / len(errors),
+            "tensors": len(errors),
             "end_to_end_ldlq_tiles_per_s": round(tiles / wall),
             "projected_42_layers_h": round(layer_s * MOE_LAYERS / 3600, 2),
             "projection_formula": "layer_wall_s * 42 / 3600, layer_wall_s = measured_wall_s * 288 / experts_timed",

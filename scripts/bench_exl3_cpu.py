@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,7 +62,13 @@ def encode_seconds(in_f: int, out_f: int, bits: int) -> dict:
     w = torch.randn(out_f, in_f, generator=g) * 0.02
     start = time.perf_counter()
     result = encode_linear(w, h, bits, Codebook.MCG)
-    return {"in_features": in_f, "out_features": out_f, "bits": bits, "seconds": round(time.perf_counter() - start, 2), "proxy_error": round(result.proxy_error, 6)}
+    return {
+        "in_features": in_f,
+        "out_features": out_f,
+        "bits": bits,
+        "seconds": round(time.perf_counter() - start, 2),
+        "proxy_error": round(result.proxy_error, 6),
+    }
 
 
 def main() -> None:
@@ -72,7 +79,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/exl3_cpu.json"))
     args = parser.parse_args()
 
-    report = {
+    report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "cores": os.cpu_count(),

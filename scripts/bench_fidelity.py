@@ -89,25 +89,65 @@ def recipes(experts: int) -> list[Recipe]:
         Recipe("seed", "seed method: natural-routing Hessians, uniform K2 MCG"),
         Recipe("all-token", "all-token Hessians (ExLlamaV3's convention), uniform K2", hessians="all"),
         Recipe("blend-0.5", "Hessians 0.5 natural + 0.5 all-token, uniform K2", blend=0.5),
-        Recipe("tiers-k3-k1", f"REAP tiers: K3 for the {e4} most salient experts, K1 for the {e4} least, K2 rest",
-               "best", tiers=f"reap:K3={e4},K2=rest,K1={e4}"),
-        Recipe("tiers-k4-k1", f"REAP tiers: K4 for the {e8} most salient, K1 for the {e4} least, K2 rest", "best",
-               tiers=f"reap:K4={e8},K2=rest,K1={2 * e8}"),
-        Recipe("tiers-k3-k1-narrow", f"REAP tiers: K3 for the {e8} most salient, K1 for the {e8} least, K2 rest",
-               "best", tiers=f"reap:K3={e8},K2=rest,K1={e8}"),
-        Recipe("prune25-k3", f"REAP pruning 25 % (keep {experts - e4}), freed bytes on K3 for the {2 * e4} most "
-               "salient kept", "best", keep=experts - e4, tiers=f"reap:K3={2 * e4},K2=rest"),
-        Recipe("prune12-k3", f"REAP pruning 12.5 % (keep {experts - e8}), freed bytes on K3 for the {e4} most "
-               "salient kept", "best", keep=experts - e8, tiers=f"reap:K3={e4},K2=rest"),
+        Recipe(
+            "tiers-k3-k1",
+            f"REAP tiers: K3 for the {e4} most salient experts, K1 for the {e4} least, K2 rest",
+            "best",
+            tiers=f"reap:K3={e4},K2=rest,K1={e4}",
+        ),
+        Recipe(
+            "tiers-k4-k1",
+            f"REAP tiers: K4 for the {e8} most salient, K1 for the {e4} least, K2 rest",
+            "best",
+            tiers=f"reap:K4={e8},K2=rest,K1={2 * e8}",
+        ),
+        Recipe(
+            "tiers-k3-k1-narrow",
+            f"REAP tiers: K3 for the {e8} most salient, K1 for the {e8} least, K2 rest",
+            "best",
+            tiers=f"reap:K3={e8},K2=rest,K1={e8}",
+        ),
+        Recipe(
+            "prune25-k3",
+            f"REAP pruning 25 % (keep {experts - e4}), freed bytes on K3 for the {2 * e4} most salient kept",
+            "best",
+            keep=experts - e4,
+            tiers=f"reap:K3={2 * e4},K2=rest",
+        ),
+        Recipe(
+            "prune12-k3",
+            f"REAP pruning 12.5 % (keep {experts - e8}), freed bytes on K3 for the {e4} most salient kept",
+            "best",
+            keep=experts - e8,
+            tiers=f"reap:K3={e4},K2=rest",
+        ),
         Recipe("codebook-3inst", "the best Hessians, uniform K2, 3INST codebook", "best", codebook="3inst"),
-        Recipe("codebook-mul1", "the best Hessians, uniform K2, MUL1 codebook (ExLlamaV3's default)", "best",
-               codebook="mul1"),
-        Recipe("calibration-quarter", "the best Hessians, uniform K2, a quarter of the calibration rows", "best",
-               observations="small"),
-        Recipe("uniform-k3", "reference above the seed's bytes: the best Hessians, uniform K3", "best", bits=3,
-               reference=True),
-        Recipe("uniform-k4", "reference above the seed's bytes: the best Hessians, uniform K4", "best", bits=4,
-               reference=True),
+        Recipe(
+            "codebook-mul1",
+            "the best Hessians, uniform K2, MUL1 codebook (ExLlamaV3's default)",
+            "best",
+            codebook="mul1",
+        ),
+        Recipe(
+            "calibration-quarter",
+            "the best Hessians, uniform K2, a quarter of the calibration rows",
+            "best",
+            observations="small",
+        ),
+        Recipe(
+            "uniform-k3",
+            "reference above the seed's bytes: the best Hessians, uniform K3",
+            "best",
+            bits=3,
+            reference=True,
+        ),
+        Recipe(
+            "uniform-k4",
+            "reference above the seed's bytes: the best Hessians, uniform K4",
+            "best",
+            bits=4,
+            reference=True,
+        ),
     ]
 
 
@@ -117,16 +157,26 @@ class PatchedProxy:
     def __init__(self, model_dir: Path, device: str) -> None:
         from transformers import Glm5NextForConditionalGeneration
 
-        self.model = Glm5NextForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.bfloat16)
-        self.model = self.model.to(device).eval()
-        self.layers = {i: layer.mlp for i, layer in enumerate(self.model.model.language_model.layers)
-                       if hasattr(layer.mlp, "experts")}
-        self.original = {i: (m.experts.gate_up_proj.detach().clone(), m.experts.down_proj.detach().clone(),
-                             m.gate.e_score_correction_bias.detach().clone()) for i, m in self.layers.items()}
+        model: Any = Glm5NextForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+        self.model = model.to(device).eval()
+        self.layers = {
+            i: layer.mlp
+            for i, layer in enumerate(self.model.model.language_model.layers)
+            if hasattr(layer.mlp, "experts")
+        }
+        self.original = {
+            i: (
+                m.experts.gate_up_proj.detach().clone(),
+                m.experts.down_proj.detach().clone(),
+                m.gate.e_score_correction_bias.detach().clone(),
+            )
+            for i, m in self.layers.items()
+        }
 
     @torch.no_grad()
-    def set_experts(self, experts: dict[tuple[int, int], dict[str, torch.Tensor]],
-                    pruned: dict[int, list[int]]) -> None:
+    def set_experts(
+        self, experts: dict[tuple[int, int], dict[str, torch.Tensor]], pruned: dict[int, list[int]]
+    ) -> None:
         """experts[(layer, source expert)][proj] = HF (out, in) weight; pruned[layer] = source experts dropped."""
         self.restore()
         for (layer, e), w in experts.items():
@@ -148,8 +198,9 @@ class PatchedProxy:
     def logprobs(self, ids: torch.Tensor) -> torch.Tensor:
         """[rows, tokens, vocab] float32 next-token log-probabilities."""
         device = next(self.model.parameters()).device
-        return torch.cat([F.log_softmax(self.model(input_ids=row[None].to(device)).logits.float(), dim=-1)
-                          for row in ids])
+        return torch.cat(
+            [F.log_softmax(self.model(input_ids=row[None].to(device)).logits.float(), dim=-1) for row in ids]
+        )
 
 
 def compare(reference: torch.Tensor, got: torch.Tensor, ids: torch.Tensor) -> dict[str, float]:
@@ -173,8 +224,9 @@ def routed_bytes(artifact: Path) -> tuple[int, float]:
     return total, round(8 * trellis / weights, 4)
 
 
-def artifact_experts(artifact: Path, keep: dict[int, list[int]] | None, source_experts: int
-                     ) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict[int, list[int]]]:
+def artifact_experts(
+    artifact: Path, keep: dict[int, list[int]] | None, source_experts: int
+) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict[int, list[int]]]:
     """Decoded routed experts of an artifact by (layer, source expert), and the source experts it dropped."""
     art = open_artifact(artifact)
     out, pruned = {}, {}
@@ -212,11 +264,29 @@ def exllamav3_experts(out_dir: Path) -> tuple[dict[tuple[int, int], dict[str, to
 
 def convert_with_exllamav3(model_dir: Path, out_dir: Path, work_dir: Path, rows: int, tokens: int) -> None:
     """ExLlamaV3's converter in its own process (it prints a lot and may exit): -b 2.0, MCG, head unquantized."""
-    args = ["-i", str(model_dir), "-o", str(out_dir), "-w", str(work_dir), "-b", "2.0", "-hb", "16", "-cb", "mcg",
-            "-cr", str(rows), "-cc", str(tokens)]
-    code = ("import sys; from exllamav3.conversion.convert_model import parser, prepare, main\n"
-            "a, s, ok, err = prepare(parser.parse_args(sys.argv[1:]))\n"
-            "sys.exit(err) if not ok else main(a, s)")
+    args = [
+        "-i",
+        str(model_dir),
+        "-o",
+        str(out_dir),
+        "-w",
+        str(work_dir),
+        "-b",
+        "2.0",
+        "-hb",
+        "16",
+        "-cb",
+        "mcg",
+        "-cr",
+        str(rows),
+        "-cc",
+        str(tokens),
+    ]
+    code = (
+        "import sys; from exllamav3.conversion.convert_model import parser, prepare, main\n"
+        "a, s, ok, err = prepare(parser.parse_args(sys.argv[1:]))\n"
+        "sys.exit(err) if not ok else main(a, s)"
+    )
     run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"ExLlamaV3's converter failed ({run.returncode}): {(run.stderr or run.stdout)[-2000:]}")
@@ -231,11 +301,16 @@ class Bench:
         self.spec = load_model_spec(self.model_dir / "config.json")
         self.rows: list[dict[str, Any]] = []
         self.best_hessians: tuple[str, float | None] | None = None
-        self.record: dict[str, Any] = {"format": "glmquant.bench_fidelity.v1", "commit": _commit(),
-                                       "device": _device_name(args.device), "layout": args.layout,
-                                       "calibration": {"rows": args.rows, "tokens": args.tokens},
-                                       "heldout": {"rows": args.heldout_rows, "tokens": args.heldout_tokens},
-                                       "proxy": _proxy_facts(args.proxy), "rows": self.rows}
+        self.record: dict[str, Any] = {
+            "format": "glmquant.bench_fidelity.v1",
+            "commit": _commit(),
+            "device": _device_name(args.device),
+            "layout": args.layout,
+            "calibration": {"rows": args.rows, "tokens": args.tokens},
+            "heldout": {"rows": args.heldout_rows, "tokens": args.heldout_tokens},
+            "proxy": _proxy_facts(args.proxy),
+            "rows": self.rows,
+        }
         if args.resume and args.results.is_file():
             earlier = json.loads(args.results.read_text())
             if all(earlier.get(k) == self.record[k] for k in ("layout", "calibration", "heldout", "proxy")):
@@ -253,9 +328,18 @@ class Bench:
     def observe(self, name: str, rows: int) -> Path:
         out = self.work / f"obs-{name}"
         t0 = time.monotonic()
-        observe(ObserveConfig(self.model_dir, out, recipe=self.args.proxy / "corpus" / "calibration.yaml", rows=rows,
-                              tokens=self.args.tokens, hessians=HessianMode.BOTH, device=self.args.device,
-                              batch_rows=self.args.batch_rows))
+        observe(
+            ObserveConfig(
+                self.model_dir,
+                out,
+                recipe=self.args.proxy / "corpus" / "calibration.yaml",
+                rows=rows,
+                tokens=self.args.tokens,
+                hessians=HessianMode.BOTH,
+                device=self.args.device,
+                batch_rows=self.args.batch_rows,
+            )
+        )
         self.log(f"observed {name} ({rows} x {self.args.tokens} tokens) in {time.monotonic() - t0:.1f} s")
         return out
 
@@ -280,8 +364,16 @@ class Bench:
         if args.exllamav3 and not peer_done and importlib.util.find_spec("exllamav3") is not None:
             self.exllamav3_row()
         elif args.exllamav3 and not peer_done:
-            self.rows.append({"recipe": "exllamav3-1.6.5", "routed_bytes": None, "kl": None, "top1": None,
-                              "ppl": None, "error": "exllamav3 is not installed here"})
+            self.rows.append(
+                {
+                    "recipe": "exllamav3-1.6.5",
+                    "routed_bytes": None,
+                    "kl": None,
+                    "top1": None,
+                    "ppl": None,
+                    "error": "exllamav3 is not installed here",
+                }
+            )
         self.record["summary"] = summarize(self.rows)
         self.save()
         self.log(json.dumps(self.record["summary"], indent=2))
@@ -294,10 +386,15 @@ class Bench:
             self.best_hessians = (chosen["hessians"], chosen["blend"])
         if self.best_hessians is None:
             measured = [r for r in self.rows if r["recipe"] in HESSIAN_ROWS and r.get("kl") is not None]
-            best = min(measured, key=lambda r: r["kl"]) if measured else {"hessians": "natural", "blend": None}
+            best: dict[str, Any] = (
+                min(measured, key=lambda r: r["kl"]) if measured else {"hessians": "natural", "blend": None}
+            )
             self.best_hessians = (best["hessians"], best["blend"])
-            self.record["hessians_chosen"] = {"hessians": best["hessians"], "blend": best["blend"],
-                                              "from": best.get("recipe", "default")}
+            self.record["hessians_chosen"] = {
+                "hessians": best["hessians"],
+                "blend": best["blend"],
+                "from": best.get("recipe", "default"),
+            }
         return self.best_hessians
 
     def row(self, recipe: Recipe, observations: dict[str, Path]) -> None:
@@ -311,25 +408,45 @@ class Bench:
         if recipe.keep is not None:
             plan = write_prune_plan(obs, recipe.keep, self.work / f"prune-{recipe.name}.json")
             keep = {int(k): v for k, v in json.loads(plan.read_text())["layers"].items()}
-        cfg = EncodeConfig(source=self.model_dir, out=out, observations=obs, bits=recipe.bits,
-                           codebook=recipe.codebook, layout=self.args.layout, hessians=hessians, blend=blend,
-                           prune_plan=plan, tiers=recipe.tiers, device=self.args.device,
-                           verified_at="2026-01-01T00:00:00Z")
+        cfg = EncodeConfig(
+            source=self.model_dir,
+            out=out,
+            observations=obs,
+            bits=recipe.bits,
+            codebook=recipe.codebook,
+            layout=self.args.layout,
+            hessians=hessians,  # type: ignore[arg-type]  # EncodeConfig parses the text
+            blend=blend,
+            prune_plan=plan,
+            tiers=recipe.tiers,  # type: ignore[arg-type]  # parsed by EncodeConfig too
+            device=self.args.device,
+            verified_at="2026-01-01T00:00:00Z",
+        )
         t0 = time.monotonic()
         result = encode_artifact(cfg, Console(quiet=True))
+        assert result is not None  # one process: it writes the artifact
         encode_s = time.monotonic() - t0
         nbytes, bpw = routed_bytes(out)
         experts, pruned = artifact_experts(out, keep, self.spec.n_routed_experts)
         metrics = self.measure(experts, pruned)
-        self.add({"recipe": recipe.name, "routed_bytes": nbytes, "routed_bpw": bpw, **metrics,
-                  **{k: v for k, v in asdict(replace(recipe, hessians=hessians, blend=blend)).items() if k != "name"},
-                  "manifest_sha256": result.artifact.manifest_sha256, "encode_seconds": round(encode_s, 1)})
+        self.add(
+            {
+                "recipe": recipe.name,
+                "routed_bytes": nbytes,
+                "routed_bpw": bpw,
+                **metrics,
+                **{k: v for k, v in asdict(replace(recipe, hessians=hessians, blend=blend)).items() if k != "name"},
+                "manifest_sha256": result.artifact.manifest_sha256,
+                "encode_seconds": round(encode_s, 1),
+            }
+        )
         if not self.args.keep_artifacts:
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)
 
-    def measure(self, experts: dict[tuple[int, int], dict[str, torch.Tensor]],
-                pruned: dict[int, list[int]]) -> dict[str, float]:
+    def measure(
+        self, experts: dict[tuple[int, int], dict[str, torch.Tensor]], pruned: dict[int, list[int]]
+    ) -> dict[str, float]:
         self.proxy.set_experts(experts, pruned)
         got = self.proxy.logprobs(self.ids)
         self.proxy.restore()
@@ -342,8 +459,11 @@ class Bench:
             row["at_seed_bytes"] = row["bytes_vs_seed"] <= AT_SEED_BYTES
         self.rows.append(row)
         self.save()
-        self.log(f"{row['recipe']}: " + ", ".join(f"{k} {row[k]:.4g}" for k in ("kl", "top1", "ppl")
-                                                  if row.get(k) is not None) + f", {row.get('routed_bytes')} B")
+        self.log(
+            f"{row['recipe']}: "
+            + ", ".join(f"{k} {row[k]:.4g}" for k in ("kl", "top1", "ppl") if row.get(k) is not None)
+            + f", {row.get('routed_bytes')} B"
+        )
 
     def exllamav3_row(self) -> None:
         from importlib.metadata import version
@@ -352,17 +472,33 @@ class Bench:
         out, work = self.work / "exllamav3-out", self.work / "exllamav3-work"
         for d in (out, work):
             shutil.rmtree(d, ignore_errors=True)
-        row: dict[str, Any] = {"recipe": name, "description": "ExLlamaV3's own converter (-b 2.0 -hb 16 -cb mcg, its "
-                               "calibration data at our rows x tokens); its routed-expert tensors in the BF16 proxy"}
+        row: dict[str, Any] = {
+            "recipe": name,
+            "description": "ExLlamaV3's own converter (-b 2.0 -hb 16 -cb mcg, its "
+            "calibration data at our rows x tokens); its routed-expert tensors in the BF16 proxy",
+        }
         try:
             t0 = time.monotonic()
             convert_with_exllamav3(self.model_dir, out, work, self.args.rows, self.args.tokens)
             experts, nbytes, widths = exllamav3_experts(out)
-            row.update({"routed_bytes": nbytes, "bits_seen": widths, "encode_seconds": round(time.monotonic() - t0, 1),
-                        **self.measure(experts, {})})
+            row.update(
+                {
+                    "routed_bytes": nbytes,
+                    "bits_seen": widths,
+                    "encode_seconds": round(time.monotonic() - t0, 1),
+                    **self.measure(experts, {}),
+                }
+            )
         except Exception as exc:  # noqa: BLE001 - recorded: the other rows stand on their own
-            row.update({"routed_bytes": None, "kl": None, "top1": None, "ppl": None,
-                        "error": f"{type(exc).__name__}: {exc}"[-3000:]})
+            row.update(
+                {
+                    "routed_bytes": None,
+                    "kl": None,
+                    "top1": None,
+                    "ppl": None,
+                    "error": f"{type(exc).__name__}: {exc}"[-3000:],
+                }
+            )
         self.add(row)
 
 
@@ -372,14 +508,19 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     peers = [r for r in rows if r.get("at_seed_bytes") and r.get("kl") is not None and not r.get("reference")]
     best = min(peers, key=lambda r: r["kl"]) if peers else None
     exl = next((r for r in rows if r["recipe"].startswith("exllamav3")), None)
-    out: dict[str, Any] = {"seed_method": seed and seed["recipe"], "best": best and best["recipe"],
-                           "exllamav3": exl["recipe"] if exl and exl.get("kl") is not None else None}
+    out: dict[str, Any] = {
+        "seed_method": seed and seed["recipe"],
+        "best": best and best["recipe"],
+        "exllamav3": exl["recipe"] if exl and exl.get("kl") is not None else None,
+    }
     if seed and best:
-        out["goal"] = {"kl_at_most_0.7x_seed": best["kl"] <= 0.7 * seed["kl"],
-                       "top1_at_least_seed_plus_3_points": best["top1"] >= seed["top1"] + 0.03,
-                       "kl_ratio_to_seed": round(best["kl"] / seed["kl"], 4) if seed["kl"] else None,
-                       "top1_points_over_seed": round(100 * (best["top1"] - seed["top1"]), 2)}
-        if out["exllamav3"]:
+        out["goal"] = {
+            "kl_at_most_0.7x_seed": best["kl"] <= 0.7 * seed["kl"],
+            "top1_at_least_seed_plus_3_points": best["top1"] >= seed["top1"] + 0.03,
+            "kl_ratio_to_seed": round(best["kl"] / seed["kl"], 4) if seed["kl"] else None,
+            "top1_points_over_seed": round(100 * (best["top1"] - seed["top1"]), 2),
+        }
+        if exl is not None and out["exllamav3"]:
             out["goal"]["no_worse_than_exllamav3"] = best["kl"] <= exl["kl"]
     return out
 
@@ -389,8 +530,10 @@ def _proxy_facts(proxy: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     record = json.loads(path.read_text())
-    return {k: record.get(k) for k in ("heldout_ppl", "shape", "steps_done", "stopped_early", "tokenizer_sha256",
-                                       "train_seconds")} | {"routing": record.get("routing", {}).get("verdict")}
+    return {
+        k: record.get(k)
+        for k in ("heldout_ppl", "shape", "steps_done", "stopped_early", "tokenizer_sha256", "train_seconds")
+    } | {"routing": record.get("routing", {}).get("verdict")}
 
 
 def _device_name(device: str) -> str:

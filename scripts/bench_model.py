@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -44,9 +44,14 @@ from glmquant.runtime.options import RuntimeOptions
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_CONFIG = ROOT / "tests" / "data" / "glm-5.3-flash" / "config.json"
 H200 = {"sms": 132, "clock_ghz": 1.98}
-GB10 = {"sms": 48, "clock_ghz": 2.52, "clock_source": (
-    "derived, not a published clock: NVIDIA's 31 TFLOPS FP32 for the GB10 GPU (Hot Chips 2025, reported by "
-    "ferra.ru 2025-08-28) / (2 FLOP x 6,144 CUDA cores) = 2.52 GHz; DGX Spark has 48 SMs (6,144 / 128)")}
+GB10: dict[str, Any] = {
+    "sms": 48,
+    "clock_ghz": 2.52,
+    "clock_source": (
+        "derived, not a published clock: NVIDIA's 31 TFLOPS FP32 for the GB10 GPU (Hot Chips 2025, reported by "
+        "ferra.ru 2025-08-28) / (2 FLOP x 6,144 CUDA cores) = 2.52 GHz; DGX Spark has 48 SMs (6,144 / 128)"
+    ),
+}
 GB10_BANDWIDTHS = {"218": "measured copy bandwidth of one DGX Spark (docs anchors)", "273": "LPDDR5X spec"}
 PARTS = ("graphs", "decode", "prefill", "classes")
 
@@ -69,17 +74,28 @@ SMOKE = Sizes((24, 40), (1, 2), (48,), 3, 3, 16)
 def main() -> None:
     args = parse_args()
     if args.merge:
-        report = merge([json.loads(Path(p).read_text()) for p in args.merge])
-        save(report, args.out)
+        merged = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        save(merged, args.out)
         return
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
     config, device = (tiny_config(), "cpu") if args.smoke else (args.config, "cuda")
-    report: dict[str, Any] = {"command": " ".join(sys.argv), "commit": args.commit, "environment": environment(device),
-                              "sizes": sizes.__dict__, "compile_decode": args.compile_decode, "parts": {}}
+    report: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "commit": args.commit,
+        "environment": environment(device),
+        "sizes": sizes.__dict__,
+        "compile_decode": args.compile_decode,
+        "parts": {},
+    }
     t0 = time.perf_counter()
     artifact = dummy_artifact(config, args.layout, args.bits, device=device)
-    engine = Engine.load(artifact, RuntimeOptions(device=device, backend="torch" if args.smoke else "triton"),
-                         max_batch=1, max_len=sizes.chunk, compile_decode=args.compile_decode)
+    engine = Engine.load(
+        artifact,
+        RuntimeOptions(device=device, backend="torch" if args.smoke else "triton"),
+        max_batch=1,
+        max_len=sizes.chunk,
+        compile_decode=args.compile_decode,
+    )
     sync(engine)
     report["model"] = model_record(artifact, engine, time.perf_counter() - t0, config)
     save(report, args.out)
@@ -131,13 +147,15 @@ def tiny_config() -> Path:
 
 # --- parts ---------------------------------------------------------------------------------------------------------
 
+
 def check_graphs(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dict[str, Any]]:
     """B sequences (prompts just past the indexer's top-k, of different lengths) decoded greedily from the same
     cache state, eagerly and with CUDA graphs: the tokens must be equal, one graph captured per batch size."""
     lengths = [engine.cfg.index_topk + 64 + 5 * slot for slot in range(max(sizes.batches))]
     engine.reallocate(len(lengths), max(lengths) + sizes.check_steps + 8)
-    first = torch.stack([engine.prefill(slot, random_ids(engine, n, seed=slot), chunk=sizes.chunk)
-                         for slot, n in enumerate(lengths)]).argmax(dim=-1)
+    first = torch.stack(
+        [engine.prefill(slot, random_ids(engine, n, seed=slot), chunk=sizes.chunk) for slot, n in enumerate(lengths)]
+    ).argmax(dim=-1)
     saved = engine.caches.snapshot()
     for batch in sizes.batches:
         runs = {}
@@ -146,15 +164,20 @@ def check_graphs(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dic
             engine.caches.restore(saved)
             positions = torch.tensor(lengths[:batch], device=engine.device)
             runs[eager] = greedy(engine, first[:batch], positions, sizes.check_steps, eager)
-        yield {"batch": batch, "steps": sizes.check_steps, "tokens_equal": runs[True][0] == runs[False][0],
-               "logits_finite": all(bool(torch.isfinite(run[1]).all()) for run in runs.values()),
-               "max_abs_logit_diff_last_step": float((runs[True][1] - runs[False][1]).abs().max()),
-               "graphs_captured": (engine.graphs.captured - before) if engine.graphs else 0,
-               "cuda_graphs": engine.graphs is not None}
+        yield {
+            "batch": batch,
+            "steps": sizes.check_steps,
+            "tokens_equal": runs[True][0] == runs[False][0],
+            "logits_finite": all(bool(torch.isfinite(run[1]).all()) for run in runs.values()),
+            "max_abs_logit_diff_last_step": float((runs[True][1] - runs[False][1]).abs().max()),
+            "graphs_captured": (engine.graphs.captured - before) if engine.graphs else 0,
+            "cuda_graphs": engine.graphs is not None,
+        }
 
 
-def greedy(engine: Engine, tokens: torch.Tensor, positions: torch.Tensor, steps: int,
-           eager: bool) -> tuple[list[list[int]], torch.Tensor]:
+def greedy(
+    engine: Engine, tokens: torch.Tensor, positions: torch.Tensor, steps: int, eager: bool
+) -> tuple[list[list[int]], torch.Tensor]:
     """`steps` greedy decode steps of slots 0..B-1 from their tokens at their positions; the tokens, last logits."""
     out = []
     for _ in range(steps):
@@ -175,15 +198,20 @@ def decode_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dic
             positions = torch.full((batch,), context, dtype=torch.long, device=engine.device)
             for _ in range(2):  # the first call of a signature runs eagerly, the second captures
                 tokens = engine.decode(tokens, positions, context + sizes.steps).argmax(dim=-1)
+            run = partial(greedy_replays, engine, tokens, positions, context + sizes.steps, sizes.steps)
+            ms = timed_ms(engine, run) / sizes.steps
+            yield {
+                "context": context,
+                "batch": batch,
+                "ms_per_step": round(ms, 3),
+                "tok_s": round(batch * 1000 / ms, 2),
+            }
 
-            def steps() -> None:
-                nonlocal tokens
-                for i in range(sizes.steps):
-                    tokens = engine.decode(tokens, positions + i, context + sizes.steps).argmax(dim=-1)
 
-            ms = timed_ms(engine, steps) / sizes.steps
-            yield {"context": context, "batch": batch, "ms_per_step": round(ms, 3),
-                   "tok_s": round(batch * 1000 / ms, 2)}
+def greedy_replays(engine: Engine, tokens: torch.Tensor, positions: torch.Tensor, length: int, steps: int) -> None:
+    """`steps` graph-replayed greedy decode steps from `tokens` at `positions` (caches of `length` tokens)."""
+    for i in range(steps):
+        tokens = engine.decode(tokens, positions + i, length).argmax(dim=-1)
 
 
 def prefill_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[dict[str, Any]]:
@@ -192,9 +220,14 @@ def prefill_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[di
         engine.prefill(0, random_ids(engine, 2 * sizes.chunk), chunk=sizes.chunk)  # compiles every chunk kernel
         reset_peak(engine)
         ids = random_ids(engine, length)
-        ms = timed_ms(engine, lambda: engine.prefill(0, ids, chunk=sizes.chunk))
-        yield {"tokens": length, "seconds": round(ms / 1000, 3), "tok_s": round(length * 1000 / ms, 1),
-               "chunk": sizes.chunk, "peak_gpu_gb": peak_gb(engine)}
+        ms = timed_ms(engine, partial(engine.prefill, 0, ids, chunk=sizes.chunk))
+        yield {
+            "tokens": length,
+            "seconds": round(ms / 1000, 3),
+            "tok_s": round(length * 1000 / ms, 1),
+            "chunk": sizes.chunk,
+            "peak_gpu_gb": peak_gb(engine),
+        }
 
 
 def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
@@ -207,18 +240,30 @@ def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
     for _ in range(2):
         engine.decode(tokens, position, context + 1)
     whole = timed_ms(engine, lambda: engine.decode(tokens, position, context + 1), reps=20) / 20
-    times = {name: timed_ms(engine, replayable(engine, fn), reps=20) / 20
-             for name, fn in class_steps(engine, x, context).items()}
+    times = {
+        name: timed_ms(engine, replayable(engine, fn), reps=20) / 20
+        for name, fn in class_steps(engine, x, context).items()
+    }
     times["rest"] = whole - sum(times.values())
     nbytes = class_bytes(engine, 1, context, unique_experts(engine, x), logical_expert_bytes(artifact))
-    classes = {name: {"ms_per_token": round(times[name], 4), "bytes_per_token": nbytes[name],
-                      "achieved_gb_s": round(nbytes[name] / times[name] / 1e6, 1) if times[name] > 0 else None}
-               for name in (*CLASSES, "rest")}
-    return {"batch": 1, "context": context, "whole_step_ms": round(whole, 4), "classes": classes,
-            "rest_is": "the whole step minus the classes (mHC, norms, embedding, adds, gaps between kernels)",
-            "bytes_are": "weights + KDA state read and written + MLA latents of the selected tokens + scored k-pool "
-                         "keys + the routed experts' EXL3 bytes; activations not counted",
-            "projection": project_gb10({n: (c["ms_per_token"], c["bytes_per_token"]) for n, c in classes.items()})}
+    classes: dict[str, dict[str, Any]] = {
+        name: {
+            "ms_per_token": round(times[name], 4),
+            "bytes_per_token": nbytes[name],
+            "achieved_gb_s": round(nbytes[name] / times[name] / 1e6, 1) if times[name] > 0 else None,
+        }
+        for name in (*CLASSES, "rest")
+    }
+    return {
+        "batch": 1,
+        "context": context,
+        "whole_step_ms": round(whole, 4),
+        "classes": classes,
+        "rest_is": "the whole step minus the classes (mHC, norms, embedding, adds, gaps between kernels)",
+        "bytes_are": "weights + KDA state read and written + MLA latents of the selected tokens + scored k-pool "
+        "keys + the routed experts' EXL3 bytes; activations not counted",
+        "projection": project_gb10({n: (c["ms_per_token"], c["bytes_per_token"]) for n, c in classes.items()}),
+    }
 
 
 def project_gb10(classes: dict[str, tuple[float, int]]) -> dict[str, Any]:
@@ -226,12 +271,17 @@ def project_gb10(classes: dict[str, tuple[float, int]]) -> dict[str, Any]:
     scale = (H200["sms"] * H200["clock_ghz"]) / (GB10["sms"] * GB10["clock_ghz"])
     out: dict[str, Any] = {
         "formula": "per class c: t_c = max(bytes_c / BW, h200_ms_c x (132 x 1.98 GHz) / (48 x GB10 clock)); "
-                   "tok/s = 1000 / sum_c t_c (ms), batch 1",
-        "assumptions": {"h200": H200, "gb10": GB10, "compute_scale": round(scale, 4),
-                        "bandwidths_gb_s": GB10_BANDWIDTHS,
-                        "caveats": "H200 kernel time is taken as SM-throughput-bound and scaled by SMs x clock; "
-                                   "L2 size, launch latency and the GB10's unified memory are not modelled"},
-        "classes": {}}
+        "tok/s = 1000 / sum_c t_c (ms), batch 1",
+        "assumptions": {
+            "h200": H200,
+            "gb10": GB10,
+            "compute_scale": round(scale, 4),
+            "bandwidths_gb_s": GB10_BANDWIDTHS,
+            "caveats": "H200 kernel time is taken as SM-throughput-bound and scaled by SMs x clock; "
+            "L2 size, launch latency and the GB10's unified memory are not modelled",
+        },
+        "classes": {},
+    }
     for bw in GB10_BANDWIDTHS:
         total = 0.0
         for name, (ms, nbytes) in classes.items():
@@ -245,6 +295,7 @@ def project_gb10(classes: dict[str, tuple[float, int]]) -> dict[str, Any]:
 
 
 # --- measuring -----------------------------------------------------------------------------------------------------
+
 
 def timed_ms(engine: Engine, work: Callable[[], object], reps: int = 1) -> float:
     """Wall time of `reps` calls of work, ms, the device synchronized before and after (CUDA events on a GPU)."""
@@ -298,22 +349,33 @@ def logical_expert_bytes(artifact: Any) -> int:
     """EXL3 bytes of one logical routed expert: gate, up and down, every rank slice (read from expert 0)."""
     layer = artifact.quantized_layers[0]
     parts = [artifact.read_expert(layer, 0, proj) for proj in PROJECTIONS]
-    return artifact.ranks * sum(EXL3Tensor.storage_bytes(t.in_features, t.out_features, t.bits, t.codebook)
-                                for t in parts)
+    return artifact.ranks * sum(
+        EXL3Tensor.storage_bytes(t.in_features, t.out_features, t.bits, t.codebook) for t in parts
+    )
 
 
 # --- report --------------------------------------------------------------------------------------------------------
+
 
 def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> dict[str, Any]:
     spec, table, ckpt = artifact.spec, table_for(artifact.spec), artifact.checkpoint
     mtp = tuple(table.layer_prefix(layer) for layer in spec.mtp_layers)
     vision = {t.name for t in table.top_level(spec) if t.role is TensorRole.VISION}
     skipped = [n for n in ckpt.names() if n.startswith(mtp) or n in vision]
-    return {"config": str(config), "layout": artifact.layout, "bits": ckpt.plan.bits, "codebook": ckpt.plan.codebook,
-            "planned_tensors": len(ckpt.names()), "load_s": round(load_s, 1),
-            "resident_gb": round(torch.cuda.memory_allocated() / 1e9, 2) if engine.device.type == "cuda" else None,
-            "not_resident": {"what": "MTP layer and vision tower (plain text decoding uses neither)",
-                             "tensors": len(skipped), "bytes": sum(ckpt.spec(n).nbytes for n in skipped)}}
+    return {
+        "config": str(config),
+        "layout": artifact.layout,
+        "bits": ckpt.plan.bits,
+        "codebook": ckpt.plan.codebook,
+        "planned_tensors": len(ckpt.names()),
+        "load_s": round(load_s, 1),
+        "resident_gb": round(torch.cuda.memory_allocated() / 1e9, 2) if engine.device.type == "cuda" else None,
+        "not_resident": {
+            "what": "MTP layer and vision tower (plain text decoding uses neither)",
+            "tensors": len(skipped),
+            "bytes": sum(ckpt.spec(n).nbytes for n in skipped),
+        },
+    }
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -323,13 +385,20 @@ def environment(device: str) -> dict[str, Any]:
         except PackageNotFoundError:
             return None
 
-    env: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-                           **{name: package(name) for name in ("triton", "transformers", "flash-linear-attention",
-                                                               "fla-core")}}
+    env: dict[str, Any] = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        **{name: package(name) for name in ("triton", "transformers", "flash-linear-attention", "fla-core")},
+    }
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        env.update(gpu=props.name, sms=props.multi_processor_count, gpu_memory_gb=round(props.total_memory / 1e9, 1),
-                   cuda=torch.version.cuda)
+        env.update(
+            gpu=props.name,
+            sms=props.multi_processor_count,
+            gpu_memory_gb=round(props.total_memory / 1e9, 1),
+            cuda=torch.version.cuda,
+        )
     else:
         env["gpu"] = None
     return env
@@ -344,11 +413,17 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     projection = parts.get("classes", {}).get("projection", {})
     graphs = parts.get("graphs")
     peaks = [v for k, v in parts.items() if k.endswith("_peak_gpu_gb") and v is not None]
-    return {"decode_tok_s_b1": at.get(1), "decode_tok_s_b16": at.get(16), "decode_context": first,
-            "prefill_200k_s": prefill.get(200_000), "peak_gpu_gb": max(peaks, default=None),
-            "gb10_tok_s_218": projection.get("gb10_tok_s_218"), "gb10_tok_s_273": projection.get("gb10_tok_s_273"),
-            "graphs_equal_eager": all(r["tokens_equal"] for r in graphs) if graphs else None,
-            "logits_finite": all(r["logits_finite"] for r in graphs) if graphs else None}
+    return {
+        "decode_tok_s_b1": at.get(1),
+        "decode_tok_s_b16": at.get(16),
+        "decode_context": first,
+        "prefill_200k_s": prefill.get(200_000),
+        "peak_gpu_gb": max(peaks, default=None),
+        "gb10_tok_s_218": projection.get("gb10_tok_s_218"),
+        "gb10_tok_s_273": projection.get("gb10_tok_s_273"),
+        "graphs_equal_eager": all(r["tokens_equal"] for r in graphs) if graphs else None,
+        "logits_finite": all(r["logits_finite"] for r in graphs) if graphs else None,
+    }
 
 
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:

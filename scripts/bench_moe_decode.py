@@ -20,10 +20,11 @@ import platform
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +32,15 @@ import triton
 
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
 from glmquant.runtime.kernels.exl3_decode import codebook_id
-from glmquant.runtime.kernels.exl3_gemm import GemmConfig, WeightStack
-from glmquant.runtime.kernels.exl3_gemm import exl3_rows, job_rows, rotate_in, rotate_out, uses_gemv
+from glmquant.runtime.kernels.exl3_gemm import (
+    GemmConfig,
+    WeightStack,
+    exl3_rows,
+    job_rows,
+    rotate_in,
+    rotate_out,
+    uses_gemv,
+)
 from glmquant.runtime.kernels.fused_moe import (
     MoEConfig,
     MoEWeights,
@@ -68,22 +76,32 @@ class Timing:
     us_per_token: float
 
 
-def random_stack(gen: torch.Generator, p: int, v: int, inf: int, outf: int, bits: int, codebook: str,
-                 scale: float) -> WeightStack:
+def random_stack(
+    gen: torch.Generator, p: int, v: int, inf: int, outf: int, bits: int, codebook: str, scale: float
+) -> WeightStack:
     """Random valid EXL3 weights straight into a [P, V, ...] stack on the generator's device."""
     dev = gen.device
-    trellis = torch.randint(-32768, 32768, (p, v, inf // 16, outf // 16, 16 * bits), generator=gen, device=dev,
-                            dtype=torch.int32).to(torch.int16)
-    signed = lambda *s: ((torch.randint(0, 2, s, generator=gen, device=dev) * 2 - 1)  # noqa: E731
-                         * (0.5 + torch.rand(s, generator=gen, device=dev)))
-    return WeightStack(trellis, (signed(p, v, inf) * scale).half(), signed(p, v, outf).half(), codebook_id(codebook),
-                       inf, outf)
+    trellis = torch.randint(
+        -32768, 32768, (p, v, inf // 16, outf // 16, 16 * bits), generator=gen, device=dev, dtype=torch.int32
+    ).to(torch.int16)
+
+    def signed(*s: int) -> torch.Tensor:
+        return (torch.randint(0, 2, s, generator=gen, device=dev) * 2 - 1) * (
+            0.5 + torch.rand(s, generator=gen, device=dev)
+        )
+
+    return WeightStack(
+        trellis, (signed(p, v, inf) * scale).half(), signed(p, v, outf).half(), codebook_id(codebook), inf, outf
+    )
 
 
 def make_layer(gen: torch.Generator, args: argparse.Namespace, ranks: int) -> MoEWeights:
     v, width = args.experts * ranks, args.inter // ranks
-    return MoEWeights(random_stack(gen, 2, v, args.hidden, width, args.bits, args.codebook, 0.06),
-                      random_stack(gen, 1, v, width, args.hidden, args.bits, args.codebook, 0.01), 10.0)
+    return MoEWeights(
+        random_stack(gen, 2, v, args.hidden, width, args.bits, args.codebook, 0.06),
+        random_stack(gen, 1, v, width, args.hidden, args.bits, args.codebook, 0.01),
+        10.0,
+    )
 
 
 def routing_sets(gen: torch.Generator, args: argparse.Namespace, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -98,7 +116,10 @@ def routing_sets(gen: torch.Generator, args: argparse.Namespace, batch: int) -> 
 
 def expert_bytes(w: MoEWeights) -> int:
     """EXL3 bytes of one virtual expert: gate, up and down, each trellis + fp16 suh + svh."""
-    proj = lambda s: s.trellis[0, 0].numel() * 2 + 2 * (s.suh.shape[-1] + s.svh.shape[-1])  # noqa: E731
+
+    def proj(s: WeightStack) -> int:
+        return s.trellis[0, 0].numel() * 2 + 2 * (s.suh.shape[-1] + s.svh.shape[-1])
+
     return 2 * proj(w.gate_up) + proj(w.down)
 
 
@@ -138,7 +159,7 @@ def capture(clock: Clock, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
     return type("Step", (), {"graph": replay, "inputs": static})
 
 
-def graph_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: list[tuple[torch.Tensor, ...]]):
+def graph_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: Sequence[tuple[torch.Tensor, ...]]):
     """Per call i: copy inputs[i] into the captured step's static inputs (untimed), time one replay."""
     step = capture(clock, fn, *inputs[0])
 
@@ -146,16 +167,27 @@ def graph_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: list[tupl
         for static, value in zip(step.inputs, inputs[i % len(inputs)], strict=True):
             static.copy_(value)
         return clock.span(step.graph.replay)
+
     return run
 
 
-def eager_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: list[tuple[torch.Tensor, ...]]):
+def replays(clock: Clock, graph: torch.cuda.CUDAGraph) -> Callable[[int], Callable[[], float]]:
+    """A `Clock.repeat` run that replays `graph` once per repetition."""
+    return lambda _i: clock.span(graph.replay)
+
+
+def eager_timer(clock: Clock, fn: Callable[..., torch.Tensor], inputs: Sequence[tuple[torch.Tensor, ...]]):
     fn(*inputs[0])
     return lambda i: clock.span(lambda: fn(*inputs[i % len(inputs)]))
 
 
-def bf16_timer(clock: Clock, weights: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-               routes: list[tuple[torch.Tensor, torch.Tensor]], limit: float):
+def bf16_timer(
+    clock: Clock,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    hidden: torch.Tensor,
+    routes: list[tuple[torch.Tensor, torch.Tensor]],
+    limit: float,
+):
     """BF16 torch, the best case for a per-expert loop: routes known on the host, one graph per routing set."""
     gate_up, down = weights
 
@@ -170,6 +202,7 @@ def bf16_timer(clock: Clock, weights: tuple[torch.Tensor, torch.Tensor], hidden:
                 y = F.linear(F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit), down[e]) * rw[tok, slot, None]
                 out.index_add_(0, tok, y)
             return out
+
         return step
 
     # each step function is kept with its graph: the graph reads the route index tensors the function holds,
@@ -186,25 +219,31 @@ def copy_bandwidth(clock: Clock, device: torch.device) -> float:
     return 2 * src.numel() * 4 / (us * 1e-6)
 
 
-def summarize(layout: str, batch: int, impl: str, times: list[float], nbytes: float, bw: float, copy_bw: float) -> Timing:
+def summarize(
+    layout: str, batch: int, impl: str, times: list[float], nbytes: float, bw: float, copy_bw: float
+) -> Timing:
     med = statistics.median(times)
     q = statistics.quantiles(times, n=10)
     roof = nbytes / bw * 1e6
-    return Timing(layout, batch, impl, med, q[0], q[-1], nbytes, roof, roof / med, nbytes / copy_bw * 1e6 / med,
-                  med / batch)
+    return Timing(
+        layout, batch, impl, med, q[0], q[-1], nbytes, roof, roof / med, nbytes / copy_bw * 1e6 / med, med / batch
+    )
 
 
 def exllamav3_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        from importlib.metadata import version
         return version("exllamav3")
-    except Exception:
+    except PackageNotFoundError:
         return None
 
 
 def sweep_configs() -> list[GemmConfig]:
-    return [GemmConfig(ti=ti, tj=tj, split_tiles=st, num_warps=nw)
-            for ti, tj, st, nw in ((4, 8, 64, 4), (4, 8, 32, 4), (8, 4, 32, 4), (8, 4, 64, 4), (4, 4, 32, 4))]
+    return [
+        GemmConfig(ti=ti, tj=tj, split_tiles=st, num_warps=nw)
+        for ti, tj, st, nw in ((4, 8, 64, 4), (4, 8, 32, 4), (8, 4, 32, 4), (8, 4, 64, 4), (4, 4, 32, 4))
+    ]
 
 
 @dataclass(frozen=True)
@@ -228,27 +267,46 @@ def make_cases(args, gen, layers: dict[str, tuple[Layout, MoEWeights]]) -> list[
             logical = routing_sets(gen, args, batch)
             routes = [expand_routes(ids, rw, layout.ranks) for ids, rw in logical]
             unique = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in logical)
-            cases.append(Case(layout, batch, w, logical, [(hidden, ids, rw) for ids, rw in routes],
-                              statistics.mean(expert_bytes(w) * int(torch.unique(i).numel()) for i, _ in routes),
-                              unique * 3 * args.hidden * args.inter * 2))
+            cases.append(
+                Case(
+                    layout,
+                    batch,
+                    w,
+                    logical,
+                    [(hidden, ids, rw) for ids, rw in routes],
+                    statistics.mean(expert_bytes(w) * int(torch.unique(i).numel()) for i, _ in routes),
+                    unique * 3 * args.hidden * args.inter * 2,
+                )
+            )
     return cases
 
 
-def time_impl(args, clock: Clock, case: Case, impl: str, make_timer: Callable[[], Callable], copy_bw: float,
-              results: list, notes: dict) -> bool:
+def time_impl(
+    args,
+    clock: Clock,
+    case: Case,
+    impl: str,
+    make_timer: Callable[[], Callable],
+    copy_bw: float,
+    results: list,
+    notes: dict,
+) -> bool:
     """Time one implementation on one case; False once the CUDA context is broken (later work would fail)."""
     key = f"{impl}.{case.layout.name}.b{case.batch}"
     try:
         times = clock.repeat(make_timer(), args.reps)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - recorded in the notes: one failed case must not lose the others
         notes[key] = traceback.format_exc()[-2000:]
         print(f"{key}: FAILED {exc!r}"[:300], flush=True)
         return "CUDA error" not in str(exc)
     nbytes = case.bf16_bytes if impl.startswith("bf16") else case.exl3_bytes
     results.append(summarize(case.layout.name, case.batch, impl, times, nbytes, args.hbm_gbs * 1e9, copy_bw))
     r = results[-1]
-    print(f"{case.layout.name:5s} b{case.batch:<3d} {impl:22s} {r.median_us:9.1f} us  {r.bytes_per_step / 1e6:8.1f} MB  "
-          f"roofline {r.roofline_fraction:6.1%}", flush=True)
+    print(
+        f"{case.layout.name:5s} b{case.batch:<3d} {impl:22s} {r.median_us:9.1f} us  {r.bytes_per_step / 1e6:8.1f} MB  "
+        f"roofline {r.roofline_fraction:6.1%}",
+        flush=True,
+    )
     return True
 
 
@@ -256,7 +314,9 @@ def run_ours(args, clock: Clock, cases: list[Case], copy_bw: float, results: lis
     for case in cases:
         ours = partial(fused_moe, w=case.w)  # choose_moe_config sizes the jobs
         for impl, timer in (("ours_graph", graph_timer), ("ours_eager", eager_timer)):
-            if not time_impl(args, clock, case, impl, partial(timer, clock, ours, case.inputs), copy_bw, results, notes):
+            if not time_impl(
+                args, clock, case, impl, partial(timer, clock, ours, case.inputs), copy_bw, results, notes
+            ):
                 return False
     return True
 
@@ -281,7 +341,8 @@ def run_exllamav3(args, clock: Clock, cases: list[Case], copy_bw: float, results
             exl = kernels[case.layout.name] = ExllamaV3MoE(case.w, max_tokens=max(args.batches))
         ours = fused_moe(*case.inputs[0], case.w).float()
         notes[f"exllamav3_vs_ours_rel_diff.{case.layout.name}.b{case.batch}"] = float(
-            (exl(*case.inputs[0]).float() - ours).norm() / ours.norm())
+            (exl(*case.inputs[0]).float() - ours).norm() / ours.norm()
+        )
         torch.cuda.synchronize()
         for impl, timer in (("exllamav3_fused_graph", graph_timer), ("exllamav3_fused_eager", eager_timer)):
             if not time_impl(args, clock, case, impl, partial(timer, clock, exl, case.inputs), copy_bw, results, notes):
@@ -289,26 +350,35 @@ def run_exllamav3(args, clock: Clock, cases: list[Case], copy_bw: float, results
 
 
 def run_sweep(args, gen, clock: Clock, results: list) -> None:
-    """Graphed steps per core config (`sweep_configs`) at each --batches size; jobs as `choose_moe_config` sizes them."""
+    """Graphed steps per core config (`sweep_configs`) at each --batches size.
+
+    Jobs are sized as `choose_moe_config` sizes them.
+    """
     for ranks in (1, args.ranks):
         w = make_layer(gen, args, ranks)
         for batch in args.batches:
-            inputs = [(torch.randn(batch, args.hidden, generator=gen, device=gen.device).to(torch.bfloat16),
-                       *expand_routes(i, r, ranks)) for i, r in routing_sets(gen, args, batch)]
+            inputs = [
+                (
+                    torch.randn(batch, args.hidden, generator=gen, device=gen.device).to(torch.bfloat16),
+                    *expand_routes(i, r, ranks),
+                )
+                for i, r in routing_sets(gen, args, batch)
+            ]
             job_rows = choose_moe_config(batch, inputs[0][1].numel(), w).job_rows
             for cfg in sweep_configs():
                 row = {"ranks": ranks, "batch": batch, "job_rows": job_rows, "config": asdict(cfg)}
                 try:
                     step = partial(fused_moe, w=w, cfg=MoEConfig(job_rows, cfg, cfg))
                     row["median_us"] = statistics.median(clock.repeat(graph_timer(clock, step, inputs), args.reps))
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - recorded in the row: a config that fails is a result
                     row["error"] = repr(exc)[-500:]
                 results.append(row)
                 print("sweep", ranks, batch, job_rows, asdict(cfg), row.get("median_us"), flush=True)
 
 
-def stage_calls(w: MoEWeights, hidden: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor,
-                cfg: MoEConfig) -> dict[str, Callable[[], object]]:
+def stage_calls(
+    w: MoEWeights, hidden: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, cfg: MoEConfig
+) -> dict[str, Callable[[], object]]:
     """The launches of one fused_moe step as separate calls on precomputed intermediates (same order)."""
     plan = plan_routes(ids, cfg.job_rows)
     gemv = uses_gemv(w.gate_up, job_rows(plan.jobs))
@@ -318,13 +388,15 @@ def stage_calls(w: MoEWeights, hidden: torch.Tensor, ids: torch.Tensor, rw: torc
     part_d = exl3_rows(x_d, w.down, plan.experts, plan.jobs, cfg.down)
     out = torch.empty((hidden.shape[0], w.down.out_features), dtype=hidden.dtype, device=hidden.device)
     rwf = rw.float().contiguous()
-    return {"plan_routes": partial(plan_routes, ids, cfg.job_rows),
-            "rotate_in": partial(rotate_in, hidden, plan.tokens, w.gate_up, plan.experts, gemv),
-            "core_gate_up": partial(exl3_rows, x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up),
-            "swiglu": partial(swiglu, part_gu, plan, w),
-            "core_down": partial(exl3_rows, x_d, w.down, plan.experts, plan.jobs, cfg.down),
-            "rotate_out": partial(rotate_out, part_d, plan.pos, rwf, plan.experts, w.down, out),
-            "whole_step": partial(fused_moe, hidden, ids, rw, w, cfg)}
+    return {
+        "plan_routes": partial(plan_routes, ids, cfg.job_rows),
+        "rotate_in": partial(rotate_in, hidden, plan.tokens, w.gate_up, plan.experts, gemv),
+        "core_gate_up": partial(exl3_rows, x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up),
+        "swiglu": partial(swiglu, part_gu, plan, w),
+        "core_down": partial(exl3_rows, x_d, w.down, plan.experts, plan.jobs, cfg.down),
+        "rotate_out": partial(rotate_out, part_d, plan.pos, rwf, plan.experts, w.down, out),
+        "whole_step": partial(fused_moe, hidden, ids, rw, w, cfg),
+    }
 
 
 def run_stages(args, gen, clock: Clock, cfg: GemmConfig) -> list[dict]:
@@ -333,8 +405,13 @@ def run_stages(args, gen, clock: Clock, cfg: GemmConfig) -> list[dict]:
     rows = []
     for ranks in (1, args.ranks):
         w = make_layer(gen, args, ranks)
-        sets = [(torch.randn(1, args.hidden, generator=gen, device=gen.device).to(torch.bfloat16),
-                 *expand_routes(i, r, ranks)) for i, r in routing_sets(gen, args, 1)]
+        sets = [
+            (
+                torch.randn(1, args.hidden, generator=gen, device=gen.device).to(torch.bfloat16),
+                *expand_routes(i, r, ranks),
+            )
+            for i, r in routing_sets(gen, args, 1)
+        ]
         calls = [stage_calls(w, *s, MoEConfig(1, cfg, cfg)) for s in sets]
         for stage in calls[0]:
             for c in calls:
@@ -343,9 +420,15 @@ def run_stages(args, gen, clock: Clock, cfg: GemmConfig) -> list[dict]:
             with torch.cuda.graph(graph):
                 for c in calls:
                     c[stage]()
-            times = clock.repeat(lambda i, g=graph: clock.span(g.replay), 20)
-            rows.append({"ranks": ranks, "stage": stage, "config": asdict(cfg),
-                         "us_per_call": statistics.median(times) / len(calls)})
+            times = clock.repeat(replays(clock, graph), 20)
+            rows.append(
+                {
+                    "ranks": ranks,
+                    "stage": stage,
+                    "config": asdict(cfg),
+                    "us_per_call": statistics.median(times) / len(calls),
+                }
+            )
             print(f"stage ranks={ranks} {stage:14s} {rows[-1]['us_per_call']:8.1f} us", flush=True)
     return rows
 
@@ -366,20 +449,26 @@ def profile_one_step(args, gen) -> None:
 
 def projection(results: list[Timing], plan_bytes: int, gb10: list[float]) -> dict:
     """GB10 single-stream tok/s from the batch-1 roofline fraction of the tr3 (reference) layout."""
-    out = {"plan_decode_bytes_per_token": plan_bytes}
+    out: dict[str, Any] = {"plan_decode_bytes_per_token": plan_bytes}
     for r in results:
         if r.batch == 1 and r.impl in ("ours_graph", "exllamav3_fused_graph"):
             key = f"{r.impl}.{r.layout}"
-            out[key] = {"roofline_fraction": r.roofline_fraction,
-                        **{f"gb10_{int(bw)}GBs_tok_per_s": r.roofline_fraction * bw * 1e9 / plan_bytes for bw in gb10}}
+            out[key] = {
+                "roofline_fraction": r.roofline_fraction,
+                **{f"gb10_{int(bw)}GBs_tok_per_s": r.roofline_fraction * bw * 1e9 / plan_bytes for bw in gb10},
+            }
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--impls", type=lambda s: s.split(","), default=["ours", "bf16"],
-                        help="comma-separated: ours, bf16, exllamav3 (ExLlamaV3's fused exl3_moe kernel, timed last)")
+    parser.add_argument(
+        "--impls",
+        type=lambda s: s.split(","),
+        default=["ours", "bf16"],
+        help="comma-separated: ours, bf16, exllamav3 (ExLlamaV3's fused exl3_moe kernel, timed last)",
+    )
     parser.add_argument("--layouts", type=lambda s: s.split(","), default=["plain", "tr3"])
     parser.add_argument("--sweep", action="store_true", help="then time a few core launch configs at each batch")
     parser.add_argument("--stages", action="store_true", help="only time each launch of a batch-1 step, per config")
@@ -395,7 +484,9 @@ def main() -> None:
     parser.add_argument("--routings", type=int, default=16, help="routing sets rotated across replays")
     parser.add_argument("--bf16-routings", type=int, default=4, help="routing sets (one graph each) for BF16")
     parser.add_argument("--reps", type=int, default=100)
-    parser.add_argument("--hbm-gbs", type=float, default=4300.0, help="roofline bandwidth (H200 measured copy: 4.3 TB/s)")
+    parser.add_argument(
+        "--hbm-gbs", type=float, default=4300.0, help="roofline bandwidth (H200 measured copy: 4.3 TB/s)"
+    )
     parser.add_argument("--plan-bytes", type=int, default=PLAN_BYTES_TR3)
     parser.add_argument("--gb10-gbs", type=lambda s: [float(b) for b in s.split(",")], default=[273.0, 218.0])
     parser.add_argument("--seed", type=int, default=0)
@@ -404,12 +495,17 @@ def main() -> None:
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     clock = Clock(gen.device)
     cuda = clock.cuda
-    report = {"gpu": torch.cuda.get_device_name() if cuda else "cpu (triton interpreter)",
-              "capability": list(torch.cuda.get_device_capability()) if cuda else None,
-              "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
-              "torch": torch.__version__,
-              "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-              "exllamav3": exllamav3_version(), "args": {k: str(v) for k, v in vars(args).items()}}
+    report = {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (triton interpreter)",
+        "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "exllamav3": exllamav3_version(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     if args.profile_step:
         return profile_one_step(args, gen)
@@ -422,18 +518,27 @@ def main() -> None:
     print(f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s", flush=True)
     bf16 = None
     if "bf16" in args.impls:
-        bf16 = (torch.randn(args.experts, 2 * args.inter, args.hidden, device=gen.device, dtype=torch.bfloat16) * 0.02,
-                torch.randn(args.experts, args.hidden, args.inter, device=gen.device, dtype=torch.bfloat16) * 0.02)
+        bf16 = (
+            torch.randn(args.experts, 2 * args.inter, args.hidden, device=gen.device, dtype=torch.bfloat16) * 0.02,
+            torch.randn(args.experts, args.hidden, args.inter, device=gen.device, dtype=torch.bfloat16) * 0.02,
+        )
     results: list[Timing] = []
     notes: dict = {}
-    layers = {name: (Layout(name, ranks), make_layer(gen, args, ranks))
-              for name, ranks in (("plain", 1), ("tr3", args.ranks)) if name in args.layouts}
+    layers = {
+        name: (Layout(name, ranks), make_layer(gen, args, ranks))
+        for name, ranks in (("plain", 1), ("tr3", args.ranks))
+        if name in args.layouts
+    }
     cases = make_cases(args, gen, layers)
     copy_bw = report["copy_bandwidth_gbs"] * 1e9
 
     def save() -> None:
-        report.update(results=[asdict(r) for r in results], notes=notes,
-                      projection=projection(results, args.plan_bytes, args.gb10_gbs), seconds=time.time() - t0)
+        report.update(
+            results=[asdict(r) for r in results],
+            notes=notes,
+            projection=projection(results, args.plan_bytes, args.gb10_gbs),
+            seconds=time.time() - t0,
+        )
         (args.out / "moe_decode.json").write_text(json.dumps(report, indent=2) + "\n")
 
     healthy = "ours" not in args.impls or run_ours(args, clock, cases, copy_bw, results, notes)
@@ -444,7 +549,7 @@ def main() -> None:
     if healthy and "exllamav3" in args.impls:
         try:
             run_exllamav3(args, clock, cases, copy_bw, results, notes)
-        except Exception:
+        except Exception:  # noqa: BLE001 - recorded in the notes: ours and BF16 are already measured
             notes["exllamav3"] = traceback.format_exc()[-3000:]
         save()
     print(json.dumps(report["projection"], indent=1), flush=True)

@@ -39,26 +39,51 @@ def layer_bytes(source: Path) -> dict[int, int]:
     spec = load_model_spec(source)
     table = table_for(spec)
     with SourceCheckpoint.open(source) as ckpt:
-        return {i: sum(ckpt.spec(t.name).nbytes for t in table.layer_tensors(spec, i))
-                for i in range(spec.num_hidden_layers)}
+        return {
+            i: sum(ckpt.spec(t.name).nbytes for t in table.layer_tensors(spec, i))
+            for i in range(spec.num_hidden_layers)
+        }
 
 
 def measure(layers: int, args: argparse.Namespace, work: Path) -> dict:
     from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
 
-    config = TinyModelConfig(hidden_size=args.hidden, num_hidden_layers=layers, n_routed_experts=args.experts,
-                             moe_intermediate_size=args.moe_intermediate, shard_bytes=64 << 20)
+    config = TinyModelConfig(
+        hidden_size=args.hidden,
+        num_hidden_layers=layers,
+        n_routed_experts=args.experts,
+        moe_intermediate_size=args.moe_intermediate,
+        shard_bytes=64 << 20,
+    )
     source = build_tiny_checkpoint(work / f"src-{layers}", config)
     started = time.monotonic()
-    child = subprocess.run([sys.executable, "-c", CHILD, str(source), str(work / f"obs-{layers}"), str(args.rows),
-                            str(args.tokens), args.hessians, str(args.batch_rows)],
-                           check=True, capture_output=True, text=True)
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(source),
+            str(work / f"obs-{layers}"),
+            str(args.rows),
+            str(args.tokens),
+            args.hessians,
+            str(args.batch_rows),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     result = json.loads(child.stdout.strip().splitlines()[-1])
     sizes = layer_bytes(source)
     model = sum(p.stat().st_size for p in source.glob("*.safetensors"))
-    return {"layers": layers, "model_bytes": model, "largest_layer_bytes": max(sizes.values()),
-            "peak_rss_bytes": result["peak_rss_bytes"], "observe_s": result["elapsed_s"],
-            "wall_s": round(time.monotonic() - started, 2)}
+    return {
+        "layers": layers,
+        "model_bytes": model,
+        "largest_layer_bytes": max(sizes.values()),
+        "peak_rss_bytes": result["peak_rss_bytes"],
+        "observe_s": result["elapsed_s"],
+        "wall_s": round(time.monotonic() - started, 2),
+    }
 
 
 def main() -> None:

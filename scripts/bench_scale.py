@@ -23,6 +23,7 @@ The `full_model` object extrapolates to --full-config with the --full-recipe tok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -49,14 +50,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", type=Path, default=REFERENCE_CONFIG, help="config whose widths the fixture takes")
     p.add_argument("--layers", type=int, default=6, help="decoder layers of the fixture (6: every layer kind)")
     p.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default: the config's)")
-    p.add_argument("--encode-experts", type=int, default=8,
-                   help="experts per MoE layer encoded (a prune plan; at least the router's top-k)")
+    p.add_argument(
+        "--encode-experts",
+        type=int,
+        default=8,
+        help="experts per MoE layer encoded (a prune plan; at least the router's top-k)",
+    )
     p.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="calibration recipe (offline built-in)")
     p.add_argument("--rows", type=int, default=8, help="calibration rows per lane")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per row")
     p.add_argument("--batch-rows", type=int, default=4, help="rows per forward step")
-    p.add_argument("--stream-budget-factor", type=float, default=1.6,
-                   help="stream budget as a multiple of one layer's streams (>= 1 + one chunk's share)")
+    p.add_argument(
+        "--stream-budget-factor",
+        type=float,
+        default=1.6,
+        help="stream budget as a multiple of one layer's streams (>= 1 + one chunk's share)",
+    )
     p.add_argument("--runtime-backend", default=None, help="expert backend (default: triton on cuda, torch on cpu)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--decode-tokens", type=int, default=8)
@@ -75,6 +84,7 @@ def paths(args: argparse.Namespace) -> dict[str, Path]:
 
 
 # ---------------------------------------------------------------- stages (each runs in a child process)
+
 
 def stage_fixture(args: argparse.Namespace) -> dict[str, Any]:
     from glmquant.fixtures.synthetic import SyntheticOptions, build_synthetic_checkpoint
@@ -102,18 +112,42 @@ def stage_build(args: argparse.Namespace) -> dict[str, Any]:
     p["prune_plan.json"].write_text(json.dumps({"layers": {str(layer): kept for layer in spec.moe_layers}}))
     budget = args.stream_budget_factor * stream_bytes(args.recipe, args.rows, args.tokens, spec) / 1e9
     config = BuildConfig(
-        ObserveConfig(p["source"], p["obs"], args.recipe, args.rows, args.tokens, HessianMode.NATURAL, False, None,
-                      args.device, args.batch_rows, budget),
-        EncodeConfig(source=p["source"], out=p["artifact"], observations=p["obs"], prune_plan=p["prune_plan.json"],
-                     device=args.device))
+        ObserveConfig(
+            p["source"],
+            p["obs"],
+            args.recipe,
+            args.rows,
+            args.tokens,
+            HessianMode.NATURAL,
+            False,
+            None,
+            args.device,
+            args.batch_rows,
+            budget,
+        ),
+        EncodeConfig(
+            source=p["source"],
+            out=p["artifact"],
+            observations=p["obs"],
+            prune_plan=p["prune_plan.json"],
+            device=args.device,
+        ),
+    )
     encoded: list[dict[str, Any]] = []
     real_encode, real_finish = EncodeJob.encode, EncodeJob.finish
 
     def encode(job, layer, hessians):
         with Peak(args.device) as peak:
             summary = real_encode(job, layer, hessians)
-        encoded.append({"layer": layer, "tensors": summary.tensors, "seconds": peak.seconds,
-                        "peak_gpu_bytes": peak.gpu_bytes, "bytes_written": summary.bytes_written})
+        encoded.append(
+            {
+                "layer": layer,
+                "tensors": summary.tensors,
+                "seconds": peak.seconds,
+                "peak_gpu_bytes": peak.gpu_bytes,
+                "bytes_written": summary.bytes_written,
+            }
+        )
         return summary
 
     finish: dict[str, Any] = {}
@@ -124,16 +158,26 @@ def stage_build(args: argparse.Namespace) -> dict[str, Any]:
         finish.update(seconds=peak.seconds, peak_gpu_bytes=peak.gpu_bytes)
         return result
 
-    EncodeJob.encode, EncodeJob.finish = encode, finish_job
+    EncodeJob.encode, EncodeJob.finish = encode, finish_job  # type: ignore[method-assign]  # timed wrappers
     with DiskPeak(p["obs"]) as disk:
         result = build_artifact(config, Console(stderr=True), progress=True)
     obs = json.loads((p["obs"] / "observations.json").read_text())
-    return {"kda": kda_implementation(), "viterbi_backend": select_backend(args.device).name,
-            "stream_budget_gb": budget, "observation": {"elapsed_s": obs["elapsed_s"], "layers": obs["layers"],
-                                                        "peak_device_bytes": obs["peak_device_bytes"]},
-            "encode_layers": encoded, "finish": finish, "observation_disk_peak_bytes": disk.peak,
-            "observation_bytes": dir_bytes(p["obs"]), "artifact_bytes": dir_bytes(p["artifact"]),
-            "manifest_sha256": result.encode.artifact.manifest_sha256}
+    return {
+        "kda": kda_implementation(),
+        "viterbi_backend": select_backend(args.device).name,
+        "stream_budget_gb": budget,
+        "observation": {
+            "elapsed_s": obs["elapsed_s"],
+            "layers": obs["layers"],
+            "peak_device_bytes": obs["peak_device_bytes"],
+        },
+        "encode_layers": encoded,
+        "finish": finish,
+        "observation_disk_peak_bytes": disk.peak,
+        "observation_bytes": dir_bytes(p["obs"]),
+        "artifact_bytes": dir_bytes(p["artifact"]),
+        "manifest_sha256": result.encode.artifact.manifest_sha256,
+    }
 
 
 def stage_verify(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,12 +209,17 @@ def stage_runtime(args: argparse.Namespace) -> dict[str, Any]:
         times[n] = time.monotonic() - started
     if out.completion_tokens != args.decode_tokens:
         raise SystemExit(f"decoded {out.completion_tokens} tokens, expected {args.decode_tokens}")
-    return {"backend": backend, "load_s": round(load_s, 3), "prefill_s": round(times[1], 3),
-            "decode_s_per_token": round((times[args.decode_tokens] - times[1]) / max(args.decode_tokens - 1, 1), 4),
-            "tokens": list(out.token_ids)}
+    return {
+        "backend": backend,
+        "load_s": round(load_s, 3),
+        "prefill_s": round(times[1], 3),
+        "decode_s_per_token": round((times[args.decode_tokens] - times[1]) / max(args.decode_tokens - 1, 1), 4),
+        "tokens": list(out.token_ids),
+    }
 
 
 # ---------------------------------------------------------------- measuring helpers
+
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
@@ -226,10 +275,8 @@ def dir_bytes_safe(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):
         for name in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += os.stat(os.path.join(root, name)).st_size
-            except FileNotFoundError:
-                pass
     return total
 
 
@@ -258,6 +305,7 @@ def run_stage_here(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------- orchestration (parent process)
 
+
 def preflight(args: argparse.Namespace) -> dict[str, Any]:
     """Fail before anything runs when the machine cannot hold the rehearsal."""
     import torch
@@ -270,27 +318,38 @@ def preflight(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--device cuda: torch sees no CUDA device")
     kda = kda_implementation()
     if args.device == "cuda" and kda == "torch reference" and not args.allow_torch_kda:
-        raise SystemExit("flash-linear-attention is not importable (pip install fla-core flash-linear-attention "
-                         "einops, or PYTHONPATH to their wheels): the KDA layers would run transformers' slow "
-                         "reference loop; pass --allow-torch-kda to measure that anyway")
+        raise SystemExit(
+            "flash-linear-attention is not importable (pip install fla-core flash-linear-attention "
+            "einops, or PYTHONPATH to their wheels): the KDA layers would run transformers' slow "
+            "reference loop; pass --allow-torch-kda to measure that anyway"
+        )
     layout = synthetic_layout(SyntheticOptions(args.layers, args.config, args.experts, device="cpu"))
     if not layout.spec.num_experts_per_tok <= args.encode_experts <= layout.spec.n_routed_experts:
-        raise SystemExit(f"--encode-experts {args.encode_experts} must be between the router's top-k "
-                         f"{layout.spec.num_experts_per_tok} and the {layout.spec.n_routed_experts} experts per layer")
+        raise SystemExit(
+            f"--encode-experts {args.encode_experts} must be between the router's top-k "
+            f"{layout.spec.num_experts_per_tok} and the {layout.spec.n_routed_experts} experts per layer"
+        )
     artifact = sum(f.size for f in plan_artifact(layout.spec, "tr3", source_shards=layout.weight_map).files)
     streams = stream_bytes(args.recipe, args.rows, args.tokens, layout.spec)
     need = layout.tensor_bytes + artifact + args.stream_budget_factor * streams
     args.work.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(args.work).free + dir_bytes(args.work)
     if free < 1.05 * need:
-        raise SystemExit(f"{args.work}: the rehearsal needs about {need / 1e9:.1f} GB of disk (source "
-                         f"{layout.tensor_bytes / 1e9:.1f}, artifact at most {artifact / 1e9:.1f}, streams "
-                         f"{args.stream_budget_factor * streams / 1e9:.1f}) but {free / 1e9:.1f} GB are free; "
-                         "shrink it with --experts, --layers or --rows")
+        raise SystemExit(
+            f"{args.work}: the rehearsal needs about {need / 1e9:.1f} GB of disk (source "
+            f"{layout.tensor_bytes / 1e9:.1f}, artifact at most {artifact / 1e9:.1f}, streams "
+            f"{args.stream_budget_factor * streams / 1e9:.1f}) but {free / 1e9:.1f} GB are free; "
+            "shrink it with --experts, --layers or --rows"
+        )
     shutil.rmtree(args.work)
     args.work.mkdir(parents=True)
-    return {"source_bytes_planned": layout.tensor_bytes, "artifact_bytes_at_most": artifact,
-            "stream_bytes_per_layer": streams, "disk_free_bytes": free, "kda": kda}
+    return {
+        "source_bytes_planned": layout.tensor_bytes,
+        "artifact_bytes_at_most": artifact,
+        "stream_bytes_per_layer": streams,
+        "disk_free_bytes": free,
+        "kda": kda,
+    }
 
 
 def run_stages(args: argparse.Namespace, record: dict[str, Any]) -> None:
@@ -302,12 +361,22 @@ def run_stages(args: argparse.Namespace, record: dict[str, Any]) -> None:
             fail(args, record, stage, f"no time left of --time-limit-s {args.time_limit_s:.0f}")
         print(f"== {stage} (at most {left:.0f} s)", file=sys.stderr, flush=True)
         try:
-            child = subprocess.run([sys.executable, __file__, *child_argv, "--stage", stage], stdout=subprocess.PIPE,
-                                   text=True, timeout=left, cwd=ROOT)
+            child = subprocess.run(
+                [sys.executable, __file__, *child_argv, "--stage", stage],
+                stdout=subprocess.PIPE,
+                text=True,
+                timeout=left,
+                cwd=ROOT,
+            )
         except subprocess.TimeoutExpired:
-            fail(args, record, stage, f"did not finish within {left:.0f} s (--time-limit-s "
-                                      f"{args.time_limit_s:.0f}); shrink it with --experts, --encode-experts, "
-                                      "--rows or --layers")
+            fail(
+                args,
+                record,
+                stage,
+                f"did not finish within {left:.0f} s (--time-limit-s "
+                f"{args.time_limit_s:.0f}); shrink it with --experts, --encode-experts, "
+                "--rows or --layers",
+            )
         if child.returncode != 0:
             fail(args, record, stage, f"exited with code {child.returncode} (its error is printed above)")
         record["stages"][stage] = json.loads(child.stdout.strip().splitlines()[-1])
@@ -341,12 +410,20 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     if commit is None:
         git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         commit = git.stdout.strip() if git.returncode == 0 else "unknown"
-    return {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "host": platform.node(),
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "triton": version("triton"), "fla_core": version("fla-core"),
-            "flash_linear_attention": version("flash-linear-attention"), "exllamav3": version("exllamav3"),
-            "glmquant_commit": commit, "exl3_backend_env": os.environ.get("GLMQUANT_EXL3_BACKEND"),
-            "date": time.strftime("%Y-%m-%d")}
+    return {
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": version("triton"),
+        "fla_core": version("fla-core"),
+        "flash_linear_attention": version("flash-linear-attention"),
+        "exllamav3": version("exllamav3"),
+        "glmquant_commit": commit,
+        "exl3_backend_env": os.environ.get("GLMQUANT_EXL3_BACKEND"),
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -355,10 +432,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage:
         run_stage_here(args)
         return
-    from scale_extrapolation import extrapolate  # noqa: E402  (beside this script)
+    from scale_extrapolation import extrapolate  # beside this script
 
-    record: dict[str, Any] = {"bench": "scale", "settings": {k: str(v) if isinstance(v, Path) else v
-                                                             for k, v in vars(args).items() if k != "stage"}}
+    record: dict[str, Any] = {
+        "bench": "scale",
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "stage"},
+    }
     record["environment"] = environment(args)
     record["preflight"] = preflight(args)
     record["stages"] = {}

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a plain checkout, no install
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout, no install
 
 from glmquant.exl3 import (
     Codebook,
@@ -42,6 +41,8 @@ from glmquant.exl3 import (
 from glmquant.exl3.backends import exllamav3_available, select_backend
 from glmquant.exl3.codebooks import codebook_values
 from glmquant.exl3.native import load_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = [f"{cb}.K{k}" for cb in ("3inst", "mcg", "mul1") for k in (2, 3, 4)]
 LARGE = [(4096, 2048), (4096, 512)]  # (in_features, out_features)
@@ -130,13 +131,21 @@ def tiles_step(rec: Recorder, count: int, skip_torch: bool) -> None:
                 s, seconds = timed(search, x[:n].to(device), bits, cb)
                 states[name] = s = s.cpu()
                 mse = (lut[s.long()] - x[:n]).square().mean().item() / 1.44
-                entry[name] = {"tiles": n, "seconds": round(seconds, 3), "tiles_per_s": round(n / seconds, 1), "mse_rel": mse}
+                entry[name] = {
+                    "tiles": n,
+                    "seconds": round(seconds, 3),
+                    "tiles_per_s": round(n / seconds, 1),
+                    "mse_rel": mse,
+                }
             names = list(states)
             for i, a in enumerate(names):
                 for b in names[i + 1 :]:
                     n = min(states[a].shape[0], states[b].shape[0])
                     same = (states[a][:n] == states[b][:n]).all(dim=1)
-                    entry[f"{a}_vs_{b}"] = {"identical_tiles": same.float().mean().item(), "identical_states": (states[a][:n] == states[b][:n]).float().mean().item()}
+                    entry[f"{a}_vs_{b}"] = {
+                        "identical_tiles": same.float().mean().item(),
+                        "identical_states": (states[a][:n] == states[b][:n]).float().mean().item(),
+                    }
 
 
 def linear_exl3_weight(t: EXL3Tensor) -> torch.Tensor:
@@ -145,7 +154,16 @@ def linear_exl3_weight(t: EXL3Tensor) -> torch.Tensor:
 
     stored = {k.split(".", 1)[1]: v.cuda() for k, v in t.tensors("w").items()}
     k, n = stored["suh"].shape[0], stored["svh"].shape[0]
-    layer = LinearEXL3(None, k, n, suh=stored["suh"], svh=stored["svh"], trellis=stored["trellis"], mcg=stored.get("mcg"), mul1=stored.get("mul1"))
+    layer = LinearEXL3(
+        None,
+        k,
+        n,
+        suh=stored["suh"],
+        svh=stored["svh"],
+        trellis=stored["trellis"],
+        mcg=stored.get("mcg"),
+        mul1=stored.get("mul1"),
+    )
     return layer.get_weight_tensor().cpu()
 
 
@@ -162,7 +180,9 @@ def linear_check(t: EXL3Tensor) -> dict:
     }
 
 
-def exllamav3_quantize(w_in_out: torch.Tensor, h: torch.Tensor, bits: int, cb: Codebook, seed: int) -> tuple[float, float, dict]:
+def exllamav3_quantize(
+    w_in_out: torch.Tensor, h: torch.Tensor, bits: int, cb: Codebook, seed: int
+) -> tuple[float, float, dict]:
     """exllamav3's quantize_exl3 on the same (W, H): (proxy error, seconds, its tensors)."""
     from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3
 
@@ -174,13 +194,19 @@ def exllamav3_quantize(w_in_out: torch.Tensor, h: torch.Tensor, bits: int, cb: C
     return err, seconds, tensors
 
 
-def encode_all(entry: dict, w_hf: torch.Tensor, h: torch.Tensor, bits: int, cb: Codebook, skip_torch: bool, check_linear: bool) -> dict[str, EXL3Tensor]:
+def encode_all(
+    entry: dict, w_hf: torch.Tensor, h: torch.Tensor, bits: int, cb: Codebook, skip_torch: bool, check_linear: bool
+) -> dict[str, EXL3Tensor]:
     """Our encoder with every available backend; records seconds, proxy error, LinearEXL3 check."""
     out = {}
     for name, device in backends_to_compare(skip_torch):
         result, seconds = timed(encode_linear, w_hf, h, bits, cb, seed=0, device=device, backend=name)
         out[name] = result.tensor
-        entry[f"ours_{name}"] = {"seconds": round(seconds, 3), "proxy_error": result.proxy_error, "fallback": result.fallback}
+        entry[f"ours_{name}"] = {
+            "seconds": round(seconds, 3),
+            "proxy_error": result.proxy_error,
+            "fallback": result.fallback,
+        }
         if check_linear and exllamav3_available():
             try:
                 entry[f"ours_{name}"]["linear_exl3"] = linear_check(result.tensor)
@@ -189,7 +215,9 @@ def encode_all(entry: dict, w_hf: torch.Tensor, h: torch.Tensor, bits: int, cb: 
     names = list(out)
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
-            entry[f"trellis_{a}_vs_{b}_identical_tiles"] = (out[a].trellis == out[b].trellis).all(dim=-1).float().mean().item()
+            entry[f"trellis_{a}_vs_{b}_identical_tiles"] = (
+                (out[a].trellis == out[b].trellis).all(dim=-1).float().mean().item()
+            )
     return out
 
 
@@ -202,7 +230,11 @@ def golden_step(rec: Recorder, golden_path: Path, skip_torch: bool) -> None:
         with rec.step(f"golden.{tag}") as entry:
             cb_name, k = tag.split(".K")
             cb, bits = Codebook(cb_name), int(k)
-            entry["decode_Q_bit_exact"] = bool(torch.equal(decode_inner(golden[f"{tag}.trellis"], cb).view(torch.int16), golden[f"{tag}.Q"].view(torch.int16)))
+            entry["decode_Q_bit_exact"] = bool(
+                torch.equal(
+                    decode_inner(golden[f"{tag}.trellis"], cb).view(torch.int16), golden[f"{tag}.Q"].view(torch.int16)
+                )
+            )
             ref = EXL3Tensor.from_tensors(golden, tag, 256, 128)
             if exllamav3_available():
                 entry["golden_linear_exl3"] = linear_check(ref)
@@ -237,7 +269,9 @@ def large_step(rec: Recorder, skip_torch: bool, summary: dict) -> None:
             if exllamav3_available():
                 err, seconds, _ = exllamav3_quantize(w.T.contiguous(), h, 2, Codebook.MCG, seed=0)
                 entry["exllamav3_quantize_exl3"] = {"proxy_error": err, "seconds": round(seconds, 3)}
-            summary[f"{in_f}x{out_f}"] = {k: v["seconds"] for k, v in entry.items() if isinstance(v, dict) and "seconds" in v}
+            summary[f"{in_f}x{out_f}"] = {
+                k: v["seconds"] for k, v in entry.items() if isinstance(v, dict) and "seconds" in v
+            }
         if out_f > BATCH_MAX_OUT:
             continue
         with rec.step(f"large.batch{BATCH}.{in_f}x{out_f}.K2.mcg") as entry:
@@ -245,8 +279,13 @@ def large_step(rec: Recorder, skip_torch: bool, summary: dict) -> None:
             items = [(torch.randn(out_f, in_f, generator=g) * 0.02, h) for _ in range(BATCH)]
             for name, dev in backends_to_compare(skip_torch):
                 results, seconds = timed(encode_linears, items, 2, Codebook.MCG, device=dev, backend=name)
-                entry[f"ours_{name}"] = {"seconds_per_tensor": round(seconds / BATCH, 3), "proxy_errors": [r.proxy_error for r in results]}
-            summary[f"{in_f}x{out_f} batch of {BATCH}, per tensor"] = {k: v["seconds_per_tensor"] for k, v in entry.items() if isinstance(v, dict)}
+                entry[f"ours_{name}"] = {
+                    "seconds_per_tensor": round(seconds / BATCH, 3),
+                    "proxy_errors": [r.proxy_error for r in results],
+                }
+            summary[f"{in_f}x{out_f} batch of {BATCH}, per tensor"] = {
+                k: v["seconds_per_tensor"] for k, v in entry.items() if isinstance(v, dict)
+            }
 
 
 def main() -> None:
@@ -271,7 +310,9 @@ def main() -> None:
     rec.data["failed_steps"] = failed
     rec.save()
     (args.out / "exl3_gpu_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"done: {len(rec.data['steps']) - len(failed)} steps ok, {len(failed)} failed {failed}; results in {args.out}")
+    print(
+        f"done: {len(rec.data['steps']) - len(failed)} steps ok, {len(failed)} failed {failed}; results in {args.out}"
+    )
 
 
 if __name__ == "__main__":

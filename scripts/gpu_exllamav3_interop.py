@@ -29,7 +29,7 @@ def step(record: dict, name: str, fn):
     t0 = time.perf_counter()
     try:
         record[name] = {"ok": True, **(fn() or {})}
-    except Exception as exc:  # recorded, not raised: the other steps still run
+    except Exception as exc:  # noqa: BLE001 - recorded, not raised: the other steps still run
         record[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
     record[name]["seconds"] = round(time.perf_counter() - t0, 2)
     print(name, json.dumps({k: v for k, v in record[name].items() if k != "trace"})[:600], flush=True)
@@ -40,7 +40,9 @@ def our_expert_weights(artifact: Path) -> dict[str, torch.Tensor]:
     out = {}
     with SourceCheckpoint.open(artifact) as art:
         for key in sorted({n.rsplit(".", 1)[0] for n in art.names() if n.endswith(".trellis")}):
-            parts = {n: art.read_tensor(n) for n in (f"{key}.trellis", f"{key}.suh", f"{key}.svh", f"{key}.mcg") if n in art}
+            parts = {
+                n: art.read_tensor(n) for n in (f"{key}.trellis", f"{key}.suh", f"{key}.svh", f"{key}.mcg") if n in art
+            }
             t = EXL3Tensor.from_tensors(parts, key, parts[f"{key}.suh"].numel(), parts[f"{key}.svh"].numel())
             out[key] = decode_weight(t, torch.float32).T.contiguous()
     return out
@@ -48,6 +50,14 @@ def our_expert_weights(artifact: Path) -> dict[str, torch.Tensor]:
 
 def rel_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours.cuda() - theirs.float()).abs().max() / ours.abs().max()).item()
+
+
+def encode_plain(source: Path, artifact: Path) -> dict:
+    """The tiny checkpoint encoded in ExLlamaV3's layout (uncalibrated) on the GPU."""
+    cfg = EncodeConfig(source=source, out=artifact, layout="exllamav3", device="cuda", uncalibrated=True)
+    result = encode_artifact(cfg, Console(quiet=True))
+    assert result is not None  # one process: it writes the artifact
+    return {"manifest_sha256": result.artifact.manifest_sha256}
 
 
 def load_and_compare(artifact: Path) -> dict:
@@ -61,9 +71,11 @@ def load_and_compare(artifact: Path) -> dict:
     seen, worst, missing_shape = set(), 0.0, []
     for module in model:
         inner = getattr(module, "inner", None)
-        if type(inner).__name__ != "LinearEXL3":
+        if inner is None or type(inner).__name__ != "LinearEXL3":
             continue
-        key = next((k for k in ours if module.key == k or module.key.endswith("." + k) or k.endswith("." + module.key)), None)
+        key = next(
+            (k for k in ours if module.key == k or module.key.endswith("." + k) or k.endswith("." + module.key)), None
+        )
         if key is None:
             continue
         theirs = inner.get_weight_tensor()
@@ -72,15 +84,21 @@ def load_and_compare(artifact: Path) -> dict:
             continue
         worst = max(worst, rel_diff(ours[key], theirs))
         seen.add(key)
-    result = {"architecture": config.architecture, "loaded": True, "exl3_tensors_in_artifact": len(ours),
-              "expert_modules_compared": len(seen), "not_loaded_as_exl3": sorted(set(ours) - seen)[:10],
-              "shape_mismatch": missing_shape[:10], "max_rel_diff": worst,
-              "all_equal_to_fp16_rounding": len(seen) == len(ours) and worst < 2e-3}
+    result = {
+        "architecture": config.architecture,
+        "loaded": True,
+        "exl3_tensors_in_artifact": len(ours),
+        "expert_modules_compared": len(seen),
+        "not_loaded_as_exl3": sorted(set(ours) - seen)[:10],
+        "shape_mismatch": missing_shape[:10],
+        "max_rel_diff": worst,
+        "all_equal_to_fp16_rounding": len(seen) == len(ours) and worst < 2e-3,
+    }
     try:
         ids = torch.tensor([[256, 258, 260, 72, 101, 108, 108, 111]], dtype=torch.long)
         logits = model.forward(ids, {"attn_mode": "flash_attn_nc"})
         result.update(forward_logits_shape=list(logits.shape), forward_logits_finite=bool(torch.isfinite(logits).all()))
-    except Exception as exc:  # recorded: the load and the weights are the check, the tiny dims may not suit its kernels
+    except Exception as exc:  # noqa: BLE001 - recorded: the load and the weights are the check, the tiny dims may not suit its kernels
         result["forward_error"] = f"{type(exc).__name__}: {exc}"[:500]
     return result
 
@@ -94,9 +112,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     source, artifact = work / "source", work / "artifact"
     step(record, "build_fixture", lambda: {"path": str(build_tiny_checkpoint(source))})
-    step(record, "encode_exllamav3_layout", lambda: {"manifest_sha256": encode_artifact(
-        EncodeConfig(source=source, out=artifact, layout="exllamav3", device="cuda", uncalibrated=True),
-        Console(quiet=True)).artifact.manifest_sha256})
+    step(record, "encode_exllamav3_layout", lambda: encode_plain(source, artifact))
     step(record, "exllamav3_version", lambda: {"version": version("exllamav3")})
     step(record, "load_in_exllamav3_and_compare_experts", lambda: load_and_compare(artifact))
     (args.out / "exllamav3_interop.json").write_text(json.dumps(record, indent=2) + "\n")

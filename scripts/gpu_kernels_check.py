@@ -29,6 +29,7 @@ import traceback
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,18 +56,21 @@ TAGS = [(cb, k) for cb in ("3inst", "mcg", "mul1") for k in (2, 3, 4)]
 
 def random_exl3(gen: torch.Generator, inf: int, outf: int, bits: int, codebook: str, scale: float) -> EXL3Tensor:
     """Random trellis and random-sign scales on the generator's device (|suh| ~ scale, |svh| ~ 1)."""
+
     def signed(n: int) -> torch.Tensor:
         s = torch.randint(0, 2, (n,), generator=gen, device=gen.device) * 2 - 1
         return s * (0.5 + torch.rand(n, generator=gen, device=gen.device))
-    trellis = torch.randint(-32768, 32768, (inf // 16, outf // 16, 16 * bits), generator=gen, device=gen.device,
-                            dtype=torch.int32).to(torch.int16)
+
+    trellis = torch.randint(
+        -32768, 32768, (inf // 16, outf // 16, 16 * bits), generator=gen, device=gen.device, dtype=torch.int32
+    ).to(torch.int16)
     return EXL3Tensor(trellis, (signed(inf) * scale).half(), signed(outf).half(), Codebook(codebook), inf, outf)
 
 
 def exact_w(t: EXL3Tensor) -> torch.Tensor:
     """float64 W (in, out) = diag(suh) P Q P diag(svh) from the bit-exact Q, on the tensor's device."""
     i = torch.arange(128, device=t.trellis.device)
-    parity = sum(((i[:, None] & i[None, :]) >> b) & 1 for b in range(7)) % 2
+    parity = sum((((i[:, None] & i[None, :]) >> b) & 1 for b in range(7)), torch.zeros_like(i[:, None] * i)) % 2
     h = (1 - 2 * parity).double() / 128**0.5
     q = decode_inner(t.trellis, t.codebook).double()
     kp, np_ = q.shape
@@ -96,13 +100,20 @@ def check_decode(gen: torch.Generator, cb: str, k: int) -> dict:
     xr = torch.zeros((1, 256, 2, 256), dtype=torch.float16, device=dev)
     xr[0, :, 0] = torch.eye(256, device=dev)
     starts = torch.arange(0, 256, 16, dtype=torch.int32, device=dev)
-    part = exl3_rows(xr, stack, torch.zeros(256, dtype=torch.int32, device=dev),
-                     Jobs(starts, torch.full_like(starts, 16), 16), GemmConfig(split_tiles=8)).sum(0)[0]
+    part = exl3_rows(
+        xr,
+        stack,
+        torch.zeros(256, dtype=torch.int32, device=dev),
+        Jobs(starts, torch.full_like(starts, 16), 16),
+        GemmConfig(split_tiles=8),
+    ).sum(0)[0]
     q = decode_inner(t.trellis, t.codebook).float()
     result = {"bit_exact": bool(torch.equal(part, q)), "mismatches": int((part != q).sum())}
     if uses_gemv(stack, 1):  # the GEMV core too: one-row jobs, fp16 activations
         xg = fp16_pairs(torch.eye(256, device=dev)[None])
-        gemv = exl3_rows(xg, stack, torch.zeros(256, dtype=torch.int32, device=dev), None, GemmConfig(split_tiles=8)).sum(0)[0]
+        gemv = exl3_rows(
+            xg, stack, torch.zeros(256, dtype=torch.int32, device=dev), None, GemmConfig(split_tiles=8)
+        ).sum(0)[0]
         result.update(gemv_bit_exact=bool(torch.equal(gemv, q)), gemv_mismatches=int((gemv != q).sum()))
     return result
 
@@ -124,7 +135,9 @@ def check_linear(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int)
 
 
 def moe_case(gen: torch.Generator, cb: str, k: int, experts: int, hidden: int, inter: int):
-    make = lambda i, o, s: [random_exl3(gen, i, o, k, cb, s) for _ in range(experts)]  # noqa: E731
+    def make(i: int, o: int, s: float) -> list[EXL3Tensor]:
+        return [random_exl3(gen, i, o, k, cb, s) for _ in range(experts)]
+
     gates, ups, downs = make(hidden, inter, 0.06), make(hidden, inter, 0.06), make(inter, hidden, 0.01)
     dev = gen.device
     w = MoEWeights(WeightStack.from_tensors([gates, ups], dev), WeightStack.from_tensors([downs], dev), 10.0)
@@ -158,7 +171,11 @@ def check_moe(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int) ->
                 fused_moe(x, ids, weights, w, cfg, out=out)
                 bound = GEMV_ERROR_BOUND if uses_gemv(w.gate_up, cfg.job_rows) else MOE_BOUND
                 result[f"{layout}.tokens{tokens}.jobs{rows or 'chosen'}"] = {
-                    "rel_err": rel_err(out, want), "bound": bound, "clamped_values": clamped, "config": asdict(cfg)}
+                    "rel_err": rel_err(out, want),
+                    "bound": bound,
+                    "clamped_values": clamped,
+                    "config": asdict(cfg),
+                }
     return result
 
 
@@ -166,7 +183,10 @@ def check_graphs(gen: torch.Generator, hidden: int, inter: int) -> dict:
     """Eager, capture, then replays with fresh inputs: every replay equals an eager run bit for bit."""
     w, *_ = moe_case(gen, "mcg", 2, 16, hidden, inter)
     graphs, diffs = StepGraphs(), []
-    step = lambda h, i, r: fused_moe(h, i, r, w)  # noqa: E731
+
+    def step(h: torch.Tensor, i: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return fused_moe(h, i, r, w)
+
     for _ in range(5):
         x = torch.randn(2, hidden, generator=gen, device="cuda")
         ids = torch.stack([torch.randperm(16, generator=gen, device="cuda")[:8] for _ in range(2)])
@@ -183,7 +203,7 @@ def loop_mix(sass: str) -> dict:
     for i, (a, text) in enumerate(instr):
         target = re.search(r"BRA\s+.*?0x([0-9a-f]+)", text)
         if target and int(target[1], 16) < a and int(target[1], 16) in where:
-            body = [t for _, t in instr[where[int(target[1], 16)]: i + 1]]
+            body = [t for _, t in instr[where[int(target[1], 16)] : i + 1]]
             best = body if len(body) > len(best) else best
     ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best]
     return {op: ops.count(op) for op in sorted(set(ops), key=lambda o: -ops.count(o))}
@@ -194,8 +214,9 @@ def compile_for(fn, signature: dict, constexprs: dict, cc: int, num_warps: int, 
     from triton.backends.compiler import GPUTarget
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    src = triton.compiler.ASTSource(fn=fn, signature={**signature, **{c: "constexpr" for c in constexprs}},
-                                    constexprs=constexprs, attrs=attrs)
+    src = triton.compiler.ASTSource(
+        fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs, attrs=attrs
+    )
     kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -216,38 +237,61 @@ def compile_reports() -> dict:
     setmaxnreg). Needs triton only, no GPU."""
     from glmquant.runtime.kernels.exl3_gemm import _exl3_gemv_kernel, _exl3_rows_kernel
 
-    common = {"expert_ptr": "*i32", "job_start_ptr": "*i32", "job_rows_ptr": "*i32", "part_ptr": "*fp32", "R": "i32",
-              "V": "i32", "KT": "i32", "NT": "i32", "hash_mask": "i32", "hash_flip": "i32"}
+    common = {
+        "expert_ptr": "*i32",
+        "job_start_ptr": "*i32",
+        "job_rows_ptr": "*i32",
+        "part_ptr": "*fp32",
+        "R": "i32",
+        "V": "i32",
+        "KT": "i32",
+        "NT": "i32",
+        "hash_mask": "i32",
+        "hash_flip": "i32",
+    }
     rows_sig = {"x_ptr": "*fp16", "trellis_ptr": "*i16", **common}
     gemv_sig = {"x_ptr": "*i32", "words_ptr": "*i32", **common}
 
     def consts(cfg: GemmConfig, **extra: int | bool) -> dict:
         return {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "TI": cfg.ti, "TJ": cfg.tj, **extra}
+
     default = GemmConfig()
-    cores = {  # name: (kernel, signature, config, extra constexprs)
+    cores: dict[
+        str, tuple[Any, dict, GemmConfig, dict[str, int | bool]]
+    ] = {  # name: (kernel, signature, config, extra constexprs)
         "rows": (_exl3_rows_kernel, rows_sig, default, {"ONE_ROW_JOBS": True}),
         "gemv": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 1, "PACKED": True}),
         "gemv_one_row_jobs": (_exl3_gemv_kernel, gemv_sig, ONE_ROW_GEMV, {"JOB_ROWS_MAX": 1, "PACKED": True}),
-        "gemv_one_row_jobs_3inst": (_exl3_gemv_kernel, gemv_sig, ONE_ROW_GEMV,
-                                    {"JOB_ROWS_MAX": 1, "PACKED": True, "CB": 0}),
+        "gemv_one_row_jobs_3inst": (
+            _exl3_gemv_kernel,
+            gemv_sig,
+            ONE_ROW_GEMV,
+            {"JOB_ROWS_MAX": 1, "PACKED": True, "CB": 0},
+        ),
         "gemv_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 2, "PACKED": True}),
     }
     reports = {}
     divisible = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # pointers, as Triton specializes them at launch
     for name, (fn, sig, cfg, extra) in cores.items():
         weights_per_thread = cfg.ti * 16 * cfg.tj * 16 // (32 * cfg.num_warps)
-        reports[f"{name}.config"] = {**consts(cfg, **extra), "num_warps": cfg.num_warps,
-                                     "weights_per_thread_per_step": weights_per_thread}
+        reports[f"{name}.config"] = {
+            **consts(cfg, **extra),
+            "num_warps": cfg.num_warps,
+            "weights_per_thread_per_step": weights_per_thread,
+        }
         for cc in (90, 121):
             kernel, usage, sass = compile_for(fn, sig, consts(cfg, **extra), cc, cfg.num_warps, divisible)
             mix = loop_mix(sass)
             ptx = kernel.asm["ptx"]
             reports[f"{name}.sm_{cc}"] = {
-                "target": re.search(r"\.target\s+(\S+)", ptx)[1], "resource_usage": resource_usage(usage),
-                "shared_bytes_launch": kernel.metadata.shared, "k_loop_sass": mix,
+                "target": ptx_target(ptx),
+                "resource_usage": resource_usage(usage),
+                "shared_bytes_launch": kernel.metadata.shared,
+                "k_loop_sass": mix,
                 "sass_instructions_per_weight": sum(mix.values()) / weights_per_thread if mix else None,
                 "ptx_mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
-                "ptx_hopper_only": sorted(set(re.findall(r"wgmma|cp\.async\.bulk\.tensor|setmaxnreg", ptx)))}
+                "ptx_hopper_only": sorted(set(re.findall(r"wgmma|cp\.async\.bulk\.tensor|setmaxnreg", ptx))),
+            }
     reports.update(hadamard_kernel_reports())
     return reports
 
@@ -258,21 +302,64 @@ def hadamard_kernel_reports() -> dict:
     from glmquant.runtime.kernels.fused_moe import _swiglu_kernel
 
     kernels = {
-        "rotate_in": (_rotate_in_kernel, {"x_ptr": "*bf16", "src_ptr": "*i32", "scale_ptr": "*fp16", "scale_row_ptr": "*i32",
-                                          "out_ptr": "*i32", "R": "i32", "V": "i32", "x_cols": "i32", "x_stride": "i32",
-                                          "Kp": "i32"}, {"ROWS": 16, "GEMV": True}),
-        "swiglu": (_swiglu_kernel, {"part_ptr": "*fp32", "R": "i32", "expert_ptr": "*i32", "svh_ptr": "*fp16",
-                                    "suh_d_ptr": "*fp16", "out_ptr": "*i32", "V": "i32", "Ip": "i32", "n_inter": "i32",
-                                    "limit": "fp32"}, {"SPLITS": 4, "ROWS": 16, "GEMV": True}),
-        "rotate_out": (_rotate_out_kernel, {"part_ptr": "*fp32", "P_R": "i32", "pos_ptr": "*i32", "w_ptr": "*fp32",
-                                            "expert_ptr": "*i32", "svh_ptr": "*fp16", "out_ptr": "*bf16", "n_routes": "i32",
-                                            "Np": "i32", "n_cols": "i32", "out_stride": "i32"}, {"SPLITS": 2, "ROWS": 16}),
+        "rotate_in": (
+            _rotate_in_kernel,
+            {
+                "x_ptr": "*bf16",
+                "src_ptr": "*i32",
+                "scale_ptr": "*fp16",
+                "scale_row_ptr": "*i32",
+                "out_ptr": "*i32",
+                "R": "i32",
+                "V": "i32",
+                "x_cols": "i32",
+                "x_stride": "i32",
+                "Kp": "i32",
+            },
+            {"ROWS": 16, "GEMV": True},
+        ),
+        "swiglu": (
+            _swiglu_kernel,
+            {
+                "part_ptr": "*fp32",
+                "R": "i32",
+                "expert_ptr": "*i32",
+                "svh_ptr": "*fp16",
+                "suh_d_ptr": "*fp16",
+                "out_ptr": "*i32",
+                "V": "i32",
+                "Ip": "i32",
+                "n_inter": "i32",
+                "limit": "fp32",
+            },
+            {"SPLITS": 4, "ROWS": 16, "GEMV": True},
+        ),
+        "rotate_out": (
+            _rotate_out_kernel,
+            {
+                "part_ptr": "*fp32",
+                "P_R": "i32",
+                "pos_ptr": "*i32",
+                "w_ptr": "*fp32",
+                "expert_ptr": "*i32",
+                "svh_ptr": "*fp16",
+                "out_ptr": "*bf16",
+                "n_routes": "i32",
+                "Np": "i32",
+                "n_cols": "i32",
+                "out_stride": "i32",
+            },
+            {"SPLITS": 2, "ROWS": 16},
+        ),
     }
     reports = {}
     for name, (fn, sig, consts) in kernels.items():
         for cc in (90, 121):
             kernel, usage, _ = compile_for(fn, sig, consts, cc, num_warps=4)
-            reports[f"{name}.sm_{cc}"] = {"resource_usage": resource_usage(usage), "shared_bytes_launch": kernel.metadata.shared}
+            reports[f"{name}.sm_{cc}"] = {
+                "resource_usage": resource_usage(usage),
+                "shared_bytes_launch": kernel.metadata.shared,
+            }
     return reports
 
 
@@ -287,21 +374,35 @@ def check_runtime(tmp: Path) -> dict:
     artifact = build_artifact(build_tiny_checkpoint(tmp / "source"), tmp / "artifact", "tr3")
     prompt = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
     tokens, captured = {}, 0
-    for name, device, backend in (("triton_cuda_graphs", "cuda", "triton"), ("torch_cuda", "cuda", "torch"),
-                                  ("torch_cpu", "cpu", "torch")):
+    for name, device, backend in (
+        ("triton_cuda_graphs", "cuda", "triton"),
+        ("torch_cuda", "cuda", "torch"),
+        ("torch_cpu", "cpu", "torch"),
+    ):
         loaded = load_model(artifact, RuntimeOptions(device=device, dtype="float32", backend=backend))
         tokens[name] = list(generate(loaded.model, prompt, SamplingParams(max_tokens=24), lambda ids: "").token_ids)
         captured = max(captured, getattr(getattr(loaded.backend, "graphs", None), "captured", 0))
-    return {"tokens": tokens, "graphs_captured": captured,
-            "triton_equals_torch_cuda": tokens["triton_cuda_graphs"] == tokens["torch_cuda"],
-            "triton_equals_torch_cpu": tokens["triton_cuda_graphs"] == tokens["torch_cpu"]}
+    return {
+        "tokens": tokens,
+        "graphs_captured": captured,
+        "triton_equals_torch_cuda": tokens["triton_cuda_graphs"] == tokens["torch_cuda"],
+        "triton_equals_torch_cpu": tokens["triton_cuda_graphs"] == tokens["torch_cpu"],
+    }
+
+
+def ptx_target(ptx: str) -> str:
+    """The `.target` a PTX module was compiled for."""
+    found = re.search(r"\.target\s+(\S+)", ptx)
+    if found is None:
+        raise ValueError("the PTX names no .target")
+    return found[1]
 
 
 def run(name: str, fn, results: dict) -> None:
     t0 = time.time()
     try:
         results[name] = fn()
-    except Exception:  # a failing check is recorded and the others still run
+    except Exception:  # noqa: BLE001 - a failing check is recorded and the others still run
         results[name] = {"error": traceback.format_exc()[-3000:]}
     print(f"{name}: {time.time() - t0:.1f}s", flush=True)
 
@@ -310,14 +411,17 @@ def passed(results: dict) -> dict:
     def cases(name: str) -> list[dict]:
         section = results.get(name, {"error": "not run"})
         return [{"rel_err": float("inf"), "bound": 0.0}] if "error" in section else list(section.values())
+
     verdict = {}
     for cb, k in TAGS:
         tag = f"{cb}.K{k}"
         decode = results.get(f"decode.{tag}", {})
         linear, moe = cases(f"linear.{tag}"), cases(f"moe.{tag}")
-        verdict[tag] = {"decode_bit_exact": decode.get("bit_exact", False) and decode.get("gemv_bit_exact", True),
-                        "linear_max_rel_err": max(c["rel_err"] for c in linear),
-                        "moe_max_rel_err": max(c["rel_err"] for c in moe)}
+        verdict[tag] = {
+            "decode_bit_exact": decode.get("bit_exact", False) and decode.get("gemv_bit_exact", True),
+            "linear_max_rel_err": max(c["rel_err"] for c in linear),
+            "moe_max_rel_err": max(c["rel_err"] for c in moe),
+        }
         verdict[tag]["pass"] = verdict[tag]["decode_bit_exact"] and all(c["rel_err"] < c["bound"] for c in linear + moe)
     return verdict
 
@@ -341,16 +445,28 @@ def main() -> None:
     cuda = gen.device.type == "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
-    header = {"gpu": torch.cuda.get_device_name() if cuda else "cpu (triton interpreter)",
-              "capability": list(torch.cuda.get_device_capability()) if cuda else None,
-              "shapes": {"hidden": args.hidden, "inter": args.inter},
-              "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-              "bounds": {"linear_rel_frobenius": LINEAR_BOUND, "moe_rel_frobenius": MOE_BOUND,
-                         "gemv_rel_frobenius": GEMV_ERROR_BOUND}}
+    header = {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (triton interpreter)",
+        "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+        "shapes": {"hidden": args.hidden, "inter": args.inter},
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "bounds": {
+            "linear_rel_frobenius": LINEAR_BOUND,
+            "moe_rel_frobenius": MOE_BOUND,
+            "gemv_rel_frobenius": GEMV_ERROR_BOUND,
+        },
+    }
 
     def save() -> dict:
         verdict = passed(results)
-        report = {**header, "verdict": verdict, "all_pass": all(v["pass"] for v in verdict.values()), "results": results}
+        report = {
+            **header,
+            "verdict": verdict,
+            "all_pass": all(v["pass"] for v in verdict.values()),
+            "results": results,
+        }
         (args.out / "kernels_check.json").write_text(json.dumps(report, indent=2) + "\n")
         return verdict
 
@@ -367,8 +483,10 @@ def main() -> None:
         run("compile", compile_reports, results)
     verdict = save()
     for tag, v in verdict.items():
-        print(f"{tag:10s} decode_exact={v['decode_bit_exact']!s:5s} linear={v['linear_max_rel_err']:.2e} "
-              f"moe={v['moe_max_rel_err']:.2e} {'PASS' if v['pass'] else 'FAIL'}")
+        print(
+            f"{tag:10s} decode_exact={v['decode_bit_exact']!s:5s} linear={v['linear_max_rel_err']:.2e} "
+            f"moe={v['moe_max_rel_err']:.2e} {'PASS' if v['pass'] else 'FAIL'}"
+        )
     for name in ("graphs", "runtime_tiny_artifact", "compile"):
         if name in results:
             print(name, json.dumps({k: v for k, v in results[name].items() if k != "tokens"})[:600])

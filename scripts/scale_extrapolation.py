@@ -32,7 +32,7 @@ def recipe_tokens(recipe, rows: int | None = None, tokens: int | None = None) ->
 def rates(layers: list[dict[str, Any]], tokens: int) -> dict[str, dict[str, float]]:
     """Per layer kind, the warm (fastest layer of the kind) seconds per calibration token of the observing pass
     (hooks on) and of a plain forward (the advancing pass per chunk it computed)."""
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}  # observe and forward rates (forward None when never measured)
     for layer in layers:
         cost = layer["cost"]
         observe = cost["observe_s"] / tokens
@@ -60,21 +60,37 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     s_full = t_full * hc * full.hidden_size * 2
     budget = args.full_stream_budget_gb * GB
     r_full = min(max((2 * s_full - budget) / s_full, 0.0), 1.0)
-    kinds = Counter(f"{a}+{'moe' if m == 'sparse' else 'dense'}" for a, m in zip(full.attention_types,
-                                                                                   full.mlp_layer_types))
+    kinds = Counter(
+        f"{a}+{'moe' if m == 'sparse' else 'dense'}" for a, m in zip(full.attention_types, full.mlp_layer_types)
+    )
     per = rates(layers, t_run)
     missing = sorted(set(kinds) - set(per))
     if missing:
         raise SystemExit(f"the rehearsal has no layer of kind(s) {missing}: use more --layers")
-    measured = sum(l["cost"]["observe_s"] + l["cost"]["advance_s"] for l in layers)
-    warm = sum(t_run * (per[layer_kind(l)]["observe"] + per[layer_kind(l)]["forward"]
-                        * l["cost"]["recomputed_chunks"] / max(l["cost"]["chunks"], 1)) for l in layers)
+    measured = sum(layer["cost"]["observe_s"] + layer["cost"]["advance_s"] for layer in layers)
+    warm = sum(
+        t_run
+        * (
+            per[layer_kind(layer)]["observe"]
+            + per[layer_kind(layer)]["forward"] * layer["cost"]["recomputed_chunks"] / max(layer["cost"]["chunks"], 1)
+        )
+        for layer in layers
+    )
     first_calls = max(measured - warm, 0.0)
-    observe_s = sum(n * t_full * (per[k]["observe"] + r_full * per[k]["forward"]) if per[k]["observed"]
-                    else n * t_full * per[k]["forward"] for k, n in kinds.items()) + first_calls
+    observe_s = (
+        sum(
+            n * t_full * (per[k]["observe"] + r_full * per[k]["forward"])
+            if per[k]["observed"]
+            else n * t_full * per[k]["forward"]
+            for k, n in kinds.items()
+        )
+        + first_calls
+    )
 
     encoded = build["encode_layers"]
-    s_per_tensor = sum(l["seconds"] for l in encoded) / sum(l["tensors"] for l in encoded)
+    s_per_tensor = sum(encoded_layer["seconds"] for encoded_layer in encoded) / sum(
+        encoded_layer["tensors"] for encoded_layer in encoded
+    )
     tensors_full = len(full.moe_layers) * full.n_routed_experts * TR3_SLICES_PER_EXPERT
     artifact_full = sum(f.size for f in plan_artifact(full, "tr3").files)
     finish_full = build["finish"]["seconds"] * artifact_full / build["artifact_bytes"]
@@ -83,8 +99,10 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     e_run = max(1, args.experts or full.n_routed_experts)
     h, i = full.hidden_size, full.moe_intermediate_size
     per_expert_gpu = 3 * h * i * 2 + (h * h + i * i) * 4  # BF16 weights + natural Hessian sums (F32)
-    peak_gpu_run = max([build["observation"]["peak_device_bytes"] or 0]
-                       + [l["peak_gpu_bytes"] or 0 for l in encoded])
+    peak_gpu_run = max(
+        [build["observation"]["peak_device_bytes"] or 0]
+        + [encoded_layer["peak_gpu_bytes"] or 0 for encoded_layer in encoded]
+    )
     peak_gpu_full = peak_gpu_run + max(full.n_routed_experts - e_run, 0) * per_expert_gpu
     streams_peak = min(2 * s_full, max(budget, s_full))
     disk = streams_peak + t_full * 4 + len(full.moe_layers) * full.n_routed_experts * 11 * 8
@@ -92,38 +110,67 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     verify_s = verify["wall_s"] * artifact_full / max(verify["bytes_read"], 1)
 
     extrapolation = {
-        "tokens": figure(t_full, "Σ_lanes rows × tokens of the full recipe", recipe=str(args.full_recipe),
-                         rehearsal_tokens=t_run),
-        "stream_bytes_per_layer_gb": figure(s_full / GB, "S = T × hc × H × 2 B", T=t_full, hc=hc,
-                                            H=full.hidden_size),
-        "recompute_fraction": figure(r_full, "r = clamp((2S − B) / S, 0, 1): output chunks past the budget",
-                                     S_gb=s_full / GB, B_gb=budget / GB),
-        "observe_s": figure(observe_s, "Σ_k n_k × T × (o_k + r × f_k) over observed kinds, n_k × T × f_k over "
-                            "the others, + first-call overhead (kernel compiles)", n_k=dict(kinds),
-                            rates_s_per_token={k: {"o": v["observe"], "f": v["forward"]} for k, v in per.items()},
-                            first_calls_s=round(first_calls, 3)),
-        "encode_s": figure(encode_s, "n_moe × E × 12 rank slices × s_tensor + finish × artifact / rehearsal "
-                           "artifact",
-                           n_moe=len(full.moe_layers), E=full.n_routed_experts, s_tensor=s_per_tensor,
-                           finish_s=build["finish"]["seconds"], artifact_full_gb=artifact_full / GB,
-                           artifact_rehearsal_gb=build["artifact_bytes"] / GB),
+        "tokens": figure(
+            t_full, "Σ_lanes rows × tokens of the full recipe", recipe=str(args.full_recipe), rehearsal_tokens=t_run
+        ),
+        "stream_bytes_per_layer_gb": figure(s_full / GB, "S = T × hc × H × 2 B", T=t_full, hc=hc, H=full.hidden_size),
+        "recompute_fraction": figure(
+            r_full, "r = clamp((2S − B) / S, 0, 1): output chunks past the budget", S_gb=s_full / GB, B_gb=budget / GB
+        ),
+        "observe_s": figure(
+            observe_s,
+            "Σ_k n_k × T × (o_k + r × f_k) over observed kinds, n_k × T × f_k over "
+            "the others, + first-call overhead (kernel compiles)",
+            n_k=dict(kinds),
+            rates_s_per_token={k: {"o": v["observe"], "f": v["forward"]} for k, v in per.items()},
+            first_calls_s=round(first_calls, 3),
+        ),
+        "encode_s": figure(
+            encode_s,
+            "n_moe × E × 12 rank slices × s_tensor + finish × artifact / rehearsal artifact",
+            n_moe=len(full.moe_layers),
+            E=full.n_routed_experts,
+            s_tensor=s_per_tensor,
+            finish_s=build["finish"]["seconds"],
+            artifact_full_gb=artifact_full / GB,
+            artifact_rehearsal_gb=build["artifact_bytes"] / GB,
+        ),
         "verify_s": figure(verify_s, "verify wall × artifact_full / bytes verified", verify_s=verify["wall_s"]),
-        "observation_disk_gb": figure(disk / GB, "min(2S, max(B, S)) streams + T × 4 B token rows + n_moe × E × "
-                                      "88 B statistics; no Hessians (fused build)", streams_gb=streams_peak / GB,
-                                      rehearsal_peak_gb=build["observation_disk_peak_bytes"] / GB),
-        "two_step_hessians_gb": figure(len(full.moe_layers) * full.n_routed_experts * (h * h + i * i) * 4 / GB,
-                                       "observe then encode instead: n_moe × E × (H² + I²) × 4 B of natural "
-                                       "Hessians", H=h, I=i),
-        "peak_gpu_gb": figure(peak_gpu_full / GB, "rehearsal peak + (E_full − E_run) × (3·H·I·2 + (H² + I²)·4)"
-                              " B: one layer at a time, so depth adds nothing", rehearsal_gb=peak_gpu_run / GB,
-                              E_run=e_run),
-        "peak_host_rss_gb": figure(rss / GB, "max over build, verify, runtime of the rehearsal: one layer or one "
-                                   "tensor at a time, independent of depth", stages=["build", "verify", "runtime"]),
-        "runtime_decode_s_per_token": figure(runtime["decode_s_per_token"], "measured on the rehearsal artifact "
-                                             "(not extrapolated)", backend=runtime["backend"]),
+        "observation_disk_gb": figure(
+            disk / GB,
+            "min(2S, max(B, S)) streams + T × 4 B token rows + n_moe × E × 88 B statistics; no Hessians (fused build)",
+            streams_gb=streams_peak / GB,
+            rehearsal_peak_gb=build["observation_disk_peak_bytes"] / GB,
+        ),
+        "two_step_hessians_gb": figure(
+            len(full.moe_layers) * full.n_routed_experts * (h * h + i * i) * 4 / GB,
+            "observe then encode instead: n_moe × E × (H² + I²) × 4 B of natural Hessians",
+            H=h,
+            I=i,
+        ),
+        "peak_gpu_gb": figure(
+            peak_gpu_full / GB,
+            "rehearsal peak + (E_full − E_run) × (3·H·I·2 + (H² + I²)·4) B: one layer at a time, so depth adds nothing",
+            rehearsal_gb=peak_gpu_run / GB,
+            E_run=e_run,
+        ),
+        "peak_host_rss_gb": figure(
+            rss / GB,
+            "max over build, verify, runtime of the rehearsal: one layer or one tensor at a time, independent of depth",
+            stages=["build", "verify", "runtime"],
+        ),
+        "runtime_decode_s_per_token": figure(
+            runtime["decode_s_per_token"],
+            "measured on the rehearsal artifact (not extrapolated)",
+            backend=runtime["backend"],
+        ),
     }
-    full_model = {"observe_h": round(observe_s / 3600, 3), "encode_h": round(encode_s / 3600, 3),
-                  "peak_host_rss_gb": round(rss / GB, 2), "peak_gpu_gb": round(peak_gpu_full / GB, 2),
-                  "observation_disk_gb": round(disk / GB, 2),
-                  "formulas": {k: v["formula"] for k, v in extrapolation.items()}}
+    full_model = {
+        "observe_h": round(observe_s / 3600, 3),
+        "encode_h": round(encode_s / 3600, 3),
+        "peak_host_rss_gb": round(rss / GB, 2),
+        "peak_gpu_gb": round(peak_gpu_full / GB, 2),
+        "observation_disk_gb": round(disk / GB, 2),
+        "formulas": {k: v["formula"] for k, v in extrapolation.items()},
+    }
     return extrapolation, full_model

@@ -21,8 +21,16 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 
 from glmquant.proxy.train import PROXY_SHAPE, SMOKE_SHAPE, TrainConfig, train_proxy
 
-SMOKE = dict(corpus_bytes=2_000_000, steps=6, batch_rows=2, seq_len=64, warmup_steps=2, heldout_rows=2,
-             calibration_rows=2, log_every=2)
+SMOKE = dict(
+    corpus_bytes=2_000_000,
+    steps=6,
+    batch_rows=2,
+    seq_len=64,
+    warmup_steps=2,
+    heldout_rows=2,
+    calibration_rows=2,
+    log_every=2,
+)
 
 
 def main() -> None:
@@ -30,8 +38,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU smoke size: tiny model, corpus and run")
     defaults = {f.name: f.default for f in fields(TrainConfig)}
-    for name in ("seed", "device", "steps", "batch_rows", "seq_len", "lr", "warmup_steps", "corpus_bytes",
-                 "max_minutes", "heldout_rows", "calibration_rows", "log_every", "experts_implementation", "dtype"):
+    for name in (
+        "seed",
+        "device",
+        "steps",
+        "batch_rows",
+        "seq_len",
+        "lr",
+        "warmup_steps",
+        "corpus_bytes",
+        "max_minutes",
+        "heldout_rows",
+        "calibration_rows",
+        "log_every",
+        "experts_implementation",
+        "dtype",
+    ):
         kind = type(defaults[name]) if defaults[name] is not None else float if name == "max_minutes" else int
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     ap.add_argument("--corpus-recipe", type=Path, default=None)

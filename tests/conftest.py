@@ -7,10 +7,14 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
+from glmquant.checkpoint.safetensors_format import TensorSpec
+from glmquant.checkpoint.writer import Provided
 from glmquant.fixtures import build_tiny_checkpoint
+
 
 @pytest.fixture(scope="session")
 def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -36,7 +40,9 @@ def full_disk(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
     original = writer._write_tensor
 
     def fill(pattern: str) -> None:
-        def write(f, spec, data, path) -> None:  # noqa: ANN001 - the writer's own signature
+        def write(
+            f: BinaryIO, spec: TensorSpec, data: Provided, path: str | Path
+        ) -> None:  # the writer's own signature
             if pattern and re.search(pattern, Path(path).name):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             original(f, spec, data, path)

@@ -30,7 +30,7 @@ def test_reference_release_structure(reference_config: Path) -> None:
     assert (summary.mtp_tensors, summary.mtp_bytes) == (889, 14_865_185_408)
     assert round(summary.decode_bytes_per_token / 1e9, 1) == 18.7
     part0 = next(f for f in plan.files if f.path == "layer-03-part-tail-0.safetensors")
-    assert len(part0.tensors) == 6912 and {t.expert.expert % 2 for t in part0.tensors} == {0}
+    assert len(part0.tensors) == 6912 and {t.expert_slice.expert % 2 for t in part0.tensors} == {0}
     shapes = {t.name.split(".experts.0.")[1]: t.shape for t in part0.tensors if ".experts.0." in t.name}
     assert shapes["gate_proj.rank0.trellis"] == (256, 32, 32) and shapes["down_proj.rank3.trellis"] == (32, 256, 32)
     assert shapes["gate_proj.rank2.suh"] == (4096,) and shapes["down_proj.rank1.svh"] == (4096,)
@@ -52,7 +52,7 @@ def test_reference_files_from_the_config_alone(reference_config: Path) -> None:
     retained = [f for f in plan.files if f.kind == "retained"]
     assert len(plan.files) == 133 and len(retained) == 49
     assert all(re.fullmatch(r"retained-\d{5}-of-00120\.safetensors", f.path) for f in retained)
-    assert all(shards[t.source] == f.source_shard for f in retained for t in f.tensors)
+    assert all(shards[t.source_name] == f.source_shard for f in retained for t in f.tensors)
     assert plan.files == plan_artifact(spec, "tr3", source_shards=shards).files
 
 
@@ -69,9 +69,9 @@ def test_source_index_numbering(tiny_source: Path) -> None:
     plan = plan_artifact(spec, "tr3", source_shards=shards)
     retained = [f for f in plan.files if f.kind == "retained"]
     for f in retained:
-        assert f.path == f.source_shard.replace("model-", "retained-")
-        assert all(shards[t.source] == f.source_shard for t in f.tensors)
-    expert_only = {s for s in shards.values()} - {f.source_shard for f in retained}
+        assert f.source_shard is not None and f.path == f.source_shard.replace("model-", "retained-")
+        assert all(shards[t.source_name] == f.source_shard for t in f.tensors)
+    expert_only = set(shards.values()) - {f.source_shard for f in retained}
     assert expert_only  # source shards that held only quantized experts produce no retained file
 
 
@@ -93,9 +93,14 @@ def _write_plan(plan, source: Path, out: Path) -> None:
 @pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
 def test_predicted_files_equal_written(tiny_source: Path, tmp_path: Path, layout: str) -> None:
     spec = load_model_spec(tiny_source)
-    keep = {layer: (3, 0, 2) for layer in spec.moe_layers + spec.mtp_layers} if layout == "exllamav3" else None
-    plan = plan_artifact(spec, layout, source_shards=load_source_shards(tiny_source / "model.safetensors.index.json"),
-                         keep=keep, shard_bytes=1 << 20)
+    keep = dict.fromkeys(spec.moe_layers + spec.mtp_layers, (3, 0, 2)) if layout == "exllamav3" else None
+    plan = plan_artifact(
+        spec,
+        layout,
+        source_shards=load_source_shards(tiny_source / "model.safetensors.index.json"),
+        keep=keep,
+        shard_bytes=1 << 20,
+    )
     _write_plan(plan, tiny_source, tmp_path)
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == sorted(f.path for f in plan.files)
@@ -103,15 +108,25 @@ def test_predicted_files_equal_written(tiny_source: Path, tmp_path: Path, layout
         path = tmp_path / f.path
         assert path.stat().st_size == f.size, f.path
         with safe_open(path, "pt") as sf:
-            assert {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()} == {t.name: t.shape for t in f.tensors}
+            assert {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()} == {t.name: t.shape for t in f.tensors}  # noqa: SIM118 - safe_open has keys() but no __iter__
     if keep:
         router = next(t for f in plan.files for t in f.tensors if t.name.endswith("layers.1.mlp.gate.weight"))
         assert router.shape[0] == 3 and router.rows == (3, 0, 2)
 
 
 def test_plan_cli_json(tiny_source: Path) -> None:
-    result = CliRunner().invoke(app, ["plan", str(tiny_source), "--layout", "tr3", "--json",
-                                      "--source-index", str(tiny_source / "model.safetensors.index.json")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            str(tiny_source),
+            "--layout",
+            "tr3",
+            "--json",
+            "--source-index",
+            str(tiny_source / "model.safetensors.index.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["indexed_tensor_count"] == sum(f["tensor_count"] for f in data["files"])

@@ -13,5 +13,17 @@ from glmquant.arch.table import (
     table_for,
 )
 
-__all__ = ["DTYPE_BYTES", "PROJECTIONS", "ArchitectureTable", "ModelSpec", "TensorInfo", "TensorRole", "classify",
-           "is_moe_layer", "load_model_spec", "read_config", "source_tensors", "table_for"]
+__all__ = [
+    "DTYPE_BYTES",
+    "PROJECTIONS",
+    "ArchitectureTable",
+    "ModelSpec",
+    "TensorInfo",
+    "TensorRole",
+    "classify",
+    "is_moe_layer",
+    "load_model_spec",
+    "read_config",
+    "source_tensors",
+    "table_for",
+]

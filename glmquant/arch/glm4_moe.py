@@ -3,10 +3,11 @@ experts with a correction bias, MTP layers appended after the decoder layers."""
 
 from __future__ import annotations
 
+from glmquant.arch.glm_common import DENSE_MLP, LAYER_NORMS, MOE, MTP_EXTRA
 from glmquant.arch.roles import TensorRole as R
 from glmquant.arch.spec import ModelSpec
-from glmquant.arch.glm_common import DENSE_MLP, LAYER_NORMS, MOE, MTP_EXTRA
-from glmquant.arch.table import ArchitectureTable, Template as T, TensorInfo, register
+from glmquant.arch.table import ArchitectureTable, TensorInfo, register
+from glmquant.arch.table import Template as T
 
 
 def _heads(s: ModelSpec) -> tuple[int, int, int]:
@@ -23,12 +24,16 @@ def _attention(s: ModelSpec) -> tuple[T, ...]:
         T("self_attn.o_proj.weight", R.ATTENTION, lambda s: (s.hidden_size, q * hd)),
     ]
     if s.text.get("attention_bias", False):
-        group += [T("self_attn.q_proj.bias", R.ATTENTION, lambda s: (q * hd,)),
-                  T("self_attn.k_proj.bias", R.ATTENTION, lambda s: (kv * hd,)),
-                  T("self_attn.v_proj.bias", R.ATTENTION, lambda s: (kv * hd,))]
+        group += [
+            T("self_attn.q_proj.bias", R.ATTENTION, lambda s: (q * hd,)),
+            T("self_attn.k_proj.bias", R.ATTENTION, lambda s: (kv * hd,)),
+            T("self_attn.v_proj.bias", R.ATTENTION, lambda s: (kv * hd,)),
+        ]
     if s.text.get("use_qk_norm", False):
-        group += [T("self_attn.q_norm.weight", R.ATTENTION, lambda s: (hd,)),
-                  T("self_attn.k_norm.weight", R.ATTENTION, lambda s: (hd,))]
+        group += [
+            T("self_attn.q_norm.weight", R.ATTENTION, lambda s: (hd,)),
+            T("self_attn.k_norm.weight", R.ATTENTION, lambda s: (hd,)),
+        ]
     return tuple(group)
 
 

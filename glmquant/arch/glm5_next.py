@@ -7,10 +7,11 @@ weights, split q/k/v convolutions, `hc_*` names), plus the MTP layer that transf
 
 from __future__ import annotations
 
+from glmquant.arch.glm_common import DENSE_MLP, LAYER_NORMS, MOE, MTP_EXTRA
 from glmquant.arch.roles import TensorRole as R
 from glmquant.arch.spec import ModelSpec
-from glmquant.arch.glm_common import DENSE_MLP, LAYER_NORMS, MOE, MTP_EXTRA
-from glmquant.arch.table import ArchitectureTable, Template as T, TensorInfo, register
+from glmquant.arch.table import ArchitectureTable, TensorInfo, register
+from glmquant.arch.table import Template as T
 
 
 def _kda(s: ModelSpec) -> tuple[int, int, int]:
@@ -56,29 +57,48 @@ KDA = (
 MLA = (
     T("self_attn.q_a_proj.weight", R.MLA_ATTENTION, lambda s: (s.dim("q_lora_rank"), s.hidden_size)),
     T("self_attn.q_a_layernorm.weight", R.MLA_ATTENTION, lambda s: (s.dim("q_lora_rank"),)),
-    T("self_attn.q_b_proj.weight", R.MLA_ATTENTION,
-      lambda s: (s.dim("num_attention_heads") * _qk_head_dim(s), s.dim("q_lora_rank"))),
-    T("self_attn.kv_a_proj_with_mqa.weight", R.MLA_ATTENTION,
-      lambda s: (s.dim("kv_lora_rank") + s.dim("qk_rope_head_dim", 0), s.hidden_size)),
+    T(
+        "self_attn.q_b_proj.weight",
+        R.MLA_ATTENTION,
+        lambda s: (s.dim("num_attention_heads") * _qk_head_dim(s), s.dim("q_lora_rank")),
+    ),
+    T(
+        "self_attn.kv_a_proj_with_mqa.weight",
+        R.MLA_ATTENTION,
+        lambda s: (s.dim("kv_lora_rank") + s.dim("qk_rope_head_dim", 0), s.hidden_size),
+    ),
     T("self_attn.kv_a_layernorm.weight", R.MLA_ATTENTION, lambda s: (s.dim("kv_lora_rank"),)),
-    T("self_attn.kv_b_proj.weight", R.MLA_ATTENTION,
-      lambda s: (s.dim("num_attention_heads") * (s.dim("qk_nope_head_dim") + s.dim("v_head_dim")),
-                 s.dim("kv_lora_rank"))),
-    T("self_attn.o_proj.weight", R.MLA_ATTENTION,
-      lambda s: (s.hidden_size, s.dim("num_attention_heads") * s.dim("v_head_dim"))),
+    T(
+        "self_attn.kv_b_proj.weight",
+        R.MLA_ATTENTION,
+        lambda s: (
+            s.dim("num_attention_heads") * (s.dim("qk_nope_head_dim") + s.dim("v_head_dim")),
+            s.dim("kv_lora_rank"),
+        ),
+    ),
+    T(
+        "self_attn.o_proj.weight",
+        R.MLA_ATTENTION,
+        lambda s: (s.hidden_size, s.dim("num_attention_heads") * s.dim("v_head_dim")),
+    ),
 )
 
 DSA_INDEXER = (
-    T("self_attn.indexer.wq_b.weight", R.DSA_INDEXER,
-      lambda s: (s.dim("index_n_heads") * s.dim("index_head_dim"), s.dim("q_lora_rank"))),
+    T(
+        "self_attn.indexer.wq_b.weight",
+        R.DSA_INDEXER,
+        lambda s: (s.dim("index_n_heads") * s.dim("index_head_dim"), s.dim("q_lora_rank")),
+    ),
     T("self_attn.indexer.wk.weight", R.DSA_INDEXER, lambda s: (s.dim("index_head_dim"), s.hidden_size)),
     T("self_attn.indexer.k_norm.weight", R.DSA_INDEXER, lambda s: (s.dim("index_head_dim"),)),
     T("self_attn.indexer.k_norm.bias", R.DSA_INDEXER, lambda s: (s.dim("index_head_dim"),)),
     T("self_attn.indexer.weights_proj.weight", R.DSA_INDEXER, lambda s: (s.dim("index_n_heads"), s.hidden_size)),
-    T("self_attn.indexer.index_kpool_compress_ape", R.DSA_INDEXER,
-      lambda s: (s.dim("index_kpool"), s.dim("index_head_dim"))),
-    T("self_attn.indexer.index_kpool_compress_gate", R.DSA_INDEXER,
-      lambda s: (s.dim("index_head_dim"), s.hidden_size)),
+    T(
+        "self_attn.indexer.index_kpool_compress_ape",
+        R.DSA_INDEXER,
+        lambda s: (s.dim("index_kpool"), s.dim("index_head_dim")),
+    ),
+    T("self_attn.indexer.index_kpool_compress_gate", R.DSA_INDEXER, lambda s: (s.dim("index_head_dim"), s.hidden_size)),
 )
 
 MHC = tuple(
@@ -118,19 +138,34 @@ def _vision(s: ModelSpec) -> list[TensorInfo]:
     head = d // v["num_heads"]
     merge, patch, tp = v.get("spatial_merge_size", 2), v["patch_size"], v.get("temporal_patch_size", 2)
     block = {
-        "attn.qkv.weight": (3 * d, d), "attn.qkv.bias": (3 * d,), "attn.proj.weight": (d, d),
-        "attn.proj.bias": (d,), "attn.q_norm.weight": (head,), "attn.k_norm.weight": (head,),
-        "mlp.gate_proj.weight": (inter, d), "mlp.gate_proj.bias": (inter,), "mlp.up_proj.weight": (inter, d),
-        "mlp.up_proj.bias": (inter,), "mlp.down_proj.weight": (d, inter), "mlp.down_proj.bias": (d,),
-        "norm1.weight": (d,), "norm2.weight": (d,),
+        "attn.qkv.weight": (3 * d, d),
+        "attn.qkv.bias": (3 * d,),
+        "attn.proj.weight": (d, d),
+        "attn.proj.bias": (d,),
+        "attn.q_norm.weight": (head,),
+        "attn.k_norm.weight": (head,),
+        "mlp.gate_proj.weight": (inter, d),
+        "mlp.gate_proj.bias": (inter,),
+        "mlp.up_proj.weight": (inter, d),
+        "mlp.up_proj.bias": (inter,),
+        "mlp.down_proj.weight": (d, inter),
+        "mlp.down_proj.bias": (d,),
+        "norm1.weight": (d,),
+        "norm2.weight": (d,),
     }
     pinter = v.get("projection_intermediate_size", out)
     top = {
-        "patch_embed.proj.weight": (d, v.get("in_channels", 3), tp, patch, patch), "patch_embed.proj.bias": (d,),
-        "post_layernorm.weight": (d,), "downsample.weight": (out, d, merge, merge), "downsample.bias": (out,),
-        "merger.proj.weight": (out, out), "merger.post_projection_norm.weight": (out,),
-        "merger.post_projection_norm.bias": (out,), "merger.gate_proj.weight": (pinter, out),
-        "merger.up_proj.weight": (pinter, out), "merger.down_proj.weight": (out, pinter),
+        "patch_embed.proj.weight": (d, v.get("in_channels", 3), tp, patch, patch),
+        "patch_embed.proj.bias": (d,),
+        "post_layernorm.weight": (d,),
+        "downsample.weight": (out, d, merge, merge),
+        "downsample.bias": (out,),
+        "merger.proj.weight": (out, out),
+        "merger.post_projection_norm.weight": (out,),
+        "merger.post_projection_norm.bias": (out,),
+        "merger.gate_proj.weight": (pinter, out),
+        "merger.up_proj.weight": (pinter, out),
+        "merger.down_proj.weight": (out, pinter),
     }
     names = {f"model.visual.blocks.{i}.{k}": shape for i in range(v["depth"]) for k, shape in block.items()}
     names.update({f"model.visual.{k}": shape for k, shape in top.items()})

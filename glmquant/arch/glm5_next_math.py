@@ -29,8 +29,9 @@ def hyper_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch
     return F.linear(flat, fn.float())
 
 
-def hyper_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, hc_eps: float,
-                  sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hyper_weights(
+    mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, hc_eps: float, sinkhorn_iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC (`Glm5NextTextHyperConnection`) weights of n streams from `hyper_mix`'s [T, (2 + n) n]: pre [T, n],
     post [T, n] and the doubly stochastic comb [T, n, n] (Sinkhorn-Knopp), all fp32."""
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
@@ -65,8 +66,9 @@ def swiglu(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def route(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-          normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """noaux_tc routing with one expert group: (expert ids [T, k], fp32 weights [T, k]); the correction bias
     chooses, the plain sigmoid scores weigh."""
     scores = F.linear(hidden.float(), weight.float()).sigmoid()
@@ -77,8 +79,9 @@ def route(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k:
     return ids, weights * scaling
 
 
-def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
-             head_dim: int) -> torch.Tensor:
+def kda_gate(
+    f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None, head_dim: int
+) -> torch.Tensor:
     """KDA's per-channel log decay [.., heads, head_dim] (fp32) from the forget projection f [.., heads * head_dim]."""
     g = (f.float() + dt_bias.float()).unflatten(-1, (-1, head_dim))
     rate = a_log.float().exp().unsqueeze(-1)  # [heads, 1]
@@ -100,16 +103,18 @@ def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> tor
     return (probs * keys).sum(dim=-2)
 
 
-def index_scores(q: torch.Tensor, pooled: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float
-                 ) -> torch.Tensor:
+def index_scores(
+    q: torch.Tensor, pooled: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
     """Indexer score of every pool for each query: q [B, S, Hi, D], pooled [B, P, D], head_weights [B, S, Hi]
     (already times Hi^-1/2) -> [B, S, P] fp32."""
     scores = F.relu(torch.matmul(q.float(), pooled.float().transpose(-1, -2).unsqueeze(1)) * softmax_scale)
     return torch.matmul(head_weights.float().unsqueeze(-2), scores).squeeze(-2)
 
 
-def select_tokens(scores: torch.Tensor, positions: torch.Tensor, kpool: int, topk: int, with_tail: bool
-                  ) -> torch.Tensor:
+def select_tokens(
+    scores: torch.Tensor, positions: torch.Tensor, kpool: int, topk: int, with_tail: bool
+) -> torch.Tensor:
     """Token indices each query attends to [B, S, W] (INVALID where none): the top-(topk / kpool) complete pools
     ending at or before the query's position, expanded to their tokens, then the query's incomplete tail pool.
 
@@ -146,8 +151,14 @@ def absorbed_query(q: torch.Tensor, kv_b: torch.Tensor, nope_dim: int) -> torch.
     return torch.einsum("...hd,hdr->...hr", q, w_k)
 
 
-def sparse_mla(q_latent: torch.Tensor, latents: torch.Tensor, tokens: torch.Tensor, kv_b: torch.Tensor,
-               nope_dim: int, scaling: float) -> torch.Tensor:
+def sparse_mla(
+    q_latent: torch.Tensor,
+    latents: torch.Tensor,
+    tokens: torch.Tensor,
+    kv_b: torch.Tensor,
+    nope_dim: int,
+    scaling: float,
+) -> torch.Tensor:
     """Attention of absorbed queries q_latent [B, S, heads, rank] over the cached latents [B, L, rank] at `tokens`
     [B, S, W] (INVALID masked) -> per-head values [B, S, heads, v_dim] through kv_b_proj's value half."""
     b, s, w = tokens.shape

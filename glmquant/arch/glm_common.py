@@ -4,7 +4,8 @@ correction bias, shared expert) and the MTP layer's extra projections."""
 from __future__ import annotations
 
 from glmquant.arch.roles import TensorRole as R
-from glmquant.arch.table import Template as T, mlp_group
+from glmquant.arch.table import Template as T
+from glmquant.arch.table import mlp_group
 
 LAYER_NORMS = (
     T("input_layernorm.weight", R.NORM, lambda s: (s.hidden_size,)),

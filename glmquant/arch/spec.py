@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from glmquant.errors import ConfigError
 
@@ -81,6 +81,14 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
+@overload
+def text_block(config: dict[str, Any]) -> dict[str, Any]: ...  # parsed JSON: the block is a dict callers may edit
+
+
+@overload
+def text_block(config: Mapping[str, Any]) -> Mapping[str, Any]: ...
+
+
 def text_block(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The text model's part of a config: its nested `text_config`, or the config itself when flat."""
     nested = config.get("text_config")
@@ -91,8 +99,11 @@ def load_model_spec(config: str | Path | Mapping[str, Any]) -> ModelSpec:
     """Build the spec from a config path or an already-parsed config."""
     raw = dict(config) if isinstance(config, Mapping) else read_config(config)
     text = text_block(raw)
-    where = "config" if isinstance(config, Mapping) else str(Path(config) / "config.json" if Path(config).is_dir()
-                                                              else config)
+    where = (
+        "config"
+        if isinstance(config, Mapping)
+        else str(Path(config) / "config.json" if Path(config).is_dir() else config)
+    )
     family = _family(raw, text, where)
     try:
         n_layers = int(text["num_hidden_layers"])
@@ -140,13 +151,18 @@ def _family(raw: Mapping[str, Any], text: Mapping[str, Any], where: str) -> str:
         said = ", ".join(f"{key} {types[key]!r}" for key in families)
         reason = f"unsupported {' and '.join(unknown)}" if unknown else "the two levels name different models"
         raise ConfigError(f"{where}: {said}: {reason}; supported: {supported} (at both levels)")
-    family = next(iter(families.values()))
+    family = next(f for f in families.values() if f is not None)
     architectures = raw.get("architectures") or []
-    wrong = [a for a in architectures if a not in _ARCHITECTURES[family]] if isinstance(architectures, list) else [
-        architectures]
+    wrong = (
+        [a for a in architectures if a not in _ARCHITECTURES[family]]
+        if isinstance(architectures, list)
+        else [architectures]
+    )
     if wrong:
-        raise ConfigError(f"{where}: architectures {wrong} is not a {family} model class "
-                          f"(expected {list(_ARCHITECTURES[family])}, as model_type says)")
+        raise ConfigError(
+            f"{where}: architectures {wrong} is not a {family} model class "
+            f"(expected {list(_ARCHITECTURES[family])}, as model_type says)"
+        )
     return family
 
 

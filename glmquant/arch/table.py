@@ -15,8 +15,23 @@ from glmquant.arch.roles import TensorRole
 from glmquant.arch.spec import ModelSpec, load_model_spec
 from glmquant.errors import TensorCensusError
 
-DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1,
-               "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+DTYPE_BYTES = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
+    "I8": 1,
+    "U8": 1,
+    "I16": 2,
+    "I32": 4,
+    "I64": 8,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 ShapeRule = Callable[[ModelSpec], tuple[int, ...]]
@@ -89,8 +104,16 @@ class ArchitectureTable:
         mtp = layer >= spec.num_hidden_layers
         prefix = self.layer_prefix(layer)
         out = [
-            TensorInfo(prefix + t.suffix, TensorRole.MTP if mtp and t.role is TensorRole.MTP else t.role,
-                       t.shape(spec), t.dtype, layer, None, t.proj, mtp)
+            TensorInfo(
+                prefix + t.suffix,
+                TensorRole.MTP if mtp and t.role is TensorRole.MTP else t.role,
+                t.shape(spec),
+                t.dtype,
+                layer,
+                None,
+                t.proj,
+                mtp,
+            )
             for group in self.layer_groups(spec, layer)
             for t in group
         ]
@@ -141,8 +164,9 @@ def classify(spec: ModelSpec, names: Iterable[str], *, allow_missing: bool = Fal
             parts.append(f"{len(unknown)} unknown tensor name(s): {_preview(unknown)}")
         if missing:
             parts.append(f"{len(missing)} missing tensor name(s): {_preview(missing)}")
-        raise TensorCensusError(f"checkpoint does not match its {spec.family} config: " + "; ".join(parts),
-                                unknown, missing)
+        raise TensorCensusError(
+            f"checkpoint does not match its {spec.family} config: " + "; ".join(parts), unknown, missing
+        )
     return {n: expected[n] for n in names}
 
 
@@ -151,5 +175,15 @@ def _preview(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
-__all__ = ["ArchitectureTable", "TensorInfo", "Template", "classify", "is_moe_layer", "load_model_spec",
-           "mlp_group", "register", "source_tensors", "table_for"]
+__all__ = [
+    "ArchitectureTable",
+    "TensorInfo",
+    "Template",
+    "classify",
+    "is_moe_layer",
+    "load_model_spec",
+    "mlp_group",
+    "register",
+    "source_tensors",
+    "table_for",
+]

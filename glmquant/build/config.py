@@ -24,15 +24,19 @@ class BuildConfig:
         if e.source != o.source or e.observations != o.out:
             raise UsageError("a build encodes the source it observes, with the observations it writes")
         if e.keep is not None or e.tiers is not None:
-            raise UsageError("a build encodes all experts or those of --prune-plan, at --bits or the tiers of "
-                             "--tier-plan: the REAP statistics of the later layers do not exist yet when the first "
-                             "is encoded (observe --keep N / --tiers SPEC write OBS/prune_plan.json / "
-                             "OBS/tier_plan.json for another encode)")
+            raise UsageError(
+                "a build encodes all experts or those of --prune-plan, at --bits or the tiers of "
+                "--tier-plan: the REAP statistics of the later layers do not exist yet when the first "
+                "is encoded (observe --keep N / --tiers SPEC write OBS/prune_plan.json / "
+                "OBS/tier_plan.json for another encode)"
+            )
         if o.dense_hessians:
             raise UsageError("--dense-hessians is for observe: a build keeps only the routed experts' Hessians")
         wanted = HessianMode(e.hessians)
         if not (o.hessians.natural if wanted is HessianMode.NATURAL else o.hessians.all_tokens):
-            raise UsageError(f"encoding with {wanted.value!r} Hessians needs them observed (--hessians "
-                             f"{o.hessians.value} does not give them)")
+            raise UsageError(
+                f"encoding with {wanted.value!r} Hessians needs them observed (--hessians "
+                f"{o.hessians.value} does not give them)"
+            )
         if e.blend is not None and o.hessians is not HessianMode.BOTH:
             raise UsageError("--blend mixes natural and all-token Hessians: observe them with --hessians both")

@@ -44,12 +44,18 @@ class EncodedLayers:
         self.job: EncodeJob | None = None
 
     def start(self, rows: TokenRows) -> None:
-        calibration = calibration_info(str(self.config.observe.recipe), rows.recipe_sha256, rows.sha256,
-                                       [tuple(lane.ids.shape) for lane in rows.lanes], self.config.encode.hessians)
+        calibration = calibration_info(
+            str(self.config.observe.recipe),
+            rows.recipe_sha256,
+            rows.sha256,
+            [tuple(lane.ids.shape) for lane in rows.lanes],
+            self.config.encode.hessians,
+        )
         self.job = EncodeJob(self.config.encode, self.source, calibration, self.console)
 
     def save(self, layer: int, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:
         self.statistics.save(layer, stats, None)
+        assert self.job is not None  # observe starts the sink before it saves a layer
         if layer in self.job.todo:  # an encode killed after its layer finished but before observe recorded it
             self.job.encode(layer, self._view(hessians))
 
@@ -66,4 +72,5 @@ def build_artifact(config: BuildConfig, console: Console, progress: bool = False
     with SourceCheckpoint.open(config.encode.source) as source:
         sink = EncodedLayers(config, source, console)
         observation = observe(config.observe, progress, sink)
+        assert sink.job is not None  # observe started it
         return BuildResult(observation, sink.job.finish())

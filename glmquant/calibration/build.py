@@ -26,8 +26,10 @@ def build_token_rows(recipe: Recipe, tokenizer: Any) -> TokenRows:
     epochs: dict[str, int] = {}
     lanes = tuple(_lane(recipe, lane, tokenizer, epochs) for lane in recipe.lanes)
     hashes = _data_hashes(recipe)
-    sources = {name: {"kind": spec.kind, "sha256": hashes.get(name), "epochs": epochs.get(name, 0)}
-               for name, spec in sorted(recipe.sources.items())}
+    sources = {
+        name: {"kind": spec.kind, "sha256": hashes.get(name), "epochs": epochs.get(name, 0)}
+        for name, spec in sorted(recipe.sources.items())
+    }
     return TokenRows(lanes, recipe.describe(), recipe.sha256(hashes), tokenizer_sha256(tokenizer), sources)
 
 
@@ -39,8 +41,9 @@ def reuse_or_build(recipe: Recipe, tokenizer: Any, out_dir: Path) -> TokenRows:
     """
     if (out_dir / INFO_FILE).is_file():
         saved = TokenRows.load(out_dir)
-        if saved.recipe_sha256 == recipe.sha256(_data_hashes(recipe)) and \
-                saved.tokenizer_sha256 == tokenizer_sha256(tokenizer):
+        if saved.recipe_sha256 == recipe.sha256(_data_hashes(recipe)) and saved.tokenizer_sha256 == tokenizer_sha256(
+            tokenizer
+        ):
             return saved
     return build_token_rows(recipe, tokenizer)
 
@@ -87,5 +90,10 @@ def _pack(recipe: Recipe, lane: Lane, source: str, rows: int, tokenizer: Any) ->
     spec = recipe.sources[source]
     if spec.kind == "random":
         return random_rows(tokenizer, rows, lane.tokens, derive_seed(recipe.seed, lane.name, source))
-    return pack_rows(lambda epoch: documents(spec, derive_seed(recipe.seed, lane.name, source, epoch), tokenizer),
-                     tokenizer, rows, lane.tokens, source)
+    return pack_rows(
+        lambda epoch: documents(spec, derive_seed(recipe.seed, lane.name, source, epoch), tokenizer),
+        tokenizer,
+        rows,
+        lane.tokens,
+        source,
+    )

@@ -22,10 +22,12 @@ class Packed:
     epochs: int  # passes over the source's documents (1 = no document used twice)
 
 
-def pack_rows(docs_for_epoch: Callable[[int], Iterator[str]], tokenizer: Any, rows: int, tokens: int,
-              source: str) -> Packed:
+def pack_rows(
+    docs_for_epoch: Callable[[int], Iterator[str]], tokenizer: Any, rows: int, tokens: int, source: str
+) -> Packed:
     """Fill `rows` x `tokens` from the documents; `docs_for_epoch(e)` yields epoch e's documents."""
-    need, stream, epoch = rows * tokens, [], 0
+    need, epoch = rows * tokens, 0
+    stream: list[int] = []
     separator = _separator(tokenizer)
     while len(stream) < need:
         produced = False

@@ -98,7 +98,8 @@ class Fields:
     def __init__(self, file: Path, where: str, data: object) -> None:
         if not isinstance(data, dict):
             raise UsageError(f"{file}: {where or 'top level'}: expected a mapping, got {type(data).__name__}")
-        self.file, self.where, self.data, self.used = file, where, data, set()
+        self.file, self.where, self.data = file, where, data
+        self.used: set[str] = set()
 
     def key(self, name: str) -> str:
         return f"{self.where}.{name}" if self.where else name
@@ -172,9 +173,19 @@ def _source(file: Path, name: str, data: object) -> SourceSpec:
     if kind == "hf" and dataset is None:
         raise UsageError(f"{file}: {f.key('dataset')}: required for kind hf")
     spec = SourceSpec(
-        name, kind, path, dataset, f.get("subset", str, None), f.get("split", str, "train"),
-        tuple(f.get("data_files", list, [])), f.get("field", str, "text"), f.choice("format", ("text", "chat"), "text"),
-        f.get("response_field", str, None), f.get("separator", str, "\n\n"), f.positive("shuffle_buffer", 10_000))
+        name,
+        kind,
+        path,
+        dataset,
+        f.get("subset", str, None),
+        f.get("split", str, "train"),
+        tuple(f.get("data_files", list, [])),
+        f.get("field", str, "text"),
+        f.choice("format", ("text", "chat"), "text"),
+        f.get("response_field", str, None),
+        f.get("separator", str, "\n\n"),
+        f.positive("shuffle_buffer", 10_000),
+    )
     if spec.response_field and spec.format != "chat":
         raise UsageError(f"{file}: {f.key('response_field')}: only meaningful with format: chat")
     f.done()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,13 @@ def derive_seed(*parts: object) -> int:
 
 def documents(spec: SourceSpec, seed: int, tokenizer: Any) -> Iterator[str]:
     """The source's documents as text, shuffled by `seed` (a new seed gives a new order)."""
+    records: Iterable[Any]
     if spec.kind == "hf":
         records = _hf_records(spec, seed)
     else:
-        records = _local_records(spec)
-        random.Random(seed).shuffle(records)
+        local = _local_records(spec)
+        random.Random(seed).shuffle(local)
+        records = local
     for record in records:
         text = _render(spec, record, tokenizer)
         if text:
@@ -71,37 +73,45 @@ def _hf_records(spec: SourceSpec, seed: int) -> Iterator[Any]:
     import datasets
 
     try:
-        ds = datasets.load_dataset(spec.dataset, spec.subset, split=spec.split, streaming=True,
-                                   data_files=list(spec.data_files) or None)
+        ds = datasets.load_dataset(
+            spec.dataset, spec.subset, split=spec.split, streaming=True, data_files=list(spec.data_files) or None
+        )
         stream = ds.shuffle(seed=seed % 2**32, buffer_size=spec.shuffle_buffer)
         for i, row in enumerate(stream):
             yield _field(spec, row, f"{spec.dataset} row {i}")
     except (OSError, ValueError) as exc:  # offline (ConnectionError), unknown dataset, bad subset or split
-        raise UsageError(f"source {spec.name}: cannot stream Hugging Face dataset {spec.dataset!r} "
-                         f"(offline, or a wrong name/subset/split?): {exc}") from None
+        raise UsageError(
+            f"source {spec.name}: cannot stream Hugging Face dataset {spec.dataset!r} "
+            f"(offline, or a wrong name/subset/split?): {exc}"
+        ) from None
 
 
-def _field(spec: SourceSpec, record: object, where: str) -> Any:
+def _field(spec: SourceSpec, record: Any, where: str) -> Any:  # record: parsed JSON or a parquet row
     """The record's text (or messages); a prompt/response pair becomes a two-message chat."""
     wanted = [spec.field] + ([spec.response_field] if spec.response_field else [])
     missing = [f for f in wanted if not isinstance(record, dict) or f not in record]
     if missing:
         raise UsageError(f"source {spec.name}: {where}: record has no field {missing[0]!r}")
     if spec.response_field:
-        return [{"role": "user", "content": record[spec.field]},
-                {"role": "assistant", "content": record[spec.response_field]}]
+        return [
+            {"role": "user", "content": record[spec.field]},
+            {"role": "assistant", "content": record[spec.response_field]},
+        ]
     return record[spec.field]
 
 
 def _render(spec: SourceSpec, value: Any, tokenizer: Any) -> str:
     if spec.format == "text":
         if not isinstance(value, str):
-            raise UsageError(f"source {spec.name}: field {spec.field!r} holds {type(value).__name__}, not text "
-                             "(use format: chat for message lists)")
+            raise UsageError(
+                f"source {spec.name}: field {spec.field!r} holds {type(value).__name__}, not text "
+                "(use format: chat for message lists)"
+            )
         return value
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):
-        raise UsageError(f"source {spec.name}: format chat needs {spec.field!r} to be a list of "
-                         "{role, content} messages")
+        raise UsageError(
+            f"source {spec.name}: format chat needs {spec.field!r} to be a list of {{role, content}} messages"
+        )
     if getattr(tokenizer, "chat_template", None) is None:
         raise UsageError(f"source {spec.name}: the model's tokenizer has no chat template to render chat samples")
     return tokenizer.apply_chat_template(value, tokenize=False)

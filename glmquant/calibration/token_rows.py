@@ -60,11 +60,23 @@ class TokenRows:
 
     def info(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "token_rows_sha256": self.sha256, "recipe_sha256": self.recipe_sha256,
-            "tokenizer_sha256": self.tokenizer_sha256, "recipe": self.recipe, "sources": self.sources,
-            "lanes": [{"name": lane.name, "use": list(lane.use), "rows": lane.ids.shape[0],
-                       "tokens": lane.ids.shape[1], "sha256": lane.sha256, "row_sources": list(lane.row_sources)}
-                      for lane in self.lanes],
+            "format": FORMAT,
+            "token_rows_sha256": self.sha256,
+            "recipe_sha256": self.recipe_sha256,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "recipe": self.recipe,
+            "sources": self.sources,
+            "lanes": [
+                {
+                    "name": lane.name,
+                    "use": list(lane.use),
+                    "rows": lane.ids.shape[0],
+                    "tokens": lane.ids.shape[1],
+                    "sha256": lane.sha256,
+                    "row_sources": list(lane.row_sources),
+                }
+                for lane in self.lanes
+            ],
         }
 
     def save(self, out_dir: Path) -> None:
@@ -81,8 +93,10 @@ class TokenRows:
             info = json.loads((out_dir / INFO_FILE).read_text(encoding="utf-8"))
             with SourceCheckpoint.open(out_dir / ROWS_FILE) as f:
                 tensors = {name: f.read_tensor(name) for name in f.names()}
-            lanes = tuple(LaneRows(x["name"], tuple(x["use"]), tensors[f"lane.{x['name']}"], tuple(x["row_sources"]))
-                          for x in info["lanes"])
+            lanes = tuple(
+                LaneRows(x["name"], tuple(x["use"]), tensors[f"lane.{x['name']}"], tuple(x["row_sources"]))
+                for x in info["lanes"]
+            )
             rows = cls(lanes, info["recipe"], info["recipe_sha256"], info["tokenizer_sha256"], info["sources"])
         except (OSError, KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"{out_dir}: unreadable token rows ({exc})") from None

@@ -29,13 +29,28 @@ RELEASE_TIER_KEYS = {2: "k2_experts_per_layer", 3: "k3_experts_per_layer", 4: "k
 K1_TIER_KEY = "k1_experts_per_layer"  # glmquant's, written only when a K1 tier is used (the release has none)
 TR3_TIER_KEYS = {1: K1_TIER_KEY, **RELEASE_TIER_KEYS}
 TR3_TIER_BITS = tuple(TR3_TIER_KEYS)
-TR3_KEYS = frozenset({
-    "archive_tensor_parallel_size", "bits", "codebook", "effective_routed_tier_bpw", "format", "quant_method",
-    "rank_stacked_tp", "raw_private_content_included", "requires_custom_loader", "runtime_tensor_parallel_size",
-    "selection", "session_calibration_manifest_sha256", "session_calibration_tokens_sha256",
-    "session_calibration_verification_sha256", "source_manifest_sha256", "tail_experts_per_layer",
-    "target_routed_tier_bpw", *RELEASE_TIER_KEYS.values(),
-})
+TR3_KEYS = frozenset(
+    {
+        "archive_tensor_parallel_size",
+        "bits",
+        "codebook",
+        "effective_routed_tier_bpw",
+        "format",
+        "quant_method",
+        "rank_stacked_tp",
+        "raw_private_content_included",
+        "requires_custom_loader",
+        "runtime_tensor_parallel_size",
+        "selection",
+        "session_calibration_manifest_sha256",
+        "session_calibration_tokens_sha256",
+        "session_calibration_verification_sha256",
+        "source_manifest_sha256",
+        "tail_experts_per_layer",
+        "target_routed_tier_bpw",
+        *RELEASE_TIER_KEYS.values(),
+    }
+)
 EXLLAMAV3_VERSION = "1.6.5"  # the converter whose output format the exllamav3 layout reproduces
 SMALL_FILE_LIMIT = 64 << 20
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
@@ -53,8 +68,9 @@ def routed_tier_bpw(trellis_bytes: int, projections: int, hidden: int, moe_inter
 def plan_routed_bpw(plan: ArtifactPlan) -> float:
     trellis = [t for f in plan.files for t in f.tensors if t.part == "trellis"]
     projections = {(t.expert.layer, t.expert.expert, t.expert.proj) for t in trellis if t.expert}
-    return routed_tier_bpw(sum(t.spec.nbytes for t in trellis), len(projections), plan.spec.hidden_size,
-                           plan.spec.moe_intermediate_size)
+    return routed_tier_bpw(
+        sum(t.spec.nbytes for t in trellis), len(projections), plan.spec.hidden_size, plan.spec.moe_intermediate_size
+    )
 
 
 def experts_per_layer(plan: ArtifactPlan) -> int:
@@ -76,8 +92,9 @@ def selection_text(counts: Mapping[int, int]) -> str:
     """The block's `selection`: how the experts of a layer are split over bit widths."""
     if len(counts) == 1:
         return f"all routed experts use K{next(iter(counts))}"
-    return "per-expert tiers by REAP saliency: " + ", ".join(f"K{b} for {n}" for b, n in sorted(counts.items(),
-                                                                                               reverse=True))
+    return "per-expert tiers by REAP saliency: " + ", ".join(
+        f"K{b} for {n}" for b, n in sorted(counts.items(), reverse=True)
+    )
 
 
 def quantization_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
@@ -85,7 +102,9 @@ def quantization_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, 
     if plan.layout == "tr3":
         return _tr3_block(plan, provenance)
     block: dict[str, Any] = {
-        "quant_method": "exl3", "version": EXLLAMAV3_VERSION, "bits": round(target_bits(plan), 2),
+        "quant_method": "exl3",
+        "version": EXLLAMAV3_VERSION,
+        "bits": round(target_bits(plan), 2),
         "head_bits": UNQUANTIZED_BITS,
     }
     cal = provenance.calibration
@@ -104,20 +123,29 @@ def _tr3_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
         raise UsageError(f"the tr3 layout has K1 to K4 tiers only; got K{sorted(counts)}")
     n = experts_per_layer(plan)
     cal = provenance.calibration
-    block: dict[str, Any] = {key: 0 for key in RELEASE_TIER_KEYS.values()}
+    block: dict[str, Any] = dict.fromkeys(RELEASE_TIER_KEYS.values(), 0)
     block.update({TR3_TIER_KEYS[b]: c for b, c in counts.items()})
-    block.update({
-        "archive_tensor_parallel_size": 4, "rank_stacked_tp": 4, "runtime_tensor_parallel_size": 1,
-        "bits": plan.bits, "codebook": plan.codebook, "quant_method": "exl3", "format": TR3_FORMAT,
-        "effective_routed_tier_bpw": plan_routed_bpw(plan), "target_routed_tier_bpw": target_bits(plan),
-        "raw_private_content_included": provenance.raw_private_content_included,
-        "requires_custom_loader": True, "selection": selection_text(counts),
-        "tail_experts_per_layer": n,
-        "session_calibration_manifest_sha256": cal.manifest_sha256,
-        "session_calibration_tokens_sha256": cal.token_rows_sha256,
-        "session_calibration_verification_sha256": cal.verification_sha256,
-        "source_manifest_sha256": provenance.source_manifest_sha256,
-    })
+    block.update(
+        {
+            "archive_tensor_parallel_size": 4,
+            "rank_stacked_tp": 4,
+            "runtime_tensor_parallel_size": 1,
+            "bits": plan.bits,
+            "codebook": plan.codebook,
+            "quant_method": "exl3",
+            "format": TR3_FORMAT,
+            "effective_routed_tier_bpw": plan_routed_bpw(plan),
+            "target_routed_tier_bpw": target_bits(plan),
+            "raw_private_content_included": provenance.raw_private_content_included,
+            "requires_custom_loader": True,
+            "selection": selection_text(counts),
+            "tail_experts_per_layer": n,
+            "session_calibration_manifest_sha256": cal.manifest_sha256,
+            "session_calibration_tokens_sha256": cal.token_rows_sha256,
+            "session_calibration_verification_sha256": cal.verification_sha256,
+            "source_manifest_sha256": provenance.source_manifest_sha256,
+        }
+    )
     return block
 
 
@@ -138,8 +166,11 @@ def tensor_storage(specs: Iterable[TensorSpec]) -> dict[str, Any]:
     for spec in sorted(specs, key=lambda s: s.name):
         key = spec.name.rpartition(".")[0] or spec.name
         entry = modules.setdefault(key, {"stored_tensors": {}})
-        entry["stored_tensors"][spec.name] = {"shape": list(spec.shape), "n_bytes": spec.nbytes,
-                                              "dtype": str(TORCH_DTYPES[spec.dtype])}
+        entry["stored_tensors"][spec.name] = {
+            "shape": list(spec.shape),
+            "n_bytes": spec.nbytes,
+            "dtype": str(TORCH_DTYPES[spec.dtype]),
+        }
     for key, group in groups.items():
         entry = modules[key]
         entry["quant_format"] = "exl3"
@@ -170,8 +201,14 @@ def copy_small_files(source_dir: str | Path, out_dir: str | Path, limit: int = S
     copied = []
     for path in sorted(Path(source_dir).iterdir()):
         name = path.name
-        if (not path.is_file() or name.startswith(".") or name in NOT_COPIED or name.endswith(".index.json")
-                or name.endswith(WEIGHT_SUFFIXES) or path.stat().st_size > limit):
+        if (
+            not path.is_file()
+            or name.startswith(".")
+            or name in NOT_COPIED
+            or name.endswith(".index.json")
+            or name.endswith(WEIGHT_SUFFIXES)
+            or path.stat().st_size > limit
+        ):
             continue
         with open(path, "rb") as src, atomic_file(Path(out_dir) / name) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)

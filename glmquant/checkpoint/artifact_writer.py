@@ -51,7 +51,9 @@ def has_expert_parts(planned: PlannedFile) -> bool:
 
 
 def write_planned_file(
-    planned: PlannedFile, source: SourceCheckpoint, out_dir: str | Path,
+    planned: PlannedFile,
+    source: SourceCheckpoint,
+    out_dir: str | Path,
     expert_tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write one planned file: retained tensors streamed from `source`, EXL3 parts from `expert_tensors`."""
@@ -74,16 +76,18 @@ def write_planned_file(
 
 def _retained_bytes(source: SourceCheckpoint, t: OutputTensor) -> Provided:
     """A streamer copying the source tensor's stored bytes (only the kept rows when the plan pruned it)."""
-    if t.source not in source:
-        raise CheckpointFormatError(f"{source.directory}: retained tensor {t.source} is not in the source checkpoint")
-    src = source.spec(t.source)
-    if src.dtype != t.dtype or src.shape[1:] != t.shape[1:] or (t.rows is None and src.shape != t.shape):
-        raise CheckpointFormatError(f"source tensor {t.source} is {src.dtype} {list(src.shape)}, the plan expects "
-                                    f"{t.dtype} {list(t.shape)}")
-    if t.rows is None:
-        return lambda f: source.copy_raw_into(t.source, f)
+    name, rows = t.source_name, t.rows
+    if name not in source:
+        raise CheckpointFormatError(f"{source.directory}: retained tensor {name} is not in the source checkpoint")
+    src = source.spec(name)
+    if src.dtype != t.dtype or src.shape[1:] != t.shape[1:] or (rows is None and src.shape != t.shape):
+        raise CheckpointFormatError(
+            f"source tensor {name} is {src.dtype} {list(src.shape)}, the plan expects {t.dtype} {list(t.shape)}"
+        )
+    if rows is None:
+        return lambda f: source.copy_raw_into(name, f)
     row_bytes = src.nbytes // src.shape[0]
-    return lambda f: sum(source.copy_raw_into(t.source, f, r * row_bytes, row_bytes) for r in t.rows)
+    return lambda f: sum(source.copy_raw_into(name, f, r * row_bytes, row_bytes) for r in rows)
 
 
 def write_retained_shards(plan: ArtifactPlan, source: SourceCheckpoint, out_dir: str | Path) -> list[Path]:
@@ -92,14 +96,18 @@ def write_retained_shards(plan: ArtifactPlan, source: SourceCheckpoint, out_dir:
 
 
 def write_artifact_files(
-    plan: ArtifactPlan, source: SourceCheckpoint, expert_tensors: ExpertTensors, out_dir: str | Path,
+    plan: ArtifactPlan,
+    source: SourceCheckpoint,
+    expert_tensors: ExpertTensors,
+    out_dir: str | Path,
 ) -> list[Path]:
     """Every weight file of the plan; `expert_tensors(file)` supplies that file's EXL3 parts by output name."""
     return _write_files(list(plan.files), source, out_dir, expert_tensors)
 
 
-def _write_files(files: list[PlannedFile], source: SourceCheckpoint, out_dir: str | Path,
-                 expert_tensors: ExpertTensors | None) -> list[Path]:
+def _write_files(
+    files: list[PlannedFile], source: SourceCheckpoint, out_dir: str | Path, expert_tensors: ExpertTensors | None
+) -> list[Path]:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     written = []
     with Progress(console=Console(stderr=True), transient=True) as bar:
@@ -112,14 +120,17 @@ def _write_files(files: list[PlannedFile], source: SourceCheckpoint, out_dir: st
 
 
 def finalize_artifact(
-    plan: ArtifactPlan, source: SourceCheckpoint, out_dir: str | Path, provenance: Provenance,
+    plan: ArtifactPlan,
+    source: SourceCheckpoint,
+    out_dir: str | Path,
+    provenance: Provenance,
     verified_at: str | None = None,
 ) -> ArtifactResult:
     """After the weight files: index, config.json, quantization_config.json, small files, model card, manifest
-(which lists every one of them).
+    (which lists every one of them).
 
-    The manifest is kept only if the artifact passes structural verification against it (headers, index,
-    EXL3 shapes, config), so an artifact with a manifest is one that verified.
+        The manifest is kept only if the artifact passes structural verification against it (headers, index,
+        EXL3 shapes, config), so an artifact with a manifest is one that verified.
     """
     root = Path(out_dir)
     weight_map = {t.name: f.path for f in plan.files for t in f.tensors}
@@ -128,8 +139,9 @@ def finalize_artifact(
     config = output_config(read_config(source.config_path), plan, block)
     atomic_write_text(root / "config.json", config_text(config, plan.layout))
     specs = [t.spec for f in plan.files for t in f.tensors]
-    atomic_write_text(root / "quantization_config.json",
-                      config_text(quantization_config_file(block, plan.layout, specs), plan.layout))
+    atomic_write_text(
+        root / "quantization_config.json", config_text(quantization_config_file(block, plan.layout, specs), plan.layout)
+    )
     small = copy_small_files(source.directory, root)
     metadata = sorted({"config.json", "quantization_config.json", INDEX_NAME, *small})
     manifest = build_manifest(plan, root, provenance, verified_at or build_timestamp(), metadata)

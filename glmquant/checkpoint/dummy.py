@@ -130,7 +130,7 @@ def _rule(t: OutputTensor) -> _Rule:
         if t.part in ("trellis", "svh"):
             return _Rule(t.part)
         if t.part == "suh":
-            return _Rule("suh", 0.6 / t.expert.in_features ** 0.5)
+            return _Rule("suh", 0.6 / t.expert.in_features**0.5)
         return _Rule("marker", float(MARKER_VALUES[Codebook(t.part)]))
     name = t.name
     if name.endswith(("A_log", "_base", ".bias")) and not name.endswith("e_score_correction_bias"):
@@ -157,4 +157,4 @@ def _converter(rule: _Rule) -> Convert:
         return lambda h: torch.full_like(h, rule.a, dtype=torch.float64 if rule.kind == "marker" else torch.float32)
     if rule.kind == "range":
         return lambda h: rule.a + (rule.b - rule.a) * _uniform(h)
-    return lambda h: (2 * _uniform(h) - 1) * (rule.a * 3 ** 0.5)  # uniform with std rule.a
+    return lambda h: (2 * _uniform(h) - 1) * (rule.a * 3**0.5)  # uniform with std rule.a

@@ -45,7 +45,7 @@ class Exl3Group:
         out = []
         if t.dtype != "I16" or len(t.shape) != 3 or t.shape[-1] % 16 or not 16 <= t.shape[-1] <= 128:
             out.append(f"{self.key}.trellis: {t.dtype} {list(t.shape)} is not int16 (in/16, out/16, 16*K), K 1..8")
-        elif t.nbytes != t.shape[0] * t.shape[1] * 256 * self.bits // 8:
+        elif t.nbytes != t.shape[0] * t.shape[1] * 256 * (t.shape[-1] // 16) // 8:  # K = shape[-1] / 16
             out.append(f"{self.key}.trellis: {t.nbytes} bytes, expected in*out*K/8")
         else:
             for vec, size in ((suh, t.shape[0] * 16), (svh, t.shape[1] * 16)):
@@ -53,10 +53,15 @@ class Exl3Group:
                     out.append(f"{vec.name}: {vec.dtype} {list(vec.shape)}, expected F16 [{size}] for the trellis")
         markers = [self.parts[m] for m in MARKERS if m in self.parts]
         if len(markers) != (codebook != "3inst"):
-            out.append(f"{self.key}: {len(markers)} codebook markers (.mcg/.mul1), expected "
-                       + ("none for 3inst" if codebook == "3inst" else "exactly one"))
-        out += [f"{m.name}: {m.dtype} {list(m.shape)}, expected a 0-dim I32 marker"
-                for m in markers if m.dtype != "I32" or m.shape != ()]
+            out.append(
+                f"{self.key}: {len(markers)} codebook markers (.mcg/.mul1), expected "
+                + ("none for 3inst" if codebook == "3inst" else "exactly one")
+            )
+        out += [
+            f"{m.name}: {m.dtype} {list(m.shape)}, expected a 0-dim I32 marker"
+            for m in markers
+            if m.dtype != "I32" or m.shape != ()
+        ]
         return out
 
 

@@ -39,8 +39,9 @@ class ResolvedSource:
     revision: str | None = None
 
 
-def resolve_source(source: str | Path, revision: str | None = None,
-                   files: Sequence[str] = CHECKPOINT_FILES) -> ResolvedSource:
+def resolve_source(
+    source: str | Path, revision: str | None = None, files: Sequence[str] = CHECKPOINT_FILES
+) -> ResolvedSource:
     """A local path as it is, or a Hub repo id's `files` (glob patterns) through huggingface_hub's cache."""
     path = Path(source).expanduser()
     if path.exists():
@@ -70,13 +71,17 @@ def _snapshot(repo_id: str, revision: str | None, files: Sequence[str]) -> str:
         return snapshot_download(repo_id, revision=revision, allow_patterns=list(files))
     except LocalEntryNotFoundError as exc:
         offline = "offline mode is on (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
-        raise UsageError(f"{where}: not (completely) in the Hugging Face cache {constants.HF_HUB_CACHE} and "
-                         f"{offline}; download it once online. ({str(exc).splitlines()[0]})") from None
+        raise UsageError(
+            f"{where}: not (completely) in the Hugging Face cache {constants.HF_HUB_CACHE} and "
+            f"{offline}; download it once online. ({str(exc).splitlines()[0]})"
+        ) from None
     except RevisionNotFoundError:
         raise UsageError(f"{where}: the Hub has no revision {revision!r} in {repo_id}") from None
     except (RepositoryNotFoundError, GatedRepoError):
-        raise UsageError(f"{where}: no such repo on the Hub, or it is private or gated and the token (HF_TOKEN or "
-                         "`hf auth login`) gives no access") from None
+        raise UsageError(
+            f"{where}: no such repo on the Hub, or it is private or gated and the token (HF_TOKEN or "
+            "`hf auth login`) gives no access"
+        ) from None
     except HfHubHTTPError as exc:
         raise GlmquantError(f"{where}: the Hub answered {exc}") from None
 
@@ -90,8 +95,10 @@ def _check_complete(folder: Path, repo_id: str, files: Sequence[str]) -> None:
         wanted += sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
     missing = [name for name in wanted if not (folder / name).is_file()]
     if missing:
-        raise UsageError(f"{repo_id}@{folder.name}: the Hugging Face cache snapshot lacks {', '.join(missing[:5])}"
-                         f"{' ...' if len(missing) > 5 else ''}; download it once online (HF_HUB_OFFLINE unset)")
+        raise UsageError(
+            f"{repo_id}@{folder.name}: the Hugging Face cache snapshot lacks {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; download it once online (HF_HUB_OFFLINE unset)"
+        )
 
 
 def hub_card_text(manifest_sha256: str, manifest: Mapping[str, Any], source_card: Path | None = None) -> str:
@@ -102,20 +109,34 @@ def hub_card_text(manifest_sha256: str, manifest: Mapping[str, Any], source_card
     source = ModelCard.load(source_card).data if source_card is not None and source_card.is_file() else ModelCardData()
     layout = manifest["layout"]
     data = ModelCardData(
-        base_model=manifest["source"]["repo_id"], base_model_relation="quantized",
-        license=source.license, license_name=source.get("license_name"), license_link=source.get("license_link"),
-        pipeline_tag=source.pipeline_tag or "text-generation", library_name="exllamav3", language=source.language,
+        base_model=manifest["source"]["repo_id"],
+        base_model_relation="quantized",
+        license=source.license,
+        license_name=source.get("license_name"),
+        license_link=source.get("license_link"),
+        pipeline_tag=source.pipeline_tag or "text-generation",
+        library_name="exllamav3",
+        language=source.language,
         tags=["exl3", "glmquant", f"{layout['bits']}-bit", "quantized", "moe"],
-        quantization={"method": "exl3", "bits": layout["bits"], "codebook": layout["codebook"],
-                      "layout": layout["type"], "manifest_sha256": manifest_sha256},
-        model_name=artifact_model_name(manifest))
-    pin = (f"\nStructural manifest SHA-256: `{manifest_sha256}` (a download is checked with "
-           f"`glmquant verify-manifest . --expect-sha256 {manifest_sha256}`).\n")
+        quantization={
+            "method": "exl3",
+            "bits": layout["bits"],
+            "codebook": layout["codebook"],
+            "layout": layout["type"],
+            "manifest_sha256": manifest_sha256,
+        },
+        model_name=artifact_model_name(manifest),
+    )
+    pin = (
+        f"\nStructural manifest SHA-256: `{manifest_sha256}` (a download is checked with "
+        f"`glmquant verify-manifest . --expect-sha256 {manifest_sha256}`).\n"
+    )
     return f"---\n{data.to_yaml()}\n---\n\n{model_card_text(manifest)}{pin}"
 
 
-def publish_artifact(artifact_dir: str | Path, repo_id: str, api: Any = None, private: bool = False,
-                     revision: str | None = None) -> str:
+def publish_artifact(
+    artifact_dir: str | Path, repo_id: str, api: Any = None, private: bool = False, revision: str | None = None
+) -> str:
     """Verify the artifact, then upload every file of it in one commit with the Hub card as README.md; returns
     the commit's URL. `api` is a huggingface_hub HfApi (its default token and endpoint when None)."""
     from huggingface_hub import CommitOperationAdd, HfApi
@@ -130,14 +151,23 @@ def publish_artifact(artifact_dir: str | Path, repo_id: str, api: Any = None, pr
         raise GlmquantError(f"{root} does not verify, nothing was uploaded: {report.failure_summary()}")
     _, manifest = load_manifest(root / MANIFEST_NAME)
     card = hub_card_text(report.manifest_sha256, manifest, root / HUB_README)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
-                                                                             p.relative_to(root).parts))
-    operations = [CommitOperationAdd(path_in_repo=p.relative_to(root).as_posix(), path_or_fileobj=str(p))
-                  for p in files if p.relative_to(root).as_posix() != HUB_README]
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+    operations = [
+        CommitOperationAdd(path_in_repo=p.relative_to(root).as_posix(), path_or_fileobj=str(p))
+        for p in files
+        if p.relative_to(root).as_posix() != HUB_README
+    ]
     operations.append(CommitOperationAdd(path_in_repo=HUB_README, path_or_fileobj=card.encode()))
     api = api or HfApi()
     api.create_repo(repo_id, private=private, exist_ok=True)
-    commit = api.create_commit(repo_id, operations=operations, revision=revision,
-                               commit_message=f"{artifact_model_name(manifest)}: manifest {report.manifest_sha256}")
+    commit = api.create_commit(
+        repo_id,
+        operations=operations,
+        revision=revision,
+        commit_message=f"{artifact_model_name(manifest)}: manifest {report.manifest_sha256}",
+    )
     return str(commit.commit_url)
-

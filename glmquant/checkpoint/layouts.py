@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from math import prod
 from dataclasses import dataclass, field
 from functools import cached_property
+from math import prod
 from typing import NamedTuple
 
-from glmquant.arch import DTYPE_BYTES, PROJECTIONS, ModelSpec, TensorInfo, TensorRole, source_tensors, table_for
+from glmquant.arch import DTYPE_BYTES, PROJECTIONS, ModelSpec, TensorRole, source_tensors, table_for
 from glmquant.checkpoint.safetensors_format import TensorSpec, file_size
 from glmquant.errors import UsageError
 
@@ -74,6 +74,20 @@ class OutputTensor(NamedTuple):
     def nbytes(self) -> int:
         return prod(self.shape) * DTYPE_BYTES[self.dtype]
 
+    @property
+    def expert_slice(self) -> ExpertSlice:
+        """The expert slice an EXL3 part belongs to (ValueError for a retained tensor, which has none)."""
+        if self.expert is None:
+            raise ValueError(f"{self.name} is not an EXL3 part: it belongs to no expert slice")
+        return self.expert
+
+    @property
+    def source_name(self) -> str:
+        """The source tensor a retained tensor copies (ValueError for an EXL3 part, which copies none)."""
+        if self.source is None:
+            raise ValueError(f"{self.name} is not a retained tensor: it copies no source tensor")
+        return self.source
+
 
 @dataclass(frozen=True)
 class PlannedFile:
@@ -115,8 +129,11 @@ class ArtifactPlan:
     @property
     def tier_bits(self) -> tuple[int, ...]:
         """The bit widths the routed experts use, ascending."""
-        return (self.bits,) if self.expert_bits is None else tuple(sorted({b for v in self.expert_bits.values()
-                                                                            for b in v}))
+        return (
+            (self.bits,)
+            if self.expert_bits is None
+            else tuple(sorted({b for v in self.expert_bits.values() for b in v}))
+        )
 
     def expert_files(self, layer: int) -> list[PlannedFile]:
         """Files holding EXL3 parts of `layer` (an exllamav3-layout file may hold several layers)."""
@@ -128,7 +145,14 @@ def exl3_parts(slice_: ExpertSlice, prefix: str, bits: int, codebook: str) -> li
     i, o = pad128(slice_.in_features), pad128(slice_.out_features)
     name = prefix + slice_.key
     parts = [
-        OutputTensor(f"{name}.trellis", "I16", (i // 16, o // 16, 16 * bits), TensorRole.ROUTED_EXPERT, expert=slice_, part="trellis"),
+        OutputTensor(
+            f"{name}.trellis",
+            "I16",
+            (i // 16, o // 16, 16 * bits),
+            TensorRole.ROUTED_EXPERT,
+            expert=slice_,
+            part="trellis",
+        ),
         OutputTensor(f"{name}.suh", "F16", (i,), TensorRole.ROUTED_EXPERT, expert=slice_, part="suh"),
         OutputTensor(f"{name}.svh", "F16", (o,), TensorRole.ROUTED_EXPERT, expert=slice_, part="svh"),
     ]
@@ -177,19 +201,29 @@ def plan_artifact(
     tiers = _expert_bits(spec, kept, expert_bits)
     retained = _retained_tensors(spec, kept)
     ranks = TR3_RANKS if layout == "tr3" else None
-    experts = {layer: _expert_parts(spec, layer, kept, tiers[layer] if tiers else (bits,) * len(kept[layer]),
-                                    codebook, ranks) for layer in spec.moe_layers}
+    experts = {
+        layer: _expert_parts(spec, layer, kept, tiers[layer] if tiers else (bits,) * len(kept[layer]), codebook, ranks)
+        for layer in spec.moe_layers
+    }
     if layout == "tr3":
         shards = source_shards or predicted_source_shards(spec, shard_bytes or SOURCE_SHARD_BYTES)
         files = _tr3_expert_files(experts) + _retained_files(retained, shards)
     else:
         files = _module_files(spec, retained, experts, shard_bytes or DEFAULT_EXL3_SHARD_BYTES)
-    return ArtifactPlan(spec, layout, bits, codebook, tuple(sorted(files, key=lambda f: f.path)),
-                        {k: tuple(v) for k, v in kept.items()} if keep else None, tiers)
+    return ArtifactPlan(
+        spec,
+        layout,
+        bits,
+        codebook,
+        tuple(sorted(files, key=lambda f: f.path)),
+        {k: tuple(v) for k, v in kept.items()} if keep else None,
+        tiers,
+    )
 
 
-def _expert_bits(spec: ModelSpec, kept: Mapping[int, tuple[int, ...]], expert_bits: Mapping[int, Sequence[int]] | None
-                 ) -> dict[int, tuple[int, ...]] | None:
+def _expert_bits(
+    spec: ModelSpec, kept: Mapping[int, tuple[int, ...]], expert_bits: Mapping[int, Sequence[int]] | None
+) -> dict[int, tuple[int, ...]] | None:
     """Tiers checked against the plan: every quantized layer, one width of 1..8 per kept expert; None if uniform."""
     if expert_bits is None:
         return None
@@ -221,13 +255,17 @@ def _retained_tensors(spec: ModelSpec, kept: Mapping[int, tuple[int, ...]]) -> l
     out = []
     for t in source_tensors(spec):
         if t.role is TensorRole.ROUTED_EXPERT:
+            assert (
+                t.layer is not None and t.expert is not None and t.proj is not None
+            )  # the table sets them for experts
             if t.layer in quantized:
                 continue
             new_id = kept[t.layer].index(t.expert) if t.expert in kept[t.layer] else None
             if new_id is not None:
                 out.append(OutputTensor(table.expert_name(t.layer, new_id, t.proj), t.dtype, t.shape, t.role, t.name))
             continue
-        if t.role in (TensorRole.ROUTER_WEIGHT, TensorRole.ROUTER_BIAS) and len(kept[t.layer]) != spec.n_routed_experts:
+        router = t.role in (TensorRole.ROUTER_WEIGHT, TensorRole.ROUTER_BIAS)
+        if router and t.layer is not None and len(kept[t.layer]) != spec.n_routed_experts:
             rows = kept[t.layer]
             out.append(OutputTensor(t.name, t.dtype, (len(rows), *t.shape[1:]), t.role, t.name, rows))
             continue
@@ -235,12 +273,21 @@ def _retained_tensors(spec: ModelSpec, kept: Mapping[int, tuple[int, ...]]) -> l
     return out
 
 
-def _expert_parts(spec: ModelSpec, layer: int, kept: Mapping[int, tuple[int, ...]], bits: Sequence[int],
-                  codebook: str, ranks: int | None) -> dict[int, list[OutputTensor]]:
+def _expert_parts(
+    spec: ModelSpec,
+    layer: int,
+    kept: Mapping[int, tuple[int, ...]],
+    bits: Sequence[int],
+    codebook: str,
+    ranks: int | None,
+) -> dict[int, list[OutputTensor]]:
     prefix = table_for(spec).layer_prefix(layer)
     return {
-        new_id: [part for s in expert_slices(spec, layer, new_id, src, ranks)
-                 for part in exl3_parts(s, prefix, bits[new_id], codebook)]
+        new_id: [
+            part
+            for s in expert_slices(spec, layer, new_id, src, ranks)
+            for part in exl3_parts(s, prefix, bits[new_id], codebook)
+        ]
         for new_id, src in enumerate(kept[layer])
     }
 
@@ -265,25 +312,26 @@ def predicted_source_shards(spec: ModelSpec, shard_bytes: int = SOURCE_SHARD_BYT
             size = 0
         shards[-1].append(t.name)
         size += t.nbytes
-    return {name: f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            for i, names in enumerate(shards, 1) for name in names}
+    return {
+        name: f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i, names in enumerate(shards, 1) for name in names
+    }
 
 
 def _retained_files(retained: list[OutputTensor], source_shards: Mapping[str, str]) -> list[PlannedFile]:
     """Group retained tensors by the source shard that held them."""
-    missing = [t.source for t in retained if t.source not in source_shards]
+    missing = [t.source_name for t in retained if t.source_name not in source_shards]
     if missing:
         raise UsageError(f"source index lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
     groups: dict[str, list[OutputTensor]] = {}
     for t in retained:
-        groups.setdefault(source_shards[t.source], []).append(t)
+        groups.setdefault(source_shards[t.source_name], []).append(t)
     names = _retained_names(sorted(set(source_shards.values())))
     return [PlannedFile(names[shard], "retained", tuple(ts), source_shard=shard) for shard, ts in groups.items()]
 
 
 def _retained_names(shards: list[str]) -> dict[str, str]:
-    matches = [_SOURCE_SHARD.match(s) for s in shards]
-    if all(matches):
+    matches = [m for s in shards if (m := _SOURCE_SHARD.match(s))]
+    if len(matches) == len(shards):
         return {s: f"retained-{m.group(1)}-of-{m.group(2)}.safetensors" for s, m in zip(shards, matches)}
     return {s: f"retained-{i:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards, 1)}
 
@@ -302,8 +350,9 @@ def _module_key(spec: ModelSpec, t: OutputTensor) -> tuple[int, int, str]:
     return (2 if layer < n else 5, layer, "mlp" if m.group(2) else "attn")
 
 
-def _module_files(spec: ModelSpec, retained: list[OutputTensor], experts: Mapping[int, Mapping[int, list[OutputTensor]]],
-                  cap: int) -> list[PlannedFile]:
+def _module_files(
+    spec: ModelSpec, retained: list[OutputTensor], experts: Mapping[int, Mapping[int, list[OutputTensor]]], cap: int
+) -> list[PlannedFile]:
     modules: dict[tuple[int, int, str], list[OutputTensor]] = {}
     for t in retained + [p for by_e in experts.values() for parts in by_e.values() for p in parts]:
         modules.setdefault(_module_key(spec, t), []).append(t)
@@ -316,8 +365,10 @@ def _module_files(spec: ModelSpec, retained: list[OutputTensor], experts: Mappin
             size = 0
         shards[-1] += modules[key]
         size += nbytes
-    return [PlannedFile(f"model-{i:05d}-of-{len(shards):05d}.safetensors", "model", tuple(ts),
-                        layer=_single_layer(ts)) for i, ts in enumerate(shards, 1)]
+    return [
+        PlannedFile(f"model-{i:05d}-of-{len(shards):05d}.safetensors", "model", tuple(ts), layer=_single_layer(ts))
+        for i, ts in enumerate(shards, 1)
+    ]
 
 
 def _single_layer(tensors: Sequence[OutputTensor]) -> int | None:

@@ -79,10 +79,10 @@ def build_manifest(
         "schema_version": SCHEMA_VERSION,
         "state": STRUCTURAL_PASS,
         "structurally_verified_at": verified_at,
-        "files": [_file_entry(f, headers[f.path], sha[f.path], plan)
-                  for f in sorted(plan.files, key=lambda f: f.path)],
-        "metadata_files": [{"path": p, "bytes": (root / p).stat().st_size, "sha256": sha[p]}
-                           for p in sorted(metadata_files)],
+        "files": [_file_entry(f, headers[f.path], sha[f.path], plan) for f in sorted(plan.files, key=lambda f: f.path)],
+        "metadata_files": [
+            {"path": p, "bytes": (root / p).stat().st_size, "sha256": sha[p]} for p in sorted(metadata_files)
+        ],
         "indexed_tensor_count": len(all_specs),
         "physical_tensor_bytes": sum(h.file_size for h in headers.values()),
         "retained_tensor_count": len(retained),
@@ -108,21 +108,35 @@ def with_metadata_files(manifest: Mapping[str, Any], artifact_dir: str | Path, n
 def geometry(spec: ModelSpec, n_routed_experts: int) -> dict[str, int]:
     """The model dimensions a loader relies on, as the artifact's config must state them."""
     return {
-        "num_hidden_layers": spec.num_hidden_layers, "hidden_size": spec.hidden_size,
-        "n_routed_experts": n_routed_experts, "num_experts_per_tok": spec.num_experts_per_tok,
-        "n_group": spec.n_group, "moe_intermediate_size": spec.moe_intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "hidden_size": spec.hidden_size,
+        "n_routed_experts": n_routed_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "n_group": spec.n_group,
+        "moe_intermediate_size": spec.moe_intermediate_size,
         "num_mtp_layers": spec.num_mtp_layers,
     }
 
 
 def _layout(plan: ArtifactPlan, n: int) -> dict[str, Any]:
-    layout: dict[str, Any] = {"type": plan.layout, "bits": plan.bits, "codebook": plan.codebook,
-                              "experts_per_layer": n, "quantized_layers": plan.quantized_layers}
+    layout: dict[str, Any] = {
+        "type": plan.layout,
+        "bits": plan.bits,
+        "codebook": plan.codebook,
+        "experts_per_layer": n,
+        "quantized_layers": plan.quantized_layers,
+    }
     if plan.expert_bits is not None:
         layout["tier_experts_per_layer"] = {f"k{b}": c for b, c in sorted(plan_tier_counts(plan).items())}
     if plan.layout == "tr3":
-        layout.update({"archive_tensor_parallel_size": TR3_RANKS, "rank_stacked_tp": TR3_RANKS,
-                       "tail_experts_per_layer": n, "expert_parts_per_layer": 2})
+        layout.update(
+            {
+                "archive_tensor_parallel_size": TR3_RANKS,
+                "rank_stacked_tp": TR3_RANKS,
+                "tail_experts_per_layer": n,
+                "expert_parts_per_layer": 2,
+            }
+        )
     return layout
 
 
@@ -133,32 +147,67 @@ def file_tier(bits: Iterable[int]) -> str:
 
 def _file_entry(f: PlannedFile, header: ParsedHeader, sha256: str, plan: ArtifactPlan) -> dict[str, Any]:
     specs = header.specs
-    entry: dict[str, Any] = {"path": f.path, "kind": f.kind, "bytes": header.file_size, "sha256": sha256,
-                             "tensor_count": len(specs), "tensor_bytes": sum(s.nbytes for s in specs)}
+    entry: dict[str, Any] = {
+        "path": f.path,
+        "kind": f.kind,
+        "bytes": header.file_size,
+        "sha256": sha256,
+        "tensor_count": len(specs),
+        "tensor_bytes": sum(s.nbytes for s in specs),
+    }
     groups = exl3_groups(specs)
     experts = {(t.expert.layer, t.expert.expert) for t in f.tensors if t.expert}
     if f.kind == "expert":
-        entry.update({"layer": f.layer, "gpu": f.gpu, "logical_expert_count": len(experts),
-                      "shadow_expert_count": 0, "tier": file_tier(plan.bits_of(l, e) for l, e in experts)})
+        entry.update(
+            {
+                "layer": f.layer,
+                "gpu": f.gpu,
+                "logical_expert_count": len(experts),
+                "shadow_expert_count": 0,
+                "tier": file_tier(plan.bits_of(layer, e) for layer, e in experts),
+            }
+        )
     elif f.kind == "retained":
         entry["source_shard"] = f.source_shard
     else:
         kept = [s for s in specs if not is_exl3_tensor(s.name, groups)]
-        entry.update({"exl3_linear_count": len(groups), "logical_expert_count": len(experts),
-                      "retained_tensor_count": len(kept), "retained_tensor_bytes": sum(s.nbytes for s in kept)})
+        entry.update(
+            {
+                "exl3_linear_count": len(groups),
+                "logical_expert_count": len(experts),
+                "retained_tensor_count": len(kept),
+                "retained_tensor_bytes": sum(s.nbytes for s in kept),
+            }
+        )
     return entry
 
 
 def provenance_fields(p: Provenance) -> dict[str, Any]:
     c, m = p.calibration, p.method
     return {
-        "source": {"repo_id": p.source_repo, "revision": p.source_revision, "format": p.source_format,
-                   "manifest": p.source_manifest, "manifest_sha256": p.source_manifest_sha256},
-        "calibration": {"manifest": c.manifest, "manifest_sha256": c.manifest_sha256,
-                        "token_rows_sha256": c.token_rows_sha256, "verification_sha256": c.verification_sha256,
-                        "rows": c.rows, "cols": c.cols, "routing": c.routing},
-        "method": {"claim": m.claim, "upstream_repo": m.upstream_repo, "upstream_commit": m.upstream_commit,
-                   "implementation": m.implementation, "out_scales": m.out_scales},
+        "source": {
+            "repo_id": p.source_repo,
+            "revision": p.source_revision,
+            "format": p.source_format,
+            "manifest": p.source_manifest,
+            "manifest_sha256": p.source_manifest_sha256,
+        },
+        "calibration": {
+            "manifest": c.manifest,
+            "manifest_sha256": c.manifest_sha256,
+            "token_rows_sha256": c.token_rows_sha256,
+            "verification_sha256": c.verification_sha256,
+            "rows": c.rows,
+            "cols": c.cols,
+            "routing": c.routing,
+        },
+        "method": {
+            "claim": m.claim,
+            "upstream_repo": m.upstream_repo,
+            "upstream_commit": m.upstream_commit,
+            "implementation": m.implementation,
+            "out_scales": m.out_scales,
+        },
         "selection_sha256": p.selection_sha256,
         "tier_bitmap_sha256": p.tier_bitmap_sha256,
         "raw_private_content_included": p.raw_private_content_included,

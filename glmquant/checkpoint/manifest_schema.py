@@ -18,18 +18,35 @@ from glmquant.checkpoint.manifest import SCHEMA_VERSION, STRUCTURAL_PASS
 
 _NUMBER = (int, float)
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "schema_version": int, "state": str, "structurally_verified_at": str, "files": list,
-    "indexed_tensor_count": int, "physical_tensor_bytes": int, "retained_tensor_bytes": int,
-    "retained_manifest_sha256": str, "target_bpw": _NUMBER, "effective_routed_tier_bpw": _NUMBER, "layout": dict,
-    "source": dict, "calibration": dict, "method": dict, "runtime": dict,
+    "schema_version": int,
+    "state": str,
+    "structurally_verified_at": str,
+    "files": list,
+    "indexed_tensor_count": int,
+    "physical_tensor_bytes": int,
+    "retained_tensor_bytes": int,
+    "retained_manifest_sha256": str,
+    "target_bpw": _NUMBER,
+    "effective_routed_tier_bpw": _NUMBER,
+    "layout": dict,
+    "source": dict,
+    "calibration": dict,
+    "method": dict,
+    "runtime": dict,
 }
 _OPTIONAL: dict[str, type | tuple[type, ...]] = {"metadata_files": list, "retained_tensor_count": int, "geometry": dict}
 _ENTRY = {"path": str, "bytes": int, "sha256": str}
 _KIND_FIELDS: dict[str, dict[str, type]] = {  # required per kind (the release's), then glmquant's own when present
     "expert": {"gpu": int, "logical_expert_count": int, "shadow_expert_count": int, "tier": str},
     "retained": {"tensor_count": int, "tensor_bytes": int},
-    "model": {"tensor_count": int, "tensor_bytes": int, "exl3_linear_count": int, "logical_expert_count": int,
-              "retained_tensor_count": int, "retained_tensor_bytes": int},
+    "model": {
+        "tensor_count": int,
+        "tensor_bytes": int,
+        "exl3_linear_count": int,
+        "logical_expert_count": int,
+        "retained_tensor_count": int,
+        "retained_tensor_bytes": int,
+    },
 }
 _KIND_OPTIONAL: dict[str, type] = {"tensor_count": int, "tensor_bytes": int, "layer": int, "source_shard": str}
 _LAYOUT_KINDS = {"tr3": {"expert", "retained"}, "exllamav3": {"model"}}
@@ -101,10 +118,16 @@ def _entry_problems(e: object, kinds: set[str] | None) -> list[str]:
     kind = entry_kind(e)
     if kind not in kinds:
         return out + [f"{name}: kind {kind!r} does not belong to this layout (expected {sorted(kinds)})"]
-    out += [f"{name}: {kind} entry lacks {k!r} or it is not {_type_name(t)}"
-            for k, t in _KIND_FIELDS[kind].items() if not _is(e.get(k), t)]
-    out += [f"{name}: {k!r} is not {_type_name(t)}"
-            for k, t in _KIND_OPTIONAL.items() if k in e and k not in _KIND_FIELDS[kind] and not _is(e[k], t)]
+    out += [
+        f"{name}: {kind} entry lacks {k!r} or it is not {_type_name(t)}"
+        for k, t in _KIND_FIELDS[kind].items()
+        if not _is(e.get(k), t)
+    ]
+    out += [
+        f"{name}: {k!r} is not {_type_name(t)}"
+        for k, t in _KIND_OPTIONAL.items()
+        if k in e and k not in _KIND_FIELDS[kind] and not _is(e[k], t)
+    ]
     return out
 
 
@@ -121,14 +144,19 @@ def _order_problems(files: list[dict[str, Any]], metadata: list[dict[str, Any]])
 
 def _total_problems(m: Mapping[str, Any], files: list[dict[str, Any]]) -> list[str]:
     """Totals against the entries; a total whose parts some entries do not carry is left to the full check."""
-    totals = {"physical_tensor_bytes": sum(e["bytes"] for e in files),
-              "retained_tensor_bytes": sum(retained_share(e)[1] for e in files)}
+    totals = {
+        "physical_tensor_bytes": sum(e["bytes"] for e in files),
+        "retained_tensor_bytes": sum(retained_share(e)[1] for e in files),
+    }
     if all("tensor_count" in e for e in files):
         totals["indexed_tensor_count"] = sum(e["tensor_count"] for e in files)
     if "retained_tensor_count" in m:
         totals["retained_tensor_count"] = sum(retained_share(e)[0] for e in files)
-    out = [f"{key} is {m[key]:,} but the file entries add up to {value:,}"
-           for key, value in totals.items() if m[key] != value]
+    out = [
+        f"{key} is {m[key]:,} but the file entries add up to {value:,}"
+        for key, value in totals.items()
+        if m[key] != value
+    ]
     layout = m["layout"]
     if "experts_per_layer" in layout and "quantized_layers" in layout:
         experts = sum(e.get("logical_expert_count", 0) for e in files)

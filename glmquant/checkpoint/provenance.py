@@ -7,7 +7,7 @@ Hashes are lowercase hex SHA-256; None where a build had no such input (e.g. an 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import glmquant
 from glmquant.environment import source_date_epoch
@@ -54,5 +54,5 @@ def build_timestamp(default_epoch: int | None = None) -> str:
     byte-identical."""
     epoch = source_date_epoch()
     epoch = default_epoch if epoch is None else epoch
-    moment = datetime.fromtimestamp(epoch, timezone.utc) if epoch is not None else datetime.now(timezone.utc)
+    moment = datetime.fromtimestamp(epoch, UTC) if epoch is not None else datetime.now(UTC)
     return moment.replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -47,7 +47,8 @@ class SourceCheckpoint:
 
     @classmethod
     def _from_shards(cls, directory: Path, shards: list[str], index: SafetensorsIndex | None) -> SourceCheckpoint:
-        headers, locations = {}, {}
+        headers: dict[str, ParsedHeader] = {}
+        locations: dict[str, str] = {}
         for shard in shards:
             if not (directory / shard).is_file():
                 raise CheckpointFormatError(f"{directory / INDEX_NAME}: shard {shard} is listed but missing")
@@ -55,7 +56,8 @@ class SourceCheckpoint:
             for name in headers[shard].tensors:
                 if name in locations:
                     raise CheckpointFormatError(
-                        f"{directory}: tensor {name} appears in both {locations[name]} and {shard}")
+                        f"{directory}: tensor {name} appears in both {locations[name]} and {shard}"
+                    )
                 locations[name] = shard
         if index is not None:
             _check_index(directory, index, locations)
@@ -90,8 +92,10 @@ class SourceCheckpoint:
         """Rows [start, stop) of the leading dimension, reading only their bytes (safetensors is row-major)."""
         spec = self.spec(name)
         if not spec.shape or not 0 <= start <= stop <= spec.shape[0]:
-            raise CheckpointFormatError(f"{self.directory / self.shard_of(name)}: rows [{start}, {stop}) outside "
-                                        f"tensor {name!r} of shape {list(spec.shape)}")
+            raise CheckpointFormatError(
+                f"{self.directory / self.shard_of(name)}: rows [{start}, {stop}) outside "
+                f"tensor {name!r} of shape {list(spec.shape)}"
+            )
         row_bytes = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
         buf = bytearray((stop - start) * row_bytes)
         self._read_into(name, memoryview(buf), self.headers[self.shard_of(name)].span(name)[0] + start * row_bytes)
@@ -159,8 +163,10 @@ def _check_index(directory: Path, index: SafetensorsIndex, locations: Mapping[st
             raise CheckpointFormatError(f"{path}: tensor {name} is mapped to {shard} but that shard's header lacks it")
     unlisted = sorted(set(locations) - set(index.weight_map))
     if unlisted:
-        raise CheckpointFormatError(f"{path}: {len(unlisted)} tensor(s) in shard headers are not in the index, "
-                                    f"e.g. {unlisted[0]} in {locations[unlisted[0]]}")
+        raise CheckpointFormatError(
+            f"{path}: {len(unlisted)} tensor(s) in shard headers are not in the index, "
+            f"e.g. {unlisted[0]} in {locations[unlisted[0]]}"
+        )
 
 
 def assert_finite(name: str, tensor: torch.Tensor) -> None:

@@ -14,19 +14,43 @@ import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from json.encoder import encode_basestring
 from itertools import accumulate
+from json.encoder import encode_basestring
 from math import prod
-from typing import NamedTuple, Protocol
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 from glmquant.arch.table import DTYPE_BYTES
 from glmquant.errors import CheckpointFormatError
 
 # Rank in the library's dtype enum; tensors are written in descending rank, then by name.
-DTYPE_RANK = {name: rank for rank, name in enumerate(
-    ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16",
-     "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"])}
+DTYPE_RANK = {
+    name: rank
+    for rank, name in enumerate(
+        [
+            "BOOL",
+            "F4",
+            "F6_E2M3",
+            "F6_E3M2",
+            "U8",
+            "I8",
+            "F8_E5M2",
+            "F8_E4M3",
+            "F8_E8M0",
+            "I16",
+            "U16",
+            "F16",
+            "BF16",
+            "I32",
+            "U32",
+            "F32",
+            "C64",
+            "F64",
+            "I64",
+            "U64",
+        ]
+    )
+}
 
 
 class TensorSpec(NamedTuple):
@@ -70,8 +94,10 @@ def data_order(specs: Sequence[TensorLike]) -> list[TensorLike]:
     return sorted(specs, key=lambda s: (-DTYPE_RANK[s.dtype], s.name))
 
 
-def _header_json(specs: Sequence[TensorLike], metadata: Mapping[str, str] | None,
-                 ) -> tuple[bytes, list[TensorLike], list[int]]:
+def _header_json(
+    specs: Sequence[TensorLike],
+    metadata: Mapping[str, str] | None,
+) -> tuple[bytes, list[TensorLike], list[int]]:
     """The padded header JSON, the tensors in data order and the end offset of each.
 
     The text is what json.dumps(header, separators=(",", ":"), ensure_ascii=False) gives, written entry by
@@ -82,16 +108,21 @@ def _header_json(specs: Sequence[TensorLike], metadata: Mapping[str, str] | None
         raise ValueError("duplicate tensor names in one safetensors file")
     ordered = data_order(specs)
     ends = list(accumulate(s.nbytes for s in ordered))
-    entries = [f'{encode_basestring(s.name)}:{{"dtype":"{s.dtype}","shape":[{",".join(map(str, s.shape))}],'
-               f'"data_offsets":[{end - s.nbytes},{end}]}}' for s, end in zip(ordered, ends)]
+    entries = [
+        f'{encode_basestring(s.name)}:{{"dtype":"{s.dtype}","shape":[{",".join(map(str, s.shape))}],'
+        f'"data_offsets":[{end - s.nbytes},{end}]}}'
+        for s, end in zip(ordered, ends)
+    ]
     if metadata is not None:
         entries.insert(0, '"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False))
     blob = ("{" + ",".join(entries) + "}").encode("utf-8")
     return blob + b" " * (-len(blob) % 8), ordered, ends
 
 
-def build_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None,
-                 ) -> tuple[bytes, list[PlacedTensor]]:
+def build_header(
+    specs: Sequence[TensorSpec],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, list[PlacedTensor]]:
     """The exact file prefix (length + padded JSON) and where each tensor's bytes go."""
     blob, ordered, ends = _header_json(specs, metadata)
     placed = [PlacedTensor(TensorSpec(s.name, s.dtype, s.shape), end - s.nbytes, end) for s, end in zip(ordered, ends)]
@@ -155,9 +186,7 @@ def parse_header_bytes(blob: bytes, file_size: int, path: str) -> ParsedHeader:
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{path}: header is not a JSON object")
     metadata = raw.pop("__metadata__", None)
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointFormatError(f"{path}: __metadata__ must map strings to strings")
     placed = sorted((_entry(path, name, value) for name, value in raw.items()), key=lambda p: (p.begin, p.end))
     data_start = 8 + len(blob)
@@ -169,7 +198,10 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
-        raise ValueError(f"duplicate key {next(k for k, _ in pairs if k in seen or seen.add(k))!r}")
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {k!r}")
+            seen.add(k)
     return out
 
 
@@ -182,14 +214,19 @@ def _entry(path: str, name: str, value: object) -> PlacedTensor:
         raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise CheckpointFormatError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-            and offsets[0] <= offsets[1]):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
         raise CheckpointFormatError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
     spec = TensorSpec(name, dtype, tuple(shape))
     if offsets[1] - offsets[0] != spec.nbytes:
         raise CheckpointFormatError(
             f"{path}: tensor {name!r} shape {list(shape)} {dtype} needs {spec.nbytes} bytes but data_offsets "
-            f"{offsets} span {offsets[1] - offsets[0]}")
+            f"{offsets} span {offsets[1] - offsets[0]}"
+        )
     return PlacedTensor(spec, offsets[0], offsets[1])
 
 
@@ -204,7 +241,8 @@ def _check_layout(path: str, placed: Sequence[PlacedTensor], data_bytes: int) ->
         if p.end > data_bytes:
             raise CheckpointFormatError(
                 f"{path}: tensor {p.spec.name!r} data_offsets [{p.begin}, {p.end}] run past the end of the data "
-                f"({data_bytes} bytes; file truncated?)")
+                f"({data_bytes} bytes; file truncated?)"
+            )
         if p.begin < cursor:
             raise CheckpointFormatError(f"{path}: tensors {previous!r} and {p.spec.name!r} have overlapping data")
         if p.begin > cursor:

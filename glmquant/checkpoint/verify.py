@@ -32,8 +32,12 @@ from glmquant.errors import GlmquantError, UsageError
 
 # Files an artifact may hold that no manifest lists: a Hub repository's own files, and serve-check's reports
 # (written into the artifact after the build). Reported, never a failure.
-EXPECTED_UNLISTED = {".gitattributes": "Hub repository attributes", "README.md": "Hub repository card",
-                     "serve-check.json": "serve-check report", "serve-check.md": "serve-check report"}
+EXPECTED_UNLISTED = {
+    ".gitattributes": "Hub repository attributes",
+    "README.md": "Hub repository card",
+    "serve-check.json": "serve-check report",
+    "serve-check.md": "serve-check report",
+}
 HUB_CACHE = ".cache/huggingface/"  # what `hf download --local-dir` leaves
 
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -99,8 +103,12 @@ def verify_manifest_only(manifest_path: str | Path, expect_sha256: str | None = 
 
 
 def verify_artifact(
-    artifact_dir: str | Path, expect_sha256: str | None = None, fast: bool = False,
-    show_progress: bool = True, workers: int = 4, strict: bool = False,
+    artifact_dir: str | Path,
+    expect_sha256: str | None = None,
+    fast: bool = False,
+    show_progress: bool = True,
+    workers: int = 4,
+    strict: bool = False,
 ) -> VerifyReport:
     """Every check, in order; `fast` reads headers only (no full-file hashes); `strict` fails on any file the
     manifest does not vouch for (beyond a Hub repository's own files)."""
@@ -128,9 +136,17 @@ def verify_artifact(
 
 def _select_entries(state: ArtifactState) -> None:
     """Entries well-formed enough to look at, and lexically safe (unsafe ones already failed consistency)."""
+
     def usable(entries: object) -> list[Mapping[str, Any]]:
-        return [e for e in entries if isinstance(e, dict) and safe_relative(e.get("path"))
-                and isinstance(e.get("bytes"), int)] if isinstance(entries, list) else []
+        return (
+            [
+                e
+                for e in entries
+                if isinstance(e, dict) and safe_relative(e.get("path")) and isinstance(e.get("bytes"), int)
+            ]
+            if isinstance(entries, list)
+            else []
+        )
 
     state.weight_entries = usable(state.manifest.get("files"))
     state.metadata_entries = usable(state.manifest.get("metadata_files"))
@@ -161,8 +177,11 @@ def _sha_check(state: ArtifactState, fast: bool, show_progress: bool, workers: i
     paths = [state.root / e["path"] for e in entries]
     with _byte_progress(sum(p.stat().st_size for p in paths), show_progress) as advance:
         digests = sha256_files(paths, workers, advance)
-    problems = [f"{e['path']}: sha256 {digests[p]} differs from the manifest's {e.get('sha256')} (modified)"
-                for e, p in zip(entries, paths, strict=True) if digests[p] != e.get("sha256")]
+    problems = [
+        f"{e['path']}: sha256 {digests[p]} differs from the manifest's {e.get('sha256')} (modified)"
+        for e, p in zip(entries, paths, strict=True)
+        if digests[p] != e.get("sha256")
+    ]
     return check("file sha256", problems, f"{len(entries)} files hashed, all match")
 
 
@@ -188,8 +207,9 @@ def _unlisted_check(state: ArtifactState, strict: bool) -> CheckResult:
         if base.endswith(WEIGHT_SUFFIXES):
             failures.append(f"{name}: weight file not listed in the manifest")
         elif is_temp_file(base):
-            failures.append(f"{name}: temporary file of an interrupted write (rerun the job that wrote it, "
-                            "or delete it)")
+            failures.append(
+                f"{name}: temporary file of an interrupted write (rerun the job that wrote it, or delete it)"
+            )
         elif name in EXPECTED_UNLISTED:
             expected.append(f"{name} ({EXPECTED_UNLISTED[name]})")
         elif name.startswith(HUB_CACHE):

@@ -40,9 +40,15 @@ class VerifyReport:
         return "; ".join(f"{c.name}: {c.detail}" for c in self.checks if not c.ok)
 
     def to_json(self) -> dict[str, Any]:
-        return {"target": self.target, "manifest_sha256": self.manifest_sha256, "ok": self.ok,
-                "checks": [{"name": c.name, "ok": c.ok, "skipped": c.skipped, "warning": c.warning,
-                            "detail": c.detail} for c in self.checks]}
+        return {
+            "target": self.target,
+            "manifest_sha256": self.manifest_sha256,
+            "ok": self.ok,
+            "checks": [
+                {"name": c.name, "ok": c.ok, "skipped": c.skipped, "warning": c.warning, "detail": c.detail}
+                for c in self.checks
+            ],
+        }
 
 
 def check(name: str, problems: Sequence[str], ok_detail: str) -> CheckResult:

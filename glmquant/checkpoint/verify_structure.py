@@ -41,7 +41,8 @@ class Structure:
     def read(cls, state: ArtifactState) -> Structure:
         files = {path: header.specs for path, header in state.headers.items()}
         groups = exl3_groups(s for specs in files.values() for s in specs)
-        layout = state.manifest.get("layout") if isinstance(state.manifest.get("layout"), dict) else {}
+        declared = state.manifest.get("layout")
+        layout = declared if isinstance(declared, dict) else {}
         try:
             config = json.loads((state.root / "config.json").read_text(encoding="utf-8"))
             return cls(files, groups, layout, config, load_model_spec(config), None)
@@ -66,13 +67,23 @@ def structure_checks(state: ArtifactState) -> list[CheckResult]:
     n_tensors = sum(len(v) for v in s.files.values())
     return [
         check("index closure", _index_problems(state, s), f"{n_tensors:,} tensors, each in exactly one file"),
-        check("no routed .weight names", _routed_weight_problems(s),
-              f"none for quantized layers {_span(s.quantized_layers)}"),
+        check(
+            "no routed .weight names",
+            _routed_weight_problems(s),
+            f"none for quantized layers {_span(s.quantized_layers)}",
+        ),
         check("exl3 tensors", _exl3_problems(s), f"{len(s.groups):,} EXL3 tensors well-formed"),
         check("config geometry", _config_problems(state, s), "config, quantization block and files agree"),
-        check("retained totals", _retained_problems(state, s), "retained tensor and byte totals match"
-              + ("" if written_by_glmquant(state.manifest) else
-                 " (retained_manifest_sha256 not recomputed: how this manifest's writer hashed it is not published)")),
+        check(
+            "retained totals",
+            _retained_problems(state, s),
+            "retained tensor and byte totals match"
+            + (
+                ""
+                if written_by_glmquant(state.manifest)
+                else " (retained_manifest_sha256 not recomputed: how this manifest's writer hashed it is not published)"
+            ),
+        ),
     ]
 
 
@@ -95,10 +106,16 @@ def _index_problems(state: ArtifactState, s: Structure) -> list[str]:
             problems.append(f"{INDEX_NAME} maps {name} to {shard}, but it is in {holders[0]}")
         if not holders:
             problems.append(f"{INDEX_NAME} lists {name} but no file header has it")
-    problems += [f"{name} is in {len(paths)} file headers: {', '.join(paths)}"
-                 for name, paths in owners.items() if len(paths) > 1]
-    problems += [f"{name} (in {paths[0]}) is missing from {INDEX_NAME}" for name, paths in owners.items()
-                 if name not in index.weight_map]
+    problems += [
+        f"{name} is in {len(paths)} file headers: {', '.join(paths)}"
+        for name, paths in owners.items()
+        if len(paths) > 1
+    ]
+    problems += [
+        f"{name} (in {paths[0]}) is missing from {INDEX_NAME}"
+        for name, paths in owners.items()
+        if name not in index.weight_map
+    ]
     count = state.manifest.get("indexed_tensor_count")
     if len(index.weight_map) != count:
         problems.append(f"{INDEX_NAME} has {len(index.weight_map):,} tensors, manifest says {count}")
@@ -110,9 +127,12 @@ def _index_problems(state: ArtifactState, s: Structure) -> list[str]:
 
 def _routed_weight_problems(s: Structure) -> list[str]:
     quantized = set(s.quantized_layers)
-    return [f"{t.name} ({path}): original routed weight of quantized layer {m.group(1)}"
-            for path, specs in s.files.items() for t in specs
-            if (m := _ROUTED_WEIGHT.search(t.name)) and int(m.group(1)) in quantized]
+    return [
+        f"{t.name} ({path}): original routed weight of quantized layer {m.group(1)}"
+        for path, specs in s.files.items()
+        for t in specs
+        if (m := _ROUTED_WEIGHT.search(t.name)) and int(m.group(1)) in quantized
+    ]
 
 
 def _exl3_problems(s: Structure) -> list[str]:
@@ -123,8 +143,9 @@ def _exl3_problems(s: Structure) -> list[str]:
     return problems
 
 
-def expected_exl3(spec: ModelSpec, layout_type: str, bits: int, codebook: str,
-                  expert_bits: Mapping[int, Sequence[int]] | None = None) -> dict[str, TensorSpec]:
+def expected_exl3(
+    spec: ModelSpec, layout_type: str, bits: int, codebook: str, expert_bits: Mapping[int, Sequence[int]] | None = None
+) -> dict[str, TensorSpec]:
     """Every EXL3 part the config implies: quantized layers x routed experts x projections (x rank slices), each
     expert at its tier's K when `expert_bits` gives them."""
     ranks = TR3_RANKS if layout_type == "tr3" else None
@@ -134,8 +155,7 @@ def expected_exl3(spec: ModelSpec, layout_type: str, bits: int, codebook: str,
         for layer in spec.moe_layers
         for e in range(spec.n_routed_experts)
         for sl in expert_slices(spec, layer, e, e, ranks)
-        for t in exl3_parts(sl, table.layer_prefix(layer),
-                            expert_bits[layer][e] if expert_bits else bits, codebook)
+        for t in exl3_parts(sl, table.layer_prefix(layer), expert_bits[layer][e] if expert_bits else bits, codebook)
     }
 
 
@@ -149,10 +169,13 @@ def files_expert_bits(s: Structure, spec: ModelSpec) -> tuple[dict[int, tuple[in
         if m and group.bits is not None:
             found.setdefault((int(m[1]), int(m[2])), set()).add(group.bits)
     base = int(s.quantization("bits", 0) or 0)
-    problems = [f"layer {layer} expert {e}: its EXL3 tensors mix K {sorted(k)}"
-                for (layer, e), k in found.items() if len(k) > 1]
-    bits = {layer: tuple(min(found.get((layer, e), {base})) for e in range(spec.n_routed_experts))
-            for layer in spec.moe_layers}
+    problems = [
+        f"layer {layer} expert {e}: its EXL3 tensors mix K {sorted(k)}" for (layer, e), k in found.items() if len(k) > 1
+    ]
+    bits = {
+        layer: tuple(min(found.get((layer, e), {base})) for e in range(spec.n_routed_experts))
+        for layer in spec.moe_layers
+    }
     return bits, problems
 
 
@@ -161,22 +184,37 @@ def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
         return [s.config_error or "config.json unreadable"]
     spec, stated = s.spec, state.manifest.get("geometry")  # geometry and quantized_layers: glmquant's manifests
     stated = stated if isinstance(stated, dict) else None
-    problems = [f"geometry {k}: config {v}, manifest {stated.get(k)}"
-                for k, v in geometry(spec, spec.n_routed_experts).items() if stated.get(k) != v] if stated else []
+    problems = (
+        [
+            f"geometry {k}: config {v}, manifest {stated.get(k)}"
+            for k, v in geometry(spec, spec.n_routed_experts).items()
+            if stated.get(k) != v
+        ]
+        if stated
+        else []
+    )
     if "quantized_layers" in s.layout and spec.moe_layers != list(s.layout["quantized_layers"]):
         problems.append(f"config's MoE layers {_span(spec.moe_layers)} != manifest's quantized layers")
     expert_bits, mixed = files_expert_bits(s, spec)
     problems += mixed + _tier_bitmap_problems(state, expert_bits)
     try:
-        expected = expected_exl3(spec, str(s.layout.get("type")), int(s.quantization("bits", 0)),
-                                 str(s.quantization("codebook")), expert_bits)
+        expected = expected_exl3(
+            spec,
+            str(s.layout.get("type")),
+            int(s.quantization("bits", 0)),
+            str(s.quantization("codebook")),
+            expert_bits,
+        )
     except (GlmquantError, KeyError, ValueError, TypeError) as exc:
         return problems + [f"cannot derive the expected EXL3 tensors: {exc}"]
     actual = {p.name: p for g in s.groups.values() for p in g.parts.values()}
     problems += [f"{n}: expected by the config, missing from the files" for n in sorted(set(expected) - set(actual))]
     problems += [f"{n}: EXL3 tensor the config does not call for" for n in sorted(set(actual) - set(expected))]
-    problems += [f"{n}: {actual[n].dtype} {list(actual[n].shape)}, config implies {e.dtype} {list(e.shape)}"
-                 for n, e in expected.items() if n in actual and actual[n] != e]
+    problems += [
+        f"{n}: {actual[n].dtype} {list(actual[n].shape)}, config implies {e.dtype} {list(e.shape)}"
+        for n, e in expected.items()
+        if n in actual and actual[n] != e
+    ]
     problems += _router_problems(s, spec)
     return problems + _block_problems(state, s, spec, expert_bits)
 
@@ -188,8 +226,9 @@ def _tier_bitmap_problems(state: ArtifactState, expert_bits: Mapping[int, Sequen
     recorded = state.manifest.get("tier_bitmap_sha256")
     mixed = len({b for bits in expert_bits.values() for b in bits}) > 1
     if recorded is None:
-        return ["the routed experts have several bit widths but the manifest has no tier_bitmap_sha256"] if mixed \
-            else []
+        return (
+            ["the routed experts have several bit widths but the manifest has no tier_bitmap_sha256"] if mixed else []
+        )
     actual = tier_bitmap_sha256(expert_bits)
     return [] if recorded == actual else [f"manifest tier_bitmap_sha256 {recorded} != {actual} from the files"]
 
@@ -197,19 +236,25 @@ def _tier_bitmap_problems(state: ArtifactState, expert_bits: Mapping[int, Sequen
 def _router_problems(s: Structure, spec: ModelSpec) -> list[str]:
     table = table_for(spec)
     routers = {table.layer_prefix(layer) + "mlp.gate.weight" for layer in spec.moe_layers + spec.mtp_layers}
-    return [f"{t.name}: {t.shape[0]} router rows, config has {spec.n_routed_experts} experts"
-            for specs in s.files.values() for t in specs if t.name in routers and t.shape[0] != spec.n_routed_experts]
+    return [
+        f"{t.name}: {t.shape[0]} router rows, config has {spec.n_routed_experts} experts"
+        for specs in s.files.values()
+        for t in specs
+        if t.name in routers and t.shape[0] != spec.n_routed_experts
+    ]
 
 
-def _block_problems(state: ArtifactState, s: Structure, spec: ModelSpec,
-                    expert_bits: Mapping[int, Sequence[int]]) -> list[str]:
+def _block_problems(
+    state: ArtifactState, s: Structure, spec: ModelSpec, expert_bits: Mapping[int, Sequence[int]]
+) -> list[str]:
     """The quantization block against the layout and the files; quantization_config.json against the block."""
     qc = s.config.get("quantization_config") if s.config else None
     if not isinstance(qc, dict):
         return ["config.json has no quantization_config block"]
     expect = {"quant_method": "exl3", "codebook": s.quantization("codebook")}
-    problems = [f"quantization_config.{k} is {qc.get(k)!r}, expected {v!r}"
-                for k, v in expect.items() if qc.get(k) != v]
+    problems = [
+        f"quantization_config.{k} is {qc.get(k)!r}, expected {v!r}" for k, v in expect.items() if qc.get(k) != v
+    ]
     bpw = routed_bpw_of(s.groups, spec.hidden_size, spec.moe_intermediate_size)
     recorded = state.manifest.get("effective_routed_tier_bpw")
     if recorded != bpw:
@@ -223,8 +268,9 @@ def _block_problems(state: ArtifactState, s: Structure, spec: ModelSpec,
     return problems + _exllamav3_block_problems(qc, qjson, s)
 
 
-def _tr3_block_problems(qc: Mapping[str, Any], qjson: Any, bits: Any, expert_bits: Mapping[int, Sequence[int]],
-                        bpw: float) -> list[str]:
+def _tr3_block_problems(
+    qc: Mapping[str, Any], qjson: Any, bits: Any, expert_bits: Mapping[int, Sequence[int]], bpw: float
+) -> list[str]:
     problems = []
     try:
         counts = tier_counts(expert_bits)
@@ -232,14 +278,21 @@ def _tr3_block_problems(qc: Mapping[str, Any], qjson: Any, bits: Any, expert_bit
         return [f"routed experts: {exc} (the tr3 block states one count per tier)"]
     keys = TR3_KEYS | ({K1_TIER_KEY} if 1 in counts else set())
     if set(qc) != keys:
-        problems.append(f"quantization_config keys differ from the tr3 block: missing {sorted(keys - set(qc))}, "
-                        f"extra {sorted(set(qc) - keys)}")
+        problems.append(
+            f"quantization_config keys differ from the tr3 block: missing {sorted(keys - set(qc))}, "
+            f"extra {sorted(set(qc) - keys)}"
+        )
     problems += [f"K{b} routed experts: the tr3 layout's tiers are K1 to K4" for b in counts if b not in TR3_TIER_KEYS]
-    expect = {"bits": bits, "archive_tensor_parallel_size": TR3_RANKS, "rank_stacked_tp": TR3_RANKS,
-              "effective_routed_tier_bpw": bpw,
-              **{key: counts.get(b, 0) for b, key in TR3_TIER_KEYS.items() if key in keys}}
-    problems += [f"quantization_config.{k} is {qc.get(k)!r}, files imply {v!r}"
-                 for k, v in expect.items() if qc.get(k) != v]
+    expect = {
+        "bits": bits,
+        "archive_tensor_parallel_size": TR3_RANKS,
+        "rank_stacked_tp": TR3_RANKS,
+        "effective_routed_tier_bpw": bpw,
+        **{key: counts.get(b, 0) for b, key in TR3_TIER_KEYS.items() if key in keys},
+    }
+    problems += [
+        f"quantization_config.{k} is {qc.get(k)!r}, files imply {v!r}" for k, v in expect.items() if qc.get(k) != v
+    ]
     if qjson != qc:
         problems.append("quantization_config.json differs from config.json's quantization_config")
     return problems
@@ -265,24 +318,35 @@ def _retained_problems(state: ArtifactState, s: Structure) -> list[str]:
         kept = [t for t in specs if not is_exl3_tensor(t.name, s.groups)]
         retained += [(path, t) for t in kept]
         experts = {m.groups() for t in specs if is_exl3_tensor(t.name, s.groups) and (m := _EXPERT_KEY.search(t.name))}
-        facts = {"tensor_count": len(specs), "tensor_bytes": sum(t.nbytes for t in specs),
-                 "logical_expert_count": len(experts), "retained_tensor_count": len(kept),
-                 "retained_tensor_bytes": sum(t.nbytes for t in kept)}
+        facts = {
+            "tensor_count": len(specs),
+            "tensor_bytes": sum(t.nbytes for t in specs),
+            "logical_expert_count": len(experts),
+            "retained_tensor_count": len(kept),
+            "retained_tensor_bytes": sum(t.nbytes for t in kept),
+        }
         kind = entry_kind(entry)
         if kind == "expert" and kept:
             problems.append(f"{path}: {len(kept)} non-EXL3 tensor(s) in an expert file, e.g. {kept[0].name}")
         if kind == "retained" and len(kept) != len(specs):
             problems.append(f"{path}: {len(specs) - len(kept)} EXL3 tensor(s) in a retained file")
-        problems += [f"{path}: manifest {k} {entry[k]}, file has {v}"
-                     for k, v in facts.items() if k in entry and entry[k] != v]
+        problems += [
+            f"{path}: manifest {k} {entry[k]}, file has {v}" for k, v in facts.items() if k in entry and entry[k] != v
+        ]
     if len(s.files) != len(state.weight_entries):  # totals are only meaningful when every header was read
         return problems
-    m = state.manifest
-    totals = {"retained_tensor_count": len(retained), "retained_tensor_bytes": sum(t.nbytes for _, t in retained)}
-    if written_by_glmquant(m):  # the release does not publish how it hashed its retained tensor list
+    manifest = state.manifest
+    totals: dict[str, int | str] = {
+        "retained_tensor_count": len(retained),
+        "retained_tensor_bytes": sum(t.nbytes for _, t in retained),
+    }
+    if written_by_glmquant(manifest):  # the release does not publish how it hashed its retained tensor list
         totals["retained_manifest_sha256"] = retained_manifest_sha256(retained)
-    return problems + [f"manifest {k} {m.get(k)}, files give {v}" for k, v in totals.items()
-                       if k in m and m[k] != v]
+    return problems + [
+        f"manifest {k} {manifest.get(k)}, files give {v}"
+        for k, v in totals.items()
+        if k in manifest and manifest[k] != v
+    ]
 
 
 def _span(layers: list[int]) -> str:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Union
+from typing import BinaryIO
 
 import torch
 
@@ -23,7 +23,7 @@ from glmquant.errors import CheckpointFormatError, GlmquantError
 # What a provider hands over for one tensor: its bytes, the tensor itself, or a function that streams the
 # bytes into the open file and returns how many it wrote (used to copy retained tensors without loading them).
 Streamer = Callable[[BinaryIO], int]
-Provided = Union[bytes, bytearray, memoryview, torch.Tensor, Streamer]
+Provided = bytes | bytearray | memoryview | torch.Tensor | Streamer
 
 
 _TEMP_NAME = re.compile(r"^\..+\.tmp-\d+$")  # `.NAME.tmp-PID`, as atomic_file names its temporary file
@@ -47,18 +47,14 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
     """Open a temp file beside `path`; it becomes `path` only if the block completes."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    f = None
     try:
-        f = open(tmp, "wb")
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException as exc:
-        if f is not None:
-            f.close()
         tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
             raise _named(path, exc) from exc
@@ -111,16 +107,19 @@ def _write_tensor(f: BinaryIO, spec: TensorSpec, data: Provided, path: str | Pat
         if dtype_name(data) != spec.dtype or tuple(data.shape) != spec.shape:
             raise CheckpointFormatError(
                 f"{path}: tensor {spec.name} provided as {dtype_name(data)} {list(data.shape)}, "
-                f"header says {spec.dtype} {list(spec.shape)}")
+                f"header says {spec.dtype} {list(spec.shape)}"
+            )
         data = tensor_to_bytes(data)
     if callable(data):
         start = f.tell()
         written = data(f)
         if written != spec.nbytes or f.tell() - start != spec.nbytes:
             raise CheckpointFormatError(
-                f"{path}: tensor {spec.name} streamed {f.tell() - start} bytes, expected {spec.nbytes}")
+                f"{path}: tensor {spec.name} streamed {f.tell() - start} bytes, expected {spec.nbytes}"
+            )
         return
     if len(memoryview(data).cast("B")) != spec.nbytes:
         raise CheckpointFormatError(
-            f"{path}: tensor {spec.name} provided {len(memoryview(data).cast('B'))} bytes, expected {spec.nbytes}")
+            f"{path}: tensor {spec.name} provided {len(memoryview(data).cast('B'))} bytes, expected {spec.nbytes}"
+        )
     f.write(data)

@@ -8,8 +8,12 @@ from glmquant.cli import build, demo, encode, fixture, observe, plan, serve, ser
 from glmquant.cli.common import guarded
 from glmquant.environment import check_environment
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Build and prove 2-bit EXL3 checkpoints of huge GLM mixture-of-experts models.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Build and prove 2-bit EXL3 checkpoints of huge GLM mixture-of-experts models.",
+)
 
 
 @app.callback()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -25,32 +25,46 @@ def build(
     observations: Annotated[Path, typer.Option(help="observations directory: statistics, token rows, resume state")],
     out_dir: Annotated[Path, typer.Option("--out", help="artifact directory to write")],
     recipe: Annotated[Path, typer.Option(help="calibration recipe (YAML)")] = DEFAULT_RECIPE,
-    rows: Annotated[Optional[int], typer.Option(help="rows per lane (overrides the recipe)")] = None,
-    tokens: Annotated[Optional[int], typer.Option(help="tokens per row (overrides the recipe)")] = None,
-    hessians: Annotated[HessianMode, typer.Option(
-        help="Hessians to observe; 'all' encodes with all-token Hessians, else natural ones")] = HessianMode.NATURAL,
-    keep: Annotated[Optional[int], typer.Option(help="also write OBS/prune_plan.json keeping N experts per layer")
-                    ] = None,
-    prune_plan: Annotated[Optional[Path], typer.Option(help="encode only the experts this prune_plan.json keeps")
-                          ] = None,
+    rows: Annotated[int | None, typer.Option(help="rows per lane (overrides the recipe)")] = None,
+    tokens: Annotated[int | None, typer.Option(help="tokens per row (overrides the recipe)")] = None,
+    hessians: Annotated[
+        HessianMode, typer.Option(help="Hessians to observe; 'all' encodes with all-token Hessians, else natural ones")
+    ] = HessianMode.NATURAL,
+    keep: Annotated[int | None, typer.Option(help="also write OBS/prune_plan.json keeping N experts per layer")] = None,
+    prune_plan: Annotated[Path | None, typer.Option(help="encode only the experts this prune_plan.json keeps")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda (observation and encoding)")] = "cpu",
     batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
-    stream_budget_gb: Annotated[Optional[float], typer.Option(
-        help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed")] = None,
+    stream_budget_gb: Annotated[
+        float | None,
+        typer.Option(help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed"),
+    ] = None,
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
-    work_dir: Annotated[Optional[Path], typer.Option(help="resumable encode state (default: ARTIFACT.work)")] = None,
+    work_dir: Annotated[Path | None, typer.Option(help="resumable encode state (default: ARTIFACT.work)")] = None,
     seed: Annotated[int, typer.Option(help="base seed of the EXL3 sign flips")] = 0,
-    source_repo: Annotated[Optional[str], typer.Option(help="source repo id recorded in the provenance")] = None,
+    source_repo: Annotated[str | None, typer.Option(help="source repo id recorded in the provenance")] = None,
 ) -> None:
     """Observe and encode layer by layer: the same artifact as observe + encode, without Hessians on disk."""
     config = BuildConfig(
-        ObserveConfig(source, observations, recipe, rows, tokens, hessians, False, keep, device, batch_rows,
-                      stream_budget_gb),
-        EncodeConfig(source=source, out=out_dir, observations=observations, bits=bits, codebook=codebook,
-                     layout=layout, hessians="all" if hessians is HessianMode.ALL else "natural",
-                     prune_plan=prune_plan, device=device, work_dir=work_dir, seed=seed, source_repo=source_repo))
+        ObserveConfig(
+            source, observations, recipe, rows, tokens, hessians, False, keep, device, batch_rows, stream_budget_gb
+        ),
+        EncodeConfig(
+            source=source,
+            out=out_dir,
+            observations=observations,
+            bits=bits,
+            codebook=codebook,
+            layout=layout,
+            hessians=HessianMode.ALL if hessians is HessianMode.ALL else HessianMode.NATURAL,
+            prune_plan=prune_plan,
+            device=device,
+            work_dir=work_dir,
+            seed=seed,
+            source_repo=source_repo,
+        ),
+    )
     result = build_artifact(config, console, progress=True)
     out.print(summary_table(result.encode.layers))
     out.print(f"observations: {observations} (peak RSS {result.observation.peak_rss_bytes / 2**20:,.0f} MiB)")

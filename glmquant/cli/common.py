@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Optional, ParamSpec, TypeVar
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
@@ -34,8 +34,12 @@ R = TypeVar("R")
 
 ExistingPath = Annotated[Path, typer.Argument(exists=True, help="an existing file or directory")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="print machine-readable JSON instead of tables")]
-HubRevision = Annotated[Optional[str], typer.Option(
-    help="with a Hub repo id: branch, tag or commit (default main); files come through the Hugging Face cache")]
+HubRevision = Annotated[
+    str | None,
+    typer.Option(
+        help="with a Hub repo id: branch, tag or commit (default main); files come through the Hugging Face cache"
+    ),
+]
 
 
 def print_json(data: Any) -> None:

@@ -16,7 +16,9 @@ def register(app: typer.Typer) -> None:
 
 
 @guarded
-def demo(out_dir: Annotated[Path, typer.Argument(help="working directory for the tiny source, observations and artifact")]) -> None:
+def demo(
+    out_dir: Annotated[Path, typer.Argument(help="working directory for the tiny source, observations and artifact")],
+) -> None:
     """Build the tiny GLM-5.3-Flash-architecture model and run every stage on it."""
     result = run_demo(out_dir, out)
     out.print("[bold green]demo finished[/]")

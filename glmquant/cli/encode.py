@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -22,26 +22,35 @@ def register(app: typer.Typer) -> None:
 def encode(
     source: Annotated[str, typer.Argument(help="BF16 source checkpoint: a directory or a Hub repo id")],
     out_dir: Annotated[Path, typer.Option("--out", help="artifact directory to write")],
-    observations: Annotated[Optional[Path], typer.Option(help="output directory of `glmquant observe`")] = None,
+    observations: Annotated[Path | None, typer.Option(help="output directory of `glmquant observe`")] = None,
     uncalibrated: Annotated[bool, typer.Option(help="encode without observations (identity Hessians)")] = False,
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
-    tiers: Annotated[Optional[str], typer.Option(
-        help="per-expert K by REAP saliency, e.g. reap:K3=32,K2=rest (replaces --bits; needs --observations)")] = None,
-    tier_plan: Annotated[Optional[Path], typer.Option(help="explicit tier_plan.json (observe --tiers)")] = None,
+    tiers: Annotated[
+        str | None,
+        typer.Option(
+            help="per-expert K by REAP saliency, e.g. reap:K3=32,K2=rest (replaces --bits; needs --observations)"
+        ),
+    ] = None,
+    tier_plan: Annotated[Path | None, typer.Option(help="explicit tier_plan.json (observe --tiers)")] = None,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
     hessians: Annotated[str, typer.Option(help="natural or all")] = "natural",
-    blend: Annotated[Optional[float], typer.Option(
-        help="with --hessians natural: natural share S of S*natural + (1-S)*all-token (observe --hessians both)")
+    blend: Annotated[
+        float | None,
+        typer.Option(
+            help="with --hessians natural: natural share S of S*natural + (1-S)*all-token (observe --hessians both)"
+        ),
     ] = None,
-    keep: Annotated[Optional[int], typer.Option(help="REAP-prune to N experts per layer")] = None,
-    prune_plan: Annotated[Optional[Path], typer.Option(help="explicit prune_plan.json")] = None,
+    keep: Annotated[int | None, typer.Option(help="REAP-prune to N experts per layer")] = None,
+    prune_plan: Annotated[Path | None, typer.Option(help="explicit prune_plan.json")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
-    work_dir: Annotated[Optional[Path], typer.Option(help="resumable job state (default: ARTIFACT.work)")] = None,
+    work_dir: Annotated[Path | None, typer.Option(help="resumable job state (default: ARTIFACT.work)")] = None,
     seed: Annotated[int, typer.Option(help="base seed of the EXL3 sign flips")] = 0,
     experts_per_unit: Annotated[int, typer.Option(help="experts encoded together in one work unit (GPU batch)")] = 32,
-    source_repo: Annotated[Optional[str], typer.Option(
-        help="source repo id recorded in the provenance (default: the Hub repo id given as SOURCE)")] = None,
+    source_repo: Annotated[
+        str | None,
+        typer.Option(help="source repo id recorded in the provenance (default: the Hub repo id given as SOURCE)"),
+    ] = None,
     revision: HubRevision = None,
 ) -> None:
     """EXL3-encode the routed experts, copy everything else byte-for-byte, write and verify the artifact.
@@ -49,13 +58,30 @@ def encode(
     On N GPUs: torchrun --nproc-per-node N -m glmquant encode ... --device cuda (shared storage for --out).
     """
     # options checked before a Hub source is fetched
-    cfg = EncodeConfig(source=Path(source), out=out_dir, observations=observations, uncalibrated=uncalibrated,
-                       bits=bits, codebook=codebook, layout=layout, hessians=hessians, blend=blend, keep=keep,
-                       prune_plan=prune_plan, tiers=tiers, tier_plan=tier_plan, device=device, work_dir=work_dir,
-                       seed=seed, source_repo=source_repo, experts_per_unit=experts_per_unit)
+    cfg = EncodeConfig(
+        source=Path(source),
+        out=out_dir,
+        observations=observations,
+        uncalibrated=uncalibrated,
+        bits=bits,
+        codebook=codebook,
+        layout=layout,
+        hessians=hessians,  # type: ignore[arg-type]  # EncodeConfig parses the text; a bad value is a UsageError
+        blend=blend,
+        keep=keep,
+        prune_plan=prune_plan,
+        tiers=tiers,  # type: ignore[arg-type]  # parsed by EncodeConfig too
+        tier_plan=tier_plan,
+        device=device,
+        work_dir=work_dir,
+        seed=seed,
+        source_repo=source_repo,
+        experts_per_unit=experts_per_unit,
+    )
     resolved = resolve_source(source, revision)
-    cfg = replace(cfg, source=resolved.path, source_repo=source_repo or resolved.repo_id,
-                  source_revision=resolved.revision)
+    cfg = replace(
+        cfg, source=resolved.path, source_repo=source_repo or resolved.repo_id, source_revision=resolved.revision
+    )
     result = encode_artifact(cfg, console)
     if result is None:  # a rank other than 0 of a torchrun job: rank 0 writes and reports the artifact
         return

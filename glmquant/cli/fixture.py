@@ -4,7 +4,7 @@ config's widths (the reference GLM-5.3-Flash config unless --config says otherwi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -12,7 +12,11 @@ from rich.table import Table
 from glmquant.cli.common import guarded, out
 from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
 from glmquant.fixtures.synthetic import (
-    DEFAULT_SHARD_BYTES, REFERENCE_CONFIG, SyntheticOptions, build_synthetic_checkpoint, synthetic_layout,
+    DEFAULT_SHARD_BYTES,
+    REFERENCE_CONFIG,
+    SyntheticOptions,
+    build_synthetic_checkpoint,
+    synthetic_layout,
 )
 
 
@@ -24,16 +28,24 @@ def register(app: typer.Typer) -> None:
 def fixture(
     out_dir: Annotated[Path, typer.Argument(help="directory to write the BF16 checkpoint into")],
     seed: Annotated[int, typer.Option(help="random seed of the weights")] = 0,
-    experts: Annotated[Optional[int], typer.Option(
-        help=f"routed experts per MoE layer (tiny: {TinyModelConfig.n_routed_experts}; with --layers: the config's)"
-    )] = None,
-    layers: Annotated[Optional[int], typer.Option(
-        help="build a real-width checkpoint of the first N decoder layers of --config (plus its MTP layer)")] = None,
-    config: Annotated[Path, typer.Option(help="with --layers: the config.json to take widths and layer kinds from")
-                      ] = REFERENCE_CONFIG,
+    experts: Annotated[
+        int | None,
+        typer.Option(
+            help=f"routed experts per MoE layer (tiny: {TinyModelConfig.n_routed_experts}; with --layers: the config's)"
+        ),
+    ] = None,
+    layers: Annotated[
+        int | None,
+        typer.Option(
+            help="build a real-width checkpoint of the first N decoder layers of --config (plus its MTP layer)"
+        ),
+    ] = None,
+    config: Annotated[
+        Path, typer.Option(help="with --layers: the config.json to take widths and layer kinds from")
+    ] = REFERENCE_CONFIG,
     device: Annotated[str, typer.Option(help="with --layers: where the weights are generated (cpu or cuda)")] = "cpu",
-    shard_gb: Annotated[float, typer.Option(help="with --layers: shard size cap in GiB")
-                        ] = DEFAULT_SHARD_BYTES / 1024**3,
+    shard_gb: Annotated[float, typer.Option(help="with --layers: shard size cap in GiB")] = DEFAULT_SHARD_BYTES
+    / 1024**3,
     dry_run: Annotated[bool, typer.Option(help="with --layers: list the shards, write nothing")] = False,
 ) -> None:
     """Build a deterministic source checkpoint (same options, same bytes); rerun to finish an interrupted one."""
@@ -45,8 +57,10 @@ def fixture(
     options = SyntheticOptions(layers, config, experts, seed, device, int(shard_gb * 1024**3))
     layout = synthetic_layout(options)
     if dry_run:
-        table = Table(title=f"{out_dir}: {layout.spec.num_hidden_layers} layers + MTP, "
-                            f"{layout.spec.n_routed_experts} experts per MoE layer")
+        table = Table(
+            title=f"{out_dir}: {layout.spec.num_hidden_layers} layers + MTP, "
+            f"{layout.spec.n_routed_experts} experts per MoE layer"
+        )
         for column in ("shard", "tensors", "bytes"):
             table.add_column(column, justify="left" if column == "shard" else "right")
         for shard in layout.shards:

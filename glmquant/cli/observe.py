@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -24,31 +24,50 @@ def observe(
     source: Annotated[str, typer.Argument(help="BF16 source checkpoint: a directory or a Hub repo id")],
     out_dir: Annotated[Path, typer.Option("--out", help="observations directory (rerun to resume)")],
     recipe: Annotated[Path, typer.Option(help="calibration recipe (YAML)")] = DEFAULT_RECIPE,
-    rows: Annotated[Optional[int], typer.Option(help="rows per lane (overrides the recipe)")] = None,
-    tokens: Annotated[Optional[int], typer.Option(help="tokens per row (overrides the recipe)")] = None,
+    rows: Annotated[int | None, typer.Option(help="rows per lane (overrides the recipe)")] = None,
+    tokens: Annotated[int | None, typer.Option(help="tokens per row (overrides the recipe)")] = None,
     hessians: Annotated[HessianMode, typer.Option(help="routed-expert Hessian coverage")] = HessianMode.NATURAL,
     dense_hessians: Annotated[bool, typer.Option(help="also capture attention/shared-expert/dense Hessians")] = False,
-    keep: Annotated[Optional[int], typer.Option(help="write prune_plan.json keeping N experts per layer")] = None,
-    tiers: Annotated[Optional[str], typer.Option(
-        help="write tier_plan.json: per-expert K by REAP saliency, e.g. reap:K3=32,K2=rest (of the kept experts)")
+    keep: Annotated[int | None, typer.Option(help="write prune_plan.json keeping N experts per layer")] = None,
+    tiers: Annotated[
+        str | None,
+        typer.Option(
+            help="write tier_plan.json: per-expert K by REAP saliency, e.g. reap:K3=32,K2=rest (of the kept experts)"
+        ),
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
-    stream_budget_gb: Annotated[Optional[float], typer.Option(
-        help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed")] = None,
+    stream_budget_gb: Annotated[
+        float | None,
+        typer.Option(help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed"),
+    ] = None,
     report: Annotated[bool, typer.Option(help="print per-layer tables and write the REAP heat map")] = False,
-    report_layer: Annotated[Optional[list[int]], typer.Option(help="with --report: every expert of this layer")] = None,
+    report_layer: Annotated[list[int] | None, typer.Option(help="with --report: every expert of this layer")] = None,
     revision: HubRevision = None,
 ) -> None:
     """Stream calibration rows through the model layer by layer; save REAP statistics and Hessians."""
     resolved = resolve_source(source, revision)
     if resolved.repo_id is not None:
         out.print(f"source {resolved.repo_id} at commit {resolved.revision} ({resolved.path})")
-    config = ObserveConfig(resolved.path, out_dir, recipe, rows, tokens, hessians, dense_hessians, keep, device,
-                           batch_rows, stream_budget_gb, tiers)
+    config = ObserveConfig(
+        resolved.path,
+        out_dir,
+        recipe,
+        rows,
+        tokens,
+        hessians,
+        dense_hessians,
+        keep,
+        device,
+        batch_rows,
+        stream_budget_gb,
+        tiers,  # type: ignore[arg-type]  # ObserveConfig parses the text; a bad value is a UsageError
+    )
     summary = run_observe(config, progress=True)
-    out.print(f"observed {len(summary.layers)} layers ({len(summary.moe_layers())} MoE) into {out_dir}; "
-              f"token rows {summary.token_rows_sha256[:16]}…, peak RSS {summary.peak_rss_bytes / 2**20:,.0f} MiB")
+    out.print(
+        f"observed {len(summary.layers)} layers ({len(summary.moe_layers())} MoE) into {out_dir}; "
+        f"token rows {summary.token_rows_sha256[:16]}…, peak RSS {summary.peak_rss_bytes / 2**20:,.0f} MiB"
+    )
     if summary.prune_plan:
         out.print(f"prune plan: {out_dir / summary.prune_plan}")
     if summary.tier_plan:

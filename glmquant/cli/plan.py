@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from glmquant.arch import load_model_spec
-from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.hub import CONFIG_FILES, resolve_source
+from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.cli.common import HubRevision, JsonFlag, guarded, out, print_json
 from glmquant.observe.tiers import load_tier_plan
 from glmquant.plan import load_source_shards, plan_to_json, summarize
@@ -23,12 +23,16 @@ def register(app: typer.Typer) -> None:
 @guarded
 def plan(
     config: Annotated[str, typer.Argument(help="config.json, a directory holding one, or a Hub repo id")],
-    source_index: Annotated[Optional[Path], typer.Option(
-        help="source model.safetensors.index.json (default with a Hub repo id: the repo's)")] = None,
+    source_index: Annotated[
+        Path | None,
+        typer.Option(help="source model.safetensors.index.json (default with a Hub repo id: the repo's)"),
+    ] = None,
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
-    tier_plan: Annotated[Optional[Path], typer.Option(
-        help="per-expert K from an observation's tier_plan.json (observe --tiers; replaces --bits)")] = None,
+    tier_plan: Annotated[
+        Path | None,
+        typer.Option(help="per-expert K from an observation's tier_plan.json (observe --tiers; replaces --bits)"),
+    ] = None,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     as_json: JsonFlag = False,
     tensors: Annotated[bool, typer.Option(help="with --json: list every tensor of every file")] = True,
@@ -42,8 +46,14 @@ def plan(
     spec = load_model_spec(resolved.path)
     shards = load_source_shards(source_index) if source_index else None
     tiers = load_tier_plan(tier_plan, spec.moe_layers, spec.n_routed_experts) if tier_plan else None
-    result = plan_artifact(spec, layout, tiers.rest_bits if tiers else bits, codebook, shards,
-                           expert_bits=tiers.expert_bits if tiers else None)
+    result = plan_artifact(
+        spec,
+        layout,
+        tiers.rest_bits if tiers else bits,
+        codebook,
+        shards,
+        expert_bits=tiers.expert_bits if tiers else None,
+    )
     summary = summarize(result)
     if as_json:
         print_json(plan_to_json(result, summary, tensors))
@@ -58,6 +68,8 @@ def plan(
     table.add_section()
     table.add_row("[b]indexed tensors", f"[b]{summary.indexed_tensor_count:,}", f"[b]{summary.physical_bytes:,}")
     out.print(table)
-    out.print(f"files: {summary.file_count} ({summary.expert_file_count} expert shards)   "
-              f"MTP layer: {summary.mtp_tensors:,} tensors / {summary.mtp_bytes:,} B   "
-              f"decode reads {summary.decode_bytes_per_token:,} B per token")
+    out.print(
+        f"files: {summary.file_count} ({summary.expert_file_count} expert shards)   "
+        f"MTP layer: {summary.mtp_tensors:,} tensors / {summary.mtp_bytes:,} B   "
+        f"decode reads {summary.decode_bytes_per_token:,} B per token"
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -20,7 +20,7 @@ def upload(
     artifact: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="artifact directory")],
     repo_id: Annotated[str, typer.Option(help="Hub repo to publish to (owner/name; created when missing)")],
     private: Annotated[bool, typer.Option(help="create the repo private")] = False,
-    revision: Annotated[Optional[str], typer.Option(help="branch to commit to (default main)")] = None,
+    revision: Annotated[str | None, typer.Option(help="branch to commit to (default main)")] = None,
 ) -> None:
     """Verify every file against the manifest, then upload the artifact in one commit with its model card
     as README.md (Hub metadata: base model, license, tags, quantization). Token: HF_TOKEN or `hf auth login`."""

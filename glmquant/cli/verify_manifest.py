@@ -7,7 +7,7 @@ errors (bad options, a path that does not exist).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -23,11 +23,15 @@ def register(app: typer.Typer) -> None:
 @guarded
 def verify_manifest(
     artifact: Annotated[Path, typer.Argument(help="artifact directory (or its EXL3_MANIFEST.json)")],
-    expect_sha256: Annotated[Optional[str], typer.Option(help="pinned SHA-256 of EXL3_MANIFEST.json")] = None,
+    expect_sha256: Annotated[str | None, typer.Option(help="pinned SHA-256 of EXL3_MANIFEST.json")] = None,
     fast: Annotated[bool, typer.Option(help="read headers only; skip full-file SHA-256")] = False,
     manifest_only: Annotated[bool, typer.Option(help="check only the manifest's own hash and consistency")] = False,
-    strict: Annotated[bool, typer.Option(help="fail on any file the manifest does not cover "
-                                              "(a Hub repo's .gitattributes and README.md excepted)")] = False,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            help="fail on any file the manifest does not cover (a Hub repo's .gitattributes and README.md excepted)"
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Verify hashes, sizes, index closure, EXL3 tensors, config and totals of a built artifact."""
@@ -49,8 +53,15 @@ def _render(report: VerifyReport, pinned: str | None) -> None:
     table.add_column("result")
     table.add_column("detail", overflow="fold")
     for i, c in enumerate(report.checks, 1):
-        result = ("[yellow]SKIP" if c.skipped else "[yellow]WARN" if c.warning else "[green]PASS" if c.ok
-                  else "[bold red]FAIL")
+        result = (
+            "[yellow]SKIP"
+            if c.skipped
+            else "[yellow]WARN"
+            if c.warning
+            else "[green]PASS"
+            if c.ok
+            else "[bold red]FAIL"
+        )
         table.add_row(str(i), c.name, result, c.detail)
     out.print(table)
     failed = report.failed
@@ -59,6 +70,11 @@ def _render(report: VerifyReport, pinned: str | None) -> None:
     else:
         out.print(f"[bold green]PASS[/]  all {len(report.checks)} checks passed")
     if report.manifest_sha256:
-        pin = "not pinned" if pinned is None else "matches the pin" if report.manifest_sha256 == pinned.lower() \
+        pin = (
+            "not pinned"
+            if pinned is None
+            else "matches the pin"
+            if report.manifest_sha256 == pinned.lower()
             else "does NOT match the pin"
+        )
         out.print(f"manifest sha256 {report.manifest_sha256} ({pin})", highlight=False, soft_wrap=True)

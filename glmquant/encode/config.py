@@ -26,9 +26,9 @@ import torch
 
 from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
 from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS
+from glmquant.devices import device_type
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
-from glmquant.devices import device_type
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.tiers import TierSpec
 
@@ -61,8 +61,10 @@ class EncodeConfig:
 
     def __post_init__(self) -> None:
         if self.observations is None and not self.uncalibrated:
-            raise UsageError("no --observations: give the output of `glmquant observe`, or --uncalibrated to encode "
-                             "without calibration (identity Hessians, a much worse artifact)")
+            raise UsageError(
+                "no --observations: give the output of `glmquant observe`, or --uncalibrated to encode "
+                "without calibration (identity Hessians, a much worse artifact)"
+            )
         if self.observations is not None and self.uncalibrated:
             raise UsageError("--uncalibrated and --observations exclude each other")
         try:
@@ -78,8 +80,10 @@ class EncodeConfig:
         if not 1 <= self.bits <= 8:
             raise UsageError(f"--bits must be 1..8, got {self.bits}")
         if self.blend is not None and not (0 < self.blend < 1 and self.hessians is HessianMode.NATURAL):
-            raise UsageError(f"--blend is the natural Hessians' share in (0, 1), with --hessians natural; got "
-                             f"{self.blend} with {self.hessians.value}")
+            raise UsageError(
+                f"--blend is the natural Hessians' share in (0, 1), with --hessians natural; got "
+                f"{self.blend} with {self.hessians.value}"
+            )
         if isinstance(self.tiers, str):
             object.__setattr__(self, "tiers", TierSpec.parse(self.tiers))
         if self.tiers is not None and self.tier_plan is not None:
@@ -87,8 +91,10 @@ class EncodeConfig:
         if (self.tiers is not None or self.tier_plan is not None) and self.uncalibrated:
             raise UsageError("--tiers ranks experts by the observations' REAP saliency: it needs --observations")
         if self.tiers is not None and self.layout == "tr3" and max(self.tiers.bits) > max(TR3_TIER_BITS):
-            raise UsageError(f"the tr3 layout's tiers are K{min(TR3_TIER_BITS)}..K{max(TR3_TIER_BITS)}; "
-                             f"--tiers {self.tiers.text} asks for more")
+            raise UsageError(
+                f"the tr3 layout's tiers are K{min(TR3_TIER_BITS)}..K{max(TR3_TIER_BITS)}; "
+                f"--tiers {self.tiers.text} asks for more"
+            )
         for name, value in (("--keep", self.keep), ("--experts-per-unit", self.experts_per_unit)):
             if value is not None and value < 1:
                 raise UsageError(f"{name} must be a positive integer, got {value}")
@@ -105,9 +111,22 @@ class EncodeConfig:
         """What must not change between a killed run and its resume: every option that shapes the bytes, the
         device type and Viterbi backend (CPU and GPU arithmetic differ), and the hashes of the inputs' contents
         (`inputs`: source structure, observations, prune plan), not their paths."""
-        shaping = {k: v.value if isinstance(v, Enum) else str(v) for k, v in asdict(self).items()
-                   if k not in ("out", "work_dir", "verify", "source", "observations", "prune_plan", "tier_plan",
-                                "uncalibrated", "verified_at")}
+        shaping = {
+            k: v.value if isinstance(v, Enum) else str(v)
+            for k, v in asdict(self).items()
+            if k
+            not in (
+                "out",
+                "work_dir",
+                "verify",
+                "source",
+                "observations",
+                "prune_plan",
+                "tier_plan",
+                "uncalibrated",
+                "verified_at",
+            )
+        }
         shaping["device"] = torch.device(self.device).type
         shaping["backend"] = exl3_backend() or "auto"
         return hashlib.sha256(json.dumps({**shaping, **inputs}, sort_keys=True).encode()).hexdigest()

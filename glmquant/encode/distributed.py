@@ -27,7 +27,7 @@ class Ranks:
         return self.rank == 0
 
     def mine(self, units: list) -> list:
-        return units[self.rank::self.world]
+        return units[self.rank :: self.world]
 
     def device(self, device: str) -> str:
         """This rank's GPU: 'cuda' becomes cuda:LOCAL_RANK; other devices are kept."""
@@ -45,7 +45,9 @@ def join() -> Ranks:
         return Ranks()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
-    return Ranks(torch.distributed.get_rank(), torch.distributed.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return Ranks(
+        torch.distributed.get_rank(), torch.distributed.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    )
 
 
 def leave(ranks: Ranks) -> None:

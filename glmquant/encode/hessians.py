@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from glmquant.errors import UsageError
-from glmquant.observe.hessian_reader import LayerHessians, load_layer_hessians
+from glmquant.observe.hessian_reader import HeldHessians, LayerHessians, load_layer_hessians
 from glmquant.observe.hessians import HessianMode
 
 
@@ -46,8 +46,10 @@ class HessianSource:
                 backup = load_layer_hessians(self.observations, layer, "all")
             except UsageError:
                 if self.blend is not None:
-                    raise UsageError(f"--blend mixes natural and all-token Hessians: {self.observations} has no "
-                                     f"all-token Hessians for layer {layer} (observe with --hessians both)") from None
+                    raise UsageError(
+                        f"--blend mixes natural and all-token Hessians: {self.observations} has no "
+                        f"all-token Hessians for layer {layer} (observe with --hessians both)"
+                    ) from None
         return LayerHessiansView(primary, backup, self.blend)
 
 
@@ -55,8 +57,12 @@ class LayerHessiansView:
     """One layer's Hessians for the encoder. The all-token gate/up Hessian is one matrix shared by every expert:
     it is read once per layer and handed out as the same tensor object, so the codec factorizes it once."""
 
-    def __init__(self, primary: LayerHessians | None, backup: LayerHessians | None, blend: float | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        primary: LayerHessians | HeldHessians | None,
+        backup: LayerHessians | HeldHessians | None,
+        blend: float | None = None,
+    ) -> None:
         if blend is not None and backup is None:
             raise UsageError("a Hessian blend needs the all-token Hessians beside the natural ones")
         self.primary = primary
@@ -75,15 +81,19 @@ class LayerHessiansView:
             return ExpertHessians(None, None, "no_tokens:identity")
         all_gate_up, all_tokens = self._gate_up("backup", self.backup, source_expert)
         all_down = self.backup.down(source_expert)
-        if tokens and down.count:  # a blend
+        natural_down, backup_down = down.mean(), all_down.mean()
+        if tokens and down.count:  # a blend; an expert's natural tokens are among its all-token ones
             s = self.blend
-            return ExpertHessians(s * gate_up + (1 - s) * all_gate_up, s * down.mean() + (1 - s) * all_down.mean(),
-                                  None)
+            assert s is not None and gate_up is not None and natural_down is not None
+            assert all_gate_up is not None and backup_down is not None
+            return ExpertHessians(s * gate_up + (1 - s) * all_gate_up, s * natural_down + (1 - s) * backup_down, None)
         if all_tokens and all_down.count:
-            return ExpertHessians(all_gate_up, all_down.mean(), "no_tokens:all")
+            return ExpertHessians(all_gate_up, backup_down, "no_tokens:all")
         return ExpertHessians(None, None, "no_tokens:identity")
 
-    def _gate_up(self, which: str, hessians: LayerHessians, expert: int) -> tuple[torch.Tensor | None, int]:
+    def _gate_up(
+        self, which: str, hessians: LayerHessians | HeldHessians, expert: int
+    ) -> tuple[torch.Tensor | None, int]:
         """(E[x xᵀ] of the MoE input, token count) for `expert`; one shared object in all-token mode."""
         if hessians.mode is not HessianMode.ALL:
             h = hessians.gate_up(expert)

@@ -60,12 +60,15 @@ def layer_units(plan: ArtifactPlan, layer: int, experts_per_unit: int) -> list[l
     for s in layer_slices(plan, layer):
         by_expert.setdefault(s.expert, []).append(s)
     experts = list(by_expert.values())
-    return [[s for group in experts[i:i + experts_per_unit] for s in group]
-            for i in range(0, len(experts), experts_per_unit)]
+    return [
+        [s for group in experts[i : i + experts_per_unit] for s in group]
+        for i in range(0, len(experts), experts_per_unit)
+    ]
 
 
-def read_unit(plan: ArtifactPlan, layer: int, unit: list[ExpertSlice], source: SourceCheckpoint,
-              hessians: LayerHessiansView) -> UnitInputs:
+def read_unit(
+    plan: ArtifactPlan, layer: int, unit: list[ExpertSlice], source: SourceCheckpoint, hessians: LayerHessiansView
+) -> UnitInputs:
     """Each slice's (finite) source weight and input Hessian; each expert's weights and Hessians read once."""
     prefix = table_for(plan.spec).layer_prefix(layer)
     names, items, fallbacks = [], [], []
@@ -76,44 +79,53 @@ def read_unit(plan: ArtifactPlan, layer: int, unit: list[ExpertSlice], source: S
     return UnitInputs(names, items, fallbacks, [plan.bits_of(layer, s.expert) for s in unit])
 
 
-def encode_unit(inputs: UnitInputs, bits: int, codebook: str, seed: int, device: str,
-                search: ScaleSearch = DEFAULT_SEARCH) -> EncodedLayer:
+def encode_unit(
+    inputs: UnitInputs, bits: int, codebook: str, seed: int, device: str, search: ScaleSearch = DEFAULT_SEARCH
+) -> EncodedLayer:
     """Encode every tensor of a unit on `device`: one batched call per bit width (tiers), results in unit order."""
     dev = torch.device(device)
     moved: dict[int, torch.Tensor] = {}  # one device copy per distinct Hessian (shared ones stay shared)
 
-    def to_device(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or t.device == dev:
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        if t.device == dev:
             return t
         if id(t) not in moved:
             moved[id(t)] = t.to(dev, non_blocking=True)
         return moved[id(t)]
 
-    items = [(to_device(w), to_device(h)) for w, h in inputs.items]
+    items = [(to_device(w), None if h is None else to_device(h)) for w, h in inputs.items]
     widths = inputs.bits or [bits] * len(items)
-    encoded: list[EncodedLinear | None] = [None] * len(items)
+    encoded: dict[int, EncodedLinear] = {}
     for k in sorted(set(widths)):
         batch = [i for i, w in enumerate(widths) if w == k]
-        for i, enc in zip(batch, encode_linears([items[i] for i in batch], k, Codebook(codebook), seed, device=device,
-                                                scale_search=search)):
+        for i, enc in zip(
+            batch,
+            encode_linears([items[i] for i in batch], k, Codebook(codebook), seed, device=device, scale_search=search),
+        ):
             encoded[i] = enc
     tensors: dict[str, torch.Tensor] = {}
     reports: list[TensorReport] = []
-    for name, enc, fallback in zip(inputs.names, encoded, inputs.fallbacks):
+    for name, enc, fallback in zip(inputs.names, (encoded[i] for i in range(len(items))), inputs.fallbacks):
         tensors.update(enc.tensor.tensors(name))
         reports.append(TensorReport(name, enc.proxy_error, fallback or enc.fallback))
     return EncodedLayer(tensors, reports)
 
 
-def encode_units(plan: ArtifactPlan, units: list[tuple[int, list[ExpertSlice]]], source: SourceCheckpoint,
-                 hessians: Callable[[int], LayerHessiansView], seed: int, device: str) -> Iterator[EncodedLayer]:
+def encode_units(
+    plan: ArtifactPlan,
+    units: list[tuple[int, list[ExpertSlice]]],
+    source: SourceCheckpoint,
+    hessians: Callable[[int], LayerHessiansView],
+    seed: int,
+    device: str,
+) -> Iterator[EncodedLayer]:
     """Encode (layer, unit) pairs in order; one reader thread reads unit i + 1 while unit i encodes (the source
     reader is safe from several threads)."""
     if not units:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-read") as reader:
         pending = reader.submit(read_unit, plan, units[0][0], units[0][1], source, hessians(units[0][0]))
-        for i, (layer, _) in enumerate(units):
+        for i in range(len(units)):
             inputs = pending.result()
             if i + 1 < len(units):
                 nxt_layer, nxt = units[i + 1]
@@ -121,8 +133,9 @@ def encode_units(plan: ArtifactPlan, units: list[tuple[int, list[ExpertSlice]]],
             yield encode_unit(inputs, plan.bits, plan.codebook, seed, device)
 
 
-def _slice_inputs(chunk: list[ExpertSlice], source: SourceCheckpoint, plan: ArtifactPlan, layer: int,
-                  hessians: LayerHessiansView) -> Iterator[tuple[ExpertSlice, torch.Tensor, ExpertHessians]]:
+def _slice_inputs(
+    chunk: list[ExpertSlice], source: SourceCheckpoint, plan: ArtifactPlan, layer: int, hessians: LayerHessiansView
+) -> Iterator[tuple[ExpertSlice, torch.Tensor, ExpertHessians]]:
     """Each slice with its (finite) source weight and its expert's Hessians, reading each only once."""
     table = table_for(plan.spec)
     weights: dict[tuple[int, str], torch.Tensor] = {}

@@ -13,6 +13,7 @@ from glmquant.checkpoint.tiers import tier_bitmap_sha256
 from glmquant.encode.config import EncodeConfig
 from glmquant.observe.summary import ObservationSummary
 
+
 def source_manifest_sha256(source: SourceCheckpoint) -> str:
     """Hash of the source's structure (every tensor's name, dtype, shape and shard), from headers only."""
     rows = sorted([n, source.spec(n).dtype, list(source.spec(n).shape), source.shard_of(n)] for n in source.names())
@@ -27,8 +28,13 @@ def selection_sha256(keep: Mapping[int, Sequence[int]] | None) -> str | None:
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
-def build_provenance(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None,
-                     calibration: CalibrationInfo, tiers: Mapping[int, Sequence[int]] | None = None) -> Provenance:
+def build_provenance(
+    cfg: EncodeConfig,
+    source: SourceCheckpoint,
+    keep: Mapping[int, Sequence[int]] | None,
+    calibration: CalibrationInfo,
+    tiers: Mapping[int, Sequence[int]] | None = None,
+) -> Provenance:
     return Provenance(
         source_repo=cfg.source_repo or source.directory.name,
         source_revision=cfg.source_revision,
@@ -40,13 +46,21 @@ def build_provenance(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[
     )
 
 
-def job_inputs(cfg: EncodeConfig, source: SourceCheckpoint, keep: Mapping[int, Sequence[int]] | None,
-               calibration: CalibrationInfo, tiers: Mapping[int, Sequence[int]] | None = None
-               ) -> dict[str, str | None]:
+def job_inputs(
+    cfg: EncodeConfig,
+    source: SourceCheckpoint,
+    keep: Mapping[int, Sequence[int]] | None,
+    calibration: CalibrationInfo,
+    tiers: Mapping[int, Sequence[int]] | None = None,
+) -> dict[str, str | None]:
     """Content hashes of what an encode reads, for its resume fingerprint (the tiers only when there are some, so
     the fingerprints of one-K jobs stay as they were)."""
-    inputs = {"source": source_manifest_sha256(source), "token_rows": calibration.token_rows_sha256,
-              "recipe": calibration.manifest_sha256, "selection": selection_sha256(keep)}
+    inputs = {
+        "source": source_manifest_sha256(source),
+        "token_rows": calibration.token_rows_sha256,
+        "recipe": calibration.manifest_sha256,
+        "selection": selection_sha256(keep),
+    }
     return {**inputs, "tiers": tier_bitmap_sha256(tiers)} if tiers else inputs
 
 
@@ -55,8 +69,13 @@ def observed_calibration(cfg: EncodeConfig) -> CalibrationInfo:
     if cfg.observations is None:
         return CalibrationInfo(routing="none")
     summary = ObservationSummary.load(Path(cfg.observations))
-    return calibration_info(summary.recipe, summary.recipe_sha256, summary.token_rows_sha256,
-                            [(lane.rows, lane.tokens) for lane in summary.lanes], hessian_routing(cfg))
+    return calibration_info(
+        summary.recipe,
+        summary.recipe_sha256,
+        summary.token_rows_sha256,
+        [(lane.rows, lane.tokens) for lane in summary.lanes],
+        hessian_routing(cfg),
+    )
 
 
 def hessian_routing(cfg: EncodeConfig) -> str:
@@ -64,12 +83,16 @@ def hessian_routing(cfg: EncodeConfig) -> str:
     return cfg.hessians.value if cfg.blend is None else f"blend:{cfg.blend:g}"
 
 
-def calibration_info(recipe: str, recipe_sha256: str, token_rows_sha256: str, lanes: Sequence[tuple[int, int]],
-                     hessians: str) -> CalibrationInfo:
+def calibration_info(
+    recipe: str, recipe_sha256: str, token_rows_sha256: str, lanes: Sequence[tuple[int, ...]], hessians: str
+) -> CalibrationInfo:
     """Hashes of the recipe and of the token rows actually used (not of observations.json, which records
     timings and would make two identical observation runs look different); `lanes` as (rows, tokens)."""
     return CalibrationInfo(
-        manifest=Path(recipe).name, manifest_sha256=recipe_sha256, token_rows_sha256=token_rows_sha256,
-        rows=sum(rows for rows, _ in lanes), cols=max(tokens for _, tokens in lanes),
+        manifest=Path(recipe).name,
+        manifest_sha256=recipe_sha256,
+        token_rows_sha256=token_rows_sha256,
+        rows=sum(rows for rows, _ in lanes),
+        cols=max(tokens for _, tokens in lanes),
         routing="natural" if hessians == "natural" else "all-token" if hessians == "all" else hessians,
     )

@@ -24,10 +24,10 @@ TIER_PLAN_NAME = "tier_plan.json"
 
 
 def resolve_keep(cfg: EncodeConfig, spec: ModelSpec) -> dict[int, list[int]] | None:
-    if cfg.prune_plan is None and cfg.keep is None:
-        return None
     if cfg.prune_plan is not None:
         plan_path = cfg.prune_plan
+    elif cfg.keep is None:
+        return None
     else:
         if cfg.observations is None:
             raise UsageError("--keep needs --observations (REAP saliency) or use --prune-plan FILE")
@@ -43,7 +43,7 @@ def load_prune_plan(path: Path, spec: ModelSpec, expect_keep: int | None = None)
         layers = {int(k): [int(e) for e in v] for k, v in data["layers"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"{path}: not a prune plan ({exc})") from None
-    missing = [l for l in spec.moe_layers if l not in layers]
+    missing = [layer for layer in spec.moe_layers if layer not in layers]
     if missing:
         raise UsageError(f"{path}: no kept experts for MoE layer(s) {missing}")
     if expect_keep is not None and any(len(v) != expect_keep for v in layers.values()):
@@ -56,12 +56,14 @@ def load_prune_plan(path: Path, spec: ModelSpec, expect_keep: int | None = None)
 
 def resolve_tiers(cfg: EncodeConfig, spec: ModelSpec, keep: Mapping[int, Sequence[int]] | None) -> TierPlan | None:
     """Bits of each output expert per quantized layer (None: every expert at --bits)."""
-    if cfg.tiers is None and cfg.tier_plan is None:
+    if cfg.tier_plan is not None:
+        path = cfg.tier_plan
+    elif cfg.tiers is None:
         return None
-    path = cfg.tier_plan
-    if path is None:
+    else:
         from glmquant.observe.tiers import write_tier_plan
 
+        assert cfg.observations is not None  # EncodeConfig refuses --tiers without --observations
         quantized = {layer: experts for layer, experts in keep.items() if layer in spec.moe_layers} if keep else None
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         path = write_tier_plan(cfg.observations, cfg.tiers, quantized, cfg.state_dir / TIER_PLAN_NAME)

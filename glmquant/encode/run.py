@@ -22,7 +22,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from glmquant.arch import classify, load_model_spec
 from glmquant.checkpoint.artifact_writer import (
-    ArtifactResult, finalize_artifact, has_expert_parts, write_planned_file, write_retained_shards,
+    ArtifactResult,
+    finalize_artifact,
+    has_expert_parts,
+    write_planned_file,
+    write_retained_shards,
 )
 from glmquant.checkpoint.layouts import ArtifactPlan, ExpertSlice, PlannedFile, plan_artifact
 from glmquant.checkpoint.provenance import CalibrationInfo
@@ -72,24 +76,40 @@ class EncodeJob:
     fused observe+encode stage calls `encode(layer, hessians)` one layer at a time instead, with Hessians that
     never left the device. Then `finish`."""
 
-    def __init__(self, cfg: EncodeConfig, source: SourceCheckpoint, calibration: CalibrationInfo, console: Console,
-                 ranks: Ranks = Ranks()) -> None:
+    def __init__(
+        self,
+        cfg: EncodeConfig,
+        source: SourceCheckpoint,
+        calibration: CalibrationInfo,
+        console: Console,
+        ranks: Ranks = Ranks(),
+    ) -> None:
         spec = load_model_spec(source.config_path)
         classify(spec, source.names())
         self.cfg, self.source, self.calibration, self.console, self.ranks = cfg, source, calibration, console, ranks
         self.keep = resolve_keep(cfg, spec)
         tiers = resolve_tiers(cfg, spec, self.keep)
         self.tiers = tiers.expert_bits if tiers else None
-        self.plan = plan_artifact(spec, cfg.layout, tiers.rest_bits if tiers else cfg.bits, cfg.codebook,
-                                  {n: source.shard_of(n) for n in source.names()}, self.keep,
-                                  expert_bits=self.tiers)
-        self.state = EncodeState.load_or_new(cfg.state_dir, cfg.fingerprint(job_inputs(cfg, source, self.keep,
-                                                                                       calibration, self.tiers)))
+        self.plan = plan_artifact(
+            spec,
+            cfg.layout,
+            tiers.rest_bits if tiers else cfg.bits,
+            cfg.codebook,
+            {n: source.shard_of(n) for n in source.names()},
+            self.keep,
+            expert_bits=self.tiers,
+        )
+        self.state = EncodeState.load_or_new(
+            cfg.state_dir, cfg.fingerprint(job_inputs(cfg, source, self.keep, calibration, self.tiers))
+        )
         cfg.out.mkdir(parents=True, exist_ok=True)
         if ranks.is_main:
             if cfg.uncalibrated:
-                console.print("[yellow]warning:[/] --uncalibrated: every tensor is encoded without calibration "
-                              "(identity Hessians)", highlight=False)
+                console.print(
+                    "[yellow]warning:[/] --uncalibrated: every tensor is encoded without calibration "
+                    "(identity Hessians)",
+                    highlight=False,
+                )
             for directory in (cfg.out, cfg.state_dir, cfg.state_dir / "units"):  # what a killed run was writing
                 remove_temp_files(directory)
         ranks.barrier()  # no rank writes before rank 0 has swept
@@ -99,8 +119,11 @@ class EncodeJob:
         self.store = UnitStore(cfg.state_dir / "units")
         self._expert_files = [f for f in self.plan.files if has_expert_parts(f)]
         self._layers_of = {f.path: {t.expert.layer for t in f.tensors if t.expert} for f in self._expert_files}
-        self._done = {int(l) for l in self.state.layers
-                      if _files_present(cfg.out, [f for f in self._expert_files if int(l) in self._layers_of[f.path]])}
+        self._done = {
+            int(layer)
+            for layer in self.state.layers
+            if _files_present(cfg.out, [f for f in self._expert_files if int(layer) in self._layers_of[f.path]])
+        }
         self._written = {f.path for f in self._expert_files if self._layers_of[f.path] <= self._done}
         self._units = {layer: layer_units(self.plan, layer, cfg.experts_per_unit) for layer in self.todo}
         self._pending: dict[str, torch.Tensor] = {}
@@ -108,19 +131,23 @@ class EncodeJob:
     @property
     def todo(self) -> list[int]:
         """MoE layers not encoded yet (their files not all on disk)."""
-        return [l for l in self.plan.spec.moe_layers if l not in self._done]
+        return [layer for layer in self.plan.spec.moe_layers if layer not in self._done]
 
     def encode_all(self) -> None:
         """This rank's units of every unfinished layer; then rank 0 assembles whatever is left."""
         units = [(layer, u, slices) for layer in self.todo for u, slices in enumerate(self._units[layer])]
-        self._run(self.ranks.mine(units), lru_cache(maxsize=2)(HessianSource(self.cfg.observations,
-                                                                              self.cfg.hessians, self.cfg.blend).layer))
+        self._run(
+            self.ranks.mine(units),
+            lru_cache(maxsize=2)(HessianSource(self.cfg.observations, self.cfg.hessians, self.cfg.blend).layer),
+        )
         self.ranks.barrier()
         if self.ranks.is_main:
             self._assemble_ready()
             if self.todo:
-                raise CheckpointFormatError(f"{self.store.directory}: units of MoE layers {self.todo} are missing "
-                                            "after all ranks finished; rerun the same command")
+                raise CheckpointFormatError(
+                    f"{self.store.directory}: units of MoE layers {self.todo} are missing "
+                    "after all ranks finished; rerun the same command"
+                )
 
     def encode(self, layer: int, hessians: LayerHessiansView) -> LayerSummary:
         """Every unit of one layer with the given Hessians (one process), then its artifact files."""
@@ -131,21 +158,29 @@ class EncodeJob:
     def _run(self, units: list[Unit], views: Callable[[int], LayerHessiansView]) -> None:
         """Encode the units not already on disk into unit files; rank 0 assembles layers as they complete."""
         units = [(layer, u, slices) for layer, u, slices in units if not self.store.has(layer, u)]
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
         ranks = self.ranks
         label = "routed-expert tensors" + (f" (rank {ranks.rank} of {ranks.world})" if ranks.world > 1 else "")
         with Progress(*columns, console=self.console, disable=not ranks.is_main) as bar:
             task = bar.add_task(label, total=sum(len(s) for _, _, s in units), rate="")
             started = t0 = time.monotonic()
-            encoded_units = encode_units(self.plan, [(layer, s) for layer, _, s in units], self.source, views,
-                                         self.cfg.seed, self.device)
+            encoded_units = encode_units(
+                self.plan, [(layer, s) for layer, _, s in units], self.source, views, self.cfg.seed, self.device
+            )
             for layer, u, _ in units:
                 try:
                     encoded = next(encoded_units)
                 except NumericalError as exc:
-                    raise NumericalError(f"layer {layer}: {exc} (finished work units are kept; rerun to resume)"
-                                         ) from None
+                    raise NumericalError(
+                        f"layer {layer}: {exc} (finished work units are kept; rerun to resume)"
+                    ) from None
                 now = time.monotonic()
                 self.store.write(layer, u, encoded, now - t0)
                 t0 = now
@@ -191,9 +226,13 @@ class EncodeJob:
             self.console.print("copying retained tensors byte-for-byte")
             write_retained_shards(plan, self.source, cfg.out)
             state.finish_retained()
-        result = finalize_artifact(plan, self.source, cfg.out,
-                                   build_provenance(cfg, self.source, self.keep, self.calibration, self.tiers),
-                                   cfg.verified_at)
+        result = finalize_artifact(
+            plan,
+            self.source,
+            cfg.out,
+            build_provenance(cfg, self.source, self.keep, self.calibration, self.tiers),
+            cfg.verified_at,
+        )
         report = None
         if cfg.verify:
             report = verify_artifact(cfg.out, expect_sha256=result.manifest_sha256, fast=False)
@@ -201,8 +240,14 @@ class EncodeJob:
                 raise CheckpointFormatError(f"{cfg.out}: verification failed: {report.failure_summary()}")
         layers = [LayerSummary(**state.layers[str(layer)]) for layer in plan.spec.moe_layers]
         summary_path = cfg.state_dir / SUMMARY_NAME
-        atomic_write_text(summary_path, json.dumps({"manifest_sha256": result.manifest_sha256,
-                                                    "layers": [l.__dict__ for l in layers]}, indent=2) + "\n")
+        atomic_write_text(
+            summary_path,
+            json.dumps(
+                {"manifest_sha256": result.manifest_sha256, "layers": [summary.__dict__ for summary in layers]},
+                indent=2,
+            )
+            + "\n",
+        )
         return EncodeResult(result, layers, summary_path, report)
 
 

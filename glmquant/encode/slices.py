@@ -12,8 +12,8 @@ def slice_weight(weight: torch.Tensor, s: ExpertSlice) -> torch.Tensor:
     if s.rank is None:
         return weight
     if s.proj == "down_proj":
-        return weight[:, s.rank * s.in_features:(s.rank + 1) * s.in_features]
-    return weight[s.rank * s.out_features:(s.rank + 1) * s.out_features]
+        return weight[:, s.rank * s.in_features : (s.rank + 1) * s.in_features]
+    return weight[s.rank * s.out_features : (s.rank + 1) * s.out_features]
 
 
 def slice_hessian(hessian: torch.Tensor | None, s: ExpertSlice) -> torch.Tensor | None:
@@ -22,4 +22,3 @@ def slice_hessian(hessian: torch.Tensor | None, s: ExpertSlice) -> torch.Tensor 
         return hessian
     lo, hi = s.rank * s.in_features, (s.rank + 1) * s.in_features
     return hessian[lo:hi, lo:hi]
-

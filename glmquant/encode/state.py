@@ -36,8 +36,10 @@ class EncodeState:
         except (OSError, ValueError) as exc:
             raise UsageError(f"{path}: unreadable job state ({exc}); delete the work dir to start over") from None
         if not isinstance(data, dict) or data.get("fingerprint") != fingerprint:
-            raise UsageError(f"{path} belongs to a job with other inputs or options; rerun the same command, "
-                             f"or give another --work-dir (or delete it) to start over")
+            raise UsageError(
+                f"{path} belongs to a job with other inputs or options; rerun the same command, "
+                f"or give another --work-dir (or delete it) to start over"
+            )
         return cls(path, fingerprint, data.get("layers", {}), data.get("retained_done", False))
 
     def finish_layer(self, layer: int, summary: dict[str, Any]) -> None:

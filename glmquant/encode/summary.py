@@ -28,16 +28,24 @@ def summarize_layer(layer: int, reports: list[TensorReport], seconds: float, byt
     for r in reports:
         if r.fallback:
             fallbacks[r.fallback] = fallbacks.get(r.fallback, 0) + 1
-    return LayerSummary(layer, len(reports), sum(r.proxy_error for r in reports) / len(reports), worst.name,
-                        worst.proxy_error, fallbacks, sorted(r.name for r in reports if r.fallback),
-                        round(seconds, 3), bytes_written)
+    return LayerSummary(
+        layer,
+        len(reports),
+        sum(r.proxy_error for r in reports) / len(reports),
+        worst.name,
+        worst.proxy_error,
+        fallbacks,
+        sorted(r.name for r in reports if r.fallback),
+        round(seconds, 3),
+        bytes_written,
+    )
 
 
 # What each fallback means, for the warning that names its tensor (the codec's labels and encode/hessians.py's).
 FALLBACK_MEANINGS = {
     "no_tokens:all": "no calibration token was routed to this expert: encoded with the all-token Hessian",
     "no_tokens:identity": "no calibration token was routed to this expert and there is no all-token Hessian: "
-                          "encoded uncalibrated",
+    "encoded uncalibrated",
     "no_hessian": "no Hessian: encoded uncalibrated",
     "nonfinite_hessian": "the Hessian holds NaN or Inf: encoded uncalibrated",
     "negative_hessian": "the Hessian's diagonal is negative (no E[x x^T] is): encoded uncalibrated",
@@ -53,8 +61,11 @@ def fallback_warnings(reports: list[TensorReport]) -> list[str]:
         if r.fallback is None or r.fallback == "uncalibrated":  # --uncalibrated was asked for, and said once
             continue
         retries = r.fallback.removeprefix("cholesky_retry:")
-        meaning = (f"the Hessian needed {retries} extra damping step(s) to factor" if retries != r.fallback
-                   else FALLBACK_MEANINGS.get(r.fallback, r.fallback))
+        meaning = (
+            f"the Hessian needed {retries} extra damping step(s) to factor"
+            if retries != r.fallback
+            else FALLBACK_MEANINGS.get(r.fallback, r.fallback)
+        )
         lines.append(f"{r.name}: {r.fallback} ({meaning})")
     return lines
 
@@ -63,8 +74,16 @@ def summary_table(layers: list[LayerSummary]) -> Table:
     table = Table(title="encode summary")
     for column in ("layer", "tensors", "mean proxy err", "worst tensor", "worst", "fallbacks", "s", "bytes"):
         table.add_column(column, justify="left" if column == "worst tensor" else "right")
-    for l in layers:
-        fb = ", ".join(f"{k}: {v}" for k, v in sorted(l.fallbacks.items())) or "-"
-        table.add_row(str(l.layer), str(l.tensors), f"{l.mean_proxy_error:.4f}", l.worst_tensor.split("layers.")[-1],
-                      f"{l.worst_proxy_error:.4f}", fb, f"{l.seconds:.1f}", f"{l.bytes_written:,}")
+    for summary in layers:
+        fb = ", ".join(f"{k}: {v}" for k, v in sorted(summary.fallbacks.items())) or "-"
+        table.add_row(
+            str(summary.layer),
+            str(summary.tensors),
+            f"{summary.mean_proxy_error:.4f}",
+            summary.worst_tensor.split("layers.")[-1],
+            f"{summary.worst_proxy_error:.4f}",
+            fb,
+            f"{summary.seconds:.1f}",
+            f"{summary.bytes_written:,}",
+        )
     return table

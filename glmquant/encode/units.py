@@ -42,7 +42,7 @@ class UnitStore:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
                 raise ValueError(f"{path}: not an encode unit file")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has keys() but no __iter__
         reports = [TensorReport(name, float(err), fallback) for name, err, fallback in json.loads(meta["reports"])]
         return EncodedLayer(tensors, reports), float(meta["seconds"])
 

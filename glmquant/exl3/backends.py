@@ -72,7 +72,7 @@ def _exllamav3(tiles: torch.Tensor, bits: int, codebook: Codebook) -> torch.Tens
 def exllamav3_available() -> bool:
     """True when exllamav3 and its compiled extension import (needs CUDA)."""
     try:
-        import exllamav3.modules.quant.exl3_lib.quantize  # noqa: F401
+        import exllamav3.modules.quant.exl3_lib.quantize  # noqa: F401 - imported only to see that it imports
     except Exception:  # noqa: BLE001 - an absent package or a failed extension build: "not available"
         return False
     return torch.cuda.is_available()
@@ -98,7 +98,9 @@ def select_backend(device: str | torch.device = "cpu", name: str | None = None) 
     return TileSearch(name, {"native": _native, "torch": _torch, "cuda": _cuda, "exllamav3": _exllamav3}[name])
 
 
-def quantize_tiles(search: TileSearch, tiles: torch.Tensor, bits: int, codebook: Codebook) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tiles(
+    search: TileSearch, tiles: torch.Tensor, bits: int, codebook: Codebook
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(values fp32, states int32) for (n, 256) ring-ordered tiles."""
     states = search(tiles, bits, codebook).to(tiles.device)
     return _lut(codebook, tiles.device)[states.long()], states

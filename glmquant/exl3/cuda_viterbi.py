@@ -47,8 +47,11 @@ def build(arch: str) -> Path:
     version = subprocess.run([nvcc, "--version"], check=True, capture_output=True, text=True).stdout
     flags = ["-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
     try:
-        return compile_cached(f"viterbi-cuda-sm{arch}", [nvcc, *flags, str(_SOURCE)],
-                              [_SOURCE.read_bytes(), " ".join(flags).encode(), version.encode()])
+        return compile_cached(
+            f"viterbi-cuda-sm{arch}",
+            [nvcc, *flags, str(_SOURCE)],
+            [_SOURCE.read_bytes(), " ".join(flags).encode(), version.encode()],
+        )
     except subprocess.CalledProcessError as err:
         raise CudaViterbiUnavailable(f"nvcc failed building {_SOURCE.name}: {err.stderr[-2000:]}") from None
 
@@ -56,9 +59,20 @@ def build(arch: str) -> Path:
 @lru_cache(maxsize=4)
 def load_kernel(arch: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build(arch)))
-    lib.exl3_viterbi_cuda.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.exl3_viterbi_cuda.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
     lib.exl3_viterbi_cuda.restype = ctypes.c_int
     lib.exl3_viterbi_cuda_error.argtypes = [ctypes.c_int]
     lib.exl3_viterbi_cuda_error.restype = ctypes.c_char_p
@@ -114,8 +128,9 @@ def _batch_tiles(n: int, device: torch.device) -> int:
     return max(1, min(n, sms * waves))
 
 
-def viterbi_cuda(tiles: torch.Tensor, bits: int, codebook: Codebook,
-                 before: int = PASS1_BEFORE, after: int = PASS1_AFTER) -> torch.Tensor:
+def viterbi_cuda(
+    tiles: torch.Tensor, bits: int, codebook: Codebook, before: int = PASS1_BEFORE, after: int = PASS1_AFTER
+) -> torch.Tensor:
     """(n, 256) fp32 ring-ordered tiles on a CUDA device -> (n, 256) int32 states (closed tail-biting rings)."""
     if not tiles.is_cuda:
         raise ValueError("viterbi_cuda needs tiles on a CUDA device")
@@ -137,8 +152,20 @@ def viterbi_cuda(tiles: torch.Tensor, bits: int, codebook: Codebook,
     pairs = codebook_pairs(Codebook(codebook), bits, x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
-        rc = lib.exl3_viterbi_cuda(x.data_ptr(), n, pairs.data_ptr(), bits, before, after, states.data_ptr(),
-                                   hist.data_ptr(), edges.data_ptr(), costs.data_ptr(), batch, stream)
+        rc = lib.exl3_viterbi_cuda(
+            x.data_ptr(),
+            n,
+            pairs.data_ptr(),
+            bits,
+            before,
+            after,
+            states.data_ptr(),
+            hist.data_ptr(),
+            edges.data_ptr(),
+            costs.data_ptr(),
+            batch,
+            stream,
+        )
     if rc != 0:
         reason = "bad arguments" if rc < 0 else lib.exl3_viterbi_cuda_error(rc).decode()
         raise RuntimeError(f"CUDA Viterbi kernel failed (bits={bits}, tiles={n}): {reason}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glmquant.errors import NumericalError
 from glmquant.exl3.backends import TileSearch, quantize_tiles, select_backend
 from glmquant.exl3.codebooks import Codebook
 from glmquant.exl3.decode import decode_weight
@@ -14,13 +15,11 @@ from glmquant.exl3.hadamard import had_left, had_right
 from glmquant.exl3.hessian import PreparedHessian, pad_hessian, prepare_hessian
 from glmquant.exl3.ldlq import ldlq
 from glmquant.exl3.refit import refit_scales
-from glmquant.errors import NumericalError
 from glmquant.exl3.regularize import LDLQ_DRIFT, balance_scales, regularize, sample_tiles
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch, search_scales
 from glmquant.exl3.tensor import EXL3Tensor, padded
 from glmquant.exl3.timing import stage
 from glmquant.exl3.trellis import pack_trellis
-
 
 FP16_MAX = 65504.0
 FP16_SMALLEST_RMS = 2.0**-17  # a weight this small keeps ~1 % precision in float16's subnormals; smaller, less
@@ -66,10 +65,16 @@ def _signs(count: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def _prepare(
-    weight: torch.Tensor, hessian: torch.Tensor | None, seed: int, device: torch.device, shared: dict[int, PreparedHessian]
+    weight: torch.Tensor,
+    hessian: torch.Tensor | None,
+    seed: int,
+    device: torch.device,
+    shared: dict[int, PreparedHessian],
 ) -> _Job:
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"weight must be a 2-D float tensor (out_features, in_features), got {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be a 2-D float tensor (out_features, in_features), got {weight.dtype} {tuple(weight.shape)}"
+        )
     if weight.numel() == 0:
         raise ValueError(f"weight {tuple(weight.shape)} has no elements; EXL3 encodes a non-empty matrix")
     if not torch.isfinite(weight).all():
@@ -77,7 +82,10 @@ def _prepare(
     _check_fp16_range(weight)
     out_f, in_f = weight.shape
     if hessian is not None and tuple(hessian.shape) != (in_f, in_f):
-        raise ValueError(f"hessian must have shape ({in_f}, {in_f}) for a weight of shape {tuple(weight.shape)}, got {tuple(hessian.shape)}")
+        raise ValueError(
+            f"hessian must have shape ({in_f}, {in_f}) for a weight of shape {tuple(weight.shape)}, "
+            f"got {tuple(hessian.shape)}"
+        )
     k, n = padded(in_f), padded(out_f)
     w = torch.zeros((k, n), dtype=torch.float32, device=device)
     w[:in_f, :out_f] = weight.to(device=device, dtype=torch.float32).T
@@ -100,11 +108,15 @@ def _check_fp16_range(weight: torch.Tensor) -> None:
     w = weight.detach().float()
     peak, rms = w.abs().max().item(), w.square().mean().sqrt().item()
     if peak >= FP16_MAX:
-        raise NumericalError(f"weight {tuple(weight.shape)} reaches |w| = {peak:.4g}, beyond the float16 range "
-                             f"(65,504) that EXL3 decodes in; rescale the model's weights before encoding")
+        raise NumericalError(
+            f"weight {tuple(weight.shape)} reaches |w| = {peak:.4g}, beyond the float16 range "
+            f"(65,504) that EXL3 decodes in; rescale the model's weights before encoding"
+        )
     if 0 < rms < FP16_SMALLEST_RMS:
-        raise NumericalError(f"weight {tuple(weight.shape)} has RMS {rms:.3g}, below what float16 (which EXL3 decodes "
-                             f"in) resolves: it would decode to mostly zeros")
+        raise NumericalError(
+            f"weight {tuple(weight.shape)} has RMS {rms:.3g}, below what float16 (which EXL3 decodes "
+            f"in) resolves: it would decode to mostly zeros"
+        )
 
 
 def _finish(job: _Job, q: torch.Tensor, states: torch.Tensor, bits: int, codebook: Codebook) -> EncodedLinear:
@@ -155,8 +167,9 @@ def encode_linears(
         jobs = [_prepare(w, h, seed, dev, shared) for w, h in items]
     drift = LDLQ_DRIFT.get(bits, 1.0)
     with stage("scale_search", dev):
-        scales = search_scales([sample_tiles(j.w_reg, scale_search.band_width) * drift for j in jobs],
-                               lambda t: values(t)[0], scale_search)
+        scales = search_scales(
+            [sample_tiles(j.w_reg, scale_search.band_width) * drift for j in jobs], lambda t: values(t)[0], scale_search
+        )
     for job, g in zip(jobs, scales):
         job.w_reg *= g
         job.su = job.su / g
@@ -166,8 +179,10 @@ def encode_linears(
         return [_finish(j, q, s, bits, codebook) for j, (q, s) in zip(jobs, results)]
 
 
-def _ldlq_jobs(jobs: list[_Job], values: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _ldlq_jobs(
+    jobs: list[_Job],
+    values: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """LDLQ of every job in one set of stacks: jobs sharing a factorization become one [k, sum n] problem (LDLQ
     treats columns independently), and problems of one shape are stacked, so each step is one batched matmul
     per shape and one Viterbi call for all."""
@@ -182,15 +197,16 @@ def _ldlq_jobs(jobs: list[_Job], values: Callable[[torch.Tensor], tuple[torch.Te
     stacks = []
     for shape in by_shape.values():
         weights = torch.stack([torch.cat([jobs[i].w_reg for i in members], dim=1) for members in shape])
-        factors = [jobs[members[0]].prep.ldl for members in shape]
-        stacks.append((weights, None if factors[0] is None else torch.stack(factors)))
+        # a shape's jobs all have a factor or none (the key says which)
+        factors = [ldl for members in shape if (ldl := jobs[members[0]].prep.ldl) is not None]
+        stacks.append((weights, torch.stack(factors) if factors else None))
     out: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty(0), torch.empty(0))] * len(jobs)
     for shape, (q, states) in zip(by_shape.values(), ldlq(stacks, values)):
         for g, members in enumerate(shape):
             col = 0
             for i in members:
                 n = jobs[i].w_reg.shape[1]
-                out[i] = (q[g, :, col:col + n], states[g, :, col // 16:(col + n) // 16])
+                out[i] = (q[g, :, col : col + n], states[g, :, col // 16 : (col + n) // 16])
                 col += n
     return out
 

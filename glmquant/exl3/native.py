@@ -80,7 +80,14 @@ def load_kernel() -> ctypes.CDLL | None:
         detail = getattr(err, "stderr", "") or str(err)
         warnings.warn(f"building the EXL3 Viterbi kernel failed, using torch: {detail[-2000:]}", stacklevel=2)
         return None
-    lib.exl3_viterbi.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.exl3_viterbi.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
     lib.exl3_viterbi.restype = ctypes.c_int
     lib.exl3_viterbi_scratch_bytes.argtypes = [ctypes.c_int]
     lib.exl3_viterbi_scratch_bytes.restype = ctypes.c_int64
@@ -118,7 +125,14 @@ def viterbi_native(lib: ctypes.CDLL, targets: torch.Tensor, lut: torch.Tensor, b
 
     def run(start: int) -> None:
         stop = min(n, start + per)
-        rc = lib.exl3_viterbi(x[start:].ctypes.data, stop - start, table.ctypes.data, bits, out[start:].ctypes.data, _scratch(lib, bits).ctypes.data)
+        rc = lib.exl3_viterbi(
+            x[start:].ctypes.data,
+            stop - start,
+            table.ctypes.data,
+            bits,
+            out[start:].ctypes.data,
+            _scratch(lib, bits).ctypes.data,
+        )
         if rc != 0:
             raise ValueError(f"EXL3 Viterbi kernel rejected bits={bits}")
 

@@ -22,7 +22,9 @@ def _rms(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.square().mean(dim=dim).sqrt()
 
 
-def regularize(w: torch.Tensor, su_signs: torch.Tensor, sv_signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def regularize(
+    w: torch.Tensor, su_signs: torch.Tensor, sv_signs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k, n) padded weight -> (P diag(1/su) W diag(1/sv) P, su, sv) with unit-RMS-ish rows and columns.
 
     sv: signs x column RMS (mean 1; zero columns get scale 0), su: signs x row RMS of the

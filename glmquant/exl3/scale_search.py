@@ -33,13 +33,16 @@ EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
 DEFAULT_SEARCH = ScaleSearch(band_width=1)
 
 
-def _errors(pairs: list[tuple[int, float]], tiles: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor]) -> list[float]:
+def _errors(
+    pairs: list[tuple[int, float]], tiles: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor]
+) -> list[float]:
     """MSE of each (tensor index, scale) pair, measured back at the tiles' own scale (one host sync in all)."""
     scales = [s for _, s in pairs]
     counts = [tiles[t].shape[0] for t, _ in pairs]
     batch = torch.cat([tiles[t] for t, _ in pairs])
     per_tile = torch.tensor(scales, dtype=batch.dtype, device=batch.device).repeat_interleave(
-        torch.tensor(counts, device=batch.device))
+        torch.tensor(counts, device=batch.device)
+    )
     q = quantize(batch * per_tile[:, None])
     tile_mse = (q / per_tile[:, None] - batch).square().mean(dim=1)
     owner = torch.arange(len(pairs), device=batch.device).repeat_interleave(torch.tensor(counts, device=batch.device))
@@ -57,13 +60,17 @@ def _parabola(fine: list[float], err: list[float]) -> float:
     return max(fine[best] + offset * FINE_STEP, 0.01)
 
 
-def search_scales(samples: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor],
-                  search: ScaleSearch = EXLLAMAV3_SEARCH) -> list[float]:
+def search_scales(
+    samples: list[torch.Tensor],
+    quantize: Callable[[torch.Tensor], torch.Tensor],
+    search: ScaleSearch = EXLLAMAV3_SEARCH,
+) -> list[float]:
     """One global scale per tensor from its sample tiles; quantize maps tiles to quantized values."""
-    subs = [s[::search.coarse_stride] for s in samples]
+    subs = [s[:: search.coarse_stride] for s in samples]
     coarse = _errors([(t, s) for t in range(len(samples)) for s in COARSE], subs, quantize)
     centers = [COARSE[min(range(len(COARSE)), key=lambda i: coarse[t * len(COARSE) + i])] for t in range(len(samples))]
     fines = [[c + FINE_STEP * (i - 2) for i in range(5)] for c in centers]
-    err = _errors([(t, s) for t in range(len(samples)) for s in fines[t]], [s[::search.fine_stride] for s in samples],
-                  quantize)
+    err = _errors(
+        [(t, s) for t in range(len(samples)) for s in fines[t]], [s[:: search.fine_stride] for s in samples], quantize
+    )
     return [_parabola(fines[t], err[5 * t : 5 * t + 5]) for t in range(len(samples))]

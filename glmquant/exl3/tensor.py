@@ -57,7 +57,9 @@ class EXL3Tensor:
         if found:
             marker = tensors[f"{prefix}.{codebook.value}"]
             if marker.dtype != torch.int32 or marker.dim() != 0:
-                raise ValueError(f"{prefix}.{codebook.value} must be a 0-dim int32 marker, got {marker.dtype} {tuple(marker.shape)}")
+                raise ValueError(
+                    f"{prefix}.{codebook.value} must be a 0-dim int32 marker, got {marker.dtype} {tuple(marker.shape)}"
+                )
         trellis, suh, svh = (tensors[names[k]] for k in ("trellis", "suh", "svh"))
         _validate(trellis, suh, svh, in_features, out_features, prefix)
         return cls(trellis, suh, svh, codebook, in_features, out_features)
@@ -80,7 +82,9 @@ def _validate(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, k: in
         raise ValueError(f"{name} must be int16, got {trellis.dtype}")
     last = trellis.shape[-1] if trellis.dim() == 3 else 0
     if trellis.dim() != 3 or tuple(trellis.shape[:2]) != (kp // 16, np_ // 16) or last % 16 or not 16 <= last <= 128:
-        raise ValueError(f"{name} has shape {tuple(trellis.shape)}, expected ({kp // 16}, {np_ // 16}, 16*K) with K in 1..8")
+        raise ValueError(
+            f"{name} has shape {tuple(trellis.shape)}, expected ({kp // 16}, {np_ // 16}, 16*K) with K in 1..8"
+        )
     for vec, size, key in ((suh, kp, "suh"), (svh, np_, "svh")):
         name = f"{prefix}.{key}" if prefix else key
         if vec.dtype != torch.float16:

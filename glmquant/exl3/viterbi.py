@@ -18,7 +18,14 @@ def _tables(bits: int, lut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (c << (kr - bits)) | (e >> bits), lut[(c << kr) | e]
 
 
-def _forward(x: torch.Tensor, prev: torch.Tensor, pred: torch.Tensor, vals: torch.Tensor, positions: list[int], hist: torch.Tensor) -> torch.Tensor:
+def _forward(
+    x: torch.Tensor,
+    prev: torch.Tensor,
+    pred: torch.Tensor,
+    vals: torch.Tensor,
+    positions: list[int],
+    hist: torch.Tensor,
+) -> torch.Tensor:
     """Run the steps at `positions` from costs `prev` [N, E]; fills hist [256, N, E] and returns final costs."""
     for ri in positions:
         d = vals - x[:, ri, None, None]  # [N, 2^K, E]
@@ -28,7 +35,9 @@ def _forward(x: torch.Tensor, prev: torch.Tensor, pred: torch.Tensor, vals: torc
     return prev
 
 
-def _trace(hist: torch.Tensor, edge: torch.Tensor, positions: list[int], bits: int, out: torch.Tensor | None) -> torch.Tensor:
+def _trace(
+    hist: torch.Tensor, edge: torch.Tensor, positions: list[int], bits: int, out: torch.Tensor | None
+) -> torch.Tensor:
     """Walk back from edge at positions[-1] down to positions[0]; returns the edge before positions[0]."""
     kr = 16 - bits
     for ri in reversed(positions):

@@ -9,6 +9,7 @@ SwiGLU gate (`experts._apply_gate`), i.e. the eager-path math of the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ class LayerCapture:
         self._handles: list = []
 
     def __enter__(self) -> LayerCapture:
-        mlp = self.module.mlp
+        mlp: Any = self.module.mlp  # transformers' MoE block (router `gate`, `experts`) or a dense MLP
         if hasattr(mlp, "experts"):
             self._handles.append(mlp.gate.register_forward_hook(self._on_router))
         for name, sub in self.module.named_modules():
@@ -59,9 +60,10 @@ class LayerCapture:
         def hook(_module: nn.Module, args: tuple) -> None:
             if self.targets.dense and self.targets.hessians is not None:
                 self.targets.hessians.add_dense(weight_name, args[0])
+
         return hook
 
-    def _on_router(self, gate: nn.Module, args: tuple, output: tuple) -> None:
+    def _on_router(self, gate: Any, args: tuple, output: tuple) -> None:
         t = self.targets
         if t.stats is None and t.hessians is None:
             return
@@ -70,28 +72,29 @@ class LayerCapture:
         check_same_routing(routing, output[2], output[1], self.plan.layer)
         if t.stats is not None:
             t.stats.update_router(routing)
-        experts = self.module.mlp.experts
+        mlp: Any = self.module.mlp
+        experts = mlp.experts  # transformers' stacked experts: gate_up_proj, down_proj, _apply_gate
         if t.hessians is not None and t.hessians.mode.all_tokens:
             t.hessians.add_all_gate_up(x)
             for j in range(self.params.n_experts):
                 t.hessians.add_all_down(j, experts._apply_gate(F.linear(x, experts.gate_up_proj[j])))
-        natural = t.hessians is not None and t.hessians.mode.natural
-        if t.stats is not None or natural:
+        natural = t.hessians if t.hessians is not None and t.hessians.mode.natural else None
+        if t.stats is not None or natural is not None:
             self._routed(x, routing, experts, natural)
 
-    def _routed(self, x: torch.Tensor, routing: Routing, experts: nn.Module, natural: bool) -> None:
+    def _routed(self, x: torch.Tensor, routing: Routing, experts: Any, natural: HessianAccumulator | None) -> None:
         """Each expert on its own routed tokens: REAP statistics and natural-mode Hessians.
 
         The (token, slot) pairs are grouped by expert with one stable sort, in the (token, slot) order a per-expert
         `torch.where` gives, and the group sizes cross to the host once per batch (not once per expert), so on a
-        GPU the per-expert kernels queue up without waiting."""
+        GPU the per-expert kernels queue up without waiting. `natural`: where natural-mode Hessians go (None: none)."""
         top_k = routing.indices.shape[1]
         flat = routing.indices.reshape(-1)  # [N*k]
         pairs = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.params.n_experts).tolist()
         start = 0
         for j, count in enumerate(counts):
-            group, start = pairs[start:start + count], start + count
+            group, start = pairs[start : start + count], start + count
             if count == 0:
                 continue
             token, slot = group // top_k, group % top_k
@@ -100,8 +103,8 @@ class LayerCapture:
             if self.targets.stats is not None:
                 out = F.linear(act, experts.down_proj[j])  # [n, H], f_j before gating
                 self.targets.stats.update_expert(j, routing.weights[token, slot], out.float().norm(dim=-1))
-            if natural:
-                self.targets.hessians.add_natural(j, xj, act)
+            if natural is not None:
+                natural.add_natural(j, xj, act)
 
 
 def check_same_routing(routing: Routing, indices: torch.Tensor, weights: torch.Tensor, layer: int) -> None:
@@ -109,7 +112,9 @@ def check_same_routing(routing: Routing, indices: torch.Tensor, weights: torch.T
     mine, order = routing.indices.sort(dim=-1)
     theirs, their_order = indices.sort(dim=-1)
     same = torch.equal(mine, theirs) and torch.allclose(
-        routing.weights.gather(1, order), weights.float().gather(1, their_order), rtol=1e-6, atol=0)
+        routing.weights.gather(1, order), weights.float().gather(1, their_order), rtol=1e-6, atol=0
+    )
     if not same:
-        raise NumericalError(f"layer {layer}: routing.route disagrees with the model's router "
-                             "(transformers changed its routing?)")
+        raise NumericalError(
+            f"layer {layer}: routing.route disagrees with the model's router (transformers changed its routing?)"
+        )

@@ -53,12 +53,15 @@ def resume_point(obs: Path, fingerprint: Mapping[str, Any]) -> RunState | None:
     state = read_state(obs)
     if state is None:
         return None
-    changed = sorted(k for k in set(state.fingerprint) | set(fingerprint)
-                     if state.fingerprint.get(k) != fingerprint.get(k))
+    changed = sorted(
+        k for k in set(state.fingerprint) | set(fingerprint) if state.fingerprint.get(k) != fingerprint.get(k)
+    )
     if changed:
         details = "; ".join(f"{k}: {state.fingerprint.get(k)!r} -> {fingerprint.get(k)!r}" for k in changed)
-        raise UsageError(f"{obs}: holds an observation made with other settings ({details}); rerun with the "
-                         f"same settings, or use a new --out (or delete {state_dir(obs)} to start over)")
+        raise UsageError(
+            f"{obs}: holds an observation made with other settings ({details}); rerun with the "
+            f"same settings, or use a new --out (or delete {state_dir(obs)} to start over)"
+        )
     return state
 
 

@@ -104,7 +104,7 @@ class HeldHessians:
 
     def gate_up(self, expert: int) -> Hessian:
         if self.mode is HessianMode.ALL:
-            return Hessian(self._gate_up.sum, int(self._gate_up_counts))
+            return Hessian(self._gate_up.sum, int(self._gate_up.count))  # one shared count
         return Hessian(self._gate_up.sum[expert], self._gate_up_counts[expert])
 
     def down(self, expert: int) -> Hessian:

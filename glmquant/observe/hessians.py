@@ -80,8 +80,9 @@ class _Sum:
 class HessianAccumulator:
     """Accumulators of one layer for the chosen mode (plus dense linears when asked)."""
 
-    def __init__(self, mode: HessianMode, n_experts: int, hidden: int, intermediate: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, mode: HessianMode, n_experts: int, hidden: int, intermediate: int, device: torch.device | str = "cpu"
+    ) -> None:
         self.mode = mode
         self.device = device
         self.sums: dict[str, _Sum] = {}
@@ -116,8 +117,9 @@ class HessianAccumulator:
                 spec = TensorSpec(f"{key}.{part}", "F32" if part == "sum" else "I64", tuple(value.shape))
                 specs.append(spec)
                 providers[spec.name] = chunk_streamer(acc.chunks()) if part == "sum" else value
-        write_safetensors(path, specs, lambda s: providers[s.name],
-                          {"format": FORMAT, "layer": str(layer), "mode": self.mode.value})
+        write_safetensors(
+            path, specs, lambda s: providers[s.name], {"format": FORMAT, "layer": str(layer), "mode": self.mode.value}
+        )
 
     @property
     def empty(self) -> bool:

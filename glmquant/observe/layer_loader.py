@@ -12,9 +12,10 @@ so, the model dtype otherwise.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -29,8 +30,12 @@ RENAMES = (
     (r"self_attn\.f_b_proj\.", "self_attn.forget_gate.f_b_proj."),
     (r"self_attn\.dt_bias", "self_attn.forget_gate.dt_bias"),
     (r"self_attn\.A_log", "self_attn.forget_gate.A_log"),
-    (r"hc_attn_fn", "attn_hc.fn"), (r"hc_attn_base", "attn_hc.base"), (r"hc_attn_scale", "attn_hc.scale"),
-    (r"hc_ffn_fn", "ffn_hc.fn"), (r"hc_ffn_base", "ffn_hc.base"), (r"hc_ffn_scale", "ffn_hc.scale"),
+    (r"hc_attn_fn", "attn_hc.fn"),
+    (r"hc_attn_base", "attn_hc.base"),
+    (r"hc_attn_scale", "attn_hc.scale"),
+    (r"hc_ffn_fn", "ffn_hc.fn"),
+    (r"hc_ffn_base", "ffn_hc.base"),
+    (r"hc_ffn_scale", "ffn_hc.scale"),
 )
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _CONV = re.compile(r"^self_attn\.([qkv])_conv1d\.weight$")
@@ -60,8 +65,11 @@ class LayerPlan:
         return hits[0].source if len(hits) == 1 and hits[0].where == () else None
 
 
-def text_config(source: str | Path, attn_implementation: str = ATTN_IMPLEMENTATION,
-                experts_implementation: str = EXPERTS_IMPLEMENTATION):
+def text_config(
+    source: str | Path,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
+    experts_implementation: str = EXPERTS_IMPLEMENTATION,
+):
     """The transformers text config of a checkpoint, with the implementations from_pretrained would pick."""
     from transformers import AutoConfig
 
@@ -87,15 +95,16 @@ def layer_plan(spec: ModelSpec, layer: int, moe_intermediate: int) -> LayerPlan:
     prefix = table.layer_prefix(layer)
     out: list[Placement] = []
     for info in table.layer_tensors(spec, layer):
-        suffix = info.name[len(prefix):]
+        suffix = info.name[len(prefix) :]
         if m := _EXPERT.match(suffix):
             expert, proj = int(m.group(1)), m.group(2)
             if proj == "down_proj":
                 out.append(Placement(info.name, "mlp.experts.down_proj", (expert,)))
             else:
                 start = 0 if proj == "gate_proj" else moe_intermediate
-                out.append(Placement(info.name, "mlp.experts.gate_up_proj",
-                                     (expert, slice(start, start + moe_intermediate))))
+                out.append(
+                    Placement(info.name, "mlp.experts.gate_up_proj", (expert, slice(start, start + moe_intermediate)))
+                )
         elif m := _CONV.match(suffix):
             width = info.shape[0]
             start = "qkv".index(m.group(1)) * width
@@ -111,14 +120,15 @@ def _rename(suffix: str) -> str:
     return suffix
 
 
-def fp32_names(patterns: object) -> re.Pattern | None:
+def fp32_names(patterns: Iterable[str] | None) -> re.Pattern | None:
     """The regex transformers builds from `_keep_in_fp32_modules_strict` (globs, searched in the name)."""
     globs = sorted(patterns or [])
     return re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in globs)) if globs else None
 
 
-def load_decoder_layer(ckpt: SourceCheckpoint, spec: ModelSpec, cfg, layer: int,
-                       device: str | torch.device = "cpu") -> nn.Module:
+def load_decoder_layer(
+    ckpt: SourceCheckpoint, spec: ModelSpec, cfg, layer: int, device: str | torch.device = "cpu"
+) -> nn.Module:
     """Build decoder layer `layer` with its weights read from `ckpt`, in eval mode on `device`."""
     from transformers.models.glm5_next import modeling_glm5_next as glm
 
@@ -133,14 +143,31 @@ def load_decoder_layer(ckpt: SourceCheckpoint, spec: ModelSpec, cfg, layer: int,
     finally:
         torch.set_default_dtype(previous)
     keep_fp32 = fp32_names(glm.Glm5NextPreTrainedModel._keep_in_fp32_modules_strict)
-    state = read_layer_state(ckpt, layer_plan(spec, layer, cfg.moe_intermediate_size), module.state_dict(),
-                             keep_fp32, torch.device(device))
+    state = read_layer_state(
+        ckpt, layer_plan(spec, layer, cfg.moe_intermediate_size), module.state_dict(), keep_fp32, torch.device(device)
+    )
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval()
 
 
-def read_layer_state(ckpt: SourceCheckpoint, plan: LayerPlan, meta: Mapping[str, torch.Tensor],
-                     keep_fp32: re.Pattern | None, device: torch.device) -> dict[str, torch.Tensor]:
+class TensorSource(Protocol):
+    """What filling a layer reads from a checkpoint: a source or artifact checkpoint, or the dummy one."""
+
+    @property
+    def directory(self) -> Path: ...
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def read_tensor(self, name: str) -> torch.Tensor: ...
+
+
+def read_layer_state(
+    ckpt: TensorSource,
+    plan: LayerPlan,
+    meta: Mapping[str, torch.Tensor],
+    keep_fp32: re.Pattern | None,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
     """The module state `plan` fills from `ckpt`: each tensor allocated once (fp32 where `keep_fp32` matches,
     else the dtype of `meta`'s entry) and filled from the source tensors placed into it; every entry of
     `meta` must be filled exactly."""
@@ -148,24 +175,26 @@ def read_layer_state(ckpt: SourceCheckpoint, plan: LayerPlan, meta: Mapping[str,
     if targets != set(meta):
         raise CheckpointFormatError(
             f"{ckpt.directory}: layer {plan.layer} tensors do not fill the transformers module: missing "
-            f"{sorted(set(meta) - targets)[:5]}, unexpected {sorted(targets - set(meta))[:5]}")
+            f"{sorted(set(meta) - targets)[:5]}, unexpected {sorted(targets - set(meta))[:5]}"
+        )
     state: dict[str, torch.Tensor] = {}
     for name, empty in meta.items():
         fp32 = keep_fp32 is not None and keep_fp32.search(name) is not None
         state[name] = torch.empty(empty.shape, dtype=torch.float32 if fp32 else empty.dtype, device=device)
-    filled = {name: 0 for name in meta}
+    filled = dict.fromkeys(meta, 0)
     for p in plan.placements:
         if p.source not in ckpt:
             raise CheckpointFormatError(f"{ckpt.directory}: tensor {p.source} (layer {plan.layer}) is missing")
         value = ckpt.read_tensor(p.source)
         view = state[p.target][p.where] if p.where else state[p.target]
         if tuple(view.shape) != tuple(value.shape):
-            raise CheckpointFormatError(f"{ckpt.directory}: tensor {p.source} has shape {list(value.shape)}, "
-                                        f"expected {list(view.shape)} for {p.target}")
+            raise CheckpointFormatError(
+                f"{ckpt.directory}: tensor {p.source} has shape {list(value.shape)}, "
+                f"expected {list(view.shape)} for {p.target}"
+            )
         view.copy_(value)
         filled[p.target] += value.numel()
     short = [n for n, count in filled.items() if count != state[n].numel()]
     if short:
         raise CheckpointFormatError(f"{ckpt.directory}: layer {plan.layer} leaves {short[:3]} partly unfilled")
     return state
-

@@ -39,11 +39,16 @@ class PrunePlan:
     layers: tuple[LayerKeep, ...]
 
     def to_json(self) -> str:
-        body = {"format": FORMAT, "keep": self.keep, "n_routed_experts": self.n_routed_experts,
-                "criterion": self.criterion, "token_rows_sha256": self.token_rows_sha256,
-                "layers": {str(p.layer): list(p.keep) for p in self.layers},
-                "dropped": {str(p.layer): list(p.drop) for p in self.layers},
-                "kept_saliency_share": {str(p.layer): p.kept_saliency_share for p in self.layers}}
+        body = {
+            "format": FORMAT,
+            "keep": self.keep,
+            "n_routed_experts": self.n_routed_experts,
+            "criterion": self.criterion,
+            "token_rows_sha256": self.token_rows_sha256,
+            "layers": {str(p.layer): list(p.keep) for p in self.layers},
+            "dropped": {str(p.layer): list(p.drop) for p in self.layers},
+            "kept_saliency_share": {str(p.layer): p.kept_saliency_share for p in self.layers},
+        }
         return json.dumps(body, indent=2, sort_keys=True) + "\n"
 
     @property

@@ -35,16 +35,30 @@ def layer_table(report: ObservationReport, top: int = 5) -> Table:
     """One row per MoE layer: tokens, coverage, balance, saliency range and the most salient experts."""
     summary = report.summary
     table = Table(title=f"REAP statistics (token rows {summary.token_rows_sha256[:12]}, hessians {summary.hessians})")
-    for column in ("layer", "tokens", "experts hit", "load imbalance", "max share", "REAP min", "REAP max",
-                   f"top {top} by REAP"):
+    for column in (
+        "layer",
+        "tokens",
+        "experts hit",
+        "load imbalance",
+        "max share",
+        "REAP min",
+        "REAP max",
+        f"top {top} by REAP",
+    ):
         table.add_column(column, justify="right" if column != f"top {top} by REAP" else "left")
     for layer, s in sorted(report.stats.items()):
         reap = s.reap
         best = torch.argsort(-reap, stable=True)[:top].tolist()
-        table.add_row(str(layer), str(s.tokens), f"{int((s.count > 0).sum())}/{s.count.numel()}",
-                      f"{s.load_imbalance:.2f}", f"{s.selection_share.max().item():.3f}",
-                      f"{reap.min().item():.4g}", f"{reap.max().item():.4g}",
-                      " ".join(f"{e}:{reap[e].item():.3g}" for e in best))
+        table.add_row(
+            str(layer),
+            str(s.tokens),
+            f"{int((s.count > 0).sum())}/{s.count.numel()}",
+            f"{s.load_imbalance:.2f}",
+            f"{s.selection_share.max().item():.3f}",
+            f"{reap.min().item():.4g}",
+            f"{reap.max().item():.4g}",
+            " ".join(f"{e}:{reap[e].item():.3g}" for e in best),
+        )
     return table
 
 
@@ -56,9 +70,16 @@ def expert_table(report: ObservationReport, layer: int) -> Table:
         table.add_column(column, justify="right")
     mean_score = s.sums["sum_score"] / max(1, s.tokens)
     for e in range(s.count.numel()):
-        table.add_row(str(e), str(int(s.count[e])), f"{s.selection_share[e].item():.4f}", f"{s.ean[e].item():.4g}",
-                      f"{s.reap[e].item():.4g}", f"{s.sums['sum_gate'][e].item():.4g}",
-                      f"{s.max_norm[e].item():.4g}", f"{mean_score[e].item():.4f}")
+        table.add_row(
+            str(e),
+            str(int(s.count[e])),
+            f"{s.selection_share[e].item():.4f}",
+            f"{s.ean[e].item():.4g}",
+            f"{s.reap[e].item():.4g}",
+            f"{s.sums['sum_gate'][e].item():.4g}",
+            f"{s.max_norm[e].item():.4g}",
+            f"{mean_score[e].item():.4f}",
+        )
     return table
 
 

@@ -27,8 +27,14 @@ class RoutingParams:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> RoutingParams:
-        return cls(spec.n_routed_experts, spec.num_experts_per_tok, spec.n_group, spec.topk_group,
-                   spec.norm_topk_prob, spec.routed_scaling_factor)
+        return cls(
+            spec.n_routed_experts,
+            spec.num_experts_per_tok,
+            spec.n_group,
+            spec.topk_group,
+            spec.norm_topk_prob,
+            spec.routed_scaling_factor,
+        )
 
 
 @dataclass(frozen=True)

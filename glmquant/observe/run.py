@@ -32,12 +32,12 @@ from glmquant.observe.config import ObserveConfig, fingerprint
 from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.hessians import HessianAccumulator, HessianMode
 from glmquant.observe.prune import write_prune_plan
-from glmquant.observe.tiers import write_tier_plan
 from glmquant.observe.routing import RoutingParams
 from glmquant.observe.stats import ExpertStats, LayerStats, stats_path
 from glmquant.observe.streaming import TextModel, run_layer
 from glmquant.observe.streams import Chunk, StreamStore
 from glmquant.observe.summary import LaneSummary, LayerCost, LayerSummary, ObservationSummary
+from glmquant.observe.tiers import write_tier_plan
 
 Advance = Callable[[int], None]
 T = TypeVar("T")
@@ -73,8 +73,7 @@ class ObservationFiles:
             hessians.save(hessians_path(self.obs_dir, layer), layer)
 
 
-def observe(config: ObserveConfig, progress: bool = False, results: LayerResults | None = None
-            ) -> ObservationSummary:
+def observe(config: ObserveConfig, progress: bool = False, results: LayerResults | None = None) -> ObservationSummary:
     """Run (or resume, or just re-summarize) an observation; returns what observations.json records."""
     from transformers import AutoTokenizer
 
@@ -87,8 +86,14 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     fp = {**fingerprint(config, rows.sha256, model.dtype), "results": results.kind}
     clean_stale(config.out)
     resumed = resume_point(config.out, fp)
-    streams = StreamStore(state_dir(config.out), [(x.name, *x.ids.shape) for x in rows.lanes], config.batch_rows,
-                          (model.cfg.hc_mult, model.cfg.hidden_size), model.dtype, config.stream_budget_bytes)
+    streams = StreamStore(
+        state_dir(config.out),
+        [(x.name, *x.ids.shape) for x in rows.lanes],
+        config.batch_rows,
+        (model.cfg.hc_mult, model.cfg.hidden_size),
+        model.dtype,
+        config.stream_budget_bytes,
+    )
     results.start(rows)
     costs: dict[int | str, LayerCost] = {}
     with model.ckpt, _progress(progress) as bar:
@@ -100,26 +105,32 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
             write_state(config.out, fp, 0)
         layers = bar.add_task("layers", total=model.num_layers, completed=state.next_layer)
         chunks = bar.add_task("chunks", total=len(streams.chunks))
-        advance = lambda n: bar.advance(chunks, n)  # noqa: E731
+
+        def advance(n: int) -> None:
+            bar.advance(chunks, n)
+
         for layer in range(state.next_layer, model.num_layers):
             cost = costs[layer] = LayerCost(chunks=len(streams.chunks))
             if not (layer == state.next_layer and state.committed):
                 bar.reset(chunks, description=f"layer {layer}")
-                found = _measured(model.device, cost, "observe_s", _observe_pass, model, rows, config, streams,
-                                  layer, advance)
+                found = _measured(
+                    model.device, cost, "observe_s", _observe_pass, model, rows, config, streams, layer, advance
+                )
                 if found is not None:
                     results.save(layer, *found)
                     del found
                 write_state(config.out, fp, layer, committed=True)
             bar.reset(chunks, description=f"layer {layer} streams")
-            cost.recomputed_chunks = _measured(model.device, cost, "advance_s", _advance, model, streams, layer,
-                                               advance)
+            cost.recomputed_chunks = _measured(
+                model.device, cost, "advance_s", _advance, model, streams, layer, advance
+            )
             write_state(config.out, fp, layer + 1)
             streams.drop_layer(layer)
             bar.advance(layers)
     streams.drop_layer(model.num_layers)  # the final streams are not an output
-    summary = _summarize(model, rows, config, fp, resumed and resumed.next_layer, costs,
-                         time.monotonic() - started)
+    summary = _summarize(
+        model, rows, config, fp, resumed.next_layer if resumed is not None else None, costs, time.monotonic() - started
+    )
     summary.save(config.out)
     return summary
 
@@ -139,8 +150,9 @@ def _measured(device: torch.device, cost: LayerCost, field: str, fn: Callable[..
 
 
 def _progress(enabled: bool) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    disable=not enabled)
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), disable=not enabled
+    )
 
 
 def _lane_chunks(streams: StreamStore, lane: str) -> list[Chunk]:
@@ -151,13 +163,14 @@ def _embed(model: TextModel, rows: TokenRows, streams: StreamStore) -> None:
     """Streams entering layer 0 for every lane (chunks a killed run already wrote are kept)."""
     for lane in rows.lanes:
         chunks = _lane_chunks(streams, lane.name)
-        for chunk, emb in zip(chunks, model.embed(lane.ids[c.start:c.stop] for c in chunks)):
+        for chunk, emb in zip(chunks, model.embed(lane.ids[c.start : c.stop] for c in chunks)):
             if not streams.has(0, chunk):
                 streams.write(0, chunk, emb)
 
 
-def _observe_pass(model: TextModel, rows: TokenRows, config: ObserveConfig, streams: StreamStore, layer: int,
-                  advance: Advance) -> tuple[ExpertStats | None, HessianAccumulator | None] | None:
+def _observe_pass(
+    model: TextModel, rows: TokenRows, config: ObserveConfig, streams: StreamStore, layer: int, advance: Advance
+) -> tuple[ExpertStats | None, HessianAccumulator | None] | None:
     """Every chunk through the layer with the hooks on (writing the output chunks that fit the stream budget);
     returns the layer's accumulators, None for a layer with nothing to observe. The layer is freed on return."""
     spec, device = model.spec, model.device
@@ -167,15 +180,17 @@ def _observe_pass(model: TextModel, rows: TokenRows, config: ObserveConfig, stre
     mode = config.hessians if moe else HessianMode.NONE
     hessians = None
     if "hessians" in uses and (mode is not HessianMode.NONE or config.dense_hessians):
-        hessians = HessianAccumulator(mode, spec.n_routed_experts, spec.hidden_size, spec.moe_intermediate_size,
-                                      device)
+        hessians = HessianAccumulator(mode, spec.n_routed_experts, spec.hidden_size, spec.moe_intermediate_size, device)
     if stats is None and hessians is None:
         return None
     module = model.layer(layer)
     with LayerCapture(module, model.plan(layer), RoutingParams.from_spec(spec)) as capture:
         for lane in rows.lanes:
-            capture.targets = CaptureTargets(stats if "reap" in lane.use else None,
-                                             hessians if "hessians" in lane.use else None, config.dense_hessians)
+            capture.targets = CaptureTargets(
+                stats if "reap" in lane.use else None,
+                hessians if "hessians" in lane.use else None,
+                config.dense_hessians,
+            )
             for chunk in _lane_chunks(streams, lane.name):
                 out = _forward(module, streams, layer, chunk, device)
                 if not streams.has(layer + 1, chunk) and streams.fits(chunk):
@@ -203,28 +218,51 @@ def _advance(model: TextModel, streams: StreamStore, layer: int, advance: Advanc
     return computed
 
 
-def _forward(module: torch.nn.Module, streams: StreamStore, layer: int, chunk: Chunk, device: torch.device
-             ) -> torch.Tensor:
+def _forward(
+    module: torch.nn.Module, streams: StreamStore, layer: int, chunk: Chunk, device: torch.device
+) -> torch.Tensor:
     out = run_layer(module, streams.read(layer, chunk).to(device))
     assert_finite(f"hidden streams leaving layer {layer} (lane {chunk.lane}, rows {chunk.start}-{chunk.stop})", out)
     return out
 
 
-def _summarize(model: TextModel, rows: TokenRows, config: ObserveConfig, fp: dict, resumed: int | None,
-               costs: dict[int | str, LayerCost], elapsed: float) -> ObservationSummary:
+def _summarize(
+    model: TextModel,
+    rows: TokenRows,
+    config: ObserveConfig,
+    fp: dict,
+    resumed: int | None,
+    costs: dict[int | str, LayerCost],
+    elapsed: float,
+) -> ObservationSummary:
     layers = tuple(replace(_layer_summary(model, config.out, i), cost=costs.get(i)) for i in range(model.num_layers))
     plan = write_prune_plan(config.out, config.keep) if config.keep is not None else None
     tiers = None
     if config.tiers is not None:  # tiers among the kept experts, in their output order
-        kept = {int(l): v for l, v in json.loads(plan.read_text())["layers"].items()} if plan else None
+        kept = {int(layer): v for layer, v in json.loads(plan.read_text())["layers"].items()} if plan else None
         tiers = write_tier_plan(config.out, config.tiers, kept).name
     lanes = tuple(LaneSummary(x.name, x.ids.shape[0], x.ids.shape[1], x.use) for x in rows.lanes)
     peaks = [c.peak_device_bytes for c in costs.values() if c.peak_device_bytes is not None]
     peak_device = max(peaks, default=0) if model.device.type == "cuda" else None
     return ObservationSummary(
-        str(config.source), str(config.recipe), rows.recipe_sha256, rows.sha256, lanes, config.hessians.value,
-        config.dense_hessians, config.device, config.batch_rows, fp, layers,
-        peak_rss_bytes(), peak_device, round(elapsed, 3), resumed, plan and plan.name, tiers)
+        str(config.source),
+        str(config.recipe),
+        rows.recipe_sha256,
+        rows.sha256,
+        lanes,
+        config.hessians.value,
+        config.dense_hessians,
+        config.device,
+        config.batch_rows,
+        fp,
+        layers,
+        peak_rss_bytes(),
+        peak_device,
+        round(elapsed, 3),
+        resumed,
+        plan.name if plan is not None else None,
+        tiers,
+    )
 
 
 def _layer_summary(model: TextModel, obs_dir: Path, layer: int) -> LayerSummary:
@@ -234,8 +272,16 @@ def _layer_summary(model: TextModel, obs_dir: Path, layer: int) -> LayerSummary:
     if not stats_path(obs_dir, layer).is_file():
         return LayerSummary(layer, "moe" if mlp == "sparse" else "dense", attention, None, hessians_file, 0, 0, 0.0)
     s = LayerStats.load(stats_path(obs_dir, layer))
-    return LayerSummary(layer, "moe", attention, stats_path(obs_dir, layer).name, hessians_file, s.tokens,
-                        int((s.count > 0).sum()), s.load_imbalance)
+    return LayerSummary(
+        layer,
+        "moe",
+        attention,
+        stats_path(obs_dir, layer).name,
+        hessians_file,
+        s.tokens,
+        int((s.count > 0).sum()),
+        s.load_imbalance,
+    )
 
 
 def peak_rss_bytes() -> int:

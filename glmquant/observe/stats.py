@@ -37,8 +37,9 @@ def stats_path(obs_dir: Path, layer: int) -> Path:
 
 def stats_files(obs_dir: Path) -> dict[int, Path]:
     """Layer -> statistics file of every MoE layer observed in `obs_dir`."""
-    return {int(p.name.split(".")[0].removeprefix("layer-")): p
-            for p in sorted(obs_dir.glob("layer-*.stats.safetensors"))}
+    return {
+        int(p.name.split(".")[0].removeprefix("layer-")): p for p in sorted(obs_dir.glob("layer-*.stats.safetensors"))
+    }
 
 
 class ExpertStats:
@@ -65,8 +66,9 @@ class ExpertStats:
         self.max_norm[expert] = torch.maximum(self.max_norm[expert], f.max())
 
     def result(self) -> LayerStats:
-        return LayerStats(self.tokens, self.top_k, self.count.cpu(), self.max_norm.cpu(),
-                          {k: v.cpu() for k, v in self.sums.items()})
+        return LayerStats(
+            self.tokens, self.top_k, self.count.cpu(), self.max_norm.cpu(), {k: v.cpu() for k, v in self.sums.items()}
+        )
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,16 @@ class LayerStats:
         return float(self.count.max().item() / mean) if mean > 0 else 0.0
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"count": self.count, "max_norm": self.max_norm, **self.sums, "ean": self.ean, "reap": self.reap,
-                "selection_share": self.selection_share, "tokens": torch.tensor(self.tokens, dtype=torch.int64),
-                "top_k": torch.tensor(self.top_k, dtype=torch.int64)}
+        return {
+            "count": self.count,
+            "max_norm": self.max_norm,
+            **self.sums,
+            "ean": self.ean,
+            "reap": self.reap,
+            "selection_share": self.selection_share,
+            "tokens": torch.tensor(self.tokens, dtype=torch.int64),
+            "top_k": torch.tensor(self.top_k, dtype=torch.int64),
+        }
 
     def save(self, path: Path) -> None:
         tensors = self.tensors()

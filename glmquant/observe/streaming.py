@@ -41,8 +41,10 @@ class TextModel:
         spec = load_model_spec(Path(source) / "config.json")
         cfg = text_config(source)
         if "shared" in (getattr(cfg, "indexer_types", None) or []):
-            raise ConfigError(f"{source}: 'shared' DSA indexer layers carry top-k indices across layers; "
-                              "layer streaming supports only 'full' indexer layers (as GLM-5.3-Flash has)")
+            raise ConfigError(
+                f"{source}: 'shared' DSA indexer layers carry top-k indices across layers; "
+                "layer streaming supports only 'full' indexer layers (as GLM-5.3-Flash has)"
+            )
         return cls(SourceCheckpoint.open(source), spec, cfg, device)
 
     @property
@@ -88,8 +90,9 @@ def run_layer(module: nn.Module, streams: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def stream_final_hidden(source_dir: str | Path, input_ids: torch.Tensor, device: str = "cpu",
-                        batch_rows: int | None = None) -> torch.Tensor:
+def stream_final_hidden(
+    source_dir: str | Path, input_ids: torch.Tensor, device: str = "cpu", batch_rows: int | None = None
+) -> torch.Tensor:
     """The model's last hidden state [N,T,H] for `input_ids` [N,T], holding one decoder layer at a time.
 
     Equal (bit for bit on one device) to `Glm5NextForConditionalGeneration.from_pretrained(source_dir,
@@ -115,7 +118,7 @@ def kda_implementation() -> str:
     import importlib.metadata
 
     try:
-        from fla.ops.kda import chunk_kda  # noqa: F401
+        from fla.ops.kda import chunk_kda  # noqa: F401 - imported only to see that it imports
     except Exception:  # noqa: BLE001 - absent, or present but broken (no Triton, no einops): the fallback runs
         return "torch reference"
     try:

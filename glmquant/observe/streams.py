@@ -38,17 +38,29 @@ class Chunk:
 class StreamStore:
     """The stream chunk files of one observation directory."""
 
-    def __init__(self, state: Path, lanes: Sequence[tuple[str, int, int]], batch_rows: int,
-                 row_shape: tuple[int, ...], dtype: torch.dtype, budget_bytes: int | None) -> None:
+    def __init__(
+        self,
+        state: Path,
+        lanes: Sequence[tuple[str, int, int]],
+        batch_rows: int,
+        row_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        budget_bytes: int | None,
+    ) -> None:
         """`lanes`: (name, rows, tokens) in recipe order; `row_shape`: (hc, H) of one token."""
         self.state, self.row_shape, self.dtype, self.budget_bytes = state, row_shape, dtype, budget_bytes
         self.tokens = {name: tokens for name, _, tokens in lanes}
-        self.chunks = [Chunk(name, i, start, min(start + batch_rows, rows))
-                       for name, rows, _ in lanes for i, start in enumerate(range(0, rows, batch_rows))]
+        self.chunks = [
+            Chunk(name, i, start, min(start + batch_rows, rows))
+            for name, rows, _ in lanes
+            for i, start in enumerate(range(0, rows, batch_rows))
+        ]
         largest = max((self.chunk_bytes(c) for c in self.chunks), default=0)
         if budget_bytes is not None and budget_bytes < self.layer_bytes + largest:
-            raise UsageError(f"--stream-budget-gb {budget_bytes / 1e9:.3f} is below one layer's hidden streams plus "
-                             f"one chunk ({(self.layer_bytes + largest) / 1e9:.3f} GB); raise it or use fewer rows")
+            raise UsageError(
+                f"--stream-budget-gb {budget_bytes / 1e9:.3f} is below one layer's hidden streams plus "
+                f"one chunk ({(self.layer_bytes + largest) / 1e9:.3f} GB); raise it or use fewer rows"
+            )
 
     def _spec(self, chunk: Chunk) -> TensorSpec:
         shape = (chunk.stop - chunk.start, self.tokens[chunk.lane], *self.row_shape)

@@ -81,8 +81,9 @@ class ObservationSummary:
             if raw.pop("format", None) != FORMAT:
                 raise ValueError(f"not a {FORMAT} file")
             raw["lanes"] = tuple(LaneSummary(**{**x, "use": tuple(x["use"])}) for x in raw["lanes"])
-            raw["layers"] = tuple(LayerSummary(**{**x, "cost": x.get("cost") and LayerCost(**x["cost"])})
-                                  for x in raw["layers"])
+            raw["layers"] = tuple(
+                LayerSummary(**{**x, "cost": x.get("cost") and LayerCost(**x["cost"])}) for x in raw["layers"]
+            )
             return cls(**raw)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"{path}: unreadable observation summary ({exc}); run glmquant observe first") from None

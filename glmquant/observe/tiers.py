@@ -56,16 +56,22 @@ class TierSpec:
     def parse(cls, text: str) -> TierSpec:
         criterion, _, body = text.partition(":")
         if criterion not in CRITERIA or not body:
-            raise UsageError(f"--tiers {text!r}: expected {'|'.join(CRITERIA)}:K<bits>=<count|N%|rest>,..., "
-                             "e.g. reap:K3=32,K2=rest")
+            raise UsageError(
+                f"--tiers {text!r}: expected {'|'.join(CRITERIA)}:K<bits>=<count|N%|rest>,..., e.g. reap:K3=32,K2=rest"
+            )
         tiers = []
         for item in body.split(","):
             m = _TIER.match(item.strip())
             if m is None or not 1 <= int(m[1]) <= 8:
                 raise UsageError(f"--tiers {text!r}: {item.strip()!r} is not K<1..8>=<count|N%|rest>")
             value = m[2]
-            tiers.append(Tier(int(m[1]), None if value == "rest" or value.endswith("%") else int(value),
-                              int(value[:-1]) if value.endswith("%") else None))
+            tiers.append(
+                Tier(
+                    int(m[1]),
+                    None if value == "rest" or value.endswith("%") else int(value),
+                    int(value[:-1]) if value.endswith("%") else None,
+                )
+            )
         if sum(t.count is None and t.percent is None for t in tiers) != 1:
             raise UsageError(f"--tiers {text!r}: exactly one tier must be 'rest'")
         if len({t.bits for t in tiers}) != len(tiers):
@@ -75,8 +81,14 @@ class TierSpec:
     @property
     def text(self) -> str:
         def size(t: Tier) -> str:
-            return "rest" if t.count is None and t.percent is None else f"{t.percent}%" if t.percent is not None \
+            return (
+                "rest"
+                if t.count is None and t.percent is None
+                else f"{t.percent}%"
+                if t.percent is not None
                 else str(t.count)
+            )
+
         return f"{self.criterion}:" + ",".join(f"K{t.bits}={size(t)}" for t in self.tiers)
 
     @property
@@ -92,7 +104,11 @@ class TierSpec:
         fixed = sum(t.size(experts) or 0 for t in self.tiers)
         if fixed > experts:
             raise UsageError(f"--tiers {self.text}: the counted tiers take {fixed} experts, the layer has {experts}")
-        return [(t.bits, experts - fixed if t.size(experts) is None else t.size(experts)) for t in self.tiers]
+        counts = []
+        for t in self.tiers:
+            size = t.size(experts)
+            counts.append((t.bits, experts - fixed if size is None else size))
+        return counts
 
     def assign(self, saliency: Sequence[float]) -> tuple[int, ...]:
         """Bits per expert (by index) from its saliency: the most salient fill the first tier, and so on."""
@@ -100,14 +116,15 @@ class TierSpec:
         bits = [0] * len(saliency)
         start = 0
         for width, count in self.counts(len(saliency)):
-            for e in ranked[start:start + count]:
+            for e in ranked[start : start + count]:
                 bits[e] = width
             start += count
         return tuple(bits)
 
 
-def plan_tiers(saliency: Mapping[int, Sequence[float]], spec: TierSpec,
-               keep: Mapping[int, Sequence[int]] | None = None) -> dict[int, tuple[int, ...]]:
+def plan_tiers(
+    saliency: Mapping[int, Sequence[float]], spec: TierSpec, keep: Mapping[int, Sequence[int]] | None = None
+) -> dict[int, tuple[int, ...]]:
     """Bits of each output expert per MoE layer: `saliency[L]` by source expert, `keep[L]` the kept source
     experts in output order (None: all)."""
     out = {}
@@ -117,8 +134,9 @@ def plan_tiers(saliency: Mapping[int, Sequence[float]], spec: TierSpec,
     return out
 
 
-def write_tier_plan(obs_dir: Path, spec: TierSpec, keep: Mapping[int, Sequence[int]] | None = None,
-                    path: Path | None = None) -> Path:
+def write_tier_plan(
+    obs_dir: Path, spec: TierSpec, keep: Mapping[int, Sequence[int]] | None = None, path: Path | None = None
+) -> Path:
     """Plan tiers from a finished observation's REAP statistics and write them (default: OBS/tier_plan.json)."""
     from glmquant.calibration.token_rows import TokenRows
     from glmquant.observe.stats import LayerStats, stats_files
@@ -127,11 +145,16 @@ def write_tier_plan(obs_dir: Path, spec: TierSpec, keep: Mapping[int, Sequence[i
     if not saliency:
         raise UsageError(f"{obs_dir}: no MoE layer statistics to plan tiers from")
     bits = plan_tiers(saliency, spec, keep)
-    body = {"format": FORMAT, "spec": spec.text, "criterion": spec.criterion,
-            "token_rows_sha256": TokenRows.load(Path(obs_dir)).sha256,
-            "layers": {str(layer): list(b) for layer, b in bits.items()},
-            "counts": {str(b): n for b, n in sorted(tier_counts(bits).items())},
-            "mean_bits": round(mean_bits(bits), 4), "bitmap_sha256": tier_bitmap_sha256(bits)}
+    body = {
+        "format": FORMAT,
+        "spec": spec.text,
+        "criterion": spec.criterion,
+        "token_rows_sha256": TokenRows.load(Path(obs_dir)).sha256,
+        "layers": {str(layer): list(b) for layer, b in bits.items()},
+        "counts": {str(b): n for b, n in sorted(tier_counts(bits).items())},
+        "mean_bits": round(mean_bits(bits), 4),
+        "bitmap_sha256": tier_bitmap_sha256(bits),
+    }
     target = path or Path(obs_dir) / TIER_PLAN_FILE
     atomic_write_text(target, json.dumps(body, indent=2, sort_keys=True) + "\n")
     return target
@@ -153,7 +176,7 @@ def load_tier_plan(path: Path, moe_layers: Sequence[int], experts: int) -> TierP
         raise UsageError(f"{path}: not a tier plan ({exc})") from None
     if sorted(layers) != sorted(moe_layers):
         raise UsageError(f"{path}: tiers for layers {sorted(layers)}, the model's MoE layers are {list(moe_layers)}")
-    bad = [l for l, bits in layers.items() if len(bits) != experts or not all(1 <= b <= 8 for b in bits)]
+    bad = [layer for layer, bits in layers.items() if len(bits) != experts or not all(1 <= b <= 8 for b in bits)]
     if bad:
         raise UsageError(f"{path}: layer(s) {bad} do not give 1..8 bits to each of {experts} experts")
     tier_counts(layers)

@@ -73,25 +73,43 @@ def load_corpus_recipe(path: str | Path = DEFAULT_CORPUS_RECIPE) -> CorpusRecipe
     file = Path(path)
     top = Fields(file, "", read_yaml(file))
     splits = Fields(file, "splits", top.get("splits", dict))
-    fractions = [float(splits.get(s, (int, float))) for s in ("calibration", "heldout")]
+    calibration, heldout = (float(splits.get(s, (int, float))) for s in ("calibration", "heldout"))
     splits.done()
-    if not all(0 < f < 0.5 for f in fractions):
+    if not all(0 < f < 0.5 for f in (calibration, heldout)):
         raise UsageError(f"{file}: splits: calibration and heldout must each be a fraction in (0, 0.5)")
     sources = tuple(_source(file, f"sources[{i}]", item) for i, item in enumerate(top.get("sources", list)))
     if not sources or len({s.name for s in sources}) != len(sources):
         raise UsageError(f"{file}: sources: at least one, with unique names")
-    recipe = CorpusRecipe(top.get("name", str), str(file.resolve()), top.get("seed", int, 0),
-                          top.positive("max_bytes"), top.positive("doc_bytes"), top.positive("max_file_bytes"),
-                          *fractions, sources)
+    recipe = CorpusRecipe(
+        top.get("name", str),
+        str(file.resolve()),
+        top.get("seed", int, 0),
+        top.positive("max_bytes"),
+        top.positive("doc_bytes"),
+        top.positive("max_file_bytes"),
+        calibration,
+        heldout,
+        sources,
+    )
     top.done()
     return recipe
 
 
 def _source(file: Path, where: str, data: object) -> CorpusSource:
     f = Fields(file, where, data)
-    strings = lambda key, default=None: tuple(str(x) for x in f.get(key, list, default))  # noqa: E731
-    source = CorpusSource(f.get("name", str), f.choice("kind", KINDS, "text"), f.get("lang", str), strings("roots"),
-                          strings("include"), strings("exclude", []), float(f.get("share", (int, float))))
+
+    def strings(key: str, default: list[str] | None = None) -> tuple[str, ...]:
+        return tuple(str(x) for x in f.get(key, list, default))
+
+    source = CorpusSource(
+        f.get("name", str),
+        f.choice("kind", KINDS, "text"),
+        f.get("lang", str),
+        strings("roots"),
+        strings("include"),
+        strings("exclude", []),
+        float(f.get("share", (int, float))),
+    )
     if not 0 < source.share <= 1:
         raise UsageError(f"{file}: {f.key('share')}: must be a fraction in (0, 1], got {source.share}")
     if source.lang == FROM_PATH and source.kind != "gettext":
@@ -123,8 +141,11 @@ def source_files(source: CorpusSource, max_file_bytes: int) -> Iterator[tuple[st
         found = {p for pattern in source.include for p in base.glob(pattern)}
         for path in sorted(found):
             rel = path.relative_to(base)
-            if (any(fnmatch.fnmatch(rel.as_posix(), x) for x in source.exclude)  # `*` also crosses "/"
-                    or not path.is_file() or path.stat().st_size > max_file_bytes):
+            if (
+                any(fnmatch.fnmatch(rel.as_posix(), x) for x in source.exclude)  # `*` also crosses "/"
+                or not path.is_file()
+                or path.stat().st_size > max_file_bytes
+            ):
                 continue
             real = path.resolve()
             if real not in seen:
@@ -148,8 +169,11 @@ def file_texts(source: CorpusSource, path: Path) -> list[tuple[str, str]]:
     except (SyntaxError, ValueError):
         return []
     if source.kind == "docstrings":
-        docs = [ast.get_docstring(node) for node in ast.walk(tree)
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        docs = [
+            ast.get_docstring(node)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
         return [(source.lang, "\n\n".join(d for d in docs if d and len(d) > 40))]
     return [(source.lang, topic) for topic in _pydoc_topics(tree)]
 
@@ -168,8 +192,8 @@ def _mo_messages(data: bytes) -> list[str]:
     count, _, translations = struct.unpack(f"{order}III", data[8:20])
     out = []
     for i in range(count):
-        length, offset = struct.unpack(f"{order}II", data[translations + 8 * i:translations + 8 * i + 8])
-        for text in data[offset:offset + length].decode("utf-8").split("\x00"):
+        length, offset = struct.unpack(f"{order}II", data[translations + 8 * i : translations + 8 * i + 8])
+        for text in data[offset : offset + length].decode("utf-8").split("\x00"):
             if text.strip() and not text.startswith("Project-Id-Version"):
                 out.append(text.strip())
     return out
@@ -227,8 +251,14 @@ def source_documents(recipe: CorpusRecipe, source: CorpusSource) -> tuple[list[D
             continue
         kept.append(doc)
         used += size
-    summary = {"files": files, "documents_found": len(candidates), "documents": len(kept), "bytes": used,
-               "budget_bytes": budget, "roots": {r: str(resolve_root(r)) for r in source.roots}}
+    summary = {
+        "files": files,
+        "documents_found": len(candidates),
+        "documents": len(kept),
+        "bytes": used,
+        "budget_bytes": budget,
+        "roots": {r: str(resolve_root(r)) for r in source.roots},
+    }
     return kept, summary
 
 
@@ -254,12 +284,20 @@ def build_corpus(recipe: CorpusRecipe, out_dir: Path) -> dict[str, Any]:
         langs: dict[str, int] = {}
         for d in docs:
             langs[d.lang] = langs.get(d.lang, 0) + len(d.text.encode())
-        splits[split] = {"documents": len(docs), "bytes": sum(langs.values()),
-                         "sha256": hashlib.sha256(body).hexdigest(),
-                         "bytes_by_lang": dict(sorted(langs.items(), key=lambda kv: -kv[1]))}
-    summary = {"recipe": recipe.path, "recipe_sha256": recipe.sha256(), "max_bytes": recipe.max_bytes,
-               "sources": sources, "splits": splits,
-               "languages": sorted({d.lang for docs in by_split.values() for d in docs})}
+        splits[split] = {
+            "documents": len(docs),
+            "bytes": sum(langs.values()),
+            "sha256": hashlib.sha256(body).hexdigest(),
+            "bytes_by_lang": dict(sorted(langs.items(), key=lambda kv: -kv[1])),
+        }
+    summary = {
+        "recipe": recipe.path,
+        "recipe_sha256": recipe.sha256(),
+        "max_bytes": recipe.max_bytes,
+        "sources": sources,
+        "splits": splits,
+        "languages": sorted({d.lang for docs in by_split.values() for d in docs}),
+    }
     (out_dir / "corpus.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     return summary
 
@@ -273,8 +311,19 @@ def read_split(out_dir: Path, split: str) -> list[str]:
 def split_recipe(out_dir: Path, split: str, rows: int, tokens: int) -> Path:
     """A calibration recipe (calibration/README.md) of one lane packed from a split; written next to it."""
     path = out_dir / f"{split}.yaml"
-    recipe = {"name": f"proxy-{split}", "seed": 0, "sources": {split: {"kind": "jsonl", "path": f"{split}.jsonl"}},
-              "lanes": [{"name": split, "rows": rows, "tokens": tokens, "use": ["hessians", "reap"],
-                         "mix": [{"source": split, "weight": 1}]}]}
+    recipe = {
+        "name": f"proxy-{split}",
+        "seed": 0,
+        "sources": {split: {"kind": "jsonl", "path": f"{split}.jsonl"}},
+        "lanes": [
+            {
+                "name": split,
+                "rows": rows,
+                "tokens": tokens,
+                "use": ["hessians", "reap"],
+                "mix": [{"source": split, "weight": 1}],
+            }
+        ],
+    }
     path.write_text(json.dumps(recipe, indent=2) + "\n")
     return path

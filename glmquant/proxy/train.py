@@ -47,13 +47,34 @@ from glmquant.proxy.tokenizer import train_tokenizer
 
 # The H200 proxy: 8 layers (2 dense, then MoE; DSA at 3 and 7, KDA elsewhere), 64 experts top-8 + a shared one.
 PROXY_SHAPE = TinyModelConfig(
-    hidden_size=256, num_hidden_layers=8, first_dense_layers=2, n_routed_experts=64, num_experts_per_tok=8,
-    moe_intermediate_size=512, intermediate_size=1024, vocab_size=8192, shard_bytes=128 << 20, attention_heads=4,
-    head_dim=64, q_lora_rank=128, kv_lora_rank=64, index_topk=128)
+    hidden_size=256,
+    num_hidden_layers=8,
+    first_dense_layers=2,
+    n_routed_experts=64,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    intermediate_size=1024,
+    vocab_size=8192,
+    shard_bytes=128 << 20,
+    attention_heads=4,
+    head_dim=64,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    index_topk=128,
+)
 # The CPU smoke proxy: the same pattern at 4 layers (1 dense, DSA at 3) and 32 experts.
 SMOKE_SHAPE = TinyModelConfig(
-    hidden_size=128, num_hidden_layers=4, first_dense_layers=1, n_routed_experts=32, num_experts_per_tok=8,
-    moe_intermediate_size=512, intermediate_size=256, vocab_size=512, shard_bytes=32 << 20, index_topk=32)
+    hidden_size=128,
+    num_hidden_layers=4,
+    first_dense_layers=1,
+    n_routed_experts=32,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    intermediate_size=256,
+    vocab_size=512,
+    shard_bytes=32 << 20,
+    index_topk=32,
+)
 VOCAB_MULTIPLE = 64
 TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -105,7 +126,7 @@ class TrainConfig:
 class LoadBalancer:
     """Aux-loss-free balancing: each router's selections are counted during the step, then its bias moves."""
 
-    routers: list[torch.nn.Module]
+    routers: list[Any]  # transformers' MoE routers: num_experts, e_score_correction_bias
     rate: float
     counts: list[torch.Tensor] = field(default_factory=list)
 
@@ -118,6 +139,7 @@ class LoadBalancer:
     def _counter(count: torch.Tensor) -> Callable[..., None]:
         def hook(_module: torch.nn.Module, _args: tuple, out: tuple) -> None:  # returns None: output unchanged
             count.add_(torch.bincount(out[2].reshape(-1), minlength=count.numel()).float())
+
         return hook
 
     @torch.no_grad()
@@ -139,7 +161,7 @@ def token_stream(tokenizer: Any, texts: list[str]) -> torch.Tensor:
     return torch.tensor([t for doc in ids for t in (*doc, eos)], dtype=torch.int32)
 
 
-def text_model_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def text_model_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:  # a Glm5NextForConditionalGeneration
     """Logits of the language model alone (the vision tower is not involved in text)."""
     hidden = model.model.language_model(input_ids=ids).last_hidden_state
     return model.lm_head(hidden)
@@ -167,8 +189,10 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     recipe = load_corpus_recipe(cfg.corpus_recipe)
     recipe = recipe.scaled(cfg.corpus_bytes) if cfg.corpus_bytes else recipe
     corpus = build_corpus(recipe, corpus_dir)
-    log(f"corpus: {json.dumps({k: (v['documents'], v['bytes']) for k, v in corpus['splits'].items()})}, "
-        f"{len(corpus['languages'])} languages")
+    log(
+        f"corpus: {json.dumps({k: (v['documents'], v['bytes']) for k, v in corpus['splits'].items()})}, "
+        f"{len(corpus['languages'])} languages"
+    )
     texts = read_split(corpus_dir, "train")
     tokenizer = train_tokenizer(texts, cfg.shape.vocab_size)
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -177,8 +201,10 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     stream = token_stream(tokenizer, texts)
     heldout = split_rows(corpus_dir, "heldout", cfg.heldout_rows, cfg.seq_len, tokenizer)
     split_recipe(corpus_dir, "calibration", cfg.calibration_rows, cfg.seq_len)
-    log(f"tokenizer: {len(tokenizer)} tokens; train stream {stream.numel():,} tokens; "
-        f"{cfg.steps * cfg.batch_rows * cfg.seq_len:,} to train on")
+    log(
+        f"tokenizer: {len(tokenizer)} tokens; train stream {stream.numel():,} tokens; "
+        f"{cfg.steps * cfg.batch_rows * cfg.seq_len:,} to train on"
+    )
 
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
@@ -187,22 +213,30 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     torch.set_float32_matmul_precision("high")  # fp32 weights and activations, TF32 matmuls on a GPU
     hf_config = shape.hf_config(tokenizer)
     hf_config.text_config._experts_implementation = cfg.experts_implementation
-    model = Glm5NextForConditionalGeneration(hf_config).to(device, TRAIN_DTYPES[cfg.dtype]).train()
+    model: Any = Glm5NextForConditionalGeneration(hf_config)  # transformers types its `to` unbound
+    model = model.to(device, TRAIN_DTYPES[cfg.dtype]).train()
     text = model.model.language_model
-    balancer = LoadBalancer([layer.mlp.gate for layer in text.layers if hasattr(layer.mlp, "experts")],
-                            cfg.bias_update_rate)
+    balancer = LoadBalancer(
+        [layer.mlp.gate for layer in text.layers if hasattr(layer.mlp, "experts")], cfg.bias_update_rate
+    )
     params = [p for n, p in model.named_parameters() if "visual" not in n]
     decay = [p for p in params if p.dim() >= 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
 
     sampler = torch.Generator().manual_seed(cfg.seed)
     curve, stopped_early, step = [], False, 0
     train_started = time.monotonic()
     for step in range(cfg.steps):
         starts = torch.randint(0, stream.numel() - cfg.seq_len - 1, (cfg.batch_rows,), generator=sampler)
-        batch = torch.stack([stream[s:s + cfg.seq_len + 1] for s in starts.tolist()]).long().to(device)
+        batch = torch.stack([stream[s : s + cfg.seq_len + 1] for s in starts.tolist()]).long().to(device)
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(step)
         logits = text_model_logits(model, batch[:, :-1])
@@ -214,10 +248,18 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
         imbalance = balancer.step()
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             elapsed = time.monotonic() - train_started
-            curve.append({"step": step, "loss": round(loss.item(), 4), "load_imbalance": round(imbalance, 3),
-                          "seconds": round(elapsed, 1)})
-            log(f"step {step}: loss {loss.item():.4f}, load imbalance {imbalance:.2f}, "
-                f"{(step + 1) * cfg.batch_rows * cfg.seq_len / max(elapsed, 1e-9):,.0f} tokens/s")
+            curve.append(
+                {
+                    "step": step,
+                    "loss": round(loss.item(), 4),
+                    "load_imbalance": round(imbalance, 3),
+                    "seconds": round(elapsed, 1),
+                }
+            )
+            log(
+                f"step {step}: loss {loss.item():.4f}, load imbalance {imbalance:.2f}, "
+                f"{(step + 1) * cfg.batch_rows * cfg.seq_len / max(elapsed, 1e-9):,.0f} tokens/s"
+            )
         if cfg.max_minutes is not None and time.monotonic() - train_started > 60 * cfg.max_minutes:
             stopped_early = True
             log(f"stopped after step {step}: --max-minutes {cfg.max_minutes} reached (not reproducible)")
@@ -233,13 +275,24 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     routing = routing_check(model_dir, corpus_dir / "calibration.yaml", cfg.out / "routing", cfg.device)
     log(f"routing: {json.dumps(routing['verdict'])}")
     record = {
-        "format": "glmquant.proxy.v1", "seed": cfg.seed,
+        "format": "glmquant.proxy.v1",
+        "seed": cfg.seed,
         "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "shape"},
-        "shape": asdict(shape), "corpus": corpus, "tokenizer_sha256": tokenizer_sha256(tokenizer),
-        "tokenizer_vocab": len(tokenizer), "train_tokens": stream.numel(),
-        "steps_done": step + 1, "stopped_early": stopped_early, "train_seconds": round(train_seconds, 1),
-        "loss_curve": curve, "heldout_ppl": ppl, "heldout_tokens": heldout.numel(), "routing": routing,
-        "mtp_trained": False, "environment": _environment(device), "seconds": round(time.monotonic() - started, 1),
+        "shape": asdict(shape),
+        "corpus": corpus,
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "tokenizer_vocab": len(tokenizer),
+        "train_tokens": stream.numel(),
+        "steps_done": step + 1,
+        "stopped_early": stopped_early,
+        "train_seconds": round(train_seconds, 1),
+        "loss_curve": curve,
+        "heldout_ppl": ppl,
+        "heldout_tokens": heldout.numel(),
+        "routing": routing,
+        "mtp_trained": False,
+        "environment": _environment(device),
+        "seconds": round(time.monotonic() - started, 1),
     }
     (cfg.out / "proxy.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
     return record
@@ -260,23 +313,31 @@ def routing_check(model_dir: Path, recipe: Path, obs_dir: Path, device: str) -> 
     from glmquant.observe.stats import LayerStats, stats_files
 
     observe(ObserveConfig(model_dir, obs_dir, recipe=recipe, hessians=HessianMode.NONE, device=device))
-    layers = {}
+    layers: dict[str, dict[str, Any]] = {}
     for layer, path in stats_files(obs_dir).items():
         s = LayerStats.load(path)
         reap = s.reap[s.count > 0]
         quarter = max(1, reap.numel() // 4)
         ranked = reap.sort(descending=True).values
         layers[str(layer)] = {
-            "load_imbalance": round(s.load_imbalance, 3), "experts_without_tokens": int((s.count == 0).sum()),
+            "load_imbalance": round(s.load_imbalance, 3),
+            "experts_without_tokens": int((s.count == 0).sum()),
             "reap_max_over_min": round(float(reap.max() / reap.min()), 3) if reap.numel() else None,
             "reap_cv": round(float(reap.std() / reap.mean()), 4) if reap.numel() > 1 else None,
             "reap_top_over_bottom_quarter": round(float(ranked[:quarter].mean() / ranked[-quarter:].mean()), 3)
-            if reap.numel() else None,
+            if reap.numel()
+            else None,
         }
-    worst = max((l["load_imbalance"] for l in layers.values()), default=0.0)
-    starved = sum(l["experts_without_tokens"] for l in layers.values())
-    return {"layers": layers, "verdict": {"collapsed": worst > 4 or starved > 0, "worst_load_imbalance": worst,
-                                          "experts_without_tokens": starved}}
+    worst = max((stats["load_imbalance"] for stats in layers.values()), default=0.0)
+    starved = sum(stats["experts_without_tokens"] for stats in layers.values())
+    return {
+        "layers": layers,
+        "verdict": {
+            "collapsed": worst > 4 or starved > 0,
+            "worst_load_imbalance": worst,
+            "experts_without_tokens": starved,
+        },
+    }
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
@@ -284,6 +345,10 @@ def _environment(device: torch.device) -> dict[str, Any]:
 
     from glmquant.observe.streaming import kda_implementation
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "kda": kda_implementation()}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "kda": kda_implementation(),
+    }

@@ -16,8 +16,28 @@ from glmquant.runtime.quantized_experts import ExpertBackend, QuantizedExperts, 
 from glmquant.runtime.server import RunningServer, run_server, serve_in_background
 from glmquant.runtime.service import ModelService, ServiceOptions
 
-__all__ = ["Artifact", "CacheStats", "ChatFormat", "ExpertBackend", "Generation", "GlmOutputParser",
-           "LoadedModel", "ModelService", "ParsedOutput", "PromptInputs", "QuantizedExperts", "RunningServer",
-           "RuntimeOptions",
-           "SamplingParams", "ServiceOptions", "ToolCall", "generate", "load_model", "open_artifact", "parse_output",
-           "register_backend", "run_server", "serve_in_background"]
+__all__ = [
+    "Artifact",
+    "CacheStats",
+    "ChatFormat",
+    "ExpertBackend",
+    "Generation",
+    "GlmOutputParser",
+    "LoadedModel",
+    "ModelService",
+    "ParsedOutput",
+    "PromptInputs",
+    "QuantizedExperts",
+    "RunningServer",
+    "RuntimeOptions",
+    "SamplingParams",
+    "ServiceOptions",
+    "ToolCall",
+    "generate",
+    "load_model",
+    "open_artifact",
+    "parse_output",
+    "register_backend",
+    "run_server",
+    "serve_in_background",
+]

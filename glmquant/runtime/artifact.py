@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from glmquant.arch import PROJECTIONS, ModelSpec, load_model_spec, read_config, table_for
+from glmquant.checkpoint.dummy import DummyCheckpoint
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import CheckpointFormatError
 from glmquant.exl3.decode import decode_weight
@@ -36,7 +37,7 @@ class Artifact:
     layout: str  # "tr3" | "exllamav3"
     ranks: int  # rank slices per expert projection: virtual experts per logical expert
     quantized_layers: tuple[int, ...]
-    checkpoint: SourceCheckpoint = field(repr=False, compare=False)
+    checkpoint: SourceCheckpoint | DummyCheckpoint = field(repr=False, compare=False)  # the dummy: --load-format dummy
 
     @property
     def virtual_experts(self) -> int:
@@ -71,8 +72,9 @@ class Artifact:
     def decode_expert(self, layer: int, expert: int, proj: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One logical expert's projection as its HF (out, in) weight: the rank slices decoded and concatenated
         (gate/up along the output dim, down along the input dim)."""
-        parts = [decode_weight(self.read_expert(layer, expert * self.ranks + r, proj), dtype)
-                 for r in range(self.ranks)]
+        parts = [
+            decode_weight(self.read_expert(layer, expert * self.ranks + r, proj), dtype) for r in range(self.ranks)
+        ]
         return torch.cat(parts, dim=1 if proj == "down_proj" else 0)
 
     def retained_names(self) -> list[str]:
@@ -124,11 +126,13 @@ def _check_ranks(path: Path, config: Mapping[str, Any], ranks: int) -> None:
     declared = (config.get("quantization_config") or {}).get("rank_stacked_tp")
     if declared is not None and int(declared) != ranks:
         raise CheckpointFormatError(
-            f"{path}/config.json: rank_stacked_tp is {declared} but the tensors hold {ranks} rank slices")
+            f"{path}/config.json: rank_stacked_tp is {declared} but the tensors hold {ranks} rank slices"
+        )
 
 
-def _check_layer(path: Path, spec: ModelSpec, layer: int, have: set[tuple[int, str, int | None]],
-                 ranks: int | None) -> None:
+def _check_layer(
+    path: Path, spec: ModelSpec, layer: int, have: set[tuple[int, str, int | None]], ranks: int | None
+) -> None:
     """Every expert x projection x rank of a MoE layer must be present, and nothing else."""
     rank_ids = [None] if ranks is None else list(range(ranks))
     want = {(e, p, r) for e in range(spec.n_routed_experts) for p in PROJECTIONS for r in rank_ids}

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from glmquant.errors import MissingDependencyError, UsageError
-from glmquant.runtime.generate import PromptInputs
 from glmquant.glm_tags import OUTPUT_MARKUP
+from glmquant.runtime.generate import PromptInputs
 from glmquant.runtime.glm_output import THINK_CLOSE, THINK_OPEN
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -56,9 +56,11 @@ class ChatFormat:
     def __init__(self, path: str | Path, has_vision: bool) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(path))  # the class the checkpoint names
         if not self.tokenizer.chat_template:
-            raise UsageError(f"{path}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
+            raise UsageError(
+                f"{path}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)"
+            )
         self.processor = _load_processor(Path(path), self.tokenizer) if has_vision else None
         self._special_ids = frozenset(self.tokenizer.all_special_ids)
         markup = {self.tokenizer.convert_tokens_to_ids(tag) for tag in OUTPUT_MARKUP}
@@ -75,15 +77,24 @@ class ChatFormat:
             ids = [i for i in ids if i not in hidden]
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-               template_kwargs: Mapping[str, Any] | None = None) -> RenderedPrompt:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> RenderedPrompt:
         """Messages (OpenAI format) -> prompt text and model inputs; bad content raises UsageError."""
         media = Media()
         hf_messages = [_hf_message(m, media) for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(hf_messages, tools=list(tools) if tools else None, tokenize=False,
-                                                      add_generation_prompt=True, **dict(template_kwargs or {}))
-        except Exception as exc:  # jinja raises many types on odd input (e.g. raise_exception in a template)
+            text = self.tokenizer.apply_chat_template(
+                hf_messages,
+                tools=list(tools) if tools else None,
+                tokenize=False,
+                add_generation_prompt=True,
+                **dict(template_kwargs or {}),
+            )
+        except Exception as exc:  # noqa: BLE001 - jinja raises many types on odd input (e.g. raise_exception in a template)
             raise UsageError(f"the chat template could not render these messages: {exc}") from None
         return RenderedPrompt(text, self._encode(text, media))
 
@@ -94,15 +105,22 @@ class ChatFormat:
         if self.processor is None:
             raise UsageError("this model has no vision tower: image and video content is not accepted")
         if media.videos and self.processor.video_processor is None:
-            raise MissingDependencyError("video input needs transformers' video processor, which needs torchvision: "
-                                         "install it on the server (pip install 'glmquant[video]')")
+            raise MissingDependencyError(
+                "video input needs transformers' video processor, which needs torchvision: "
+                "install it on the server (pip install 'glmquant[video]')"
+            )
         images = [_decode_image(url) for url in media.images]
         decoded = [_decode_video(url) for url in media.videos]
         videos, metadata = [v for v, _ in decoded], [m for _, m in decoded]
         try:
-            out = self.processor(text=[text], images=images or None, videos=videos or None,
-                                 video_metadata=metadata or None, return_tensors="pt")
-        except Exception as exc:  # processors raise many types on odd media
+            out = self.processor(
+                text=[text],
+                images=images or None,
+                videos=videos or None,
+                video_metadata=metadata or None,
+                return_tensors="pt",
+            )
+        except Exception as exc:  # noqa: BLE001 - processors raise many types on odd media
             raise UsageError(f"could not process the image/video content: {exc}") from None
         return PromptInputs(out["input_ids"], {k: out[k] for k in VISION_KEYS if k in out})
 
@@ -128,8 +146,9 @@ def _load_processor(path: Path, tokenizer: Any) -> Any:
         image = AutoImageProcessor.from_pretrained(str(path))
     except OSError as exc:
         raise UsageError(f"{path}: the model has a vision tower but no image processor config ({exc})") from None
-    return _Processor(image_processor=image, tokenizer=tokenizer, video_processor=video,
-                      chat_template=tokenizer.chat_template)
+    return _Processor(
+        image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=tokenizer.chat_template
+    )
 
 
 def _hf_message(message: Mapping[str, Any], media: Media) -> dict[str, Any]:
@@ -191,8 +210,9 @@ def _decode_image(url: str) -> Any:
         image = Image.open(io.BytesIO(_data_url_bytes(url)))
         image.load()
     except UnidentifiedImageError:  # its message shows the in-memory file's repr, not the reason
-        raise UsageError("the image data could not be decoded: it is in no format Pillow reads (PNG, JPEG, WebP, "
-                         "GIF, ...)") from None
+        raise UsageError(
+            "the image data could not be decoded: it is in no format Pillow reads (PNG, JPEG, WebP, GIF, ...)"
+        ) from None
     except (OSError, Image.DecompressionBombError) as exc:
         raise UsageError(f"the image data could not be decoded ({exc})") from None
     return image.convert("RGB")
@@ -205,12 +225,14 @@ def _decode_video(url: str) -> tuple[Any, Any]:
 
     backend = next((name for name, module in VIDEO_DECODERS if importlib.util.find_spec(module)), None)
     if backend is None:
-        raise MissingDependencyError("video input needs a video decoder: install av (PyAV) or opencv-python-headless "
-                                     "on the server")
+        raise MissingDependencyError(
+            "video input needs a video decoder: install av (PyAV) or opencv-python-headless on the server"
+        )
     with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
         f.write(_data_url_bytes(url))
         f.flush()
         try:
-            return load_video(f.name, backend=backend)
-        except Exception as exc:  # decoders raise many types on bad data
+            # transformers annotates load_video narrower than it is: it takes a path, returns (frames, metadata)
+            return load_video(f.name, backend=backend)  # type: ignore[arg-type, return-value]
+        except Exception as exc:  # noqa: BLE001 - decoders raise many types on bad data
             raise UsageError(f"the video data could not be decoded ({exc})") from None

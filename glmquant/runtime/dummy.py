@@ -20,8 +20,14 @@ from glmquant.errors import ConfigError
 from glmquant.runtime.artifact import Artifact
 
 
-def dummy_artifact(config: str | Path, layout: str | None = None, bits: int | None = None,
-                   codebook: str | None = None, device: torch.device | str = "cpu", seed: int = 0) -> Artifact:
+def dummy_artifact(
+    config: str | Path,
+    layout: str | None = None,
+    bits: int | None = None,
+    codebook: str | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> Artifact:
     """The artifact `plan` predicts for `config` (a config.json or a directory holding one), values on `device`.
     Layout, bits and codebook default to what the config's quantization block declares, else tr3 K2 MCG."""
     path = Path(config)
@@ -36,5 +42,12 @@ def dummy_artifact(config: str | Path, layout: str | None = None, bits: int | No
     block = quantization_block(plan, Provenance(source_repo="dummy", runtime_status="dummy"))
     checkpoint = DummyCheckpoint(plan, seed, torch.device(device))
     ranks = TR3_RANKS if layout == "tr3" else 1
-    return Artifact(path if path.is_dir() else path.parent, output_config(raw, plan, block), spec, layout, ranks,
-                    tuple(spec.moe_layers), checkpoint)
+    return Artifact(
+        path if path.is_dir() else path.parent,
+        output_config(raw, plan, block),
+        spec,
+        layout,
+        ranks,
+        tuple(spec.moe_layers),
+        checkpoint,
+    )

@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -86,7 +86,7 @@ class TransformersDecoder:
     """A transformers model as a `Decoder`, with a fresh `DynamicCache` per prompt."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        self.model: Any = model  # a transformers model: its config and cache keyword are read
         self.device = next(model.parameters()).device
         self.cache_kw: dict[str, object] = {}
 
@@ -96,24 +96,31 @@ class TransformersDecoder:
         cache = DynamicCache(config=self.model.config.get_text_config())
         self.cache_kw = {_cache_argument(self.model): cache, "use_cache": True}
         vision = {k: v.to(self.device) for k, v in prompt.vision.items()}
-        return self.model(input_ids=prompt.input_ids.to(self.device), logits_to_keep=1, **vision,
-                          **self.cache_kw).logits[0, -1]
+        return self.model(
+            input_ids=prompt.input_ids.to(self.device), logits_to_keep=1, **vision, **self.cache_kw
+        ).logits[0, -1]
 
     def step(self, token: int) -> torch.Tensor:
         return self.model(input_ids=torch.tensor([[token]], device=self.device), **self.cache_kw).logits[0, -1]
 
 
 @torch.no_grad()
-def generate(model: nn.Module | Decoder, prompt: PromptInputs, params: SamplingParams, decode: Decode,
-             on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None
-             ) -> Generation:
+def generate(
+    model: nn.Module | Decoder,
+    prompt: PromptInputs,
+    params: SamplingParams,
+    decode: Decode,
+    on_text: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Generation:
     """Generate from `prompt` with a `Decoder` (a transformers model is wrapped in one); `on_text` receives each
     final piece of text as soon as it is known; `should_stop` is asked before each decode step (True ends the
     generation with reason "abort")."""
     decoder = model if isinstance(model, Decoder) else TransformersDecoder(model)
     gen = torch.Generator(device=decoder.device)
     gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-    stream, tokens, reason, first_token_at = TextStream(decode, params.stop), [], "length", None
+    stream, reason, first_token_at = TextStream(decode, params.stop), "length", None
+    tokens: list[int] = []
     logits = decoder.prefill(prompt)
     while len(tokens) < params.max_tokens:
         token = next_token(finite_logits(logits, len(tokens)), params, gen)
@@ -142,7 +149,8 @@ def finite_logits(logits: torch.Tensor, generated: int) -> torch.Tensor:
         raise NumericalError(
             f"the model's logits after {generated} generated tokens hold {bad} NaN/Inf values of {logits.numel()}: "
             "an activation overflowed (the triton backend's GEMV core sums rotated expert inputs in fp16, good to "
-            "about 2,000) or a weight is NaN/Inf")
+            "about 2,000) or a weight is NaN/Inf"
+        )
     return logits
 
 

@@ -17,9 +17,11 @@ from typing import Any
 from glmquant.glm_tags import ARG_KEY_OPEN, THINK_CLOSE, THINK_OPEN, TOOL_ARGUMENT, TOOL_CLOSE, TOOL_OPEN
 
 # tags that end each state, and the state they lead to
-_EXITS = {"content": ((THINK_OPEN, "reasoning"), (TOOL_OPEN, "tool")),
-          "reasoning": ((THINK_CLOSE, "content"),),
-          "tool": ((TOOL_CLOSE, "content"),)}
+_EXITS = {
+    "content": ((THINK_OPEN, "reasoning"), (TOOL_OPEN, "tool")),
+    "reasoning": ((THINK_CLOSE, "content"),),
+    "tool": ((TOOL_CLOSE, "content"),),
+}
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,11 @@ class GlmOutputParser:
                 break
             pos, tag, next_state = hit
             out += self._flush(self._buffer[:pos], closing=True)
-            self._buffer, self._state = self._buffer[pos + len(tag):], next_state
+            self._buffer, self._state = self._buffer[pos + len(tag) :], next_state
         if self._state != "tool":
             keep = _partial_tag_length(self._buffer, [tag for tag, _ in _EXITS[self._state]])
             out += self._flush(self._buffer[: len(self._buffer) - keep], closing=False)
-            self._buffer = self._buffer[len(self._buffer) - keep:]
+            self._buffer = self._buffer[len(self._buffer) - keep :]
         return out
 
     def finish(self) -> list[Delta]:
@@ -87,7 +89,7 @@ class GlmOutputParser:
             text = text.lstrip()
         text = self._pending_space[channel] + text
         body = text.rstrip()
-        self._pending_space[channel] = text[len(body):]  # emitted only if more text follows
+        self._pending_space[channel] = text[len(body) :]  # emitted only if more text follows
         if not body:
             return []
         self._started[channel] = True
@@ -108,8 +110,11 @@ def parse_output(text: str, tools: Sequence[Mapping[str, Any]] = (), starts_in_r
 
 def collect(deltas: Sequence[Delta]) -> ParsedOutput:
     """Join a response's deltas into its final message."""
-    return ParsedOutput("".join(d.content for d in deltas), "".join(d.reasoning for d in deltas),
-                        tuple(d.tool_call for d in deltas if d.tool_call))
+    return ParsedOutput(
+        "".join(d.content for d in deltas),
+        "".join(d.reasoning for d in deltas),
+        tuple(d.tool_call for d in deltas if d.tool_call),
+    )
 
 
 def _typed(value: str, schema: Mapping[str, Any] | None) -> Any:

@@ -16,6 +16,7 @@ import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from rich.progress import track
@@ -28,6 +29,9 @@ from glmquant.runtime import torch_backend  # noqa: F401  (registers the "torch"
 from glmquant.runtime.artifact import Artifact, open_artifact
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.quantized_experts import BACKENDS, ExpertBackend, QuantizedExperts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -104,13 +108,14 @@ def make_backend(artifact: Artifact, options: RuntimeOptions) -> ExpertBackend:
     return BACKENDS[options.backend](artifact, options)
 
 
-def _model_class(artifact: Artifact) -> type[nn.Module]:
+def _model_class(artifact: Artifact) -> type[PreTrainedModel]:
     import transformers
 
     cls = getattr(transformers, artifact.spec.architecture, None)
     if cls is None:
-        raise ConfigError(f"{artifact.path}/config.json: transformers {transformers.__version__} has no "
-                          f"{artifact.spec.architecture}")
+        raise ConfigError(
+            f"{artifact.path}/config.json: transformers {transformers.__version__} has no {artifact.spec.architecture}"
+        )
     return cls
 
 
@@ -125,12 +130,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _load_retained(model: nn.Module, artifact: Artifact, dtype: torch.dtype, device: torch.device) -> None:
+def _load_retained(model: PreTrainedModel, artifact: Artifact, dtype: torch.dtype, device: torch.device) -> None:
     """Assign every retained tensor, one decoder layer at a time; unknown or missing tensors fail closed."""
     spec, ckpt = artifact.spec, artifact.checkpoint
     table = table_for(spec)
-    keep_fp32 = fp32_names(getattr(model, "_keep_in_fp32_modules_strict", None)) \
-        if dtype in (torch.float16, torch.bfloat16) else None
+    keep_fp32 = (
+        fp32_names(getattr(model, "_keep_in_fp32_modules_strict", None))
+        if dtype in (torch.float16, torch.bfloat16)
+        else None
+    )
     retained = set(artifact.retained_names())
     placed: set[str] = set()
     for layer in track(range(spec.num_hidden_layers), description="loading layers", transient=True):
@@ -148,14 +156,15 @@ def _load_retained(model: nn.Module, artifact: Artifact, dtype: torch.dtype, dev
         top[name] = ckpt.read_tensor(name).to(device=device, dtype=torch.float32 if fp32 else target.dtype)
     model.load_state_dict(top, strict=False, assign=True)
     if spec.tie_word_embeddings and "lm_head.weight" not in retained:
-        model.lm_head.weight = model.get_input_embeddings().weight
+        cast(nn.Linear, model.lm_head).weight = cast(nn.Embedding, model.get_input_embeddings()).weight
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointFormatError(
-            f"{artifact.path}: {len(missing)} model tensor(s) not in the artifact, e.g. {missing[:3]}")
+            f"{artifact.path}: {len(missing)} model tensor(s) not in the artifact, e.g. {missing[:3]}"
+        )
 
 
-def _materialize_buffers(model: nn.Module, device: torch.device) -> None:
+def _materialize_buffers(model: PreTrainedModel, device: torch.device) -> None:
     """Non-persistent buffers (vision rotary frequencies) are computed, not stored: let transformers init them."""
     for name, module in model.named_modules():
         if any(b is not None and b.is_meta for b in module.buffers(recurse=False)):

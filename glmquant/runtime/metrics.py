@@ -23,22 +23,41 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         label = {"model_name": model_name}
-        counter = lambda name, doc, *extra: Counter(name, doc, [*label, *extra], registry=self.registry)  # noqa: E731
-        self._http = counter("glmquant:http_requests", "HTTP requests by method, route and status",
-                             "method", "handler", "status")
-        self._finished = counter("glmquant:request_success", "Generations finished, by finish reason",
-                                 "finished_reason")
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(name, doc, [*label, *extra], registry=self.registry)
+
+        self._http = counter(
+            "glmquant:http_requests", "HTTP requests by method, route and status", "method", "handler", "status"
+        )
+        self._finished = counter(
+            "glmquant:request_success", "Generations finished, by finish reason", "finished_reason"
+        )
         self._prompt_tokens = counter("glmquant:prompt_tokens", "Prompt tokens prefilled").labels(**label)
         self._generation_tokens = counter("glmquant:generation_tokens", "Tokens generated").labels(**label)
-        self._ttft = Histogram("glmquant:time_to_first_token_seconds", "Arrival to first generated token, queue "
-                               "included", list(label), buckets=TTFT_BUCKETS, registry=self.registry).labels(**label)
-        self._rate = Histogram("glmquant:decode_tokens_per_second", "Per request: tokens after the first / seconds "
-                               "after the first", list(label), buckets=RATE_BUCKETS, registry=self.registry
-                               ).labels(**label)
-        self._running = Gauge("glmquant:num_requests_running", "Requests generating now", list(label),
-                              registry=self.registry).labels(**label)
-        self._waiting = Gauge("glmquant:num_requests_waiting", "Requests queued for a generation slot", list(label),
-                              registry=self.registry).labels(**label)
+        self._ttft = Histogram(
+            "glmquant:time_to_first_token_seconds",
+            "Arrival to first generated token, queue included",
+            list(label),
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(**label)
+        self._rate = Histogram(
+            "glmquant:decode_tokens_per_second",
+            "Per request: tokens after the first / seconds after the first",
+            list(label),
+            buckets=RATE_BUCKETS,
+            registry=self.registry,
+        ).labels(**label)
+        self._running = Gauge(
+            "glmquant:num_requests_running", "Requests generating now", list(label), registry=self.registry
+        ).labels(**label)
+        self._waiting = Gauge(
+            "glmquant:num_requests_waiting",
+            "Requests queued for a generation slot",
+            list(label),
+            registry=self.registry,
+        ).labels(**label)
         self._label = label
 
     def track_queue(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:

@@ -150,8 +150,14 @@ class SamplingFields(OpenAIModel):
 
 
 _SAMPLING_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v == 1, "presence_penalty": _off, "frequency_penalty": _off, "logit_bias": _off,
-    "top_k": lambda v: v in (None, 0, -1), "min_p": _off, "repetition_penalty": lambda v: v in (None, 1)}
+    "n": lambda v: v == 1,
+    "presence_penalty": _off,
+    "frequency_penalty": _off,
+    "logit_bias": _off,
+    "top_k": lambda v: v in (None, 0, -1),
+    "min_p": _off,
+    "repetition_penalty": lambda v: v in (None, 1),
+}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -169,9 +175,15 @@ class ChatCompletionRequest(SamplingFields):
     function_call: str | dict[str, Any] | None = None
 
     unsupported: ClassVar[Mapping[str, Callable[[Any], bool]]] = {
-        **_SAMPLING_UNSUPPORTED, "logprobs": _off, "top_logprobs": _off, "reasoning_effort": lambda v: v is None,
-        "response_format": lambda v: v is None or v.get("type") == "text", "functions": _off,
-        "function_call": lambda v: v is None, "tool_choice": lambda v: v in (None, "none", "auto")}
+        **_SAMPLING_UNSUPPORTED,
+        "logprobs": _off,
+        "top_logprobs": _off,
+        "reasoning_effort": lambda v: v is None,
+        "response_format": lambda v: v is None or v.get("type") == "text",
+        "functions": _off,
+        "function_call": lambda v: v is None,
+        "tool_choice": lambda v: v in (None, "none", "auto"),
+    }
 
     @property
     def budget(self) -> int | None:
@@ -193,8 +205,13 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
     unsupported: ClassVar[Mapping[str, Callable[[Any], bool]]] = {
-        **_SAMPLING_UNSUPPORTED, "echo": _off, "suffix": lambda v: v is None, "best_of": lambda v: v in (None, 1),
-        "logprobs": lambda v: v is None, "prompt": lambda v: not _is_batch(v) or len(v) == 1}
+        **_SAMPLING_UNSUPPORTED,
+        "echo": _off,
+        "suffix": lambda v: v is None,
+        "best_of": lambda v: v in (None, 1),
+        "logprobs": lambda v: v is None,
+        "prompt": lambda v: not _is_batch(v) or len(v) == 1,
+    }
 
     @property
     def single_prompt(self) -> str | list[int]:
@@ -356,11 +373,15 @@ def finish_reason(generation: Generation, tool_calls: Sequence[ToolCall]) -> str
 
 
 def chat_response(rid: str, model: str, generation: Generation, parsed: ParsedOutput) -> ChatCompletionResponse:
-    message = AssistantMessage(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
-                               tool_calls=[ToolCallOut.of(c) for c in parsed.tool_calls])
+    message = AssistantMessage(
+        content=parsed.content or None,
+        reasoning_content=parsed.reasoning or None,
+        tool_calls=[ToolCallOut.of(c) for c in parsed.tool_calls],
+    )
     choice = ChatChoice(message=message, finish_reason=finish_reason(generation, parsed.tool_calls))
-    return ChatCompletionResponse(id=rid, model=model, choices=[choice],
-                                  usage=UsageInfo.of(generation, generation.prompt_tokens))
+    return ChatCompletionResponse(
+        id=rid, model=model, choices=[choice], usage=UsageInfo.of(generation, generation.prompt_tokens)
+    )
 
 
 def chat_delta(delta: Delta, tool_index: int) -> ChatDelta:
@@ -371,7 +392,9 @@ def chat_delta(delta: Delta, tool_index: int) -> ChatDelta:
 
 
 def completion_response(rid: str, model: str, generation: Generation) -> CompletionResponse:
-    return CompletionResponse(id=rid, model=model,
-                              choices=[CompletionChoice(text=generation.text, finish_reason=generation.finish_reason)],
-                              usage=UsageInfo.of(generation, generation.prompt_tokens))
-
+    return CompletionResponse(
+        id=rid,
+        model=model,
+        choices=[CompletionChoice(text=generation.text, finish_reason=generation.finish_reason)],
+        usage=UsageInfo.of(generation, generation.prompt_tokens),
+    )

@@ -11,8 +11,13 @@ import torch
 from glmquant.errors import UsageError
 
 # vLLM's --dtype names; "auto" is the checkpoint's own 16-bit dtype (BF16 for a float32 config)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32,
-          "float": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
 DTYPE_CHOICES = ("auto", *DTYPES)
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: "auto" reads the artifact's weight files
 MODEL_IMPLS = ("transformers", "glmquant")  # vLLM's --model-impl: whose modules run the model
@@ -37,8 +42,10 @@ class RuntimeOptions:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.expert_cache < 0:
             raise UsageError(f"--expert-cache must be >= 0, got {self.expert_cache}")
-        for option, value, choices in (("--load-format", self.load_format, LOAD_FORMATS),
-                                       ("--model-impl", self.model_impl, MODEL_IMPLS)):
+        for option, value, choices in (
+            ("--load-format", self.load_format, LOAD_FORMATS),
+            ("--model-impl", self.model_impl, MODEL_IMPLS),
+        ):
             if value not in choices:
                 raise UsageError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
         try:
@@ -58,7 +65,8 @@ class RuntimeOptions:
         if self.dtype != "auto":
             name = str(DTYPES[self.dtype]).removeprefix("torch.")
         else:
-            text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else {}
+            nested = config.get("text_config")
+            text = nested if isinstance(nested, Mapping) else {}
             declared = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
             name = "float16" if declared == "float16" else "bfloat16"
         return replace(self, dtype=name)

@@ -33,7 +33,9 @@ class ExpertBackend(Protocol):
     (the loader imports `glmquant.runtime.kernels` when asked for a name it does not know yet).
     """
 
-    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """Weighted sum of virtual experts for each token.
 
         hidden [T, H] in the model dtype; expert_ids [T, n] int64 virtual expert ids (n = top_k * ranks);
@@ -56,7 +58,9 @@ def register_backend(name: str, factory: BackendFactory) -> None:
     BACKENDS[name] = factory
 
 
-def expand_routes(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def expand_routes(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, ranks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, k] logical routes -> [T, k * ranks] virtual routes (expert * ranks + rank), weights repeated."""
     if ranks == 1:
         return top_k_index.long(), top_k_weights.float()
@@ -75,7 +79,9 @@ class QuantizedExperts(nn.Module):
         self.ranks = ranks
         self.backend = backend
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         ids, weights = expand_routes(top_k_index, top_k_weights, self.ranks)
         return self.backend.forward(self.layer, hidden_states, ids, weights)
 

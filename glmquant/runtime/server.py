@@ -170,10 +170,12 @@ async def _generation(service: ModelService, job: Job) -> AsyncIterator[Delta | 
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Delta | tuple[Generation, ParsedOutput] | BaseException] = asyncio.Queue()
 
+    def forward(delta: Delta) -> None:  # called on the worker thread
+        loop.call_soon_threadsafe(queue.put_nowait, delta)
+
     async def work() -> None:
         try:
-            queue.put_nowait(await run_in_threadpool(service.run, job,
-                                                     lambda d: loop.call_soon_threadsafe(queue.put_nowait, d)))
+            queue.put_nowait(await run_in_threadpool(service.run, job, forward))
         except BaseException as exc:  # noqa: BLE001  (handed to the consumer, which raises it)
             queue.put_nowait(exc)
 
@@ -192,8 +194,12 @@ async def _generation(service: ModelService, job: Job) -> AsyncIterator[Delta | 
         job.cancelled.set()  # a no-op once finished; else the thread ends the generation at its next token
 
 
-async def _stream(service: ModelService, job: Job, on_delta: Callable[[Delta], str],
-                  final: Callable[[Generation | None, ParsedOutput | None], Iterator[str]]) -> AsyncIterator[str]:
+async def _stream(
+    service: ModelService,
+    job: Job,
+    on_delta: Callable[[Delta], str],
+    final: Callable[[Generation | None, ParsedOutput | None], Iterator[str]],
+) -> AsyncIterator[str]:
     """Server-sent events of one job: a chunk per delta, then `final`'s chunks and `[DONE]`. A job refused at
     shutdown still ends cleanly (final chunks without a generation); any other failure is an error event."""
     result: tuple[Generation | None, ParsedOutput | None] = (None, None)
@@ -208,7 +214,7 @@ async def _stream(service: ModelService, job: Job, on_delta: Callable[[Delta], s
             yield _event(exc.body())
             yield DONE
             return
-    except Exception as exc:  # noqa: BLE001  (the response has started: errors travel as an event)
+    except Exception as exc:  # the response has started: errors travel as an event
         log.exception("streamed request failed")
         yield _event(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body())
         yield DONE
@@ -222,8 +228,9 @@ def _chat_events(service: ModelService, job: Job, rid: str, include_usage: bool)
     model, tool_calls = service.model_name, 0
 
     def chunk(delta: ChatDelta, finish: str | None = None) -> str:
-        return _event(ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(delta=delta,
-                                                                                        finish_reason=finish)]))
+        return _event(
+            ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+        )
 
     def on_delta(delta: Delta) -> str:
         nonlocal tool_calls
@@ -234,8 +241,9 @@ def _chat_events(service: ModelService, job: Job, rid: str, include_usage: bool)
     def final(generation: Generation | None, parsed: ParsedOutput | None) -> Iterator[str]:
         yield chunk(ChatDelta(), finish_reason(generation, parsed.tool_calls) if generation and parsed else "abort")
         if include_usage:
-            yield _event(ChatCompletionChunk(id=rid, model=model, choices=[],
-                                             usage=UsageInfo.of(generation, job.prompt_tokens)))
+            yield _event(
+                ChatCompletionChunk(id=rid, model=model, choices=[], usage=UsageInfo.of(generation, job.prompt_tokens))
+            )
 
     async def events() -> AsyncIterator[str]:
         yield chunk(ChatDelta(role="assistant", content=""))
@@ -249,14 +257,16 @@ def _completion_events(service: ModelService, job: Job, rid: str, include_usage:
     model = service.model_name
 
     def chunk(text: str, finish: str | None = None) -> str:
-        return _event(CompletionResponse(id=rid, model=model, choices=[CompletionChoice(text=text,
-                                                                                        finish_reason=finish)]))
+        return _event(
+            CompletionResponse(id=rid, model=model, choices=[CompletionChoice(text=text, finish_reason=finish)])
+        )
 
     def final(generation: Generation | None, _: ParsedOutput | None) -> Iterator[str]:
         yield chunk("", generation.finish_reason if generation else "abort")
         if include_usage:
-            yield _event(CompletionResponse(id=rid, model=model, choices=[],
-                                            usage=UsageInfo.of(generation, job.prompt_tokens)))
+            yield _event(
+                CompletionResponse(id=rid, model=model, choices=[], usage=UsageInfo.of(generation, job.prompt_tokens))
+            )
 
     return _stream(service, job, lambda d: chunk(d.content), final)
 
@@ -273,9 +283,13 @@ class _LimitBody:
             return
         length = dict(scope["headers"]).get(b"content-length", b"0").decode("latin-1")
         if not length.isdigit() or int(length) > self.limit:
-            error = (ApiError(413, f"the request body of {int(length):,} bytes exceeds the server's limit of "
-                                   f"{self.limit:,} bytes") if length.isdigit()
-                     else ApiError(400, f"Content-Length {length!r} is not a number"))
+            error = (
+                ApiError(
+                    413, f"the request body of {int(length):,} bytes exceeds the server's limit of {self.limit:,} bytes"
+                )
+                if length.isdigit()
+                else ApiError(400, f"Content-Length {length!r} is not a number")
+            )
             await JSONResponse(error.body(), error.status, headers={"Connection": "close"})(scope, receive, send)
             return
         received = 0
@@ -332,8 +346,9 @@ class _Uvicorn(uvicorn.Server):
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket on host:port (0: any free port), or a UsageError saying why not."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as exc:
         raise UsageError(f"--host {host!r} is not an address this machine can listen on ({exc.strerror})") from None
     sock = socket.socket(family, kind, proto)
@@ -344,15 +359,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise UsageError(f"{host}:{port}: address already in use (another process listens there; "
-                             "choose another --port)") from None
+            raise UsageError(
+                f"{host}:{port}: address already in use (another process listens there; choose another --port)"
+            ) from None
         raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
 
 
 def _uvicorn(service: ModelService, api_key: str | None) -> _Uvicorn:
-    config = uvicorn.Config(build_app(service, api_key), log_config=None, timeout_keep_alive=30,
-                            h11_max_incomplete_event_size=1 << 20)
+    config = uvicorn.Config(
+        build_app(service, api_key), log_config=None, timeout_keep_alive=30, h11_max_incomplete_event_size=1 << 20
+    )
     return _Uvicorn(config, service)
 
 
@@ -382,8 +399,15 @@ class RunningServer:
         self.stop()
 
 
-def run_server(artifact_dir: str | Path, host: str, port: int, runtime: RuntimeOptions, options: ServiceOptions,
-               api_key: str | None = None, on_ready: Callable[[str, ModelService], None] | None = None) -> None:
+def run_server(
+    artifact_dir: str | Path,
+    host: str,
+    port: int,
+    runtime: RuntimeOptions,
+    options: ServiceOptions,
+    api_key: str | None = None,
+    on_ready: Callable[[str, ModelService], None] | None = None,
+) -> None:
     """Bind (a busy port fails here, before the model loads), load, serve until Ctrl-C, shut down gracefully."""
     sock = bind_socket(host, port)
     try:
@@ -401,8 +425,9 @@ def run_server(artifact_dir: str | Path, host: str, port: int, runtime: RuntimeO
         service.loaded.close()
 
 
-def serve_in_background(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                        **options: Any) -> RunningServer:
+def serve_in_background(
+    artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, **options: Any
+) -> RunningServer:
     """Start a server thread. `options` are fields of RuntimeOptions (device, dtype, expert_cache, backend)
     or ServiceOptions (served_model_name, max_num_seqs, max_model_len)."""
     runtime_keys = {f.name for f in fields(RuntimeOptions)}
@@ -411,8 +436,11 @@ def serve_in_background(artifact_dir: str | Path, host: str = "127.0.0.1", port:
     if unknown:
         raise TypeError(f"unknown server option(s): {sorted(unknown)}")
     sock = bind_socket(host, port)
-    service = ModelService(artifact_dir, RuntimeOptions(**{k: v for k, v in options.items() if k in runtime_keys}),
-                           ServiceOptions(**{k: v for k, v in options.items() if k in service_keys}))
+    service = ModelService(
+        artifact_dir,
+        RuntimeOptions(**{k: v for k, v in options.items() if k in runtime_keys}),
+        ServiceOptions(**{k: v for k, v in options.items() if k in service_keys}),
+    )
     server = _uvicorn(service, api_key)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="glmquant-serve", daemon=True)
     thread.start()
@@ -429,4 +457,3 @@ def serve_in_background(artifact_dir: str | Path, host: str = "127.0.0.1", port:
 
 def _base_url(address: tuple[str, int]) -> str:
     return f"http://{address[0]}:{address[1]}/v1"
-

@@ -130,21 +130,28 @@ class Slots:
 class ModelService:
     """The model, its chat format, the generation slots and the metrics."""
 
-    def __init__(self, artifact_dir: str | Path, runtime: RuntimeOptions = RuntimeOptions(),
-                 options: ServiceOptions = ServiceOptions()) -> None:
+    def __init__(
+        self,
+        artifact_dir: str | Path,
+        runtime: RuntimeOptions = RuntimeOptions(),
+        options: ServiceOptions = ServiceOptions(),
+    ) -> None:
         path = Path(artifact_dir)
         artifact = load_artifact(path, runtime)
         spec = artifact.spec
         limit = int(spec.text.get("max_position_embeddings") or 4096)
         if options.max_model_len is not None and options.max_model_len > limit:
-            raise UsageError(f"--max-model-len {options.max_model_len} exceeds the model's context of {limit} tokens "
-                             "(max_position_embeddings)")
+            raise UsageError(
+                f"--max-model-len {options.max_model_len} exceeds the model's context of {limit} tokens "
+                "(max_position_embeddings)"
+            )
         self.max_model_len = options.max_model_len or limit
         if runtime.model_impl == "glmquant":
             from glmquant.runtime.engine.loaded import load_engine
 
-            self.loaded: LoadedModel | LoadedEngine = load_engine(artifact, runtime, options.max_num_seqs,
-                                                                  self.max_model_len)
+            self.loaded: LoadedModel | LoadedEngine = load_engine(
+                artifact, runtime, options.max_num_seqs, self.max_model_len
+            )
         else:
             self.loaded = load_model(artifact, runtime)
         self.chat = ChatFormat(*chat_source(path, runtime.load_format, spec.vision is not None))
@@ -161,8 +168,12 @@ class ModelService:
         tools = request.active_tools
         prompt = self._render([m.template_form() for m in request.messages], tools, request.chat_template_kwargs)
         decode = partial(self.chat.decode, skip_special_tokens=request.skip_special_tokens, keep_markup=True)
-        return Job(prompt.inputs, self._sampling(request, request.budget, prompt.inputs.num_tokens), decode,
-                   GlmOutputParser(tools, prompt.starts_in_reasoning))
+        return Job(
+            prompt.inputs,
+            self._sampling(request, request.budget, prompt.inputs.num_tokens),
+            decode,
+            GlmOutputParser(tools, prompt.starts_in_reasoning),
+        )
 
     def admit_completion(self, request: CompletionRequest) -> Job:
         """Check and tokenize a text completion request (a prompt string or token ids)."""
@@ -192,14 +203,25 @@ class ModelService:
             emit(job.parser.feed(text) if job.parser is not None else [Delta(content=text)])
 
         with self.slots.slot(), self.loaded.session() as model:
-            generation = generate(model, job.inputs, job.sampling, job.decode, on_text,
-                                  lambda: job.cancelled.is_set() or self.slots.closed)
+            generation = generate(
+                model,
+                job.inputs,
+                job.sampling,
+                job.decode,
+                on_text,
+                lambda: job.cancelled.is_set() or self.slots.closed,
+            )
         if job.parser is not None:
             emit(job.parser.finish())
         self.metrics.generation(job.arrived, generation)
-        log.info("generation: %d prompt + %d generated tokens in %.2f s (%s), expert cache hit rate %.1f%%",
-                 generation.prompt_tokens, generation.completion_tokens, generation.finished_at - job.arrived,
-                 generation.finish_reason, 100 * self.loaded.backend.stats().hit_rate)
+        log.info(
+            "generation: %d prompt + %d generated tokens in %.2f s (%s), expert cache hit rate %.1f%%",
+            generation.prompt_tokens,
+            generation.completion_tokens,
+            generation.finished_at - job.arrived,
+            generation.finish_reason,
+            100 * self.loaded.backend.stats().hit_rate,
+        )
         return generation, collect(deltas)
 
     def stop(self) -> None:
@@ -232,14 +254,25 @@ class ModelService:
 
     def health(self) -> dict[str, Any]:
         stats = self.loaded.backend.stats()
-        return {"status": "ok", "model": self.model_name, "layout": self.loaded.artifact.layout,
-                "requests_served": self.slots.served, "requests_running": self.slots.running,
-                "requests_waiting": self.slots.waiting,
-                "expert_cache": {"capacity": stats.capacity, "resident": stats.resident, "hits": stats.hits,
-                                 "misses": stats.misses, "hit_rate": round(stats.hit_rate, 4)}}
+        return {
+            "status": "ok",
+            "model": self.model_name,
+            "layout": self.loaded.artifact.layout,
+            "requests_served": self.slots.served,
+            "requests_running": self.slots.running,
+            "requests_waiting": self.slots.waiting,
+            "expert_cache": {
+                "capacity": stats.capacity,
+                "resident": stats.resident,
+                "hits": stats.hits,
+                "misses": stats.misses,
+                "hit_rate": round(stats.hit_rate, 4),
+            },
+        }
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-                template_kwargs: Mapping[str, Any] | None) -> RenderedPrompt:
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], template_kwargs: Mapping[str, Any] | None
+    ) -> RenderedPrompt:
         try:
             return self.chat.render(messages, tools, template_kwargs)
         except MissingDependencyError as exc:  # the server lacks a package: its gap, not a bad request
@@ -261,9 +294,13 @@ class ModelService:
         """Refuse, before tokenizing, text too long for the context whatever its tokens: no token stands for
         more than `max_token_bytes` bytes, so this text is at least text_bytes / max_token_bytes tokens."""
         if text_bytes > self.max_model_len * self.chat.max_token_bytes:
-            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"your request has {text_bytes:,} bytes of text, more than {self.max_model_len} "
-                                f"tokens of this tokenizer can hold. Please reduce the length of the input.", param)
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {text_bytes:,} bytes of text, more than {self.max_model_len} "
+                f"tokens of this tokenizer can hold. Please reduce the length of the input.",
+                param,
+            )
 
     def _known_ids(self, ids: Sequence[int], param: str) -> list[int]:
         vocab = len(self.chat.tokenizer)
@@ -277,19 +314,30 @@ class ModelService:
         no `asked` the budget is what the context leaves (capped by generation_config's max_new_tokens)."""
         room = self.max_model_len - prompt_tokens
         if room < 1:
-            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                                f"request has {prompt_tokens} input tokens. Please reduce the length of the input "
-                                "messages.", "input_tokens")
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {prompt_tokens} input tokens. Please reduce the length of the input "
+                "messages.",
+                "input_tokens",
+            )
         if asked is not None and asked > room:
-            raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum "
-                                f"context length is {self.max_model_len} tokens and your request has {prompt_tokens} "
-                                f"input tokens ({asked} > {self.max_model_len} - {prompt_tokens}).", "max_tokens")
+            raise ApiError(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum "
+                f"context length is {self.max_model_len} tokens and your request has {prompt_tokens} "
+                f"input tokens ({asked} > {self.max_model_len} - {prompt_tokens}).",
+                "max_tokens",
+            )
         d = self.defaults
         return SamplingParams(
             max_tokens=asked or min(room, d.max_tokens),
             temperature=d.temperature if request.temperature is None else request.temperature,
             top_p=d.top_p if request.top_p is None else request.top_p,
-            seed=request.seed, stop=request.stop_strings, stop_token_ids=d.stop_token_ids)
+            seed=request.seed,
+            stop=request.stop_strings,
+            stop_token_ids=d.stop_token_ids,
+        )
 
 
 def chat_source(path: Path, load_format: str, has_vision: bool) -> tuple[Path, bool]:
@@ -325,6 +373,9 @@ def _defaults(path: Path, text_config: Mapping[str, Any], max_model_len: int) ->
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     eos = set(stop_token_ids(text_config.get("eos_token_id"))) | set(stop_token_ids(gen.get("eos_token_id")))
     sample = bool(gen.get("do_sample"))
-    return SamplingParams(max_tokens=int(gen.get("max_new_tokens") or max_model_len),
-                          temperature=float(gen.get("temperature", 1.0)) if sample else 0.0,
-                          top_p=float(gen.get("top_p", 1.0)) if sample else 1.0, stop_token_ids=tuple(sorted(eos)))
+    return SamplingParams(
+        max_tokens=int(gen.get("max_new_tokens") or max_model_len),
+        temperature=float(gen.get("temperature", 1.0)) if sample else 0.0,
+        top_p=float(gen.get("top_p", 1.0)) if sample else 1.0,
+        stop_token_ids=tuple(sorted(eos)),
+    )

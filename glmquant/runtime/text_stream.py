@@ -25,17 +25,19 @@ class TextStream:
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._text += after[len(before):]
+            self._text += after[len(before) :]
             self._prefix, self._read = self._read, len(self._ids)
         return self._release(final=False)
 
     def finish(self) -> str:
         """Everything still held back (called once the generation has ended)."""
         if self._read < len(self._ids):
-            self._text += self._decode(self._ids[self._prefix:])[len(self._decode(self._ids[self._prefix:self._read])):]
+            self._text += self._decode(self._ids[self._prefix :])[
+                len(self._decode(self._ids[self._prefix : self._read])) :
+            ]
             self._read = len(self._ids)
         return self._release(final=True)
 
@@ -54,7 +56,7 @@ class TextStream:
             end = len(self._text)
         else:
             end = len(self._text) if final else len(self._text) - self._partial_stop()
-        delta = self._text[self._emitted:end] if end > self._emitted else ""
+        delta = self._text[self._emitted : end] if end > self._emitted else ""
         self._emitted = max(self._emitted, end)
         return delta
 

@@ -30,14 +30,18 @@ class DecodedExpert:
 class TorchExpertBackend:
     """`ExpertBackend` in plain torch; memory is bounded by `cache_size` decoded virtual experts."""
 
-    def __init__(self, artifact: Artifact, cache_size: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, artifact: Artifact, cache_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
         self.artifact = artifact
         self.dtype = dtype
         self.device = torch.device(device)
         self.swiglu_limit = artifact.spec.swiglu_limit
         self.cache: LRUCache[DecodedExpert] = LRUCache(cache_size)
 
-    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
         for vid in torch.unique(expert_ids).tolist():
             token_idx, slot = torch.where(expert_ids == vid)
@@ -57,10 +61,14 @@ class TorchExpertBackend:
         return F.silu(gate) * up
 
     def _decode(self, layer: int, vid: int) -> DecodedExpert:
-        w = {p: decode_weight(self.artifact.read_expert(layer, vid, p, self.device), self.dtype)
-             for p in ("gate_proj", "up_proj", "down_proj")}
+        w = {
+            p: decode_weight(self.artifact.read_expert(layer, vid, p, self.device), self.dtype)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
         return DecodedExpert(torch.cat((w["gate_proj"], w["up_proj"])), w["down_proj"])
 
 
-register_backend("torch", lambda artifact, options: TorchExpertBackend(
-    artifact, options.expert_cache, options.torch_dtype, options.device))
+register_backend(
+    "torch",
+    lambda artifact, options: TorchExpertBackend(artifact, options.expert_cache, options.torch_dtype, options.device),
+)

@@ -48,8 +48,13 @@ class ChatClient:
 
     def complete(self, model: str, request: ChatRequest) -> ChatResult:
         """Send one request at temperature 0 and collect the stream; transport failures become `error`."""
-        kwargs: dict[str, Any] = {"model": model, "messages": list(request.messages), "temperature": 0,
-                                  "stream": True, "stream_options": {"include_usage": True}}
+        kwargs: dict[str, Any] = {
+            "model": model,
+            "messages": list(request.messages),
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if request.tools:
             kwargs["tools"] = list(request.tools)
         if request.max_tokens is not None:
@@ -61,7 +66,7 @@ class ChatClient:
         try:
             for chunk in self._client.chat.completions.create(**kwargs):
                 collected.add(chunk, time.perf_counter())
-        except (openai.APIError, *_TRANSPORT_ERRORS) as exc:  # the server's errors, and transport failures mid-stream
+        except _STREAM_ERRORS as exc:
             return collected.result(time.perf_counter(), error=f"{type(exc).__name__}: {exc}")
         return collected.result(time.perf_counter())
 
@@ -76,7 +81,8 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return ()
 
 
-_TRANSPORT_ERRORS = _transport_errors()
+# the server's errors, and transport failures mid-stream
+_STREAM_ERRORS: tuple[type[BaseException], ...] = (openai.APIError, *_transport_errors())
 
 
 class _Collector:
@@ -95,8 +101,9 @@ class _Collector:
     def add(self, chunk: Any, now: float) -> None:
         if chunk.usage is not None:
             details = getattr(chunk.usage, "prompt_tokens_details", None)
-            self.usage = Usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
-                               getattr(details, "cached_tokens", None))
+            self.usage = Usage(
+                chunk.usage.prompt_tokens, chunk.usage.completion_tokens, getattr(details, "cached_tokens", None)
+            )
         for choice in chunk.choices:
             delta = choice.delta
             produced = False
@@ -122,5 +129,12 @@ class _Collector:
 
     def result(self, end: float, error: str | None = None) -> ChatResult:
         calls = tuple(ToolCall(name, args) for _, (name, args) in sorted(self.calls.items()))
-        return ChatResult("".join(self.content), "".join(self.reasoning), calls, self.finish, self.usage,
-                          Timings(self.start, self.first, self.last, end), error)
+        return ChatResult(
+            "".join(self.content),
+            "".join(self.reasoning),
+            calls,
+            self.finish,
+            self.usage,
+            Timings(self.start, self.first, self.last, end),
+            error,
+        )

@@ -52,10 +52,16 @@ class ServeCheckConfig:
         if unknown:
             raise UsageError(f"unknown gate(s) {', '.join(unknown)}; choose from {','.join(ALL_GATES)}")
         if "fidelity" in self.selected_gates and (self.bf16_source is None or self.artifact is None):
-            raise UsageError("the fidelity gate runs the artifact in-process against its BF16 source: "
-                             "give ARTIFACT (not --endpoint) and --bf16-source DIR")
-        for name, value in (("--needle-tokens", self.needle_tokens), ("--concurrency", self.concurrency),
-                            ("--panel-rows", self.panel_rows), ("--panel-tokens", self.panel_tokens)):
+            raise UsageError(
+                "the fidelity gate runs the artifact in-process against its BF16 source: "
+                "give ARTIFACT (not --endpoint) and --bf16-source DIR"
+            )
+        for name, value in (
+            ("--needle-tokens", self.needle_tokens),
+            ("--concurrency", self.concurrency),
+            ("--panel-rows", self.panel_rows),
+            ("--panel-tokens", self.panel_tokens),
+        ):
             if value < 1:
                 raise UsageError(f"{name} must be >= 1, got {value}")
         if not self.speed_inputs or min(self.speed_inputs) < 1:
@@ -77,9 +83,15 @@ class ServeCheckConfig:
     def skipped_gates(self) -> dict[str, str]:
         """Every gate that will not run, and why."""
         selected = self.selected_gates
-        return {g: ("needs --bf16-source DIR and ARTIFACT (it runs the artifact in-process)"
-                    if g == "fidelity" and self.bf16_source is None and not self.gates else self.deselected_reason)
-                for g in ALL_GATES if g not in selected}
+        return {
+            g: (
+                "needs --bf16-source DIR and ARTIFACT (it runs the artifact in-process)"
+                if g == "fidelity" and self.bf16_source is None and not self.gates
+                else self.deselected_reason
+            )
+            for g in ALL_GATES
+            if g not in selected
+        }
 
     @property
     def thresholds(self) -> dict[str, str]:
@@ -88,11 +100,12 @@ class ServeCheckConfig:
             "text": "content exactly FINAL_BASELINE_OK, finish stop",
             "tools": "exactly one get_weather call with {city: Paris, country: France}",
             "multilingual": "each echo exact, finish stop",
-            "images": "each JSON answer exact", "video": "each JSON answer exact",
+            "images": "each JSON answer exact",
+            "video": "each JSON answer exact",
             "needle": f"all 4 values exact, finish stop, server prompt tokens within {self.token_tolerance} of the "
-                      f"local count, no prefix-cache hit",
+            f"local count, no prefix-cache hit",
             "speed": f"every stream completes with usage, prompt tokens within {self.token_tolerance}, mean decode "
-                     f">= {self.min_decode_tps:g} tok/s",
+            f">= {self.min_decode_tps:g} tok/s",
             "fidelity": f"mean KL <= {self.kl_max:g} nats and top-1 agreement >= {self.top1_min:g}",
         }
         return {g: rules[g] for g in self.selected_gates}

@@ -53,8 +53,8 @@ def store_source_logprobs(source: Path, ids: torch.Tensor, device: str, path: Pa
     store = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(flat.shape[0], weight.shape[0]))
     with torch.no_grad():
         for start in range(0, flat.shape[0], _BLOCK):
-            logits = F.linear(flat[start:start + _BLOCK].to(weight.dtype), weight)
-            store[start:start + _BLOCK] = F.log_softmax(logits.float(), dim=-1).cpu().numpy()
+            logits = F.linear(flat[start : start + _BLOCK].to(weight.dtype), weight)
+            store[start : start + _BLOCK] = F.log_softmax(logits.float(), dim=-1).cpu().numpy()
     store.flush()
     del hidden, weight, flat
     _free(device)
@@ -77,9 +77,9 @@ def compare_artifact(artifact: Path, ids: torch.Tensor, reference: np.ndarray, d
     kl_sum, agree, nll_source, nll_artifact = 0.0, 0, 0.0, 0.0
     with torch.no_grad():
         for row in range(rows):
-            logits = loaded.model(input_ids=ids[row:row + 1].to(loaded.device)).logits[0]  # [T,V]
+            logits = loaded.model(input_ids=ids[row : row + 1].to(loaded.device)).logits[0]  # [T,V]
             q = F.log_softmax(logits.float(), dim=-1).cpu()
-            p = torch.from_numpy(np.asarray(reference[row * tokens:(row + 1) * tokens]))
+            p = torch.from_numpy(np.asarray(reference[row * tokens : (row + 1) * tokens]))
             kl_sum += float((p.exp() * (p - q)).sum())
             agree += int((p.argmax(-1) == q.argmax(-1)).sum())
             targets = ids[row, 1:].unsqueeze(-1)
@@ -89,8 +89,13 @@ def compare_artifact(artifact: Path, ids: torch.Tensor, reference: np.ndarray, d
     del loaded
     _free(device)
     predicted = rows * (tokens - 1)
-    return FidelityResult(rows * tokens, kl_sum / (rows * tokens), agree / (rows * tokens),
-                          math.exp(nll_source / predicted), math.exp(nll_artifact / predicted))
+    return FidelityResult(
+        rows * tokens,
+        kl_sum / (rows * tokens),
+        agree / (rows * tokens),
+        math.exp(nll_source / predicted),
+        math.exp(nll_artifact / predicted),
+    )
 
 
 def measure_fidelity(artifact: Path, source: Path, ids: torch.Tensor, device: str = "cpu") -> FidelityResult:

@@ -26,20 +26,28 @@ _WHITE, _BLACK = (255, 255, 255), (0, 0, 0)
 _COLOURS = {"red": (220, 30, 30), "blue": (30, 60, 220)}
 _IMAGE_SIZE = 336  # 12 x 28: whole GLM-V merge patches
 _GLYPHS = {  # 5x7 pixel font for the characters the text fixtures use
-    "A": ".###./#...#/#...#/#####/#...#/#...#/#...#", "B": "####./#...#/#...#/####./#...#/#...#/####.",
-    "K": "#...#/#..#./#.#../##.../#.#../#..#./#...#", "Q": ".###./#...#/#...#/#...#/#.#.#/#..#./.##.#",
-    "2": ".###./#...#/....#/...#./..#../.#.../#####", "4": "...#./..##./.#.#./#..#./#####/...#./...#.",
-    "7": "#####/....#/...#./..#../.#.../.#.../.#...", "9": ".###./#...#/#...#/.####/....#/...#./.##..",
+    "A": ".###./#...#/#...#/#####/#...#/#...#/#...#",
+    "B": "####./#...#/#...#/####./#...#/#...#/####.",
+    "K": "#...#/#..#./#.#../##.../#.#../#..#./#...#",
+    "Q": ".###./#...#/#...#/#...#/#.#.#/#..#./.##.#",
+    "2": ".###./#...#/....#/...#./..#../.#.../#####",
+    "4": "...#./..##./.#.#./#..#./#####/...#./...#.",
+    "7": "#####/....#/...#./..#../.#.../.#.../.#...",
+    "9": ".###./#...#/#...#/.####/....#/...#./.##..",
 }
 _DICE = {3: ((84, 84), (168, 168), (252, 252)), 5: ((84, 84), (252, 84), (168, 168), (84, 252), (252, 252))}
 _VIDEO_SIZE, _VIDEO_FPS, _VIDEO_FRAMES, _SQUARE = 224, 8, 32, 56
 
 TEXT_QUESTION = 'Read the text in this image. Reply with only a JSON object of the form {"text": "<the text>"}.'
-CIRCLES_QUESTION = ('How many circles are in this image, and what colour are they? Reply with only a JSON object '
-                    'of the form {"count": <integer>, "colour": "<red, green or blue>"}.')
-VIDEO_QUESTION = ('A square moves across this video and changes colour. Reply with only a JSON object of the form '
-                  '{"direction": "<left_to_right or right_to_left>", "start_colour": "<red or blue>", '
-                  '"end_colour": "<red or blue>"}.')
+CIRCLES_QUESTION = (
+    "How many circles are in this image, and what colour are they? Reply with only a JSON object "
+    'of the form {"count": <integer>, "colour": "<red, green or blue>"}.'
+)
+VIDEO_QUESTION = (
+    "A square moves across this video and changes colour. Reply with only a JSON object of the form "
+    '{"direction": "<left_to_right or right_to_left>", "start_colour": "<red or blue>", '
+    '"end_colour": "<red or blue>"}.'
+)
 
 
 @dataclass(frozen=True)
@@ -57,8 +65,10 @@ class MediaFixture:
         data = self.build()
         digest = hashlib.sha256(data).hexdigest()
         if digest != self.sha256:
-            raise GlmquantError(f"fixture {self.name}: generated SHA-256 {digest} differs from the pinned "
-                                f"{self.sha256}; this machine's PIL/PyAV draws or encodes it differently")
+            raise GlmquantError(
+                f"fixture {self.name}: generated SHA-256 {digest} differs from the pinned "
+                f"{self.sha256}; this machine's PIL/PyAV draws or encodes it differently"
+            )
         return data
 
     def data_url(self) -> str:
@@ -95,8 +105,9 @@ def _yuv420(rgb: np.ndarray) -> np.ndarray:
     u = ((-38 * r - 74 * g + 112 * b + 128) >> 8) + 128
     v = ((112 * r - 94 * g - 18 * b + 128) >> 8) + 128
     h, w = y.shape
-    sub = [((p[0::2, 0::2] + p[1::2, 0::2] + p[0::2, 1::2] + p[1::2, 1::2] + 2) >> 2).reshape(h // 4, w)
-           for p in (u, v)]
+    sub = [
+        ((p[0::2, 0::2] + p[1::2, 0::2] + p[0::2, 1::2] + p[1::2, 1::2] + 2) >> 2).reshape(h // 4, w) for p in (u, v)
+    ]
     return np.concatenate([y] + sub).astype(np.uint8)
 
 
@@ -144,20 +155,46 @@ def _video(name: str, expected: dict[str, Any], sha256: str, reverse: bool) -> M
 
 
 IMAGES = (
-    _image("text-A7K2", TEXT_QUESTION, {"text": "A7K2"},
-           "62682111335d6df0a47b7f4416497d1857337b9470fb1b1eb3ecb248fe542bb6", lambda: _text_image("A7K2")),
-    _image("text-B9Q4", TEXT_QUESTION, {"text": "B9Q4"},
-           "be25161b400c6f2fc931f313fd686a0453cff2f117ee31c2eed937793d313e02", lambda: _text_image("B9Q4")),
-    _image("circles-3-red", CIRCLES_QUESTION, {"count": 3, "colour": "red"},
-           "7c48e8c7a623060070a165aa0408ecc7926ca64d82db3ea4e09b0f00fec74252", lambda: _circles_image(3, "red")),
-    _image("circles-5-blue", CIRCLES_QUESTION, {"count": 5, "colour": "blue"},
-           "979a60031aaa7e8b864ccc9c0b3f7b9109eed74c8342c77039eff09e548c8fa6", lambda: _circles_image(5, "blue")),
+    _image(
+        "text-A7K2",
+        TEXT_QUESTION,
+        {"text": "A7K2"},
+        "62682111335d6df0a47b7f4416497d1857337b9470fb1b1eb3ecb248fe542bb6",
+        lambda: _text_image("A7K2"),
+    ),
+    _image(
+        "text-B9Q4",
+        TEXT_QUESTION,
+        {"text": "B9Q4"},
+        "be25161b400c6f2fc931f313fd686a0453cff2f117ee31c2eed937793d313e02",
+        lambda: _text_image("B9Q4"),
+    ),
+    _image(
+        "circles-3-red",
+        CIRCLES_QUESTION,
+        {"count": 3, "colour": "red"},
+        "7c48e8c7a623060070a165aa0408ecc7926ca64d82db3ea4e09b0f00fec74252",
+        lambda: _circles_image(3, "red"),
+    ),
+    _image(
+        "circles-5-blue",
+        CIRCLES_QUESTION,
+        {"count": 5, "colour": "blue"},
+        "979a60031aaa7e8b864ccc9c0b3f7b9109eed74c8342c77039eff09e548c8fa6",
+        lambda: _circles_image(5, "blue"),
+    ),
 )
 VIDEOS = (
-    _video("square-left-to-right-red-to-blue",
-           {"direction": "left_to_right", "start_colour": "red", "end_colour": "blue"},
-           "928b27d8c0dc23033ce42bb8599896a59ba8f134658d2bbac7642686b0b382c8", reverse=False),
-    _video("square-right-to-left-blue-to-red",
-           {"direction": "right_to_left", "start_colour": "blue", "end_colour": "red"},
-           "792108fae75f508aa22ecd657ef50e693405434ce3d1fb85811b51d1f1173ae9", reverse=True),
+    _video(
+        "square-left-to-right-red-to-blue",
+        {"direction": "left_to_right", "start_colour": "red", "end_colour": "blue"},
+        "928b27d8c0dc23033ce42bb8599896a59ba8f134658d2bbac7642686b0b382c8",
+        reverse=False,
+    ),
+    _video(
+        "square-right-to-left-blue-to-red",
+        {"direction": "right_to_left", "start_colour": "blue", "end_colour": "red"},
+        "792108fae75f508aa22ecd657ef50e693405434ce3d1fb85811b51d1f1173ae9",
+        reverse=True,
+    ),
 )

@@ -50,28 +50,50 @@ def _user(content: Any) -> tuple[dict[str, Any], ...]:
 
 def text_identity_cases(max_tokens: int | None) -> list[Case]:
     request = ChatRequest(_user(IDENTITY_PROMPT), max_tokens=max_tokens, thinking=True)
-    return [Case("text", "identity", request, IDENTITY_ANSWER,
-                 functools.partial(score_exact_text, expected=IDENTITY_ANSWER))]
+    return [
+        Case(
+            "text", "identity", request, IDENTITY_ANSWER, functools.partial(score_exact_text, expected=IDENTITY_ANSWER)
+        )
+    ]
 
 
 def tools_cases(max_tokens: int | None) -> list[Case]:
     request = ChatRequest(_user(WEATHER_PROMPT), tools=(WEATHER_TOOL,), max_tokens=max_tokens)
     expected = {"name": "get_weather", "arguments": WEATHER_ARGUMENTS}
-    return [Case("tools", "get_weather", request, expected,
-                 functools.partial(score_tool_call, name="get_weather", arguments=WEATHER_ARGUMENTS))]
+    return [
+        Case(
+            "tools",
+            "get_weather",
+            request,
+            expected,
+            functools.partial(score_tool_call, name="get_weather", arguments=WEATHER_ARGUMENTS),
+        )
+    ]
 
 
 def multilingual_cases(max_tokens: int | None) -> list[Case]:
-    return [Case("multilingual", language, ChatRequest(_user(ECHO_PROMPT.format(text=text)), max_tokens=max_tokens),
-                 text, functools.partial(score_exact_text, expected=text))
-            for language, text in ECHO_TEXTS.items()]
+    return [
+        Case(
+            "multilingual",
+            language,
+            ChatRequest(_user(ECHO_PROMPT.format(text=text)), max_tokens=max_tokens),
+            text,
+            functools.partial(score_exact_text, expected=text),
+        )
+        for language, text in ECHO_TEXTS.items()
+    ]
 
 
 def _media_case(gate: str, fixture: MediaFixture, max_tokens: int | None) -> Case:
     part = "image_url" if fixture.kind == "image" else "video_url"
     content = [{"type": part, part: {"url": fixture.data_url()}}, {"type": "text", "text": fixture.question}]
-    return Case(gate, fixture.name, ChatRequest(_user(content), max_tokens=max_tokens), fixture.expected,
-                functools.partial(score_json_answer, expected=fixture.expected))
+    return Case(
+        gate,
+        fixture.name,
+        ChatRequest(_user(content), max_tokens=max_tokens),
+        fixture.expected,
+        functools.partial(score_json_answer, expected=fixture.expected),
+    )
 
 
 def image_cases(max_tokens: int | None) -> list[Case]:

@@ -17,17 +17,52 @@ from typing import Any
 from glmquant.errors import UsageError
 from glmquant.servecheck.tokens import Tokenizer
 
-_SUBJECTS = ("The harbour master", "A travelling merchant", "The village baker", "An old cartographer",
-             "The night watchman", "A young botanist", "The river ferryman", "A quiet librarian",
-             "The mountain guide", "A weaver from the coast")
-_VERBS = ("described", "carefully mapped", "wrote a letter about", "argued about", "walked past", "painted",
-          "measured", "remembered", "counted the stones of", "sang a song about")
-_OBJECTS = ("the northern lighthouse", "a field of tall grass", "the old stone bridge", "the winter market",
-            "a ship with grey sails", "the empty granary", "a garden of herbs", "the clock tower",
-            "the salt marshes", "a narrow mountain pass")
-_ENDINGS = ("before the rain began.", "while the bells were ringing.", "at the end of a long afternoon.",
-            "under a pale sky.", "as the tide went out.", "long after supper.", "without saying a word.",
-            "in the early morning.")
+_SUBJECTS = (
+    "The harbour master",
+    "A travelling merchant",
+    "The village baker",
+    "An old cartographer",
+    "The night watchman",
+    "A young botanist",
+    "The river ferryman",
+    "A quiet librarian",
+    "The mountain guide",
+    "A weaver from the coast",
+)
+_VERBS = (
+    "described",
+    "carefully mapped",
+    "wrote a letter about",
+    "argued about",
+    "walked past",
+    "painted",
+    "measured",
+    "remembered",
+    "counted the stones of",
+    "sang a song about",
+)
+_OBJECTS = (
+    "the northern lighthouse",
+    "a field of tall grass",
+    "the old stone bridge",
+    "the winter market",
+    "a ship with grey sails",
+    "the empty granary",
+    "a garden of herbs",
+    "the clock tower",
+    "the salt marshes",
+    "a narrow mountain pass",
+)
+_ENDINGS = (
+    "before the rain began.",
+    "while the bells were ringing.",
+    "at the end of a long afternoon.",
+    "under a pale sky.",
+    "as the tide went out.",
+    "long after supper.",
+    "without saying a word.",
+    "in the early morning.",
+)
 PAD_WORD = "so"
 _BATCH = 512
 _SETTLE_ROUNDS = 8

@@ -17,9 +17,11 @@ from glmquant.servecheck.tokens import Tokenizer
 NAMES = ("amber", "birch", "cobalt", "dahlia")
 DEPTHS = (0.05, 0.35, 0.65, 0.95)
 RECORD = "Registry record: {name} has retrieval value {value}."
-QUESTION = ("The text above contains four registry records. Reply with only a JSON object that maps each "
-            "name (amber, birch, cobalt, dahlia) to its retrieval value as a string, in the form "
-            '{"amber": "<value>", "birch": "<value>", "cobalt": "<value>", "dahlia": "<value>"}.')
+QUESTION = (
+    "The text above contains four registry records. Reply with only a JSON object that maps each "
+    "name (amber, birch, cobalt, dahlia) to its retrieval value as a string, in the form "
+    '{"amber": "<value>", "birch": "<value>", "cobalt": "<value>", "dahlia": "<value>"}.'
+)
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,9 @@ def _hex16(rng: random.Random) -> str:
     return f"{rng.getrandbits(64):016x}"
 
 
-def build_needle_prompt(tokenizer: Tokenizer, target_tokens: int, seed: int,
-                        max_tokens: int | None = None) -> NeedlePrompt:
+def build_needle_prompt(
+    tokenizer: Tokenizer, target_tokens: int, seed: int, max_tokens: int | None = None
+) -> NeedlePrompt:
     """A chat request of `target_tokens` prompt tokens (counted with the model's template) with 4 needles."""
     rng = random.Random(seed)
     nonce = _hex16(rng)
@@ -54,12 +57,13 @@ def build_needle_prompt(tokenizer: Tokenizer, target_tokens: int, seed: int,
     if not tokenizer.renders:  # the server's /tokenize: depths from the filler's own token counts, no positions
         before = [sum(filler.lengths[: filler.index_at(depth)]) for depth in DEPTHS]
         total = max(sum(filler.lengths), 1)
-        return NeedlePrompt(ChatRequest(msgs, max_tokens=max_tokens), expected, nonce, count, (),
-                            tuple(b / total for b in before))
+        return NeedlePrompt(
+            ChatRequest(msgs, max_tokens=max_tokens), expected, nonce, count, (), tuple(b / total for b in before)
+        )
     rendered = tokenizer.render(msgs)
     body = rendered.index(head) + len(head)
-    start, end = tokenizer.count_text(rendered[:body]), tokenizer.count_text(rendered[:rendered.index(QUESTION)])
-    positions = tuple(tokenizer.count_text(rendered[:rendered.index(r)]) for r in records)
+    start, end = tokenizer.count_text(rendered[:body]), tokenizer.count_text(rendered[: rendered.index(QUESTION)])
+    positions = tuple(tokenizer.count_text(rendered[: rendered.index(r)]) for r in records)
     sizes = tokenizer.lengths([" " + r for r in records])
     filler_tokens = max(end - start - sum(sizes), 1)
     depths = tuple((p - start - sum(sizes[:i])) / filler_tokens for i, p in enumerate(positions))
@@ -74,8 +78,10 @@ def score_prompt_usage(result: ChatResult, local_tokens: int, tolerance: int) ->
         return ["the server sent no usage (stream_options.include_usage ignored)"]
     failures = []
     if abs(result.usage.prompt_tokens - local_tokens) > tolerance:
-        failures.append(f"server counted {result.usage.prompt_tokens} prompt tokens, the model's tokenizer "
-                        f"{local_tokens} (tolerance {tolerance})")
+        failures.append(
+            f"server counted {result.usage.prompt_tokens} prompt tokens, the model's tokenizer "
+            f"{local_tokens} (tolerance {tolerance})"
+        )
     if result.usage.cached_tokens:
         failures.append(f"prefix-cache hit: {result.usage.cached_tokens} cached prompt tokens")
     return failures

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from glmquant.errors import UsageError
-from glmquant.servecheck.tokens import PromptTokenizer
+from glmquant.servecheck.tokens import PromptTokenizer, ServerTokenizer
 
 PASSAGES = (
     """The ferry left the island an hour late because the harbour crane had jammed while lifting a crate of \
@@ -95,7 +95,9 @@ lemon, and blend part of the soup if you prefer it smooth.""",
 )
 
 
-def panel_ids(tokenizer: PromptTokenizer, rows: int, tokens: int, text_file: Path | None = None) -> torch.Tensor:
+def panel_ids(
+    tokenizer: PromptTokenizer | ServerTokenizer, rows: int, tokens: int, text_file: Path | None = None
+) -> torch.Tensor:
     """The panel (or `text_file`) as token ids [rows, tokens] (LongTensor), cut from its start."""
     if text_file is None:
         text = "\n\n".join(PASSAGES)
@@ -106,6 +108,8 @@ def panel_ids(tokenizer: PromptTokenizer, rows: int, tokens: int, text_file: Pat
             raise UsageError(f"{text_file}: cannot read the panel text ({exc})") from None
     ids = tokenizer.encode(text)
     if len(ids) < rows * tokens:
-        raise UsageError(f"the fidelity panel ({text_file or 'built-in'}) holds {len(ids)} tokens of this tokenizer; "
-                         f"--panel-rows x --panel-tokens = {rows} x {tokens} asks for more")
+        raise UsageError(
+            f"the fidelity panel ({text_file or 'built-in'}) holds {len(ids)} tokens of this tokenizer; "
+            f"--panel-rows x --panel-tokens = {rows} x {tokens} asks for more"
+        )
     return torch.tensor(ids[: rows * tokens], dtype=torch.long).view(rows, tokens)

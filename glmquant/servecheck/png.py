@@ -24,7 +24,7 @@ def _zlib_stored(raw: bytes) -> bytes:
     """A zlib stream of uncompressed deflate blocks (RFC 1950/1951)."""
     out = bytearray(b"\x78\x01")
     for start in range(0, max(len(raw), 1), _MAX_STORED):
-        block = raw[start:start + _MAX_STORED]
+        block = raw[start : start + _MAX_STORED]
         final = 1 if start + _MAX_STORED >= len(raw) else 0
         out += bytes([final]) + struct.pack("<HH", len(block), len(block) ^ 0xFFFF) + block
     return bytes(out + struct.pack(">I", zlib.adler32(raw) & 0xFFFFFFFF))

@@ -28,23 +28,52 @@ def response_json(r: ChatResult) -> dict[str, Any]:
     """A response with the derived timings (TTFT, wall, decode tok/s) spelled out."""
     t = r.timings
     return {
-        "content": r.content, "reasoning": r.reasoning, "tool_calls": [_plain(c) for c in r.tool_calls],
-        "finish_reason": r.finish_reason, "usage": _plain(r.usage), "error": r.error,
-        "wall_s": t.wall_s if t else None, "ttft_s": t.ttft_s if t else None, "decode_tps": r.decode_tps,
+        "content": r.content,
+        "reasoning": r.reasoning,
+        "tool_calls": [_plain(c) for c in r.tool_calls],
+        "finish_reason": r.finish_reason,
+        "usage": _plain(r.usage),
+        "error": r.error,
+        "wall_s": t.wall_s if t else None,
+        "ttft_s": t.ttft_s if t else None,
+        "decode_tps": r.decode_tps,
     }
 
 
 def report_json(report: ServeCheckReport) -> dict[str, Any]:
     return {
-        "schema_version": SCHEMA_VERSION, "passed": report.passed, "target": report.target, "model": report.model,
-        "started_at": report.started_at, "finished_at": report.finished_at, "seed": report.seed,
-        "settings": report.settings, "skipped_gates": report.skipped, "thresholds": report.thresholds,
-        "gates": [{
-            "name": g.name, "passed": g.passed, "summary": g.summary, "error": g.error, "notes": list(g.notes),
-            "cases": [{"name": c.name, "passed": c.passed, "reason": c.reason, "expected": _plain(c.expected),
-                       "got": _plain(c.got), "metrics": c.metrics,
-                       "responses": [response_json(r) for r in c.responses]} for c in g.cases],
-        } for g in report.gates],
+        "schema_version": SCHEMA_VERSION,
+        "passed": report.passed,
+        "target": report.target,
+        "model": report.model,
+        "started_at": report.started_at,
+        "finished_at": report.finished_at,
+        "seed": report.seed,
+        "settings": report.settings,
+        "skipped_gates": report.skipped,
+        "thresholds": report.thresholds,
+        "gates": [
+            {
+                "name": g.name,
+                "passed": g.passed,
+                "summary": g.summary,
+                "error": g.error,
+                "notes": list(g.notes),
+                "cases": [
+                    {
+                        "name": c.name,
+                        "passed": c.passed,
+                        "reason": c.reason,
+                        "expected": _plain(c.expected),
+                        "got": _plain(c.got),
+                        "metrics": c.metrics,
+                        "responses": [response_json(r) for r in c.responses],
+                    }
+                    for c in g.cases
+                ],
+            }
+            for g in report.gates
+        ],
     }
 
 
@@ -64,22 +93,49 @@ def case_row(case: CaseResult) -> list[str]:
     """Case, result, reason, finish, prompt/completion tokens, TTFT, wall, decode tok/s (first response)."""
     r = case.responses[0] if case.responses else None
     u, t = (r.usage, r.timings) if r else (None, None)
-    return [case.name, "PASS" if case.passed else "FAIL", case.reason, (r.finish_reason or "-") if r else "-",
-            _num(u.prompt_tokens if u else None), _num(u.completion_tokens if u else None),
-            _num(t.ttft_s if t else None), _num(t.wall_s if t else None), _num(r.decode_tps if r else None)]
+    return [
+        case.name,
+        "PASS" if case.passed else "FAIL",
+        case.reason,
+        (r.finish_reason or "-") if r else "-",
+        _num(u.prompt_tokens if u else None),
+        _num(u.completion_tokens if u else None),
+        _num(t.ttft_s if t else None),
+        _num(t.wall_s if t else None),
+        _num(r.decode_tps if r else None),
+    ]
 
 
-CASE_COLUMNS = ["case", "result", "reason", "finish", "prompt tok", "completion tok", "TTFT s", "wall s",
-                "decode tok/s"]
+CASE_COLUMNS = [
+    "case",
+    "result",
+    "reason",
+    "finish",
+    "prompt tok",
+    "completion tok",
+    "TTFT s",
+    "wall s",
+    "decode tok/s",
+]
 
 
 def report_markdown(report: ServeCheckReport) -> str:
-    lines = [f"# serve-check: {'PASS' if report.passed else 'FAIL'}", "",
-             f"- target: `{report.target}`", f"- model: `{report.model}`",
-             f"- started {report.started_at}, finished {report.finished_at}", f"- seed: {report.seed}", "",
-             "| gate | result | summary | passes on |", "|---|---|---|---|"]
-    lines += [f"| {g.name} | {'PASS' if g.passed else 'FAIL'} | {_cell(g.summary)} | "
-              f"{_cell(report.thresholds.get(g.name, '-'))} |" for g in report.gates]
+    lines = [
+        f"# serve-check: {'PASS' if report.passed else 'FAIL'}",
+        "",
+        f"- target: `{report.target}`",
+        f"- model: `{report.model}`",
+        f"- started {report.started_at}, finished {report.finished_at}",
+        f"- seed: {report.seed}",
+        "",
+        "| gate | result | summary | passes on |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {g.name} | {'PASS' if g.passed else 'FAIL'} | {_cell(g.summary)} | "
+        f"{_cell(report.thresholds.get(g.name, '-'))} |"
+        for g in report.gates
+    ]
     lines += [f"| {name} | SKIP | {_cell(why)} | - |" for name, why in report.skipped.items()]
     for gate in report.gates:
         lines += ["", f"## {gate.name}", ""]

@@ -60,9 +60,17 @@ def _server(config: ServeCheckConfig) -> Iterator[str]:
         return
     from glmquant.runtime.server import serve_in_background
 
-    with serve_in_background(config.artifact, host="127.0.0.1", port=0, device=config.device,
-                             backend=config.backend, model_impl=config.model_impl, load_format=config.load_format,
-                             max_num_seqs=config.concurrency) as server:
+    assert config.artifact is not None  # ServeCheckConfig takes an artifact or an endpoint, exactly one
+    with serve_in_background(
+        config.artifact,
+        host="127.0.0.1",
+        port=0,
+        device=config.device,
+        backend=config.backend,
+        model_impl=config.model_impl,
+        load_format=config.load_format,
+        max_num_seqs=config.concurrency,
+    ) as server:
         yield _openai_base(server.base_url)
 
 
@@ -85,8 +93,11 @@ class _Run:
         """The model's tokenizer files if at hand, else the endpoint's /tokenize."""
         if self._tokenizer is None:
             directory = self.config.tokenizer_dir
-            self._tokenizer = (PromptTokenizer.from_dir(directory) if directory is not None else
-                               ServerTokenizer(self.base_url.removesuffix("/v1"), self.model, self.config.timeout_s))
+            self._tokenizer = (
+                PromptTokenizer.from_dir(directory)
+                if directory is not None
+                else ServerTokenizer(self.base_url.removesuffix("/v1"), self.model, self.config.timeout_s)
+            )
         return self._tokenizer
 
     def fits(self, gate: str, prompt_tokens: int) -> int | None:
@@ -98,7 +109,8 @@ class _Run:
         verdict = f"sized to {room}" if gate == "needle" and room > 0 else "skipped"
         self.notes.setdefault(gate, []).append(
             f"{prompt_tokens}-token prompt {verdict}: the endpoint's max_model_len is {self.max_model_len}, "
-            f"{reserve} tokens kept for the answer")
+            f"{reserve} tokens kept for the answer"
+        )
         return room if verdict != "skipped" else None
 
     def send(self, request: ChatRequest) -> ChatResult:
@@ -113,8 +125,9 @@ class _Run:
         self.observer.started(case.gate, case.name)
         result = self.send(case.request)
         verdict = case.score(result)
-        return self.record(CaseResult(case.gate, case.name, verdict.passed, verdict.reason, case.expected,
-                                      verdict.got, (result,)))
+        return self.record(
+            CaseResult(case.gate, case.name, verdict.passed, verdict.reason, case.expected, verdict.got, (result,))
+        )
 
     def needle(self) -> list[CaseResult]:
         cfg = self.config
@@ -125,13 +138,28 @@ class _Run:
         prompt = build_needle_prompt(self.tokenizer, target, self.seed, cfg.max_tokens)
         result = self.send(prompt.request)
         verdict = score_needle(result, prompt, cfg.token_tolerance)
-        metrics = {"local_prompt_tokens": prompt.prompt_tokens,
-                   "server_prompt_tokens": result.usage.prompt_tokens if result.usage else None,
-                   "cached_tokens": result.usage.cached_tokens if result.usage else None,
-                   "needle_positions": list(prompt.positions), "needle_depths": [round(d, 4) for d in prompt.depths],
-                   "nonce": prompt.nonce}
-        return [self.record(CaseResult("needle", f"{target} tokens", verdict.passed, verdict.reason,
-                                       prompt.expected, verdict.got, (result,), metrics))]
+        metrics = {
+            "local_prompt_tokens": prompt.prompt_tokens,
+            "server_prompt_tokens": result.usage.prompt_tokens if result.usage else None,
+            "cached_tokens": result.usage.cached_tokens if result.usage else None,
+            "needle_positions": list(prompt.positions),
+            "needle_depths": [round(d, 4) for d in prompt.depths],
+            "nonce": prompt.nonce,
+        }
+        return [
+            self.record(
+                CaseResult(
+                    "needle",
+                    f"{target} tokens",
+                    verdict.passed,
+                    verdict.reason,
+                    prompt.expected,
+                    verdict.got,
+                    (result,),
+                    metrics,
+                )
+            )
+        ]
 
     def speed(self) -> list[CaseResult]:
         cfg, out = self.config, []
@@ -143,8 +171,20 @@ class _Run:
             requests = build_speed_requests(self.tokenizer, n, cfg.concurrency, self.seed + n, cfg.max_tokens)
             results, wall = run_cell(self.send, requests)
             verdict, metrics = score_cell(results, requests, wall, cfg.token_tolerance, cfg.min_decode_tps)
-            out.append(self.record(CaseResult("speed", name, verdict.passed, verdict.reason, None, None,
-                                              tuple(results), dataclasses.asdict(metrics))))
+            out.append(
+                self.record(
+                    CaseResult(
+                        "speed",
+                        name,
+                        verdict.passed,
+                        verdict.reason,
+                        None,
+                        None,
+                        tuple(results),
+                        dataclasses.asdict(metrics),
+                    )
+                )
+            )
         return out
 
     def fidelity(self) -> list[CaseResult]:
@@ -156,13 +196,21 @@ class _Run:
         result = measure_fidelity(cfg.artifact, cfg.bf16_source, ids, cfg.device)
         verdict = score_fidelity(result, cfg.kl_max, cfg.top1_min)
         expected = {"mean_kl_max": cfg.kl_max, "top1_agreement_min": cfg.top1_min}
-        return [self.record(CaseResult("fidelity", name, verdict.passed, verdict.reason, expected, None, (),
-                                       dataclasses.asdict(result)))]
+        return [
+            self.record(
+                CaseResult(
+                    "fidelity", name, verdict.passed, verdict.reason, expected, None, (), dataclasses.asdict(result)
+                )
+            )
+        ]
 
     def gate(self, name: str) -> GateResult:
         """Run one gate; an expected failure that stops it (a fixture that fails its pin...) fails the gate."""
-        runners: dict[str, Callable[[], list[CaseResult]]] = {"needle": self.needle, "speed": self.speed,
-                                                               "fidelity": self.fidelity}
+        runners: dict[str, Callable[[], list[CaseResult]]] = {
+            "needle": self.needle,
+            "speed": self.speed,
+            "fidelity": self.fidelity,
+        }
         try:
             if name in CHAT_GATES:
                 return GateResult(name, tuple(self.chat_case(c) for c in CHAT_GATES[name](self.config.max_tokens)))
@@ -176,8 +224,11 @@ class _Run:
 
 def _settings(config: ServeCheckConfig) -> dict[str, object]:
     """The configuration as JSON values, without the API key."""
-    plain = {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
-             for k, v in dataclasses.asdict(config).items() if k != "api_key"}
+    plain = {
+        k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+        for k, v in dataclasses.asdict(config).items()
+        if k != "api_key"
+    }
     return {**plain, "gates": list(config.selected_gates)}
 
 
@@ -188,8 +239,10 @@ def serve_check(config: ServeCheckConfig, observer: Observer | None = None) -> S
     started, gates = _now(), []
     served = [g for g in config.selected_gates if g != "fidelity"]
     if served:
-        with _server(config) as base_url, contextlib.closing(ChatClient(base_url, config.api_key,
-                                                                        config.timeout_s)) as client:
+        with (
+            _server(config) as base_url,
+            contextlib.closing(ChatClient(base_url, config.api_key, config.timeout_s)) as client,
+        ):
             run.client, run.base_url = client, base_url
             run.model = config.model or client.first_model()
             run.max_model_len = client.max_model_len(run.model)
@@ -197,7 +250,16 @@ def serve_check(config: ServeCheckConfig, observer: Observer | None = None) -> S
     if "fidelity" in config.selected_gates:
         gates.append(run.gate("fidelity"))
     target = str(config.endpoint or config.artifact)
-    report = ServeCheckReport(target, run.model or config.model or Path(target).name, started, _now(), seed,
-                              _settings(config), tuple(gates), config.skipped_gates, config.thresholds)
+    report = ServeCheckReport(
+        target,
+        run.model or config.model or Path(target).name,
+        started,
+        _now(),
+        seed,
+        _settings(config),
+        tuple(gates),
+        config.skipped_gates,
+        config.thresholds,
+    )
     write_report(report, config.report_dir)
     return report

@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from glmquant.servecheck.chat import ChatResult
 from glmquant.glm_tags import TOOL_OPEN
 from glmquant.servecheck.answer import final_answer, unfinished_reasoning
+from glmquant.servecheck.chat import ChatResult
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,11 @@ def score_json_answer(result: ChatResult, expected: dict[str, Any]) -> Verdict:
     except json.JSONDecodeError as exc:
         return Verdict(False, f"final content is not valid JSON ({exc.msg}): {clip(answer)}", answer)
     if not json_equal(parsed, expected):
-        return Verdict(False, f"answered {json.dumps(parsed, ensure_ascii=False)}, expected "
-                              f"{json.dumps(expected, ensure_ascii=False)}", parsed)
+        return Verdict(
+            False,
+            f"answered {json.dumps(parsed, ensure_ascii=False)}, expected {json.dumps(expected, ensure_ascii=False)}",
+            parsed,
+        )
     return Verdict(True, "ok", parsed)
 
 
@@ -103,8 +106,12 @@ def score_tool_call(result: ChatResult, name: str, arguments: dict[str, Any]) ->
     except json.JSONDecodeError as exc:
         return Verdict(False, f"tool arguments are not valid JSON ({exc.msg}): {clip(call.arguments)}", call)
     if not json_equal(parsed, arguments):
-        return Verdict(False, f"tool arguments {json.dumps(parsed, ensure_ascii=False)}, expected "
-                              f"{json.dumps(arguments, ensure_ascii=False)}", parsed)
+        return Verdict(
+            False,
+            f"tool arguments {json.dumps(parsed, ensure_ascii=False)}, expected "
+            f"{json.dumps(arguments, ensure_ascii=False)}",
+            parsed,
+        )
     if result.finish_reason != "tool_calls":
         return Verdict(False, f"finish_reason {result.finish_reason!r}, expected 'tool_calls'", parsed)
     return Verdict(True, "ok", parsed)

@@ -40,8 +40,9 @@ class SpeedMetrics:
     completion_tokens: int
 
 
-def build_speed_requests(tokenizer: Tokenizer, input_tokens: int, concurrency: int, seed: int,
-                         max_tokens: int | None = None) -> tuple[SpeedRequest, ...]:
+def build_speed_requests(
+    tokenizer: Tokenizer, input_tokens: int, concurrency: int, seed: int, max_tokens: int | None = None
+) -> tuple[SpeedRequest, ...]:
     out = []
     for stream in range(concurrency):
         nonce = f"{random.Random(seed * 1009 + stream).getrandbits(64):016x}"
@@ -55,8 +56,9 @@ def build_speed_requests(tokenizer: Tokenizer, input_tokens: int, concurrency: i
     return tuple(out)
 
 
-def run_cell(send: Callable[[ChatRequest], ChatResult],
-             requests: tuple[SpeedRequest, ...]) -> tuple[list[ChatResult], float]:
+def run_cell(
+    send: Callable[[ChatRequest], ChatResult], requests: tuple[SpeedRequest, ...]
+) -> tuple[list[ChatResult], float]:
     """Send all requests at once (one thread each); returns the results and the cell's wall time."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
@@ -69,8 +71,13 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
-def score_cell(results: list[ChatResult], requests: tuple[SpeedRequest, ...], wall_s: float,
-               tolerance: int, min_decode_tps: float = 0.0) -> tuple[Verdict, SpeedMetrics]:
+def score_cell(
+    results: list[ChatResult],
+    requests: tuple[SpeedRequest, ...],
+    wall_s: float,
+    tolerance: int,
+    min_decode_tps: float = 0.0,
+) -> tuple[Verdict, SpeedMetrics]:
     failures: list[str] = []
     for i, (result, request) in enumerate(zip(results, requests)):
         problems = [f"request failed: {result.error}"] if result.error is not None else []
@@ -83,10 +90,15 @@ def score_cell(results: list[ChatResult], requests: tuple[SpeedRequest, ...], wa
     ttfts = [r.timings.ttft_s if r.timings else None for r in results]
     completion = sum(r.usage.completion_tokens for r in results if r.usage is not None)
     metrics = SpeedMetrics(
-        input_tokens=requests[0].prompt_tokens, concurrency=len(requests), wall_s=wall_s, ttft_s=_mean(ttfts),
+        input_tokens=requests[0].prompt_tokens,
+        concurrency=len(requests),
+        wall_s=wall_s,
+        ttft_s=_mean(ttfts),
         ttft_max_s=max((t for t in ttfts if t is not None), default=None),
-        decode_tps=_mean([r.decode_tps for r in results]), aggregate_tps=completion / wall_s if wall_s > 0 else 0.0,
-        completion_tokens=completion)
+        decode_tps=_mean([r.decode_tps for r in results]),
+        aggregate_tps=completion / wall_s if wall_s > 0 else 0.0,
+        completion_tokens=completion,
+    )
     if not failures and (metrics.decode_tps or 0.0) < min_decode_tps:
         rate = "no decode rate" if metrics.decode_tps is None else f"mean decode {metrics.decode_tps:.2f} tok/s"
         failures.append(f"{rate}, below the {min_decode_tps:g} tok/s threshold")

@@ -74,8 +74,10 @@ class ServerTokenizer:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return list(json.loads(response.read())["tokens"])
         except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
-            raise GlmquantError(f"{self.url}: no usable /tokenize ({exc}); give --tokenizer DIR (the model's "
-                                "tokenizer files) to size prompts locally") from None
+            raise GlmquantError(
+                f"{self.url}: no usable /tokenize ({exc}); give --tokenizer DIR (the model's "
+                "tokenizer files) to size prompts locally"
+            ) from None
 
     def render(self, messages: Sequence[dict[str, Any]]) -> str:
         raise GlmquantError("the rendered prompt is not available through /tokenize")

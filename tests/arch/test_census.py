@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from glmquant.arch import TensorRole, classify, load_model_spec, source_tensors
@@ -20,7 +19,9 @@ from glmquant.errors import ConfigError, TensorCensusError
 def _census(tensors):
     counts, sizes = Counter(), Counter()
     for t in tensors:
-        group = "mtp" if t.mtp else {TensorRole.VISION: "vision", TensorRole.ROUTED_EXPERT: "routed"}.get(t.role, "main")
+        group = (
+            "mtp" if t.mtp else {TensorRole.VISION: "vision", TensorRole.ROUTED_EXPERT: "routed"}.get(t.role, "main")
+        )
         counts[group] += 1
         sizes[group] += t.nbytes
     return counts, sizes
@@ -47,11 +48,23 @@ def test_real_config_roles_and_dtypes(reference_config: Path) -> None:
     assert roles[TensorRole.MLA_ATTENTION] == 11 * 7 and roles[TensorRole.DSA_INDEXER] == 11 * 7
     assert roles[TensorRole.DENSE_MLP] == 3 * 3 and roles[TensorRole.SHARED_EXPERT] == 42 * 3
     f32 = {t.name.rsplit(".", 1)[-1] for t in tensors if t.dtype == "F32"}
-    assert f32 == {"e_score_correction_bias", "A_log", "dt_bias", "hc_attn_base", "hc_attn_scale",
-                   "hc_ffn_base", "hc_ffn_scale"}
+    assert f32 == {
+        "e_score_correction_bias",
+        "A_log",
+        "dt_bias",
+        "hc_attn_base",
+        "hc_attn_scale",
+        "hc_ffn_base",
+        "hc_ffn_scale",
+    }
     expert = next(t for t in tensors if t.name == "model.language_model.layers.44.mlp.experts.287.down_proj.weight")
     assert (expert.role, expert.layer, expert.expert, expert.proj, expert.shape) == (
-        TensorRole.ROUTED_EXPERT, 44, 287, "down_proj", (4096, 2048))
+        TensorRole.ROUTED_EXPERT,
+        44,
+        287,
+        "down_proj",
+        (4096, 2048),
+    )
 
 
 def test_tiny_checkpoint_every_tensor_classified(tiny_source: Path) -> None:
@@ -85,12 +98,17 @@ def test_bad_configs_are_rejected(tmp_path: Path) -> None:
         load_model_spec(tmp_path / "missing")
 
 
-@pytest.mark.parametrize("edit,message", [
-    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
-     "model_type 'llama', text_config.model_type 'glm5_next_text': unsupported model_type 'llama'"),
-    ({"architectures": ["LlamaForCausalLM"]}, "architectures ['LlamaForCausalLM'] is not a glm5_next model class"),
-    ({"model_type": "glm4_moe"}, "the two levels name different models"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+            "model_type 'llama', text_config.model_type 'glm5_next_text': unsupported model_type 'llama'",
+        ),
+        ({"architectures": ["LlamaForCausalLM"]}, "architectures ['LlamaForCausalLM'] is not a glm5_next model class"),
+        ({"model_type": "glm4_moe"}, "the two levels name different models"),
+    ],
+)
 def test_top_level_and_text_config_must_agree(tiny_source: Path, tmp_path: Path, edit: dict, message: str) -> None:
     """A config whose top level names another model than its text_config is refused by every stage, before any
     work, naming the file (it used to be encoded as a LlamaForCausalLM artifact, or end in a traceback)."""
@@ -100,8 +118,11 @@ def test_top_level_and_text_config_must_agree(tiny_source: Path, tmp_path: Path,
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_model_spec(source)
     runner = CliRunner()
-    for args in (["encode", source, "--out", tmp_path / "art", "--uncalibrated"],
-                 ["observe", source, "--out", tmp_path / "obs"], ["plan", source]):
+    for args in (
+        ["encode", source, "--out", tmp_path / "art", "--uncalibrated"],
+        ["observe", source, "--out", tmp_path / "obs"],
+        ["plan", source],
+    ):
         result = runner.invoke(app, [str(a) for a in args])
         assert result.exit_code == 2 and f"{source / 'config.json'}: " in " ".join(result.output.split()), result.output
     assert not (tmp_path / "art").exists() or not any((tmp_path / "art").iterdir())
@@ -111,15 +132,27 @@ def test_glm4_moe_table_matches_transformers(tmp_path: Path) -> None:
     """GLM-4.5-family names and shapes as transformers' save_pretrained writes them (plus the MTP layer)."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    cfg = Glm4MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, n_routed_experts=4,
-                        num_experts_per_tok=2, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
-                        head_dim=8, num_nextn_predict_layers=1)
+    cfg = Glm4MoeConfig(  # type: ignore[call-arg]  # the config keeps keys its signature does not name
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        use_qk_norm=True,
+        attention_bias=True,
+        head_dim=8,
+        num_nextn_predict_layers=1,
+    )
     Glm4MoeForCausalLM(cfg).save_pretrained(tmp_path)
     from safetensors import safe_open
 
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
-        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open has keys() but no __iter__
     spec = load_model_spec(tmp_path)
     expected = {t.name: t.shape for t in source_tensors(spec) if not t.mtp}
     assert saved == expected

@@ -25,8 +25,9 @@ ROWS, TOKENS, BATCH = 4, 64, 2
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("build-src"), TinyModelConfig(n_routed_experts=2,
-                                                                                       num_experts_per_tok=1))
+    return build_tiny_checkpoint(
+        tmp_path_factory.mktemp("build-src"), TinyModelConfig(n_routed_experts=2, num_experts_per_tok=1)
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +41,10 @@ def _observe_config(source: Path, obs: Path, **changes) -> ObserveConfig:
 
 
 def _build_config(source: Path, tmp: Path, **changes) -> BuildConfig:
-    return BuildConfig(_observe_config(source, tmp / "obs", **changes),
-                       EncodeConfig(source=source, out=tmp / "artifact", observations=tmp / "obs"))
+    return BuildConfig(
+        _observe_config(source, tmp / "obs", **changes),
+        EncodeConfig(source=source, out=tmp / "artifact", observations=tmp / "obs"),
+    )
 
 
 def _digests(directory: Path) -> dict[str, str]:
@@ -62,18 +65,25 @@ def two_step(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_fused_build_equals_observe_then_encode(source: Path, two_step: Path, tmp_path: Path) -> None:
     result = build_artifact(_build_config(source, tmp_path), QUIET)
     assert _digests(tmp_path / "artifact") == _digests(two_step / "artifact")
-    assert result.encode.artifact.manifest_sha256 == json.loads(
-        (two_step / "artifact.work" / "encode-summary.json").read_text())["manifest_sha256"]
+    assert (
+        result.encode.artifact.manifest_sha256
+        == json.loads((two_step / "artifact.work" / "encode-summary.json").read_text())["manifest_sha256"]
+    )
     written = _digests(tmp_path / "obs")
     assert not [n for n in written if "hessians" in n]  # Hessians never left memory
-    for name in ("token_rows.safetensors", "layer-01.stats.safetensors", "layer-02.stats.safetensors",
-                 "prune_plan.json"):
+    for name in (
+        "token_rows.safetensors",
+        "layer-01.stats.safetensors",
+        "layer-02.stats.safetensors",
+        "prune_plan.json",
+    ):
         assert written[name] == _digests(two_step / "obs")[name], name
     assert sorted(p.name for p in (tmp_path / "obs" / "state").iterdir()) == ["progress.json"]
 
 
-def test_killed_build_resumes_to_the_same_bytes(source: Path, two_step: Path, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_killed_build_resumes_to_the_same_bytes(
+    source: Path, two_step: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real, calls = encode_layer.encode_unit, []  # the tiny model's layers are one work unit each
 
     def dies_on_second_layer(*args, **kwargs):
@@ -96,11 +106,17 @@ def test_killed_build_resumes_to_the_same_bytes(source: Path, two_step: Path, tm
 
 def test_build_refuses_what_it_cannot_do(source: Path, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--prune-plan"):
-        BuildConfig(_observe_config(source, tmp_path / "obs"),
-                    EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "obs", keep=1))
+        BuildConfig(
+            _observe_config(source, tmp_path / "obs"),
+            EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "obs", keep=1),
+        )
     with pytest.raises(UsageError, match="needs them observed"):
-        BuildConfig(_observe_config(source, tmp_path / "obs", hessians=HessianMode.NATURAL),
-                    EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "obs", hessians="all"))
+        BuildConfig(
+            _observe_config(source, tmp_path / "obs", hessians=HessianMode.NATURAL),
+            EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "obs", hessians="all"),  # type: ignore[arg-type]  # the config parses option text
+        )
     with pytest.raises(UsageError, match="the observations it writes"):
-        BuildConfig(_observe_config(source, tmp_path / "obs"),
-                    EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "other"))
+        BuildConfig(
+            _observe_config(source, tmp_path / "obs"),
+            EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "other"),
+        )

@@ -69,8 +69,9 @@ def test_tampered_rows_are_refused(tokenizer, tmp_path: Path) -> None:
         TokenRows.load(tmp_path)
 
 
-def test_saved_rows_are_reused_only_for_the_same_recipe(tokenizer, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_saved_rows_are_reused_only_for_the_same_recipe(
+    tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from glmquant.calibration import build
 
     recipe = load_recipe(RECIPES / "default.yaml").with_shape(rows=2, tokens=8)
@@ -85,8 +86,9 @@ def test_saved_rows_are_reused_only_for_the_same_recipe(tokenizer, tmp_path: Pat
 
 def _write_recipe(tmp_path: Path, sources: str, mix: str, rows: int = 4, tokens: int = 16) -> Path:
     path = tmp_path / "r.yaml"
-    path.write_text(f"name: t\nsources:\n{sources}\nlanes:\n  - {{name: l, rows: {rows}, tokens: {tokens}, "
-                    f"mix: [{mix}]}}\n")
+    path.write_text(
+        f"name: t\nsources:\n{sources}\nlanes:\n  - {{name: l, rows: {rows}, tokens: {tokens}, mix: [{mix}]}}\n"
+    )
     return path
 
 
@@ -95,15 +97,23 @@ def test_local_jsonl_parquet_and_hf_json(tokenizer, tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"q": f"question {i}", "a": f"answer {i}"})
-                                                for i in range(5)) + "\n")
+    (tmp_path / "a.jsonl").write_text(
+        "\n".join(json.dumps({"q": f"question {i}", "a": f"answer {i}"}) for i in range(5)) + "\n"
+    )
     pq.write_table(pa.table({"body": [f"parquet document {i} " * 3 for i in range(5)]}), tmp_path / "b.parquet")
     (tmp_path / "c.json").write_text("\n".join(json.dumps({"text": f"hf streamed {i} " * 4}) for i in range(5)))
-    sources = ("  pairs: {kind: jsonl, path: a.jsonl, field: q, response_field: a, format: chat}\n"
-               "  table: {kind: parquet, path: b.parquet, field: body}\n"
-               "  hub: {kind: hf, dataset: json, data_files: [c.json], field: text}")
-    path = _write_recipe(tmp_path, sources.replace("[c.json]", f"[{tmp_path / 'c.json'}]"),
-                         "{source: pairs}, {source: table}, {source: hub}", rows=3, tokens=64)
+    sources = (
+        "  pairs: {kind: jsonl, path: a.jsonl, field: q, response_field: a, format: chat}\n"
+        "  table: {kind: parquet, path: b.parquet, field: body}\n"
+        "  hub: {kind: hf, dataset: json, data_files: [c.json], field: text}"
+    )
+    path = _write_recipe(
+        tmp_path,
+        sources.replace("[c.json]", f"[{tmp_path / 'c.json'}]"),
+        "{source: pairs}, {source: table}, {source: hub}",
+        rows=3,
+        tokens=64,
+    )
     rows = build_token_rows(load_recipe(path), tokenizer)
     lane = rows.lanes[0]
     decoded = {s: tokenizer.decode(r.tolist()) for r, s in zip(lane.ids, lane.row_sources)}

@@ -15,7 +15,8 @@ RECIPES = Path(__file__).resolve().parents[2] / "calibration"
 def test_shipped_recipes_load() -> None:
     default = load_recipe(RECIPES / "default.yaml")
     assert [lane.name for lane in default.lanes] == ["mix"] and default.lanes[0].use == ("hessians", "reap")
-    assert Path(default.sources["prose"].path).is_file()  # resolved against the recipe's directory
+    prose = default.sources["prose"].path
+    assert prose is not None and Path(prose).is_file()  # resolved against the recipe's directory
     real = load_recipe(RECIPES / "glm-5.3-flash.yaml")
     hessian = real.lanes[0]
     assert (hessian.name, hessian.rows, hessian.tokens, hessian.use) == ("hessian", 600, 2048, ("hessians",))
@@ -40,14 +41,20 @@ BAD = [
     ("sources: {}\nlanes: []\n", "name: required key is missing"),
     ("name: x\nsources: {a: {kind: text}}\nlanes: []\n", "sources.a.path: required for kind text"),
     ("name: x\nsources: {a: {kind: web}}\nlanes: []\n", "sources.a.kind: must be one of"),
-    ("name: x\nsources: {a: {kind: random}}\nlanes: [{name: l, rows: 2, tokens: 4, mix: [{source: b}]}]\n",
-     r"lanes\[0\].mix\[0\].source: no source named 'b'"),
-    ("name: x\nsources: {a: {kind: random}}\nlanes: [{name: l, rows: two, tokens: 4, mix: [{source: a}]}]\n",
-     r"lanes\[0\].rows: expected int, got 'two'"),
+    (
+        "name: x\nsources: {a: {kind: random}}\nlanes: [{name: l, rows: 2, tokens: 4, mix: [{source: b}]}]\n",
+        r"lanes\[0\].mix\[0\].source: no source named 'b'",
+    ),
+    (
+        "name: x\nsources: {a: {kind: random}}\nlanes: [{name: l, rows: two, tokens: 4, mix: [{source: a}]}]\n",
+        r"lanes\[0\].rows: expected int, got 'two'",
+    ),
     (LANE + ", colour: red}]\n", r"lanes\[0\].colour: unknown key"),
     (LANE + ", use: [train]}]\n", r"lanes\[0\].use: must list some of hessians, reap"),
-    ("name: x\nsources: {a: {kind: hf, dataset: d, response_field: y}}\nlanes: []\n",
-     "response_field: only meaningful with format: chat"),
+    (
+        "name: x\nsources: {a: {kind: hf, dataset: d, response_field: y}}\nlanes: []\n",
+        "response_field: only meaningful with format: chat",
+    ),
     ("name: [unclosed\n", "not valid YAML"),
 ]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,10 +20,18 @@ from glmquant.exl3.tensor import EXL3Tensor
 
 VERIFIED_AT = "2026-01-02T03:04:05Z"
 PROVENANCE = Provenance(
-    source_repo="glmquant/tiny-glm5-next", source_revision="0" * 40, source_manifest="SOURCE_MANIFEST.json",
+    source_repo="glmquant/tiny-glm5-next",
+    source_revision="0" * 40,
+    source_manifest="SOURCE_MANIFEST.json",
     source_manifest_sha256="a" * 64,
-    calibration=CalibrationInfo(manifest="cal.yaml", manifest_sha256="b" * 64, token_rows_sha256="c" * 64,
-                                verification_sha256="d" * 64, rows=8, cols=64),
+    calibration=CalibrationInfo(
+        manifest="cal.yaml",
+        manifest_sha256="b" * 64,
+        token_rows_sha256="c" * 64,
+        verification_sha256="d" * 64,
+        rows=8,
+        cols=64,
+    ),
 )
 
 
@@ -35,14 +44,19 @@ def placeholder_experts(planned: PlannedFile) -> Mapping[str, torch.Tensor]:
         if t.part != "trellis":
             continue
         i, o, _ = t.shape
-        x = EXL3Tensor(torch.randint(-32768, 32768, t.shape, generator=gen, dtype=torch.int32).to(torch.int16),
-                       torch.randn(i * 16, generator=gen).half(), torch.randn(o * 16, generator=gen).half(),
-                       codebook, t.expert.in_features, t.expert.out_features)
+        x = EXL3Tensor(
+            torch.randint(-32768, 32768, t.shape, generator=gen, dtype=torch.int32).to(torch.int16),
+            torch.randn(i * 16, generator=gen).half(),
+            torch.randn(o * 16, generator=gen).half(),
+            codebook,
+            t.expert_slice.in_features,
+            t.expert_slice.out_features,
+        )
         out.update(x.tensors(t.name[: -len(".trellis")]))
     return out
 
 
-def build(source_dir: Path, out: Path, layout: str, **plan_args: object) -> tuple[ArtifactPlan, ArtifactResult]:
+def build(source_dir: Path, out: Path, layout: str, **plan_args: Any) -> tuple[ArtifactPlan, ArtifactResult]:
     with SourceCheckpoint.open(source_dir) as source:
         spec = load_model_spec(source.config_path)
         plan = plan_artifact(spec, layout, source_shards=source.locations, **plan_args)

@@ -35,8 +35,17 @@ def test_full_verification_passes(artifact) -> None:
     report = verify_artifact(result.directory, expect_sha256=result.manifest_sha256, show_progress=False)
     assert report.ok, report.failure_summary()
     assert [c.name for c in report.checks] == [
-        "manifest sha256", "manifest consistency", "files present", "file sha256", "unlisted files",
-        "index closure", "no routed .weight names", "exl3 tensors", "config geometry", "retained totals"]
+        "manifest sha256",
+        "manifest consistency",
+        "files present",
+        "file sha256",
+        "unlisted files",
+        "index closure",
+        "no routed .weight names",
+        "exl3 tensors",
+        "config geometry",
+        "retained totals",
+    ]
     assert not any(c.skipped or c.warning for c in report.checks)
 
 
@@ -76,8 +85,14 @@ def test_manifest_bytes_and_model_card(artifact) -> None:
 
 def test_small_files_copied(artifact, tiny_source: Path) -> None:
     _, result = artifact
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                 "preprocessor_config.json", "video_preprocessor_config.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+        "preprocessor_config.json",
+        "video_preprocessor_config.json",
+    ):
         assert (result.directory / name).read_bytes() == (tiny_source / name).read_bytes(), name
 
 
@@ -89,10 +104,26 @@ def test_tr3_config_matches_reference_keys(tr3_artifact) -> None:
     block = config["quantization_config"]
     assert set(block) == set(reference) == TR3_KEYS
     assert config_text == json.dumps(config, indent=2, sort_keys=True) + "\n"
-    assert {k: block[k] for k in ("bits", "codebook", "k2_experts_per_layer", "k3_experts_per_layer",
-                                  "archive_tensor_parallel_size", "effective_routed_tier_bpw", "format")} == {
-        "bits": 2, "codebook": "mcg", "k2_experts_per_layer": 4, "k3_experts_per_layer": 0,
-        "archive_tensor_parallel_size": 4, "effective_routed_tier_bpw": 2.0, "format": reference["format"]}
+    assert {
+        k: block[k]
+        for k in (
+            "bits",
+            "codebook",
+            "k2_experts_per_layer",
+            "k3_experts_per_layer",
+            "archive_tensor_parallel_size",
+            "effective_routed_tier_bpw",
+            "format",
+        )
+    } == {
+        "bits": 2,
+        "codebook": "mcg",
+        "k2_experts_per_layer": 4,
+        "k3_experts_per_layer": 0,
+        "archive_tensor_parallel_size": 4,
+        "effective_routed_tier_bpw": 2.0,
+        "format": reference["format"],
+    }
     assert block["session_calibration_manifest_sha256"] == "b" * 64 and block["source_manifest_sha256"] == "a" * 64
     assert json.loads((result.directory / "quantization_config.json").read_text()) == block
 
@@ -101,14 +132,25 @@ def test_exllamav3_config_and_storage(exl3_artifact) -> None:
     plan, result = exl3_artifact
     assert len(plan.files) > 1 and all(f.path.startswith("model-") for f in plan.files)
     block = json.loads((result.directory / "config.json").read_text())["quantization_config"]
-    assert block == {"quant_method": "exl3", "version": "1.6.5", "bits": 2.0, "head_bits": 16,
-                     "calibration": {"rows": 8, "cols": 64}, "out_scales": "auto", "codebook": "mcg", "mtp_bits": 16}
+    assert block == {
+        "quant_method": "exl3",
+        "version": "1.6.5",
+        "bits": 2.0,
+        "head_bits": 16,
+        "calibration": {"rows": 8, "cols": 64},
+        "out_scales": "auto",
+        "codebook": "mcg",
+        "mtp_bits": 16,
+    }
     storage = json.loads((result.directory / "quantization_config.json").read_text())["tensor_storage"]
     expert = storage["model.language_model.layers.1.mlp.experts.3.down_proj"]
     assert expert["quant_format"] == "exl3" and expert["bits_per_weight"] == 2
     assert expert["mcg_multiplier"] == 0xCBAC1FED
     assert expert["stored_tensors"]["model.language_model.layers.1.mlp.experts.3.down_proj.trellis"] == {
-        "shape": [32, 8, 32], "n_bytes": 16384, "dtype": "torch.int16"}
+        "shape": [32, 8, 32],
+        "n_bytes": 16384,
+        "dtype": "torch.int16",
+    }
     assert "quant_format" not in storage["lm_head"]
 
 
@@ -121,14 +163,16 @@ def test_rebuild_is_byte_identical(tr3_artifact, tiny_source: Path, tmp_path: Pa
 
 
 def test_pruned_build_slices_router_rows(tiny_source: Path, tmp_path: Path) -> None:
-    keep = {layer: (3, 1) for layer in (1, 2, 3)}  # MoE layers 1, 2 and the MTP layer 3
+    keep = dict.fromkeys((1, 2, 3), (3, 1))  # MoE layers 1, 2 and the MTP layer 3
     plan, result = build(tiny_source, tmp_path / "pruned", "tr3", keep=keep)
     assert verify_artifact(result.directory, result.manifest_sha256, show_progress=False).ok
     config = json.loads((result.directory / "config.json").read_text())
     assert config["text_config"]["n_routed_experts"] == 2 and config["quantization_config"]["k2_experts_per_layer"] == 2
     with SourceCheckpoint.open(tiny_source) as src, SourceCheckpoint.open(result.directory) as out:
-        for name in ("model.language_model.layers.1.mlp.gate.weight",
-                     "model.language_model.layers.3.mlp.gate.e_score_correction_bias"):
+        for name in (
+            "model.language_model.layers.1.mlp.gate.weight",
+            "model.language_model.layers.3.mlp.gate.e_score_correction_bias",
+        ):
             assert torch.equal(out.read_tensor(name), src.read_tensor(name)[[3, 1]])
         mtp = "model.language_model.layers.3.mlp.experts.{}.up_proj.weight"
         assert out.read_raw(mtp.format(0)) == src.read_raw(mtp.format(3))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import huggingface_hub
@@ -38,8 +39,9 @@ def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cache
 
 
-def fill_cache(cache: Path, source: Path, names: list[str], refs: tuple[str, ...] = ("main",),
-               commit: str = COMMIT) -> Path:
+def fill_cache(
+    cache: Path, source: Path, names: list[str], refs: tuple[str, ...] = ("main",), commit: str = COMMIT
+) -> Path:
     """Lay `names` of `source` into the cache as huggingface_hub does: content-addressed blobs, a snapshot
     directory of relative symlinks named by the commit, and refs naming the commit."""
     repo = cache / f"models--{REPO.replace('/', '--')}"
@@ -59,15 +61,35 @@ def fill_cache(cache: Path, source: Path, names: list[str], refs: tuple[str, ...
 
 def test_each_verb_downloads_only_the_files_it_reads():
     """The patterns, applied by huggingface_hub's own filter to a Hub repo's listing."""
-    listing = ["config.json", "generation_config.json", "model.safetensors.index.json",
-               "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "tokenizer.json",
-               "tokenizer_config.json", "chat_template.jinja", "README.md", "LICENSE", "figures/bench.png",
-               "original/consolidated.00.pth", ".gitattributes"]
+    listing = [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "README.md",
+        "LICENSE",
+        "figures/bench.png",
+        "original/consolidated.00.pth",
+        ".gitattributes",
+    ]
     assert list(filter_repo_objects(listing, allow_patterns=list(CONFIG_FILES))) == [
-        "config.json", "model.safetensors.index.json"]
+        "config.json",
+        "model.safetensors.index.json",
+    ]
     assert sorted(filter_repo_objects(listing, allow_patterns=list(CHECKPOINT_FILES))) == [
-        "chat_template.jinja", "config.json", "generation_config.json", "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
 
 def test_plan_from_a_repo_id_reads_only_config_and_index(hub_cache, tiny_source):
@@ -75,8 +97,9 @@ def test_plan_from_a_repo_id_reads_only_config_and_index(hub_cache, tiny_source)
     predicts from the directory with its index."""
     fill_cache(hub_cache, tiny_source, ["config.json", "model.safetensors.index.json"])
     from_hub = CliRunner().invoke(app, ["plan", REPO, "--json"])
-    local = CliRunner().invoke(app, ["plan", str(tiny_source), "--source-index",
-                                     str(tiny_source / "model.safetensors.index.json"), "--json"])
+    local = CliRunner().invoke(
+        app, ["plan", str(tiny_source), "--source-index", str(tiny_source / "model.safetensors.index.json"), "--json"]
+    )
     assert from_hub.exit_code == 0, from_hub.output
     assert json.loads(from_hub.output) == json.loads(local.output)
 
@@ -107,7 +130,7 @@ class Recorded(Exception):
     """Ends a verb once its config was recorded (the stage itself has its own tests)."""
 
 
-def _recorder(seen: list):  # type: ignore[no-untyped-def]
+def _recorder(seen: list) -> Callable[..., None]:
     def record(config: object, *args: object, **kwargs: object) -> None:
         seen.append(config)
         raise Recorded
@@ -168,13 +191,19 @@ def test_upload_publishes_a_verified_artifact_with_the_card_as_readme(tr3_artifa
     source_repo = json.loads((art / "EXL3_MANIFEST.json").read_text())["source"]["repo_id"]
     assert card.data.base_model == source_repo and card.data.license == "mit" and card.data.language == ["en", "zh"]
     assert card.data.base_model_relation == "quantized" and "exl3" in card.data.tags
-    assert card.data.quantization == {"method": "exl3", "bits": 2, "codebook": "mcg", "layout": "tr3",
-                                      "manifest_sha256": manifest_sha}
+    assert card.data.quantization == {
+        "method": "exl3",
+        "bits": 2,
+        "codebook": "mcg",
+        "layout": "tr3",
+        "manifest_sha256": manifest_sha,
+    }
     assert f"glmquant verify-manifest . --expect-sha256 {manifest_sha}" in card.text
 
 
-def test_upload_refuses_an_artifact_that_does_not_verify(tr3_artifact: tuple[object, ArtifactResult], tmp_path,
-                                                        monkeypatch):
+def test_upload_refuses_an_artifact_that_does_not_verify(
+    tr3_artifact: tuple[object, ArtifactResult], tmp_path, monkeypatch
+):
     art = Path(shutil.copytree(tr3_artifact[1].directory, tmp_path / "art"))
     shard = next(art.glob("*.safetensors"))
     data = bytearray(shard.read_bytes())

@@ -23,13 +23,16 @@ def test_round_trip_and_determinism(tmp_path: Path) -> None:
     assert back.shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
 
-@pytest.mark.parametrize("body,message", [
-    ({"weight_map": {"a": "../evil.safetensors"}}, "plain file names"),
-    ({"weight_map": {"a": "/abs.safetensors"}}, "plain file names"),
-    ({"weight_map": {"a": 3}}, "must map tensor names"),
-    ({"metadata": {"total_size": -1}, "weight_map": {}}, "non-negative integer"),
-    ([], "must map tensor names"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"weight_map": {"a": "../evil.safetensors"}}, "plain file names"),
+        ({"weight_map": {"a": "/abs.safetensors"}}, "plain file names"),
+        ({"weight_map": {"a": 3}}, "must map tensor names"),
+        ({"metadata": {"total_size": -1}, "weight_map": {}}, "non-negative integer"),
+        ([], "must map tensor names"),
+    ],
+)
 def test_rejects_bad_index(tmp_path: Path, body: object, message: str) -> None:
     (tmp_path / "i.json").write_text(json.dumps(body))
     with pytest.raises(CheckpointFormatError, match=message):

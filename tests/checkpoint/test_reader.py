@@ -24,7 +24,7 @@ def test_sharded_source_matches_library(tiny_source: Path) -> None:
         assert sorted(ckpt.names()) == sorted(index) and ckpt.config_path == tiny_source / "config.json"
         for shard in sorted(set(index.values())):
             with safe_open(tiny_source / shard, "pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - safe_open has keys() but no __iter__
                     expected = f.get_tensor(name)
                     got = ckpt.read_tensor(name)
                     assert ckpt.shard_of(name) == shard
@@ -80,6 +80,7 @@ def test_missing_shard(tiny_source: Path, tmp_path: Path) -> None:
 def test_name_in_index_not_in_header(tiny_source: Path, tmp_path: Path) -> None:
     def edit(index: dict, _: Path) -> None:
         index["weight_map"]["model.ghost.weight"] = "model-00001-of-00015.safetensors"
+
     with pytest.raises(CheckpointFormatError, match="model.ghost.weight is mapped to model-00001-of-00015"):
         SourceCheckpoint.open(_edited_copy(tiny_source, tmp_path / "c", edit))
 
@@ -87,6 +88,7 @@ def test_name_in_index_not_in_header(tiny_source: Path, tmp_path: Path) -> None:
 def test_header_name_not_in_index(tiny_source: Path, tmp_path: Path) -> None:
     def edit(index: dict, _: Path) -> None:
         del index["weight_map"]["lm_head.weight"]
+
     with pytest.raises(CheckpointFormatError, match="not in the index, e.g. lm_head.weight"):
         SourceCheckpoint.open(_edited_copy(tiny_source, tmp_path / "c", edit))
 
@@ -95,6 +97,7 @@ def test_duplicate_across_shards(tiny_source: Path, tmp_path: Path) -> None:
     def edit(index: dict, d: Path) -> None:
         save_file({"lm_head.weight": torch.zeros(2)}, str(d / "model-00099-of-00099.safetensors"))
         index["weight_map"]["extra"] = "model-00099-of-00099.safetensors"
+
     with pytest.raises(CheckpointFormatError, match="lm_head.weight appears in both"):
         SourceCheckpoint.open(_edited_copy(tiny_source, tmp_path / "c", edit))
 
@@ -103,6 +106,7 @@ def test_truncated_shard_named(tiny_source: Path, tmp_path: Path) -> None:
     def edit(_: dict, d: Path) -> None:
         shard = d / "model-00003-of-00015.safetensors"
         shard.write_bytes(shard.read_bytes()[:-10])
+
     with pytest.raises(CheckpointFormatError, match="model-00003-of-00015.safetensors: .* run past the end"):
         SourceCheckpoint.open(_edited_copy(tiny_source, tmp_path / "c", edit))
 

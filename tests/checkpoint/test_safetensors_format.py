@@ -23,8 +23,12 @@ def _raw_file(path: Path, header: dict, data: bytes, pad: bool = True) -> Path:
 
 
 def test_parses_library_file(tmp_path: Path) -> None:
-    tensors = {"w": torch.randn(3, 5).to(torch.bfloat16), "b": torch.randn(7), "i": torch.tensor(7, dtype=torch.int32),
-               "e": torch.zeros(0, 4, dtype=torch.float16)}
+    tensors = {
+        "w": torch.randn(3, 5).to(torch.bfloat16),
+        "b": torch.randn(7),
+        "i": torch.tensor(7, dtype=torch.int32),
+        "e": torch.zeros(0, 4, dtype=torch.float16),
+    }
     path = tmp_path / "x.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
     header = parse_header(path)
@@ -46,18 +50,21 @@ def _entry(dtype: str, shape: list[int], begin: int, end: int) -> dict:
 GOOD = {"a": _entry("F32", [2], 0, 8), "b": _entry("I16", [2], 8, 12)}
 
 
-@pytest.mark.parametrize("header,data,message", [
-    ({"a": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), "unknown dtype 'F99'"),
-    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), "needs 12 bytes but data_offsets"),
-    ({"a": _entry("F32", [2], 0, 8), "b": _entry("F32", [2], 4, 12)}, bytes(12), "overlapping data"),
-    (GOOD, bytes(10), "run past the end of the data"),
-    (GOOD, bytes(16), "4 bytes after the last tensor"),
-    ({"a": _entry("F32", [2], 4, 12)}, bytes(12), "4 unaccounted bytes before tensor 'a'"),
-    ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), "invalid shape"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, bytes(8), "invalid data_offsets"),
-    ({"a": [1, 2]}, b"", "is not an object"),
-    ({"__metadata__": {"k": 1}}, b"", "__metadata__ must map strings to strings"),
-])
+@pytest.mark.parametrize(
+    "header,data,message",
+    [
+        ({"a": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), "unknown dtype 'F99'"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), "needs 12 bytes but data_offsets"),
+        ({"a": _entry("F32", [2], 0, 8), "b": _entry("F32", [2], 4, 12)}, bytes(12), "overlapping data"),
+        (GOOD, bytes(10), "run past the end of the data"),
+        (GOOD, bytes(16), "4 bytes after the last tensor"),
+        ({"a": _entry("F32", [2], 4, 12)}, bytes(12), "4 unaccounted bytes before tensor 'a'"),
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), "invalid shape"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, bytes(8), "invalid data_offsets"),
+        ({"a": [1, 2]}, b"", "is not an object"),
+        ({"__metadata__": {"k": 1}}, b"", "__metadata__ must map strings to strings"),
+    ],
+)
 def test_malformed_headers(tmp_path: Path, header: dict, data: bytes, message: str) -> None:
     path = _raw_file(tmp_path / "bad.safetensors", header, data)
     with pytest.raises(CheckpointFormatError, match=message) as err:
@@ -79,12 +86,15 @@ def test_header_too_large(tmp_path: Path) -> None:
         parse_header(path)
 
 
-@pytest.mark.parametrize("blob,message", [
-    (b"{not json}   ", "not valid JSON"),
-    (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
-    (b"\xff\xfe\x00\x00\x00\x00\x00\x00", "not valid JSON"),
-    (b"[1, 2]  ", "not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "blob,message",
+    [
+        (b"{not json}   ", "not valid JSON"),
+        (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
+        (b"\xff\xfe\x00\x00\x00\x00\x00\x00", "not valid JSON"),
+        (b"[1, 2]  ", "not a JSON object"),
+    ],
+)
 def test_bad_json(tmp_path: Path, blob: bytes, message: str) -> None:
     path = tmp_path / "bad.safetensors"
     path.write_bytes(struct.pack("<Q", len(blob)) + blob)

@@ -210,13 +210,33 @@ def test_manifest_only(tr3_artifact, tmp_path: Path) -> None:
 
 # The top-level fields of the published 2.0 bpw tr3 release's EXL3_MANIFEST.json, and of its layout block.
 RELEASE_PROVENANCE_HASHES = (
-    "k3_source_audit_manifest_sha256", "k4_audit_manifest_sha256", "k4_encoded_status_sha256",
-    "selection_audit_manifest_sha256", "selection_manifest_sha256", "tail_encoded_status_sha256",
-    "tail_source_audit_manifest_sha256", "tier_bitmap_sha256")
-RELEASE_FIELDS = ("calibration", "effective_routed_tier_bpw", "files", "indexed_tensor_count", "layout", "method",
-                  "physical_tensor_bytes", "retained_manifest_sha256", "retained_tensor_bytes", "runtime",
-                  "schema_version", "source", "state", "structurally_verified_at", "target_bpw",
-                  *RELEASE_PROVENANCE_HASHES)
+    "k3_source_audit_manifest_sha256",
+    "k4_audit_manifest_sha256",
+    "k4_encoded_status_sha256",
+    "selection_audit_manifest_sha256",
+    "selection_manifest_sha256",
+    "tail_encoded_status_sha256",
+    "tail_source_audit_manifest_sha256",
+    "tier_bitmap_sha256",
+)
+RELEASE_FIELDS = (
+    "calibration",
+    "effective_routed_tier_bpw",
+    "files",
+    "indexed_tensor_count",
+    "layout",
+    "method",
+    "physical_tensor_bytes",
+    "retained_manifest_sha256",
+    "retained_tensor_bytes",
+    "runtime",
+    "schema_version",
+    "source",
+    "state",
+    "structurally_verified_at",
+    "target_bpw",
+    *RELEASE_PROVENANCE_HASHES,
+)
 
 
 def release_form(manifest: dict) -> dict:
@@ -224,15 +244,25 @@ def release_form(manifest: dict) -> dict:
     kinds; expert entries as the release writes them (tier "k2-k3-tail"), another writer's method block."""
     files = []
     for e in manifest["files"]:
-        keep = ("gpu", "logical_expert_count", "shadow_expert_count") if e["kind"] == "expert" else \
-            ("tensor_bytes", "tensor_count")
+        keep = (
+            ("gpu", "logical_expert_count", "shadow_expert_count")
+            if e["kind"] == "expert"
+            else ("tensor_bytes", "tensor_count")
+        )
         entry = {k: e[k] for k in ("path", "bytes", "sha256", *keep)}
         files.append({**entry, "tier": "k2-k3-tail"} if e["kind"] == "expert" else entry)
     n = manifest["layout"]["experts_per_layer"]
-    release = {**{k: manifest.get(k) for k in RELEASE_FIELDS}, "files": files,
-               "layout": {"type": "tr3", "tail_experts_per_layer": n, "k4_retained_experts_per_layer": 0,
-                          "shadow_tail_tensors_physically_present_but_unindexed": 0},
-               "method": {"claim": manifest["method"]["claim"], "implementation": "the release's own builder"}}
+    release = {
+        **{k: manifest.get(k) for k in RELEASE_FIELDS},
+        "files": files,
+        "layout": {
+            "type": "tr3",
+            "tail_experts_per_layer": n,
+            "k4_retained_experts_per_layer": 0,
+            "shadow_tail_tensors_physically_present_but_unindexed": 0,
+        },
+        "method": {"claim": manifest["method"]["claim"], "implementation": "the release's own builder"},
+    }
     assert sorted(release) == sorted(RELEASE_FIELDS)
     return release
 
@@ -287,12 +317,18 @@ def _drop_marker(t: dict[str, torch.Tensor]) -> None:
     del t[f"{KEY}.mcg"]
 
 
-@pytest.mark.parametrize("edit,failing,message", [
-    (_add_routed_weight, "no routed .weight names",
-     f"{KEY[:-6]}.weight ({EXPERTS}): original routed weight of quantized layer 1"),
-    (_widen_trellis, "config geometry", f"{KEY}.trellis: I16 [8, 8, 48], config implies I16 [8, 8, 32]"),
-    (_drop_marker, "exl3 tensors", f"{KEY}: 0 codebook markers (.mcg/.mul1), expected exactly one"),
-])
+@pytest.mark.parametrize(
+    "edit,failing,message",
+    [
+        (
+            _add_routed_weight,
+            "no routed .weight names",
+            f"{KEY[:-6]}.weight ({EXPERTS}): original routed weight of quantized layer 1",
+        ),
+        (_widen_trellis, "config geometry", f"{KEY}.trellis: I16 [8, 8, 48], config implies I16 [8, 8, 32]"),
+        (_drop_marker, "exl3 tensors", f"{KEY}: 0 codebook markers (.mcg/.mul1), expected exactly one"),
+    ],
+)
 def test_sealed_structural_defects(tr3_artifact, tr3_copy: Path, edit, failing: str, message: str) -> None:
     _reseal(tr3_copy, tr3_artifact[0], edit)
     code, checks = report(tr3_copy)

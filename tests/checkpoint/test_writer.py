@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.tensor_bytes import dtype_name, tensor_to_bytes
-from glmquant.checkpoint.writer import atomic_write_text, write_safetensors
+from glmquant.checkpoint.writer import Provided, atomic_write_text, write_safetensors
 from glmquant.errors import CheckpointFormatError, GlmquantError
 
 
@@ -63,12 +63,15 @@ def _no_files_left(directory: Path) -> bool:
     return list(directory.iterdir()) == []
 
 
-@pytest.mark.parametrize("bad,message", [
-    (torch.zeros(5, 7, dtype=torch.float16), "provided as F16 \\[5, 7\\], header says BF16 \\[5, 7\\]"),
-    (b"short", "provided 5 bytes, expected 70"),
-    (lambda f: f.write(b"x" * 3), "streamed 3 bytes, expected 70"),
-])
-def test_wrong_provider_output(tmp_path: Path, bad: object, message: str) -> None:
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (torch.zeros(5, 7, dtype=torch.float16), "provided as F16 \\[5, 7\\], header says BF16 \\[5, 7\\]"),
+        (b"short", "provided 5 bytes, expected 70"),
+        (lambda f: f.write(b"x" * 3), "streamed 3 bytes, expected 70"),
+    ],
+)
+def test_wrong_provider_output(tmp_path: Path, bad: Provided, message: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(CheckpointFormatError, match=message):
@@ -110,6 +113,7 @@ def test_disk_full_is_a_clear_error(tmp_path: Path) -> None:
         def stream(f) -> int:
             f.write(b"\0" * 8)
             raise OSError(errno.ENOSPC, "No space left on device")
+
         return stream
 
     with pytest.raises(GlmquantError, match="x.safetensors: disk full while writing") as err:

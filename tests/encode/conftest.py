@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from encode_fixtures import SMALL  # noqa: E402
+from encode_fixtures import SMALL
 
-from glmquant.fixtures import build_tiny_checkpoint  # noqa: E402
-from glmquant.observe.config import ObserveConfig  # noqa: E402
-from glmquant.observe.run import observe  # noqa: E402
+from glmquant.fixtures import build_tiny_checkpoint
+from glmquant.observe.config import ObserveConfig
+from glmquant.observe.run import observe
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import re
@@ -10,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from encode_fixtures import QUIET, digests
 from rich.console import Console
 
 import glmquant.encode.layer as encode_layer
-from encode_fixtures import QUIET, SMALL, digests
 from glmquant.arch import load_model_spec, table_for
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
@@ -25,9 +24,11 @@ from glmquant.observe.hessian_reader import load_layer_hessians
 from glmquant.observe.run import observe
 from glmquant.observe.summary import ObservationSummary
 
+
 @pytest.fixture(scope="module")
-def tr3_artifact(small_source: Path, small_observations: Path, tmp_path_factory: pytest.TempPathFactory,
-                 monkeypatch_module) -> Path:
+def tr3_artifact(
+    small_source: Path, small_observations: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch_module
+) -> Path:
     out = tmp_path_factory.mktemp("enc") / "artifact"
     encode_artifact(EncodeConfig(source=small_source, out=out, observations=small_observations), QUIET)
     return out
@@ -82,8 +83,9 @@ def test_manifest_verifies(tr3_artifact: Path) -> None:
     assert not any(c.warning for c in report.checks)  # every file the encoder wrote is listed
 
 
-def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source: Path, small_observations: Path,
-                                               tmp_path: Path, monkeypatch_module) -> None:
+def test_killed_job_resumes_to_identical_bytes(
+    tr3_artifact: Path, small_source: Path, small_observations: Path, tmp_path: Path, monkeypatch_module
+) -> None:
     """Killed between layers, in the middle of writing a retained shard, and inside the final verification:
     each rerun of the same command resumes, and the finished artifact is byte-identical to an uninterrupted one."""
     import glmquant.checkpoint.artifact_writer as artifact_writer
@@ -117,10 +119,12 @@ def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source:
     def dies_mid_file(path, specs, provide):
         if not path.name.startswith("retained-"):
             return real_write(path, specs, provide)
+
         def dying(spec):
             if spec.name == specs[-1].name:
                 raise KeyboardInterrupt
             return provide(spec)
+
         return real_write(path, specs, dying)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -148,8 +152,9 @@ def test_killed_job_resumes_to_identical_bytes(tr3_artifact: Path, small_source:
     assert not [p for p in cfg.state_dir.iterdir() if ".tmp" in p.name]
 
 
-def test_natural_hessians_and_documented_fallbacks(tr3_artifact: Path, small_source: Path,
-                                                   small_observations: Path) -> None:
+def test_natural_hessians_and_documented_fallbacks(
+    tr3_artifact: Path, small_source: Path, small_observations: Path
+) -> None:
     """Experts the calibration never routed to are encoded uncalibrated and reported; the others use their Hessians."""
     spec = load_model_spec(small_source)
     summary = json.loads((tr3_artifact.with_name("artifact.work") / "encode-summary.json").read_text())
@@ -157,10 +162,16 @@ def test_natural_hessians_and_documented_fallbacks(tr3_artifact: Path, small_sou
     assert manifest["calibration"]["token_rows_sha256"] == ObservationSummary.load(small_observations).token_rows_sha256
     for layer in summary["layers"]:
         h = load_layer_hessians(small_observations, layer["layer"], "natural")
-        unrouted = [e for e in range(spec.n_routed_experts) if int(h.gate_up_counts[e]) == 0 or int(h.down_counts[e]) == 0]
+        unrouted = [
+            e for e in range(spec.n_routed_experts) if int(h.gate_up_counts[e]) == 0 or int(h.down_counts[e]) == 0
+        ]
         prefix = f"{table_for(spec).layer_prefix(layer['layer'])}mlp.experts."
-        expected = sorted(f"{prefix}{e}.{p}.rank{r}" for e in unrouted for p in ("gate_proj", "up_proj", "down_proj")
-                          for r in range(4))
+        expected = sorted(
+            f"{prefix}{e}.{p}.rank{r}"
+            for e in unrouted
+            for p in ("gate_proj", "up_proj", "down_proj")
+            for r in range(4)
+        )
         assert layer["fallback_tensors"] == expected
         assert layer["fallbacks"] == ({"no_tokens:identity": len(expected)} if expected else {})
         assert layer["mean_proxy_error"] < 0.1
@@ -180,10 +191,11 @@ def test_exllamav3_layout_with_pruning(small_source: Path, tmp_path: Path) -> No
     """One EXL3 tensor per projection, modules packed into model-* shards, REAP-style pruning to 1 expert."""
     spec = load_model_spec(small_source)
     plan_file = tmp_path / "prune_plan.json"
-    plan_file.write_text(json.dumps({"keep": 1, "layers": {str(l): [1] for l in spec.moe_layers}}))
+    plan_file.write_text(json.dumps({"keep": 1, "layers": {str(layer): [1] for layer in spec.moe_layers}}))
     out = tmp_path / "artifact"
-    encode_artifact(EncodeConfig(source=small_source, out=out, layout="exllamav3", prune_plan=plan_file,
-                                 uncalibrated=True), QUIET)
+    encode_artifact(
+        EncodeConfig(source=small_source, out=out, layout="exllamav3", prune_plan=plan_file, uncalibrated=True), QUIET
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["text_config"]["n_routed_experts"] == 1
     table = table_for(spec)
@@ -194,15 +206,17 @@ def test_exllamav3_layout_with_pruning(small_source: Path, tmp_path: Path) -> No
             assert {f"{key}.trellis", f"{key}.suh", f"{key}.svh", f"{key}.mcg"} <= names
             assert not any(f"{table.layer_prefix(layer)}mlp.experts.1." in n for n in names)
             parts = {n: art.read_tensor(n) for n in names if n.startswith(key + ".")}
-            decoded = decode_weight(EXL3Tensor.from_tensors(parts, key, spec.hidden_size, spec.moe_intermediate_size),
-                                    torch.float32)
+            decoded = decode_weight(
+                EXL3Tensor.from_tensors(parts, key, spec.hidden_size, spec.moe_intermediate_size), torch.float32
+            )
             source = src.read_tensor(f"{table.layer_prefix(layer)}mlp.experts.1.gate_proj.weight").float()
             assert ((decoded - source).norm() / source.norm()).item() < 0.45
             router = f"{table.layer_prefix(layer)}mlp.gate.weight"
-            assert art.read_raw(router) == src.read_raw(router)[spec.hidden_size * 2: spec.hidden_size * 4]
+            assert art.read_raw(router) == src.read_raw(router)[spec.hidden_size * 2 : spec.hidden_size * 4]
         mtp = spec.mtp_layers[0]  # no statistics for the MTP layer: it keeps the last MoE layer's experts
         assert art.read_raw(f"{table.layer_prefix(mtp)}mlp.experts.0.up_proj.weight") == src.read_raw(
-            f"{table.layer_prefix(mtp)}mlp.experts.1.up_proj.weight")
+            f"{table.layer_prefix(mtp)}mlp.experts.1.up_proj.weight"
+        )
     assert verify_artifact(out, fast=False, show_progress=False).ok
 
 
@@ -238,7 +252,10 @@ def test_truncated_source_shard_fails_before_any_work(small_source: Path, tmp_pa
     from glmquant.cli import app
 
     source = _copy_source(small_source, tmp_path / "src")
-    shard = source / sorted(set(json.loads((source / "model.safetensors.index.json").read_text())["weight_map"].values()))[1]
+    shard = (
+        source
+        / sorted(set(json.loads((source / "model.safetensors.index.json").read_text())["weight_map"].values()))[1]
+    )
     shard.write_bytes(shard.read_bytes()[:-100])
     result = CliRunner().invoke(app, ["encode", str(source), "--out", str(tmp_path / "artifact"), "--uncalibrated"])
     assert result.exit_code in (1, 2)
@@ -265,11 +282,15 @@ def test_expert_without_tokens_uses_the_all_token_fallback(small_source: Path, t
     observe(ObserveConfig(source=source, out=obs, rows=2, tokens=32, hessians=HessianMode.BOTH))
     assert int(load_layer_hessians(obs, layer, "natural").gate_up_counts[0]) == 0
     out = tmp_path / "artifact"
-    console = Console(file=io.StringIO(), width=400)
-    result = encode_artifact(EncodeConfig(source=source, out=out, observations=obs), console)
-    last = next(l for l in result.layers if l.layer == layer)
+    log = io.StringIO()
+    result = encode_artifact(EncodeConfig(source=source, out=out, observations=obs), Console(file=log, width=400))
+    assert result is not None
+    last = next(summary for summary in result.layers if summary.layer == layer)
     assert last.fallbacks == {"no_tokens:all": 12}
     assert all(".experts.0." in name for name in last.fallback_tensors)
-    warnings = [line for line in console.file.getvalue().splitlines() if line.startswith("warning: ")]
-    assert sorted(warnings) == [f"warning: {name}: no_tokens:all (no calibration token was routed to this expert: "
-                                f"encoded with the all-token Hessian)" for name in sorted(last.fallback_tensors)]
+    warnings = [line for line in log.getvalue().splitlines() if line.startswith("warning: ")]
+    assert sorted(warnings) == [
+        f"warning: {name}: no_tokens:all (no calibration token was routed to this expert: "
+        f"encoded with the all-token Hessian)"
+        for name in sorted(last.fallback_tensors)
+    ]

@@ -29,28 +29,35 @@ def test_observations_or_an_explicit_uncalibrated_flag(tmp_path: Path) -> None:
     assert not (tmp_path / "art").exists()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--hessians", "bogus"], "--hessians must be natural or all, got 'bogus'"),
-    (["--hessians", "both"], "--hessians must be natural or all (encode uses one), got 'both'"),
-    (["--layout", "tp8"], "--layout must be one of tr3, exllamav3, got 'tp8'"),
-    (["--codebook", "mcgx"], "--codebook must be one of mcg, mul1, 3inst, got 'mcgx'"),
-    (["--bits", "9"], "--bits must be 1..8, got 9"),
-    (["--keep", "0"], "--keep must be a positive integer, got 0"),
-    (["--device", "tpu"], "--device must be cpu or cuda"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--hessians", "bogus"], "--hessians must be natural or all, got 'bogus'"),
+        (["--hessians", "both"], "--hessians must be natural or all (encode uses one), got 'both'"),
+        (["--layout", "tp8"], "--layout must be one of tr3, exllamav3, got 'tp8'"),
+        (["--codebook", "mcgx"], "--codebook must be one of mcg, mul1, 3inst, got 'mcgx'"),
+        (["--bits", "9"], "--bits must be 1..8, got 9"),
+        (["--keep", "0"], "--keep must be a positive integer, got 0"),
+        (["--device", "tpu"], "--device must be cpu or cuda"),
+    ],
+)
 def test_bad_options_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
     code, output = _encode(tmp_path, "--uncalibrated", *args)
     assert code == 2 and message in output and "Traceback" not in output
     assert not (tmp_path / "art").exists()
 
 
-@pytest.mark.parametrize("name,value,message", [
-    ("GLMQUANT_EXL3_BACKEND", "nope", "GLMQUANT_EXL3_BACKEND='nope' is not an EXL3 backend"),
-    ("SOURCE_DATE_EPOCH", "yesterday", "SOURCE_DATE_EPOCH must be whole seconds since 1970, got 'yesterday'"),
-    ("GLMQUANT_CACHE_DIR", "__FILE__", "GLMQUANT_CACHE_DIR="),
-])
-def test_bad_environment_is_refused_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
-                                                    value: str, message: str) -> None:
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        ("GLMQUANT_EXL3_BACKEND", "nope", "GLMQUANT_EXL3_BACKEND='nope' is not an EXL3 backend"),
+        ("SOURCE_DATE_EPOCH", "yesterday", "SOURCE_DATE_EPOCH must be whole seconds since 1970, got 'yesterday'"),
+        ("GLMQUANT_CACHE_DIR", "__FILE__", "GLMQUANT_CACHE_DIR="),
+    ],
+)
+def test_bad_environment_is_refused_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str, message: str
+) -> None:
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv(name, str(tmp_path / "a-file") if value == "__FILE__" else value)
     code, output = _encode(tmp_path, "--uncalibrated")
@@ -62,7 +69,7 @@ def test_bad_environment_is_refused_before_any_work(tmp_path: Path, monkeypatch:
 
 
 def test_hessian_mode_is_typed_and_the_fingerprint_stable(tmp_path: Path) -> None:
-    as_text = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, hessians="all")
+    as_text = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, hessians="all")  # type: ignore[arg-type]  # the config parses option text
     typed = EncodeConfig(source=tmp_path, out=tmp_path / "b", uncalibrated=True, hessians=HessianMode.ALL)
     assert as_text.hessians is HessianMode.ALL
     assert as_text.fingerprint({}) == typed.fingerprint({})

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from encode_fixtures import QUIET
+
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.manifest import MANIFEST_NAME, manifest_text
@@ -32,15 +32,24 @@ SPEC = "reap:K3=1,K2=rest,K1=1"
 @pytest.fixture(scope="module")
 def observed(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiers-obs")
-    observe(ObserveConfig(source=tiny_source, out=out, rows=4, tokens=64, hessians=HessianMode.BOTH, tiers=SPEC))
+    observe(ObserveConfig(source=tiny_source, out=out, rows=4, tokens=64, hessians=HessianMode.BOTH, tiers=SPEC))  # type: ignore[arg-type]  # the config parses option text
     return out
 
 
 @pytest.fixture(scope="module")
 def tiered(tiny_source: Path, observed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiers") / "artifact"
-    encode_artifact(EncodeConfig(source=tiny_source, out=out, observations=observed, tiers=SPEC, blend=0.5,
-                                 verified_at="2026-01-01T00:00:00Z"), QUIET)
+    encode_artifact(
+        EncodeConfig(
+            source=tiny_source,
+            out=out,
+            observations=observed,
+            tiers=SPEC,  # type: ignore[arg-type]  # the config parses option text
+            blend=0.5,
+            verified_at="2026-01-01T00:00:00Z",
+        ),
+        QUIET,
+    )
     return out
 
 
@@ -75,8 +84,13 @@ def test_manifest_config_and_plan_agree(tiered: Path, tiny_source: Path, observe
     manifest = json.loads((tiered / MANIFEST_NAME).read_text())
     bits = {int(k): tuple(v) for k, v in json.loads((observed / "tier_plan.json").read_text())["layers"].items()}
     assert manifest["tier_bitmap_sha256"] == tier_bitmap_sha256(bits) and manifest["target_bpw"] == 2.0
-    assert {e["tier"] for e in manifest["files"] if e["kind"] == "expert"} <= {"k1-k2", "k2-k3", "k1-k3", "k1-k2-k3",
-                                                                              "k2"}
+    assert {e["tier"] for e in manifest["files"] if e["kind"] == "expert"} <= {
+        "k1-k2",
+        "k2-k3",
+        "k1-k3",
+        "k1-k2-k3",
+        "k2",
+    }
     assert manifest["layout"]["tier_experts_per_layer"] == {"k1": 1, "k2": 2, "k3": 1}
     assert manifest["calibration"]["routing"] == "blend:0.5"
     qc = json.loads((tiered / "config.json").read_text())["quantization_config"]
@@ -101,8 +115,11 @@ def test_runtime_serves_each_expert_at_its_k(tiered: Path) -> None:
     from glmquant.runtime.options import RuntimeOptions
 
     loaded = load_model(tiered, RuntimeOptions(dtype="float32"))
-    widths = {loaded.artifact.read_expert(layer, v, "gate_proj").bits
-              for layer in loaded.artifact.quantized_layers for v in range(loaded.artifact.virtual_experts)}
+    widths = {
+        loaded.artifact.read_expert(layer, v, "gate_proj").bits
+        for layer in loaded.artifact.quantized_layers
+        for v in range(loaded.artifact.virtual_experts)
+    }
     with torch.no_grad():
         logits = loaded.model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
     loaded.close()
@@ -112,8 +129,11 @@ def test_runtime_serves_each_expert_at_its_k(tiered: Path) -> None:
 def test_serve_check_fidelity_gate_on_the_tiered_artifact(tiered: Path, tiny_source: Path, tmp_path: Path) -> None:
     from glmquant.servecheck import ServeCheckConfig, serve_check
 
-    report = serve_check(ServeCheckConfig(artifact=tiered, bf16_source=tiny_source, gates=("fidelity",),
-                                          out=tmp_path, panel_rows=1, panel_tokens=16))
+    report = serve_check(
+        ServeCheckConfig(
+            artifact=tiered, bf16_source=tiny_source, gates=("fidelity",), out=tmp_path, panel_rows=1, panel_tokens=16
+        )
+    )
     metrics = report.gates[0].cases[0].metrics
     assert metrics["mean_kl"] >= 0 and 0 <= metrics["top1_agreement"] <= 1
     assert "mean KL <=" in json.loads((tmp_path / "serve-check.json").read_text())["thresholds"]["fidelity"]
@@ -121,8 +141,16 @@ def test_serve_check_fidelity_gate_on_the_tiered_artifact(tiered: Path, tiny_sou
 
 def test_exllamav3_layout_with_tiers(tiny_source: Path, observed: Path, tmp_path: Path) -> None:
     out = tmp_path / "plain"
-    encode_artifact(EncodeConfig(source=tiny_source, out=out, observations=observed, layout="exllamav3",
-                                 tier_plan=observed / "tier_plan.json"), QUIET)
+    encode_artifact(
+        EncodeConfig(
+            source=tiny_source,
+            out=out,
+            observations=observed,
+            layout="exllamav3",
+            tier_plan=observed / "tier_plan.json",
+        ),
+        QUIET,
+    )
     assert verify_artifact(out, fast=False).ok
     storage = json.loads((out / "quantization_config.json").read_text())["tensor_storage"]
     assert {m["bits_per_weight"] for m in storage.values() if "bits_per_weight" in m} == {1, 2, 3}
@@ -130,11 +158,11 @@ def test_exllamav3_layout_with_tiers(tiny_source: Path, observed: Path, tmp_path
 
 def test_tier_options_are_checked() -> None:
     with pytest.raises(UsageError, match="tr3 layout's tiers are K1..K4"):
-        EncodeConfig(source=Path("s"), out=Path("o"), observations=Path("x"), tiers="reap:K5=1,K2=rest")
+        EncodeConfig(source=Path("s"), out=Path("o"), observations=Path("x"), tiers="reap:K5=1,K2=rest")  # type: ignore[arg-type]  # the config parses option text
     with pytest.raises(UsageError, match="needs --observations"):
-        EncodeConfig(source=Path("s"), out=Path("o"), uncalibrated=True, tiers="reap:K3=1,K2=rest")
+        EncodeConfig(source=Path("s"), out=Path("o"), uncalibrated=True, tiers="reap:K3=1,K2=rest")  # type: ignore[arg-type]  # the config parses option text
     with pytest.raises(UsageError, match="--blend"):
-        EncodeConfig(source=Path("s"), out=Path("o"), observations=Path("x"), hessians="all", blend=0.5)
+        EncodeConfig(source=Path("s"), out=Path("o"), observations=Path("x"), hessians="all", blend=0.5)  # type: ignore[arg-type]  # the config parses option text
 
 
 def test_plan_cli_predicts_the_tiered_files(tiny_source: Path, observed: Path, tiered: Path) -> None:
@@ -142,9 +170,19 @@ def test_plan_cli_predicts_the_tiered_files(tiny_source: Path, observed: Path, t
 
     from glmquant.cli import app
 
-    run = CliRunner().invoke(app, ["plan", str(tiny_source), "--source-index",
-                                   str(tiny_source / "model.safetensors.index.json"), "--tier-plan",
-                                   str(observed / "tier_plan.json"), "--json", "--no-tensors"])
+    run = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            str(tiny_source),
+            "--source-index",
+            str(tiny_source / "model.safetensors.index.json"),
+            "--tier-plan",
+            str(observed / "tier_plan.json"),
+            "--json",
+            "--no-tensors",
+        ],
+    )
     assert run.exit_code == 0, run.output
     predicted = json.loads(run.output)
     manifest = json.loads((tiered / MANIFEST_NAME).read_text())

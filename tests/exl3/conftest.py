@@ -20,4 +20,3 @@ def golden() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="session")
 def golden_meta() -> dict:
     return json.loads((DATA / "exl3_golden.json").read_text())
-

@@ -24,8 +24,9 @@ def _step(prev_keys: torch.Tensor, x16: torch.Tensor, lut16: torch.Tensor, bits:
     return keys.min(dim=1).values
 
 
-def viterbi_cuda_reference(targets: torch.Tensor, lut16: torch.Tensor, bits: int, before: int = 128,
-                           after: int = 128) -> torch.Tensor:
+def viterbi_cuda_reference(
+    targets: torch.Tensor, lut16: torch.Tensor, bits: int, before: int = 128, after: int = 128
+) -> torch.Tensor:
     """(n, 256) fp32 targets -> (n, 256) int32 states, as viterbi_cuda computes them."""
     n, kr, dev = targets.shape[0], 16 - bits, targets.device
     x16, lut16 = targets.half(), lut16.to(dev)
@@ -48,8 +49,10 @@ def viterbi_cuda_reference(targets: torch.Tensor, lut16: torch.Tensor, bits: int
         return edge
 
     ring = list(range(256))
-    final, hist = forward(zero, ring[256 - before:] + ring[:after])
-    best = ((final << 32) | torch.arange(edges, device=dev)).min(dim=1).values & 0xFFFFFFFF  # lowest cost, then lowest edge
+    final, hist = forward(zero, ring[256 - before :] + ring[:after])
+    best = ((final << 32) | torch.arange(edges, device=dev)).min(
+        dim=1
+    ).values & 0xFFFFFFFF  # lowest cost, then lowest edge
     seam = trace(hist, best, ring[:after], None)
     unreachable = torch.tensor([UNREACHABLE], dtype=torch.float32).view(torch.int32).long().item()
     start = torch.full((n, edges), unreachable, dtype=torch.int64, device=dev)

@@ -6,7 +6,9 @@ from glmquant.exl3 import Codebook
 from glmquant.exl3.codebooks import MARKER_VALUES, codebook_values
 
 
-@pytest.mark.parametrize(("codebook", "rms"), [(Codebook.THREE_INST, 1.24371), (Codebook.MCG, 1.2441), (Codebook.MUL1, 1.0003)])
+@pytest.mark.parametrize(
+    ("codebook", "rms"), [(Codebook.THREE_INST, 1.24371), (Codebook.MCG, 1.2441), (Codebook.MUL1, 1.0003)]
+)
 def test_codebook_rms_matches_the_format_doc(codebook: Codebook, rms: float) -> None:
     values = codebook_values(codebook)
     assert values.dtype == torch.float16 and values.shape == (65536,)

@@ -41,7 +41,11 @@ def test_tensors_round_trip_with_marker(golden, tag: str) -> None:
         assert not marker
     else:
         (value,) = marker.values()
-        assert value.dtype == torch.int32 and value.dim() == 0 and value.item() == golden[f"{tag}.{t.codebook.value}"].item()
+        assert (
+            value.dtype == torch.int32
+            and value.dim() == 0
+            and value.item() == golden[f"{tag}.{t.codebook.value}"].item()
+        )
     size = sum(v.numel() * v.element_size() for v in stored.values())
     assert size == EXL3Tensor.storage_bytes(256, 128, t.bits, t.codebook)
 
@@ -65,6 +69,8 @@ def test_from_tensors_names_the_bad_tensor(golden) -> None:
 
 def test_decode_weight_drops_padding() -> None:
     trellis = torch.randint(-32768, 32767, (8, 16, 32), dtype=torch.int16)
-    t = EXL3Tensor(trellis, torch.ones(128, dtype=torch.float16), torch.ones(256, dtype=torch.float16), Codebook.MCG, 100, 200)
+    t = EXL3Tensor(
+        trellis, torch.ones(128, dtype=torch.float16), torch.ones(256, dtype=torch.float16), Codebook.MCG, 100, 200
+    )
     w = decode_weight(t, torch.bfloat16)
     assert w.shape == (200, 100) and w.dtype == torch.bfloat16

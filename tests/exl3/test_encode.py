@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from glmquant.errors import NumericalError
 from glmquant.exl3 import (
     Codebook,
     EXL3Tensor,
@@ -9,7 +10,6 @@ from glmquant.exl3 import (
     encode_linears,
     proxy_error,
 )
-from glmquant.errors import NumericalError
 from glmquant.exl3.native import load_kernel
 
 CASES = [f"{cb}.K{k}" for cb in ("3inst", "mcg", "mul1") for k in (2, 3, 4)]
@@ -55,7 +55,9 @@ def test_encoding_is_deterministic_and_seeded() -> None:
     for x, y in zip(a.tensor.tensors("p").values(), b.tensor.tensors("p").values()):
         assert torch.equal(x, y)
     c = encode_linear(w, h, 3, "3inst", seed=8)
-    assert not torch.equal(a.tensor.suh.abs(), c.tensor.suh.abs()) or not torch.equal(a.tensor.trellis, c.tensor.trellis)
+    assert not torch.equal(a.tensor.suh.abs(), c.tensor.suh.abs()) or not torch.equal(
+        a.tensor.trellis, c.tensor.trellis
+    )
 
 
 def test_batch_equals_one_by_one_and_handles_shapes_and_fallbacks() -> None:

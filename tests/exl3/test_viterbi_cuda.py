@@ -16,10 +16,11 @@ from glmquant.exl3.codebooks import codebook_values
 from glmquant.exl3.cuda_viterbi import build, codebook_pairs, cuda_viterbi_available, viterbi_cuda
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_viterbi_reference import viterbi_cuda_reference  # noqa: E402
+from cuda_viterbi_reference import viterbi_cuda_reference
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or not cuda_viterbi_available(),
-                         reason="needs a CUDA GPU and nvcc")
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or not cuda_viterbi_available(), reason="needs a CUDA GPU and nvcc"
+)
 
 
 def tiles(count: int, seed: int, std: float = 1.2) -> torch.Tensor:
@@ -37,7 +38,7 @@ def test_codebook_pairs_put_state_pairs_in_one_word() -> None:
         kr = 16 - bits
         assert pairs.shape == (1 << (bits - 1), 1 << kr) and pairs.dtype == torch.int32
         cp, e = 1 if bits > 1 else 0, 5
-        lo, hi = pairs[cp, e:e + 1].view(torch.int16)
+        lo, hi = pairs[cp, e : e + 1].view(torch.int16)
         assert lo == values[((2 * cp) << kr) | e] and hi == values[((2 * cp + 1) << kr) | e]
 
 

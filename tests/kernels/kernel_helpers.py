@@ -21,14 +21,24 @@ def kernel_device() -> str:
     pytest.skip("no CUDA device and the kernels were imported without TRITON_INTERPRET=1")
 
 
-def random_exl3(gen: torch.Generator, in_features: int, out_features: int, bits: int, codebook: str,
-                scale: float = 1.0) -> EXL3Tensor:
+def random_exl3(
+    gen: torch.Generator, in_features: int, out_features: int, bits: int, codebook: str, scale: float = 1.0
+) -> EXL3Tensor:
     """A valid EXL3 tensor: random trellis, random-sign scales of magnitude ~scale (suh) and ~1 (svh)."""
     kp, np_ = -(-in_features // 128) * 128, -(-out_features // 128) * 128
     trellis = torch.randint(-32768, 32768, (kp // 16, np_ // 16, 16 * bits), generator=gen, dtype=torch.int32)
-    signed = lambda n: (torch.randint(0, 2, (n,), generator=gen) * 2 - 1) * (0.5 + torch.rand(n, generator=gen))  # noqa: E731
-    return EXL3Tensor(trellis.to(torch.int16), (signed(kp) * scale).half(), signed(np_).half(), Codebook(codebook),
-                      in_features, out_features)
+
+    def signed(n):
+        return (torch.randint(0, 2, (n,), generator=gen) * 2 - 1) * (0.5 + torch.rand(n, generator=gen))
+
+    return EXL3Tensor(
+        trellis.to(torch.int16),
+        (signed(kp) * scale).half(),
+        signed(np_).half(),
+        Codebook(codebook),
+        in_features,
+        out_features,
+    )
 
 
 def _block_hadamard(n: int) -> torch.Tensor:

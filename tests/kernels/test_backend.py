@@ -10,12 +10,12 @@ from kernel_helpers import kernel_device, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from glmquant.fixtures.random_artifact import build_artifact  # noqa: E402
-from glmquant.runtime.artifact import open_artifact  # noqa: E402
-from glmquant.runtime.loader import make_backend  # noqa: E402
-from glmquant.runtime.options import RuntimeOptions  # noqa: E402
-from glmquant.runtime.quantized_experts import expand_routes  # noqa: E402
-from glmquant.runtime.torch_backend import TorchExpertBackend  # noqa: E402
+from glmquant.fixtures.random_artifact import build_artifact
+from glmquant.runtime.artifact import open_artifact
+from glmquant.runtime.loader import make_backend
+from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.quantized_experts import expand_routes
+from glmquant.runtime.torch_backend import TorchExpertBackend
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,13 @@ def tr3_artifact(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def _routes(artifact, tokens: int, seed: int):
     spec, gen = artifact.spec, torch.Generator().manual_seed(seed)
     hidden = torch.randn(tokens, spec.hidden_size, generator=gen)
-    top = torch.stack([torch.randperm(spec.n_routed_experts, generator=gen)[: spec.num_experts_per_tok] for _ in range(tokens)])
-    return (hidden, *expand_routes(top, torch.rand(tokens, spec.num_experts_per_tok, generator=gen) * 2.5, artifact.ranks))
+    top = torch.stack(
+        [torch.randperm(spec.n_routed_experts, generator=gen)[: spec.num_experts_per_tok] for _ in range(tokens)]
+    )
+    return (
+        hidden,
+        *expand_routes(top, torch.rand(tokens, spec.num_experts_per_tok, generator=gen) * 2.5, artifact.ranks),
+    )
 
 
 def test_triton_backend_matches_torch_backend(tr3_artifact):

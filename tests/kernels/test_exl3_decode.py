@@ -11,10 +11,11 @@ from safetensors.torch import load_file
 
 from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-import triton.language as tl  # noqa: E402
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+import triton
+import triton.language as tl
 
-from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, load_window, window_values  # noqa: E402,E501
+from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, codebook_id, load_window, window_values
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "exl3_golden.safetensors"
 
@@ -36,7 +37,9 @@ def decode_tiles(trellis: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     """Q (in_pad, out_pad) fp16 through `load_window` + `window_values`, written by the test-only kernel."""
     kt, nt, words = trellis.shape
     out = torch.empty((kt * 16, nt * 16), dtype=torch.float16, device=trellis.device)
-    tiles_kernel[(kt * nt // 64,)](trellis, out, nt, HASH_MASK, HASH_FLIP, K=words // 16, CB=codebook_id(codebook), TILES=64)
+    tiles_kernel[(kt * nt // 64,)](
+        trellis, out, nt, HASH_MASK, HASH_FLIP, K=words // 16, CB=codebook_id(codebook), TILES=64
+    )
     return out
 
 

@@ -1,4 +1,7 @@
-"""The EXL3 cores (decode in registers; GEMV on fp16 activations, tensor-core GEMM) against an exact float64 reference."""
+"""The EXL3 cores against an exact float64 reference.
+
+Both decode in registers: the GEMV core on fp16 activations, the tensor-core GEMM on fp16 hi/lo planes.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from glmquant.exl3 import decode_inner  # noqa: E402
-from glmquant.runtime.kernels.exl3_gemm import (  # noqa: E402
+from glmquant.exl3 import decode_inner
+from glmquant.runtime.kernels.exl3_gemm import (
     GEMV_ERROR_BOUND,
     GemmConfig,
     Jobs,
@@ -23,14 +26,22 @@ from glmquant.runtime.kernels.exl3_gemm import (  # noqa: E402
 BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo planes, Hadamards as fp32 butterflies
 
 
-@pytest.mark.parametrize(("codebook", "bits", "rows", "cfg"), [
-    ("mcg", 2, 1, GemmConfig(ti=2, tj=4, split_tiles=8)),  # GEMV core, 2 K splits
-    ("mcg", 2, 1, GemmConfig(ti=8, tj=4)),  # GEMV core at the one-row-job steps (fused_moe.ONE_ROW_GEMV), one K split
-    ("3inst", 2, 1, GemmConfig()),  # GEMV core, one K split
-    ("mul1", 2, 1, GemmConfig(ti=1, tj=16, split_tiles=4)),  # GEMV core, 4 K splits
-    ("3inst", 3, 19, GemmConfig(ti=1, tj=8, split_tiles=4)),  # 4 K splits, two jobs (16 + 3 rows), B = 4 windows
-    ("mul1", 7, 5, GemmConfig(ti=4, tj=8)),  # one K split, B = 2 windows
-])
+@pytest.mark.parametrize(
+    ("codebook", "bits", "rows", "cfg"),
+    [
+        ("mcg", 2, 1, GemmConfig(ti=2, tj=4, split_tiles=8)),  # GEMV core, 2 K splits
+        (
+            "mcg",
+            2,
+            1,
+            GemmConfig(ti=8, tj=4),
+        ),  # GEMV core at the one-row-job steps (fused_moe.ONE_ROW_GEMV), one K split
+        ("3inst", 2, 1, GemmConfig()),  # GEMV core, one K split
+        ("mul1", 2, 1, GemmConfig(ti=1, tj=16, split_tiles=4)),  # GEMV core, 4 K splits
+        ("3inst", 3, 19, GemmConfig(ti=1, tj=8, split_tiles=4)),  # 4 K splits, two jobs (16 + 3 rows), B = 4 windows
+        ("mul1", 7, 5, GemmConfig(ti=4, tj=8)),  # one K split, B = 2 windows
+    ],
+)
 def test_linear_matches_exact_weight(codebook, bits, rows, cfg):
     device = kernel_device()
     gen = torch.Generator().manual_seed(bits)
@@ -62,16 +73,23 @@ def test_config_splits_k_into_whole_steps():
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
 @pytest.mark.parametrize("job_rows", [1, 2])
 def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook, job_rows):
-    """Unit-vector activations through the GEMV core (K2, one- or two-row jobs): each output row is a row of Q exactly."""
+    """Unit-vector activations through the GEMV core (K2, one- or two-row jobs).
+
+    Each output row is a row of Q exactly.
+    """
     device = kernel_device()
     t = random_exl3(torch.Generator().manual_seed(3), 128, 128, 2, codebook, scale=1.0)
     stack = WeightStack.from_tensors([[t]], device)
     assert uses_gemv(stack, 1) and uses_gemv(stack, 2) and not uses_gemv(stack, 16)
-    picks = torch.tensor([16 * tile + r for tile in range(8) for r in (tile, 15 - tile)])  # every tile row and row offset
+    picks = torch.tensor(
+        [16 * tile + r for tile in range(8) for r in (tile, 15 - tile)]
+    )  # every tile row and row offset
     eye = fp16_pairs(torch.eye(128)[picks][None]).to(device)  # [P, R, in]: row i activates input picks[i]
     starts = torch.arange(0, 16, 2, dtype=torch.int32, device=device)
     jobs = None if job_rows == 1 else Jobs(starts, torch.full_like(starts, 2), 2)
-    part = exl3_rows(eye, stack, torch.zeros(16, dtype=torch.int32, device=device), jobs, GemmConfig(ti=2, tj=8, split_tiles=4))
+    part = exl3_rows(
+        eye, stack, torch.zeros(16, dtype=torch.int32, device=device), jobs, GemmConfig(ti=2, tj=8, split_tiles=4)
+    )
     assert part.shape == (2, 1, 16, 128)  # 8 tile rows in K splits of 4
     assert torch.equal(part.sum(0)[0].cpu(), decode_inner(t.trellis, t.codebook).float()[picks])
 

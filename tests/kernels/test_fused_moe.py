@@ -9,15 +9,17 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from glmquant.runtime.kernels.exl3_gemm import GEMV_ERROR_BOUND, GemmConfig, WeightStack  # noqa: E402
-from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes  # noqa: E402
-from glmquant.runtime.quantized_experts import expand_routes  # noqa: E402
+from glmquant.runtime.kernels.exl3_gemm import GEMV_ERROR_BOUND, GemmConfig, WeightStack
+from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes
+from glmquant.runtime.quantized_experts import expand_routes
 
 BOUND = 1e-4  # tensor-core jobs (16 rows); GEMV jobs (1, 2 rows at K2) take fp16 activations: GEMV_ERROR_BOUND
 
 
 def _experts(gen, n, hidden, inter, bits=2, codebook="mcg"):
-    make = lambda i, o: [random_exl3(gen, i, o, bits, codebook, scale=0.08) for _ in range(n)]  # noqa: E731
+    def make(i, o):
+        return [random_exl3(gen, i, o, bits, codebook, scale=0.08) for _ in range(n)]
+
     return make(hidden, inter), make(hidden, inter), make(inter, hidden)
 
 
@@ -70,7 +72,7 @@ def test_plan_groups_rows_by_expert_in_jobs_of_at_most_16():
     jobs = {(int(s), int(r)) for s, r in zip(starts, rows, strict=True) if r > 0}
     e = plan.experts.tolist()
     assert sorted(e) == e and sum(r for _, r in jobs) == ids.numel()
-    assert all(r <= 16 and len(set(e[s:s + r])) == 1 for s, r in jobs)
+    assert all(r <= 16 and len(set(e[s : s + r])) == 1 for s, r in jobs)
     assert sorted(r for s, r in jobs if e[s] == 2) == [5, 16]
     assert torch.equal(plan.experts[plan.pos.long()].view(21, 2), ids.int())  # pos maps routes to rows
     assert torch.equal(plan.tokens[plan.pos.long()].view(21, 2), torch.arange(21).int()[:, None].expand(21, 2))
@@ -90,10 +92,17 @@ def test_one_row_plan_keeps_router_ids_and_reuses_its_index_tensors():
 
 def _empty_layer(experts: int, bits: int) -> MoEWeights:
     """Zero EXL3 stacks of 128 x 128 experts: enough for choosing launch shapes."""
+
     def stack(p: int) -> WeightStack:
-        return WeightStack(torch.zeros(p, experts, 8, 8, 16 * bits, dtype=torch.int16),
-                           torch.ones(p, experts, 128, dtype=torch.float16), torch.ones(p, experts, 128, dtype=torch.float16),
-                           1, 128, 128)
+        return WeightStack(
+            torch.zeros(p, experts, 8, 8, 16 * bits, dtype=torch.int16),
+            torch.ones(p, experts, 128, dtype=torch.float16),
+            torch.ones(p, experts, 128, dtype=torch.float16),
+            1,
+            128,
+            128,
+        )
+
     return MoEWeights(stack(2), stack(1), None)
 
 
@@ -123,9 +132,12 @@ def test_tiered_layer_runs_each_expert_at_its_k(job_rows):
         members = [v for v, w in enumerate(widths) if w == k]
         local = torch.full((len(widths),), -1, dtype=torch.int64)
         local[members] = torch.arange(len(members))
-        pick = lambda ts: [ts[v] for v in members]  # noqa: E731
-        w = MoEWeights(WeightStack.from_tensors([pick(gates), pick(ups)], device),
-                       WeightStack.from_tensors([pick(downs)], device), 1.5)
+        gate, up, down = ([ts[v] for v in members] for ts in (gates, ups, downs))
+        w = MoEWeights(
+            WeightStack.from_tensors([gate, up], device),
+            WeightStack.from_tensors([down], device),
+            1.5,
+        )
         groups.append(TierGroup(w, local.to(device)))
     x = torch.randn(3, 128, generator=gen)
     ids = torch.tensor([[0, 2], [1, 4], [2, 3]])

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from kernel_helpers import kernel_device
 
 from glmquant.arch.glm5_next_math import hyper_weights
-from kernel_helpers import kernel_device
 
 
 def test_fused_hyper_weights_equal_the_reference() -> None:

@@ -57,7 +57,8 @@ def reference(tiny_source: Path, observed: Path) -> Reference:
         layer.mlp.gate.register_forward_hook(lambda m, a, out, cap=cap: cap.router(out))
         if i == 1:
             layer.self_attn.q_proj.register_forward_pre_hook(
-                lambda m, a, cap=cap: cap.q_proj_in.append(a[0].reshape(-1, a[0].shape[-1])))
+                lambda m, a, cap=cap: cap.q_proj_in.append(a[0].reshape(-1, a[0].shape[-1]))
+            )
     ids = TokenRows.load(observed).lanes[0].ids.long()
     with torch.no_grad():
         for batch in ids.split(BATCH):

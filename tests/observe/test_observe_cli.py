@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from glmquant.cli import observe as cli
 from glmquant.observe.config import DEFAULT_RECIPE, ObserveConfig
 from glmquant.observe.hessians import HessianMode
+from glmquant.observe.summary import ObservationSummary
 
 
 @pytest.fixture
@@ -21,21 +22,45 @@ def app() -> typer.Typer:
     return app
 
 
-def test_options_become_one_config(app: typer.Typer, observed: Path, tiny_source: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_options_become_one_config(
+    app: typer.Typer, observed: Path, tiny_source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[ObserveConfig] = []
-    monkeypatch.setattr(cli, "run_observe", lambda config, progress: seen.append(config) or _summary(observed))
-    result = CliRunner().invoke(app, ["observe", str(tiny_source), "--out", str(observed), "--rows", "8",
-                                      "--tokens", "64", "--hessians", "all", "--dense-hessians", "--keep", "3",
-                                      "--batch-rows", "2", "--report", "--report-layer", "2"])
+
+    def run_observe(config: ObserveConfig, progress: bool) -> ObservationSummary:
+        seen.append(config)
+        return _summary(observed)
+
+    monkeypatch.setattr(cli, "run_observe", run_observe)
+    result = CliRunner().invoke(
+        app,
+        [
+            "observe",
+            str(tiny_source),
+            "--out",
+            str(observed),
+            "--rows",
+            "8",
+            "--tokens",
+            "64",
+            "--hessians",
+            "all",
+            "--dense-hessians",
+            "--keep",
+            "3",
+            "--batch-rows",
+            "2",
+            "--report",
+            "--report-layer",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert seen == [ObserveConfig(tiny_source, observed, DEFAULT_RECIPE, 8, 64, HessianMode.ALL, True, 3, "cpu", 2)]
     assert "REAP statistics" in result.output and "layer 2 experts" in result.output
 
 
-def _summary(observed: Path):
-    from glmquant.observe.summary import ObservationSummary
-
+def _summary(observed: Path) -> ObservationSummary:
     return ObservationSummary.load(observed)
 
 

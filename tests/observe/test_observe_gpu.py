@@ -4,6 +4,7 @@ deterministic (a resumed GPU run must be byte-identical) and agrees with the CPU
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ def _cuda() -> None:
 def test_stream_on_cuda_equals_full_model_on_cuda(tiny_source: Path) -> None:
     from transformers import Glm5NextForConditionalGeneration
 
-    model = Glm5NextForConditionalGeneration.from_pretrained(str(tiny_source), dtype=torch.bfloat16).cuda().eval()
+    loaded: Any = Glm5NextForConditionalGeneration.from_pretrained(str(tiny_source), dtype=torch.bfloat16)
+    model = loaded.cuda().eval()
     ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = model.model(input_ids=ids.cuda()).last_hidden_state

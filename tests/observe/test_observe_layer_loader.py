@@ -70,6 +70,7 @@ def test_missing_tensor_is_named(tiny_source: Path) -> None:
 
 def test_fp32_patterns_follow_transformers_globs() -> None:
     pattern = fp32_names(["gate.weight", "attn_hc.*", "A_log"])
+    assert pattern is not None
     assert pattern.search("mlp.gate.weight") and pattern.search("attn_hc.scale")
     assert pattern.search("self_attn.forget_gate.A_log")
     assert not pattern.search("mlp.shared_experts.gate_proj.weight")

@@ -41,20 +41,25 @@ def test_reap_statistics_equal_brute_force(observed: Path, reference) -> None:
         x, weights, indices = torch.cat(cap.x), torch.cat(cap.weights).double(), torch.cat(cap.indices)
         n_experts, (n_tokens, top_k) = experts.num_experts, indices.shape
         # every expert on every token, then pick the routed (token, expert) pairs one by one
-        norms = torch.stack([_expert_out_f64(experts.gate_up_proj[j].double(), experts.down_proj[j].double(), x)
-                             .norm(dim=-1) for j in range(n_experts)]).tolist()  # [E][N]
-        count, total, gate, gate_norm, peak = ([0.0] * n_experts for _ in range(5))
+        norms = torch.stack(
+            [
+                _expert_out_f64(experts.gate_up_proj[j].double(), experts.down_proj[j].double(), x).norm(dim=-1)
+                for j in range(n_experts)
+            ]
+        ).tolist()  # [E][N]
+        counts, totals, gates, gate_norms, peaks = ([0.0] * n_experts for _ in range(5))
         for t in range(n_tokens):
             for slot in range(top_k):
                 j, g = int(indices[t, slot]), float(weights[t, slot])
                 norm = norms[j][t]
-                count[j] += 1
-                total[j] += norm
-                gate[j] += g
-                gate_norm[j] += g * norm
-                peak[j] = max(peak[j], norm)
-        count, total, gate, gate_norm, peak = map(lambda v: torch.tensor(v, dtype=torch.float64),
-                                                  (count, total, gate, gate_norm, peak))
+                counts[j] += 1
+                totals[j] += norm
+                gates[j] += g
+                gate_norms[j] += g * norm
+                peaks[j] = max(peaks[j], norm)
+        count, total, gate, gate_norm, peak = (
+            torch.tensor(v, dtype=torch.float64) for v in (counts, totals, gates, gate_norms, peaks)
+        )
         got = LayerStats.load(stats_path(observed, layer))
         assert got.tokens == n_tokens
         assert torch.equal(got.count, count.long())

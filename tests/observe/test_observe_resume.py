@@ -15,9 +15,16 @@ from glmquant.observe import run
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.run import observe
 
-OUTPUTS = ("token_rows.safetensors", "token_rows.json", "layer-00.hessians.safetensors",
-           "layer-01.stats.safetensors", "layer-01.hessians.safetensors", "layer-02.stats.safetensors",
-           "layer-02.hessians.safetensors", "prune_plan.json")
+OUTPUTS = (
+    "token_rows.safetensors",
+    "token_rows.json",
+    "layer-00.hessians.safetensors",
+    "layer-01.stats.safetensors",
+    "layer-01.hessians.safetensors",
+    "layer-02.stats.safetensors",
+    "layer-02.hessians.safetensors",
+    "prune_plan.json",
+)
 
 
 def _assert_same_outputs(a: Path, b: Path) -> None:
@@ -26,8 +33,9 @@ def _assert_same_outputs(a: Path, b: Path) -> None:
     assert sorted(p.name for p in (b / "state").iterdir()) == ["progress.json"]  # hidden streams cleaned up
 
 
-def test_killed_between_layers_resumes_identically(tiny_source: Path, observed: Path, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_killed_between_layers_resumes_identically(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     original = run._observe_pass
 
     def dies_at_layer_2(model, rows, config, streams, layer, advance):
@@ -48,8 +56,9 @@ def test_killed_between_layers_resumes_identically(tiny_source: Path, observed: 
     _assert_same_outputs(observed, tmp_path)
 
 
-def test_killed_inside_a_layer_leaves_nothing_half_written(tiny_source: Path, observed: Path, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_killed_inside_a_layer_leaves_nothing_half_written(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     original, calls = run.run_layer, []
 
     def dies_on_fourth_batch(module, streams):
@@ -68,8 +77,9 @@ def test_killed_inside_a_layer_leaves_nothing_half_written(tiny_source: Path, ob
     _assert_same_outputs(observed, tmp_path)
 
 
-def test_other_settings_are_refused_and_keep_may_change(tiny_source: Path, observed: Path, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_settings_are_refused_and_keep_may_change(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(run, "_observe_pass", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         observe(observe_config(tiny_source, tmp_path))
@@ -88,14 +98,15 @@ def test_other_settings_are_refused_and_keep_may_change(tiny_source: Path, obser
     assert (copy / "layer-01.stats.safetensors").read_bytes() == (observed / "layer-01.stats.safetensors").read_bytes()
 
 
-def test_stream_budget_keeps_the_disk_down_and_the_outputs_identical(tiny_source: Path, observed: Path,
-                                                                     tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stream_budget_keeps_the_disk_down_and_the_outputs_identical(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With the budget at one layer's streams plus one chunk, outputs that do not fit are recomputed after the
     layer's results are saved; the stream files never exceed the budget and every output is unchanged."""
     from glmquant.observe.streams import StreamStore
 
     config = observe_config(tiny_source, tmp_path)
+    assert config.rows is not None and config.tokens is not None
     shape = (config.rows, config.tokens)
     probe = StreamStore(tmp_path, [("mix", *shape)], config.batch_rows, (4, 128), torch.bfloat16, None)
     budget = probe.layer_bytes + max(probe.chunk_bytes(c) for c in probe.chunks)
@@ -108,12 +119,14 @@ def test_stream_budget_keeps_the_disk_down_and_the_outputs_identical(tiny_source
     monkeypatch.setattr(StreamStore, "write", write)
     summary = observe(observe_config(tiny_source, tmp_path, stream_budget_gb=budget / 1e9))
     assert max(peaks) <= budget and max(peaks) > probe.layer_bytes
-    assert [layer.cost.recomputed_chunks for layer in summary.layers] == [1, 1, 1]  # of 2 chunks per layer
+    recomputed = [layer.cost.recomputed_chunks if layer.cost else None for layer in summary.layers]
+    assert recomputed == [1, 1, 1]  # of 2 chunks per layer
     _assert_same_outputs(observed, tmp_path)
 
 
-def test_full_disk_is_named_leaves_nothing_half_written_and_resumes(tiny_source: Path, observed: Path,
-                                                                     tmp_path: Path, full_disk) -> None:
+def test_full_disk_is_named_leaves_nothing_half_written_and_resumes(
+    tiny_source: Path, observed: Path, tmp_path: Path, full_disk
+) -> None:
     full_disk(r"^mix-00001")  # a stream chunk (the second one of the embeddings)
     with pytest.raises(GlmquantError, match=r"mix-00001\.safetensors: disk full while writing"):
         observe(observe_config(tiny_source, tmp_path))

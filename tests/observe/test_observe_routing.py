@@ -16,8 +16,15 @@ def _router(n_experts: int, top_k: int, n_group: int, topk_group: int):
     from transformers import Glm5NextTextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextTopkRouter
 
-    cfg = Glm5NextTextConfig(hidden_size=64, n_routed_experts=n_experts, num_experts_per_tok=top_k,
-                             n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5, num_hidden_layers=1)
+    cfg = Glm5NextTextConfig(
+        hidden_size=64,
+        n_routed_experts=n_experts,
+        num_experts_per_tok=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=2.5,
+        num_hidden_layers=1,
+    )
     router = Glm5NextTextTopkRouter(cfg)
     gen = torch.Generator().manual_seed(n_experts + n_group)
     router.weight.data = torch.randn(n_experts, 64, generator=gen)
@@ -31,8 +38,7 @@ def test_route_is_the_models_router(n_experts: int, top_k: int, n_group: int, to
     hidden = torch.randn(200, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     with torch.no_grad():
         logits, weights, indices = router(hidden)
-    got = route(logits, router.e_score_correction_bias,
-                RoutingParams(n_experts, top_k, n_group, topk_group, True, 2.5))
+    got = route(logits, router.e_score_correction_bias, RoutingParams(n_experts, top_k, n_group, topk_group, True, 2.5))
     assert torch.equal(got.indices, indices) and torch.equal(got.weights, weights)
     torch.testing.assert_close(got.dense_weights().sum(dim=-1), torch.full((200,), 2.5))
 

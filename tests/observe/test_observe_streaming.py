@@ -82,8 +82,9 @@ def test_shared_indexer_layers_are_refused(tiny_source: Path, tmp_path: Path) ->
         stream_final_hidden(copy, _ids(1, 8))
 
 
-def test_observe_holds_one_decoder_layer_at_a_time(tiny_source: Path, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_observe_holds_one_decoder_layer_at_a_time(
+    tiny_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     alive = _track_layers(monkeypatch)
     observe(observe_config(tiny_source, tmp_path, rows=2, tokens=16, hessians=HessianMode.NONE, keep=None))
     assert len(alive) == 3

@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from glmquant.fixtures.tiny import TinyModelConfig
 from glmquant.proxy.train import TrainConfig
 
-SMOKE_SHAPE = TinyModelConfig(hidden_size=128, num_hidden_layers=4, first_dense_layers=1, n_routed_experts=32,
-                              num_experts_per_tok=8, moe_intermediate_size=512, intermediate_size=256,
-                              vocab_size=400, shard_bytes=32 << 20, index_topk=8)
+SMOKE_SHAPE = TinyModelConfig(
+    hidden_size=128,
+    num_hidden_layers=4,
+    first_dense_layers=1,
+    n_routed_experts=32,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    intermediate_size=256,
+    vocab_size=400,
+    shard_bytes=32 << 20,
+    index_topk=8,
+)
 
 
 def write_mo(path: Path, messages: dict[str, str]) -> Path:
@@ -41,24 +51,57 @@ def write_mo(path: Path, messages: dict[str, str]) -> Path:
 def small_corpus_recipe(tmp: Path) -> Path:
     """A recipe over json/, email/ and the Python reference topics of the standard library, plus German and
     Polish catalogs under `tmp`/locale."""
-    sentences = {"de": ["Die Datei wurde nicht gefunden.", "Zugriff verweigert: {name}", "Ungültige Option"],
-                 "pl": ["Nie znaleziono pliku.", "Odmowa dostępu: {name}", "Nieprawidłowa opcja"]}
+    sentences = {
+        "de": ["Die Datei wurde nicht gefunden.", "Zugriff verweigert: {name}", "Ungültige Option"],
+        "pl": ["Nie znaleziono pliku.", "Odmowa dostępu: {name}", "Nieprawidłowa opcja"],
+    }
     for lang, texts in sentences.items():
         for i in range(30):
-            write_mo(tmp / "locale" / lang / "LC_MESSAGES" / f"tool{i}.mo",
-                     {f"msg{j}": f"{t} ({i}.{j})" for j, t in enumerate(texts * 8)})
+            write_mo(
+                tmp / "locale" / lang / "LC_MESSAGES" / f"tool{i}.mo",
+                {f"msg{j}": f"{t} ({i}.{j})" for j, t in enumerate(texts * 8)},
+            )
     recipe = {
-        "name": "test-corpus", "seed": 0, "max_bytes": 1_200_000, "doc_bytes": 3000, "max_file_bytes": 400_000,
+        "name": "test-corpus",
+        "seed": 0,
+        "max_bytes": 1_200_000,
+        "doc_bytes": 3000,
+        "max_file_bytes": 400_000,
         "splits": {"calibration": 0.1, "heldout": 0.1},
         "sources": [
-            {"name": "code", "kind": "text", "lang": "python", "roots": ["stdlib"],
-             "include": ["json/*.py", "email/*.py"], "exclude": ["email/_header*"], "share": 0.5},
-            {"name": "docs", "kind": "docstrings", "lang": "en", "roots": ["stdlib"], "include": ["collections/*.py"],
-             "share": 0.2},
-            {"name": "reference", "kind": "pydoc_topics", "lang": "en", "roots": ["stdlib"],
-             "include": ["pydoc_data/topics.py"], "share": 0.2},
-            {"name": "translations", "kind": "gettext", "lang": "from_path", "roots": [str(tmp / "locale")],
-             "include": ["**/*.mo"], "share": 0.1},
+            {
+                "name": "code",
+                "kind": "text",
+                "lang": "python",
+                "roots": ["stdlib"],
+                "include": ["json/*.py", "email/*.py"],
+                "exclude": ["email/_header*"],
+                "share": 0.5,
+            },
+            {
+                "name": "docs",
+                "kind": "docstrings",
+                "lang": "en",
+                "roots": ["stdlib"],
+                "include": ["collections/*.py"],
+                "share": 0.2,
+            },
+            {
+                "name": "reference",
+                "kind": "pydoc_topics",
+                "lang": "en",
+                "roots": ["stdlib"],
+                "include": ["pydoc_data/topics.py"],
+                "share": 0.2,
+            },
+            {
+                "name": "translations",
+                "kind": "gettext",
+                "lang": "from_path",
+                "roots": [str(tmp / "locale")],
+                "include": ["**/*.mo"],
+                "share": 0.1,
+            },
         ],
     }
     path = tmp / "corpus.yaml"
@@ -66,7 +109,17 @@ def small_corpus_recipe(tmp: Path) -> Path:
     return path
 
 
-def smoke_config(out: Path, recipe: Path, **changes: object) -> TrainConfig:
-    options = dict(shape=SMOKE_SHAPE, corpus_recipe=recipe, device="cpu", steps=3, batch_rows=2, seq_len=32,
-                   warmup_steps=1, heldout_rows=2, calibration_rows=2, log_every=1)
+def smoke_config(out: Path, recipe: Path, **changes: Any) -> TrainConfig:
+    options: dict[str, Any] = dict(
+        shape=SMOKE_SHAPE,
+        corpus_recipe=recipe,
+        device="cpu",
+        steps=3,
+        batch_rows=2,
+        seq_len=32,
+        warmup_steps=1,
+        heldout_rows=2,
+        calibration_rows=2,
+        log_every=1,
+    )
     return TrainConfig(out=out, **{**options, **changes})

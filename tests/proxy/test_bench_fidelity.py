@@ -20,9 +20,18 @@ from glmquant.proxy.train import train_proxy
 
 ROOT = Path(__file__).resolve().parents[2]
 # one MoE layer of 8 experts, 128-wide: the exllamav3 layout keeps every EXL3 tensor one 128 x 128 block
-BENCH_SHAPE = TinyModelConfig(hidden_size=128, num_hidden_layers=2, first_dense_layers=1, n_routed_experts=8,
-                              num_experts_per_tok=2, moe_intermediate_size=128, intermediate_size=256,
-                              vocab_size=400, shard_bytes=32 << 20, index_topk=8)
+BENCH_SHAPE = TinyModelConfig(
+    hidden_size=128,
+    num_hidden_layers=2,
+    first_dense_layers=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    intermediate_size=256,
+    vocab_size=400,
+    shard_bytes=32 << 20,
+    index_topk=8,
+)
 
 SMOKE_ROWS = ("seed", "blend-0.5", "prune25-k3", "calibration-quarter", "uniform-k4")
 
@@ -47,14 +56,21 @@ def test_rows_spend_the_seeds_trellis_bytes() -> None:
 
 
 def test_summary_picks_the_lowest_kl_at_the_seeds_bytes() -> None:
-    rows = [{"recipe": "seed", "kl": 0.4, "top1": 0.7, "at_seed_bytes": True},
-            {"recipe": "a", "kl": 0.2, "top1": 0.75, "at_seed_bytes": True},
-            {"recipe": "k4", "kl": 0.01, "top1": 0.95, "at_seed_bytes": False, "reference": True},
-            {"recipe": "exllamav3-1.6.5", "kl": 0.3, "top1": 0.72, "at_seed_bytes": True}]
+    rows = [
+        {"recipe": "seed", "kl": 0.4, "top1": 0.7, "at_seed_bytes": True},
+        {"recipe": "a", "kl": 0.2, "top1": 0.75, "at_seed_bytes": True},
+        {"recipe": "k4", "kl": 0.01, "top1": 0.95, "at_seed_bytes": False, "reference": True},
+        {"recipe": "exllamav3-1.6.5", "kl": 0.3, "top1": 0.72, "at_seed_bytes": True},
+    ]
     summary = _bench_module().summarize(rows)
     assert (summary["seed_method"], summary["best"], summary["exllamav3"]) == ("seed", "a", "exllamav3-1.6.5")
-    assert summary["goal"] == {"kl_at_most_0.7x_seed": True, "top1_at_least_seed_plus_3_points": True,
-                               "kl_ratio_to_seed": 0.5, "top1_points_over_seed": 5.0, "no_worse_than_exllamav3": True}
+    assert summary["goal"] == {
+        "kl_at_most_0.7x_seed": True,
+        "top1_at_least_seed_plus_3_points": True,
+        "kl_ratio_to_seed": 0.5,
+        "top1_points_over_seed": 5.0,
+        "no_worse_than_exllamav3": True,
+    }
 
 
 @pytest.mark.slow
@@ -62,10 +78,32 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
     proxy = tmp_path / "proxy"
     train_proxy(smoke_config(proxy, corpus_recipe, shape=BENCH_SHAPE), log=lambda _line: None)
     results = tmp_path / "fidelity.json"
-    argv = [sys.executable, str(ROOT / "scripts" / "bench_fidelity.py"), "--proxy", str(proxy), "--device", "cpu",
-            "--layout", "exllamav3", "--rows", "4", "--tokens", "32", "--batch-rows", "2", "--heldout-rows", "2",
-            "--heldout-tokens", "32", "--work", str(tmp_path / "work"), "--results", str(results),
-            "--recipes", ",".join(SMOKE_ROWS)]
+    argv = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_fidelity.py"),
+        "--proxy",
+        str(proxy),
+        "--device",
+        "cpu",
+        "--layout",
+        "exllamav3",
+        "--rows",
+        "4",
+        "--tokens",
+        "32",
+        "--batch-rows",
+        "2",
+        "--heldout-rows",
+        "2",
+        "--heldout-tokens",
+        "32",
+        "--work",
+        str(tmp_path / "work"),
+        "--results",
+        str(results),
+        "--recipes",
+        ",".join(SMOKE_ROWS),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -73,8 +111,9 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
     rows = {r["recipe"]: r for r in record["rows"]}
     measured = [r for r in rows.values() if r.get("kl") is not None]
     assert [r["recipe"] for r in measured] == list(SMOKE_ROWS)
-    assert all(isinstance(r["routed_bytes"], int) and r["kl"] >= 0 and 0 <= r["top1"] <= 1 and r["ppl"] > 1
-               for r in measured)
+    assert all(
+        isinstance(r["routed_bytes"], int) and r["kl"] >= 0 and 0 <= r["top1"] <= 1 and r["ppl"] > 1 for r in measured
+    )
     assert rows["blend-0.5"]["routed_bytes"] == rows["seed"]["routed_bytes"] and rows["blend-0.5"]["blend"] == 0.5
     assert rows["prune25-k3"]["at_seed_bytes"] and rows["prune25-k3"]["routed_bytes"] < rows["seed"]["routed_bytes"]
     assert rows["uniform-k4"]["kl"] < rows["seed"]["kl"] and not rows["uniform-k4"]["at_seed_bytes"]

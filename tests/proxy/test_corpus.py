@@ -20,10 +20,15 @@ def test_corpus_splits_are_disjoint_and_reproducible(corpus_recipe: Path, tmp_pa
     first = build_corpus(recipe, tmp_path / "a")
     second = build_corpus(recipe, tmp_path / "b")
     assert {s: v["sha256"] for s, v in first["splits"].items()} == {s: v["sha256"] for s, v in second["splits"].items()}
-    paths = {s: {json.loads(l)["path"] for l in (tmp_path / "a" / f"{s}.jsonl").read_text().splitlines()}
-             for s in ("train", "calibration", "heldout")}
-    assert all(paths.values()) and not (paths["train"] & paths["heldout"]) and not (paths["calibration"] &
-                                                                                   paths["heldout"])
+    paths = {
+        s: {json.loads(line)["path"] for line in (tmp_path / "a" / f"{s}.jsonl").read_text().splitlines()}
+        for s in ("train", "calibration", "heldout")
+    }
+    assert (
+        all(paths.values())
+        and not (paths["train"] & paths["heldout"])
+        and not (paths["calibration"] & paths["heldout"])
+    )
     assert {"python", "en", "de", "pl"} <= set(first["languages"])
     assert first["sources"]["code"]["files"] > 0 and not any("_header" in p for p in paths["train"])
     sizes = {name: s["bytes"] for name, s in first["sources"].items()}
@@ -33,11 +38,27 @@ def test_corpus_splits_are_disjoint_and_reproducible(corpus_recipe: Path, tmp_pa
 def test_gettext_catalogs_give_their_translations(tmp_path: Path) -> None:
     write_mo(tmp_path / "loc" / "fr" / "LC_MESSAGES" / "x.mo", {"a": "Fichier introuvable", "b": "Accès refusé"})
     recipe_file = tmp_path / "r.yaml"
-    recipe_file.write_text(json.dumps({
-        "name": "t", "max_bytes": 10_000, "doc_bytes": 100, "max_file_bytes": 10_000,
-        "splits": {"calibration": 0.2, "heldout": 0.2},
-        "sources": [{"name": "tr", "kind": "gettext", "lang": "from_path", "roots": [str(tmp_path / "loc")],
-                     "include": ["**/*.mo"], "share": 1.0}]}))
+    recipe_file.write_text(
+        json.dumps(
+            {
+                "name": "t",
+                "max_bytes": 10_000,
+                "doc_bytes": 100,
+                "max_file_bytes": 10_000,
+                "splits": {"calibration": 0.2, "heldout": 0.2},
+                "sources": [
+                    {
+                        "name": "tr",
+                        "kind": "gettext",
+                        "lang": "from_path",
+                        "roots": [str(tmp_path / "loc")],
+                        "include": ["**/*.mo"],
+                        "share": 1.0,
+                    }
+                ],
+            }
+        )
+    )
     summary = build_corpus(load_corpus_recipe(recipe_file), tmp_path / "out")
     texts = [t for s in ("train", "calibration", "heldout") for t in read_split(tmp_path / "out", s)]
     assert summary["languages"] == ["fr"] and texts == ["Fichier introuvable\nAccès refusé"]
@@ -45,10 +66,20 @@ def test_gettext_catalogs_give_their_translations(tmp_path: Path) -> None:
 
 def test_recipe_errors_name_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(json.dumps({"name": "t", "max_bytes": 1, "doc_bytes": 1, "max_file_bytes": 1,
-                               "splits": {"calibration": 0.1, "heldout": 0.1},
-                               "sources": [{"name": "x", "kind": "text", "lang": "from_path", "roots": ["/"],
-                                            "include": ["*"], "share": 0.5}]}))
+    bad.write_text(
+        json.dumps(
+            {
+                "name": "t",
+                "max_bytes": 1,
+                "doc_bytes": 1,
+                "max_file_bytes": 1,
+                "splits": {"calibration": 0.1, "heldout": 0.1},
+                "sources": [
+                    {"name": "x", "kind": "text", "lang": "from_path", "roots": ["/"], "include": ["*"], "share": 0.5}
+                ],
+            }
+        )
+    )
     with pytest.raises(UsageError, match=r"sources\[0\]\.lang: from_path applies to gettext"):
         load_corpus_recipe(bad)
 

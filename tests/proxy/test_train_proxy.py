@@ -18,7 +18,7 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     out = {}
     for shard in sorted(model_dir.glob("model-*.safetensors")):
         with safe_open(shard, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has keys() but no __iter__
     return out
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from glmquant.fixtures.random_artifact import build_artifact, write_reference
 
+from glmquant.fixtures.random_artifact import build_artifact, write_reference
 from glmquant.runtime.loader import LoadedModel, load_model
 from glmquant.runtime.options import RuntimeOptions
 

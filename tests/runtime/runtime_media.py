@@ -15,7 +15,10 @@ def png_data_url(color: tuple[int, int, int], size: tuple[int, int] = (56, 56)) 
 
 
 def image_message(url: str, text: str = "What colour is this?") -> dict:
-    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}
+    return {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}],
+    }
 
 
 def mp4_data_url(frames: int = 8, size: int = 56) -> str:
@@ -30,7 +33,7 @@ def mp4_data_url(frames: int = 8, size: int = 56) -> str:
         for i in range(frames):
             frame = np.zeros((size, size, 3), np.uint8)
             x = i * (size - 16) // (frames - 1)
-            frame[20:36, x:x + 16] = (0, 0, 255)
+            frame[20:36, x : x + 16] = (0, 0, 255)
             writer.write(frame)
         writer.release()
         return "data:video/mp4;base64," + base64.b64encode(open(f.name, "rb").read()).decode()

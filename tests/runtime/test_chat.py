@@ -11,8 +11,15 @@ from runtime_media import image_message, mp4_data_url, png_data_url
 from glmquant.errors import MissingDependencyError, UsageError
 from glmquant.runtime.chat import ChatFormat
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +28,22 @@ def chat(artifacts) -> ChatFormat:
 
 
 def test_template_renders_tools_history_and_generation_prompt(chat):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
-                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     prompt = chat.render(messages, TOOLS)
     assert prompt.text.startswith("[gMASK]<sop>") and prompt.text.rstrip().endswith("<|assistant|>")
     assert '"name": "get_weather"' in prompt.text  # the tool schema, as the template writes it
@@ -50,12 +69,15 @@ def test_image_parts_reach_the_vision_tower(chat, tr3_f32):
     assert (logits[0] - logits[1]).abs().max() > 1e-4  # the pixels changed the answer's logits
 
 
-@pytest.mark.parametrize("part, message", [
-    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}, "not valid base64"),
-    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, "could not be decoded"),
-    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "only base64 data: URLs"),
-    ({"type": "audio", "audio": {}}, "unsupported content part"),
-])
+@pytest.mark.parametrize(
+    "part, message",
+    [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}, "not valid base64"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, "could not be decoded"),
+        ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "only base64 data: URLs"),
+        ({"type": "audio", "audio": {}}, "unsupported content part"),
+    ],
+)
 def test_bad_content_is_a_usage_error(chat, part, message):
     with pytest.raises(UsageError, match=message):
         chat.render([{"role": "user", "content": [part]}])

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from glmquant.arch import TensorRole, table_for
+from glmquant.checkpoint.dummy import DummyCheckpoint
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.tensor_bytes import TORCH_DTYPES
+from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
 from glmquant.runtime.engine.experts import resident_layer
@@ -35,15 +37,20 @@ def test_dummy_artifact_holds_exactly_the_planned_tensors(tiny_source: Path, lay
     assert artifact.config["quantization_config"]["bits"] == 2
 
 
+def _checkpoint(artifact: Artifact) -> DummyCheckpoint:
+    assert isinstance(artifact.checkpoint, DummyCheckpoint)
+    return artifact.checkpoint
+
+
 def test_dummy_values_are_reproducible_and_stack_like_single_reads(tiny_source: Path) -> None:
-    ckpt = dummy_artifact(tiny_source).checkpoint
+    ckpt = _checkpoint(dummy_artifact(tiny_source))
     names = [n for n in ckpt.names() if n.endswith(".svh") and ".gate_proj." in n]
     stacked = ckpt.read_stack(names)
     for i, name in enumerate(names):
         assert torch.equal(stacked[i], ckpt.read_tensor(name))
     assert not torch.equal(stacked[0], stacked[1])  # each tensor its own values
-    assert torch.equal(dummy_artifact(tiny_source).checkpoint.read_stack(names), stacked)
-    assert not torch.equal(dummy_artifact(tiny_source, seed=1).checkpoint.read_stack(names), stacked)
+    assert torch.equal(_checkpoint(dummy_artifact(tiny_source)).read_stack(names), stacked)
+    assert not torch.equal(_checkpoint(dummy_artifact(tiny_source, seed=1)).read_stack(names), stacked)
 
 
 def test_dummy_load_reads_every_text_model_tensor_and_decodes_finite_logits(tiny_source: Path) -> None:
@@ -51,15 +58,17 @@ def test_dummy_load_reads_every_text_model_tensor_and_decodes_finite_logits(tiny
     spec, table = artifact.spec, table_for(artifact.spec)
     engine = Engine.load(artifact, RuntimeOptions(), max_len=64)  # bf16, torch experts read on use
     for layer in artifact.quantized_layers:  # the GPU path's stacks, read all at once
-        ours, generic = resident_layer(artifact, layer, torch.device("cpu")), load_layer(artifact, layer, "cpu")
+        cpu = torch.device("cpu")
+        ours, generic = resident_layer(artifact, layer, cpu), load_layer(artifact, layer, cpu)
         for stack in ("gate_up", "down"):
             for f in fields(getattr(ours, stack)):
                 a, b = getattr(getattr(ours, stack), f.name), getattr(getattr(generic, stack), f.name)
                 assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (layer, stack, f.name)
     mtp = tuple(table.layer_prefix(layer) for layer in spec.mtp_layers)
-    text = {n for n in artifact.checkpoint.names() if not n.startswith(mtp)} - \
-        {t.name for t in table.top_level(spec) if t.role is TensorRole.VISION}
-    assert artifact.checkpoint.reads == text
+    text = {n for n in artifact.checkpoint.names() if not n.startswith(mtp)} - {
+        t.name for t in table.top_level(spec) if t.role is TensorRole.VISION
+    }
+    assert _checkpoint(artifact).reads == text
     logits = engine.prefill(0, torch.arange(20))
     for position in range(20, 26):
         assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
@@ -71,8 +80,12 @@ def test_dummy_artifact_of_the_reference_config_plans_the_release(reference_conf
     """583,090 indexed tensors, as `plan` pins for GLM-5.3-Flash; a few small ones read with their planned specs."""
     ckpt = dummy_artifact(reference_config).checkpoint
     assert len(ckpt.names()) == 583_090
-    for name in ("model.language_model.layers.3.mlp.experts.0.down_proj.rank3.suh",
-                 "model.language_model.layers.3.self_attn.indexer.k_norm.weight"):
+    for name in (
+        "model.language_model.layers.3.mlp.experts.0.down_proj.rank3.suh",
+        "model.language_model.layers.3.self_attn.indexer.k_norm.weight",
+    ):
         spec = ckpt.spec(name)
-        assert (tuple(ckpt.read_tensor(name).shape), ckpt.read_tensor(name).dtype) == \
-            (spec.shape, TORCH_DTYPES[spec.dtype])
+        assert (tuple(ckpt.read_tensor(name).shape), ckpt.read_tensor(name).dtype) == (
+            spec.shape,
+            TORCH_DTYPES[spec.dtype],
+        )

@@ -17,7 +17,10 @@ from glmquant.runtime.options import RuntimeOptions
 
 PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 5, 7, 9, 11, 200, 201, 33]]))
 F32 = RuntimeOptions(dtype="float32")
-decode = lambda ids: "".join(chr(65 + i % 26) for i in ids)  # noqa: E731
+
+
+def decode(ids):
+    return "".join(chr(65 + i % 26) for i in ids)
 
 
 class Recording(EngineDecoder):
@@ -41,7 +44,7 @@ class Recording(EngineDecoder):
 def transformers_logits(path: Path, steps: int) -> tuple[list[torch.Tensor], tuple[int, ...]]:
     model = load_model(path, F32).model
     seen: list[torch.Tensor] = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out[0, -1].clone()))
+    hook = model.get_submodule("lm_head").register_forward_hook(lambda mod, args, out: seen.append(out[0, -1].clone()))
     try:
         tokens = generate(model, PROMPT, SamplingParams(max_tokens=steps), decode).token_ids
     finally:
@@ -91,7 +94,7 @@ def test_compiled_decode_math_equals_eager(artifacts: dict[str, Path]) -> None:
     artifact = open_artifact(artifacts["tr3"])
     engines = [Engine.load(artifact, F32, max_len=64, compile_decode=compiled) for compiled in (False, True)]
     for batch in (1, 2):  # a second shape: dynamic dims after the first recompile
-        logits = [_greedy(engine, PROMPT.input_ids[0, :12 + batch], 3) for engine in engines]
+        logits = [_greedy(engine, PROMPT.input_ids[0, : 12 + batch], 3) for engine in engines]
         for eager, compiled in zip(*logits):
             torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
 
@@ -126,8 +129,9 @@ def test_cuda_engine_with_graphs_decodes_like_the_cpu_reference(artifacts: dict[
     for i in range(11):
         position = PROMPT.num_tokens + i
         token = torch.tensor([eager[-1]], device="cuda")
-        eager.append(int(engine.decode(token, torch.tensor([position], device="cuda"), position + 1, eager=True)[0]
-                         .argmax()))
+        eager.append(
+            int(engine.decode(token, torch.tensor([position], device="cuda"), position + 1, eager=True)[0].argmax())
+        )
     assert tuple(eager) == expected_tokens
 
 

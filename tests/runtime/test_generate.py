@@ -10,7 +10,10 @@ from glmquant.errors import NumericalError, UsageError
 from glmquant.runtime.generate import PromptInputs, SamplingParams, generate, next_token
 
 PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
-decode = lambda ids: "".join(chr(65 + i % 26) for i in ids)  # noqa: E731  (one letter per token)
+
+
+def decode(ids):
+    return "".join(chr(65 + i % 26) for i in ids)  # one letter per token
 
 
 def test_incremental_decoding_equals_full_recompute(tr3_f32):
@@ -62,6 +65,7 @@ def test_non_finite_logits_stop_generation_with_a_clear_error(tr3_f32):
     def poison(mod, args, out):
         calls.append(1)
         return out.index_fill(-1, torch.tensor([5]), float("nan")) if len(calls) == 3 else out
+
     hook = tr3_f32.model.lm_head.register_forward_hook(poison)
     try:
         with pytest.raises(NumericalError, match="after 2 generated tokens hold 1 NaN/Inf values"):

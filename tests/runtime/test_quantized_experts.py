@@ -17,8 +17,9 @@ from glmquant.runtime.torch_backend import TorchExpertBackend
 def _routes(spec, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(tokens, spec.hidden_size, generator=gen)
-    ids = torch.stack([torch.randperm(spec.n_routed_experts, generator=gen)[: spec.num_experts_per_tok]
-                       for _ in range(tokens)])
+    ids = torch.stack(
+        [torch.randperm(spec.n_routed_experts, generator=gen)[: spec.num_experts_per_tok] for _ in range(tokens)]
+    )
     weights = torch.rand(tokens, spec.num_experts_per_tok, generator=gen) * 2.5
     return hidden, ids, weights
 
@@ -43,9 +44,13 @@ def test_rank_stacked_equals_unsliced_transformers_experts(artifacts):
     dense = Glm5NextTextExperts(config)
     with torch.no_grad():
         for e in range(spec.n_routed_experts):
-            full = {p: torch.cat([decode_weight(artifact.read_expert(layer, 4 * e + r, p), torch.float32)
-                                  for r in range(4)], dim=1 if p == "down_proj" else 0)
-                    for p in ("gate_proj", "up_proj", "down_proj")}
+            full = {
+                p: torch.cat(
+                    [decode_weight(artifact.read_expert(layer, 4 * e + r, p), torch.float32) for r in range(4)],
+                    dim=1 if p == "down_proj" else 0,
+                )
+                for p in ("gate_proj", "up_proj", "down_proj")
+            }
             dense.gate_up_proj[e] = torch.cat((full["gate_proj"], full["up_proj"]))
             dense.down_proj[e] = full["down_proj"]
         hidden, ids, weights = _routes(spec, tokens=24)
@@ -78,7 +83,10 @@ def test_results_do_not_depend_on_cache_size(artifacts):
 def test_lru_keeps_the_most_recently_used():
     cache: LRUCache[int] = LRUCache(2)
     loads = []
-    get = lambda k: cache.get(k, lambda: loads.append(k) or k)  # noqa: E731
+
+    def get(k):
+        return cache.get(k, lambda: loads.append(k) or k)
+
     for key in ("a", "b", "a", "c", "a", "b"):
         get(key)
     assert loads == ["a", "b", "c", "b"]  # "b" was evicted by "c" ("a" was used more recently)

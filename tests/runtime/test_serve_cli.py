@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -34,12 +33,38 @@ def _app() -> typer.Typer:
 def test_vllm_option_names_reach_run_server(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(serve, "run_server", lambda *args, **kwargs: calls.append(args))
-    result = CliRunner().invoke(_app(), ["serve", str(tmp_path), "--port", "9001", "--max-num-seqs", "2",
-                                         "--expert-cache", "8", "--dtype", "half", "--served-model-name", "glm",
-                                         "--max-model-len", "2048", "--api-key", "sesame"])
+    result = CliRunner().invoke(
+        _app(),
+        [
+            "serve",
+            str(tmp_path),
+            "--port",
+            "9001",
+            "--max-num-seqs",
+            "2",
+            "--expert-cache",
+            "8",
+            "--dtype",
+            "half",
+            "--served-model-name",
+            "glm",
+            "--max-model-len",
+            "2048",
+            "--api-key",
+            "sesame",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    assert calls == [(tmp_path, "127.0.0.1", 9001, RuntimeOptions(device="cpu", dtype="half", expert_cache=8),
-                      ServiceOptions(served_model_name="glm", max_num_seqs=2, max_model_len=2048), "sesame")]
+    assert calls == [
+        (
+            tmp_path,
+            "127.0.0.1",
+            9001,
+            RuntimeOptions(device="cpu", dtype="half", expert_cache=8),
+            ServiceOptions(served_model_name="glm", max_num_seqs=2, max_model_len=2048),
+            "sesame",
+        )
+    ]
     calls.clear()
     assert CliRunner().invoke(_app(), ["serve", str(tmp_path)]).exit_code == 0
     assert calls[0][3].dtype == "auto" and calls[0][5] is None  # the checkpoint's dtype, no key
@@ -48,19 +73,36 @@ def test_vllm_option_names_reach_run_server(monkeypatch, tmp_path):
 def test_dummy_weights_and_the_runtime_engine_are_options(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(serve, "run_server", lambda *args, **kwargs: calls.append(args))
-    result = CliRunner().invoke(_app(), ["serve", str(tmp_path), "--load-format", "dummy", "--model-impl", "glmquant",
-                                         "--device", "cuda", "--backend", "triton"])
+    result = CliRunner().invoke(
+        _app(),
+        [
+            "serve",
+            str(tmp_path),
+            "--load-format",
+            "dummy",
+            "--model-impl",
+            "glmquant",
+            "--device",
+            "cuda",
+            "--backend",
+            "triton",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    assert calls[0][3] == RuntimeOptions(device="cuda", dtype="auto", backend="triton", load_format="dummy",
-                                         model_impl="glmquant")
+    assert calls[0][3] == RuntimeOptions(
+        device="cuda", dtype="auto", backend="triton", load_format="dummy", model_impl="glmquant"
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
-    (["--dtype", "int8"], "--dtype must be one of auto, bfloat16, float16, half, float32, float"),
-    (["--load-format", "safetensors"], "--load-format must be one of auto, dummy"),
-    (["--model-impl", "vllm"], "--model-impl must be one of transformers, glmquant"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--dtype", "int8"], "--dtype must be one of auto, bfloat16, float16, half, float32, float"),
+        (["--load-format", "safetensors"], "--load-format must be one of auto, dummy"),
+        (["--model-impl", "vllm"], "--model-impl must be one of transformers, glmquant"),
+    ],
+)
 def test_bad_option_is_one_line_and_exit_2(monkeypatch, tmp_path, args, message):
     monkeypatch.setattr(serve, "run_server", lambda *args, **kwargs: None)
     result = CliRunner().invoke(_app(), ["serve", str(tmp_path), *args])
@@ -93,9 +135,24 @@ def test_ctrl_c_ends_an_open_stream_cleanly_and_exits_0(artifacts):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     code = "from glmquant.cli import main; main()"
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", str(artifacts["tr3"]), "--port", str(port),
-                             "--max-model-len", "4096", "--expert-cache", "16"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "serve",
+            str(artifacts["tr3"]),
+            "--port",
+            str(port),
+            "--max-model-len",
+            "4096",
+            "--expert-cache",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_for(lambda: proc.poll() is not None or _health(port) is not None, 120)
         assert proc.poll() is None, proc.communicate()[0][-3000:]

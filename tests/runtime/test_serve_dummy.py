@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from glmquant.runtime.server import serve_in_background
 
@@ -24,15 +25,21 @@ def test_dummy_weights_answer_openai_requests(tiny_source: Path, tmp_path: Path,
     bare.mkdir()
     shutil.copy(tiny_source / "config.json", bare / "config.json")
     prompts = [[{"role": "user", "content": f"question {i} " * (i + 1)}] for i in range(3)]
-    with serve_in_background(bare, load_format="dummy", model_impl=impl, max_model_len=256,
-                             max_num_seqs=2) as running:
+    with serve_in_background(bare, load_format="dummy", model_impl=impl, max_model_len=256, max_num_seqs=2) as running:
         client = _client(running.base_url)
-        ask = lambda m: client.chat.completions.create(model="bare", messages=m, max_tokens=5)  # noqa: E731
+
+        def ask(m):
+            return client.chat.completions.create(model="bare", messages=m, max_tokens=5)
+
         first = ask(prompts[0])
-        assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 5
+        assert first.choices[0].finish_reason == "length"
+        assert first.usage is not None and first.usage.completion_tokens == 5
         text = client.completions.create(model="bare", prompt=[256, 10, 20, 30], max_tokens=3)
-        assert text.usage.completion_tokens == 3
-        content = lambda m: ask(m).choices[0].message.content  # noqa: E731
+        assert text.usage is not None and text.usage.completion_tokens == 3
+
+        def content(m):
+            return ask(m).choices[0].message.content
+
         sequential = [content(m) for m in prompts]
         with ThreadPoolExecutor(len(prompts)) as pool:  # 3 requests on 2 cache slots
             assert list(pool.map(content, prompts)) == sequential
@@ -40,11 +47,13 @@ def test_dummy_weights_answer_openai_requests(tiny_source: Path, tmp_path: Path,
 
 
 def test_engine_answers_like_transformers_on_an_artifact(artifacts: dict[str, Path]) -> None:
-    messages = [{"role": "user", "content": "Say something about the sea."}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something about the sea."}]
     answers = []
     for impl in ("transformers", "glmquant"):
         with serve_in_background(artifacts["tr3"], model_impl=impl, dtype="float32", max_model_len=128) as running:
             reply = _client(running.base_url).chat.completions.create(
-                model="tiny-EXL3-2bit", messages=messages, max_tokens=8)
+                model="tiny-EXL3-2bit", messages=messages, max_tokens=8
+            )
+            assert reply.usage is not None
             answers.append((reply.choices[0].message.content, reply.usage.completion_tokens))
     assert answers[0] == answers[1]

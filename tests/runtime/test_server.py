@@ -21,11 +21,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime_media import image_message, png_data_url
 
 import glmquant
+from glmquant.runtime.loader import LoadedModel
 from glmquant.runtime.server import RunningServer, serve_in_background
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string"}, "country": {"type": "string"}, "days": {"type": "integer"}},
-    "required": ["city", "country"], "additionalProperties": False}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "country": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city", "country"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
@@ -36,7 +48,9 @@ class Script:
         self.tokenizer = server.service.chat.tokenizer
         self.eos = server.service.defaults.stop_token_ids[0]
         self.queue: list[int] = []
-        server.service.loaded.model.lm_head.register_forward_hook(self._hook)
+        loaded = server.service.loaded
+        assert isinstance(loaded, LoadedModel)  # served by transformers' modules
+        loaded.model.get_submodule("lm_head").register_forward_hook(self._hook)
 
     def say(self, text: str) -> None:
         self.queue = self.tokenizer.encode(text, add_special_tokens=False) + [self.eos]
@@ -51,8 +65,9 @@ class Script:
 
 @pytest.fixture(scope="module")
 def server(artifacts) -> Iterator[RunningServer]:
-    with serve_in_background(artifacts["tr3"], expert_cache=16, max_model_len=1024,
-                             served_model_name="tiny") as running:
+    with serve_in_background(
+        artifacts["tr3"], expert_cache=16, max_model_len=1024, served_model_name="tiny"
+    ) as running:
         yield running
 
 
@@ -89,30 +104,39 @@ def test_plain_completion_and_usage(server, client, script):
     assert choice.message.content == "FINAL_BASELINE_OK" and choice.finish_reason == "stop"
     assert choice.message.reasoning_content == "greet them"
     prompt_tokens = _post(server, "/tokenize", {"messages": HELLO})[1]["count"]
-    script_tokens = len(script.tokenizer.encode("<think>greet them</think>\nFINAL_BASELINE_OK", add_special_tokens=False))
+    script_tokens = len(
+        script.tokenizer.encode("<think>greet them</think>\nFINAL_BASELINE_OK", add_special_tokens=False)
+    )
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, script_tokens)
 
 
 def test_streaming_with_usage_matches_non_streaming(client, script):
     text = "<think>hmm</think>Witaj, świecie 你好，世界 مرحبا بالعالم"
     script.say(text)
-    chunks = list(client.chat.completions.create(model="tiny", messages=HELLO, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=HELLO, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == "Witaj, świecie 你好，世界 مرحبا بالعالم"
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "hmm"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(
-        script.tokenizer.encode(text, add_special_tokens=False))
+        script.tokenizer.encode(text, add_special_tokens=False)
+    )
 
 
 def test_tool_call_non_streaming(client, script):
-    script.say("<think>use the tool</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
-               "<arg_key>country</arg_key><arg_value>France</arg_value><arg_key>days</arg_key><arg_value>2</arg_value>"
-               "</tool_call>")
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris, France?"}],
-                                       tools=TOOLS, temperature=0)
+    script.say(
+        "<think>use the tool</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+        "<arg_key>country</arg_key><arg_value>France</arg_value><arg_key>days</arg_key><arg_value>2</arg_value>"
+        "</tool_call>"
+    )
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather in Paris, France?"}], tools=TOOLS, temperature=0
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -121,12 +145,15 @@ def test_tool_call_non_streaming(client, script):
 
 
 def test_tool_call_streaming(client, script):
-    script.say("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
-               "<arg_key>country</arg_key><arg_value>Norway</arg_value></tool_call>")
+    script.say(
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
+        "<arg_key>country</arg_key><arg_value>Norway</arg_value></tool_call>"
+    )
     chunks = list(client.chat.completions.create(model="tiny", messages=HELLO, tools=TOOLS, stream=True))
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-        (0, "get_weather", {"city": "Oslo", "country": "Norway"})]
+        (0, "get_weather", {"city": "Oslo", "country": "Norway"})
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -140,31 +167,46 @@ def test_unscripted_sampling_is_seeded(client):
 def test_image_request(client, script):
     script.say("red")
     r = client.chat.completions.create(model="tiny", messages=[image_message(png_data_url((255, 0, 0)))])
-    text = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What colour is this?"}],
-                                          max_tokens=1)
+    text = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "What colour is this?"}], max_tokens=1
+    )
     assert r.choices[0].message.content == "red"
     assert r.usage.prompt_tokens == text.usage.prompt_tokens + 6  # 4 image tokens + begin/end markers
 
 
-@pytest.mark.parametrize("body, status, param, fragment", [
-    (b"{not json", 400, None, "not valid JSON"),
-    ({"model": "gpt-4", "messages": HELLO}, 404, "model", "does not exist"),
-    ({"messages": [{"role": "user", "content": "x " * 600}]}, 400, "input_tokens", "maximum context length is 1024"),
-    ({"messages": HELLO, "max_tokens": 1020}, 400, "max_tokens", "'max_completion_tokens' is too large"),
-    ({"messages": [image_message("data:image/png;base64,aGVsbG8=")]}, 400, "messages", "could not be decoded"),
-    ({"messages": [image_message("data:image/png;base64,@@@")]}, 400, "messages", "not valid base64"),
-    ({"messages": []}, 400, "messages", "at least 1 item"),
-    ({"messages": HELLO, "temperature": "hot"}, 400, "temperature", "valid number"),
-    ({"messages": HELLO, "top_p": 0}, 400, "top_p", "greater than 0"),
-    ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "Input should be"),
-    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "valid"),
-    ({"messages": [HELLO[0], {"content": "no role"}]}, 400, "messages[1].role", "Field required"),
-    ({"messages": HELLO, "tools": [{"type": "function", "function": {}}]}, 400, "tools[0].function.name", "required"),
-    ([1, 2], 400, None, "valid dictionary"),
-])
-def test_bad_requests_get_vllms_status_and_param_and_the_server_keeps_serving(server, client, script, body, status,
-                                                                              param, fragment):
+@pytest.mark.parametrize(
+    "body, status, param, fragment",
+    [
+        (b"{not json", 400, None, "not valid JSON"),
+        ({"model": "gpt-4", "messages": HELLO}, 404, "model", "does not exist"),
+        (
+            {"messages": [{"role": "user", "content": "x " * 600}]},
+            400,
+            "input_tokens",
+            "maximum context length is 1024",
+        ),
+        ({"messages": HELLO, "max_tokens": 1020}, 400, "max_tokens", "'max_completion_tokens' is too large"),
+        ({"messages": [image_message("data:image/png;base64,aGVsbG8=")]}, 400, "messages", "could not be decoded"),
+        ({"messages": [image_message("data:image/png;base64,@@@")]}, 400, "messages", "not valid base64"),
+        ({"messages": []}, 400, "messages", "at least 1 item"),
+        ({"messages": HELLO, "temperature": "hot"}, 400, "temperature", "valid number"),
+        ({"messages": HELLO, "top_p": 0}, 400, "top_p", "greater than 0"),
+        ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "Input should be"),
+        ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "valid"),
+        ({"messages": [HELLO[0], {"content": "no role"}]}, 400, "messages[1].role", "Field required"),
+        (
+            {"messages": HELLO, "tools": [{"type": "function", "function": {}}]},
+            400,
+            "tools[0].function.name",
+            "required",
+        ),
+        ([1, 2], 400, None, "valid dictionary"),
+    ],
+)
+def test_bad_requests_get_vllms_status_and_param_and_the_server_keeps_serving(
+    server, client, script, body, status, param, fragment
+):
     got, error = _post(server, "/v1/chat/completions", body)
     assert (got, error["error"]["param"], error["error"]["code"]) == (status, param, status), error
     assert fragment in error["error"]["message"] and "object at 0x" not in error["error"]["message"]
@@ -173,14 +215,23 @@ def test_bad_requests_get_vllms_status_and_param_and_the_server_keeps_serving(se
     assert client.chat.completions.create(model="tiny", messages=HELLO).choices[0].message.content == "still here"
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": 1.0}, "frequency_penalty"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"reasoning_effort": "high"}, "reasoning_effort"),
-    ({"top_k": 5}, "top_k"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"top_k": 5}, "top_k"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ],
+)
 def test_unsupported_parameters_are_400_not_supported(client, extra, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny", messages=HELLO, tools=TOOLS, max_tokens=1, extra_body=extra)
@@ -188,9 +239,19 @@ def test_unsupported_parameters_are_400_not_supported(client, extra, param):
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(client):
-    r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=1, n=1, logprobs=False,
-                                       presence_penalty=0, frequency_penalty=0, response_format={"type": "text"},
-                                       tool_choice="auto", tools=TOOLS, extra_body={"top_k": -1, "unknown_field": 1})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=HELLO,
+        max_tokens=1,
+        n=1,
+        logprobs=False,
+        presence_penalty=0,
+        frequency_penalty=0,
+        response_format={"type": "text"},
+        tool_choice="auto",
+        tools=TOOLS,
+        extra_body={"top_k": -1, "unknown_field": 1},
+    )
     assert r.usage.completion_tokens == 1
 
 
@@ -225,9 +286,14 @@ def test_api_key_is_required_on_v1_routes(artifacts):
 
 
 def test_methods_and_routes_answer_json_errors(server):
-    for method, path, status in [("GET", "/v1/chat/completions", 405), ("PUT", "/v1/models", 405),
-                                 ("PATCH", "/tokenize", 405), ("DELETE", "/v1/embeddings", 404),
-                                 ("POST", "/v1/embeddings", 404), ("OPTIONS", "/nothing", 404)]:
+    for method, path, status in [
+        ("GET", "/v1/chat/completions", 405),
+        ("PUT", "/v1/models", 405),
+        ("PATCH", "/tokenize", 405),
+        ("DELETE", "/v1/embeddings", 404),
+        ("POST", "/v1/embeddings", 404),
+        ("OPTIONS", "/nothing", 404),
+    ]:
         got, body, headers = _request(server, method, path)
         assert got == status and body["error"]["code"] == status, (method, path, got, body)
         assert headers["content-type"] == "application/json"
@@ -271,7 +337,7 @@ def test_prompt_far_beyond_the_context_is_refused_before_tokenizing(server, monk
 def test_special_tokens_are_stripped_from_content(client, script):
     """As vLLM decodes (skip_special_tokens): GLM-V's box markers and other specials leave the content, the
     reasoning and tool markup still structure the answer."""
-    said = "<think>look<|begin_of_box|></think>Answer: <|begin_of_box|>{\"a\": 1}<|end_of_box|>"
+    said = '<think>look<|begin_of_box|></think>Answer: <|begin_of_box|>{"a": 1}<|end_of_box|>'
     script.say(said)
     r = client.chat.completions.create(model="tiny", messages=HELLO)
     assert (r.choices[0].message.content, r.choices[0].message.reasoning_content) == ('Answer: {"a": 1}', "look")
@@ -287,11 +353,17 @@ def test_text_completions(server, client, script):
     script.say("Paris<|begin_of_box|> is")
     r = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=20)
     prompt_ids = _post(server, "/tokenize", {"prompt": "The capital of France is"})[1]["tokens"]
-    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.prompt_tokens) == ("Paris is", "stop",
-                                                                                      len(prompt_ids))
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.prompt_tokens) == (
+        "Paris is",
+        "stop",
+        len(prompt_ids),
+    )
     script.say("Paris is")
-    chunks = list(client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=20, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=prompt_ids, max_tokens=20, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "Paris is"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage.prompt_tokens == len(prompt_ids) and chunks[-1].usage.completion_tokens == len("Paris is")
@@ -305,7 +377,7 @@ def test_text_completions(server, client, script):
 def test_detokenize_and_version(server):
     ids = _post(server, "/tokenize", {"prompt": "Witaj, świecie <think>"})[1]["tokens"]
     assert _post(server, "/detokenize", {"tokens": ids}) == (200, {"prompt": "Witaj, świecie <think>"})
-    status, error = _post(server, "/detokenize", {"tokens": [-1, 10 ** 9]})
+    status, error = _post(server, "/detokenize", {"tokens": [-1, 10**9]})
     assert (status, error["error"]["param"]) == (400, "tokens")
     assert _get(server, "/version") == {"version": glmquant.__version__}
 
@@ -313,12 +385,16 @@ def test_detokenize_and_version(server):
 def test_metrics_count_requests_tokens_and_latency(server, client, script):
     before = _metrics(server)
     script.say("one two three")
-    r = client.chat.completions.create(model="tiny", messages=HELLO, stream=True,
-                                       stream_options={"include_usage": True})
+    r = client.chat.completions.create(
+        model="tiny", messages=HELLO, stream=True, stream_options={"include_usage": True}
+    )
     usage = [c.usage for c in r if c.usage][0]
     _post(server, "/v1/chat/completions", {"messages": HELLO, "n": 3})
     after = _metrics(server)
-    grew = lambda name: after.get(name, 0) - before.get(name, 0)  # noqa: E731
+
+    def grew(name):
+        return after.get(name, 0) - before.get(name, 0)
+
     assert grew("glmquant:generation_tokens_total") == usage.completion_tokens
     assert grew("glmquant:prompt_tokens_total") == usage.prompt_tokens
     assert grew('glmquant:request_success_total{finished_reason="stop"}') == 1
@@ -338,8 +414,16 @@ def test_served_name_comes_from_the_artifact_not_its_directory(artifacts, tmp_pa
 
 def test_requests_queue_with_one_active_sequence(server, client):
     results: list[str] = []
-    threads = [threading.Thread(target=lambda: results.append(client.chat.completions.create(
-        model="tiny", messages=HELLO, max_tokens=3, temperature=0).choices[0].finish_reason)) for _ in range(3)]
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(
+                client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, temperature=0)
+                .choices[0]
+                .finish_reason
+            )
+        )
+        for _ in range(3)
+    ]
     before = _get(server, "/health")["requests_served"]
     for t in threads:
         t.start()
@@ -383,12 +467,15 @@ def test_concurrent_sequences_match_sequential(artifacts):
     prompts = [[{"role": "user", "content": f"question {i} " * (i + 1)}] for i in range(3)]
     with serve_in_background(artifacts["exllamav3"], max_num_seqs=2, expert_cache=4) as running:
         client = openai.OpenAI(base_url=running.base_url, api_key="unused", max_retries=0, timeout=120)
-        ask = lambda m: client.chat.completions.create(  # noqa: E731
-            model="tiny-EXL3-2bit", messages=m, max_tokens=6).choices[0]
+
+        def ask(m):
+            return client.chat.completions.create(model="tiny-EXL3-2bit", messages=m, max_tokens=6).choices[0]
+
         sequential = [ask(m).message.content for m in prompts]
         parallel: dict[int, str] = {}
-        threads = [threading.Thread(target=lambda i=i: parallel.update({i: ask(prompts[i]).message.content}))
-                   for i in range(3)]
+        threads = [
+            threading.Thread(target=lambda i=i: parallel.update({i: ask(prompts[i]).message.content})) for i in range(3)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -416,8 +503,14 @@ def test_process_exits_cleanly_after_serving(artifacts, tmp_path) -> None:
 
     (tmp_path / "test_serve_once.py").write_text(CLEAN_EXIT)
     env = {**os.environ, "GLMQUANT_TEST_ARTIFACT": str(artifacts["tr3"])}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
 
 
@@ -425,8 +518,13 @@ def test_stop_ends_running_and_queued_streams_with_a_final_chunk(artifacts):
     """Shutdown with one stream generating and one waiting for the only slot: both end with a final chunk
     (finish reason "abort"), their usage and `[DONE]`; the waiting one generated nothing."""
     running = serve_in_background(artifacts["tr3"], expert_cache=16, max_model_len=4096)
-    body = {"messages": HELLO, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4000,
-            "temperature": 1.0}
+    body = {
+        "messages": HELLO,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 4000,
+        "temperature": 1.0,
+    }
     streams = []
     try:
         for _ in range(2):

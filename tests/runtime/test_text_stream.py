@@ -6,7 +6,10 @@ from __future__ import annotations
 from glmquant.runtime.text_stream import TextStream
 
 WORDS = ["Hel", "lo", " wor", "ld", "! ST", "OP", " tail"]
-decode = lambda ids: "".join(WORDS[i] for i in ids)  # noqa: E731
+
+
+def decode(ids):
+    return "".join(WORDS[i] for i in ids)
 
 
 def _run(stop: tuple[str, ...]) -> tuple[list[str], TextStream]:

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slow
 def _run(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)  # the smoke run uses the torch expert backend
-    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
 
 
 def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
@@ -44,8 +45,14 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     assert "max(bytes_c / BW" in projection["formula"] and projection["assumptions"]["gb10"]["clock_source"]
     assert set(projection["classes"]) == set(classes)
     summary = report["summary"]
-    assert set(summary) >= {"decode_tok_s_b1", "decode_tok_s_b16", "prefill_200k_s", "peak_gpu_gb",
-                            "gb10_tok_s_218", "gb10_tok_s_273"}
+    assert set(summary) >= {
+        "decode_tok_s_b1",
+        "decode_tok_s_b16",
+        "prefill_200k_s",
+        "peak_gpu_gb",
+        "gb10_tok_s_218",
+        "gb10_tok_s_273",
+    }
     assert summary["decode_tok_s_b1"] > 0 and summary["gb10_tok_s_273"] >= summary["gb10_tok_s_218"] > 0
     assert summary["graphs_equal_eager"] is True and summary["logits_finite"] is True
 

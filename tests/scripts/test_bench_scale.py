@@ -19,10 +19,35 @@ pytestmark = pytest.mark.slow
 
 
 def _run(tiny_source: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, str(SCRIPT), "--device", "cpu", "--config", str(tiny_source / "config.json"),
-            "--layers", "3", "--experts", "4", "--encode-experts", "2", "--rows", "2", "--tokens", "16",
-            "--batch-rows", "1", "--prompt-tokens", "8", "--decode-tokens", "2", "--work", str(tmp_path / "work"),
-            "--results", str(tmp_path / "scale.json"), *extra]
+    argv = [
+        sys.executable,
+        str(SCRIPT),
+        "--device",
+        "cpu",
+        "--config",
+        str(tiny_source / "config.json"),
+        "--layers",
+        "3",
+        "--experts",
+        "4",
+        "--encode-experts",
+        "2",
+        "--rows",
+        "2",
+        "--tokens",
+        "16",
+        "--batch-rows",
+        "1",
+        "--prompt-tokens",
+        "8",
+        "--decode-tokens",
+        "2",
+        "--work",
+        str(tmp_path / "work"),
+        "--results",
+        str(tmp_path / "scale.json"),
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
 
@@ -33,8 +58,8 @@ def test_rehearsal_runs_end_to_end_on_cpu(tiny_source: Path, tmp_path: Path) -> 
     record = json.loads((tmp_path / "scale.json").read_text())
     assert set(record["stages"]) == {"fixture", "build", "verify", "runtime"} and "failed" not in record
     build = record["stages"]["build"]
-    assert [l["layer"] for l in build["encode_layers"]] == [1, 2]
-    assert all(l["cost"]["observe_s"] > 0 for l in build["observation"]["layers"] if l["mlp"] == "moe")
+    assert [layer["layer"] for layer in build["encode_layers"]] == [1, 2]
+    assert all(layer["cost"]["observe_s"] > 0 for layer in build["observation"]["layers"] if layer["mlp"] == "moe")
     assert build["observation_disk_peak_bytes"] > 0 and record["stages"]["verify"]["ok"]
     assert len(record["stages"]["runtime"]["tokens"]) == 2
     full = record["full_model"]

@@ -44,8 +44,11 @@ def script(body: dict[str, Any], flawed: bool) -> dict[str, Any]:
     if body.get("tools"):
         if flawed:
             return {"content": "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"}
-        return {"reasoning": "The user wants the weather.", "finish": "tool_calls",
-                "tool_calls": [("get_weather", ['{"city": ', '"Paris", "country": "France"}'])]}
+        return {
+            "reasoning": "The user wants the weather.",
+            "finish": "tool_calls",
+            "tool_calls": [("get_weather", ['{"city": ', '"Paris", "country": "France"}'])],
+        }
     if "FINAL_BASELINE_OK" in text:
         if flawed:
             return {"reasoning": "Let me think about what exactly is being asked here", "finish": "length"}
@@ -58,8 +61,11 @@ def script(body: dict[str, Any], flawed: bool) -> dict[str, Any]:
         answer = json.dumps(fixture.expected)
         if flawed:
             flipped = {"left_to_right": "right_to_left", "right_to_left": "left_to_right"}
-            answer = answer[:-1] if fixture.kind == "image" else json.dumps(
-                {**fixture.expected, "direction": flipped[fixture.expected["direction"]]})
+            answer = (
+                answer[:-1]
+                if fixture.kind == "image"
+                else json.dumps({**fixture.expected, "direction": flipped[fixture.expected["direction"]]})
+            )
         return {"content": f"<|begin_of_box|>{answer}<|end_of_box|>" if fixture.kind == "image" else answer}
     if "Registry record" in text:
         values = dict(RECORD.findall(text))
@@ -92,16 +98,25 @@ class ScriptedServer:
         pieces = [{"reasoning_content": p} for p in re.findall(r".{1,8}", plan.get("reasoning", ""), re.DOTALL)]
         pieces += [{"content": p} for p in re.findall(r".{1,8}", plan.get("content", ""), re.DOTALL)]
         for i, (name, args) in enumerate(plan.get("tool_calls", [])):
-            pieces.append({"tool_calls": [{"index": i, "id": f"call_{i}", "type": "function",
-                                           "function": {"name": name, "arguments": ""}}]})
+            pieces.append(
+                {
+                    "tool_calls": [
+                        {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": ""}}
+                    ]
+                }
+            )
             pieces += [{"tool_calls": [{"index": i, "function": {"arguments": a}}]} for a in args]
         for delta in pieces:
             yield {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
         yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": plan.get("finish", "stop")}]}
         if (body.get("stream_options") or {}).get("include_usage") and not plan.get("no_usage"):
             prompt = self.tokenizer.count(body["messages"]) + plan.get("usage_off", 0)
-            usage = {"prompt_tokens": prompt, "completion_tokens": len(pieces), "total_tokens": prompt + len(pieces),
-                     "prompt_tokens_details": {"cached_tokens": plan.get("cached", 0)}}
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": len(pieces),
+                "total_tokens": prompt + len(pieces),
+                "prompt_tokens_details": {"cached_tokens": plan.get("cached", 0)},
+            }
             yield {**base, "choices": [], "usage": usage}
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -120,7 +135,7 @@ class ScriptedServer:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                model = {"id": "scripted-glm", "object": "model", "owned_by": "test"}
+                model: dict[str, object] = {"id": "scripted-glm", "object": "model", "owned_by": "test"}
                 if server.max_model_len is not None:
                     model["max_model_len"] = server.max_model_len
                 self._json({"object": "list", "data": [model]})
@@ -132,8 +147,7 @@ class ScriptedServer:
                         self.send_error(404)
                         return
                     tok = server.tokenizer
-                    ids = (tok.encode(body["prompt"]) if "prompt" in body else
-                           tok.encode(tok.render(body["messages"])))
+                    ids = tok.encode(body["prompt"]) if "prompt" in body else tok.encode(tok.render(body["messages"]))
                     self._json({"count": len(ids), "tokens": ids, "max_model_len": server.max_model_len})
                     return
                 server.requests.append(body)

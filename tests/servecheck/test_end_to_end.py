@@ -17,15 +17,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-pytest.importorskip("glmquant.runtime.server", reason="the runtime's embedded server (glmquant.runtime.server) "
-                                                      "is not importable here")
+pytest.importorskip(
+    "glmquant.runtime.server", reason="the runtime's embedded server (glmquant.runtime.server) is not importable here"
+)
 
 from glmquant.cli import app
+from glmquant.fixtures.random_artifact import build_artifact, write_reference
 from glmquant.runtime.service import served_model_name
 from glmquant.servecheck import ServeCheckConfig, ServeCheckReport, serve_check
 from glmquant.servecheck.tokens import PromptTokenizer
-
-from glmquant.fixtures.random_artifact import build_artifact, write_reference
 
 MAX_TOKENS = 6
 SERVE_MAIN = "from glmquant.cli import main; main()"
@@ -40,10 +40,20 @@ def artifact(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="module")
 def embedded_report(artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> ServeCheckReport:
     out = tmp_path_factory.mktemp("servecheck-embedded")
-    return serve_check(ServeCheckConfig(
-        artifact=artifact, out=out, gates=("text", "tools", "multilingual", "images", "needle", "speed"),
-        needle_tokens=1500, speed_inputs=(200, 700), concurrency=2, max_tokens=MAX_TOKENS, seed=5, timeout_s=300,
-        min_decode_tps=1.0))
+    return serve_check(
+        ServeCheckConfig(
+            artifact=artifact,
+            out=out,
+            gates=("text", "tools", "multilingual", "images", "needle", "speed"),
+            needle_tokens=1500,
+            speed_inputs=(200, 700),
+            concurrency=2,
+            max_tokens=MAX_TOKENS,
+            seed=5,
+            timeout_s=300,
+            min_decode_tps=1.0,
+        )
+    )
 
 
 def test_embedded_server_responses_are_complete_and_counted(embedded_report: ServeCheckReport, artifact: Path) -> None:
@@ -58,6 +68,7 @@ def test_embedded_server_responses_are_complete_and_counted(embedded_report: Ser
         assert r.timings is not None and r.timings.ttft_s is not None and r.timings.ttft_s > 0
     identity = embedded_report.gates[0].cases[0].responses[0]
     prompt = "Return exactly FINAL_BASELINE_OK as your final answer, with no punctuation or surrounding text."
+    assert identity.usage is not None
     assert identity.usage.prompt_tokens == tokenizer.count([{"role": "user", "content": prompt}])
 
 
@@ -76,8 +87,13 @@ def test_speed_cells_pass_and_gates_a_random_model_cannot_answer_fail(embedded_r
     assert gates["speed"].passed, gates["speed"].summary
     for cell, n in zip(gates["speed"].cases, (200, 700)):
         assert n - 3 <= cell.metrics["input_tokens"] <= n and cell.metrics["concurrency"] == 2
-        assert cell.metrics["completion_tokens"] == sum(r.usage.completion_tokens for r in cell.responses)
-        assert cell.metrics["wall_s"] >= max(r.timings.wall_s for r in cell.responses)
+        assert cell.responses
+        completion_tokens, wall_s = 0, 0.0
+        for r in cell.responses:
+            assert r.usage is not None and r.timings is not None
+            completion_tokens, wall_s = completion_tokens + r.usage.completion_tokens, max(wall_s, r.timings.wall_s)
+        assert cell.metrics["completion_tokens"] == completion_tokens
+        assert cell.metrics["wall_s"] >= wall_s
     assert not gates["text"].passed and not gates["images"].passed and not embedded_report.passed
 
 
@@ -96,8 +112,10 @@ def test_report_files_hold_every_response(embedded_report: ServeCheckReport, art
 def glmquant_serve(artifact: Path) -> Iterator[str]:
     """`glmquant serve ARTIFACT --port 0` in its own process; yields its base URL once it is serving."""
     command = [sys.executable, "-c", SERVE_MAIN, "serve", str(artifact), "--port", "0"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "COLUMNS": "400"})  # wide: the URL must not be wrapped
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "COLUMNS": "400"}
+    )  # wide: the URL must not be wrapped
+    assert proc.stdout is not None
     try:
         deadline, url = time.monotonic() + 120, None
         while url is None and time.monotonic() < deadline and proc.poll() is None:
@@ -111,14 +129,34 @@ def glmquant_serve(artifact: Path) -> Iterator[str]:
         proc.stdout.close()
 
 
-@pytest.mark.skipif("serve" not in {c.name for c in app.registered_commands},
-                    reason="the `serve` verb (glmquant/cli/serve.py) is not registered in glmquant.cli yet")
+@pytest.mark.skipif(
+    "serve" not in {c.name for c in app.registered_commands},
+    reason="the `serve` verb (glmquant/cli/serve.py) is not registered in glmquant.cli yet",
+)
 def test_glmquant_serve_as_an_external_endpoint(glmquant_serve: str, artifact: Path, tmp_path: Path) -> None:
     """No fakes: serve-check pointed at a separately running `glmquant serve` like at any endpoint."""
-    result = CliRunner().invoke(app, [
-        "serve-check", "--endpoint", glmquant_serve, "--tokenizer", str(artifact), "--out", str(tmp_path),
-        "--gates", "speed,multilingual", "--speed-inputs", "300", "--max-tokens", "4", "--seed", "2",
-        "--min-decode-tps", "1"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "serve-check",
+            "--endpoint",
+            glmquant_serve,
+            "--tokenizer",
+            str(artifact),
+            "--out",
+            str(tmp_path),
+            "--gates",
+            "speed,multilingual",
+            "--speed-inputs",
+            "300",
+            "--max-tokens",
+            "4",
+            "--seed",
+            "2",
+            "--min-decode-tps",
+            "1",
+        ],
+    )
     assert result.exit_code == 1, result.output  # multilingual cannot pass on a random model
     data = json.loads((tmp_path / "serve-check.json").read_text())
     assert data["target"] == glmquant_serve and data["model"] == served_model_name(artifact)
@@ -133,13 +171,25 @@ def reference(artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def fidelity(artifact: Path, source: Path, out: Path) -> dict:
-    report = serve_check(ServeCheckConfig(artifact=artifact, bf16_source=source, gates=("fidelity",), out=out,
-                                          panel_rows=2, panel_tokens=48, kl_max=0.01, top1_min=0.9, seed=0))
+    report = serve_check(
+        ServeCheckConfig(
+            artifact=artifact,
+            bf16_source=source,
+            gates=("fidelity",),
+            out=out,
+            panel_rows=2,
+            panel_tokens=48,
+            kl_max=0.01,
+            top1_min=0.9,
+            seed=0,
+        )
+    )
     return {"passed": report.passed, **report.gates[0].cases[0].metrics}
 
 
 def test_fidelity_against_the_artifacts_own_weights_and_against_other_weights(
-        artifact: Path, reference: Path, tiny_source: Path, tmp_path: Path) -> None:
+    artifact: Path, reference: Path, tiny_source: Path, tmp_path: Path
+) -> None:
     same = fidelity(artifact, reference, tmp_path / "same")
     other = fidelity(artifact, tiny_source, tmp_path / "other")  # the tiny source's experts are not the artifact's
     assert same["positions"] == other["positions"] == 96
@@ -153,10 +203,24 @@ def test_fidelity_against_the_artifacts_own_weights_and_against_other_weights(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_gates_and_fidelity_on_cuda(artifact: Path, reference: Path, tmp_path: Path) -> None:
-    report = serve_check(ServeCheckConfig(
-        artifact=artifact, bf16_source=reference, device="cuda", out=tmp_path, gates=("needle", "speed", "fidelity"),
-        needle_tokens=1500, speed_inputs=(700,), max_tokens=MAX_TOKENS, panel_rows=2, panel_tokens=48,
-        kl_max=0.01, top1_min=0.9, seed=3, timeout_s=300))
+    report = serve_check(
+        ServeCheckConfig(
+            artifact=artifact,
+            bf16_source=reference,
+            device="cuda",
+            out=tmp_path,
+            gates=("needle", "speed", "fidelity"),
+            needle_tokens=1500,
+            speed_inputs=(700,),
+            max_tokens=MAX_TOKENS,
+            panel_rows=2,
+            panel_tokens=48,
+            kl_max=0.01,
+            top1_min=0.9,
+            seed=3,
+            timeout_s=300,
+        )
+    )
     gates = {g.name: g for g in report.gates}
     needle = gates["needle"].cases[0].metrics
     assert needle["server_prompt_tokens"] == needle["local_prompt_tokens"]

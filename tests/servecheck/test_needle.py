@@ -32,8 +32,9 @@ def bpe_tokenizer() -> PromptTokenizer:
     core.decoder = decoders.ByteLevel()
     stream = filler_sentences(99)
     corpus = [" ".join(next(stream) for _ in range(20)) for _ in range(300)] + [QUESTION, ASK]
-    trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=1200, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     core.train_from_iterator(corpus, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
     tok.chat_template = CHAT_TEMPLATE
@@ -70,10 +71,17 @@ def test_too_short_a_needle_prompt_is_a_usage_error(byte_tokenizer: PromptTokeni
         build_needle_prompt(byte_tokenizer, 100, seed=0)
 
 
-def answered(prompt, values: dict[str, str], prompt_tokens: int, cached: int | None = 0,
-             finish: str = "stop") -> ChatResult:
-    return ChatResult(json.dumps(values), "I found four records.", (), finish,
-                      Usage(prompt_tokens, 60, cached), Timings(0.0, 5.0, 6.0, 6.0))
+def answered(
+    prompt, values: dict[str, str], prompt_tokens: int, cached: int | None = 0, finish: str = "stop"
+) -> ChatResult:
+    return ChatResult(
+        json.dumps(values),
+        "I found four records.",
+        (),
+        finish,
+        Usage(prompt_tokens, 60, cached),
+        Timings(0.0, 5.0, 6.0, 6.0),
+    )
 
 
 def test_needle_scoring(byte_tokenizer: PromptTokenizer) -> None:
@@ -100,8 +108,10 @@ def test_speed_requests_and_cell_scoring(bpe_tokenizer: PromptTokenizer) -> None
     for r in requests:
         assert 1497 <= r.prompt_tokens <= 1500 and r.request.max_tokens == 32
         assert r.request.messages[0]["content"].endswith(ASK)
-    good = [ChatResult("1. Fact.", "", (), "length", Usage(r.prompt_tokens, 32), Timings(0.0, 0.5, 2.1, 2.1))
-            for r in requests]
+    good = [
+        ChatResult("1. Fact.", "", (), "length", Usage(r.prompt_tokens, 32), Timings(0.0, 0.5, 2.1, 2.1))
+        for r in requests
+    ]
     verdict, metrics = score_cell(good, requests, wall_s=2.2, tolerance=8)
     assert verdict.passed, verdict.reason
     assert metrics.ttft_s == pytest.approx(0.5) and metrics.decode_tps == pytest.approx(32 / 1.6)

@@ -3,8 +3,11 @@ raw markup, wrong finish reason."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
+from glmquant.servecheck.answer import final_answer
 from glmquant.servecheck.chat import ChatResult, Timings, ToolCall, Usage
 from glmquant.servecheck.gates import (
     IDENTITY_ANSWER,
@@ -15,14 +18,18 @@ from glmquant.servecheck.gates import (
     tools_cases,
     video_cases,
 )
-from glmquant.servecheck.answer import final_answer
 from glmquant.servecheck.scoring import json_equal, score_json_answer
 
 REASONING = "The user wants the literal token. I will answer with it and nothing else."
 
 
-def reply(content: str = "", reasoning: str = "", finish: str | None = "stop", tool_calls: tuple = (),
-          error: str | None = None) -> ChatResult:
+def reply(
+    content: str = "",
+    reasoning: str = "",
+    finish: str | None = "stop",
+    tool_calls: Sequence[ToolCall] = (),
+    error: str | None = None,
+) -> ChatResult:
     return ChatResult(content, reasoning, tuple(tool_calls), finish, Usage(21, 9), Timings(0.0, 0.4, 1.3, 1.3), error)
 
 
@@ -34,20 +41,23 @@ def weather(result: ChatResult):
     return tools_cases(None)[0].score(result)
 
 
-@pytest.mark.parametrize("result, passed, reason", [
-    (reply(IDENTITY_ANSWER, REASONING), True, "ok"),
-    (reply(f"<think>{REASONING}</think>\n\n{IDENTITY_ANSWER}"), True, "ok"),  # no reasoning parser
-    (reply(f"{REASONING}</think>{IDENTITY_ANSWER}"), True, "ok"),  # template opened <think> in the prompt
-    (reply(f"{IDENTITY_ANSWER}."), False, "answered 'FINAL_BASELINE_OK.'"),
-    (reply("The answer is FINAL_BASELINE_OK"), False, "answered"),
-    (reply("", REASONING, finish="stop"), False, "thinking-only: no final content"),
-    (reply(f"<think>{REASONING}", finish="length"), False, "truncated (finish_reason 'length'), thinking-only"),
-    (reply("FINAL_BASE", finish="length"), False, "truncated (finish_reason 'length') after 'FINAL_BASE'"),
-    (reply(IDENTITY_ANSWER, finish="tool_calls"), False, "finish_reason 'tool_calls', expected 'stop'"),
-    (reply(IDENTITY_ANSWER, finish=None), False, "finish_reason None"),
-    (reply("", finish="stop"), False, "empty response"),
-    (reply(error="APIConnectionError: Connection refused"), False, "request failed: APIConnectionError"),
-])
+@pytest.mark.parametrize(
+    "result, passed, reason",
+    [
+        (reply(IDENTITY_ANSWER, REASONING), True, "ok"),
+        (reply(f"<think>{REASONING}</think>\n\n{IDENTITY_ANSWER}"), True, "ok"),  # no reasoning parser
+        (reply(f"{REASONING}</think>{IDENTITY_ANSWER}"), True, "ok"),  # template opened <think> in the prompt
+        (reply(f"{IDENTITY_ANSWER}."), False, "answered 'FINAL_BASELINE_OK.'"),
+        (reply("The answer is FINAL_BASELINE_OK"), False, "answered"),
+        (reply("", REASONING, finish="stop"), False, "thinking-only: no final content"),
+        (reply(f"<think>{REASONING}", finish="length"), False, "truncated (finish_reason 'length'), thinking-only"),
+        (reply("FINAL_BASE", finish="length"), False, "truncated (finish_reason 'length') after 'FINAL_BASE'"),
+        (reply(IDENTITY_ANSWER, finish="tool_calls"), False, "finish_reason 'tool_calls', expected 'stop'"),
+        (reply(IDENTITY_ANSWER, finish=None), False, "finish_reason None"),
+        (reply("", finish="stop"), False, "empty response"),
+        (reply(error="APIConnectionError: Connection refused"), False, "request failed: APIConnectionError"),
+    ],
+)
 def test_text_identity(result: ChatResult, passed: bool, reason: str) -> None:
     verdict = identity(result)
     assert verdict.passed is passed
@@ -63,27 +73,55 @@ def call(name: str, arguments: str) -> ToolCall:
     return ToolCall(name, arguments)
 
 
-@pytest.mark.parametrize("result, passed, reason", [
-    (reply("", REASONING, "tool_calls", [call("get_weather", '{"city": "Paris", "country": "France"}')]), True, "ok"),
-    (reply("", "", "tool_calls", [call("get_weather", '{"country":"France","city":"Paris"}')]), True, "ok"),
-    (reply("", "", "tool_calls", [call("weather", '{"city": "Paris", "country": "France"}')]), False,
-     "called 'weather', expected 'get_weather'"),
-    (reply("", "", "tool_calls", [call("get_weather", '{"city": "Paris"}')]), False,
-     'tool arguments {"city": "Paris"}'),
-    (reply("", "", "tool_calls", [call("get_weather", '{"city": "Paris", "country": "France", "units": "C"}')]),
-     False, "tool arguments"),
-    (reply("", "", "tool_calls", [call("get_weather", '{"city": "Paris", "country": ')]), False,
-     "tool arguments are not valid JSON"),
-    (reply("", "", "tool_calls", [call("get_weather", '{"city": "Paris", "country": "France"}')] * 2), False,
-     "2 tool calls (get_weather, get_weather), expected exactly one"),
-    (reply("", "", "stop", [call("get_weather", '{"city": "Paris", "country": "France"}')]), False,
-     "finish_reason 'stop', expected 'tool_calls'"),
-    (reply("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"), False,
-     "raw GLM <tool_call> markup left in content"),
-    (reply("", REASONING, "length"), False, "truncated (finish_reason 'length') before any tool call"),
-    (reply("", REASONING, "stop"), False, "thinking-only: no tool call"),
-    (reply("It is sunny in Paris."), False, "no tool call; content 'It is sunny in Paris.'"),
-])
+@pytest.mark.parametrize(
+    "result, passed, reason",
+    [
+        (
+            reply("", REASONING, "tool_calls", [call("get_weather", '{"city": "Paris", "country": "France"}')]),
+            True,
+            "ok",
+        ),
+        (reply("", "", "tool_calls", [call("get_weather", '{"country":"France","city":"Paris"}')]), True, "ok"),
+        (
+            reply("", "", "tool_calls", [call("weather", '{"city": "Paris", "country": "France"}')]),
+            False,
+            "called 'weather', expected 'get_weather'",
+        ),
+        (
+            reply("", "", "tool_calls", [call("get_weather", '{"city": "Paris"}')]),
+            False,
+            'tool arguments {"city": "Paris"}',
+        ),
+        (
+            reply("", "", "tool_calls", [call("get_weather", '{"city": "Paris", "country": "France", "units": "C"}')]),
+            False,
+            "tool arguments",
+        ),
+        (
+            reply("", "", "tool_calls", [call("get_weather", '{"city": "Paris", "country": ')]),
+            False,
+            "tool arguments are not valid JSON",
+        ),
+        (
+            reply("", "", "tool_calls", [call("get_weather", '{"city": "Paris", "country": "France"}')] * 2),
+            False,
+            "2 tool calls (get_weather, get_weather), expected exactly one",
+        ),
+        (
+            reply("", "", "stop", [call("get_weather", '{"city": "Paris", "country": "France"}')]),
+            False,
+            "finish_reason 'stop', expected 'tool_calls'",
+        ),
+        (
+            reply("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"),
+            False,
+            "raw GLM <tool_call> markup left in content",
+        ),
+        (reply("", REASONING, "length"), False, "truncated (finish_reason 'length') before any tool call"),
+        (reply("", REASONING, "stop"), False, "thinking-only: no tool call"),
+        (reply("It is sunny in Paris."), False, "no tool call; content 'It is sunny in Paris.'"),
+    ],
+)
 def test_structured_tools(result: ChatResult, passed: bool, reason: str) -> None:
     verdict = weather(result)
     assert verdict.passed is passed
@@ -102,18 +140,21 @@ def test_multilingual_exact_echo() -> None:
     assert "Witaj, świecie" in cases["polish"].request.messages[0]["content"]
 
 
-@pytest.mark.parametrize("content, finish, passed, reason", [
-    ('{"text": "A7K2"}', "stop", True, "ok"),
-    ('<|begin_of_box|>{"text": "A7K2"}<|end_of_box|>', "stop", True, "ok"),
-    ('<think>It reads A7K2.</think><|begin_of_box|>{"text": "A7K2"}<|end_of_box|>', "stop", True, "ok"),
-    ('{"text": "B9Q4"}', "stop", False, 'answered {"text": "B9Q4"}, expected {"text": "A7K2"}'),
-    ('{"text": "a7k2"}', "stop", False, "answered"),
-    ('{"text": "A7K2", "confidence": 1}', "stop", False, "answered"),
-    ("```json\n{\"text\": \"A7K2\"}\n```", "stop", False, "final content is not valid JSON"),
-    ('{"text": "A7K2"', "stop", False, "final content is not valid JSON"),
-    ("The text says A7K2.", "stop", False, "final content is not valid JSON"),
-    ('{"text": "A7', "length", False, "truncated (finish_reason 'length')"),
-])
+@pytest.mark.parametrize(
+    "content, finish, passed, reason",
+    [
+        ('{"text": "A7K2"}', "stop", True, "ok"),
+        ('<|begin_of_box|>{"text": "A7K2"}<|end_of_box|>', "stop", True, "ok"),
+        ('<think>It reads A7K2.</think><|begin_of_box|>{"text": "A7K2"}<|end_of_box|>', "stop", True, "ok"),
+        ('{"text": "B9Q4"}', "stop", False, 'answered {"text": "B9Q4"}, expected {"text": "A7K2"}'),
+        ('{"text": "a7k2"}', "stop", False, "answered"),
+        ('{"text": "A7K2", "confidence": 1}', "stop", False, "answered"),
+        ('```json\n{"text": "A7K2"}\n```', "stop", False, "final content is not valid JSON"),
+        ('{"text": "A7K2"', "stop", False, "final content is not valid JSON"),
+        ("The text says A7K2.", "stop", False, "final content is not valid JSON"),
+        ('{"text": "A7', "length", False, "truncated (finish_reason 'length')"),
+    ],
+)
 def test_image_json_answers(content: str, finish: str, passed: bool, reason: str) -> None:
     case = next(c for c in image_cases(None) if c.name == "text-A7K2")
     verdict = case.score(reply(content, finish=finish))

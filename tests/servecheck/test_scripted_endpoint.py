@@ -19,8 +19,17 @@ CHAT = ("text", "tools", "multilingual", "images", "video", "needle", "speed")
 
 
 def config(url: str, tokenizer: Path, out: Path, **overrides) -> ServeCheckConfig:
-    return ServeCheckConfig(endpoint=url, tokenizer=tokenizer, out=out, needle_tokens=2500, speed_inputs=(600, 900),
-                            concurrency=2, seed=1, timeout_s=30, **overrides)
+    return ServeCheckConfig(
+        endpoint=url,
+        tokenizer=tokenizer,
+        out=out,
+        needle_tokens=2500,
+        speed_inputs=(600, 900),
+        concurrency=2,
+        seed=1,
+        timeout_s=30,
+        **overrides,
+    )
 
 
 def test_stream_is_collected_with_usage_reasoning_and_timings(scripted) -> None:
@@ -33,7 +42,9 @@ def test_stream_is_collected_with_usage_reasoning_and_timings(scripted) -> None:
     assert result.usage is not None and result.usage.cached_tokens == 0
     assert result.usage.prompt_tokens == scripted.tokenizer.count([{"role": "user", "content": prompt}])
     t = result.timings
-    assert t is not None and t.start < t.first_token < t.last_token <= t.end and result.decode_tps > 0
+    assert t is not None and t.first_token is not None and t.last_token is not None
+    assert t.start < t.first_token < t.last_token <= t.end
+    assert result.decode_tps is not None and result.decode_tps > 0
     sent = scripted.requests[-1]
     assert sent["temperature"] == 0 and sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert sent["chat_template_kwargs"] == {"enable_thinking": True} and "max_tokens" not in sent
@@ -67,8 +78,9 @@ def test_every_gate_passes_against_a_correct_server(scripted, tiny_tokenizer_dir
     assert (tmp_path / "serve-check.md").read_text().startswith("# serve-check: PASS")
 
 
-def test_every_gate_fails_for_its_own_reason_against_a_flawed_server(scripted, tiny_tokenizer_dir: Path,
-                                                                    tmp_path: Path) -> None:
+def test_every_gate_fails_for_its_own_reason_against_a_flawed_server(
+    scripted, tiny_tokenizer_dir: Path, tmp_path: Path
+) -> None:
     scripted.flawed = True
     report = serve_check(config(scripted.url, tiny_tokenizer_dir, tmp_path))
     assert not report.passed
@@ -96,8 +108,20 @@ def cli(args: list[str]):
 
 
 def test_cli_exit_codes(scripted, tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
-    common = ["--endpoint", scripted.url.removesuffix("/v1"), "--tokenizer", str(tiny_tokenizer_dir),
-              "--out", str(tmp_path), "--seed", "3", "--gates", "text,multilingual,needle", "--needle-tokens", "2000"]
+    common = [
+        "--endpoint",
+        scripted.url.removesuffix("/v1"),
+        "--tokenizer",
+        str(tiny_tokenizer_dir),
+        "--out",
+        str(tmp_path),
+        "--seed",
+        "3",
+        "--gates",
+        "text,multilingual,needle",
+        "--needle-tokens",
+        "2000",
+    ]
     ok = cli(common)
     assert ok.exit_code == 0, ok.output
     assert "serve-check" in ok.output and "PASS" in ok.output
@@ -119,19 +143,61 @@ def test_cli_hands_the_library_the_exact_config(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr("glmquant.cli.serve_check.serve_check", fake)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    result = cli([str(tmp_path), "--gates", "needle,speed,fidelity", "--needle-tokens", "4096", "--speed-inputs",
-                  "512,2048", "--concurrency", "4", "--bf16-source", str(tmp_path), "--kl-max", "0.3",
-                  "--top1-min", "0.8", "--max-tokens", "64"])
+    result = cli(
+        [
+            str(tmp_path),
+            "--gates",
+            "needle,speed,fidelity",
+            "--needle-tokens",
+            "4096",
+            "--speed-inputs",
+            "512,2048",
+            "--concurrency",
+            "4",
+            "--bf16-source",
+            str(tmp_path),
+            "--kl-max",
+            "0.3",
+            "--top1-min",
+            "0.8",
+            "--max-tokens",
+            "64",
+        ]
+    )
     assert result.exit_code == 2
     assert seen["config"] == ServeCheckConfig(
-        artifact=tmp_path, gates=("needle", "speed", "fidelity"), needle_tokens=4096, speed_inputs=(512, 2048),
-        concurrency=4, bf16_source=tmp_path, kl_max=0.3, top1_min=0.8, max_tokens=64)
+        artifact=tmp_path,
+        gates=("needle", "speed", "fidelity"),
+        needle_tokens=4096,
+        speed_inputs=(512, 2048),
+        concurrency=4,
+        bf16_source=tmp_path,
+        kl_max=0.3,
+        top1_min=0.8,
+        max_tokens=64,
+    )
 
 
 def test_skipped_gates_and_thresholds_are_listed(scripted, tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     """The console and both reports name every gate that did not run and why, and what each gate passed on."""
-    result = cli(["--endpoint", scripted.url, "--tokenizer", str(tiny_tokenizer_dir), "--out", str(tmp_path),
-                  "--gates", "text,speed", "--speed-inputs", "600", "--min-decode-tps", "2", "--seed", "1"])
+    result = cli(
+        [
+            "--endpoint",
+            scripted.url,
+            "--tokenizer",
+            str(tiny_tokenizer_dir),
+            "--out",
+            str(tmp_path),
+            "--gates",
+            "text,speed",
+            "--speed-inputs",
+            "600",
+            "--min-decode-tps",
+            "2",
+            "--seed",
+            "1",
+        ]
+    )
     output = " ".join(result.output.split())
     assert result.exit_code == 0, output
     for gate in ("tools", "multilingual", "images", "video", "needle", "fidelity"):
@@ -143,9 +209,13 @@ def test_skipped_gates_and_thresholds_are_listed(scripted, tiny_tokenizer_dir: P
     markdown = (tmp_path / "serve-check.md").read_text()
     assert "| fidelity | SKIP | not selected (--gates) | - |" in markdown and "mean decode >= 2 tok/s" in markdown
     default = ServeCheckConfig(endpoint=scripted.url)
-    assert default.skipped_gates == {"fidelity": "needs --bf16-source DIR and ARTIFACT (it runs the artifact in-process)"}
-    assert "mean KL <= 0.5 nats and top-1 agreement >= 0.75" in ServeCheckConfig(
-        artifact=tmp_path, bf16_source=tmp_path).thresholds["fidelity"]
+    assert default.skipped_gates == {
+        "fidelity": "needs --bf16-source DIR and ARTIFACT (it runs the artifact in-process)"
+    }
+    assert (
+        "mean KL <= 0.5 nats and top-1 agreement >= 0.75"
+        in ServeCheckConfig(artifact=tmp_path, bf16_source=tmp_path).thresholds["fidelity"]
+    )
 
 
 def test_speed_has_a_threshold(scripted, tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
@@ -158,16 +228,27 @@ def test_max_model_len_and_the_servers_tokenizer(scripted, tmp_path: Path) -> No
     """Without --tokenizer the endpoint's /tokenize sizes the prompts; cells that cannot fit its max_model_len are
     resized (needle) or skipped (speed), and the report says so."""
     scripted.max_model_len, scripted.offers_tokenize = 2000, True
-    report = serve_check(ServeCheckConfig(endpoint=scripted.url, out=tmp_path, gates=("needle", "speed"),
-                                          needle_tokens=2500, speed_inputs=(600, 3000), max_tokens=64, seed=1,
-                                          timeout_s=30, min_decode_tps=0))
+    report = serve_check(
+        ServeCheckConfig(
+            endpoint=scripted.url,
+            out=tmp_path,
+            gates=("needle", "speed"),
+            needle_tokens=2500,
+            speed_inputs=(600, 3000),
+            max_tokens=64,
+            seed=1,
+            timeout_s=30,
+            min_decode_tps=0,
+        )
+    )
     needle, speed = report.gates
     assert report.passed, [g.summary for g in report.gates]
     assert [c.name for c in needle.cases] == ["1936 tokens"]
     assert abs(needle.cases[0].metrics["local_prompt_tokens"] - 1936) <= 3
     assert needle.cases[0].metrics["server_prompt_tokens"] == needle.cases[0].metrics["local_prompt_tokens"]
-    assert needle.notes == ("2500-token prompt sized to 1936: the endpoint's max_model_len is 2000, 64 tokens kept "
-                            "for the answer",)
+    assert needle.notes == (
+        "2500-token prompt sized to 1936: the endpoint's max_model_len is 2000, 64 tokens kept for the answer",
+    )
     assert [c.name for c in speed.cases] == ["600 in x1"]
     assert speed.notes[0].startswith("3000-token prompt skipped: the endpoint's max_model_len is 2000")
     assert "- 3000-token prompt skipped" in (tmp_path / "serve-check.md").read_text()

@@ -36,21 +36,29 @@ class Run:
 QUERY_BLOCK_BYTES = 1 << 30  # a prefill chunk's indexer scores and gathered latents are made this many bytes at a time
 
 
-def decoder_layer(streams: torch.Tensor, layer: int, w: LayerWeights, cache: LayerCache, positions: torch.Tensor,
-                  pools: int, run: Run) -> torch.Tensor:
+def decoder_layer(
+    streams: torch.Tensor, layer: int, w: LayerWeights, cache: LayerCache, positions: torch.Tensor, pools: int, run: Run
+) -> torch.Tensor:
     """streams [B, S, N, H] -> the next layer's streams (attention, then the feed-forward, each inside mHC)."""
-    if isinstance(w.attention, KDAWeights):
-        attention = lambda h: kda_block(h, w.attention, cache, run)  # noqa: E731
-    else:
-        attention = lambda h: mla_block(h, w.attention, cache, positions, pools, run)  # noqa: E731
+
+    def attention(h: torch.Tensor) -> torch.Tensor:
+        weights = w.attention
+        if isinstance(weights, KDAWeights) and isinstance(cache, KDACache):
+            return kda_block(h, weights, cache, run)
+        if isinstance(weights, MLAWeights) and isinstance(cache, MLACache):
+            return mla_block(h, weights, cache, positions, pools, run)
+        raise TypeError(f"layer {layer}: {type(weights).__name__} with a {type(cache).__name__}")
+
     streams = _hyper_residual(streams, w.attn_hc, w.input_norm, run, attention)
-    if isinstance(w.mlp, MLP):
-        return _hyper_residual(streams, w.ffn_hc, w.post_norm, run, lambda h: mlp(h, w.mlp, run))
-    return _hyper_residual(streams, w.ffn_hc, w.post_norm, run, lambda h: moe_block(h, w.mlp, layer, run))
+    block = w.mlp
+    if isinstance(block, MLP):
+        return _hyper_residual(streams, w.ffn_hc, w.post_norm, run, lambda h: mlp(h, block, run))
+    return _hyper_residual(streams, w.ffn_hc, w.post_norm, run, lambda h: moe_block(h, block, layer, run))
 
 
-def _hyper_residual(streams: torch.Tensor, hc: Hyper, norm: torch.Tensor, run: Run,
-                    block: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _hyper_residual(
+    streams: torch.Tensor, hc: Hyper, norm: torch.Tensor, run: Run, block: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """One block inside mHC: collapse the streams, norm, the block, spread its output and mix the streams."""
     cfg, ops = run.cfg, run.ops
     mix = ops.hyper_mix(streams, hc.fn, cfg.rms_eps)
@@ -91,7 +99,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     """Depthwise causal conv + SiLU of x [B, S, C] after the cached inputs state [B, kernel - 1, C] (updated);
     fp32 like the conv weight [C, kernel], returned in x's dtype."""
     window = torch.cat([state, x], dim=1)
-    state.copy_(window[:, -state.shape[1]:])
+    state.copy_(window[:, -state.shape[1] :])
     if x.shape[1] == 1:
         out = (window.float() * weight.t()).sum(dim=1, keepdim=True)
     else:
@@ -99,40 +107,51 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     return F.silu(out).to(x.dtype)
 
 
-def mla_block(x: torch.Tensor, w: MLAWeights, cache: MLACache, positions: torch.Tensor, pools: int,
-              run: Run) -> torch.Tensor:
+def mla_block(
+    x: torch.Tensor, w: MLAWeights, cache: MLACache, positions: torch.Tensor, pools: int, run: Run
+) -> torch.Tensor:
     """Sparse MLA: cache the new latents and indexer keys, score the first `pools` k-pools for every query, attend
     to the selected tokens' latents with absorbed queries. Queries go in blocks of bounded memory."""
     cfg, ops = run.cfg, run.ops
     q_a, kv, index_key, index_gate, head_w = F.linear(x, w.in_proj).split(
-        [cfg.q_rank, cfg.kv_rank, cfg.index_dim, cfg.index_dim, cfg.index_heads], dim=-1)
+        [cfg.q_rank, cfg.kv_rank, cfg.index_dim, cfg.index_dim, cfg.index_heads], dim=-1
+    )
     q_resid = ops.rms_norm(q_a, w.q_norm, cfg.rms_eps)
     index_key = F.layer_norm(index_key, (cfg.index_dim,), w.k_norm_weight, w.k_norm_bias, 1e-6)
     _store(cache, positions, ops.rms_norm(kv, w.kv_norm, cfg.rms_eps), index_key, index_gate, w.ape, run)
     q, q_index = F.linear(q_resid, w.q_b).split([cfg.heads * cfg.nope_dim, cfg.index_heads * cfg.index_dim], dim=-1)
     q_latent = ops.absorbed_query(q.unflatten(-1, (cfg.heads, cfg.nope_dim)), w.kv_b, cfg.nope_dim)
     q_index = q_index.unflatten(-1, (cfg.index_heads, cfg.index_dim))
-    head_w = head_w.float() * cfg.index_heads ** -0.5
+    head_w = head_w.float() * cfg.index_heads**-0.5
     width = min(cfg.index_topk, pools * cfg.kpool) + cfg.kpool
     per_query = x.shape[0] * max(cfg.index_heads * pools * 4, width * (cfg.kv_rank * 2 + cfg.heads * 4))
     step = max(1, QUERY_BLOCK_BYTES // per_query)
     outs = []
     for s in range(0, x.shape[1], step):
         block = slice(s, s + step)
-        scores = ops.index_scores(q_index[:, block], cache.pooled[:, :pools], head_w[:, block], cfg.index_dim ** -0.5)
+        scores = ops.index_scores(q_index[:, block], cache.pooled[:, :pools], head_w[:, block], cfg.index_dim**-0.5)
         tokens = ops.select_tokens(scores, positions[:, block], cfg.kpool, cfg.index_topk, cfg.kpool_tail)
-        outs.append(ops.sparse_mla(q_latent[:, block], cache.latents, tokens, w.kv_b, cfg.nope_dim,
-                                   cfg.nope_dim ** -0.5))
+        outs.append(ops.sparse_mla(q_latent[:, block], cache.latents, tokens, w.kv_b, cfg.nope_dim, cfg.nope_dim**-0.5))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return F.linear(out.flatten(-2), w.o_proj)
 
 
-def _store(cache: MLACache, positions: torch.Tensor, latent: torch.Tensor, index_key: torch.Tensor,
-           index_gate: torch.Tensor, ape: torch.Tensor, run: Run) -> None:
+def _store(
+    cache: MLACache,
+    positions: torch.Tensor,
+    latent: torch.Tensor,
+    index_key: torch.Tensor,
+    index_gate: torch.Tensor,
+    ape: torch.Tensor,
+    run: Run,
+) -> None:
     """Write the new positions' latents, indexer keys and gates, then recompute the k-pool key of every pool they
     touch (a pool's key is final once its last token is written; selection ignores pools not yet complete)."""
     b, s, kpool = *positions.shape, run.cfg.kpool
-    at = lambda t: positions.unsqueeze(-1).expand(b, s, t.shape[-1])  # noqa: E731
+
+    def at(t: torch.Tensor) -> torch.Tensor:
+        return positions.unsqueeze(-1).expand(b, s, t.shape[-1])
+
     for target, value in ((cache.latents, latent), (cache.index_keys, index_key), (cache.index_gates, index_gate)):
         target.scatter_(1, at(value), value.to(target.dtype))
     pool = positions // kpool  # [B, S]

@@ -39,21 +39,33 @@ class Caches:
     max_len: int
 
     @classmethod
-    def allocate(cls, cfg: EngineConfig, max_batch: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device) -> Caches:
+    def allocate(
+        cls, cfg: EngineConfig, max_batch: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> Caches:
         """Zeroed caches; max_len is rounded up to whole k-pools."""
         max_len = -(-max_len // cfg.kpool) * cfg.kpool
-        empty = lambda *shape, d=dtype: torch.zeros(shape, dtype=d, device=device)  # noqa: E731
+
+        def empty(*shape: int, d: torch.dtype = dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=d, device=device)
+
         layers: list[LayerCache] = []
         for kind in cfg.layer_kinds:
             if kind == "kda":
-                layers.append(KDACache(empty(max_batch, cfg.conv_kernel - 1, 3 * cfg.kda_width),
-                                       empty(max_batch, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim,
-                                             d=torch.float32)))
+                layers.append(
+                    KDACache(
+                        empty(max_batch, cfg.conv_kernel - 1, 3 * cfg.kda_width),
+                        empty(max_batch, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim, d=torch.float32),
+                    )
+                )
             else:
-                layers.append(MLACache(empty(max_batch, max_len, cfg.kv_rank), empty(max_batch, max_len, cfg.index_dim),
-                                       empty(max_batch, max_len, cfg.index_dim),
-                                       empty(max_batch, max_len // cfg.kpool, cfg.index_dim)))
+                layers.append(
+                    MLACache(
+                        empty(max_batch, max_len, cfg.kv_rank),
+                        empty(max_batch, max_len, cfg.index_dim),
+                        empty(max_batch, max_len, cfg.index_dim),
+                        empty(max_batch, max_len // cfg.kpool, cfg.index_dim),
+                    )
+                )
         return cls(tuple(layers), max_batch, max_len)
 
     def rows(self, start: int, stop: int) -> tuple[LayerCache, ...]:
@@ -71,7 +83,7 @@ class Caches:
     def copy_slot(self, source: int, targets: range) -> None:
         """Give slots `targets` the same history as `source` (a benchmark's batch of equal sequences)."""
         for t in self._tensors():
-            t[targets.start:targets.stop].copy_(t[source:source + 1].expand(len(targets), *t.shape[1:]))
+            t[targets.start : targets.stop].copy_(t[source : source + 1].expand(len(targets), *t.shape[1:]))
 
     def snapshot(self) -> list[torch.Tensor]:
         """Copies of every cache tensor (a benchmark replays the same history twice)."""

@@ -49,15 +49,37 @@ class EngineConfig:
         kinds = tuple("kda" if t == "linear_attention" else "mla" for t in c.layer_types)
         shared = [i for i, (k, t) in enumerate(zip(kinds, c.indexer_types)) if k == "mla" and t != "full"]
         if c.qk_rope_head_dim or c.n_group != 1 or shared:
-            raise ConfigError(f"the runtime's forward implements NoPE MLA, one expert group and a full indexer in "
-                              f"every MLA layer; the config has qk_rope_head_dim {c.qk_rope_head_dim}, "
-                              f"n_group {c.n_group}, shared-indexer layers {shared}")
+            raise ConfigError(
+                f"the runtime's forward implements NoPE MLA, one expert group and a full indexer in "
+                f"every MLA layer; the config has qk_rope_head_dim {c.qk_rope_head_dim}, "
+                f"n_group {c.n_group}, shared-indexer layers {shared}"
+            )
         return cls(
-            hidden=c.hidden_size, vocab=c.vocab_size, layers=c.num_hidden_layers, rms_eps=c.rms_norm_eps,
-            hc_mult=c.hc_mult, hc_eps=c.hc_eps, sinkhorn_iters=c.hc_sinkhorn_iters, layer_kinds=kinds,
-            mlp_kinds=tuple(c.mlp_layer_types), kda_heads=c.linear_num_heads,
-            kda_head_dim=c.linear_head_dim, conv_kernel=c.linear_conv_kernel_dim, kda_lower_bound=c.linear_lower_bound,
-            heads=c.num_attention_heads, nope_dim=c.qk_nope_head_dim, v_dim=c.v_head_dim, kv_rank=c.kv_lora_rank,
-            q_rank=c.q_lora_rank, index_heads=c.index_n_heads, index_dim=c.index_head_dim, index_topk=c.index_topk,
-            kpool=c.index_kpool, kpool_tail=c.index_kpool_always_select_tail, top_k=c.num_experts_per_tok,
-            routed_scaling=c.routed_scaling_factor, norm_topk=c.norm_topk_prob, swiglu_limit=c.swiglu_limit)
+            hidden=c.hidden_size,
+            vocab=c.vocab_size,
+            layers=c.num_hidden_layers,
+            rms_eps=c.rms_norm_eps,
+            hc_mult=c.hc_mult,
+            hc_eps=c.hc_eps,
+            sinkhorn_iters=c.hc_sinkhorn_iters,
+            layer_kinds=kinds,
+            mlp_kinds=tuple(c.mlp_layer_types),
+            kda_heads=c.linear_num_heads,
+            kda_head_dim=c.linear_head_dim,
+            conv_kernel=c.linear_conv_kernel_dim,
+            kda_lower_bound=c.linear_lower_bound,
+            heads=c.num_attention_heads,
+            nope_dim=c.qk_nope_head_dim,
+            v_dim=c.v_head_dim,
+            kv_rank=c.kv_lora_rank,
+            q_rank=c.q_lora_rank,
+            index_heads=c.index_n_heads,
+            index_dim=c.index_head_dim,
+            index_topk=c.index_topk,
+            kpool=c.index_kpool,
+            kpool_tail=c.index_kpool_always_select_tail,
+            top_k=c.num_experts_per_tok,
+            routed_scaling=c.routed_scaling_factor,
+            norm_topk=c.norm_topk_prob,
+            swiglu_limit=c.swiglu_limit,
+        )

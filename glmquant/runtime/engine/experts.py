@@ -24,8 +24,10 @@ def engine_experts(artifact: Artifact, options: RuntimeOptions) -> ExpertBackend
     if options.backend == "torch":
         return make_backend(artifact, options)
     if options.backend not in GPU_BACKENDS:
-        raise UsageError(f"the runtime's own forward runs experts with {', '.join(('torch', *GPU_BACKENDS))}, "
-                         f"not {options.backend!r}")
+        raise UsageError(
+            f"the runtime's own forward runs experts with {', '.join(('torch', *GPU_BACKENDS))}, "
+            f"not {options.backend!r}"
+        )
     from glmquant.runtime.kernels.backend import _device
 
     return ResidentExperts(artifact, _device(options, options.backend))
@@ -43,8 +45,9 @@ class ResidentExperts:
         self.capacity = len(self.weights) * artifact.virtual_experts
         self.uses = 0
 
-    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         self.uses += expert_ids.numel()
         return self.fused_moe(hidden.contiguous(), expert_ids, weights, self.weights[layer])
 
@@ -68,12 +71,22 @@ def resident_layer(artifact: Artifact, layer: int, device: torch.device):  # -> 
 
     def stack(projections: tuple[str, ...]) -> WeightStack:
         prefixes = [artifact.expert_prefix(layer, v, p) for p in projections for v in range(artifact.virtual_experts)]
-        parts = [ckpt.read_stack([f"{x}.{part}" for x in prefixes]).to(device) for part in ("trellis", "suh", "svh")]
+        trellis, suh, svh = (
+            ckpt.read_stack([f"{x}.{part}" for x in prefixes]).to(device) for part in ("trellis", "suh", "svh")
+        )
         if codebook in MARKER_VALUES:  # read like every other planned tensor, and checked
             markers = ckpt.read_stack([f"{x}.{codebook.value}" for x in prefixes])
             if not bool((markers == MARKER_VALUES[codebook]).all()):
                 raise CheckpointFormatError(f"{ckpt.directory}: layer {layer} {codebook.value} markers are wrong")
-        shaped = [t.view(len(projections), artifact.virtual_experts, *t.shape[1:]) for t in parts]
-        return WeightStack(*shaped, codebook_id(codebook), *artifact.features(projections[0]))
+        p, v = len(projections), artifact.virtual_experts
+        in_features, out_features = artifact.features(projections[0])
+        return WeightStack(
+            trellis.view(p, v, *trellis.shape[1:]),
+            suh.view(p, v, *suh.shape[1:]),
+            svh.view(p, v, *svh.shape[1:]),
+            codebook_id(codebook),
+            in_features,
+            out_features,
+        )
 
     return MoEWeights(stack(("gate_proj", "up_proj")), stack(("down_proj",)), artifact.spec.swiglu_limit)

@@ -46,8 +46,15 @@ class Engine:
     cuda_graphs: bool = False  # decode steps replay graphs where the device has them
 
     @classmethod
-    def load(cls, artifact: Artifact, options: RuntimeOptions, max_batch: int = 1, max_len: int = 4096,
-             cuda_graphs: bool = True, compile_decode: bool = False) -> Engine:
+    def load(
+        cls,
+        artifact: Artifact,
+        options: RuntimeOptions,
+        max_batch: int = 1,
+        max_len: int = 4096,
+        cuda_graphs: bool = True,
+        compile_decode: bool = False,
+    ) -> Engine:
         """Weights (one layer at a time), experts and caches for `max_batch` sequences of `max_len` tokens;
         `compile_decode` runs decode steps' math through torch.compile (`engine/ops.py`)."""
         options = options.resolved_for(artifact.config)
@@ -56,9 +63,18 @@ class Engine:
         weights = load_weights(artifact, cfg, dtype, device)
         experts = engine_experts(artifact, options)
         cuda_graphs = cuda_graphs and options.backend == "triton"  # the torch backend syncs with the host
-        runs = [Run(cfg, ops_for(device, compiled), experts, artifact.ranks) for compiled in (False, compile_decode)]
-        return cls(cfg, weights, Caches.allocate(cfg, max_batch, max_len, dtype, device), *runs,
-                   _graphs(device) if cuda_graphs else None, cuda_graphs)
+        prefill_run, decode_run = (
+            Run(cfg, ops_for(device, compiled), experts, artifact.ranks) for compiled in (False, compile_decode)
+        )
+        return cls(
+            cfg,
+            weights,
+            Caches.allocate(cfg, max_batch, max_len, dtype, device),
+            prefill_run,
+            decode_run,
+            _graphs(device) if cuda_graphs else None,
+            cuda_graphs,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -69,8 +85,9 @@ class Engine:
         return self.decode_run.experts
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, caches: tuple[LayerCache, ...],
-                pools: int, run: Run) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, caches: tuple[LayerCache, ...], pools: int, run: Run
+    ) -> torch.Tensor:
         """Logits [B, V] of the last of S new tokens per row: tokens and positions [B, S] (int64, on the device),
         `caches` those rows' caches, `pools` the k-pools the indexer scores (covering every position)."""
         cfg, w = self.cfg, self.weights
@@ -89,13 +106,14 @@ class Engine:
         ids = token_ids.to(self.device).view(1, -1)
         rows = self.caches.rows(slot, slot + 1)
         for c in range(0, ids.shape[1], chunk):
-            part = ids[:, c:c + chunk]
+            part = ids[:, c : c + chunk]
             positions = torch.arange(start + c, start + c + part.shape[1], device=self.device).view(1, -1)
             logits = self.forward(part, positions, rows, self.pools_for(start + c + part.shape[1]), self.prefill_run)
         return logits[0]
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, context: int, first_slot: int = 0,
-               eager: bool = False) -> torch.Tensor:
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, context: int, first_slot: int = 0, eager: bool = False
+    ) -> torch.Tensor:
         """One token for each of slots first_slot .. first_slot + B - 1: tokens, positions [B] on the device;
         `context` bounds every position + 1 (the host knows the lengths; it picks the indexer window).
         Logits [B, V]; from a graph, the same tensor is overwritten by the next step. `eager` skips the graphs."""
@@ -109,7 +127,8 @@ class Engine:
     def reallocate(self, max_batch: int, max_len: int) -> None:
         """Fresh zeroed caches of another size (captured graphs are dropped: they address the old ones)."""
         dtype, device = self.weights.embed.dtype, self.device
-        self.caches = self.graphs = None
+        self.graphs = None
+        del self.caches  # the old caches are freed before the new ones are allocated
         if device.type == "cuda":
             torch.cuda.empty_cache()
         self.caches = Caches.allocate(self.cfg, max_batch, max_len, dtype, device)

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from glmquant.runtime.engine.blocks import kda_block, mla_block, mlp, routed_experts
-from glmquant.runtime.engine.cache import KDACache
+from glmquant.runtime.engine.cache import KDACache, MLACache
 from glmquant.runtime.engine.model import Engine
 from glmquant.runtime.engine.weights import MLP, KDAWeights, MLAWeights, MoEBlock
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 CLASSES = ("kda", "mla_dsa", "routed_moe", "shared_dense_mlp", "lm_head")
 
@@ -37,8 +41,16 @@ def class_steps(engine: Engine, x: torch.Tensor, position: int) -> dict[str, Cal
     positions = torch.full((x.shape[0], 1), position, dtype=torch.long, device=engine.device)
     pools = engine.pools_for(position + 1)
     layers = list(enumerate(w.layers))
-    kda = [(lw.attention, rows[i]) for i, lw in layers if isinstance(lw.attention, KDAWeights)]
-    mla = [(lw.attention, rows[i]) for i, lw in layers if isinstance(lw.attention, MLAWeights)]
+    kda = [
+        (lw.attention, c)
+        for i, lw in layers
+        if isinstance(lw.attention, KDAWeights) and isinstance(c := rows[i], KDACache)
+    ]
+    mla = [
+        (lw.attention, c)
+        for i, lw in layers
+        if isinstance(lw.attention, MLAWeights) and isinstance(c := rows[i], MLACache)
+    ]
     moe = [(i, lw.mlp) for i, lw in layers if isinstance(lw.mlp, MoEBlock)]
     mlps = [lw.mlp if isinstance(lw.mlp, MLP) else lw.mlp.shared for _, lw in layers]
 
@@ -90,11 +102,13 @@ def class_bytes(engine: Engine, batch: int, context: int, experts_routed: int, e
         "routed_moe": sum(m.router.nbytes + m.bias.nbytes for m in moe) + experts_routed * expert_bytes,
         "shared_dense_mlp": sum(_nbytes(lw.mlp if isinstance(lw.mlp, MLP) else lw.mlp.shared) for lw in layers),
         "lm_head": w.lm_head.nbytes + w.norm.nbytes,
-        "rest": sum(_nbytes(lw.attn_hc) + _nbytes(lw.ffn_hc) + lw.input_norm.nbytes + lw.post_norm.nbytes
-                    for lw in layers) + batch * cfg.hidden * item,
+        "rest": sum(
+            _nbytes(lw.attn_hc) + _nbytes(lw.ffn_hc) + lw.input_norm.nbytes + lw.post_norm.nbytes for lw in layers
+        )
+        + batch * cfg.hidden * item,
     }
 
 
-def _nbytes(obj: object) -> int:
+def _nbytes(obj: DataclassInstance) -> int:
     """Bytes of every tensor field of a weights or cache dataclass."""
     return sum(getattr(obj, f.name).nbytes for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor))

@@ -85,8 +85,9 @@ class ModelWeights:
 class _LayerReader:
     """Reads a layer's tensors by suffix onto the device and checks that every one of them was used."""
 
-    def __init__(self, artifact: Artifact, prefix: str, names: list[str], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, artifact: Artifact, prefix: str, names: list[str], dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.artifact, self.prefix, self.dtype, self.device = artifact, prefix, dtype, device
         self.left = set(names)
 
@@ -102,8 +103,10 @@ class _LayerReader:
 
     def finish(self) -> None:
         if self.left:
-            raise CheckpointFormatError(f"{self.artifact.path}: the runtime has no use for {len(self.left)} tensor(s) "
-                                        f"of {self.prefix.rstrip('.')}, e.g. {sorted(self.left)[:3]}")
+            raise CheckpointFormatError(
+                f"{self.artifact.path}: the runtime has no use for {len(self.left)} tensor(s) "
+                f"of {self.prefix.rstrip('.')}, e.g. {sorted(self.left)[:3]}"
+            )
 
 
 def load_weights(artifact: Artifact, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
@@ -115,12 +118,14 @@ def load_weights(artifact: Artifact, cfg: EngineConfig, dtype: torch.dtype, devi
         read = _LayerReader(artifact, table.layer_prefix(layer), names, dtype, device)
         layers.append(_layer(read, cfg, layer))
         read.finish()
-    top = _LayerReader(artifact, "", [t.name for t in table.top_level(spec) if t.role is not TensorRole.VISION],
-                       dtype, device)
+    top = _LayerReader(
+        artifact, "", [t.name for t in table.top_level(spec) if t.role is not TensorRole.VISION], dtype, device
+    )
     p = table.text_prefix
     embed = top(p + "embed_tokens.weight")
-    weights = ModelWeights(embed, top(p + "norm.weight"),
-                           embed if spec.tie_word_embeddings else top("lm_head.weight"), tuple(layers))
+    weights = ModelWeights(
+        embed, top(p + "norm.weight"), embed if spec.tie_word_embeddings else top("lm_head.weight"), tuple(layers)
+    )
     top.finish()
     return weights
 
@@ -133,10 +138,19 @@ def _layer(read: _LayerReader, cfg: EngineConfig, layer: int) -> LayerWeights:
     if cfg.mlp_kinds[layer] == "dense":
         mlp: MLP | MoEBlock = _mlp(read, "mlp.")
     else:
-        mlp = MoEBlock(read("mlp.gate.weight", True), read("mlp.gate.e_score_correction_bias", True),
-                       _mlp(read, "mlp.shared_experts."))
-    return LayerWeights(hyper("attn"), hyper("ffn"), read("input_layernorm.weight"),
-                        read("post_attention_layernorm.weight"), attention, mlp)
+        mlp = MoEBlock(
+            read("mlp.gate.weight", True),
+            read("mlp.gate.e_score_correction_bias", True),
+            _mlp(read, "mlp.shared_experts."),
+        )
+    return LayerWeights(
+        hyper("attn"),
+        hyper("ffn"),
+        read("input_layernorm.weight"),
+        read("post_attention_layernorm.weight"),
+        attention,
+        mlp,
+    )
 
 
 def _mlp(read: _LayerReader, prefix: str) -> MLP:
@@ -148,15 +162,34 @@ def _kda(read: _LayerReader) -> KDAWeights:
     conv = torch.cat([read(f"{a}{x}_conv1d.weight", True) for x in "qkv"]).squeeze(1)
     return KDAWeights(
         read.cat(*(f"{a}{x}.weight" for x in ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"))),
-        conv, read(a + "f_b_proj.weight"), read(a + "g_b_proj.weight"), read(a + "dt_bias", True),
-        read(a + "A_log", True), read(a + "o_norm.weight"), read(a + "o_proj.weight"))
+        conv,
+        read(a + "f_b_proj.weight"),
+        read(a + "g_b_proj.weight"),
+        read(a + "dt_bias", True),
+        read(a + "A_log", True),
+        read(a + "o_norm.weight"),
+        read(a + "o_proj.weight"),
+    )
 
 
 def _mla(read: _LayerReader) -> MLAWeights:
     a, i = "self_attn.", "self_attn.indexer."
     return MLAWeights(
-        torch.cat([read(a + "q_a_proj.weight"), read(a + "kv_a_proj_with_mqa.weight"), read(i + "wk.weight"),
-                   read(i + "index_kpool_compress_gate"), read(i + "weights_proj.weight")]),
-        read(a + "q_a_layernorm.weight"), read(a + "kv_a_layernorm.weight"),
-        read.cat(a + "q_b_proj.weight", i + "wq_b.weight"), read(a + "kv_b_proj.weight"), read(a + "o_proj.weight"),
-        read(i + "k_norm.weight"), read(i + "k_norm.bias"), read(i + "index_kpool_compress_ape"))
+        torch.cat(
+            [
+                read(a + "q_a_proj.weight"),
+                read(a + "kv_a_proj_with_mqa.weight"),
+                read(i + "wk.weight"),
+                read(i + "index_kpool_compress_gate"),
+                read(i + "weights_proj.weight"),
+            ]
+        ),
+        read(a + "q_a_layernorm.weight"),
+        read(a + "kv_a_layernorm.weight"),
+        read.cat(a + "q_b_proj.weight", i + "wq_b.weight"),
+        read(a + "kv_b_proj.weight"),
+        read(a + "o_proj.weight"),
+        read(i + "k_norm.weight"),
+        read(i + "k_norm.bias"),
+        read(i + "index_kpool_compress_ape"),
+    )

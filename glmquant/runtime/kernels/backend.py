@@ -45,8 +45,10 @@ def load_layer(artifact: Artifact, layer: int, device: torch.device) -> MoEWeigh
     with tiers (several K) is refused: `load_tier_groups` loads those."""
     groups = load_tier_groups(artifact, layer, device)
     if len(groups) > 1:
-        raise CheckpointFormatError(f"{artifact.path}: layer {layer} routed experts have several bit widths (tiers); "
-                                    "load them with load_tier_groups and run them with tiered_step")
+        raise CheckpointFormatError(
+            f"{artifact.path}: layer {layer} routed experts have several bit widths (tiers); "
+            "load them with load_tier_groups and run them with tiered_step"
+        )
     return groups[0].weights
 
 
@@ -59,9 +61,9 @@ def load_tier_groups(artifact: Artifact, layer: int, device: torch.device) -> li
     try:
         for k in sorted(set(widths)):
             members = [v for v, w in enumerate(widths) if w == k]
-            pick = lambda proj: [experts[proj][v] for v in members]  # noqa: E731
-            gate_up = WeightStack.from_tensors([pick("gate_proj"), pick("up_proj")], device)
-            down = WeightStack.from_tensors([pick("down_proj")], device)
+            picked = {proj: [experts[proj][v] for v in members] for proj in PROJECTIONS}
+            gate_up = WeightStack.from_tensors([picked["gate_proj"], picked["up_proj"]], device)
+            down = WeightStack.from_tensors([picked["down_proj"]], device)
             local = torch.full((len(widths),), -1, dtype=torch.int64)
             local[members] = torch.arange(len(members))
             groups.append(TierGroup(MoEWeights(gate_up, down, artifact.spec.swiglu_limit), local.to(device)))
@@ -86,21 +88,25 @@ def tiered_step(groups: list[TierGroup], make_step: Callable[[MoEWeights], Step]
             mine = local >= 0
             out += run(hidden, local.clamp(min=0), torch.where(mine, weights, 0.0)).float()
         return out.to(hidden.dtype)
+
     return step
 
 
 class GraphedExperts:
     """`ExpertBackend` over per-layer step functions; decode-sized batches replay CUDA graphs."""
 
-    def __init__(self, artifact: Artifact, device: torch.device, make_step: Callable[[MoEWeights], Step],
-                 cuda_graphs: bool) -> None:
+    def __init__(
+        self, artifact: Artifact, device: torch.device, make_step: Callable[[MoEWeights], Step], cuda_graphs: bool
+    ) -> None:
         layers = track(artifact.quantized_layers, description="experts to GPU", transient=True)
         self.steps = {layer: tiered_step(load_tier_groups(artifact, layer, device), make_step) for layer in layers}
         self.graphs = StepGraphs() if cuda_graphs and device.type == "cuda" else None
         self.capacity = len(self.steps) * artifact.virtual_experts
         self.uses = 0
 
-    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         self.uses += expert_ids.numel()
         step = self.steps[layer]
         if self.graphs is not None and hidden.shape[0] <= GRAPH_TOKENS:
@@ -127,8 +133,11 @@ class ExllamaV3MoE:
         if gu.in_features % 128 or gu.out_features % 128:
             raise UsageError("ExLlamaV3's fused MoE kernel needs hidden and intermediate sizes divisible by 128")
         self.ext, self.w, self.max_tokens = ext, w, max_tokens
-        self.ptrs = [self._pointers(stack, p, part) for stack, p in ((gu, 0), (gu, 1), (d, 0))
-                     for part in ("trellis", "suh", "svh")]
+        self.ptrs = [
+            self._pointers(stack, p, part)
+            for stack, p in ((gu, 0), (gu, 1), (d, 0))
+            for part in ("trellis", "suh", "svh")
+        ]
         device = gu.trellis.device
         groups = ext.exl3_moe_max_concurrency(device.index if device.index is not None else torch.cuda.current_device())
         h, i = gu.in_features, gu.out_features
@@ -143,8 +152,12 @@ class ExllamaV3MoE:
     def __call__(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((hidden.shape[0], self.w.down.out_features), dtype=torch.float32, device=hidden.device)
         for t0 in range(0, hidden.shape[0], self.max_tokens):
-            self._chunk(hidden[t0:t0 + self.max_tokens], expert_ids[t0:t0 + self.max_tokens],
-                        weights[t0:t0 + self.max_tokens], out[t0:t0 + self.max_tokens])
+            self._chunk(
+                hidden[t0 : t0 + self.max_tokens],
+                expert_ids[t0 : t0 + self.max_tokens],
+                weights[t0 : t0 + self.max_tokens],
+                out[t0 : t0 + self.max_tokens],
+            )
         return out.to(hidden.dtype)
 
     def _chunk(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
@@ -156,9 +169,32 @@ class ExllamaV3MoE:
         cb = self.w.gate_up.codebook
         k = float(self.w.gate_up.bits)
         limit = float(self.w.swiglu_limit or 0.0)  # 0: no clamp
-        self.ext.exl3_moe(hidden.half().contiguous(), out, count, order // n, weights.reshape(-1)[order].half(),
-                          *self.temp, 0, k, k, k, *self.ptrs, cb == 1, cb == 2, cb == 1, cb == 2, cb == 1, cb == 2,
-                          limit, -1, None, None, 1, self.max_tokens, 16)
+        self.ext.exl3_moe(
+            hidden.half().contiguous(),
+            out,
+            count,
+            order // n,
+            weights.reshape(-1)[order].half(),
+            *self.temp,
+            0,
+            k,
+            k,
+            k,
+            *self.ptrs,
+            cb == 1,
+            cb == 2,
+            cb == 1,
+            cb == 2,
+            cb == 1,
+            cb == 2,
+            limit,
+            -1,
+            None,
+            None,
+            1,
+            self.max_tokens,
+            16,
+        )
 
 
 def _device(options: RuntimeOptions, name: str) -> torch.device:
@@ -166,7 +202,9 @@ def _device(options: RuntimeOptions, name: str) -> torch.device:
     device = torch.device(options.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and name.startswith("triton")
     if device.type != "cuda" and not interpreted:
-        raise UsageError(f"expert backend {name!r} runs on a CUDA device (--device cuda); use --backend torch on {device}")
+        raise UsageError(
+            f"expert backend {name!r} runs on a CUDA device (--device cuda); use --backend torch on {device}"
+        )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"expert backend {name!r}: no CUDA device is visible")
     return device

@@ -66,10 +66,7 @@ def codebook_value(state, CB: tl.constexpr, mask, flip):
         x = state * 0x83DCD12D
         b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
         return ((b.to(tl.float32) + 1024.0) * MUL1_SCALE + MUL1_BIAS).to(tl.float16)
-    if CB == 0:
-        x = state * 89226354 + 64248484
-    else:
-        x = state * 0xCBAC1FED
+    x = state * 89226354 + 64248484 if CB == 0 else state * 0xCBAC1FED
     y = (x & mask.to(tl.uint32, bitcast=True)) ^ flip.to(tl.uint32, bitcast=True)
     lo = (y & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
     hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
@@ -114,8 +111,13 @@ def _k2_window_hash_ptx(hash_op: str) -> str:
     6, 4, 2 or 0 bits, so one byte permute (with zeros) per state replaces a shift and a mask.
     """
     shifted = ["t6", "t4", "t2", "$8"] * 2
-    lines = [".reg .b32 t2, t4, t6, z;", "mov.b32 z, 0;", "shr.b32 t2, $8, 2;", "shr.b32 t4, $8, 4;",
-             "shr.b32 t6, $8, 6;"]
+    lines = [
+        ".reg .b32 t2, t4, t6, z;",
+        "mov.b32 z, 0;",
+        "shr.b32 t2, $8, 2;",
+        "shr.b32 t4, $8, 4;",
+        "shr.b32 t6, $8, 6;",
+    ]
     lines += [f"prmt.b32 ${p}, {shifted[p]}, z, {'0x4421' if p < 4 else '0x4410'};" for p in range(8)]
     lines += [hash_op.format(p=p) for p in range(8)]
     lines += [f"lop3.b32 ${p}, ${p}, $9, $10, 0x6A;" for p in range(8)]  # (x & mask) ^ flip
@@ -133,5 +135,11 @@ def k2_window_hashes(win, CB: tl.constexpr, mask, flip):
     3INST (CB 0) and MCG (CB 1) only, GPU only (inline PTX): a byte permute, multiply and 3-input logic op per
     weight. MUL1 has no packed-halves form.
     """
-    return tl.inline_asm_elementwise(K2_HASH_3INST_PTX if CB == 0 else K2_HASH_MCG_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
-                                     [win, mask, flip], dtype=(tl.uint32,) * 8, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        K2_HASH_3INST_PTX if CB == 0 else K2_HASH_MCG_PTX,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+        [win, mask, flip],
+        dtype=(tl.uint32,) * 8,
+        is_pure=True,
+        pack=1,
+    )

@@ -56,7 +56,9 @@ class GemmConfig:
         """16-row tiles per K split; every split is the same whole number of ti-row steps."""
         tiles = math.gcd(k_tiles, self.split_tiles)
         if tiles % self.ti:
-            raise ValueError(f"{k_tiles} tile rows do not split into steps of {self.ti} (split_tiles {self.split_tiles})")
+            raise ValueError(
+                f"{k_tiles} tile rows do not split into steps of {self.ti} (split_tiles {self.split_tiles})"
+            )
         return tiles
 
     def splits(self, k_tiles: int) -> int:
@@ -99,9 +101,24 @@ def store_activations(out_ptr, row, cols, Kp, v, live, GEMV: tl.constexpr):
 
 
 @triton.jit
-def _rotate_in_kernel(x_ptr, src_ptr, scale_ptr, scale_row_ptr, out_ptr, R, V, x_cols, x_stride, Kp,
-                      ROWS: tl.constexpr, GEMV: tl.constexpr):
-    """out[p, i, blk] = had(x[src[i], blk] ∘ scale[p, scale_row[i], blk]) in the core's format; x columns >= x_cols are 0."""
+def _rotate_in_kernel(
+    x_ptr,
+    src_ptr,
+    scale_ptr,
+    scale_row_ptr,
+    out_ptr,
+    R,
+    V,
+    x_cols,
+    x_stride,
+    Kp,
+    ROWS: tl.constexpr,
+    GEMV: tl.constexpr,
+):
+    """out[p, i, blk] = had(x[src[i], blk] ∘ scale[p, scale_row[i], blk]) in the core's format.
+
+    Columns of x at or beyond x_cols read as 0.
+    """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     p = tl.program_id(1)
     cols = tl.program_id(2) * 128 + tl.arange(0, 128)[None, :]
@@ -129,9 +146,26 @@ def job_program(job_start_ptr, job_rows_ptr, NT, TJ: tl.constexpr, ONE_ROW: tl.c
 
 
 @triton.jit
-def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_ptr, part_ptr,
-                      R, V, KT, NT, hash_mask, hash_flip, STEP_TILES: tl.constexpr, K: tl.constexpr, CB: tl.constexpr,
-                      ONE_ROW_JOBS: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
+def _exl3_rows_kernel(
+    x_ptr,
+    trellis_ptr,
+    expert_ptr,
+    job_start_ptr,
+    job_rows_ptr,
+    part_ptr,
+    R,
+    V,
+    KT,
+    NT,
+    hash_mask,
+    hash_flip,
+    STEP_TILES: tl.constexpr,
+    K: tl.constexpr,
+    CB: tl.constexpr,
+    ONE_ROW_JOBS: tl.constexpr,
+    TI: tl.constexpr,
+    TJ: tl.constexpr,
+):
     """part[s, p, job rows, cols] = x[p, job rows, k-split s] @ Q[p, expert] for one 16*TJ-column block.
 
     Each step decodes a [TI*16, TJ*16] weight block in registers as dims [ti, tj, e1, e0, e2, g, l4]: the
@@ -159,9 +193,13 @@ def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_pt
         win1 = load_window(tiles + (first + TI % STEP_TILES + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
         for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
             # windows are loaded two steps ahead (the last steps reload the first: in cache, never used)
-            win2 = load_window(tiles + (first + (step + 2 * TI) % STEP_TILES + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
+            win2 = load_window(
+                tiles + (first + (step + 2 * TI) % STEP_TILES + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K
+            )
             q = window_values(win, e2, 2 * e1 + e0, K, CB, hash_mask, hash_flip)
-            q = tl.reshape(tl.permute(q, (0, 2, 6, 3, 1, 4, 5)), (TI * 16, TJ * 16))  # k = (ti, e1, l4, e0), n = (tj, e2, g)
+            q = tl.reshape(
+                tl.permute(q, (0, 2, 6, 3, 1, 4, 5)), (TI * 16, TJ * 16)
+            )  # k = (ti, e1, l4, e0), n = (tj, e2, g)
             hi = tl.load(xrow + 16 * (first + step), mask=m < rows, other=0.0)
             lo = tl.load(xrow + KT * 16 + 16 * (first + step), mask=m < rows, other=0.0)
             acc = tl.dot(lo, q, tl.dot(hi, q, acc))
@@ -174,22 +212,34 @@ def _exl3_rows_kernel(x_ptr, trellis_ptr, expert_ptr, job_start_ptr, job_rows_pt
 GEMV_BITS = (2,)  # K of the GEMV core: block windows of 8 positions end on 16-bit boundaries of the words
 GEMV_JOB_ROWS = 2  # the most rows of a job the GEMV core takes (one decode, an FMA per row)
 GEMV_ERROR_BOUND = 2e-3  # relative error of GEMV-core results: fp16 activations, each step's products summed in fp16
-PACKED_CODEBOOKS = (codebook_id("3inst"), codebook_id("mcg"))  # whose hash halves the GEMV core multiplies as fp16 pairs
+PACKED_CODEBOOKS = (
+    codebook_id("3inst"),
+    codebook_id("mcg"),
+)  # whose hash halves the GEMV core multiplies as fp16 pairs
 
 
 @triton.jit
 def half2_fma(a, b, c):
     """a * b + c on uint32 pairs of fp16 halves (fma.rn.f16x2): two products in one instruction."""
-    return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                     dtype=tl.uint32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.uint32, is_pure=True, pack=1
+    )
 
 
 @triton.jit
 def half2_sum(a):
-    """fp32 of the fp16 sum of a uint32 pair's halves (for one product by 1.0 this is the codec's rounding of lo + hi)."""
+    """fp32 of the fp16 sum of a uint32 pair's halves.
+
+    For one product by 1.0 this is the codec's rounding of lo + hi.
+    """
     return tl.inline_asm_elementwise(
-        "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $1;\nadd.rn.f16 l, l, h;\ncvt.f32.f16 $0, l;\n}", "=f,r", [a],
-        dtype=tl.float32, is_pure=True, pack=1)
+        "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $1;\nadd.rn.f16 l, l, h;\ncvt.f32.f16 $0, l;\n}",
+        "=f,r",
+        [a],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -199,9 +249,27 @@ def low_half(x):
 
 
 @triton.jit
-def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr, part_ptr, R, V, KT, NT,
-                      hash_mask, hash_flip, STEP_TILES: tl.constexpr, K: tl.constexpr, CB: tl.constexpr,
-                      JOB_ROWS_MAX: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr, PACKED: tl.constexpr):
+def _exl3_gemv_kernel(
+    x_ptr,
+    words_ptr,
+    expert_ptr,
+    job_start_ptr,
+    job_rows_ptr,
+    part_ptr,
+    R,
+    V,
+    KT,
+    NT,
+    hash_mask,
+    hash_flip,
+    STEP_TILES: tl.constexpr,
+    K: tl.constexpr,
+    CB: tl.constexpr,
+    JOB_ROWS_MAX: tl.constexpr,
+    TI: tl.constexpr,
+    TJ: tl.constexpr,
+    PACKED: tl.constexpr,
+):
     """part[s, p, job rows, cols] = x[p, job rows, k-split s] @ Q[p, expert] at K = 2 for jobs of 1 or 2 rows.
 
     Without a tensor core or shared memory: every tensor is [8 g, 2 h, TI, TJ], one element per uint32 trellis
@@ -229,7 +297,9 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
         tiles = words_ptr + (p * V + expert) * (KT * NT * 16) + (nb * TJ + tj) * 16
         row_words = NT * 16
         xrow = x_ptr + (p * R + row0).to(tl.int64) * (KT * 16) + 4 * h + 0 * tj + 0 * g
-        second = rows > 1  # the job has a second row (JOB_ROWS_MAX = 2); without one, row0's sums are recomputed, unstored
+        second = (
+            rows > 1
+        )  # the job has a second row (JOB_ROWS_MAX = 2); without one, row0's sums are recomputed, unstored
         xrow1 = xrow + second.to(tl.int64) * (KT * 16)
         first = split * STEP_TILES
         row0_g = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)  # fp32 sums of row 0 (row 1) at columns g, g + 8
@@ -303,8 +373,21 @@ def _exl3_gemv_kernel(x_ptr, words_ptr, expert_ptr, job_start_ptr, job_rows_ptr,
 
 
 @triton.jit
-def _rotate_out_kernel(part_ptr, P_R, pos_ptr, w_ptr, expert_ptr, svh_ptr, out_ptr, n_routes, Np, n_cols,
-                       out_stride, SPLITS: tl.constexpr, ROWS: tl.constexpr):
+def _rotate_out_kernel(
+    part_ptr,
+    P_R,
+    pos_ptr,
+    w_ptr,
+    expert_ptr,
+    svh_ptr,
+    out_ptr,
+    n_routes,
+    Np,
+    n_cols,
+    out_stride,
+    SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """out[t, blk] = sum_j w[t, j] * had(sum_s part[s, pos[t, j], blk]) ∘ svh[expert[pos[t, j]], blk]."""
     t = tl.program_id(0)
     j = tl.arange(0, ROWS)[:, None]
@@ -343,13 +426,28 @@ class WeightStack:
         first = groups[0][0]
         for p, group in enumerate(groups):
             for v, t in enumerate(group):
-                if (t.trellis.shape, t.codebook, t.in_features, t.out_features) != \
-                        (first.trellis.shape, first.codebook, first.in_features, first.out_features):
-                    raise ValueError(f"projection {p} expert {v}: {t.codebook.value} {tuple(t.trellis.shape)} does not "
-                                     f"match {first.codebook.value} {tuple(first.trellis.shape)}")
-        stack = [torch.stack([getattr(t, name) for g in groups for t in g]).to(device) for name in ("trellis", "suh", "svh")]
-        shaped = [s.view(len(groups), len(groups[0]), *s.shape[1:]) for s in stack]
-        return cls(*shaped, codebook_id(first.codebook), first.in_features, first.out_features)
+                if (t.trellis.shape, t.codebook, t.in_features, t.out_features) != (
+                    first.trellis.shape,
+                    first.codebook,
+                    first.in_features,
+                    first.out_features,
+                ):
+                    raise ValueError(
+                        f"projection {p} expert {v}: {t.codebook.value} {tuple(t.trellis.shape)} does not "
+                        f"match {first.codebook.value} {tuple(first.trellis.shape)}"
+                    )
+        trellis, suh, svh = (
+            torch.stack([getattr(t, name) for g in groups for t in g]).to(device) for name in ("trellis", "suh", "svh")
+        )
+        p, v = len(groups), len(groups[0])
+        return cls(
+            trellis.view(p, v, *trellis.shape[1:]),
+            suh.view(p, v, *suh.shape[1:]),
+            svh.view(p, v, *svh.shape[1:]),
+            codebook_id(first.codebook),
+            first.in_features,
+            first.out_features,
+        )
 
 
 @dataclass(frozen=True)
@@ -395,19 +493,23 @@ def fp16_pairs(x: torch.Tensor) -> torch.Tensor:
     return half | (half << 16)
 
 
-def rotate_in(x: torch.Tensor, src: torch.Tensor, stack: WeightStack, scale_row: torch.Tensor, gemv: bool) -> torch.Tensor:
+def rotate_in(
+    x: torch.Tensor, src: torch.Tensor, stack: WeightStack, scale_row: torch.Tensor, gemv: bool
+) -> torch.Tensor:
     """had(x[src[i]] ∘ suh[p, scale_row[i]]) for every projection p, as `activation_buffer` lays it out."""
     P, V, kp = stack.suh.shape
     R = src.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = activation_buffer(P, R, kp, gemv, x.device)
     _rotate_in_kernel[(triton.cdiv(R, 16), P, kp // 128)](
-        x, src, stack.suh, scale_row, out, R, V, x.shape[1], x.stride(0), kp, ROWS=16, GEMV=gemv)
+        x, src, stack.suh, scale_row, out, R, V, x.shape[1], x.stride(0), kp, ROWS=16, GEMV=gemv
+    )
     return out
 
 
-def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs: Jobs | None,
-              cfg: GemmConfig) -> torch.Tensor:
+def exl3_rows(
+    xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs: Jobs | None, cfg: GemmConfig
+) -> torch.Tensor:
     """fp32 partial sums [splits, P, R, out_pad] of xr (`activation_buffer` layout) @ Q[p, experts[row]].
 
     `jobs`: rows of a job share one expert, whose weights are decoded once per job; None: one row per job.
@@ -416,8 +518,10 @@ def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs:
     R = xr.shape[1]
     gemv = uses_gemv(stack, job_rows(jobs))
     if (xr.dtype, xr.dim()) != ((torch.int32, 3) if gemv else (torch.float16, 4)):
-        raise ValueError(f"activations {xr.dtype} {tuple(xr.shape)} are not the {'GEMV' if gemv else 'tensor-core'} "
-                         f"core's format (activation_buffer)")
+        raise ValueError(
+            f"activations {xr.dtype} {tuple(xr.shape)} are not the {'GEMV' if gemv else 'tensor-core'} "
+            f"core's format (activation_buffer)"
+        )
     if nt % cfg.tj:
         raise ValueError(f"{nt} column tiles do not split into blocks of tj = {cfg.tj}")
     part = torch.empty((cfg.splits(kt), P, R, nt * 16), dtype=torch.float32, device=xr.device)
@@ -425,32 +529,88 @@ def exl3_rows(xr: torch.Tensor, stack: WeightStack, experts: torch.Tensor, jobs:
     grid = (R if jobs is None else starts.numel(), P * (nt // cfg.tj), cfg.splits(kt))
     if gemv:
         _exl3_gemv_kernel[grid](
-            xr, stack.trellis.view(torch.int32), experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
-            STEP_TILES=cfg.tiles_per_split(kt), K=stack.bits, CB=stack.codebook, JOB_ROWS_MAX=job_rows(jobs),
-            TI=cfg.ti, TJ=cfg.tj, PACKED=packed_gemv(xr, stack), num_warps=cfg.num_warps)
+            xr,
+            stack.trellis.view(torch.int32),
+            experts,
+            starts,
+            counts,
+            part,
+            R,
+            V,
+            kt,
+            nt,
+            HASH_MASK,
+            HASH_FLIP,
+            STEP_TILES=cfg.tiles_per_split(kt),
+            K=stack.bits,
+            CB=stack.codebook,
+            JOB_ROWS_MAX=job_rows(jobs),
+            TI=cfg.ti,
+            TJ=cfg.tj,
+            PACKED=packed_gemv(xr, stack),
+            num_warps=cfg.num_warps,
+        )
         return part
     _exl3_rows_kernel[grid](
-        xr, stack.trellis, experts, starts, counts, part, R, V, kt, nt, HASH_MASK, HASH_FLIP,
+        xr,
+        stack.trellis,
+        experts,
+        starts,
+        counts,
+        part,
+        R,
+        V,
+        kt,
+        nt,
+        HASH_MASK,
+        HASH_FLIP,
         STEP_TILES=cfg.tiles_per_split(kt),
-        K=stack.bits, CB=stack.codebook, ONE_ROW_JOBS=jobs is None, TI=cfg.ti, TJ=cfg.tj,
-        num_warps=cfg.num_warps)
+        K=stack.bits,
+        CB=stack.codebook,
+        ONE_ROW_JOBS=jobs is None,
+        TI=cfg.ti,
+        TJ=cfg.tj,
+        num_warps=cfg.num_warps,
+    )
     return part
 
 
-def rotate_out(part: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-               stack: WeightStack, out: torch.Tensor) -> torch.Tensor:
+def rotate_out(
+    part: torch.Tensor,
+    pos: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    stack: WeightStack,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """Fill out [T, out_features] with sum_j weights[t, j] * (had(sum_s part[s, 0, pos[t, j]]) ∘ svh[expert])."""
     splits, P, R, np_ = part.shape
     T, n = weights.shape
     _rotate_out_kernel[(T, np_ // 128)](
-        part, P * R, pos, weights, experts, stack.svh, out, n, np_, stack.out_features, out.stride(0),
-        SPLITS=splits, ROWS=max(16, triton.next_power_of_2(n)))
+        part,
+        P * R,
+        pos,
+        weights,
+        experts,
+        stack.svh,
+        out,
+        n,
+        np_,
+        stack.out_features,
+        out.stride(0),
+        SPLITS=splits,
+        ROWS=max(16, triton.next_power_of_2(n)),
+    )
     return out
 
 
-def exl3_linear(x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConfig | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T for one EXL3 linear (x [M, in_features], any float dtype; y [M, out_features], x's dtype or out's)."""
+def exl3_linear(
+    x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConfig | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x @ W.T for one EXL3 linear.
+
+    x is [M, in_features] of any float dtype; y is [M, out_features] in x's dtype, or out's when given.
+    """
     stack = tensor if isinstance(tensor, WeightStack) else WeightStack.from_tensors([[tensor]], x.device)
     M = x.shape[0]
     cfg = cfg or GemmConfig()

@@ -23,10 +23,10 @@ from glmquant.runtime.kernels.exl3_gemm import (
     GemmConfig,
     Jobs,
     WeightStack,
+    activation_buffer,
     exl3_rows,
     had128_rows,
     job_rows,
-    activation_buffer,
     rotate_in,
     rotate_out,
     store_activations,
@@ -45,11 +45,15 @@ class MoEWeights:
     def __post_init__(self) -> None:
         gu, d = self.gate_up, self.down
         if gu.trellis.shape[0] != 2 or d.trellis.shape[0] != 1 or gu.trellis.shape[1] != d.trellis.shape[1]:
-            raise ValueError(f"gate_up must stack 2 and down 1 projection of the same experts, got "
-                             f"{tuple(gu.trellis.shape[:2])} and {tuple(d.trellis.shape[:2])}")
+            raise ValueError(
+                f"gate_up must stack 2 and down 1 projection of the same experts, got "
+                f"{tuple(gu.trellis.shape[:2])} and {tuple(d.trellis.shape[:2])}"
+            )
         if (gu.out_features, gu.in_features) != (d.in_features, d.out_features):
-            raise ValueError(f"gate/up {gu.in_features}->{gu.out_features} does not chain with down "
-                             f"{d.in_features}->{d.out_features}")
+            raise ValueError(
+                f"gate/up {gu.in_features}->{gu.out_features} does not chain with down "
+                f"{d.in_features}->{d.out_features}"
+            )
 
     @property
     def experts(self) -> int:
@@ -106,9 +110,25 @@ def plan_routes(expert_ids: torch.Tensor, max_rows: int) -> RoutePlan:
 
 
 @triton.jit
-def _swiglu_kernel(part_ptr, R, expert_ptr, svh_ptr, suh_d_ptr, out_ptr, V, Ip, n_inter, limit,
-                   SPLITS: tl.constexpr, ROWS: tl.constexpr, GEMV: tl.constexpr):
-    """out[i, blk] = (down core's format) had(silu(min(g, L)) * clamp(u, -L, L) ∘ suh_down), g/u = had(partials) ∘ svh."""
+def _swiglu_kernel(
+    part_ptr,
+    R,
+    expert_ptr,
+    svh_ptr,
+    suh_d_ptr,
+    out_ptr,
+    V,
+    Ip,
+    n_inter,
+    limit,
+    SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    GEMV: tl.constexpr,
+):
+    """out[i, blk] = had(silu(min(g, L)) * clamp(u, -L, L) ∘ suh_down) in the down core's format.
+
+    g and u are had(partials) ∘ svh of the gate and up projections.
+    """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)[None, :]
     live = rows < R
@@ -135,20 +155,36 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
     out = activation_buffer(1, R, ip, gemv, part.device)
     limit = float("inf") if w.swiglu_limit is None else float(w.swiglu_limit)
     _swiglu_kernel[(triton.cdiv(R, 16), ip // 128)](
-        part, R, plan.experts, w.gate_up.svh, w.down.suh, out, w.experts, ip, w.gate_up.out_features, limit,
-        SPLITS=splits, ROWS=16, GEMV=gemv)
+        part,
+        R,
+        plan.experts,
+        w.gate_up.svh,
+        w.down.suh,
+        out,
+        w.experts,
+        ip,
+        w.gate_up.out_features,
+        limit,
+        SPLITS=splits,
+        ROWS=16,
+        GEMV=gemv,
+    )
     return out
 
 
-ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)  # one-row GEMV jobs: 8 x 4-tile steps take 48 registers at MCG (10 programs per
-# SM; 3INST 64) instead of 64 for 4 x 8 and make twice the programs (a batch-1 down launch: 1,024, was 0.48 waves of an H200 at 512:
+# one-row GEMV jobs: 8 x 4-tile steps take 48 registers at MCG (10 programs per SM; 3INST 64) instead of 64 for
+# 4 x 8 and make twice the programs (a batch-1 down launch: 1,024, was 0.48 waves of an H200 at 512:
 # bench/results/ncu_gemv_core_h200.txt); fastest of the swept configs at batches 1, 4 and 16 by 2-10 %
 # (moe_decode_h200.json `sweep`, moe_decode_h200_sweep_b4_b16.json)
+ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Launch shapes of one step: the most rows a job may hold (1: one row per route, unsorted) and the cores' configs."""
+    """Launch shapes of one step: the most rows a job may hold and the cores' configs.
+
+    One row per job means one row per route, unsorted.
+    """
 
     job_rows: int
     gate_up: GemmConfig = GemmConfig()
@@ -169,8 +205,14 @@ def choose_moe_config(tokens: int, routes: int, w: MoEWeights) -> MoEConfig:
     return MoEConfig(GEMV_JOB_ROWS if per_expert < 4 else JOB_ROWS.value)
 
 
-def fused_moe(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
-              cfg: MoEConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def fused_moe(
+    hidden: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w: MoEWeights,
+    cfg: MoEConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """sum_j weights[t, j] * down_v(silu(clamp(gate_v x_t)) * clamp(up_v x_t)), v = expert_ids[t, j].
 
     hidden [T, H] any float dtype; expert_ids [T, n] virtual expert ids; weights [T, n] router weights.

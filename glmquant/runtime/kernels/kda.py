@@ -32,17 +32,19 @@ def _functions(fla: bool) -> tuple[KDAFunction, KDAFunction]:
         return fused_recurrent_kda, chunk_kda
     from transformers.models.glm5_next import modeling_glm5_next as glm
 
-    unwrap = lambda fn: getattr(fn, "__wrapped__", fn)  # noqa: E731  (the hub-kernel wrapper may pick fla itself)
+    def unwrap(fn: Callable) -> Callable:
+        return getattr(fn, "__wrapped__", fn)  # the hub-kernel wrapper may pick fla itself
+
     return unwrap(glm.recurrent_kimi_delta_attention), unwrap(glm.chunk_kimi_delta_attention)
 
 
-def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        state: torch.Tensor) -> torch.Tensor:
+def kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
     """KDA over S new tokens from `state`; returns the output [B, S, heads, dv] and leaves the final state in
     `state`. One token per sequence takes the recurrent kernel (decode), more the chunked one (prefill)."""
     recurrent, chunked = _functions(uses_fla(q.device))
     fn = recurrent if q.shape[1] == 1 else chunked
-    out, final = fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
-                    use_qk_l2norm_in_kernel=True)
+    out, final = fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.copy_(final)
     return out

@@ -13,8 +13,19 @@ ROWS = 16
 
 
 @triton.jit
-def _hyper_weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, hc_eps,
-                          N: tl.constexpr, ITERS: tl.constexpr, ROWS: tl.constexpr):
+def _hyper_weights_kernel(
+    mix_ptr,
+    base_ptr,
+    scale_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    T,
+    hc_eps,
+    N: tl.constexpr,
+    ITERS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """mix [T, (2 + N) N] -> pre, post [T, N], comb [T, N, N] (fp32)."""
     W: tl.constexpr = (2 + N) * N
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -40,8 +51,9 @@ def _hyper_weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_
     tl.store(comb_ptr + rows[:, None, None].to(tl.int64) * (N * N) + ij, comb, mask=live3)
 
 
-def hyper_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, hc_eps: float,
-                  sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hyper_weights(
+    mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, hc_eps: float, sinkhorn_iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`arch.glm5_next_math.hyper_weights` for mix [..., (2 + n) n] fp32 with n a power of two."""
     lead = mix.shape[:-1]
     flat = mix.reshape(-1, mix.shape[-1]).contiguous()
@@ -49,6 +61,7 @@ def hyper_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n:
     pre = torch.empty((t, n), dtype=torch.float32, device=mix.device)
     post = torch.empty_like(pre)
     comb = torch.empty((t, n, n), dtype=torch.float32, device=mix.device)
-    _hyper_weights_kernel[(triton.cdiv(t, ROWS),)](flat, base.contiguous(), scale.contiguous(), pre, post, comb, t,
-                                                   hc_eps, N=n, ITERS=sinkhorn_iters, ROWS=ROWS)
+    _hyper_weights_kernel[(triton.cdiv(t, ROWS),)](
+        flat, base.contiguous(), scale.contiguous(), pre, post, comb, t, hc_eps, N=n, ITERS=sinkhorn_iters, ROWS=ROWS
+    )
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
