@@ -9,7 +9,8 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from glmquant.runtime.kernels.exl3_gemm import GEMV_ERROR_BOUND, GemmConfig, WeightStack
+from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND
+from glmquant.runtime.kernels.exl3_jobs import GemmConfig, WeightStack
 from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes
 from glmquant.runtime.quantized_experts import expand_routes
 

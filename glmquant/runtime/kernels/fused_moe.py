@@ -18,20 +18,15 @@ import triton
 import triton.language as tl
 
 from glmquant.runtime.kernels.exl3_gemm import (
-    GEMV_JOB_ROWS,
-    JOB_ROWS,
-    GemmConfig,
-    Jobs,
-    WeightStack,
     activation_buffer,
     exl3_rows,
     had128_rows,
-    job_rows,
     rotate_in,
     rotate_out,
     store_activations,
-    uses_gemv,
 )
+from glmquant.runtime.kernels.exl3_gemv import GEMV_JOB_ROWS, uses_gemv
+from glmquant.runtime.kernels.exl3_jobs import JOB_ROWS, GemmConfig, Jobs, WeightStack, job_rows
 
 
 @dataclass(frozen=True)
