@@ -122,7 +122,7 @@ def _exl3_gemv_kernel(
             tile_row = first + step + ti
             if JOB_ROWS_MAX == 1:
                 # the next step's words load while this step computes (the last step reloads the first: in cache,
-                # unused); two-row jobs load in step instead: 15 registers fewer for their extra row
+                # unused); two-row jobs load in step instead, leaving registers for their extra row (docs/kernels.md)
                 cur = next_cur.to(tl.uint32, bitcast=True)
                 prev = next_prev.to(tl.uint32, bitcast=True)
                 step_words = tiles + (first + (step + TI) % STEP_TILES + ti) * row_words

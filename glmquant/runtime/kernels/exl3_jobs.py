@@ -25,10 +25,10 @@ class GemmConfig:
     """Launch shape of the core: tile rows (ti) and 16-column tiles (tj) per step, tile rows per K split, warps.
 
     ti = 4, tj = 8 decodes a 64 x 128 weight block per step (64 codes per thread at 4 warps) into a
-    16 x 128 fp32 accumulator in the tensor-core core: 118-119 registers (sm_90, sm_121) and 20 KB shared memory
-    (decoded block + pipelined activations), so 4 programs fit per SM on a GB10 (64K registers, ~100 KB shared
-    memory). The GEMV core takes the same blocks with 64 registers (MCG, sm_90; bench/results/kernels_compile.json)
-    and no shared memory in its loop; one-row GEMV jobs run ti = 8, tj = 4 (`fused_moe.ONE_ROW_GEMV`).
+    16 x 128 fp32 accumulator in the tensor-core core, small enough in registers and shared memory (decoded block
+    + pipelined activations) for 4 programs per SM on a GB10; the GEMV core takes the same blocks without shared
+    memory in its loop, and one-row GEMV jobs run ti = 8, tj = 4 (`fused_moe.ONE_ROW_GEMV`). Resources per
+    config: docs/kernels.md.
     K is cut into splits of gcd(k_tiles, split_tiles) tile rows: the same on every GPU (deterministic
     sums), and at most a few trip counts to compile. 1024 rows per split gives a 4096 x 2048 expert
     64 programs per route at tj = 8, 128 at tj = 4.
