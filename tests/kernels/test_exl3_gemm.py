@@ -63,6 +63,7 @@ def test_config_splits_k_into_whole_steps():
         GemmConfig(ti=8, split_tiles=4).tiles_per_split(32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
 @pytest.mark.parametrize("job_rows", [1, 2])
 def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook, job_rows):
