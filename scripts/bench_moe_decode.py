@@ -32,15 +32,9 @@ import triton
 
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
 from glmquant.runtime.kernels.exl3_decode import codebook_id
-from glmquant.runtime.kernels.exl3_gemm import (
-    GemmConfig,
-    WeightStack,
-    exl3_rows,
-    job_rows,
-    rotate_in,
-    rotate_out,
-    uses_gemv,
-)
+from glmquant.runtime.kernels.exl3_gemm import exl3_rows, rotate_in, rotate_out
+from glmquant.runtime.kernels.exl3_gemv import uses_gemv
+from glmquant.runtime.kernels.exl3_jobs import GemmConfig, WeightStack, job_rows
 from glmquant.runtime.kernels.fused_moe import (
     MoEConfig,
     MoEWeights,

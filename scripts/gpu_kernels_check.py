@@ -37,16 +37,9 @@ import triton
 
 from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
-from glmquant.runtime.kernels.exl3_gemm import (
-    GEMV_ERROR_BOUND,
-    GemmConfig,
-    Jobs,
-    WeightStack,
-    exl3_linear,
-    exl3_rows,
-    fp16_pairs,
-    uses_gemv,
-)
+from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows
+from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
+from glmquant.runtime.kernels.exl3_jobs import GemmConfig, Jobs, WeightStack
 from glmquant.runtime.kernels.fused_moe import ONE_ROW_GEMV, MoEConfig, MoEWeights, choose_moe_config, fused_moe
 
 LINEAR_BOUND = 2e-5  # tensor-core core: fp16 hi + lo activation planes, fp32 sums
@@ -235,7 +228,8 @@ def compile_reports() -> dict:
     SASS instruction mix (K2 MCG; default config, and the one-row-job GEMV config; Triton's nvdisasm cannot decode
     sm_121a, so that mix is empty) and the PTX ops that only Hopper has (wgmma, TMA bulk tensor copies,
     setmaxnreg). Needs triton only, no GPU."""
-    from glmquant.runtime.kernels.exl3_gemm import _exl3_gemv_kernel, _exl3_rows_kernel
+    from glmquant.runtime.kernels.exl3_gemm import _exl3_rows_kernel
+    from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel
 
     common = {
         "expert_ptr": "*i32",

@@ -12,6 +12,7 @@ from glmquant.cli import app
 from glmquant.demo import DEMO_EPOCH, DemoResult
 
 
+@pytest.mark.slow
 def test_output_outside_a_terminal_is_not_cut_at_80_columns(reference_config: Path) -> None:
     result = CliRunner().invoke(app, ["plan", str(reference_config)])
     assert result.exit_code == 0, result.output

@@ -21,6 +21,7 @@ from glmquant.plan import load_source_shards, summarize
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "I16": torch.int16, "I32": torch.int32}
 
 
+@pytest.mark.slow
 def test_reference_release_structure(reference_config: Path) -> None:
     spec = load_model_spec(reference_config)
     plan = plan_artifact(spec, "tr3", bits=2, codebook="mcg")
@@ -42,6 +43,7 @@ def test_reference_release_structure(reference_config: Path) -> None:
     assert {int(m.group(1)) for n in names if (m := routed_weight.search(n))} == {45}
 
 
+@pytest.mark.slow
 def test_reference_files_from_the_config_alone(reference_config: Path) -> None:
     """Without the source's index, its sharding is predicted: 120 source shards of which 49 hold retained
     tensors, so the release's 133 files (84 expert + 49 retained) come out of the config alone."""
@@ -56,6 +58,7 @@ def test_reference_files_from_the_config_alone(reference_config: Path) -> None:
     assert plan.files == plan_artifact(spec, "tr3", source_shards=shards).files
 
 
+@pytest.mark.slow
 def test_reference_plan_is_fast(reference_config: Path) -> None:
     """`plan` is arithmetic: planning and summarizing the 583,090 tensors takes seconds of CPU, not minutes."""
     start = time.process_time()
@@ -138,6 +141,7 @@ def test_plan_cli_bad_layout(tiny_source: Path) -> None:
     assert result.exit_code == 2 and "unknown layout" in result.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
 def test_reference_plan_matches_pinned_manifest(reference_config: Path, layout: str) -> None:
     """manifests/ pins what `plan` predicts for the reference config; a layout change must update it knowingly."""

@@ -1,4 +1,7 @@
-"""Model-family knowledge: which tensor is what, for every supported GLM architecture, from the config."""
+"""Model-family knowledge: which tensor is what, for every supported GLM architecture, from the config.
+
+module_map (imported on its own: it needs torch) places checkpoint tensors into transformers' modules.
+"""
 
 from glmquant.arch.roles import TensorRole
 from glmquant.arch.spec import ModelSpec, load_model_spec, read_config

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmquant.arch.module_map import LayerPlan
 from glmquant.errors import CheckpointFormatError, NumericalError
 from glmquant.observe.hessians import HessianAccumulator
-from glmquant.observe.layer_loader import LayerPlan
 from glmquant.observe.routing import Routing, RoutingParams, route
 from glmquant.observe.stats import ExpertStats
 

@@ -1,68 +1,27 @@
 """Source tensors of one decoder layer -> a ready transformers `Glm5NextTextDecoderLayer`.
 
 The layer is built on the meta device and only its own tensors are read from the safetensors shards, so
-memory is one layer. Names and shapes are converted the way transformers' `glm5_next` conversion mapping
-does (renames; per-expert gate/up/down merged into `experts.gate_up_proj` / `experts.down_proj`; q/k/v
-convolutions concatenated into `conv1d`), driven by the arch table's list of the layer's tensors. Each
-parameter gets the dtype `from_pretrained(dtype=bf16)` would give it: float32 where the model class keeps
-it in fp32 (`_keep_in_fp32_modules_strict`, which differs between transformers versions) or declares it
-so, the model dtype otherwise.
+memory is one layer. Which tensor goes where, and in which dtype, is the arch module map's layer plan
+(`glmquant.arch.module_map`).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from glmquant.arch import ModelSpec, load_model_spec, table_for
-from glmquant.checkpoint.reader import SourceCheckpoint
-from glmquant.errors import CheckpointFormatError, ConfigError
-
-# transformers' glm5_next WeightRenaming entries (checkpoint name -> module name), applied in order.
-RENAMES = (
-    (r"self_attn\.f_a_proj\.", "self_attn.forget_gate.f_a_proj."),
-    (r"self_attn\.f_b_proj\.", "self_attn.forget_gate.f_b_proj."),
-    (r"self_attn\.dt_bias", "self_attn.forget_gate.dt_bias"),
-    (r"self_attn\.A_log", "self_attn.forget_gate.A_log"),
-    (r"hc_attn_fn", "attn_hc.fn"),
-    (r"hc_attn_base", "attn_hc.base"),
-    (r"hc_attn_scale", "attn_hc.scale"),
-    (r"hc_ffn_fn", "ffn_hc.fn"),
-    (r"hc_ffn_base", "ffn_hc.base"),
-    (r"hc_ffn_scale", "ffn_hc.scale"),
+from glmquant.arch import ModelSpec, load_model_spec
+from glmquant.arch.module_map import (
+    ATTN_IMPLEMENTATION,
+    EXPERTS_IMPLEMENTATION,
+    fp32_names,
+    layer_plan,
+    read_layer_state,
 )
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_CONV = re.compile(r"^self_attn\.([qkv])_conv1d\.weight$")
-ATTN_IMPLEMENTATION = "sdpa"  # what from_pretrained picks for this model class when none is asked for
-EXPERTS_IMPLEMENTATION = "grouped_mm"
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one source tensor goes: module parameter `target`, at index `where` (() = the whole tensor)."""
-
-    source: str
-    target: str
-    where: tuple[int | slice, ...] = ()
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """The conversion of one layer's source tensors into its module state."""
-
-    layer: int
-    placements: tuple[Placement, ...]
-
-    def source_of(self, target: str) -> str | None:
-        """The checkpoint name of a module parameter loaded from exactly one whole tensor (None otherwise)."""
-        hits = [p for p in self.placements if p.target == target]
-        return hits[0].source if len(hits) == 1 and hits[0].where == () else None
+from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.errors import ConfigError
 
 
 def text_config(
@@ -89,43 +48,6 @@ def model_dtype(cfg) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def layer_plan(spec: ModelSpec, layer: int, moe_intermediate: int) -> LayerPlan:
-    """Placements for every source tensor of decoder layer `layer` (routed experts merged, renames applied)."""
-    table = table_for(spec)
-    prefix = table.layer_prefix(layer)
-    out: list[Placement] = []
-    for info in table.layer_tensors(spec, layer):
-        suffix = info.name[len(prefix) :]
-        if m := _EXPERT.match(suffix):
-            expert, proj = int(m.group(1)), m.group(2)
-            if proj == "down_proj":
-                out.append(Placement(info.name, "mlp.experts.down_proj", (expert,)))
-            else:
-                start = 0 if proj == "gate_proj" else moe_intermediate
-                out.append(
-                    Placement(info.name, "mlp.experts.gate_up_proj", (expert, slice(start, start + moe_intermediate)))
-                )
-        elif m := _CONV.match(suffix):
-            width = info.shape[0]
-            start = "qkv".index(m.group(1)) * width
-            out.append(Placement(info.name, "self_attn.conv1d.weight", (slice(start, start + width),)))
-        else:
-            out.append(Placement(info.name, _rename(suffix)))
-    return LayerPlan(layer, tuple(out))
-
-
-def _rename(suffix: str) -> str:
-    for pattern, repl in RENAMES:
-        suffix = re.sub(pattern, repl, suffix)
-    return suffix
-
-
-def fp32_names(patterns: Iterable[str] | None) -> re.Pattern | None:
-    """The regex transformers builds from `_keep_in_fp32_modules_strict` (globs, searched in the name)."""
-    globs = sorted(patterns or [])
-    return re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in globs)) if globs else None
-
-
 def load_decoder_layer(
     ckpt: SourceCheckpoint, spec: ModelSpec, cfg, layer: int, device: str | torch.device = "cpu"
 ) -> nn.Module:
@@ -148,53 +70,3 @@ def load_decoder_layer(
     )
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval()
-
-
-class TensorSource(Protocol):
-    """What filling a layer reads from a checkpoint: a source or artifact checkpoint, or the dummy one."""
-
-    @property
-    def directory(self) -> Path: ...
-
-    def __contains__(self, name: str) -> bool: ...
-
-    def read_tensor(self, name: str) -> torch.Tensor: ...
-
-
-def read_layer_state(
-    ckpt: TensorSource,
-    plan: LayerPlan,
-    meta: Mapping[str, torch.Tensor],
-    keep_fp32: re.Pattern | None,
-    device: torch.device,
-) -> dict[str, torch.Tensor]:
-    """The module state `plan` fills from `ckpt`: each tensor allocated once (fp32 where `keep_fp32` matches,
-    else the dtype of `meta`'s entry) and filled from the source tensors placed into it; every entry of
-    `meta` must be filled exactly."""
-    targets = {p.target for p in plan.placements}
-    if targets != set(meta):
-        raise CheckpointFormatError(
-            f"{ckpt.directory}: layer {plan.layer} tensors do not fill the transformers module: missing "
-            f"{sorted(set(meta) - targets)[:5]}, unexpected {sorted(targets - set(meta))[:5]}"
-        )
-    state: dict[str, torch.Tensor] = {}
-    for name, empty in meta.items():
-        fp32 = keep_fp32 is not None and keep_fp32.search(name) is not None
-        state[name] = torch.empty(empty.shape, dtype=torch.float32 if fp32 else empty.dtype, device=device)
-    filled = dict.fromkeys(meta, 0)
-    for p in plan.placements:
-        if p.source not in ckpt:
-            raise CheckpointFormatError(f"{ckpt.directory}: tensor {p.source} (layer {plan.layer}) is missing")
-        value = ckpt.read_tensor(p.source)
-        view = state[p.target][p.where] if p.where else state[p.target]
-        if tuple(view.shape) != tuple(value.shape):
-            raise CheckpointFormatError(
-                f"{ckpt.directory}: tensor {p.source} has shape {list(value.shape)}, "
-                f"expected {list(view.shape)} for {p.target}"
-            )
-        view.copy_(value)
-        filled[p.target] += value.numel()
-    short = [n for n, count in filled.items() if count != state[n].numel()]
-    if short:
-        raise CheckpointFormatError(f"{ckpt.directory}: layer {plan.layer} leaves {short[:3]} partly unfilled")
-    return state

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from glmquant.arch import ModelSpec, load_model_spec, table_for
+from glmquant.arch.module_map import LayerPlan, layer_plan
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import ConfigError, UsageError
-from glmquant.observe.layer_loader import LayerPlan, layer_plan, load_decoder_layer, model_dtype, text_config
+from glmquant.observe.layer_loader import load_decoder_layer, model_dtype, text_config
 
 
 @dataclass(frozen=True)

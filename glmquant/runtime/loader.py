@@ -3,8 +3,8 @@
 The model is created on the meta device (no memory for the ~640 GB of BF16 experts), each MoE layer's
 `mlp.experts` is replaced by a `QuantizedExperts` bound to one shared backend, and the retained tensors
 are read one decoder layer at a time and assigned as they are (converted to module names by the same
-plan the observe stage uses: renames, q/k/v convolutions concatenated). Every other computation is
-transformers' own `model(...)` forward, so the non-expert math is exactly the reference.
+layer plan the observe stage uses, `glmquant.arch.module_map`: renames, q/k/v convolutions concatenated).
+Every other computation is transformers' own `model(...)` forward, so the non-expert math is exactly the reference.
 The MTP layer is skipped: transformers has no module for it and plain decoding does not use it.
 """
 
@@ -23,8 +23,8 @@ from rich.progress import track
 from torch import nn
 
 from glmquant.arch import table_for
+from glmquant.arch.module_map import ATTN_IMPLEMENTATION, fp32_names, layer_plan, read_layer_state
 from glmquant.errors import CheckpointFormatError, ConfigError, UsageError
-from glmquant.observe.layer_loader import ATTN_IMPLEMENTATION, fp32_names, layer_plan, read_layer_state
 from glmquant.runtime import torch_backend  # noqa: F401  (registers the "torch" backend)
 from glmquant.runtime.artifact import Artifact, open_artifact
 from glmquant.runtime.options import RuntimeOptions

@@ -24,6 +24,8 @@ from glmquant.observe.hessian_reader import load_layer_hessians
 from glmquant.observe.run import observe
 from glmquant.observe.summary import ObservationSummary
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tr3_artifact(

@@ -26,6 +26,8 @@ from glmquant.observe.run import observe
 from glmquant.observe.stats import LayerStats, stats_files
 from glmquant.observe.tiers import TierSpec
 
+pytestmark = pytest.mark.slow
+
 SPEC = "reap:K3=1,K2=rest,K1=1"
 
 

@@ -29,6 +29,7 @@ def correlated(out_f: int, in_f: int, seed: int = 0) -> tuple[torch.Tensor, torc
     return torch.randn(out_f, in_f, generator=g) * 0.02, x.T @ x / x.shape[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tag", CASES)
 def test_golden_proxy_error_on_par_with_exllamav3(golden, golden_meta, tag: str) -> None:
     codebook, bits = tag.split(".K")
@@ -41,6 +42,7 @@ def test_golden_proxy_error_on_par_with_exllamav3(golden, golden_meta, tag: str)
     assert result.proxy_error == pytest.approx(proxy_error(w, decode_weight(result.tensor, torch.float32), h))
 
 
+@pytest.mark.slow
 def test_gaussian_source_mse_at_two_bits() -> None:
     w = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
     result = encode_linear(w, torch.eye(256), 2, Codebook.MCG)
@@ -49,6 +51,7 @@ def test_gaussian_source_mse_at_two_bits() -> None:
     assert result.proxy_error == pytest.approx(mse.item(), rel=0.02)
 
 
+@pytest.mark.slow
 def test_encoding_is_deterministic_and_seeded() -> None:
     w, h = correlated(128, 128)
     a, b = encode_linear(w, h, 3, "3inst", seed=7), encode_linear(w, h, 3, "3inst", seed=7)
@@ -60,6 +63,7 @@ def test_encoding_is_deterministic_and_seeded() -> None:
     )
 
 
+@pytest.mark.slow
 def test_batch_equals_one_by_one_and_handles_shapes_and_fallbacks() -> None:
     (w1, h1), (w2, _) = correlated(128, 256, seed=1), correlated(200, 100, seed=2)
     items = [(w1, h1), (w2, None)]
@@ -75,6 +79,7 @@ def test_batch_equals_one_by_one_and_handles_shapes_and_fallbacks() -> None:
     assert odd.proxy_error < 0.09  # identity metric: relative squared error
 
 
+@pytest.mark.slow
 def test_ldlq_uses_the_hessian() -> None:
     w, h = correlated(128, 256, seed=5)
     calibrated = encode_linear(w, h, 2, seed=1)
@@ -83,6 +88,7 @@ def test_ldlq_uses_the_hessian() -> None:
     assert calibrated.proxy_error < 0.8 * proxy_error(w, decode_weight(blind.tensor, torch.float32), h)
 
 
+@pytest.mark.slow
 def test_hessian_fallbacks() -> None:
     w, h = correlated(128, 128, seed=6)
     nan = h.clone()
@@ -113,6 +119,7 @@ def test_invalid_inputs_raise() -> None:
         encode_linear(w, None, 2, "nf4")
 
 
+@pytest.mark.slow
 def test_zero_weight_encodes_to_zero() -> None:
     result = encode_linear(torch.zeros(128, 256), torch.eye(256), 2)
     assert torch.count_nonzero(decode_weight(result.tensor)) == 0
@@ -130,6 +137,7 @@ def test_cuda_encoder_matches_cpu_quality() -> None:
     assert gpu.proxy_error == pytest.approx(cpu.proxy_error, rel=0.03)
 
 
+@pytest.mark.slow
 def test_weights_beyond_float16_are_refused_or_rebalanced() -> None:
     """EXL3 decodes in float16: scales are rebalanced by a power of two so weights of RMS 1e-5..1e4 keep their
     quality; weights float16 cannot hold are refused with an error instead of decoding to NaN or zeros."""
@@ -147,6 +155,7 @@ def test_weights_beyond_float16_are_refused_or_rebalanced() -> None:
     assert encode_linear(torch.zeros(128, 256), None, 2).proxy_error == 0.0  # exactly zero is representable
 
 
+@pytest.mark.slow
 def test_degenerate_inputs_are_named() -> None:
     w, h = correlated(128, 128, seed=7)
     assert encode_linear(w, -h, 2).fallback == "negative_hessian"

@@ -42,6 +42,7 @@ def test_codebook_pairs_put_state_pairs_in_one_word() -> None:
         assert lo == values[((2 * cp) << kr) | e] and hi == values[((2 * cp + 1) << kr) | e]
 
 
+@pytest.mark.slow
 def test_kernel_arithmetic_closes_rings_at_exact_search_quality() -> None:
     x = tiles(2, seed=11)
     states = viterbi_cuda_reference(x, codebook_values("mcg"), 2)
@@ -52,6 +53,7 @@ def test_kernel_arithmetic_closes_rings_at_exact_search_quality() -> None:
     assert mse <= mse_exact * 1.003  # packing the argmin into the costs gives up next to nothing
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_kernel_builds_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLMQUANT_CACHE_DIR", str(tmp_path))

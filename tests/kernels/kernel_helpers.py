@@ -10,13 +10,13 @@ from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 
 def kernel_device() -> str:
     """Where the kernels run in this session; skips the test when they cannot run at all."""
-    from glmquant.runtime import kernels
+    from glmquant.runtime.kernels.availability import TRITON_AVAILABLE, interpreted
 
-    if not kernels.TRITON_AVAILABLE:
+    if not TRITON_AVAILABLE:
         pytest.skip("triton is not installed (pip install triton)")
-    if torch.cuda.is_available() and not kernels.interpreted():
+    if torch.cuda.is_available() and not interpreted():
         return "cuda"
-    if kernels.interpreted():
+    if interpreted():
         return "cpu"
     pytest.skip("no CUDA device and the kernels were imported without TRITON_INTERPRET=1")
 

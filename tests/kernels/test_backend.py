@@ -35,6 +35,7 @@ def _routes(artifact, tokens: int, seed: int):
     )
 
 
+@pytest.mark.slow
 def test_triton_backend_matches_torch_backend(tr3_artifact):
     device = kernel_device()
     artifact = open_artifact(tr3_artifact)

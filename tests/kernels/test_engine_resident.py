@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from kernel_helpers import kernel_device
 
@@ -14,6 +15,7 @@ from glmquant.runtime.engine import Engine
 from glmquant.runtime.options import RuntimeOptions
 
 
+@pytest.mark.slow
 def test_resident_triton_experts_decode_like_the_torch_backend(tiny_source: Path) -> None:
     device = kernel_device()
     artifact = dummy_artifact(tiny_source, device=device)

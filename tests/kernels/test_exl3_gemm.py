@@ -12,16 +12,9 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from glmquant.exl3 import decode_inner
-from glmquant.runtime.kernels.exl3_gemm import (
-    GEMV_ERROR_BOUND,
-    GemmConfig,
-    Jobs,
-    WeightStack,
-    exl3_linear,
-    exl3_rows,
-    fp16_pairs,
-    uses_gemv,
-)
+from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows
+from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
+from glmquant.runtime.kernels.exl3_jobs import GemmConfig, Jobs, WeightStack
 
 BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo planes, Hadamards as fp32 butterflies
 
@@ -70,6 +63,7 @@ def test_config_splits_k_into_whole_steps():
         GemmConfig(ti=8, split_tiles=4).tiles_per_split(32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
 @pytest.mark.parametrize("job_rows", [1, 2])
 def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook, job_rows):

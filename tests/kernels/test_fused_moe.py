@@ -9,7 +9,8 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from glmquant.runtime.kernels.exl3_gemm import GEMV_ERROR_BOUND, GemmConfig, WeightStack
+from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND
+from glmquant.runtime.kernels.exl3_jobs import GemmConfig, WeightStack
 from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes
 from glmquant.runtime.quantized_experts import expand_routes
 
@@ -34,6 +35,7 @@ def _reference(x, ids, weights, gates, ups, downs, limit):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job_rows", [1, 2, 16])  # GEMV one-row and two-row jobs, tensor-core jobs
 def test_moe_step_matches_reference(job_rows):
     device = kernel_device()
@@ -50,6 +52,7 @@ def test_moe_step_matches_reference(job_rows):
     assert rel_err(got, want) < (GEMV_ERROR_BOUND if job_rows <= 2 else BOUND)
 
 
+@pytest.mark.slow
 def test_rank_stacked_slices_sum_to_the_whole_expert():
     """tr3: 4 rank slices as virtual experts (same router weight) = the un-sliced expert, limit None."""
     device = kernel_device()
@@ -115,6 +118,7 @@ def test_job_size_follows_routes_per_expert():
     assert [choose_moe_config(t, t * 8, k3).job_rows for t in (1, 2, 64)] == [1, 16, 16]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job_rows", [1, 16])
 def test_tiered_layer_runs_each_expert_at_its_k(job_rows):
     """Per-expert K (tiers): one stack per K, each route computed by its expert's stack, summed = the reference."""

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from glmquant.arch import load_model_spec, table_for
+from glmquant.arch.module_map import fp32_names, layer_plan, read_layer_state
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import CheckpointFormatError, ConfigError
-from glmquant.observe.layer_loader import fp32_names, layer_plan, load_decoder_layer, read_layer_state, text_config
+from glmquant.observe.layer_loader import load_decoder_layer, text_config
 
 
 def test_layers_equal_from_pretrained(tiny_source: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from proxy_helpers import smoke_config
 from safetensors import safe_open
@@ -22,6 +23,7 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_record_and_checkpoint(smoke_proxy: Path) -> None:
     record = json.loads((smoke_proxy / "proxy.json").read_text())
     assert record["steps_done"] == 3 and not record["stopped_early"] and record["heldout_ppl"] > 1
@@ -34,6 +36,7 @@ def test_record_and_checkpoint(smoke_proxy: Path) -> None:
     assert bias.dtype == torch.float32 and bias.abs().max() > 0  # trained by the load balancer, not made up
 
 
+@pytest.mark.slow
 def test_same_seed_same_weights(corpus_recipe: Path, smoke_proxy: Path, tmp_path: Path) -> None:
     train_proxy(smoke_config(tmp_path, corpus_recipe), log=lambda _line: None)
     ours, theirs = _weights(smoke_proxy / "model"), _weights(tmp_path / "model")
@@ -45,6 +48,7 @@ def test_learning_rate_schedule() -> None:
     assert cfg.lr_at(0) == 0.1 and cfg.lr_at(9) == 1.0 and abs(cfg.lr_at(99) - 0.1) < 1e-3
 
 
+@pytest.mark.slow
 def test_bfloat16_fallback_trains(corpus_recipe: Path, tmp_path: Path) -> None:
     record = train_proxy(smoke_config(tmp_path, corpus_recipe, steps=1, dtype="bfloat16"), log=lambda _line: None)
     assert record["train_config"]["dtype"] == "bfloat16" and record["heldout_ppl"] > 1

@@ -76,6 +76,7 @@ def test_dummy_load_reads_every_text_model_tensor_and_decodes_finite_logits(tiny
     assert bool(torch.isfinite(logits).all()) and logits.float().std() > 0
 
 
+@pytest.mark.slow
 def test_dummy_artifact_of_the_reference_config_plans_the_release(reference_config: Path) -> None:
     """583,090 indexed tensors, as `plan` pins for GLM-5.3-Flash; a few small ones read with their planned specs."""
     ckpt = dummy_artifact(reference_config).checkpoint

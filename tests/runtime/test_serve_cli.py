@@ -128,6 +128,7 @@ def test_busy_port_and_bad_host_fail_before_the_model_loads(monkeypatch, artifac
     assert result.exit_code == 2 and "--host 'no-such-host.invalid' is not an address" in result.output
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_an_open_stream_cleanly_and_exits_0(artifacts):
     """SIGINT to `glmquant serve` while a long stream runs: the stream gets a final chunk (finish reason
     "abort") and `[DONE]`, a request waiting for the one slot is answered 503, and the process exits 0."""

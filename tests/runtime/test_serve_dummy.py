@@ -19,6 +19,7 @@ def _client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["glmquant", "transformers"])
 def test_dummy_weights_answer_openai_requests(tiny_source: Path, tmp_path: Path, impl: str) -> None:
     bare = tmp_path / "bare"
@@ -46,6 +47,7 @@ def test_dummy_weights_answer_openai_requests(tiny_source: Path, tmp_path: Path,
         assert running.service.health()["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_engine_answers_like_transformers_on_an_artifact(artifacts: dict[str, Path]) -> None:
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something about the sea."}]
     answers = []

@@ -97,6 +97,7 @@ def test_models_health_and_tokenize(server, client):
     assert counted["count"] == len(counted["tokens"]) > 3 and counted["max_model_len"] == 1024
 
 
+@pytest.mark.slow
 def test_plain_completion_and_usage(server, client, script):
     script.say("<think>greet them</think>\nFINAL_BASELINE_OK")
     r = client.chat.completions.create(model="tiny", messages=HELLO, temperature=0)
@@ -110,6 +111,7 @@ def test_plain_completion_and_usage(server, client, script):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, script_tokens)
 
 
+@pytest.mark.slow
 def test_streaming_with_usage_matches_non_streaming(client, script):
     text = "<think>hmm</think>Witaj, świecie 你好，世界 مرحبا بالعالم"
     script.say(text)
@@ -128,6 +130,7 @@ def test_streaming_with_usage_matches_non_streaming(client, script):
     )
 
 
+@pytest.mark.slow
 def test_tool_call_non_streaming(client, script):
     script.say(
         "<think>use the tool</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
@@ -144,6 +147,7 @@ def test_tool_call_non_streaming(client, script):
     assert json.loads(call.function.arguments) == {"city": "Paris", "country": "France", "days": 2}
 
 
+@pytest.mark.slow
 def test_tool_call_streaming(client, script):
     script.say(
         "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
@@ -157,6 +161,7 @@ def test_tool_call_streaming(client, script):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.slow
 def test_unscripted_sampling_is_seeded(client):
     kwargs = dict(model="tiny", messages=HELLO, max_tokens=6, temperature=1.0, seed=5)
     first, again = (client.chat.completions.create(**kwargs) for _ in range(2))
@@ -174,6 +179,7 @@ def test_image_request(client, script):
     assert r.usage.prompt_tokens == text.usage.prompt_tokens + 6  # 4 image tokens + begin/end markers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "body, status, param, fragment",
     [
@@ -300,6 +306,7 @@ def test_methods_and_routes_answer_json_errors(server):
     assert "POST" in _request(server, "GET", "/v1/chat/completions")[2]["allow"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision present: video works")
 def test_video_without_the_server_package_is_a_5xx(server, client, script):
     """A package the server lacks is the server's gap (501), not a bad request (4xx)."""
@@ -334,6 +341,7 @@ def test_prompt_far_beyond_the_context_is_refused_before_tokenizing(server, monk
     assert "maximum context length is 1024" in chat[1]["error"]["message"]
 
 
+@pytest.mark.slow
 def test_special_tokens_are_stripped_from_content(client, script):
     """As vLLM decodes (skip_special_tokens): GLM-V's box markers and other specials leave the content, the
     reasoning and tool markup still structure the answer."""
@@ -349,6 +357,7 @@ def test_special_tokens_are_stripped_from_content(client, script):
     assert kept.choices[0].message.content == 'Answer: <|begin_of_box|>{"a": 1}<|end_of_box|>'
 
 
+@pytest.mark.slow
 def test_text_completions(server, client, script):
     script.say("Paris<|begin_of_box|> is")
     r = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=20)
@@ -382,6 +391,7 @@ def test_detokenize_and_version(server):
     assert _get(server, "/version") == {"version": glmquant.__version__}
 
 
+@pytest.mark.slow
 def test_metrics_count_requests_tokens_and_latency(server, client, script):
     before = _metrics(server)
     script.say("one two three")
@@ -412,6 +422,7 @@ def test_served_name_comes_from_the_artifact_not_its_directory(artifacts, tmp_pa
         assert [m["id"] for m in _get(running, "/v1/models")["data"]] == ["tiny-EXL3-2bit"]
 
 
+@pytest.mark.slow
 def test_requests_queue_with_one_active_sequence(server, client):
     results: list[str] = []
     threads = [
@@ -462,6 +473,7 @@ def _metrics(server: RunningServer) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 def test_concurrent_sequences_match_sequential(artifacts):
     """With two generation slots, interleaved sequences (each with its own cache) give the sequential answers."""
     prompts = [[{"role": "user", "content": f"question {i} " * (i + 1)}] for i in range(3)]
@@ -495,6 +507,7 @@ def test_serve():
 """
 
 
+@pytest.mark.slow
 def test_process_exits_cleanly_after_serving(artifacts, tmp_path) -> None:
     """Stopping joins the server thread with a kept-alive connection still open, and the process exits 0."""
     import os

@@ -27,6 +27,8 @@ from glmquant.runtime.service import served_model_name
 from glmquant.servecheck import ServeCheckConfig, ServeCheckReport, serve_check
 from glmquant.servecheck.tokens import PromptTokenizer
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 6
 SERVE_MAIN = "from glmquant.cli import main; main()"
 

@@ -63,7 +63,7 @@ def resident_layer(artifact: Artifact, layer: int, device: torch.device):  # -> 
     if not isinstance(artifact.checkpoint, DummyCheckpoint):
         return load_layer(artifact, layer, device)
     from glmquant.runtime.kernels.exl3_decode import codebook_id
-    from glmquant.runtime.kernels.exl3_gemm import WeightStack
+    from glmquant.runtime.kernels.exl3_jobs import WeightStack
     from glmquant.runtime.kernels.fused_moe import MoEWeights
 
     ckpt = artifact.checkpoint

@@ -8,8 +8,6 @@ captured CUDA graphs.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -21,8 +19,9 @@ from glmquant.arch import PROJECTIONS
 from glmquant.errors import CheckpointFormatError, UsageError
 from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.expert_cache import CacheStats
+from glmquant.runtime.kernels.availability import EXLLAMAV3_AVAILABLE, interpreter_requested
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
-from glmquant.runtime.kernels.exl3_gemm import WeightStack
+from glmquant.runtime.kernels.exl3_jobs import WeightStack
 from glmquant.runtime.kernels.fused_moe import MoEWeights, fused_moe
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.quantized_experts import register_backend
@@ -200,7 +199,7 @@ class ExllamaV3MoE:
 def _device(options: RuntimeOptions, name: str) -> torch.device:
     """A CUDA device, or the CPU under Triton's interpreter (TRITON_INTERPRET=1, for tests)."""
     device = torch.device(options.device)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and name.startswith("triton")
+    interpreted = interpreter_requested() and name.startswith("triton")
     if device.type != "cuda" and not interpreted:
         raise UsageError(
             f"expert backend {name!r} runs on a CUDA device (--device cuda); use --backend torch on {device}"
@@ -228,5 +227,5 @@ class ExllamaV3ExpertBackend(GraphedExperts):
 
 register_backend("triton", TritonExpertBackend)
 register_backend("triton-eager", lambda artifact, options: TritonExpertBackend(artifact, options, cuda_graphs=False))
-if importlib.util.find_spec("exllamav3") is not None:
+if EXLLAMAV3_AVAILABLE:
     register_backend("exllamav3", ExllamaV3ExpertBackend)

@@ -1,68 +1,23 @@
-"""EXL3 matrix-vector products that decode trellis codes in registers (no dequantized weight in memory).
+"""EXL3 matrix products that decode trellis codes in registers (no dequantized weight in memory).
 
 `y = (((x ∘ suh) P) Q) P ∘ svh` runs as three launches: `rotate_in` (activations only: scale by suh, 128-block
 Hadamard), `exl3_rows` (the decode-and-multiply core over the packed trellis, split along K into fp32
 partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router weights). The core works on
-*jobs*: a run of rows that share one weight (one expert), so each weight is decoded once per job however
-many rows use it. Jobs of one or two rows at K2 take the GEMV core (fp16 activations, fp16x2 CUDA-core
-products, nothing through shared memory); other jobs the tensor-core core (fp16 hi/lo activation planes, mma.sync).
-Weight stacks are [P, V, in/16, out/16, 16K]: P projections (gate and up side by side) of
-V experts; a single linear is P = V = 1.
+jobs (`exl3_jobs`): rows that share one weight, decoded once per job. Jobs of one or two rows at K2 take the
+GEMV core (`exl3_gemv`: fp16 activations, fp16x2 CUDA-core products, nothing through shared memory); other jobs
+the tensor-core core here (fp16 hi/lo activation planes, mma.sync).
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from glmquant.exl3 import EXL3Tensor
-from glmquant.runtime.kernels import interpreted
-from glmquant.runtime.kernels.exl3_decode import (
-    HASH_FLIP,
-    HASH_MASK,
-    codebook_id,
-    k2_window_hashes,
-    load_window,
-    window_values,
-)
-
-JOB_ROWS = tl.constexpr(16)  # rows of one tensor-core tile: the most rows a job can hold
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Launch shape of the core: tile rows (ti) and 16-column tiles (tj) per step, tile rows per K split, warps.
-
-    ti = 4, tj = 8 decodes a 64 x 128 weight block per step (64 codes per thread at 4 warps) into a
-    16 x 128 fp32 accumulator in the tensor-core core: 118-119 registers (sm_90, sm_121) and 20 KB shared memory
-    (decoded block + pipelined activations), so 4 programs fit per SM on a GB10 (64K registers, ~100 KB shared
-    memory). The GEMV core takes the same blocks with 64 registers (MCG, sm_90; bench/results/kernels_compile.json)
-    and no shared memory in its loop; one-row GEMV jobs run ti = 8, tj = 4 (`fused_moe.ONE_ROW_GEMV`).
-    K is cut into splits of gcd(k_tiles, split_tiles) tile rows: the same on every GPU (deterministic
-    sums), and at most a few trip counts to compile. 1024 rows per split gives a 4096 x 2048 expert
-    64 programs per route at tj = 8, 128 at tj = 4.
-    """
-
-    ti: int = 4
-    tj: int = 8
-    split_tiles: int = 64
-    num_warps: int = 4
-
-    def tiles_per_split(self, k_tiles: int) -> int:
-        """16-row tiles per K split; every split is the same whole number of ti-row steps."""
-        tiles = math.gcd(k_tiles, self.split_tiles)
-        if tiles % self.ti:
-            raise ValueError(
-                f"{k_tiles} tile rows do not split into steps of {self.ti} (split_tiles {self.split_tiles})"
-            )
-        return tiles
-
-    def splits(self, k_tiles: int) -> int:
-        return k_tiles // self.tiles_per_split(k_tiles)
+from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, load_window, window_values
+from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel, packed_gemv, uses_gemv
+from glmquant.runtime.kernels.exl3_jobs import JOB_ROWS, GemmConfig, Jobs, WeightStack, job_program, job_rows
 
 
 @triton.jit
@@ -131,21 +86,6 @@ def _rotate_in_kernel(
 
 
 @triton.jit
-def job_program(job_start_ptr, job_rows_ptr, NT, TJ: tl.constexpr, ONE_ROW: tl.constexpr):
-    """What a core program works on: its job's first row and row count (program i is row i for one-row jobs
-    without tables), projection p of n_proj, 16*TJ-column block nb and K split."""
-    if ONE_ROW:
-        row0 = tl.program_id(0)
-        rows = 1
-    else:
-        row0 = tl.load(job_start_ptr + tl.program_id(0))
-        rows = tl.load(job_rows_ptr + tl.program_id(0))
-    n_blocks = NT // TJ
-    p = tl.program_id(1) // n_blocks
-    return row0, rows, p, tl.num_programs(1) // n_blocks, tl.program_id(1) % n_blocks, tl.program_id(2)
-
-
-@triton.jit
 def _exl3_rows_kernel(
     x_ptr,
     trellis_ptr,
@@ -209,169 +149,6 @@ def _exl3_rows_kernel(
         tl.store(dst + cols, acc, mask=m < rows)
 
 
-GEMV_BITS = (2,)  # K of the GEMV core: block windows of 8 positions end on 16-bit boundaries of the words
-GEMV_JOB_ROWS = 2  # the most rows of a job the GEMV core takes (one decode, an FMA per row)
-GEMV_ERROR_BOUND = 2e-3  # relative error of GEMV-core results: fp16 activations, each step's products summed in fp16
-PACKED_CODEBOOKS = (
-    codebook_id("3inst"),
-    codebook_id("mcg"),
-)  # whose hash halves the GEMV core multiplies as fp16 pairs
-
-
-@triton.jit
-def half2_fma(a, b, c):
-    """a * b + c on uint32 pairs of fp16 halves (fma.rn.f16x2): two products in one instruction."""
-    return tl.inline_asm_elementwise(
-        "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.uint32, is_pure=True, pack=1
-    )
-
-
-@triton.jit
-def half2_sum(a):
-    """fp32 of the fp16 sum of a uint32 pair's halves.
-
-    For one product by 1.0 this is the codec's rounding of lo + hi.
-    """
-    return tl.inline_asm_elementwise(
-        "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $1;\nadd.rn.f16 l, l, h;\ncvt.f32.f16 $0, l;\n}",
-        "=f,r",
-        [a],
-        dtype=tl.float32,
-        is_pure=True,
-        pack=1,
-    )
-
-
-@triton.jit
-def low_half(x):
-    """fp32 of the fp16 in the low half of uint32 x."""
-    return (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _exl3_gemv_kernel(
-    x_ptr,
-    words_ptr,
-    expert_ptr,
-    job_start_ptr,
-    job_rows_ptr,
-    part_ptr,
-    R,
-    V,
-    KT,
-    NT,
-    hash_mask,
-    hash_flip,
-    STEP_TILES: tl.constexpr,
-    K: tl.constexpr,
-    CB: tl.constexpr,
-    JOB_ROWS_MAX: tl.constexpr,
-    TI: tl.constexpr,
-    TJ: tl.constexpr,
-    PACKED: tl.constexpr,
-):
-    """part[s, p, job rows, cols] = x[p, job rows, k-split s] @ Q[p, expert] at K = 2 for jobs of 1 or 2 rows.
-
-    Without a tensor core or shared memory: every tensor is [8 g, 2 h, TI, TJ], one element per uint32 trellis
-    word (16 per tile; word 2 g + h holds blocks 4 g + 2 h + j, j = 0, 1, of 8 positions = rows 4 h + 2 j + e0 + 8 e1,
-    columns g + 8 e2). Each element decodes its 16 weights once, multiplies them by the activations of each row of
-    the job and keeps two column sums per row; tile rows and the two words of a column are summed once at the end.
-    Activations are fp16, twice per uint32 (`activation_buffer`). PACKED (GPU, 3INST/MCG): a weight stays the
-    pair of fp16 halves its hash makes, one fp16x2 FMA multiplies both by the activation pair, and each step's
-    8 products per column are summed in fp16, halves added in fp16, then added to fp32 (unit-vector activations
-    thus return the codec's weights bit for bit; those fp16 sums, at most 32 |x|, overflow once |activation|
-    passes ~2,000); otherwise (the interpreter, MUL1) weights are decoded to fp16 and multiplied
-    in fp32.
-    Word indices are scrambled so that no load is vectorized and every load shares one layout (no conversions in
-    the loop): Triton then puts a tile's words on lanes and the TJ tiles in registers, so a thread loads 8
-    activations per row and 8 words per step. JOB_ROWS_MAX = 1 without job tables: program i is row i.
-    """
-    row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, JOB_ROWS_MAX == 1)
-    if rows > 0:
-        g = (3 * tl.arange(0, 8)[:, None, None, None]) % 8
-        h = 1 - tl.arange(0, 2)[None, :, None, None]
-        ti = tl.arange(0, TI)[None, None, :, None]
-        tj = tl.arange(0, TJ)[None, None, None, :]
-        word = 2 * g + h
-        expert = tl.load(expert_ptr + row0).to(tl.int64)
-        tiles = words_ptr + (p * V + expert) * (KT * NT * 16) + (nb * TJ + tj) * 16
-        row_words = NT * 16
-        xrow = x_ptr + (p * R + row0).to(tl.int64) * (KT * 16) + 4 * h + 0 * tj + 0 * g
-        second = (
-            rows > 1
-        )  # the job has a second row (JOB_ROWS_MAX = 2); without one, row0's sums are recomputed, unstored
-        xrow1 = xrow + second.to(tl.int64) * (KT * 16)
-        first = split * STEP_TILES
-        row0_g = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)  # fp32 sums of row 0 (row 1) at columns g, g + 8
-        row0_g8 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
-        row1_g = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
-        row1_g8 = tl.zeros([8, 2, TI, TJ], dtype=tl.float32)
-        if JOB_ROWS_MAX == 1:
-            step_words = tiles + (first + ti) * row_words
-            next_cur = tl.load(step_words + word)
-            next_prev = tl.load(step_words + (word + 15) % 16)
-        for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
-            tile_row = first + step + ti
-            if JOB_ROWS_MAX == 1:
-                # the next step's words load while this step computes (the last step reloads the first: in cache,
-                # unused); two-row jobs load in step instead: 15 registers fewer for their extra row
-                cur = next_cur.to(tl.uint32, bitcast=True)
-                prev = next_prev.to(tl.uint32, bitcast=True)
-                step_words = tiles + (first + (step + TI) % STEP_TILES + ti) * row_words
-                next_cur = tl.load(step_words + word)
-                next_prev = tl.load(step_words + (word + 15) % 16)
-            else:
-                cur = tl.load(tiles + tile_row * row_words + word).to(tl.uint32, bitcast=True)
-                prev = tl.load(tiles + tile_row * row_words + (word + 15) % 16).to(tl.uint32, bitcast=True)
-            xs = xrow + 16 * tile_row
-            if JOB_ROWS_MAX == 2:
-                xs1 = xrow1 + 16 * tile_row
-            if PACKED:  # this step's sums as fp16 pairs
-                step0_g = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
-                step0_g8 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
-                if JOB_ROWS_MAX == 2:
-                    step1_g = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
-                    step1_g8 = tl.zeros([8, 2, TI, TJ], dtype=tl.uint32)
-            for j in tl.static_range(2):
-                win = ((prev << 16) | (cur >> 16)) if j == 0 else cur
-                if PACKED:
-                    pairs = k2_window_hashes(win, CB, hash_mask, hash_flip)  # positions e01 (column g), 4 + e01 (g + 8)
-                for e01 in tl.static_range(4):  # rows 4 h + 2 j + e0 + 8 e1 of the tile, e01 = 2 e1 + e0
-                    e1, e0 = e01 // 2, e01 % 2
-                    xv = tl.load(xs + 2 * j + e0 + 8 * e1).to(tl.uint32, bitcast=True)
-                    if JOB_ROWS_MAX == 2:
-                        xv1 = tl.load(xs1 + 2 * j + e0 + 8 * e1).to(tl.uint32, bitcast=True)
-                    if PACKED:
-                        step0_g = half2_fma(pairs[e01], xv, step0_g)
-                        step0_g8 = half2_fma(pairs[4 + e01], xv, step0_g8)
-                        if JOB_ROWS_MAX == 2:
-                            step1_g = half2_fma(pairs[e01], xv1, step1_g)
-                            step1_g8 = half2_fma(pairs[4 + e01], xv1, step1_g8)
-                    else:
-                        w_g = window_values(win, 0, e01, K, CB, hash_mask, hash_flip).to(tl.float32)  # position e01
-                        w_g8 = window_values(win, 1, e01, K, CB, hash_mask, hash_flip).to(tl.float32)  # 4 + e01
-                        row0_g += w_g * low_half(xv)
-                        row0_g8 += w_g8 * low_half(xv)
-                        if JOB_ROWS_MAX == 2:
-                            row1_g += w_g * low_half(xv1)
-                            row1_g8 += w_g8 * low_half(xv1)
-            if PACKED:
-                row0_g += half2_sum(step0_g)
-                row0_g8 += half2_sum(step0_g8)
-                if JOB_ROWS_MAX == 2:
-                    row1_g += half2_sum(step1_g)
-                    row1_g8 += half2_sum(step1_g8)
-        cols = nb * TJ * 16 + tl.arange(0, TJ)[None, :] * 16 + (3 * tl.arange(0, 8)[:, None]) % 8
-        dst = part_ptr + ((split * n_proj + p) * R + row0).to(tl.int64) * (NT * 16) + cols
-        tl.store(dst, tl.sum(tl.sum(row0_g, axis=2), axis=1))
-        tl.store(dst + 8, tl.sum(tl.sum(row0_g8, axis=2), axis=1))
-        if JOB_ROWS_MAX == 2:
-            keep = cols * 0 + rows > 1  # `second` in the stored shape, built by a comparison (Triton 3.9's interpreter
-            # rejects scalar masks and turns a broadcast bool & into int32)
-            tl.store(dst + NT * 16, tl.sum(tl.sum(row1_g, axis=2), axis=1), mask=keep)
-            tl.store(dst + NT * 16 + 8, tl.sum(tl.sum(row1_g8, axis=2), axis=1), mask=keep)
-
-
 @triton.jit
 def _rotate_out_kernel(
     part_ptr,
@@ -405,92 +182,12 @@ def _rotate_out_kernel(
     tl.store(out_ptr + t * out_stride + out_cols, y, mask=out_cols < n_cols)
 
 
-@dataclass(frozen=True)
-class WeightStack:
-    """EXL3 weights of P projections x V experts with one shape, bit width and codebook, on one device."""
-
-    trellis: torch.Tensor  # int16 [P, V, in_pad/16, out_pad/16, 16K]
-    suh: torch.Tensor  # float16 [P, V, in_pad]
-    svh: torch.Tensor  # float16 [P, V, out_pad]
-    codebook: int  # kernel codebook id
-    in_features: int
-    out_features: int
-
-    @property
-    def bits(self) -> int:
-        return self.trellis.shape[-1] // 16
-
-    @classmethod
-    def from_tensors(cls, groups: list[list[EXL3Tensor]], device: torch.device | str) -> WeightStack:
-        """Stack groups[p][v]; every tensor must share shape, bits and codebook (ValueError naming the first misfit)."""
-        first = groups[0][0]
-        for p, group in enumerate(groups):
-            for v, t in enumerate(group):
-                if (t.trellis.shape, t.codebook, t.in_features, t.out_features) != (
-                    first.trellis.shape,
-                    first.codebook,
-                    first.in_features,
-                    first.out_features,
-                ):
-                    raise ValueError(
-                        f"projection {p} expert {v}: {t.codebook.value} {tuple(t.trellis.shape)} does not "
-                        f"match {first.codebook.value} {tuple(first.trellis.shape)}"
-                    )
-        trellis, suh, svh = (
-            torch.stack([getattr(t, name) for g in groups for t in g]).to(device) for name in ("trellis", "suh", "svh")
-        )
-        p, v = len(groups), len(groups[0])
-        return cls(
-            trellis.view(p, v, *trellis.shape[1:]),
-            suh.view(p, v, *suh.shape[1:]),
-            svh.view(p, v, *svh.shape[1:]),
-            codebook_id(first.codebook),
-            first.in_features,
-            first.out_features,
-        )
-
-
-@dataclass(frozen=True)
-class Jobs:
-    """Rows grouped by the weight they share: (first row, row count) per job, every count <= max_rows."""
-
-    starts: torch.Tensor  # int32 [J]
-    counts: torch.Tensor  # int32 [J]; 0 for unused entries
-    max_rows: int
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.max_rows <= JOB_ROWS.value:
-            raise ValueError(f"jobs hold 2 to {JOB_ROWS.value} rows (None is one row per job), not {self.max_rows}")
-
-
-def job_rows(jobs: Jobs | None) -> int:
-    """The most rows a job holds (None: one row per job)."""
-    return 1 if jobs is None else jobs.max_rows
-
-
-def uses_gemv(stack: WeightStack, max_rows: int) -> bool:
-    """Whether `exl3_rows` runs the GEMV core (K in GEMV_BITS, jobs of <= GEMV_JOB_ROWS rows), which takes fp16
-    activations; otherwise the tensor-core core (jobs of <= JOB_ROWS rows)."""
-    return stack.bits in GEMV_BITS and max_rows <= GEMV_JOB_ROWS
-
-
-def packed_gemv(xr: torch.Tensor, stack: WeightStack) -> bool:
-    """Whether the GEMV core multiplies fp16 pairs in inline PTX: compiled for an NVIDIA GPU, 3INST or MCG."""
-    return xr.is_cuda and torch.version.hip is None and not interpreted() and stack.codebook in PACKED_CODEBOOKS
-
-
 def activation_buffer(P: int, R: int, kp: int, gemv: bool, device: torch.device) -> torch.Tensor:
     """Uninitialized core input: int32 [P, R, kp] holding each fp16 activation twice for the GEMV core, fp16
     hi/lo planes [P, R, 2, kp] otherwise."""
     if gemv:
         return torch.empty((P, R, kp), dtype=torch.int32, device=device)
     return torch.empty((P, R, 2, kp), dtype=torch.float16, device=device)
-
-
-def fp16_pairs(x: torch.Tensor) -> torch.Tensor:
-    """The GEMV core's activation format from a float tensor: int32 holding fp16(x) in both halves."""
-    half = x.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
-    return half | (half << 16)
 
 
 def rotate_in(

@@ -18,20 +18,15 @@ import triton
 import triton.language as tl
 
 from glmquant.runtime.kernels.exl3_gemm import (
-    GEMV_JOB_ROWS,
-    JOB_ROWS,
-    GemmConfig,
-    Jobs,
-    WeightStack,
     activation_buffer,
     exl3_rows,
     had128_rows,
-    job_rows,
     rotate_in,
     rotate_out,
     store_activations,
-    uses_gemv,
 )
+from glmquant.runtime.kernels.exl3_gemv import GEMV_JOB_ROWS, uses_gemv
+from glmquant.runtime.kernels.exl3_jobs import JOB_ROWS, GemmConfig, Jobs, WeightStack, job_rows
 
 
 @dataclass(frozen=True)
@@ -172,10 +167,9 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
     return out
 
 
-# one-row GEMV jobs: 8 x 4-tile steps take 48 registers at MCG (10 programs per SM; 3INST 64) instead of 64 for
-# 4 x 8 and make twice the programs (a batch-1 down launch: 1,024, was 0.48 waves of an H200 at 512:
-# bench/results/ncu_gemv_core_h200.txt); fastest of the swept configs at batches 1, 4 and 16 by 2-10 %
-# (moe_decode_h200.json `sweep`, moe_decode_h200_sweep_b4_b16.json)
+# one-row GEMV jobs: 8 x 4-tile steps take fewer registers than the 4 x 8 default and make twice the programs,
+# which a batch-1 launch needs to fill the GPU; the fastest of the swept configs at batches 1, 4 and 16
+# (figures: docs/kernels.md, "Per kernel")
 ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)
 
 
@@ -194,9 +188,9 @@ class MoEConfig:
 def choose_moe_config(tokens: int, routes: int, w: MoEWeights) -> MoEConfig:
     """Jobs sized to how many routes an expert gets on average. With the GEMV core (K2, both stacks): one row
     per route under 1/2 and for one token, whose routes never share an expert (at `ONE_ROW_GEMV`), GEMV jobs of
-    two rows (one decode, an FMA per row) under 4, tensor-core jobs of 16 rows beyond (prefill); H200 measurements
-    at 0.03-1.8 routes per expert in bench/results/moe_decode_h200*.json, the switch at 4 is an estimate. Other K
-    run the tensor-core core only: 16-row jobs once there are two tokens."""
+    two rows (one decode, an FMA per row) under 4, tensor-core jobs of 16 rows beyond (prefill): the measurements
+    behind these thresholds are in docs/kernels.md (the switch at 4 is an estimate). Other K run the tensor-core
+    core only: 16-row jobs once there are two tokens."""
     if not (uses_gemv(w.gate_up, GEMV_JOB_ROWS) and uses_gemv(w.down, GEMV_JOB_ROWS)):
         return MoEConfig(1 if tokens == 1 else JOB_ROWS.value)
     per_expert = routes / w.experts

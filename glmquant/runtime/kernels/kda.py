@@ -8,13 +8,13 @@ Both entry points take q, k [B, S, heads, dk], v [B, S, heads, dv] in the model 
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from functools import cache
 
 import torch
 
-FLA_AVAILABLE = importlib.util.find_spec("fla") is not None
+from glmquant.runtime.kernels.availability import FLA_AVAILABLE
+
 KDAFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 

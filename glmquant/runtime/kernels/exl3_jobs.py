@@ -1,0 +1,130 @@
+"""What both EXL3 cores take: weight stacks, launch shapes and jobs.
+
+A core works on *jobs*: a run of rows that share one weight (one expert), so each weight is decoded once per job
+however many rows use it. Weight stacks are [P, V, in/16, out/16, 16K]: P projections (gate and up side by side)
+of V experts; a single linear is P = V = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from glmquant.exl3 import EXL3Tensor
+from glmquant.runtime.kernels.exl3_decode import codebook_id
+
+JOB_ROWS = tl.constexpr(16)  # rows of one tensor-core tile: the most rows a job can hold
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch shape of the core: tile rows (ti) and 16-column tiles (tj) per step, tile rows per K split, warps.
+
+    ti = 4, tj = 8 decodes a 64 x 128 weight block per step (64 codes per thread at 4 warps) into a
+    16 x 128 fp32 accumulator in the tensor-core core, small enough in registers and shared memory (decoded block
+    + pipelined activations) for 4 programs per SM on a GB10; the GEMV core takes the same blocks without shared
+    memory in its loop, and one-row GEMV jobs run ti = 8, tj = 4 (`fused_moe.ONE_ROW_GEMV`). Resources per
+    config: docs/kernels.md.
+    K is cut into splits of gcd(k_tiles, split_tiles) tile rows: the same on every GPU (deterministic
+    sums), and at most a few trip counts to compile. 1024 rows per split gives a 4096 x 2048 expert
+    64 programs per route at tj = 8, 128 at tj = 4.
+    """
+
+    ti: int = 4
+    tj: int = 8
+    split_tiles: int = 64
+    num_warps: int = 4
+
+    def tiles_per_split(self, k_tiles: int) -> int:
+        """16-row tiles per K split; every split is the same whole number of ti-row steps."""
+        tiles = math.gcd(k_tiles, self.split_tiles)
+        if tiles % self.ti:
+            raise ValueError(
+                f"{k_tiles} tile rows do not split into steps of {self.ti} (split_tiles {self.split_tiles})"
+            )
+        return tiles
+
+    def splits(self, k_tiles: int) -> int:
+        return k_tiles // self.tiles_per_split(k_tiles)
+
+
+@triton.jit
+def job_program(job_start_ptr, job_rows_ptr, NT, TJ: tl.constexpr, ONE_ROW: tl.constexpr):
+    """What a core program works on: its job's first row and row count (program i is row i for one-row jobs
+    without tables), projection p of n_proj, 16*TJ-column block nb and K split."""
+    if ONE_ROW:
+        row0 = tl.program_id(0)
+        rows = 1
+    else:
+        row0 = tl.load(job_start_ptr + tl.program_id(0))
+        rows = tl.load(job_rows_ptr + tl.program_id(0))
+    n_blocks = NT // TJ
+    p = tl.program_id(1) // n_blocks
+    return row0, rows, p, tl.num_programs(1) // n_blocks, tl.program_id(1) % n_blocks, tl.program_id(2)
+
+
+@dataclass(frozen=True)
+class WeightStack:
+    """EXL3 weights of P projections x V experts with one shape, bit width and codebook, on one device."""
+
+    trellis: torch.Tensor  # int16 [P, V, in_pad/16, out_pad/16, 16K]
+    suh: torch.Tensor  # float16 [P, V, in_pad]
+    svh: torch.Tensor  # float16 [P, V, out_pad]
+    codebook: int  # kernel codebook id
+    in_features: int
+    out_features: int
+
+    @property
+    def bits(self) -> int:
+        return self.trellis.shape[-1] // 16
+
+    @classmethod
+    def from_tensors(cls, groups: list[list[EXL3Tensor]], device: torch.device | str) -> WeightStack:
+        """Stack groups[p][v]; every tensor must share shape, bits and codebook (ValueError naming the first misfit)."""
+        first = groups[0][0]
+        for p, group in enumerate(groups):
+            for v, t in enumerate(group):
+                if (t.trellis.shape, t.codebook, t.in_features, t.out_features) != (
+                    first.trellis.shape,
+                    first.codebook,
+                    first.in_features,
+                    first.out_features,
+                ):
+                    raise ValueError(
+                        f"projection {p} expert {v}: {t.codebook.value} {tuple(t.trellis.shape)} does not "
+                        f"match {first.codebook.value} {tuple(first.trellis.shape)}"
+                    )
+        trellis, suh, svh = (
+            torch.stack([getattr(t, name) for g in groups for t in g]).to(device) for name in ("trellis", "suh", "svh")
+        )
+        p, v = len(groups), len(groups[0])
+        return cls(
+            trellis.view(p, v, *trellis.shape[1:]),
+            suh.view(p, v, *suh.shape[1:]),
+            svh.view(p, v, *svh.shape[1:]),
+            codebook_id(first.codebook),
+            first.in_features,
+            first.out_features,
+        )
+
+
+@dataclass(frozen=True)
+class Jobs:
+    """Rows grouped by the weight they share: (first row, row count) per job, every count <= max_rows."""
+
+    starts: torch.Tensor  # int32 [J]
+    counts: torch.Tensor  # int32 [J]; 0 for unused entries
+    max_rows: int
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.max_rows <= JOB_ROWS.value:
+            raise ValueError(f"jobs hold 2 to {JOB_ROWS.value} rows (None is one row per job), not {self.max_rows}")
+
+
+def job_rows(jobs: Jobs | None) -> int:
+    """The most rows a job holds (None: one row per job)."""
+    return 1 if jobs is None else jobs.max_rows
