@@ -16,3 +16,10 @@ def device_type(device: str) -> str:
     if kind not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda (or cuda:N), got {device!r}")
     return kind
+
+
+def require_visible(device: str) -> None:
+    """UsageError naming the option when `device` is CUDA and no CUDA device is visible: checked where work starts,
+    not where options are parsed, so configs for a GPU can be built and validated on any machine."""
+    if device_type(device) == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: no CUDA device is visible here")

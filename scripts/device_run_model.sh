@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call (under 10 minutes) for issue 16, the whole model from dummy weights. Installs the carried wheels
 # (.whl/: fla-core, flash-linear-attention, einops), then one mode. Every step is bounded by `timeout`; results are
-# refreshed in $OUT/results.tgz, the log is $OUT/run.log.
+# refreshed in $OUT/results.tgz, the log is $OUT/run.log. Several modes run one after another in one call, each
+# bounded by the time left (e.g. `serve checks compiled`).
 # Usage on the device:
 #   bash scripts/device_run_model.sh "$OUT" COMMIT checks    # GPU tests: fused mHC kernel, engine vs the CPU reference
 #                                                            # (fla KDA, whole-step graphs, bf16), resident experts
@@ -9,10 +10,12 @@
 #   bash scripts/device_run_model.sh "$OUT" COMMIT decode    # graphs, decode 1k and 32k, classes
 #   bash scripts/device_run_model.sh "$OUT" COMMIT prefill   # prefill 8k, 64k, 200k
 #   bash scripts/device_run_model.sh "$OUT" COMMIT compiled  # decode 1k with the decode math torch.compile'd
+#   bash scripts/device_run_model.sh "$OUT" COMMIT serve     # `glmquant serve --load-format dummy` answers OpenAI
+#                                                            # requests (scripts/serve_probe.py)
 # then, here: python scripts/bench_model.py --merge model_h200_decode.json model_h200_prefill.json \
 #                --out bench/results/model_h200.json
 set -u
-OUT=${1:?output dir}; COMMIT=${2:?commit}; MODE=${3:-quick}
+OUT=${1:?output dir}; COMMIT=${2:?commit}; shift 2; MODES=("${@:-quick}")
 RES=/tmp/res; mkdir -p "$RES"; LOG="$OUT/run.log"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -20,20 +23,29 @@ t0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; tar czf "$OUT/results.tgz" -C "$RES" .; }
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__,
   'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())" >>"$LOG" 2>&1
-case $MODE in
-  checks)
-    stamp "GPU checks: mHC kernel, engine vs CPU reference (fla, graphs, bf16), resident experts"
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc.py \
-      tests/kernels/test_engine_resident.py tests/runtime/test_engine.py >"$RES/pytest.log" 2>&1
-    echo "pytest exit $?" >>"$LOG"; stamp "done"; exit 0 ;;
-  quick) args=(--quick) ;;
-  decode) args=(--parts graphs,decode,classes) ;;
-  prefill) args=(--parts prefill) ;;
-  compiled) args=(--quick --parts graphs,decode,classes --compile-decode) ;;
-  *) echo "mode must be checks, quick, decode, prefill or compiled" >&2; exit 2 ;;
-esac
-stamp "bench_model.py ${args[*]}"
-timeout $(( 580 - ($(date +%s) - t0) )) python3 scripts/bench_model.py --commit "$COMMIT" "${args[@]}" \
-  --out "$RES/model_h200_$MODE.json" >>"$LOG" 2>&1
-echo "bench exit $?" >>"$LOG"
+left() { echo $(( 580 - ($(date +%s) - t0) )); }
+for MODE in "${MODES[@]}"; do
+  if (( $(left) < 30 )); then echo "== $MODE skipped: under 30 s left" >>"$LOG"; continue; fi
+  case $MODE in
+    checks)
+      stamp "GPU checks: mHC kernel, engine vs CPU reference (fla, graphs, bf16), resident experts"
+      timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc.py \
+        tests/kernels/test_engine_resident.py tests/runtime/test_engine.py >"$RES/pytest.log" 2>&1
+      echo "pytest exit $?" >>"$LOG"; continue ;;
+    serve)
+      stamp "serve --load-format dummy: OpenAI requests"
+      timeout "$(left)" python3 scripts/serve_probe.py --config tests/data/glm-5.3-flash/config.json \
+        --commit "$COMMIT" --out "$RES/serve_h200.json" >>"$LOG" 2>&1
+      echo "serve probe exit $?" >>"$LOG"; continue ;;
+    quick) args=(--quick) ;;
+    decode) args=(--parts graphs,decode,classes) ;;
+    prefill) args=(--parts prefill) ;;
+    compiled) args=(--quick --parts graphs,decode,classes --compile-decode) ;;
+    *) echo "mode must be checks, serve, quick, decode, prefill or compiled, not $MODE" >>"$LOG"; continue ;;
+  esac
+  stamp "bench_model.py ${args[*]}"
+  timeout "$(left)" python3 scripts/bench_model.py --commit "$COMMIT" "${args[@]}" \
+    --out "$RES/model_h200_$MODE.json" >>"$LOG" 2>&1
+  echo "bench exit $?" >>"$LOG"
+done
 stamp "done"

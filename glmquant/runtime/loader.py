@@ -24,6 +24,7 @@ from torch import nn
 
 from glmquant.arch import table_for
 from glmquant.arch.module_map import ATTN_IMPLEMENTATION, fp32_names, layer_plan, read_layer_state
+from glmquant.devices import require_visible
 from glmquant.errors import CheckpointFormatError, ConfigError, UsageError
 from glmquant.runtime import torch_backend  # noqa: F401  (registers the "torch" backend)
 from glmquant.runtime.artifact import Artifact, open_artifact
@@ -72,8 +73,7 @@ def load_model(source: str | Path | Artifact, options: RuntimeOptions = RuntimeO
     artifact = source if isinstance(source, Artifact) else load_artifact(source, options)
     if artifact.spec.family != "glm5_next":
         raise ConfigError(f"{artifact.path}: the runtime serves glm5_next artifacts, not {artifact.spec.family}")
-    if torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {options.device}: no CUDA device is visible here")
+    require_visible(options.device)
     options = options.resolved_for(artifact.config)
     dtype = options.torch_dtype
     with _default_dtype(dtype), torch.device("meta"):

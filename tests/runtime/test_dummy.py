@@ -14,11 +14,14 @@ from glmquant.arch import TensorRole, table_for
 from glmquant.checkpoint.dummy import DummyCheckpoint
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.tensor_bytes import TORCH_DTYPES
+from glmquant.errors import UsageError
 from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
 from glmquant.runtime.engine.experts import resident_layer
+from glmquant.runtime.engine.loaded import load_engine
 from glmquant.runtime.kernels.backend import load_layer
+from glmquant.runtime.loader import load_model
 from glmquant.runtime.options import RuntimeOptions
 
 
@@ -90,3 +93,15 @@ def test_dummy_artifact_of_the_reference_config_plans_the_release(reference_conf
             spec.shape,
             TORCH_DTYPES[spec.dtype],
         )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("impl", ["glmquant", "transformers"])
+def test_cuda_asked_without_cuda_is_a_usage_error(tiny_source: Path, impl: str) -> None:
+    options = RuntimeOptions(device="cuda", load_format="dummy", model_impl=impl)
+    artifact = dummy_artifact(tiny_source / "config.json", "tr3")
+    with pytest.raises(UsageError, match="--device cuda: no CUDA device is visible"):
+        if impl == "glmquant":
+            load_engine(artifact, options, max_seqs=1, max_len=64)
+        else:
+            load_model(artifact, options)

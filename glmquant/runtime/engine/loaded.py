@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glmquant.devices import require_visible
 from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.engine.decoder import EngineDecoder
 from glmquant.runtime.engine.model import Engine
@@ -49,6 +50,7 @@ class LoadedEngine:
 def load_engine(artifact: Artifact, options: RuntimeOptions, max_seqs: int, max_len: int) -> LoadedEngine:
     """The engine with caches for `max_seqs` sequences of `max_len` tokens; its decoders share one lock, so one
     forward runs at a time (sequences interleave token by token; they are not batched together)."""
+    require_visible(options.device)
     engine = Engine.load(artifact, options, max_batch=max_seqs, max_len=max_len)
     lock = threading.Lock()
     decoders: queue.Queue[EngineDecoder] = queue.Queue()
