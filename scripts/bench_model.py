@@ -10,6 +10,8 @@ Parts (each saved to --out as soon as it is done, so a run cut short keeps what 
 - classes:    each kernel class captured and timed alone over all layers (batch 1, context 1k); "rest" is the whole
               step minus the classes; bytes per token from the tensors each class reads (`engine/profile.py`);
               the GB10 projection per class: max(bytes / BW, H200 time x (132 SMs x 1.98 GHz) / (48 SMs x GB10 clock)).
+- kernels:    torch.profiler over one eager batch-1 decode step and one prefill chunk: kernel launches and the
+              kernels that take the most device time (where "rest" and prefill time go).
 
     python scripts/bench_model.py --commit SHA [--quick] [--parts graphs,decode,prefill,classes] [--out FILE]
     python scripts/bench_model.py --smoke --out FILE          # the tiny config on the CPU, every part (a test runs it)
@@ -53,7 +55,7 @@ GB10: dict[str, Any] = {
     ),
 }
 GB10_BANDWIDTHS = {"218": "measured copy bandwidth of one DGX Spark (docs anchors)", "273": "LPDDR5X spec"}
-PARTS = ("graphs", "decode", "prefill", "classes")
+PARTS = ("graphs", "decode", "prefill", "classes", "kernels")
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,13 @@ def main() -> None:
     sync(engine)
     report["model"] = model_record(artifact, engine, time.perf_counter() - t0, config)
     save(report, args.out)
-    runs = {"graphs": check_graphs, "decode": decode_speed, "prefill": prefill_speed, "classes": breakdown}
+    runs = {
+        "graphs": check_graphs,
+        "decode": decode_speed,
+        "prefill": prefill_speed,
+        "classes": breakdown,
+        "kernels": kernel_profile,
+    }
     for part in args.parts:
         reset_peak(engine)
         try:
@@ -263,6 +271,53 @@ def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
         "bytes_are": "weights + KDA state read and written + MLA latents of the selected tokens + scored k-pool "
         "keys + the routed experts' EXL3 bytes; activations not counted",
         "projection": project_gb10({n: (c["ms_per_token"], c["bytes_per_token"]) for n, c in classes.items()}),
+    }
+
+
+def kernel_profile(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
+    """torch.profiler over one eager batch-1 decode step at the first context and one prefill chunk: launches, and
+    the kernels (CPU ops off CUDA) ranked by their own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    context = sizes.contexts[0]
+    engine.reallocate(1, context + sizes.chunk + 16)
+    engine.prefill(0, random_ids(engine, context), chunk=sizes.chunk)
+    tokens = torch.zeros(1, dtype=torch.long, device=engine.device)
+    position = torch.full((1,), context, dtype=torch.long, device=engine.device)
+    engine.decode(tokens, position, context + 1, eager=True)  # compiles and warms every decode kernel
+    chunk_ids = random_ids(engine, sizes.chunk, seed=1)
+    work = {
+        "decode_step_eager_b1": lambda: engine.decode(tokens, position, context + 1, eager=True),
+        "prefill_chunk": lambda: engine.prefill(0, chunk_ids, chunk=sizes.chunk),
+    }
+    out: dict[str, Any] = {"context": context, "chunk": sizes.chunk, "time_is": "device" if cuda else "cpu"}
+    for name, fn in work.items():
+        sync(engine)
+        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+            fn()
+            sync(engine)
+        out[name] = kernel_table(prof.key_averages(), cuda)
+    return out
+
+
+def kernel_table(events: Any, cuda: bool, top: int = 25) -> dict[str, Any]:
+    """Launch count, total own time and the `top` entries of a profiler's key_averages()."""
+    rows = []
+    for e in events:
+        us = float(getattr(e, "self_device_time_total", 0.0)) if cuda else float(e.self_cpu_time_total)
+        if us > 0:
+            rows.append((us, e.key, int(e.count)))
+    rows.sort(key=lambda r: (-r[0], r[1]))
+    total = sum(r[0] for r in rows)
+    return {
+        "launches": sum(r[2] for r in rows),
+        "distinct": len(rows),
+        "total_ms": round(total / 1e3, 4),
+        "top": [
+            {"name": key[:160], "count": count, "ms": round(us / 1e3, 4), "share": round(us / total, 4)}
+            for us, key, count in rows[:top]
+        ],
     }
 
 

@@ -38,9 +38,9 @@ for MODE in "${MODES[@]}"; do
         --commit "$COMMIT" --out "$RES/serve_h200.json" >>"$LOG" 2>&1
       echo "serve probe exit $?" >>"$LOG"; continue ;;
     quick) args=(--quick) ;;
-    decode) args=(--parts graphs,decode,classes) ;;
+    decode) args=(--parts graphs,decode,classes,kernels) ;;
     prefill) args=(--parts prefill) ;;
-    compiled) args=(--quick --parts graphs,decode,classes --compile-decode) ;;
+    compiled) args=(--quick --parts graphs,decode,classes,kernels --compile-decode) ;;
     *) echo "mode must be checks, serve, quick, decode, prefill or compiled, not $MODE" >>"$LOG"; continue ;;
   esac
   stamp "bench_model.py ${args[*]}"

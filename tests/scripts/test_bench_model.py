@@ -44,6 +44,10 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     projection = parts["classes"]["projection"]
     assert "max(bytes_c / BW" in projection["formula"] and projection["assumptions"]["gb10"]["clock_source"]
     assert set(projection["classes"]) == set(classes)
+    for work in ("decode_step_eager_b1", "prefill_chunk"):
+        table = parts["kernels"][work]
+        assert table["launches"] >= table["distinct"] >= len(table["top"]) > 0
+        assert table["total_ms"] > 0 and 0 < sum(r["share"] for r in table["top"]) <= 1 + 1e-6
     summary = report["summary"]
     assert set(summary) >= {
         "decode_tok_s_b1",
