@@ -4,26 +4,17 @@ smoke-size training options, shared by the proxy tests."""
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from glmquant.fixtures.tiny import TinyModelConfig
+from glmquant.proxy import train
 from glmquant.proxy.train import TrainConfig
 
-SMOKE_SHAPE = TinyModelConfig(
-    hidden_size=128,
-    num_hidden_layers=4,
-    first_dense_layers=1,
-    n_routed_experts=32,
-    num_experts_per_tok=8,
-    moe_intermediate_size=512,
-    intermediate_size=256,
-    vocab_size=400,
-    shard_bytes=32 << 20,
-    index_topk=8,
-)
+# the script's CPU smoke proxy with a smaller vocabulary and indexer window, for test speed
+SMOKE_SHAPE = replace(train.SMOKE_SHAPE, vocab_size=400, index_topk=8)
 
 
 def write_mo(path: Path, messages: dict[str, str]) -> Path:

@@ -10,27 +10,18 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from proxy_helpers import smoke_config
+from proxy_helpers import SMOKE_SHAPE, smoke_config
 
-from glmquant.fixtures.tiny import TinyModelConfig
 from glmquant.proxy.train import train_proxy
 
 ROOT = Path(__file__).resolve().parents[2]
 # one MoE layer of 8 experts, 128-wide: the exllamav3 layout keeps every EXL3 tensor one 128 x 128 block
-BENCH_SHAPE = TinyModelConfig(
-    hidden_size=128,
-    num_hidden_layers=2,
-    first_dense_layers=1,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-    intermediate_size=256,
-    vocab_size=400,
-    shard_bytes=32 << 20,
-    index_topk=8,
+BENCH_SHAPE = replace(
+    SMOKE_SHAPE, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
 )
 
 SMOKE_ROWS = ("seed", "blend-0.5", "prune25-k3", "calibration-quarter", "uniform-k4")
