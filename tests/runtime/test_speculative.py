@@ -1,0 +1,127 @@
+"""MTP speculative decoding: greedy output equals plain greedy token for token (k = 1, 2, 3), accepted drafts and
+rollbacks keep the caches right, the MTP layer drafts the same from its incremental cache as from scratch, and
+`--speculative-config` is checked where it enters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glmquant.errors import UsageError
+from glmquant.runtime.generate import Generation, PromptInputs, SamplingParams, generate
+from glmquant.runtime.loader import LoadedModel
+from glmquant.runtime.mtp import MtpLayer, load_mtp
+from glmquant.runtime.mtp_decoder import MtpDecoder
+from glmquant.runtime.speculative import SpecStats, SpeculativeConfig
+
+# 12 prompt tokens + 32 generated: past index_topk (8), so the indexer's sparse selection and its cache are rolled back
+PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
+TOKENS = 32
+
+
+def decode(ids):
+    return "".join(chr(65 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def mtp(tr3_f32: LoadedModel) -> MtpLayer:
+    return load_mtp(tr3_f32)
+
+
+@pytest.fixture(scope="module")
+def plain(tr3_f32: LoadedModel) -> Generation:
+    return generate(tr3_f32.model, PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+
+
+class OracleDecoder(MtpDecoder):
+    """Drafts the plain greedy continuation, wrong wherever `wrong(generated index)` says: every path of the
+    verification (all accepted, some, none) runs, which a random MTP layer (acceptance ~0) never reaches."""
+
+    def __init__(self, loaded: LoadedModel, mtp: MtpLayer, k: int, truth: tuple[int, ...], wrong) -> None:
+        super().__init__(loaded.model, mtp, k)
+        self.truth, self.wrong = truth, wrong
+
+    def _draft(self, token: int) -> list[int]:
+        at = self._cache.get_seq_length() - PROMPT.num_tokens + 1  # generated index of the first draft
+        return [
+            (self.truth[i] + 1) % 300 if self.wrong(i) else self.truth[i]
+            for i in range(at, at + self.k)
+            if i < len(self.truth)
+        ] or [0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_speculation_equals_plain_greedy(tr3_f32, mtp, plain, k):
+    spec = generate(MtpDecoder(tr3_f32.model, mtp, k), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text and spec.finish_reason == "length"
+    stats = spec.speculative
+    assert stats is not None and stats.drafted == k * stats.steps and 0 <= stats.accepted <= stats.drafted
+    assert stats.accepted + stats.steps >= TOKENS - 1  # every step yields its accepted drafts plus one token
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_accepted_drafts_and_rollbacks_keep_greedy_output(tr3_f32, mtp, plain, k):
+    """Drafts right except at every 5th generated token: full and partial acceptances, KV crops and KDA restores."""
+    decoder = OracleDecoder(tr3_f32, mtp, k, plain.token_ids, lambda i: i % 5 == 3)
+    spec = generate(decoder, PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    assert spec.token_ids == plain.token_ids
+    stats = spec.speculative
+    assert stats is not None and 0 < stats.accepted < stats.drafted
+    assert stats.tokens_per_step > 1.0 and stats.steps < TOKENS - 1
+    perfect = generate(
+        OracleDecoder(tr3_f32, mtp, k, plain.token_ids, lambda i: False), PROMPT, SamplingParams(TOKENS), decode
+    )
+    assert perfect.token_ids == plain.token_ids
+    assert perfect.speculative is not None and perfect.speculative.tokens_per_step > k  # the last step is cut short
+
+
+@pytest.mark.slow
+def test_mtp_drafts_from_its_cache_as_from_scratch(tr3_f32, mtp):
+    """Each first draft equals the MTP layer run over the whole sequence at once: its cache holds exactly the
+    target's accepted positions (the positions it drafted on were cut)."""
+    drafts: list[tuple[int, int]] = []  # (sequence position of the fed token, first draft)
+
+    class Recording(MtpDecoder):
+        def _draft(self, token: int) -> list[int]:
+            out = super()._draft(token)
+            drafts.append((self._cache.get_seq_length(), out[0]))
+            return out
+
+    result = generate(Recording(tr3_f32.model, mtp, 2), PROMPT, SamplingParams(max_tokens=10), decode)
+    sequence = torch.tensor([PROMPT.input_ids[0].tolist() + list(result.token_ids)])
+    with torch.no_grad():
+        hidden = tr3_f32.model.model(input_ids=sequence).last_hidden_state
+        logits, _ = mtp(hidden[:, :-1], sequence[:, 1:], mtp.new_cache())
+    assert drafts and all(int(logits[0, pos - 1].argmax()) == draft for pos, draft in drafts)
+
+
+def test_sampling_decodes_without_speculation(tr3_f32, mtp):
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    spec = generate(MtpDecoder(tr3_f32.model, mtp, 2), PROMPT, params, decode)
+    assert spec.speculative is None
+    assert spec.token_ids == generate(tr3_f32.model, PROMPT, params, decode).token_ids
+
+
+def test_speculative_config_is_checked_where_it_enters():
+    assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 3}') == SpeculativeConfig("mtp", 3)
+    assert SpeculativeConfig.parse('{"num_speculative_tokens": 2}').num_speculative_tokens == 2
+    for bad, message in (
+        ('{"method": "eagle", "num_speculative_tokens": 1}', "method must be one of mtp"),
+        ('{"method": "mtp", "num_speculative_tokens": 4}', r"integer in 1\.\.3"),
+        ('{"method": "mtp", "num_speculative_tokens": 0}', r"integer in 1\.\.3"),
+        ('{"method": "mtp", "num_speculative_tokens": true}', r"integer in 1\.\.3"),
+        ('{"method": "mtp", "num_speculative_tokens": "2"}', r"integer in 1\.\.3"),
+        ('{"method": "mtp", "model": "x"}', r"unknown key\(s\) \['model'\]"),
+        ("[1]", "must be a JSON object"),
+        ("{method: mtp}", "is not JSON"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            SpeculativeConfig.parse(bad)
+
+
+def test_spec_stats_rates():
+    stats = SpecStats(steps=4, drafted=8, accepted=6)
+    assert stats.acceptance_rate == 0.75 and stats.tokens_per_step == 2.5
+    assert SpecStats().acceptance_rate == 0.0 and SpecStats().tokens_per_step == 0.0
