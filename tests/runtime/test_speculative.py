@@ -4,14 +4,21 @@ rollbacks keep the caches right, the MTP layer drafts the same from its incremen
 
 from __future__ import annotations
 
+import http.client
+
+import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from glmquant.errors import UsageError
 from glmquant.runtime.generate import Generation, PromptInputs, SamplingParams, generate
 from glmquant.runtime.loader import LoadedModel
 from glmquant.runtime.mtp import MtpLayer, load_mtp
 from glmquant.runtime.mtp_decoder import MtpDecoder
+from glmquant.runtime.openai_api import UsageInfo
+from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.server import serve_in_background
 from glmquant.runtime.speculative import SpecStats, SpeculativeConfig
 
 # 12 prompt tokens + 32 generated: past index_topk (8), so the indexer's sparse selection and its cache are rolled back
@@ -125,3 +132,55 @@ def test_spec_stats_rates():
     stats = SpecStats(steps=4, drafted=8, accepted=6)
     assert stats.acceptance_rate == 0.75 and stats.tokens_per_step == 2.5
     assert SpecStats().acceptance_rate == 0.0 and SpecStats().tokens_per_step == 0.0
+
+
+def test_usage_carries_speculation_only_when_it_ran():
+    plain = Generation((1, 2), "ab", "length", 5)
+    assert UsageInfo.of(plain, 5).model_dump() == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    spec = Generation((1, 2, 3), "abc", "length", 5, speculative=SpecStats(steps=2, drafted=4, accepted=1))
+    assert UsageInfo.of(spec, 5).model_dump()["speculative"] == {
+        "num_drafts": 2,
+        "num_draft_tokens": 4,
+        "num_accepted_tokens": 1,
+        "acceptance_rate": 0.25,
+        "tokens_per_step": 1.5,
+    }
+
+
+def test_speculation_needs_transformers_modules():
+    with pytest.raises(UsageError, match="--model-impl transformers only"):
+        RuntimeOptions(model_impl="glmquant", speculative_config=SpeculativeConfig())
+
+
+@pytest.mark.slow
+def test_server_reports_speculation_in_usage_and_metrics(artifacts):
+    """A greedy chat request through a server with --speculative-config (BF16: the MTP layer's fp32 parts kept):
+    usage says how many drafts were made and accepted, and /metrics counts the same."""
+    config = SpeculativeConfig(num_speculative_tokens=2)
+    with serve_in_background(artifacts["tr3"], expert_cache=16, max_model_len=512, speculative_config=config) as srv:
+        assert isinstance(srv.service.loaded, LoadedModel) and srv.service.loaded.mtp is not None
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model=srv.service.model_name,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = [c.usage for c in stream if c.usage][0]
+        spec = (usage.model_extra or {})["speculative"]
+        conn = http.client.HTTPConnection(*srv.address, timeout=30)
+        conn.request("GET", "/metrics")
+        metrics = {
+            s.name: s.value
+            for family in text_string_to_metric_families(conn.getresponse().read().decode())
+            for s in family.samples
+        }
+    assert spec["num_draft_tokens"] == 2 * spec["num_drafts"] >= 2
+    assert spec["num_accepted_tokens"] + spec["num_drafts"] >= usage.completion_tokens - 1
+    assert spec["tokens_per_step"] == pytest.approx(
+        (spec["num_accepted_tokens"] + spec["num_drafts"]) / spec["num_drafts"], abs=1e-4
+    )
+    assert metrics["glmquant:spec_decode_num_drafts_total"] == spec["num_drafts"]
+    assert metrics["glmquant:spec_decode_num_draft_tokens_total"] == spec["num_draft_tokens"]
+    assert metrics["glmquant:spec_decode_num_accepted_tokens_total"] == spec["num_accepted_tokens"]
