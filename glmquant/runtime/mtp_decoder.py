@@ -29,7 +29,7 @@ class MtpDecoder:
         self._mtp_cache: DynamicCache | None = None
         # target hidden states the MTP layer has not read yet, and the tokens after each (one fewer: the last's
         # next token is the one the next step feeds)
-        self._hidden = torch.empty(0)
+        self._hidden: torch.Tensor | None = None
         self._next: list[int] = []
 
     def prefill(self, prompt: PromptInputs) -> torch.Tensor:
@@ -47,11 +47,10 @@ class MtpDecoder:
         return self.model.lm_head(hidden[:, -1])[0]
 
     def step(self, token: int) -> torch.Tensor:
-        """One token without drafting (sampling); the MTP layer catches up at the next `speculate`."""
-        hidden = self._forward(self._ids([token]))
-        self._hidden = torch.cat([self._hidden, hidden], dim=1)
-        self._next.append(token)
-        return self.model.lm_head(hidden[:, -1])[0]
+        """One token without drafting (a sampled generation, which never speculates): the MTP layer stops
+        following this sequence, and its pending hidden states are let go."""
+        self._hidden, self._next = None, []
+        return self.model.lm_head(self._forward(self._ids([token]))[:, -1])[0]
 
     def speculate(self, token: int) -> list[torch.Tensor]:
         drafts = self._draft(token)
@@ -63,14 +62,19 @@ class MtpDecoder:
         n = 0
         while n < len(drafts) and drafts[n] == greedy[n]:
             n += 1
+        out = list(logits[: n + 1])
         if n < len(drafts):  # back to before the verify forward, then the accepted tokens again
             _restore(self._cache, saved, len(ids))
             hidden = self._forward(self._ids(ids[: n + 1]))
+            # the next token from the forward the cache now holds: with no draft accepted, exactly plain decoding's
+            # one-token step (a k + 1-token forward rounds differently in 16-bit); the accepted drafts' logits stay
+            # the verify forward's, whose argmax they are
+            out[n] = self.model.lm_head(hidden[:, -1])[0]
         self._hidden, self._next = hidden[:, : n + 1], drafts[:n]
         self.stats.steps += 1
         self.stats.drafted += len(drafts)
         self.stats.accepted += n
-        return list(logits[: n + 1])
+        return out
 
     @property
     def _cache(self) -> DynamicCache:
@@ -79,7 +83,8 @@ class MtpDecoder:
     def _draft(self, token: int) -> list[int]:
         """k greedy drafts: the MTP layer reads every target hidden state not read yet (the last with `token`),
         then feeds its own output hidden state and draft k - 1 more times; those positions leave its cache."""
-        assert self._mtp_cache is not None
+        if self._hidden is None or self._mtp_cache is None:
+            raise RuntimeError("speculate() needs a prefill and no step() since: the MTP layer missed positions")
         logits, hidden = self.mtp(self._hidden, self._ids([*self._next, token]), self._mtp_cache)
         drafts = [int(logits[0, -1].argmax())]
         for _ in range(self.k - 1):

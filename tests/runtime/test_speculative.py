@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from glmquant.errors import UsageError
 from glmquant.runtime.generate import Generation, PromptInputs, SamplingParams, generate
-from glmquant.runtime.loader import LoadedModel
+from glmquant.runtime.loader import LoadedModel, load_model
 from glmquant.runtime.mtp import MtpLayer, load_mtp
 from glmquant.runtime.mtp_decoder import MtpDecoder
 from glmquant.runtime.openai_api import UsageInfo
@@ -82,6 +82,19 @@ def test_accepted_drafts_and_rollbacks_keep_greedy_output(tr3_f32, mtp, plain, k
     )
     assert perfect.token_ids == plain.token_ids
     assert perfect.speculative is not None and perfect.speculative.tokens_per_step > k  # the last step is cut short
+
+
+@pytest.mark.slow
+def test_rejected_drafts_leave_bf16_output_as_plain(artifacts):
+    """BF16: a verify forward over k + 1 tokens rounds differently from one-token steps; after a rejection the next
+    token comes from the re-run the cache holds, so with no draft accepted (a random MTP layer) the output is plain
+    decoding's bit for bit. This prompt's 13th token flips when taken from the verify forward instead."""
+    loaded = load_model(artifacts["tr3"], RuntimeOptions(dtype="bfloat16"))
+    prompt = PromptInputs(torch.tensor([[256, 5, 7, 9, 11, 200, 13]]))
+    plain = generate(loaded.model, prompt, SamplingParams(max_tokens=TOKENS), decode)
+    spec = generate(MtpDecoder(loaded.model, load_mtp(loaded), 1), prompt, SamplingParams(max_tokens=TOKENS), decode)
+    assert spec.speculative is not None and spec.speculative.accepted == 0
+    assert spec.token_ids == plain.token_ids
 
 
 @pytest.mark.slow
