@@ -85,6 +85,25 @@ def test_accepted_drafts_and_rollbacks_keep_greedy_output(tr3_f32, mtp, plain, k
 
 
 @pytest.mark.slow
+def test_eos_stop_strings_and_budget_inside_accepted_drafts(tr3_f32, mtp, plain):
+    """Generation ends where plain greedy ends even when the EOS id, the stop string or the budget falls among
+    drafts already accepted (the decoder is ahead of the tokens drawn)."""
+
+    def run(params: SamplingParams) -> Generation:
+        return generate(OracleDecoder(tr3_f32, mtp, 3, plain.token_ids, lambda i: False), PROMPT, params, decode)
+
+    eos = run(SamplingParams(max_tokens=TOKENS, stop_token_ids=(plain.token_ids[6],)))
+    first = plain.token_ids.index(plain.token_ids[6])
+    assert eos.finish_reason == "stop" and eos.token_ids == plain.token_ids[:first]
+    stop = plain.text[9:11]
+    cut = run(SamplingParams(max_tokens=TOKENS, stop=(stop,)))
+    assert cut.finish_reason == "stop" and cut.text == plain.text[: plain.text.find(stop)]
+    budget = run(SamplingParams(max_tokens=10))
+    assert budget.finish_reason == "length" and budget.token_ids == plain.token_ids[:10]
+    assert budget.speculative is not None and budget.speculative.steps == 3  # 1 + 4 + 4 + 1 of the last 4
+
+
+@pytest.mark.slow
 def test_rejected_drafts_leave_bf16_output_as_plain(artifacts):
     """BF16: a verify forward over k + 1 tokens rounds differently from one-token steps; after a rejection the next
     token comes from the re-run the cache holds, so with no draft accepted (a random MTP layer) the output is plain
