@@ -13,6 +13,7 @@ from glmquant.cli.common import console, guarded, out
 from glmquant.runtime.options import DTYPE_CHOICES, RuntimeOptions
 from glmquant.runtime.server import run_server
 from glmquant.runtime.service import ModelService, ServiceOptions
+from glmquant.runtime.speculative import SpeculativeConfig
 
 
 def register(app: typer.Typer) -> None:
@@ -73,6 +74,16 @@ def serve(
             )
         ),
     ] = "transformers",
+    speculative_config: Annotated[
+        str | None,
+        typer.Option(
+            help=(
+                'vLLM\'s JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\': the model\'s MTP layer drafts '
+                "1..3 tokens per step, verified in one forward (greedy requests; same output; --model-impl "
+                "transformers)"
+            )
+        ),
+    ] = None,
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /version and
     /metrics until Ctrl-C, which ends open streams cleanly before exiting."""
@@ -83,6 +94,7 @@ def serve(
         backend=backend,
         load_format=load_format,
         model_impl=model_impl,
+        speculative_config=SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None,
     )
     options = ServiceOptions(
         served_model_name=served_model_name, max_num_seqs=max_num_seqs, max_model_len=max_model_len

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.live import Live
@@ -15,6 +15,9 @@ from glmquant.errors import UsageError
 from glmquant.servecheck import ALL_GATES, CaseResult, ServeCheckConfig, serve_check
 from glmquant.servecheck.config import REPORT_JSON, REPORT_MD
 from glmquant.servecheck.report import result_text, summary_table
+
+if TYPE_CHECKING:
+    from glmquant.runtime.speculative import SpeculativeConfig
 
 
 def register(app: typer.Typer) -> None:
@@ -111,6 +114,13 @@ def serve_check_command(
             "(as serve's; for speed and load tests, not answers)"
         ),
     ] = "auto",
+    speculative_config: Annotated[
+        str | None,
+        Opt(
+            help='the embedded server\'s MTP speculation, as serve\'s (e.g. \'{"method": "mtp", '
+            '"num_speculative_tokens": 2}\'); the speed gate reports acceptance rate and tokens per step'
+        ),
+    ] = None,
     api_key: Annotated[str, Opt(envvar="OPENAI_API_KEY", help="API key for --endpoint")] = "EMPTY",
     out_dir: Annotated[
         Path | None, Opt("--out", help="directory for serve-check.json/.md (default: ARTIFACT, else .)")
@@ -142,6 +152,7 @@ def serve_check_command(
         backend=backend,
         model_impl=model_impl,
         load_format=load_format,
+        speculative_config=_speculative(speculative_config),
         api_key=api_key,
     )
     with Live(console=console, refresh_per_second=4, transient=True) as live:
@@ -151,3 +162,11 @@ def serve_check_command(
     out.print(summary_table(report))
     out.print(f"reports: {config.report_dir / REPORT_JSON}, {config.report_dir / REPORT_MD}")
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _speculative(text: str | None) -> SpeculativeConfig | None:
+    if text is None:
+        return None
+    from glmquant.runtime.speculative import SpeculativeConfig
+
+    return SpeculativeConfig.parse(text)

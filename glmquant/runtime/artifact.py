@@ -3,7 +3,8 @@
 The layout is read from the tensor names alone: `...experts.E.proj.rankR.trellis` means tr3 (every expert
 projection stored as R rank slices), `...experts.E.proj.trellis` the plain ExLlamaV3 layout (R = 1). The
 runtime addresses rank slices as *virtual experts* `virtual_id = expert * R + rank`, each a SwiGLU MLP of
-width moe_intermediate_size / R; the MTP layer is not served (see `Artifact.retained_names`).
+width moe_intermediate_size / R; the MTP layer is not part of the served model (see `Artifact.retained_names`): only
+speculative decoding reads it (`runtime.mtp`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Artifact:
         """Tensors loaded as they are: everything but the quantized routed experts and the MTP layer.
 
         The MTP layer (speculative next-token head) is skipped: transformers' model has no module for it
-        and plain decoding never runs it.
+        and plain decoding never runs it (`runtime.mtp.load_mtp` reads it for speculative decoding).
         """
         table = table_for(self.spec)
         skipped = tuple(table.layer_prefix(layer) for layer in self.spec.mtp_layers)

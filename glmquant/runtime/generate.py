@@ -1,6 +1,7 @@
 """Greedy and sampled generation through a `Decoder`: one prefill forward, then one token per forward. A plain
 transformers model runs with its own cache (KDA recurrent state, MLA KV and DSA indexer state in one
-`DynamicCache`); the runtime's own engine brings its decoder (`runtime.engine.EngineDecoder`).
+`DynamicCache`); the runtime's own engine brings its decoder (`runtime.engine.EngineDecoder`). A `SpeculativeDecoder`
+(`runtime.speculative`) yields several tokens per forward when decoding greedily: the same tokens.
 
 Stops on the model's EOS ids, on stop strings (the text before the stop string is kept), after
 `max_tokens`, or when `should_stop` says so (finish reason "abort": a server shutting down).
@@ -15,12 +16,13 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
 
 from glmquant.errors import NumericalError, UsageError
+from glmquant.runtime.speculative import SpecStats, SpeculativeDecoder
 from glmquant.runtime.text_stream import Decode, TextStream
 
 
@@ -64,6 +66,7 @@ class Generation:
     prompt_tokens: int
     first_token_at: float | None = None  # time.perf_counter() when the first token was drawn
     finished_at: float = 0.0  # time.perf_counter() at the end
+    speculative: SpecStats | None = None  # drafts and acceptances, when a speculative decoder ran greedily
 
     @property
     def completion_tokens(self) -> int:
@@ -94,7 +97,7 @@ class TransformersDecoder:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config.get_text_config())
-        self.cache_kw = {_cache_argument(self.model): cache, "use_cache": True}
+        self.cache_kw = {cache_argument(self.model): cache, "use_cache": True}
         vision = {k: v.to(self.device) for k, v in prompt.vision.items()}
         return self.model(
             input_ids=prompt.input_ids.to(self.device), logits_to_keep=1, **vision, **self.cache_kw
@@ -117,13 +120,14 @@ def generate(
     final piece of text as soon as it is known; `should_stop` is asked before each decode step (True ends the
     generation with reason "abort")."""
     decoder = model if isinstance(model, Decoder) else TransformersDecoder(model)
+    speculate = isinstance(decoder, SpeculativeDecoder) and params.temperature == 0
     gen = torch.Generator(device=decoder.device)
     gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
     stream, reason, first_token_at = TextStream(decode, params.stop), "length", None
     tokens: list[int] = []
-    logits = decoder.prefill(prompt)
+    pending = [decoder.prefill(prompt)]  # logits of the next tokens the decoder holds (several when speculating)
     while len(tokens) < params.max_tokens:
-        token = next_token(finite_logits(logits, len(tokens)), params, gen)
+        token = next_token(finite_logits(pending.pop(0), len(tokens)), params, gen)
         first_token_at = first_token_at or time.perf_counter()
         if token in params.stop_token_ids:
             reason = "stop"
@@ -133,13 +137,14 @@ def generate(
         if stream.stopped:
             reason = "stop"
             break
-        if len(tokens) < params.max_tokens:
+        if len(tokens) < params.max_tokens and not pending:
             if should_stop is not None and should_stop():
                 reason = "abort"
                 break
-            logits = decoder.step(token)
+            pending = cast(SpeculativeDecoder, decoder).speculate(token) if speculate else [decoder.step(token)]
     _emit(stream.finish(), on_text)
-    return Generation(tuple(tokens), stream.text, reason, prompt.num_tokens, first_token_at, time.perf_counter())
+    stats = cast(SpeculativeDecoder, decoder).stats if speculate else None
+    return Generation(tuple(tokens), stream.text, reason, prompt.num_tokens, first_token_at, time.perf_counter(), stats)
 
 
 def finite_logits(logits: torch.Tensor, generated: int) -> torch.Tensor:
@@ -173,7 +178,7 @@ def stop_token_ids(eos: int | Sequence[int] | None) -> tuple[int, ...]:
     return (int(eos),) if isinstance(eos, int) else tuple(int(i) for i in eos)
 
 
-def _cache_argument(model: nn.Module) -> str:
+def cache_argument(model: nn.Module) -> str:
     """transformers renamed `past_key_values` to `cache` (5.2x); accept either."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 

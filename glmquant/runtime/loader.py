@@ -5,7 +5,8 @@ The model is created on the meta device (no memory for the ~640 GB of BF16 exper
 are read one decoder layer at a time and assigned as they are (converted to module names by the same
 layer plan the observe stage uses, `glmquant.arch.module_map`: renames, q/k/v convolutions concatenated).
 Every other computation is transformers' own `model(...)` forward, so the non-expert math is exactly the reference.
-The MTP layer is skipped: transformers has no module for it and plain decoding does not use it.
+The MTP layer is loaded only for MTP speculative decoding (`--speculative-config`, `runtime.mtp`): transformers
+has no module for it and plain decoding does not use it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import importlib
 import importlib.util
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -28,21 +29,26 @@ from glmquant.devices import require_visible
 from glmquant.errors import CheckpointFormatError, ConfigError, UsageError
 from glmquant.runtime import torch_backend  # noqa: F401  (registers the "torch" backend)
 from glmquant.runtime.artifact import Artifact, open_artifact
+from glmquant.runtime.generate import Decoder
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.quantized_experts import BACKENDS, ExpertBackend, QuantizedExperts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from glmquant.runtime.mtp import MtpLayer
+
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A ready model: transformers' module tree plus the backend its quantized experts share."""
+    """A ready model: transformers' module tree plus the backend its quantized experts share, and its MTP layer
+    when the options ask for speculative decoding."""
 
     model: nn.Module
     artifact: Artifact
     backend: ExpertBackend
     options: RuntimeOptions
+    mtp: MtpLayer | None = None
 
     @property
     def device(self) -> torch.device:
@@ -53,9 +59,16 @@ class LoadedModel:
         self.artifact.checkpoint.close()
 
     @contextlib.contextmanager
-    def session(self) -> Iterator[nn.Module]:
-        """What one generation runs on: the model itself (each generation makes its own cache)."""
-        yield self.model
+    def session(self) -> Iterator[nn.Module | Decoder]:
+        """What one generation runs on: the model itself (each generation makes its own cache), or with
+        speculative decoding a fresh `MtpDecoder` over it."""
+        spec = self.options.speculative_config
+        if self.mtp is None or spec is None:
+            yield self.model
+        else:
+            from glmquant.runtime.mtp_decoder import MtpDecoder
+
+            yield MtpDecoder(self.model, self.mtp, spec.num_speculative_tokens)
 
 
 def load_artifact(path: str | Path, options: RuntimeOptions) -> Artifact:
@@ -84,7 +97,12 @@ def load_model(source: str | Path | Artifact, options: RuntimeOptions = RuntimeO
         model.set_submodule(f"{table.layer_prefix(layer)}mlp.experts", QuantizedExperts(layer, artifact.ranks, backend))
     _load_retained(model, artifact, dtype, torch.device(options.device))
     _materialize_buffers(model, torch.device(options.device))
-    return LoadedModel(model.eval(), artifact, backend, options)
+    loaded = LoadedModel(model.eval(), artifact, backend, options)
+    if options.speculative_config is None:
+        return loaded
+    from glmquant.runtime.mtp import load_mtp
+
+    return replace(loaded, mtp=load_mtp(loaded))
 
 
 def hf_config(artifact: Artifact, dtype: str):

@@ -16,7 +16,8 @@ RATE_BUCKETS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 
 
 
 class ServerMetrics:
-    """Requests, tokens, time to first token, decode tokens per second and the queue, for one served model."""
+    """Requests, tokens, time to first token, decode tokens per second, the queue and speculative decoding's
+    drafted and accepted tokens, for one served model."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -58,6 +59,14 @@ class ServerMetrics:
             list(label),
             registry=self.registry,
         ).labels(**label)
+        # vLLM's spec-decode counters: verify steps, drafted and accepted tokens (MTP speculative decoding)
+        self._spec_drafts = counter("glmquant:spec_decode_num_drafts", "Speculative verify steps").labels(**label)
+        self._spec_draft_tokens = counter(
+            "glmquant:spec_decode_num_draft_tokens", "Tokens drafted by the MTP layer"
+        ).labels(**label)
+        self._spec_accepted_tokens = counter(
+            "glmquant:spec_decode_num_accepted_tokens", "Drafted tokens the target model accepted"
+        ).labels(**label)
         self._label = label
 
     def track_queue(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
@@ -78,6 +87,10 @@ class ServerMetrics:
             decode_seconds = generation.finished_at - generation.first_token_at
             if generation.completion_tokens > 1 and decode_seconds > 0:
                 self._rate.observe((generation.completion_tokens - 1) / decode_seconds)
+        if generation.speculative is not None:
+            self._spec_drafts.inc(generation.speculative.steps)
+            self._spec_draft_tokens.inc(generation.speculative.drafted)
+            self._spec_accepted_tokens.inc(generation.speculative.accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from glmquant.runtime.generate import Generation
 from glmquant.runtime.glm_output import Delta, ParsedOutput, ToolCall
+from glmquant.runtime.speculative import SpecStats
 
 log = logging.getLogger("glmquant.serve")
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}  # vLLM's; else the phrase
@@ -240,15 +241,54 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
+class SpeculativeUsage(BaseModel):
+    """MTP speculative decoding of one request, with vLLM's spec-decode metric names: `num_drafts` verify steps,
+    `num_draft_tokens` drafted and `num_accepted_tokens` accepted; `acceptance_rate` = accepted / drafted and
+    `tokens_per_step` = (accepted + drafts) / drafts, the tokens each target forward yielded (1.0: no gain)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float
+    tokens_per_step: float
+
+    @classmethod
+    def of(cls, stats: SpecStats) -> SpeculativeUsage:
+        return cls(
+            num_drafts=stats.steps,
+            num_draft_tokens=stats.drafted,
+            num_accepted_tokens=stats.accepted,
+            acceptance_rate=round(stats.acceptance_rate, 4),
+            tokens_per_step=round(stats.tokens_per_step, 4),
+        )
+
+
 class UsageInfo(BaseModel):
+    """OpenAI's usage, plus `speculative` (not OpenAI's: present only when the request was decoded with MTP
+    speculation, so plain responses keep OpenAI's exact shape)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    speculative: SpeculativeUsage | None = None
 
     @classmethod
     def of(cls, generation: Generation | None, prompt_tokens: int) -> UsageInfo:
         completion = generation.completion_tokens if generation is not None else 0
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+        spec = generation.speculative if generation is not None else None
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
+            speculative=SpeculativeUsage.of(spec) if spec is not None else None,
+        )
+
+    @model_serializer(mode="wrap")
+    def _speculative_when_run(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("speculative") is None:
+            out.pop("speculative", None)
+        return out
 
 
 class FunctionCall(BaseModel):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from glmquant.errors import UsageError
+from glmquant.runtime.speculative import SpeculativeConfig
 
 # vLLM's --dtype names; "auto" is the checkpoint's own 16-bit dtype (BF16 for a float32 config)
 DTYPES = {
@@ -28,7 +29,8 @@ class RuntimeOptions:
     """`dtype` is that of the activations and of every tensor transformers keeps in the model dtype;
     `expert_cache` counts decoded virtual experts the torch backend keeps (0: decode on every use);
     `load_format` "dummy" makes the weights from the config (`runtime.dummy`) instead of reading files;
-    `model_impl` "glmquant" runs the runtime's own forward (`runtime.engine`) instead of transformers' modules."""
+    `model_impl` "glmquant" runs the runtime's own forward (`runtime.engine`) instead of transformers' modules;
+    `speculative_config` (vLLM's `--speculative-config`) drafts tokens with the model's MTP layer."""
 
     device: str = "cpu"
     dtype: str = "bfloat16"
@@ -36,6 +38,7 @@ class RuntimeOptions:
     backend: str = "torch"
     load_format: str = "auto"
     model_impl: str = "transformers"
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -48,6 +51,11 @@ class RuntimeOptions:
         ):
             if value not in choices:
                 raise UsageError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
+        if self.speculative_config is not None and self.model_impl != "transformers":
+            raise UsageError(
+                "--speculative-config runs with --model-impl transformers only: the runtime's own engine "
+                "(--model-impl glmquant) does not run the MTP layer yet"
+            )
         try:
             torch.device(self.device)
         except RuntimeError:

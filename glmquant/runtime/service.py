@@ -214,13 +214,17 @@ class ModelService:
         if job.parser is not None:
             emit(job.parser.finish())
         self.metrics.generation(job.arrived, generation)
+        spec = generation.speculative
         log.info(
-            "generation: %d prompt + %d generated tokens in %.2f s (%s), expert cache hit rate %.1f%%",
+            "generation: %d prompt + %d generated tokens in %.2f s (%s), expert cache hit rate %.1f%%%s",
             generation.prompt_tokens,
             generation.completion_tokens,
             generation.finished_at - job.arrived,
             generation.finish_reason,
             100 * self.loaded.backend.stats().hit_rate,
+            ""
+            if spec is None
+            else f", MTP acceptance {100 * spec.acceptance_rate:.1f}%, {spec.tokens_per_step:.2f} tokens per step",
         )
         return generation, collect(deltas)
 

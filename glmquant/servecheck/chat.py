@@ -27,10 +27,28 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """The embedded server's `usage.speculative` (MTP speculative decoding), vLLM's spec-decode counts."""
+
+    num_drafts: int  # verify steps
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @classmethod
+    def parse(cls, raw: Any) -> Speculation | None:
+        """From the usage's extra field; None when absent or not the three counts."""
+        keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        if not isinstance(raw, dict) or not all(isinstance(raw.get(k), int) for k in keys):
+            return None
+        return cls(*(int(raw[k]) for k in keys))
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None  # prompt_tokens_details.cached_tokens, when the server reports it
+    speculative: Speculation | None = None  # usage.speculative, from a server decoding with MTP speculation
 
 
 @dataclass(frozen=True)

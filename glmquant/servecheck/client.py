@@ -13,7 +13,7 @@ from typing import Any
 import openai
 
 from glmquant.errors import UsageError
-from glmquant.servecheck.chat import ChatRequest, ChatResult, Timings, ToolCall, Usage
+from glmquant.servecheck.chat import ChatRequest, ChatResult, Speculation, Timings, ToolCall, Usage
 
 _REASONING_FIELDS = ("reasoning_content", "reasoning")
 
@@ -102,7 +102,10 @@ class _Collector:
         if chunk.usage is not None:
             details = getattr(chunk.usage, "prompt_tokens_details", None)
             self.usage = Usage(
-                chunk.usage.prompt_tokens, chunk.usage.completion_tokens, getattr(details, "cached_tokens", None)
+                chunk.usage.prompt_tokens,
+                chunk.usage.completion_tokens,
+                getattr(details, "cached_tokens", None),
+                Speculation.parse((chunk.usage.model_extra or {}).get("speculative")),
             )
         for choice in chunk.choices:
             delta = choice.delta

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from glmquant.errors import UsageError
+
+if TYPE_CHECKING:  # the runtime package is imported only by a run that serves the artifact itself
+    from glmquant.runtime.speculative import SpeculativeConfig
 
 ALL_GATES = ("text", "tools", "multilingual", "images", "video", "needle", "speed", "fidelity")
 REPORT_JSON, REPORT_MD = "serve-check.json", "serve-check.md"
@@ -42,12 +46,17 @@ class ServeCheckConfig:
     backend: str = "torch"  # the embedded server's expert backend, model implementation and weights (RuntimeOptions)
     model_impl: str = "transformers"
     load_format: str = "auto"
+    speculative_config: SpeculativeConfig | None = None  # the embedded server's MTP speculation (serve's option)
     api_key: str = "EMPTY"
     deselected_reason: str = "not selected (--gates)"
 
     def __post_init__(self) -> None:
         if (self.artifact is None) == (self.endpoint is None):
             raise UsageError("give exactly one of ARTIFACT (served here) or --endpoint URL")
+        if self.speculative_config is not None and self.artifact is None:
+            raise UsageError(
+                "--speculative-config configures the embedded server (ARTIFACT); an --endpoint decodes as started"
+            )
         unknown = sorted(set(self.gates) - set(ALL_GATES))
         if unknown:
             raise UsageError(f"unknown gate(s) {', '.join(unknown)}; choose from {','.join(ALL_GATES)}")

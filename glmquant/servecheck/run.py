@@ -69,6 +69,7 @@ def _server(config: ServeCheckConfig) -> Iterator[str]:
         backend=config.backend,
         model_impl=config.model_impl,
         load_format=config.load_format,
+        speculative_config=config.speculative_config,
         max_num_seqs=config.concurrency,
     ) as server:
         yield _openai_base(server.base_url)

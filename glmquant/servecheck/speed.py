@@ -2,7 +2,9 @@
 
 Each stream gets its own nonce and filler, so no request is served from another's prefix cache.
 A cell passes when every stream completed with usage, the server's prompt count matches the local one (so the
-cell measured the length it claims) and the streams' mean decode rate reaches the stated threshold.
+cell measured the length it claims) and the streams' mean decode rate reaches the stated threshold. A server that
+decodes with MTP speculation reports its drafts in usage; the cell then records the acceptance rate and tokens per
+verify step over its streams (None from a server that does not).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class SpeedMetrics:
     decode_tps: float | None  # mean per-stream completion_tokens / (last token - first token)
     aggregate_tps: float  # all completion tokens / cell wall time
     completion_tokens: int
+    acceptance_rate: float | None = None  # accepted / drafted tokens over the streams (MTP speculation)
+    tokens_per_step: float | None = None  # (accepted + verify steps) / verify steps: tokens per target forward
 
 
 def build_speed_requests(
@@ -71,6 +75,18 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
+def _speculation(results: list[ChatResult]) -> dict[str, float | None]:
+    """Acceptance rate and tokens per step over the streams that report speculation."""
+    spec = [r.usage.speculative for r in results if r.usage is not None and r.usage.speculative is not None]
+    drafts = sum(s.num_drafts for s in spec)
+    drafted = sum(s.num_draft_tokens for s in spec)
+    accepted = sum(s.num_accepted_tokens for s in spec)
+    return {
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "tokens_per_step": (accepted + drafts) / drafts if drafts else None,
+    }
+
+
 def score_cell(
     results: list[ChatResult],
     requests: tuple[SpeedRequest, ...],
@@ -98,6 +114,7 @@ def score_cell(
         decode_tps=_mean([r.decode_tps for r in results]),
         aggregate_tps=completion / wall_s if wall_s > 0 else 0.0,
         completion_tokens=completion,
+        **_speculation(results),
     )
     if not failures and (metrics.decode_tps or 0.0) < min_decode_tps:
         rate = "no decode rate" if metrics.decode_tps is None else f"mean decode {metrics.decode_tps:.2f} tok/s"

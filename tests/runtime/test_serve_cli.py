@@ -21,6 +21,7 @@ from glmquant.cli import serve
 from glmquant.runtime import server as server_module
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.service import ServiceOptions
+from glmquant.runtime.speculative import SpeculativeConfig
 
 
 def _app() -> typer.Typer:
@@ -94,9 +95,24 @@ def test_dummy_weights_and_the_runtime_engine_are_options(monkeypatch, tmp_path)
     )
 
 
+def test_speculative_config_is_vllms_json(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(serve, "run_server", lambda *args, **kwargs: calls.append(args))
+    config = '{"method": "mtp", "num_speculative_tokens": 3}'
+    result = CliRunner().invoke(_app(), ["serve", str(tmp_path), "--speculative-config", config])
+    assert result.exit_code == 0, result.output
+    assert calls[0][3] == RuntimeOptions(dtype="auto", speculative_config=SpeculativeConfig("mtp", 3))
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 4}'], "integer in 1..3"),
+        (["--speculative-config", '{"method": "ngram"}'], "method must be one of mtp"),
+        (
+            ["--speculative-config", '{"num_speculative_tokens": 1}', "--model-impl", "glmquant"],
+            "--model-impl transformers only",
+        ),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--dtype", "int8"], "--dtype must be one of auto, bfloat16, float16, half, float32, float"),
         (["--load-format", "safetensors"], "--load-format must be one of auto, dummy"),

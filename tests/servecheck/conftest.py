@@ -38,7 +38,8 @@ def _media(content: Any):
 
 
 def script(body: dict[str, Any], flawed: bool) -> dict[str, Any]:
-    """The answer as {reasoning, content, tool_calls, finish, usage_off (prompt-token error), cached, no_usage}."""
+    """The answer as {reasoning, content, tool_calls, finish, usage_off (prompt-token error), cached, no_usage,
+    speculative (the embedded server's extra usage field)}."""
     content = body["messages"][-1]["content"]
     text = _text_of(content)
     if body.get("tools"):
@@ -74,7 +75,8 @@ def script(body: dict[str, Any], flawed: bool) -> dict[str, Any]:
             return {"content": json.dumps(values), "usage_off": 50, "cached": 1024}
         return {"reasoning": "Four records.", "content": json.dumps(values)}
     if "numbered facts" in text:
-        return {"content": "\n".join(f"{i}. A fact." for i in range(1, 11)), "no_usage": flawed}
+        spec = {"num_drafts": 4, "num_draft_tokens": 8, "num_accepted_tokens": 6}  # as `serve --speculative-config`
+        return {"content": "\n".join(f"{i}. A fact." for i in range(1, 11)), "no_usage": flawed, "speculative": spec}
     return {"content": "I do not know."}
 
 
@@ -116,6 +118,7 @@ class ScriptedServer:
                 "completion_tokens": len(pieces),
                 "total_tokens": prompt + len(pieces),
                 "prompt_tokens_details": {"cached_tokens": plan.get("cached", 0)},
+                **({"speculative": plan["speculative"]} if "speculative" in plan else {}),
             }
             yield {**base, "choices": [], "usage": usage}
 

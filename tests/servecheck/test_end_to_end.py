@@ -24,6 +24,7 @@ pytest.importorskip(
 from glmquant.cli import app
 from glmquant.fixtures.random_artifact import build_artifact, write_reference
 from glmquant.runtime.service import served_model_name
+from glmquant.runtime.speculative import SpeculativeConfig
 from glmquant.servecheck import ServeCheckConfig, ServeCheckReport, serve_check
 from glmquant.servecheck.tokens import PromptTokenizer
 
@@ -228,3 +229,29 @@ def test_gates_and_fidelity_on_cuda(artifact: Path, reference: Path, tmp_path: P
     assert needle["server_prompt_tokens"] == needle["local_prompt_tokens"]
     assert gates["speed"].passed and gates["fidelity"].passed, (gates["speed"].summary, gates["fidelity"].summary)
     assert gates["fidelity"].cases[0].metrics["mean_kl"] < 1e-3
+
+
+def test_speed_gate_reports_mtp_acceptance(artifact: Path, tmp_path: Path) -> None:
+    """The embedded server with --speculative-config: each speed cell records the acceptance rate and tokens per
+    verify step from the streams' usage (a random MTP layer accepts few drafts; every step still yields a token)."""
+    report = serve_check(
+        ServeCheckConfig(
+            artifact=artifact,
+            out=tmp_path,
+            gates=("speed",),
+            speed_inputs=(200,),
+            max_tokens=MAX_TOKENS,
+            seed=5,
+            timeout_s=300,
+            min_decode_tps=0.1,
+            speculative_config=SpeculativeConfig(num_speculative_tokens=2),
+        )
+    )
+    cell = report.gates[0].cases[0]
+    assert cell.passed, cell.reason
+    usage = cell.responses[0].usage
+    assert usage is not None and usage.speculative is not None
+    assert usage.speculative.num_draft_tokens == 2 * usage.speculative.num_drafts > 0
+    assert 0 <= cell.metrics["acceptance_rate"] <= 1 and 1 <= cell.metrics["tokens_per_step"] <= 3
+    assert report.settings["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert "tokens_per_step" in (tmp_path / "serve-check.md").read_text()

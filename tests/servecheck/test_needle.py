@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from glmquant.errors import UsageError
 from glmquant.fixtures.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_tokenizer
-from glmquant.servecheck.chat import ChatResult, Timings, Usage
+from glmquant.servecheck.chat import ChatResult, Speculation, Timings, Usage
 from glmquant.servecheck.haystack import filler_sentences
 from glmquant.servecheck.needle import DEPTHS, NAMES, QUESTION, build_needle_prompt, score_needle
 from glmquant.servecheck.speed import ASK, build_speed_requests, score_cell
@@ -116,6 +116,15 @@ def test_speed_requests_and_cell_scoring(bpe_tokenizer: PromptTokenizer) -> None
     assert verdict.passed, verdict.reason
     assert metrics.ttft_s == pytest.approx(0.5) and metrics.decode_tps == pytest.approx(32 / 1.6)
     assert metrics.aggregate_tps == pytest.approx(96 / 2.2) and metrics.completion_tokens == 96
+    assert metrics.acceptance_rate is None and metrics.tokens_per_step is None  # a server without speculation
+    drafts = (Speculation(10, 20, 11), Speculation(12, 24, 9), None)  # the third stream reports none
+    speculated = [
+        ChatResult("1. Fact.", "", (), "length", Usage(r.prompt_tokens, 32, None, s), Timings(0.0, 0.5, 2.1, 2.1))
+        for r, s in zip(requests, drafts)
+    ]
+    verdict, metrics = score_cell(speculated, requests, wall_s=2.2, tolerance=8)
+    assert verdict.passed and metrics.acceptance_rate == pytest.approx(20 / 44)
+    assert metrics.tokens_per_step == pytest.approx((20 + 22) / 22)
     bad = good[:2] + [ChatResult(error="APITimeoutError: Request timed out.", timings=Timings(0.0, None, None, 9.0))]
     verdict, metrics = score_cell(bad, requests, wall_s=9.0, tolerance=8)
     assert not verdict.passed and verdict.reason == "stream 2: request failed: APITimeoutError: Request timed out."

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from glmquant.cli.serve_check import register
 from glmquant.errors import UsageError
+from glmquant.runtime.speculative import SpeculativeConfig
 from glmquant.servecheck import ServeCheckConfig, serve_check
 from glmquant.servecheck.chat import ChatRequest
 from glmquant.servecheck.client import ChatClient
@@ -68,6 +69,10 @@ def test_every_gate_passes_against_a_correct_server(scripted, tiny_tokenizer_dir
     speed = report.gates[6].cases
     assert [c.name for c in speed] == ["600 in x2", "900 in x2"] and all(len(c.responses) == 2 for c in speed)
     assert all(c.metrics["decode_tps"] > 0 and c.metrics["ttft_s"] > 0 for c in speed)
+    # usage.speculative of both streams: 12 of 16 drafts accepted in 8 verify steps
+    assert all(c.metrics["acceptance_rate"] == 0.75 and c.metrics["tokens_per_step"] == 2.5 for c in speed)
+    assert speed[0].responses[0].usage is not None and speed[0].responses[0].usage.speculative is not None
+    assert report.gates[0].cases[0].responses[0].usage.speculative is None  # type: ignore[union-attr]
     tools = [r for r in scripted.requests if r.get("tools")]
     assert tools[0]["tools"][0]["function"]["parameters"]["additionalProperties"] is False
     saved = json.loads((tmp_path / "serve-check.json").read_text())
@@ -75,7 +80,10 @@ def test_every_gate_passes_against_a_correct_server(scripted, tiny_tokenizer_dir
     assert "api_key" not in saved["settings"] and saved["settings"]["needle_tokens"] == 2500
     identity = saved["gates"][0]["cases"][0]["responses"][0]
     assert identity["content"] == "FINAL_BASELINE_OK" and identity["usage"]["completion_tokens"] > 0
-    assert (tmp_path / "serve-check.md").read_text().startswith("# serve-check: PASS")
+    markdown = (tmp_path / "serve-check.md").read_text()
+    assert (
+        markdown.startswith("# serve-check: PASS") and "acceptance_rate" in markdown and "tokens_per_step" in markdown
+    )
 
 
 def test_every_gate_fails_for_its_own_reason_against_a_flawed_server(
@@ -162,6 +170,8 @@ def test_cli_hands_the_library_the_exact_config(monkeypatch: pytest.MonkeyPatch,
             "0.8",
             "--max-tokens",
             "64",
+            "--speculative-config",
+            '{"method": "mtp", "num_speculative_tokens": 2}',
         ]
     )
     assert result.exit_code == 2
@@ -175,7 +185,10 @@ def test_cli_hands_the_library_the_exact_config(monkeypatch: pytest.MonkeyPatch,
         kl_max=0.3,
         top1_min=0.8,
         max_tokens=64,
+        speculative_config=SpeculativeConfig("mtp", 2),
     )
+    with pytest.raises(UsageError, match="configures the embedded server"):
+        ServeCheckConfig(endpoint="http://127.0.0.1:9/v1", speculative_config=SpeculativeConfig())
 
 
 def test_skipped_gates_and_thresholds_are_listed(scripted, tiny_tokenizer_dir: Path, tmp_path: Path) -> None:

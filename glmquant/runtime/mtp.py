@@ -1,0 +1,122 @@
+"""The checkpoint's MTP layer as a module: the drafter of MTP speculative decoding (`runtime.speculative`).
+
+GLM-5.3-Flash keeps one multi-token-prediction layer after its decoder layers (`num_nextn_predict_layers`: 1,
+layer index `num_hidden_layers`), built like DeepSeek-V3's: for position i it takes the target model's final
+hidden state h_i and the embedding of the next token t_{i+1}, normalizes each (`hnorm`, `enorm`), projects their
+concatenation [enorm(e); hnorm(h)] back to the hidden size (`eh_proj`), runs one decoder block (sparse MLA with
+its DSA indexer and a MoE, plain residuals: no mHC streams) and reads the logits of t_{i+2} through
+`shared_head.norm` and the target's own `lm_head` (the embedding is the target's too). Its weights are retained
+(BF16) in the artifact, experts included; transformers has no module for the layer, so this one assembles it
+from transformers' attention and MoE modules on a one-layer copy of the text config, and keeps its own cache.
+
+What the layer reads as h_i: the target's last hidden state after its final norm, as vLLM's DeepSeek MTP takes
+the target model's output hidden states; the release does not document its own choice. A different choice
+would only lower the acceptance rate: verification keeps the output exactly the target's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from glmquant.arch import table_for
+from glmquant.arch.module_map import fp32_names, layer_plan, read_layer_state
+from glmquant.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+    from glmquant.runtime.loader import LoadedModel
+
+
+class MtpLayer(nn.Module):
+    """One MTP layer: `forward(hidden [1, S, H], next_ids [1, S], cache)` -> (logits [1, S, V], hidden [1, S, H]).
+
+    Submodules carry the checkpoint's names (after transformers' renames), so `module_map.layer_plan` fills them.
+    """
+
+    def __init__(self, text_config: Any, embed: nn.Embedding, lm_head: nn.Linear) -> None:
+        from transformers.models.glm5_next import modeling_glm5_next as hf
+
+        super().__init__()
+        self.config = one_layer_config(text_config)
+        h, eps = self.config.hidden_size, self.config.rms_norm_eps
+        self.enorm = hf.Glm5NextTextRMSNorm(h, eps)
+        self.hnorm = hf.Glm5NextTextRMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.input_layernorm = hf.Glm5NextTextRMSNorm(h, eps)
+        self.self_attn = hf.Glm5NextTextAttention(self.config, 0)
+        self.post_attention_layernorm = hf.Glm5NextTextRMSNorm(h, eps)
+        self.mlp = hf.Glm5NextTextMoE(self.config)
+        self.shared_head = SharedHead(hf.Glm5NextTextRMSNorm(h, eps))
+        # the target's own tensors, shared (kept out of this module's state_dict)
+        self._embed = [embed]
+        self._lm_head = [lm_head]
+
+    def new_cache(self) -> DynamicCache:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def forward(
+        self, hidden: torch.Tensor, next_ids: torch.Tensor, cache: DynamicCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.eh_proj(torch.cat([self.enorm(self._embed[0](next_ids)), self.hnorm(hidden)], dim=-1))  # [1, S, H]
+        mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # no padding: the indexer's valid keys
+        attn, _, _ = self.self_attn(hidden_states=self.input_layernorm(x), attention_mask=mask, cache=cache)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return self._lm_head[0](self.shared_head.norm(x)), x
+
+
+class SharedHead(nn.Module):
+    """`shared_head.norm`: the norm before the target's lm_head (the head itself is shared, not stored)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+
+def one_layer_config(text_config: Any) -> Any:
+    """The text config of a model made of the MTP layer alone: one sparse-MLA layer with its own indexer and MoE,
+    so transformers' modules and `DynamicCache` build exactly that layer at index 0."""
+    config = copy.deepcopy(text_config)
+    config.num_hidden_layers = 1
+    config.layer_types = ["indexed_attention"]
+    config.indexer_types = ["full"]
+    config.mlp_layer_types = ["sparse"]
+    return config
+
+
+def load_mtp(loaded: LoadedModel) -> MtpLayer:
+    """The artifact's MTP layer on the loaded model's device and dtype, sharing its embedding and lm_head."""
+    artifact, model = loaded.artifact, cast(Any, loaded.model)
+    spec = artifact.spec
+    if not spec.mtp_layers:
+        raise ConfigError(f"{artifact.path}: the model has no MTP layer (num_nextn_predict_layers is 0)")
+    device, dtype = loaded.device, loaded.options.torch_dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            mtp = MtpLayer(model.config.get_text_config(), model.get_input_embeddings(), model.lm_head)
+    finally:
+        torch.set_default_dtype(previous)
+    mtp.config._attn_implementation = model.config.get_text_config()._attn_implementation
+    keep_fp32 = (
+        fp32_names(getattr(model, "_keep_in_fp32_modules_strict", None))
+        if dtype in (torch.float16, torch.bfloat16)
+        else None
+    )
+    layer = spec.mtp_layers[0]
+    plan = layer_plan(spec, layer, spec.moe_intermediate_size)
+    state = read_layer_state(artifact.checkpoint, plan, mtp.state_dict(), keep_fp32, device)
+    mtp.load_state_dict(state, assign=True)
+    missing = [n for n, p in mtp.named_parameters() if p.is_meta]
+    if missing:
+        prefix = table_for(spec).layer_prefix(layer)
+        raise ConfigError(f"{artifact.path}: MTP layer {prefix} leaves {missing[:3]} unfilled")
+    return mtp.eval()
