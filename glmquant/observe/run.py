@@ -38,7 +38,7 @@ from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.routing import RoutingParams
 from glmquant.observe.stats import ExpertStats, LayerStats, stats_path
 from glmquant.observe.streaming import TextModel, run_layer
-from glmquant.observe.streams import Chunk, StreamStore
+from glmquant.observe.streams import Chunk, DeviceStreamStore, StreamStore
 from glmquant.observe.summary import LaneSummary, LayerCost, LayerSummary, ObservationSummary
 from glmquant.observe.tiers import write_tier_plan
 
@@ -89,7 +89,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     fp = {**fingerprint(config, rows.sha256, model.dtype), "results": results.kind}
     clean_stale(config.out)
     resumed = resume_point(config.out, fp)
-    streams = StreamStore(
+    store_args = (
         state_dir(config.out),
         [(x.name, *x.ids.shape) for x in rows.lanes],
         config.batch_rows,
@@ -97,6 +97,10 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
         model.dtype,
         config.stream_budget_bytes,
     )
+    if config.device_streams_every is None:
+        streams = StreamStore(*store_args)
+    else:
+        streams = DeviceStreamStore(*store_args, device=model.device)
     results.start(rows)
     costs: dict[int | str, LayerCost] = {}
     with model.ckpt, _progress(progress) as bar:
@@ -105,7 +109,10 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
             rows.save(config.out)
             _measured(model.device, costs.setdefault("embed", LayerCost()), "advance_s", _embed, model, rows, streams)
             state = RunState(fp, 0, False)
-            write_state(config.out, fp, 0)
+            if not streams.in_memory:
+                write_state(config.out, fp, 0)
+        elif isinstance(streams, DeviceStreamStore) and state.next_layer < model.num_layers:
+            streams.restore(state.next_layer)  # the checkpoint the run recorded
         layers = bar.add_task("layers", total=model.num_layers, completed=state.next_layer)
         chunks = bar.add_task("chunks", total=len(streams.chunks))
 
@@ -123,13 +130,14 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
                 if found is not None:
                     results.save(layer, *found)
                     del found
-                write_state(config.out, fp, layer, committed=True)
+                if not streams.in_memory:
+                    write_state(config.out, fp, layer, committed=True)
             bar.reset(chunks, description=f"layer {layer} streams")
             cost.recomputed_chunks = _measured(
                 model.device, cost, "advance_s", _advance, model, streams, layer, advance, cost, kept
             )
             kept = None
-            write_state(config.out, fp, layer + 1)
+            _record_progress(config, fp, streams, layer + 1, model.num_layers, cost)
             streams.drop_layer(layer)
             bar.advance(layers)
     streams.drop_layer(model.num_layers)  # the final streams are not an output
@@ -138,6 +146,30 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     )
     summary.save(config.out)
     return summary
+
+
+def _record_progress(
+    config: ObserveConfig, fp: dict, streams: StreamStore, next_layer: int, layers: int, cost: LayerCost
+) -> None:
+    """Record `next_layer` as the resume point. Disk streams: always. Device streams: only where their checkpoint
+    (the streams entering it, on disk) exists: at the end, and every `device_streams_every` layers, when the older
+    checkpoint is deleted first (disk: one layer's streams) and a kill before the new one is recorded starts over."""
+    if not isinstance(streams, DeviceStreamStore):
+        write_state(config.out, fp, next_layer)
+        return
+    every = config.device_streams_every
+    if next_layer == layers:
+        streams.drop_checkpoints()
+        write_state(config.out, fp, next_layer)
+    elif every and next_layer % every == 0:
+        started = time.monotonic()
+        (state_dir(config.out) / "progress.json").unlink(missing_ok=True)
+        streams.drop_checkpoints()
+        nbytes = streams.checkpoint(next_layer)
+        write_state(config.out, fp, next_layer)
+        elapsed = time.monotonic() - started
+        cost.add_part("advance.checkpoint", elapsed, nbytes)
+        cost.advance_s = round(cost.advance_s + elapsed, 3)
 
 
 def _measured(device: torch.device, cost: LayerCost, field: str, fn: Callable[..., T], *args: object) -> T:
@@ -207,6 +239,8 @@ def _observe_pass(
                 out = _forward(module, streams, layer, chunk, device, cost, "observe")
                 if not streams.has(layer + 1, chunk) and streams.fits(chunk):
                     _write(streams, layer, chunk, out, cost, "observe")
+                if streams.in_memory:  # the output replaces the input (rows are independent sequences)
+                    streams.drop(layer, chunk)
                 advance(1)
     if all(streams.has(layer + 1, chunk) for chunk in streams.chunks):
         del module
