@@ -32,7 +32,8 @@ def recipe_tokens(recipe, rows: int | None = None, tokens: int | None = None) ->
     return sum(lane.rows * lane.tokens for lane in load_recipe(recipe).with_shape(rows, tokens).lanes)
 
 
-PARTS = ("load", "read", "write")
+PARTS = ("load", "read", "write", "checkpoint")
+DISK_PARTS = {False: ("read", "write"), True: ("checkpoint",)}  # stream parts that touch the disk, by device streams
 
 
 def part(cost: dict[str, Any], stage: str, name: str, key: str = "parts_s") -> float:
@@ -75,21 +76,22 @@ def load_rate(layers: list[dict[str, Any]]) -> float:
     return min(per_byte, default=0.0)
 
 
-def stream_rate(layers: list[dict[str, Any]]) -> float:
-    """Seconds per byte of stream chunks moved between disk and the device (reads and writes, all layers)."""
-    moved = [(layer["cost"], stage, name) for layer in layers for stage in ("observe", "advance") for name in PARTS[1:]]
+def stream_rate(layers: list[dict[str, Any]], names: tuple[str, ...]) -> float:
+    """Seconds per byte of stream chunks moved between disk and the device (the parts `names`, all layers)."""
+    moved = [(layer["cost"], stage, name) for layer in layers for stage in ("observe", "advance") for name in names]
     nbytes = sum(part(c, stage, name, "parts_bytes") for c, stage, name in moved)
     return sum(part(c, stage, name) for c, stage, name in moved) / nbytes if nbytes else 0.0
 
 
-def modelled_s(layer: dict[str, Any], per: dict[str, dict[str, Any]], tokens: int, lam: float, sigma: float) -> float:
-    """What the warm rates give for one rehearsal layer (its measured time less this is first-call overhead)."""
+def modelled_s(layer: dict[str, Any], per: dict[str, dict[str, Any]], tokens: int, lam: float) -> float:
+    """What the warm rates give for one rehearsal layer, its stream I/O as measured (its measured time less this is
+    first-call overhead: compiles, imports, a cold first weight load)."""
     cost, rate = layer["cost"], per[layer_kind(layer)]
     share = cost["recomputed_chunks"] / max(cost["chunks"], 1)
     stages = ("observe", "advance")
     loaded = sum(part(cost, stage, "load", "parts_bytes") for stage in stages)
-    moved = sum(part(cost, stage, name, "parts_bytes") for stage in stages for name in PARTS[1:])
-    return tokens * (rate["observe"] + share * rate["forward"]) + lam * loaded + sigma * moved
+    moved_s = sum(part(cost, stage, name) for stage in stages for name in PARTS[1:])
+    return tokens * (rate["observe"] + share * rate["forward"]) + lam * loaded + moved_s
 
 
 def layer_bytes(spec, layer: int) -> int:
@@ -112,7 +114,9 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     hc = int(full.text.get("hc_mult", 1))
     s_full = t_full * hc * full.hidden_size * 2
     budget = args.full_stream_budget_gb * GB
-    r_full = min(max((2 * s_full - budget) / s_full, 0.0), 1.0)
+    every = getattr(args, "device_streams_every", None)  # None: disk streams
+    device_streams = every is not None
+    r_full = 0.0 if device_streams else min(max((2 * s_full - budget) / s_full, 0.0), 1.0)
     kinds = Counter(
         f"{a}+{'moe' if m == 'sparse' else 'dense'}" for a, m in zip(full.attention_types, full.mlp_layer_types)
     )
@@ -120,15 +124,18 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     missing = sorted(set(kinds) - set(per))
     if missing:
         raise SystemExit(f"the rehearsal has no layer of kind(s) {missing}: use more --layers")
-    lam, sigma = load_rate(layers), stream_rate(layers)
+    lam, sigma = load_rate(layers), stream_rate(layers, DISK_PARTS[device_streams])
     measured = sum(layer["cost"]["observe_s"] + layer["cost"]["advance_s"] for layer in layers)
-    first_calls = max(measured - sum(modelled_s(layer, per, t_run, lam, sigma) for layer in layers), 0.0)
+    first_calls = max(measured - sum(modelled_s(layer, per, t_run, lam) for layer in layers), 0.0)
     compute_full = sum(
         n * t_full * (per[k]["observe"] + r_full * per[k]["forward"] if per[k]["observed"] else per[k]["forward"])
         for k, n in kinds.items()
     )
     weights_full = sum(layer_bytes(full, i) for i in range(full.num_hidden_layers))
-    moved_full = sum(n * (2 + r_full if per[k]["observed"] else 2) * s_full for k, n in kinds.items())
+    # device streams: only the checkpoints touch the disk (the streams entering every `every`-th layer)
+    checkpoints = len([i for i in range(1, full.num_hidden_layers) if every and i % every == 0])
+    passes = sum(n * (2.0 + r_full if per[k]["observed"] else 2.0) for k, n in kinds.items())
+    moved_full = (checkpoints if device_streams else passes) * s_full
     observe_s = compute_full + lam * weights_full + sigma * moved_full + first_calls
 
     encoded = build["encode_layers"]
@@ -149,8 +156,11 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         [build["observation"]["peak_device_bytes"] or 0]
         + [encoded_layer["peak_gpu_bytes"] or 0 for encoded_layer in encoded]
     )
-    peak_gpu_full = peak_gpu_run + max(full.n_routed_experts - e_run, 0) * per_expert_gpu
-    streams_peak = min(2 * s_full, max(budget, s_full))
+    s_run = t_run * hc * full.hidden_size * 2
+    held = s_full - s_run if device_streams else 0  # device streams: one layer's streams on the GPU
+    peak_gpu_full = peak_gpu_run + max(full.n_routed_experts - e_run, 0) * per_expert_gpu + held
+    disk_streams = min(2 * s_full, max(budget, s_full))  # the stream files (device streams: one checkpoint)
+    streams_peak = (s_full if every else 0) if device_streams else disk_streams
     disk = streams_peak + t_full * 4 + len(full.moe_layers) * full.n_routed_experts * 11 * 8
     rss = max(record["stages"][s]["peak_host_rss_bytes"] for s in ("build", "verify", "runtime"))
     verify_s = verify["wall_s"] * artifact_full / max(verify["bytes_read"], 1)
@@ -161,14 +171,24 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         ),
         "stream_bytes_per_layer_gb": figure(s_full / GB, "S = T × hc × H × 2 B", T=t_full, hc=hc, H=full.hidden_size),
         "recompute_fraction": figure(
-            r_full, "r = clamp((2S − B) / S, 0, 1): output chunks past the budget", S_gb=s_full / GB, B_gb=budget / GB
+            r_full,
+            "r = 0: device streams, each output chunk replaces its input"
+            if device_streams
+            else "r = clamp((2S − B) / S, 0, 1): output chunks past the budget",
+            S_gb=s_full / GB,
+            B_gb=budget / GB,
         ),
         "observe_s": figure(
             observe_s,
             "Σ_k n_k × T × (o_k + r × f_k) over observed kinds, n_k × T × f_k over the others (forward with hooks, "
             "per token) + λ × W (weight loads, once per layer: the observing pass keeps the layer for the recompute) "
-            "+ σ × (Σ_observed n_k × (2 + r) + Σ_other n_k × 2) × S (stream chunks read and written) + first-call "
-            "overhead (kernel compiles, imports: measured rehearsal time less what these rates give it)",
+            + (
+                "+ σ × c × S (device streams: c checkpoints of the streams written to disk, σ their measured rate) "
+                if device_streams
+                else "+ σ × (Σ_observed n_k × (2 + r) + Σ_other n_k × 2) × S (stream chunks read and written) "
+            )
+            + "+ first-call overhead (kernel compiles, imports: measured rehearsal time less what these rates give it)",
+            streams="device" if device_streams else "disk",
             n_k=dict(kinds),
             rates_us_per_token={k: {"o": v["observe"] * 1e6, "f": v["forward"] * 1e6} for k, v in per.items()},
             compute_s=round(compute_full, 1),
@@ -198,7 +218,8 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         "verify_s": figure(verify_s, "verify wall × artifact_full / bytes verified", verify_s=verify["wall_s"]),
         "observation_disk_gb": figure(
             disk / GB,
-            "min(2S, max(B, S)) streams + T × 4 B token rows + n_moe × E × 88 B statistics; no Hessians (fused build)",
+            ("S (one checkpoint; 0 without)" if device_streams else "min(2S, max(B, S))")
+            + " streams + T × 4 B token rows + n_moe × E × 88 B statistics; no Hessians (fused build)",
             streams_gb=streams_peak / GB,
             rehearsal_peak_gb=build["observation_disk_peak_bytes"] / GB,
         ),
@@ -210,8 +231,11 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         ),
         "peak_gpu_gb": figure(
             peak_gpu_full / GB,
-            "rehearsal peak + (E_full − E_run) × (3·H·I·2 + (H² + I²)·4) B: one layer at a time, so depth adds nothing",
+            "rehearsal peak + (E_full − E_run) × (3·H·I·2 + (H² + I²)·4) B"
+            + (" + S_full − S_run (the streams held on the device)" if device_streams else "")
+            + ": one layer at a time, so depth adds nothing",
             rehearsal_gb=peak_gpu_run / GB,
+            streams_held_extra_gb=held / GB,
             E_run=e_run,
         ),
         "peak_host_rss_gb": figure(

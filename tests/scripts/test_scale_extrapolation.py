@@ -117,3 +117,23 @@ def test_fixed_costs_do_not_scale_with_the_rehearsal_tokens() -> None:
     encode = long["encode_s"]["inputs"]
     assert encode["s_tensor"] == pytest.approx(0.1) and encode["first_layer_extra_s"] == pytest.approx(21.6)
     assert short_full["encode_h"] == long_full["encode_h"]
+
+
+def test_device_streams_project_their_checkpoints_not_a_disk_round_trip_per_layer() -> None:
+    args = _args(16)
+    args.device_streams_every = 8
+    record = _record(16 * 2048)
+    for layer in record["stages"]["build"]["observation"]["layers"]:
+        cost = layer["cost"]
+        cost["parts_s"]["advance.checkpoint"], cost["parts_bytes"]["advance.checkpoint"] = 0.5, int(GB)
+        cost["advance_s"] += 0.5
+    extrapolation, full = extrapolate(args, record)
+    inputs = extrapolation["observe_s"]["inputs"]
+    s_full = extrapolation["stream_bytes_per_layer_gb"]["value"]
+    assert extrapolation["recompute_fraction"]["value"] == 0 and inputs["streams"] == "device"
+    assert inputs["stream_s_per_gb"] == pytest.approx(0.5)
+    assert inputs["streams_moved_gb"] == pytest.approx(5 * s_full, abs=0.1)  # layers 8, 16, 24, 32, 40
+    assert full["observation_disk_gb"] == pytest.approx(s_full, abs=0.02)
+    assert extrapolation["peak_gpu_gb"]["inputs"]["streams_held_extra_gb"] == pytest.approx(
+        s_full - 16 * 2048 * 4 * 4096 * 2 / GB, abs=0.01
+    )
