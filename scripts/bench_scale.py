@@ -12,8 +12,8 @@ Results go to --results after every stage (a failed or overrun stage is recorded
 The `full_model` object extrapolates to --full-config with the --full-recipe token count; every figure in
 `extrapolation` carries its formula and inputs.
 
-    # H200 rehearsal (fits one ~8-minute call, 64 GiB of disk):
-    python scripts/bench_scale.py --device cuda --layers 6 --experts 144 --encode-experts 8 --rows 8 \
+    # H200 rehearsal (fits one ~8-minute call, 64 GiB of disk; docs/scale.md has the current command):
+    python scripts/bench_scale.py --device cuda --layers 5 --experts 144 --encode-experts 32 --rows 32 \
         --work /tmp/scale --results bench/results/scale_h200.json
     # CPU smoke at tiny widths (tests/scripts/test_bench_scale.py runs this):
     python scripts/bench_scale.py --device cpu --config TINY/config.json --layers 3 --experts 4 --encode-experts 2 \
@@ -53,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--encode-experts",
         type=int,
-        default=8,
-        help="experts per MoE layer encoded (a prune plan; at least the router's top-k)",
+        default=32,
+        help="experts per MoE layer encoded (a prune plan; at least the router's top-k; 32 = one batch of the full "
+        "encode, so the per-tensor time is the production one)",
     )
     p.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="calibration recipe (offline built-in)")
     p.add_argument("--rows", type=int, default=8, help="calibration rows per lane")
@@ -65,6 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=1.6,
         help="stream budget as a multiple of one layer's streams (>= 1 + one chunk's share)",
+    )
+    p.add_argument(
+        "--device-streams-every",
+        type=int,
+        default=None,
+        help="hold the hidden streams on the device, checkpointing them to disk every N layers (0: never); "
+        "default: disk streams under the stream budget",
     )
     p.add_argument("--runtime-backend", default=None, help="expert backend (default: triton on cuda, torch on cpu)")
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -124,6 +132,7 @@ def stage_build(args: argparse.Namespace) -> dict[str, Any]:
             args.device,
             args.batch_rows,
             budget,
+            device_streams_every=args.device_streams_every,
         ),
         EncodeConfig(
             source=p["source"],

@@ -2,7 +2,10 @@
 
 docs/scale.md derives the formulas. Symbols: T tokens of calibration (rehearsal: the run's recipe; full: the
 full recipe), n_k layers of kind k (attention + MLP, e.g. kda+moe), S bytes of one layer's hidden streams
-(T x hc x H x 2), B the stream budget, E routed experts per MoE layer, H hidden, I expert intermediate.
+(T x hc x H x 2), B the stream budget, E routed experts per MoE layer, H hidden, I expert intermediate, W bytes
+of the decoder layers' weights. A layer's observation time is split (observe/run.py records the parts) into a
+per-token forward (o_k, f_k), a per-layer weight load (λ s/byte x the layer's bytes: a fixed cost per layer, which a
+short rehearsal must not divide by its few tokens) and stream chunk I/O (σ s/byte x the bytes moved, per token).
 """
 
 from __future__ import annotations
@@ -29,27 +32,79 @@ def recipe_tokens(recipe, rows: int | None = None, tokens: int | None = None) ->
     return sum(lane.rows * lane.tokens for lane in load_recipe(recipe).with_shape(rows, tokens).lanes)
 
 
-def rates(layers: list[dict[str, Any]], tokens: int) -> dict[str, dict[str, float]]:
-    """Per layer kind, the warm (fastest layer of the kind) seconds per calibration token of the observing pass
-    (hooks on) and of a plain forward (the advancing pass per chunk it computed)."""
-    out: dict[str, dict[str, Any]] = {}  # observe and forward rates (forward None when never measured)
+PARTS = ("load", "read", "write", "checkpoint")
+DISK_PARTS = {False: ("read", "write"), True: ("checkpoint",)}  # stream parts that touch the disk, by device streams
+
+
+def part(cost: dict[str, Any], stage: str, name: str, key: str = "parts_s") -> float:
+    """Seconds (or bytes, key="parts_bytes") a pass spent on one of its parts (0 when not recorded)."""
+    return cost.get(key, {}).get(f"{stage}.{name}", 0)
+
+
+def compute_s(cost: dict[str, Any], stage: str) -> float:
+    """A pass's forward-with-hooks time: its wall time less its weight loads and stream reads and writes."""
+    return max(cost[f"{stage}_s"] - sum(part(cost, stage, name) for name in PARTS), 0.0)
+
+
+def rates(layers: list[dict[str, Any]], tokens: int) -> dict[str, dict[str, Any]]:
+    """Per layer kind, the warm (fastest layer of the kind) forward seconds per calibration token, weight loads and
+    stream reads and writes excluded: o of the observing pass (hooks on), f of a plain forward (the advancing pass
+    per chunk it computed; a kind whose chunks all fitted gets o, an upper bound)."""
+    out: dict[str, dict[str, Any]] = {}
     for layer in layers:
         cost = layer["cost"]
-        observe = cost["observe_s"] / tokens
+        observe = compute_s(cost, "observe") / tokens
         computed = cost["recomputed_chunks"] / max(cost["chunks"], 1)
-        forward = cost["advance_s"] / (tokens * computed) if computed else None
+        forward = compute_s(cost, "advance") / (tokens * computed) if computed else None
         kind = out.setdefault(layer_kind(layer), {"observe": observe, "forward": forward, "observed": observe > 0})
         kind["observe"] = min(kind["observe"], observe)
         if forward is not None:
             kind["forward"] = forward if kind["forward"] is None else min(kind["forward"], forward)
-    for kind in out.values():  # a kind whose chunks all fitted: a plain forward costs at most the observing pass
+    for kind in out.values():
         kind["forward"] = kind["forward"] if kind["forward"] is not None else kind["observe"]
     return out
+
+
+def load_rate(layers: list[dict[str, Any]]) -> float:
+    """Warm seconds per byte of loading a layer's weights onto the device (the fastest layer)."""
+    per_byte = [
+        sum(part(layer["cost"], stage, "load") for stage in ("observe", "advance"))
+        / sum(part(layer["cost"], stage, "load", "parts_bytes") for stage in ("observe", "advance"))
+        for layer in layers
+        if any(part(layer["cost"], stage, "load", "parts_bytes") for stage in ("observe", "advance"))
+    ]
+    return min(per_byte, default=0.0)
+
+
+def stream_rate(layers: list[dict[str, Any]], names: tuple[str, ...]) -> float:
+    """Seconds per byte of stream chunks moved between disk and the device (the parts `names`, all layers)."""
+    moved = [(layer["cost"], stage, name) for layer in layers for stage in ("observe", "advance") for name in names]
+    nbytes = sum(part(c, stage, name, "parts_bytes") for c, stage, name in moved)
+    return sum(part(c, stage, name) for c, stage, name in moved) / nbytes if nbytes else 0.0
+
+
+def modelled_s(layer: dict[str, Any], per: dict[str, dict[str, Any]], tokens: int, lam: float) -> float:
+    """What the warm rates give for one rehearsal layer, its stream I/O as measured (its measured time less this is
+    first-call overhead: compiles, imports, a cold first weight load)."""
+    cost, rate = layer["cost"], per[layer_kind(layer)]
+    share = cost["recomputed_chunks"] / max(cost["chunks"], 1)
+    stages = ("observe", "advance")
+    loaded = sum(part(cost, stage, "load", "parts_bytes") for stage in stages)
+    moved_s = sum(part(cost, stage, name) for stage in stages for name in PARTS[1:])
+    return tokens * (rate["observe"] + share * rate["forward"]) + lam * loaded + moved_s
+
+
+def layer_bytes(spec, layer: int) -> int:
+    """Source bytes of one decoder layer's weights (what loading it reads)."""
+    from glmquant.arch import table_for
+
+    return sum(t.nbytes for t in table_for(spec).layer_tensors(spec, layer))
 
 
 def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     from glmquant.arch import load_model_spec
     from glmquant.checkpoint.layouts import plan_artifact
+    from glmquant.encode.config import EncodeConfig
 
     build, verify, runtime = (record["stages"][s] for s in ("build", "verify", "runtime"))
     layers = build["observation"]["layers"]
@@ -59,7 +114,9 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     hc = int(full.text.get("hc_mult", 1))
     s_full = t_full * hc * full.hidden_size * 2
     budget = args.full_stream_budget_gb * GB
-    r_full = min(max((2 * s_full - budget) / s_full, 0.0), 1.0)
+    every = getattr(args, "device_streams_every", None)  # None: disk streams
+    device_streams = every is not None
+    r_full = 0.0 if device_streams else min(max((2 * s_full - budget) / s_full, 0.0), 1.0)
     kinds = Counter(
         f"{a}+{'moe' if m == 'sparse' else 'dense'}" for a, m in zip(full.attention_types, full.mlp_layer_types)
     )
@@ -67,34 +124,30 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     missing = sorted(set(kinds) - set(per))
     if missing:
         raise SystemExit(f"the rehearsal has no layer of kind(s) {missing}: use more --layers")
+    lam, sigma = load_rate(layers), stream_rate(layers, DISK_PARTS[device_streams])
     measured = sum(layer["cost"]["observe_s"] + layer["cost"]["advance_s"] for layer in layers)
-    warm = sum(
-        t_run
-        * (
-            per[layer_kind(layer)]["observe"]
-            + per[layer_kind(layer)]["forward"] * layer["cost"]["recomputed_chunks"] / max(layer["cost"]["chunks"], 1)
-        )
-        for layer in layers
+    first_calls = max(measured - sum(modelled_s(layer, per, t_run, lam) for layer in layers), 0.0)
+    compute_full = sum(
+        n * t_full * (per[k]["observe"] + r_full * per[k]["forward"] if per[k]["observed"] else per[k]["forward"])
+        for k, n in kinds.items()
     )
-    first_calls = max(measured - warm, 0.0)
-    observe_s = (
-        sum(
-            n * t_full * (per[k]["observe"] + r_full * per[k]["forward"])
-            if per[k]["observed"]
-            else n * t_full * per[k]["forward"]
-            for k, n in kinds.items()
-        )
-        + first_calls
-    )
+    weights_full = sum(layer_bytes(full, i) for i in range(full.num_hidden_layers))
+    # device streams: only the checkpoints touch the disk (the streams entering every `every`-th layer)
+    checkpoints = len([i for i in range(1, full.num_hidden_layers) if every and i % every == 0])
+    passes = sum(n * (2.0 + r_full if per[k]["observed"] else 2.0) for k, n in kinds.items())
+    moved_full = (checkpoints if device_streams else passes) * s_full
+    observe_s = compute_full + lam * weights_full + sigma * moved_full + first_calls
 
     encoded = build["encode_layers"]
-    s_per_tensor = sum(encoded_layer["seconds"] for encoded_layer in encoded) / sum(
-        encoded_layer["tensors"] for encoded_layer in encoded
+    s_per_tensor = min(layer["seconds"] / layer["tensors"] for layer in encoded)  # warm: the fastest layer
+    encode_first = max(
+        sum(layer["seconds"] for layer in encoded) - s_per_tensor * sum(x["tensors"] for x in encoded), 0
     )
+    batch_experts = min(args.encode_experts, EncodeConfig.experts_per_unit)
     tensors_full = len(full.moe_layers) * full.n_routed_experts * TR3_SLICES_PER_EXPERT
     artifact_full = sum(f.size for f in plan_artifact(full, "tr3").files)
     finish_full = build["finish"]["seconds"] * artifact_full / build["artifact_bytes"]
-    encode_s = tensors_full * s_per_tensor + finish_full
+    encode_s = tensors_full * s_per_tensor + finish_full + encode_first
 
     e_run = max(1, args.experts or full.n_routed_experts)
     h, i = full.hidden_size, full.moe_intermediate_size
@@ -103,8 +156,11 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         [build["observation"]["peak_device_bytes"] or 0]
         + [encoded_layer["peak_gpu_bytes"] or 0 for encoded_layer in encoded]
     )
-    peak_gpu_full = peak_gpu_run + max(full.n_routed_experts - e_run, 0) * per_expert_gpu
-    streams_peak = min(2 * s_full, max(budget, s_full))
+    s_run = t_run * hc * full.hidden_size * 2
+    held = s_full - s_run if device_streams else 0  # device streams: one layer's streams on the GPU
+    peak_gpu_full = peak_gpu_run + max(full.n_routed_experts - e_run, 0) * per_expert_gpu + held
+    disk_streams = min(2 * s_full, max(budget, s_full))  # the stream files (device streams: one checkpoint)
+    streams_peak = (s_full if every else 0) if device_streams else disk_streams
     disk = streams_peak + t_full * 4 + len(full.moe_layers) * full.n_routed_experts * 11 * 8
     rss = max(record["stages"][s]["peak_host_rss_bytes"] for s in ("build", "verify", "runtime"))
     verify_s = verify["wall_s"] * artifact_full / max(verify["bytes_read"], 1)
@@ -115,22 +171,46 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         ),
         "stream_bytes_per_layer_gb": figure(s_full / GB, "S = T × hc × H × 2 B", T=t_full, hc=hc, H=full.hidden_size),
         "recompute_fraction": figure(
-            r_full, "r = clamp((2S − B) / S, 0, 1): output chunks past the budget", S_gb=s_full / GB, B_gb=budget / GB
+            r_full,
+            "r = 0: device streams, each output chunk replaces its input"
+            if device_streams
+            else "r = clamp((2S − B) / S, 0, 1): output chunks past the budget",
+            S_gb=s_full / GB,
+            B_gb=budget / GB,
         ),
         "observe_s": figure(
             observe_s,
-            "Σ_k n_k × T × (o_k + r × f_k) over observed kinds, n_k × T × f_k over "
-            "the others, + first-call overhead (kernel compiles)",
+            "Σ_k n_k × T × (o_k + r × f_k) over observed kinds, n_k × T × f_k over the others (forward with hooks, "
+            "per token) + λ × W (weight loads, once per layer: the observing pass keeps the layer for the recompute) "
+            + (
+                "+ σ × c × S (device streams: c checkpoints of the streams written to disk, σ their measured rate) "
+                if device_streams
+                else "+ σ × (Σ_observed n_k × (2 + r) + Σ_other n_k × 2) × S (stream chunks read and written) "
+            )
+            + "+ first-call overhead (kernel compiles, imports: measured rehearsal time less what these rates give it)",
+            streams="device" if device_streams else "disk",
             n_k=dict(kinds),
-            rates_s_per_token={k: {"o": v["observe"], "f": v["forward"]} for k, v in per.items()},
+            rates_us_per_token={k: {"o": v["observe"] * 1e6, "f": v["forward"] * 1e6} for k, v in per.items()},
+            compute_s=round(compute_full, 1),
+            load_s_per_gb=round(lam * GB, 4),
+            W_gb=round(weights_full / GB, 3),
+            load_s=round(lam * weights_full, 1),
+            stream_s_per_gb=round(sigma * GB, 4),
+            streams_moved_gb=round(moved_full / GB, 1),
+            stream_io_s=round(sigma * moved_full, 1),
             first_calls_s=round(first_calls, 3),
+            rehearsal_tokens=t_run,
         ),
         "encode_s": figure(
             encode_s,
-            "n_moe × E × 12 rank slices × s_tensor + finish × artifact / rehearsal artifact",
+            "n_moe × E × 12 rank slices × s_tensor (warm: the fastest encoded layer, batches of B experts) + finish "
+            "× artifact / rehearsal artifact + first-layer overhead (compiles); an upper bound when B < 32, the "
+            "batch the full encode uses",
             n_moe=len(full.moe_layers),
             E=full.n_routed_experts,
             s_tensor=s_per_tensor,
+            B=batch_experts,
+            first_layer_extra_s=round(encode_first, 3),
             finish_s=build["finish"]["seconds"],
             artifact_full_gb=artifact_full / GB,
             artifact_rehearsal_gb=build["artifact_bytes"] / GB,
@@ -138,7 +218,8 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         "verify_s": figure(verify_s, "verify wall × artifact_full / bytes verified", verify_s=verify["wall_s"]),
         "observation_disk_gb": figure(
             disk / GB,
-            "min(2S, max(B, S)) streams + T × 4 B token rows + n_moe × E × 88 B statistics; no Hessians (fused build)",
+            ("S (one checkpoint; 0 without)" if device_streams else "min(2S, max(B, S))")
+            + " streams + T × 4 B token rows + n_moe × E × 88 B statistics; no Hessians (fused build)",
             streams_gb=streams_peak / GB,
             rehearsal_peak_gb=build["observation_disk_peak_bytes"] / GB,
         ),
@@ -150,8 +231,11 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         ),
         "peak_gpu_gb": figure(
             peak_gpu_full / GB,
-            "rehearsal peak + (E_full − E_run) × (3·H·I·2 + (H² + I²)·4) B: one layer at a time, so depth adds nothing",
+            "rehearsal peak + (E_full − E_run) × (3·H·I·2 + (H² + I²)·4) B"
+            + (" + S_full − S_run (the streams held on the device)" if device_streams else "")
+            + ": one layer at a time, so depth adds nothing",
             rehearsal_gb=peak_gpu_run / GB,
+            streams_held_extra_gb=held / GB,
             E_run=e_run,
         ),
         "peak_host_rss_gb": figure(
@@ -171,6 +255,12 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         "peak_host_rss_gb": round(rss / GB, 2),
         "peak_gpu_gb": round(peak_gpu_full / GB, 2),
         "observation_disk_gb": round(disk / GB, 2),
+        "observe_parts_h": {
+            "forward": round(compute_full / 3600, 3),
+            "weight_loads": round(lam * weights_full / 3600, 3),
+            "stream_io": round(sigma * moved_full / 3600, 3),
+            "first_calls": round(first_calls / 3600, 3),
+        },
         "formulas": {k: v["formula"] for k, v in extrapolation.items()},
     }
     return extrapolation, full_model

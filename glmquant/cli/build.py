@@ -38,6 +38,13 @@ def build(
         float | None,
         typer.Option(help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed"),
     ] = None,
+    device_streams_every: Annotated[
+        int | None,
+        typer.Option(
+            help="hold the hidden streams on the device (one layer's worth plus a chunk) instead of disk files, "
+            "writing a resumable checkpoint every N layers (0: none, a killed run starts over)"
+        ),
+    ] = None,
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
@@ -48,7 +55,18 @@ def build(
     """Observe and encode layer by layer: the same artifact as observe + encode, without Hessians on disk."""
     config = BuildConfig(
         ObserveConfig(
-            source, observations, recipe, rows, tokens, hessians, False, keep, device, batch_rows, stream_budget_gb
+            source,
+            observations,
+            recipe,
+            rows,
+            tokens,
+            hessians,
+            False,
+            keep,
+            device,
+            batch_rows,
+            stream_budget_gb,
+            device_streams_every=device_streams_every,
         ),
         EncodeConfig(
             source=source,

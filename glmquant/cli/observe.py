@@ -41,6 +41,13 @@ def observe(
         float | None,
         typer.Option(help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed"),
     ] = None,
+    device_streams_every: Annotated[
+        int | None,
+        typer.Option(
+            help="hold the hidden streams on the device (one layer's worth plus a chunk) instead of disk files, "
+            "writing a resumable checkpoint every N layers (0: none, a killed run starts over)"
+        ),
+    ] = None,
     report: Annotated[bool, typer.Option(help="print per-layer tables and write the REAP heat map")] = False,
     report_layer: Annotated[list[int] | None, typer.Option(help="with --report: every expert of this layer")] = None,
     revision: HubRevision = None,
@@ -62,6 +69,7 @@ def observe(
         batch_rows,
         stream_budget_gb,
         tiers,  # type: ignore[arg-type]  # ObserveConfig parses the text; a bad value is a UsageError
+        device_streams_every,
     )
     summary = run_observe(config, progress=True)
     out.print(

@@ -87,24 +87,35 @@ class LayerCapture:
 
         The (token, slot) pairs are grouped by expert with one stable sort, in the (token, slot) order a per-expert
         `torch.where` gives, and the group sizes cross to the host once per batch (not once per expert), so on a
-        GPU the per-expert kernels queue up without waiting. `natural`: where natural-mode Hessians go (None: none)."""
+        GPU the per-expert kernels queue up without waiting. Per expert only its own work runs (gather, its two
+        GEMMs, the norm, the partial sums of its statistics, its Hessian GEMMs); the token counts, the running
+        sums and maxima of the statistics are updated once per batch (bit-identical: one addition per expert).
+        `natural`: where natural-mode Hessians go (None: none)."""
         top_k = routing.indices.shape[1]
         flat = routing.indices.reshape(-1)  # [N*k]
         pairs = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.params.n_experts).tolist()
+        tokens, slots = pairs // top_k, pairs % top_k
+        counts = torch.bincount(flat, minlength=self.params.n_experts)
+        stats = self.targets.stats
+        hit, gates, norms = [], [], []
         start = 0
-        for j, count in enumerate(counts):
-            group, start = pairs[start : start + count], start + count
+        for j, count in enumerate(counts.tolist()):
+            token, slot, start = tokens[start : start + count], slots[start : start + count], start + count
             if count == 0:
                 continue
-            token, slot = group // top_k, group % top_k
             xj = x[token]
             act = experts._apply_gate(F.linear(xj, experts.gate_up_proj[j]))  # [n, I]
-            if self.targets.stats is not None:
+            if stats is not None:
                 out = F.linear(act, experts.down_proj[j])  # [n, H], f_j before gating
-                self.targets.stats.update_expert(j, routing.weights[token, slot], out.float().norm(dim=-1))
+                hit.append(j)
+                gates.append(routing.weights[token, slot])
+                norms.append(out.float().norm(dim=-1))
             if natural is not None:
-                natural.add_natural(j, xj, act)
+                natural.add_natural(j, xj, act, counted=False)
+        if stats is not None:
+            stats.update_experts(torch.tensor(hit, dtype=torch.int64, device=counts.device), counts, gates, norms)
+        if natural is not None:
+            natural.add_natural_counts(counts)
 
 
 def check_same_routing(routing: Routing, indices: torch.Tensor, weights: torch.Tensor, layer: int) -> None:

@@ -7,7 +7,8 @@ must match, see checkpointing.py):
                  stream_budget_gb (chunk outputs
                  are the same whichever pass writes them), progress display
     must match:  source model, token rows (recipe, rows, tokens, tokenizer), hessians, dense_hessians,
-                 device type, batch_rows, model dtype, torch and transformers versions
+                 device type, batch_rows, model dtype, torch and transformers versions, where the streams
+                 live (disk or device; the checkpoint interval of device streams may change)
 """
 
 from __future__ import annotations
@@ -42,12 +43,18 @@ class ObserveConfig:
     batch_rows: int = 4  # calibration rows pushed through a layer at once
     stream_budget_gb: float | None = None  # most disk (1e9 B) the hidden streams may take; None: no limit
     tiers: TierSpec | None = None  # write tier_plan.json: per-expert bit widths by REAP saliency
+    # hidden streams held on the device (RAM on cpu) instead of one disk file per chunk: one layer's streams S plus
+    # one chunk, no disk traffic; a resumable checkpoint (the streams written to disk) every this many layers, 0: none
+    # (a killed run starts over). None: streams on disk (streams.py)
+    device_streams_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.stream_budget_gb is not None and not self.stream_budget_gb > 0:
             raise UsageError(f"--stream-budget-gb must be positive, got {self.stream_budget_gb}")
         if self.batch_rows < 1:
             raise UsageError(f"--batch-rows must be a positive integer, got {self.batch_rows}")
+        if self.device_streams_every is not None and self.device_streams_every < 0:
+            raise UsageError(f"--device-streams-every must be 0 or more layers, got {self.device_streams_every}")
         if self.keep is not None and self.keep < 1:
             raise UsageError(f"--keep must be a positive integer, got {self.keep}")
         if isinstance(self.tiers, str):
@@ -63,7 +70,9 @@ def fingerprint(config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtyp
     """Everything that changes the bytes of the observations (see the module docstring)."""
     import transformers
 
+    where = {} if config.device_streams_every is None else {"streams": "device"}  # disk runs keep their fingerprint
     return {
+        **where,
         "source_config_sha256": _sha256(config.source / "config.json"),
         "source_index_sha256": _sha256(config.source / "model.safetensors.index.json"),
         "token_rows_sha256": token_rows_sha256,

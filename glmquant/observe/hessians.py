@@ -62,15 +62,21 @@ class _Sum:
         self.sum = torch.zeros(shape, dtype=torch.float32, device=device)
         self.count = torch.zeros(() if stack is None else (stack,), dtype=torch.int64, device=device)
 
-    def add(self, x: torch.Tensor, index: int | None = None) -> None:
-        """x: [n, width] inputs (any float dtype); adds xᵀx in float32."""
+    def add(self, x: torch.Tensor, index: int | None = None, counted: bool = True) -> None:
+        """x: [n, width] inputs (any float dtype); adds xᵀx in float32 (and n to the count unless `counted` is
+        False: the caller adds a whole batch's counts at once with `add_counts`)."""
         x = x.reshape(-1, x.shape[-1]).float()
         target = self.sum if index is None else self.sum[index]
         target.addmm_(x.t(), x)
+        if not counted:
+            return
         if index is None:
             self.count += x.shape[0]
         else:
             self.count[index] += x.shape[0]
+
+    def add_counts(self, counts: torch.Tensor) -> None:
+        self.count += counts
 
     def chunks(self) -> Iterator[torch.Tensor]:
         """The sum one expert at a time, so writing never copies the whole stack to the CPU."""
@@ -93,10 +99,16 @@ class HessianAccumulator:
             self.sums["all.gate_up"] = _Sum(None, hidden, device)
             self.sums["all.down"] = _Sum(n_experts, intermediate, device)
 
-    def add_natural(self, expert: int, x: torch.Tensor, act: torch.Tensor) -> None:
-        """x: [n, H] MoE inputs routed to `expert`; act: [n, I] its intermediate activations (down's input)."""
-        self.sums["natural.gate_up"].add(x, expert)
-        self.sums["natural.down"].add(act, expert)
+    def add_natural(self, expert: int, x: torch.Tensor, act: torch.Tensor, counted: bool = True) -> None:
+        """x: [n, H] MoE inputs routed to `expert`; act: [n, I] its intermediate activations (down's input).
+        `counted` False: the token counts come later, a batch at once, from `add_natural_counts`."""
+        self.sums["natural.gate_up"].add(x, expert, counted)
+        self.sums["natural.down"].add(act, expert, counted)
+
+    def add_natural_counts(self, counts: torch.Tensor) -> None:
+        """counts: [E] int64 tokens per expert of a batch whose sums `add_natural(..., counted=False)` added."""
+        self.sums["natural.gate_up"].add_counts(counts)
+        self.sums["natural.down"].add_counts(counts)
 
     def add_all_gate_up(self, x: torch.Tensor) -> None:
         self.sums["all.gate_up"].add(x)

@@ -8,7 +8,10 @@ save them in the observations directory; the fused build encodes the layer from 
 the streams to the next layer. Memory: one layer + one chunk + the layer's accumulators. Disk: the streams
 entering the layer plus the output chunks written so far. Output chunks that would take the streams past the
 stream budget are not written while observing but recomputed once the layer's results are saved, when each
-input chunk is deleted as soon as its output exists (a second forward of those chunks, for a smaller disk).
+input chunk is deleted as soon as its output exists (a second forward of those chunks, for a smaller disk); the
+layer stays loaded across the save for that, so its weights are read once (a resumed run reads them again).
+Each layer's `LayerCost` splits the passes' wall time into weight loads, stream reads and writes (`parts_s`),
+the rest being the forward with its hooks: scripts/scale_extrapolation.py scales each part on its own.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.routing import RoutingParams
 from glmquant.observe.stats import ExpertStats, LayerStats, stats_path
 from glmquant.observe.streaming import TextModel, run_layer
-from glmquant.observe.streams import Chunk, StreamStore
+from glmquant.observe.streams import Chunk, DeviceStreamStore, StreamStore
 from glmquant.observe.summary import LaneSummary, LayerCost, LayerSummary, ObservationSummary
 from glmquant.observe.tiers import write_tier_plan
 
@@ -86,7 +89,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     fp = {**fingerprint(config, rows.sha256, model.dtype), "results": results.kind}
     clean_stale(config.out)
     resumed = resume_point(config.out, fp)
-    streams = StreamStore(
+    store_args = (
         state_dir(config.out),
         [(x.name, *x.ids.shape) for x in rows.lanes],
         config.batch_rows,
@@ -94,6 +97,10 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
         model.dtype,
         config.stream_budget_bytes,
     )
+    if config.device_streams_every is None:
+        streams = StreamStore(*store_args)
+    else:
+        streams = DeviceStreamStore(*store_args, device=model.device)
     results.start(rows)
     costs: dict[int | str, LayerCost] = {}
     with model.ckpt, _progress(progress) as bar:
@@ -102,7 +109,10 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
             rows.save(config.out)
             _measured(model.device, costs.setdefault("embed", LayerCost()), "advance_s", _embed, model, rows, streams)
             state = RunState(fp, 0, False)
-            write_state(config.out, fp, 0)
+            if not streams.in_memory:
+                write_state(config.out, fp, 0)
+        elif isinstance(streams, DeviceStreamStore) and state.next_layer < model.num_layers:
+            streams.restore(state.next_layer)  # the checkpoint the run recorded
         layers = bar.add_task("layers", total=model.num_layers, completed=state.next_layer)
         chunks = bar.add_task("chunks", total=len(streams.chunks))
 
@@ -111,20 +121,23 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
 
         for layer in range(state.next_layer, model.num_layers):
             cost = costs[layer] = LayerCost(chunks=len(streams.chunks))
+            kept: torch.nn.Module | None = None  # the layer, when the observing pass leaves it to the advancing one
             if not (layer == state.next_layer and state.committed):
                 bar.reset(chunks, description=f"layer {layer}")
-                found = _measured(
-                    model.device, cost, "observe_s", _observe_pass, model, rows, config, streams, layer, advance
+                found, kept = _measured(
+                    model.device, cost, "observe_s", _observe_pass, model, rows, config, streams, layer, advance, cost
                 )
                 if found is not None:
                     results.save(layer, *found)
                     del found
-                write_state(config.out, fp, layer, committed=True)
+                if not streams.in_memory:
+                    write_state(config.out, fp, layer, committed=True)
             bar.reset(chunks, description=f"layer {layer} streams")
             cost.recomputed_chunks = _measured(
-                model.device, cost, "advance_s", _advance, model, streams, layer, advance
+                model.device, cost, "advance_s", _advance, model, streams, layer, advance, cost, kept
             )
-            write_state(config.out, fp, layer + 1)
+            kept = None
+            _record_progress(config, fp, streams, layer + 1, model.num_layers, cost)
             streams.drop_layer(layer)
             bar.advance(layers)
     streams.drop_layer(model.num_layers)  # the final streams are not an output
@@ -133,6 +146,30 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     )
     summary.save(config.out)
     return summary
+
+
+def _record_progress(
+    config: ObserveConfig, fp: dict, streams: StreamStore, next_layer: int, layers: int, cost: LayerCost
+) -> None:
+    """Record `next_layer` as the resume point. Disk streams: always. Device streams: only where their checkpoint
+    (the streams entering it, on disk) exists: at the end, and every `device_streams_every` layers, when the older
+    checkpoint is deleted first (disk: one layer's streams) and a kill before the new one is recorded starts over."""
+    if not isinstance(streams, DeviceStreamStore):
+        write_state(config.out, fp, next_layer)
+        return
+    every = config.device_streams_every
+    if next_layer == layers:
+        streams.drop_checkpoints()
+        write_state(config.out, fp, next_layer)
+    elif every and next_layer % every == 0:
+        started = time.monotonic()
+        (state_dir(config.out) / "progress.json").unlink(missing_ok=True)
+        streams.drop_checkpoints()
+        nbytes = streams.checkpoint(next_layer)
+        write_state(config.out, fp, next_layer)
+        elapsed = time.monotonic() - started
+        cost.add_part("advance.checkpoint", elapsed, nbytes)
+        cost.advance_s = round(cost.advance_s + elapsed, 3)
 
 
 def _measured(device: torch.device, cost: LayerCost, field: str, fn: Callable[..., T], *args: object) -> T:
@@ -169,10 +206,17 @@ def _embed(model: TextModel, rows: TokenRows, streams: StreamStore) -> None:
 
 
 def _observe_pass(
-    model: TextModel, rows: TokenRows, config: ObserveConfig, streams: StreamStore, layer: int, advance: Advance
-) -> tuple[ExpertStats | None, HessianAccumulator | None] | None:
+    model: TextModel,
+    rows: TokenRows,
+    config: ObserveConfig,
+    streams: StreamStore,
+    layer: int,
+    advance: Advance,
+    cost: LayerCost,
+) -> tuple[tuple[ExpertStats | None, HessianAccumulator | None] | None, torch.nn.Module | None]:
     """Every chunk through the layer with the hooks on (writing the output chunks that fit the stream budget);
-    returns the layer's accumulators, None for a layer with nothing to observe. The layer is freed on return."""
+    returns the layer's accumulators (None for a layer with nothing to observe) and the layer itself when some
+    output chunk is still missing (the advancing pass computes it without reading the weights again), else None."""
     spec, device = model.spec, model.device
     moe = spec.mlp_layer_types[layer] == "sparse"
     uses = {use for lane in rows.lanes for use in lane.use}
@@ -182,8 +226,8 @@ def _observe_pass(
     if "hessians" in uses and (mode is not HessianMode.NONE or config.dense_hessians):
         hessians = HessianAccumulator(mode, spec.n_routed_experts, spec.hidden_size, spec.moe_intermediate_size, device)
     if stats is None and hessians is None:
-        return None
-    module = model.layer(layer)
+        return None, None
+    module = _load(model, layer, cost, "observe")
     with LayerCapture(module, model.plan(layer), RoutingParams.from_spec(spec)) as capture:
         for lane in rows.lanes:
             capture.targets = CaptureTargets(
@@ -192,38 +236,82 @@ def _observe_pass(
                 config.dense_hessians,
             )
             for chunk in _lane_chunks(streams, lane.name):
-                out = _forward(module, streams, layer, chunk, device)
+                out = _forward(module, streams, layer, chunk, device, cost, "observe")
                 if not streams.has(layer + 1, chunk) and streams.fits(chunk):
-                    streams.write(layer + 1, chunk, out)
+                    _write(streams, layer, chunk, out, cost, "observe")
+                if streams.in_memory:  # the output replaces the input (rows are independent sequences)
+                    streams.drop(layer, chunk)
                 advance(1)
-    del module
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return stats, hessians
+    if all(streams.has(layer + 1, chunk) for chunk in streams.chunks):
+        del module
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return (stats, hessians), None
+    return (stats, hessians), module
 
 
-def _advance(model: TextModel, streams: StreamStore, layer: int, advance: Advance) -> int:
+def _advance(
+    model: TextModel,
+    streams: StreamStore,
+    layer: int,
+    advance: Advance,
+    cost: LayerCost,
+    module: torch.nn.Module | None = None,
+) -> int:
     """The advancing pass (after the layer's results are saved): each output chunk not written yet, and each input
-    chunk deleted as soon as its output exists. Loads the layer only when an output is missing; returns how many
-    outputs it computed."""
-    module, computed = None, 0
+    chunk deleted as soon as its output exists. Uses `module` (the layer the observing pass kept) or loads the layer
+    when an output is missing; returns how many outputs it computed."""
+    computed = 0
     for chunk in streams.chunks:
         if not streams.has(layer + 1, chunk):
             if module is None:
-                module = model.layer(layer)
-            streams.write(layer + 1, chunk, _forward(module, streams, layer, chunk, model.device))
+                module = _load(model, layer, cost, "advance")
+            out = _forward(module, streams, layer, chunk, model.device, cost, "advance")
+            _write(streams, layer, chunk, out, cost, "advance")
             computed += 1
         streams.drop(layer, chunk)
         advance(1)
     return computed
 
 
+def _load(model: TextModel, layer: int, cost: LayerCost, stage: str) -> torch.nn.Module:
+    """The layer, its load timed into cost.parts_s["<stage>.load"]."""
+    started = _now(model.device)
+    module = model.layer(layer)
+    cost.load_bytes = sum(t.nbytes for t in module.state_dict().values())
+    cost.add_part(f"{stage}.load", _now(model.device) - started, cost.load_bytes)
+    return module
+
+
 def _forward(
-    module: torch.nn.Module, streams: StreamStore, layer: int, chunk: Chunk, device: torch.device
+    module: torch.nn.Module,
+    streams: StreamStore,
+    layer: int,
+    chunk: Chunk,
+    device: torch.device,
+    cost: LayerCost,
+    stage: str,
 ) -> torch.Tensor:
-    out = run_layer(module, streams.read(layer, chunk).to(device))
+    started = _now(device)
+    streams_in = streams.read(layer, chunk).to(device)
+    cost.add_part(f"{stage}.read", _now(device) - started, streams_in.nbytes)
+    out = run_layer(module, streams_in)
     assert_finite(f"hidden streams leaving layer {layer} (lane {chunk.lane}, rows {chunk.start}-{chunk.stop})", out)
     return out
+
+
+def _write(streams: StreamStore, layer: int, chunk: Chunk, out: torch.Tensor, cost: LayerCost, stage: str) -> None:
+    """Output chunk `chunk` of `layer` (the streams entering layer + 1), timed into cost.parts_s."""
+    started = _now(out.device)
+    streams.write(layer + 1, chunk, out)
+    cost.add_part(f"{stage}.write", _now(out.device) - started, out.nbytes)
+
+
+def _now(device: torch.device) -> float:
+    """The wall clock once the device's queued work is done (so a timed part excludes the work before it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic()
 
 
 def _summarize(

@@ -38,6 +38,8 @@ class Chunk:
 class StreamStore:
     """The stream chunk files of one observation directory."""
 
+    in_memory = False
+
     def __init__(
         self,
         state: Path,
@@ -103,3 +105,56 @@ class StreamStore:
     def fits(self, chunk: Chunk) -> bool:
         """Whether writing `chunk` keeps the streams within the budget."""
         return self.budget_bytes is None or self.on_disk() + self.chunk_bytes(chunk) <= self.budget_bytes
+
+
+class DeviceStreamStore(StreamStore):
+    """The same chunks held as tensors on the observing device (RAM on cpu): no file per chunk, no disk traffic.
+
+    A chunk's output replaces its input as soon as it is computed (rows are independent sequences), so memory is
+    one layer's streams S plus one chunk. A killed process loses them, so `checkpoint(layer)` writes the streams
+    entering `layer` to the same files a disk run uses (the run records that layer as its resume point) and
+    `restore(layer)` reads them back; only the newest checkpoint is kept on disk.
+    """
+
+    in_memory = True
+
+    def __init__(self, *args, device: torch.device, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = device
+        self.held: dict[tuple[int, str, int], torch.Tensor] = {}
+
+    def has(self, layer: int, chunk: Chunk) -> bool:
+        return (layer, chunk.lane, chunk.index) in self.held
+
+    def read(self, layer: int, chunk: Chunk) -> torch.Tensor:
+        return self.held[(layer, chunk.lane, chunk.index)]
+
+    def write(self, layer: int, chunk: Chunk, streams: torch.Tensor) -> None:
+        self.held[(layer, chunk.lane, chunk.index)] = streams.to(self.device)
+
+    def drop(self, layer: int, chunk: Chunk) -> None:
+        self.held.pop((layer, chunk.lane, chunk.index), None)
+
+    def drop_layer(self, layer: int) -> None:
+        for key in [k for k in self.held if k[0] == layer]:
+            del self.held[key]
+
+    def fits(self, chunk: Chunk) -> bool:
+        return True
+
+    def checkpoint(self, layer: int) -> int:
+        """Write the held streams entering `layer` to disk (chunk files, as a disk run has them); returns bytes."""
+        for chunk in self.chunks:
+            super().write(layer, chunk, self.read(layer, chunk))
+        return self.layer_bytes
+
+    def restore(self, layer: int) -> None:
+        """Hold the streams entering `layer` from its checkpoint files."""
+        for chunk in self.chunks:
+            self.held[(layer, chunk.lane, chunk.index)] = super().read(layer, chunk).to(self.device)
+
+    def drop_checkpoints(self, keep: int | None = None) -> None:
+        """Delete every checkpoint on disk but the one of layer `keep`."""
+        for directory in self.state.glob("streams-*"):
+            if keep is None or directory != self.directory(keep):
+                shutil.rmtree(directory, ignore_errors=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,16 @@ class LayerCost:
     recomputed_chunks: int = 0  # output chunks the advancing pass had to compute (past the stream budget)
     chunks: int = 0  # chunks of the layer's input streams
     peak_device_bytes: int | None = None  # CUDA peak allocated during the two passes, None on CPU
+    load_bytes: int = 0  # one load of the layer's weights (its module state) onto the device
+    # what observe_s and advance_s spent outside the forward, keyed "<pass>.<part>" (pass: observe | advance;
+    # part: load = building the layer and reading its weights onto the device, read = stream chunks from disk
+    # onto the device, write = output chunks to disk); the rest of each pass is the forward with its hooks
+    parts_s: dict[str, float] = field(default_factory=dict)
+    parts_bytes: dict[str, int] = field(default_factory=dict)  # bytes moved by each part of parts_s
+
+    def add_part(self, key: str, seconds: float, nbytes: int) -> None:
+        self.parts_s[key] = round(self.parts_s.get(key, 0.0) + seconds, 4)
+        self.parts_bytes[key] = self.parts_bytes.get(key, 0) + nbytes
 
 
 @dataclass(frozen=True)

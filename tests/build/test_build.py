@@ -120,3 +120,9 @@ def test_build_refuses_what_it_cannot_do(source: Path, tmp_path: Path) -> None:
             _observe_config(source, tmp_path / "obs"),
             EncodeConfig(source=source, out=tmp_path / "a", observations=tmp_path / "other"),
         )
+
+
+def test_build_with_device_streams_gives_the_same_bytes(source: Path, two_step: Path, tmp_path: Path) -> None:
+    build_artifact(_build_config(source, tmp_path, device_streams_every=2), QUIET)
+    assert _digests(tmp_path / "artifact") == _digests(two_step / "artifact")
+    assert sorted(p.name for p in (tmp_path / "obs" / "state").iterdir()) == ["progress.json"]

@@ -38,10 +38,10 @@ def test_killed_between_layers_resumes_identically(
 ) -> None:
     original = run._observe_pass
 
-    def dies_at_layer_2(model, rows, config, streams, layer, advance):
+    def dies_at_layer_2(model, rows, config, streams, layer, *rest):
         if layer == 2:
             raise KeyboardInterrupt  # what a kill looks like to the code that was running
-        return original(model, rows, config, streams, layer, advance)
+        return original(model, rows, config, streams, layer, *rest)
 
     monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
     with pytest.raises(KeyboardInterrupt):
@@ -138,4 +138,63 @@ def test_full_disk_is_named_leaves_nothing_half_written_and_resumes(
     assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
     full_disk("")
     assert observe(observe_config(tiny_source, tmp_path)).resumed_from_layer == 2
+    _assert_same_outputs(observed, tmp_path)
+
+
+def test_device_streams_give_the_same_outputs_and_resume_from_their_checkpoint(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streams held in memory (each output chunk replacing its input) with a checkpoint every layer: a kill at layer 2
+    resumes from the checkpoint of layer 2, and every output is byte-identical to a run with disk streams."""
+    from glmquant.observe.streams import StreamStore
+
+    disk_writes: list[int] = []
+    real_write = StreamStore.write
+
+    def write(self, layer, chunk, streams) -> None:
+        disk_writes.append(layer)
+        real_write(self, layer, chunk, streams)
+
+    monkeypatch.setattr(StreamStore, "write", write)
+    original = run._observe_pass
+
+    def dies_at_layer_2(model, rows, config, streams, layer, *rest):
+        if layer == 2:
+            raise KeyboardInterrupt
+        return original(model, rows, config, streams, layer, *rest)
+
+    monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
+    with pytest.raises(KeyboardInterrupt):
+        observe(observe_config(tiny_source, tmp_path, device_streams_every=1))
+    assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["progress.json", "streams-02"]  # the newest only
+    assert sorted(set(disk_writes)) == [1, 2]  # only the checkpoints went to disk
+    monkeypatch.setattr(run, "_observe_pass", original)
+    with pytest.raises(UsageError, match="streams"):  # the streams' place is part of the fingerprint
+        observe(observe_config(tiny_source, tmp_path))
+    summary = observe(observe_config(tiny_source, tmp_path, device_streams_every=1))
+    assert summary.resumed_from_layer == 2
+    _assert_same_outputs(observed, tmp_path)
+
+
+def test_device_streams_without_checkpoints_start_a_killed_run_over(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = run._observe_pass
+
+    def dies_at_layer_2(model, rows, config, streams, layer, *rest):
+        if layer == 2:
+            raise KeyboardInterrupt
+        return original(model, rows, config, streams, layer, *rest)
+
+    monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
+    with pytest.raises(KeyboardInterrupt):
+        observe(observe_config(tiny_source, tmp_path, device_streams_every=0))
+    assert not (tmp_path / "state" / "progress.json").exists()
+    monkeypatch.setattr(run, "_observe_pass", original)
+    summary = observe(observe_config(tiny_source, tmp_path, device_streams_every=0))
+    assert summary.resumed_from_layer is None
+    assert all(
+        layer.cost is not None and not layer.cost.parts_bytes.get("advance.checkpoint") for layer in summary.layers
+    )
     _assert_same_outputs(observed, tmp_path)

@@ -1,0 +1,139 @@
+"""The scale extrapolation keeps a layer's fixed costs (its weight load) apart from its per-token costs: a
+rehearsal with twice the tokens and the same rates projects the same full-model time."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("scale_extrapolation", ROOT / "scripts" / "scale_extrapolation.py")
+assert _spec is not None and _spec.loader is not None
+scale_extrapolation = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scale_extrapolation)  # beside bench_scale.py, not a package
+extrapolate = scale_extrapolation.extrapolate
+
+GB = 1e9
+LOAD_S_PER_GB = 0.4  # weight loads
+STREAM_S_PER_GB = 0.5  # stream chunks moved
+RATES = {"kda+dense": (2e-6, 2e-6), "mla+moe": (9e-6, 5e-6), "kda+moe": (8e-6, 4e-6)}  # (observe, forward) s/token
+KINDS = [("kda", "dense"), ("kda", "dense"), ("kda", "dense"), ("mla", "moe"), ("kda", "moe")]
+
+
+def _args(rows: int) -> argparse.Namespace:
+    return argparse.Namespace(
+        recipe=ROOT / "calibration" / "default.yaml",
+        rows=rows,
+        tokens=2048,
+        full_config=ROOT / "tests" / "data" / "glm-5.3-flash" / "config.json",
+        full_recipe=ROOT / "calibration" / "glm-5.3-flash.yaml",
+        full_stream_budget_gb=90.0,
+        experts=144,
+        encode_experts=32,
+    )
+
+
+def _layer(i: int, tokens: int, compile_s: float) -> dict[str, Any]:
+    attention, mlp = KINDS[i]
+    chunks = tokens // (4 * 2048)
+    observed = mlp == "moe"
+    recomputed = chunks // 2 if observed else chunks
+    weights = int((7.3 if observed else 0.4) * GB)
+    stream = tokens * 4 * 4096 * 2
+    o, f = RATES[f"{attention}+{mlp}"]
+    load = LOAD_S_PER_GB * weights / GB
+    parts_s, parts_bytes = {}, {}
+    observe_s = advance_s = 0.0
+    if observed:
+        io = stream + stream * (chunks - recomputed) / chunks
+        parts_s = {"observe.load": load, "observe.read": STREAM_S_PER_GB * stream / GB}
+        parts_s["observe.write"] = STREAM_S_PER_GB * (io - stream) / GB
+        parts_bytes = {"observe.load": weights, "observe.read": stream, "observe.write": int(io - stream)}
+        observe_s = tokens * o + load + STREAM_S_PER_GB * io / GB + compile_s
+    moved = 2 * stream * recomputed / chunks
+    parts_s.update(
+        {"advance.read": STREAM_S_PER_GB * moved / 2 / GB, "advance.write": STREAM_S_PER_GB * moved / 2 / GB}
+    )
+    parts_bytes.update({"advance.read": int(moved / 2), "advance.write": int(moved / 2)})
+    if not observed:
+        parts_s["advance.load"], parts_bytes["advance.load"] = load, weights
+        advance_s = load + compile_s
+    advance_s += tokens * f * recomputed / chunks + STREAM_S_PER_GB * moved / GB
+    cost = {
+        "observe_s": observe_s,
+        "advance_s": advance_s,
+        "recomputed_chunks": recomputed,
+        "chunks": chunks,
+        "peak_device_bytes": 20 * GB,
+        "load_bytes": weights,
+        "parts_s": parts_s,
+        "parts_bytes": parts_bytes,
+    }
+    return {"layer": i, "attention": attention, "mlp": mlp, "cost": cost}
+
+
+def _record(tokens: int) -> dict[str, Any]:
+    layers = [_layer(i, tokens, 30.0 if i == 0 else 0.0) for i in range(len(KINDS))]
+    encoded = [{"layer": 3, "tensors": 384, "seconds": 60.0}, {"layer": 4, "tensors": 384, "seconds": 38.4}]
+    for layer in encoded:
+        layer["peak_gpu_bytes"] = 30 * GB
+    build = {
+        "observation": {"layers": layers, "peak_device_bytes": 30 * GB},
+        "encode_layers": encoded,
+        "finish": {"seconds": 20.0},
+        "artifact_bytes": 8 * GB,
+        "observation_disk_peak_bytes": GB,
+        "peak_host_rss_bytes": 3 * GB,
+    }
+    other = {"peak_host_rss_bytes": GB}
+    return {
+        "stages": {
+            "build": build,
+            "verify": {**other, "wall_s": 5.0, "bytes_read": 8 * GB},
+            "runtime": {**other, "decode_s_per_token": 0.05, "backend": "triton"},
+        }
+    }
+
+
+def test_fixed_costs_do_not_scale_with_the_rehearsal_tokens() -> None:
+    short, short_full = extrapolate(_args(8), _record(8 * 2048))
+    long, long_full = extrapolate(_args(16), _record(16 * 2048))
+    assert short["observe_s"]["value"] == pytest.approx(long["observe_s"]["value"], rel=1e-3)
+    inputs = long["observe_s"]["inputs"]
+    assert inputs["load_s_per_gb"] == pytest.approx(LOAD_S_PER_GB, rel=1e-3)
+    assert inputs["stream_s_per_gb"] == pytest.approx(STREAM_S_PER_GB, rel=1e-3)
+    assert inputs["first_calls_s"] == pytest.approx(30.0, abs=0.01)
+    assert inputs["rates_us_per_token"]["kda+moe"] == pytest.approx({"o": 8.0, "f": 4.0}, rel=1e-3)
+    # a weight load is paid once per layer, whatever the token count: λ × W with W the 45 layers' weights
+    assert inputs["load_s"] == pytest.approx(LOAD_S_PER_GB * inputs["W_gb"], rel=1e-3)
+    parts = long_full["observe_parts_h"]
+    assert sum(parts.values()) == pytest.approx(long_full["observe_h"], abs=0.005)
+    assert {"observe_h", "encode_h", "peak_host_rss_gb", "peak_gpu_gb", "observation_disk_gb"} <= set(long_full)
+    # encode: the warm layer's seconds per tensor (0.1 s), the first layer's extra counted once
+    encode = long["encode_s"]["inputs"]
+    assert encode["s_tensor"] == pytest.approx(0.1) and encode["first_layer_extra_s"] == pytest.approx(21.6)
+    assert short_full["encode_h"] == long_full["encode_h"]
+
+
+def test_device_streams_project_their_checkpoints_not_a_disk_round_trip_per_layer() -> None:
+    args = _args(16)
+    args.device_streams_every = 8
+    record = _record(16 * 2048)
+    for layer in record["stages"]["build"]["observation"]["layers"]:
+        cost = layer["cost"]
+        cost["parts_s"]["advance.checkpoint"], cost["parts_bytes"]["advance.checkpoint"] = 0.5, int(GB)
+        cost["advance_s"] += 0.5
+    extrapolation, full = extrapolate(args, record)
+    inputs = extrapolation["observe_s"]["inputs"]
+    s_full = extrapolation["stream_bytes_per_layer_gb"]["value"]
+    assert extrapolation["recompute_fraction"]["value"] == 0 and inputs["streams"] == "device"
+    assert inputs["stream_s_per_gb"] == pytest.approx(0.5)
+    assert inputs["streams_moved_gb"] == pytest.approx(5 * s_full, abs=0.1)  # layers 8, 16, 24, 32, 40
+    assert full["observation_disk_gb"] == pytest.approx(s_full, abs=0.02)
+    assert extrapolation["peak_gpu_gb"]["inputs"]["streams_held_extra_gb"] == pytest.approx(
+        s_full - 16 * 2048 * 4 * 4096 * 2 / GB, abs=0.01
+    )
