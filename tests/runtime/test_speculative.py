@@ -21,9 +21,9 @@ from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.server import serve_in_background
 from glmquant.runtime.speculative import SpecStats, SpeculativeConfig
 
-# 12 prompt tokens + 32 generated: past index_topk (8), so the indexer's sparse selection and its cache are rolled back
+# 12 prompt tokens + 16 generated: past index_topk (8), so the indexer's sparse selection and its cache are rolled back
 PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
-TOKENS = 32
+TOKENS = 16
 
 
 def decode(ids):
