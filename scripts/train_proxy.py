@@ -1,7 +1,7 @@
 """Train the fidelity proxy (glmquant/proxy/train.py): corpus from installed package text, its own tokenizer, a
 small GLM-5.3-Flash-architecture model from a fixed seed, written as a BF16 source checkpoint with its checks.
 
-    # H200 (fla-core/flash-linear-attention on the path for the KDA kernels; about 8 minutes):
+    # H200 (fla-core/flash-linear-attention on the path for the KDA kernels; about 9 minutes with the MTP layer):
     python scripts/train_proxy.py --out /tmp/proxy --device cuda
     # CPU smoke (tests/proxy/test_train_proxy.py runs this):
     python scripts/train_proxy.py --out /tmp/proxy-smoke --device cpu --smoke
@@ -53,6 +53,7 @@ def main() -> None:
         "log_every",
         "experts_implementation",
         "dtype",
+        "mtp_loss_weight",
     ):
         kind = type(defaults[name]) if defaults[name] is not None else float if name == "max_minutes" else int
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)

@@ -149,3 +149,24 @@ def read_layer_state(
     if short:
         raise CheckpointFormatError(f"{ckpt.directory}: layer {plan.layer} leaves {short[:3]} partly unfilled")
     return state
+
+
+def layer_source_tensors(plan: LayerPlan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `read_layer_state`: the checkpoint tensors (source names) a module state holds, each a copy
+    of its placement's slice (merged experts split, renames undone); `state` must be exactly the plan's targets."""
+    targets = {p.target for p in plan.placements}
+    if targets != set(state):
+        raise CheckpointFormatError(
+            f"layer {plan.layer}: module state and tensor plan disagree: missing {sorted(targets - set(state))[:5]}, "
+            f"unexpected {sorted(set(state) - targets)[:5]}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    covered = dict.fromkeys(state, 0)
+    for p in plan.placements:
+        value = state[p.target][p.where] if p.where else state[p.target]
+        out[p.source] = value.detach().clone()
+        covered[p.target] += value.numel()
+    short = [n for n, count in covered.items() if count != state[n].numel()]
+    if short:
+        raise CheckpointFormatError(f"layer {plan.layer}: the plan leaves {short[:3]} partly unwritten")
+    return out

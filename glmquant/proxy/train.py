@@ -12,7 +12,12 @@ Routing is trained the GLM / DeepSeek-V3 way, without an auxiliary loss: after e
 `e_score_correction_bias` moves by `bias_update_rate` against the sign of each expert's load error (a buffer,
 never a gradient), so no expert starves. The indexer of the DSA layers is not trained (transformers runs it
 without gradients); `index_topk` k-pools cover the whole training context, so their attention is dense.
-The MTP layer is written untrained (transformers has no module for it; the runtime does not use it).
+The MTP layer (the drafter of speculative decoding, docs/speculative.md) trains with the model, DeepSeek-V3's
+way: `runtime.mtp.MtpLayer` (transformers' MLA attention and MoE modules; the model's embedding and lm_head, shared)
+reads the model's final hidden state h_i (after its final norm, as the runtime feeds it) with t_{i+1} and
+predicts t_{i+2}; the loss is the main LM loss + `mtp_loss_weight` x the MTP loss, jointly from the first step
+(h_i not detached: the release's MTP layer was trained so, and h_i then carries what the layer needs; the MTP
+router is balanced like the model's). `mtp_loss_weight` 0 writes the layer untrained (made up from the seed).
 Training runs in float32 (TF32 matmuls on a GPU) with transformers' grouped-GEMM expert path (its per-expert
 loop ran 46 tokens/s on an H200, far too slow): the same dtypes and code on the CPU and the GPU, so the CPU smoke
 test covers the GPU path; the checkpoint is cast to BF16 when written.
@@ -33,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +51,9 @@ from glmquant.errors import UsageError
 from glmquant.fixtures.tiny import TinyModelConfig, save_release_checkpoint
 from glmquant.proxy.corpus import DEFAULT_CORPUS_RECIPE, build_corpus, load_corpus_recipe, read_split, split_recipe
 from glmquant.proxy.tokenizer import train_tokenizer
+
+if TYPE_CHECKING:
+    from glmquant.runtime.mtp import MtpLayer
 
 # The H200 proxy: 8 layers (2 dense, then MoE; DSA at 3 and 7, KDA elsewhere), 64 experts top-8 + a shared one.
 PROXY_SHAPE = TinyModelConfig(
@@ -104,6 +112,7 @@ class TrainConfig:
     # transformers' grouped GEMM over experts: 29k tokens/s on an H200 where its per-expert loop ran 46 tokens/s
     experts_implementation: str = EXPERTS_IMPLEMENTATION
     dtype: str = "float32"  # weights and activations; "bfloat16" is the fallback should a GPU kernel refuse float32
+    mtp_loss_weight: float = 0.3  # lambda of the MTP loss (DeepSeek-V3's early value); 0: MTP layer not trained
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_rows", "seq_len", "heldout_rows", "calibration_rows", "log_every"):
@@ -113,6 +122,8 @@ class TrainConfig:
             raise UsageError("--lr must be positive, --min-lr-fraction in [0, 1], --warmup-steps >= 0")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise UsageError(f"--max-minutes must be positive, got {self.max_minutes}")
+        if not (math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0):
+            raise UsageError(f"--mtp-loss-weight must be a finite number >= 0, got {self.mtp_loss_weight}")
         if self.dtype not in TRAIN_DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(TRAIN_DTYPES)}, got {self.dtype!r}")
         device_type(self.device)
@@ -170,6 +181,56 @@ def text_model_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:  # a Glm5N
     return model.lm_head(hidden)
 
 
+def build_mtp(model: Any) -> MtpLayer:  # a Glm5NextForConditionalGeneration
+    """The model's MTP layer (`runtime.mtp.MtpLayer`, the runtime's own module) on its embedding and lm_head, on
+    the model's device and dtype, initialized as transformers initializes the model's layers."""
+    from glmquant.runtime.mtp import MtpLayer
+
+    text = model.model.language_model
+    mtp = MtpLayer(text.config, text.embed_tokens, model.lm_head)
+    mtp.config._attn_implementation = text.config._attn_implementation
+    mtp.config._experts_implementation = text.config._experts_implementation
+    for module in mtp.modules():
+        text._init_weights(module)
+    weight = model.lm_head.weight
+    return mtp.to(weight.device, weight.dtype).train()
+
+
+def mtp_logits(mtp: MtpLayer, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The MTP layer's logits of t_{i+2} for every position i with both t_{i+1} and t_{i+2} in `ids` [B, T]
+    (`hidden` [B, >= T - 2, H]: h_i after the final norm): [B, T - 2, V]."""
+    return mtp(hidden[:, : ids.shape[1] - 2], ids[:, 1:-1], None)[0]
+
+
+@torch.no_grad()
+def mtp_heldout(model: Any, mtp: MtpLayer, rows: torch.Tensor, batch: int) -> dict[str, Any]:
+    """The MTP layer on `rows` [N, T], at every position i with t_{i+1} and t_{i+2} in the row, given the true
+    t_{i+1}: top-1 accuracy at t_{i+2}, greedy agreement (its argmax equals the model's argmax at i + 1: a 1-token
+    draft accepted under greedy verification), perplexity; and the model's own top-1 at t_{i+2} from i + 1."""
+    model.eval()
+    mtp.eval()
+    nll, right, agree, main_right, count = 0.0, 0, 0, 0, 0
+    for part in rows.split(batch):
+        hidden = model.model.language_model(input_ids=part).last_hidden_state
+        logits = mtp_logits(mtp, hidden, part).float()
+        main = model.lm_head(hidden[:, 1:-1]).argmax(-1)
+        target, draft = part[:, 2:], logits.argmax(-1)
+        nll += float(F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum"))
+        right += int((draft == target).sum())
+        agree += int((draft == main).sum())
+        main_right += int((main == target).sum())
+        count += target.numel()
+    model.train()
+    mtp.train()
+    return {
+        "heldout_top1": right / count,
+        "heldout_greedy_agreement": agree / count,
+        "heldout_ppl": math.exp(nll / count),
+        "heldout_main_top1_next": main_right / count,
+        "heldout_positions": count,
+    }
+
+
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int) -> float:
     """exp(mean next-token NLL) over `rows` [N, T]."""
@@ -219,10 +280,11 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     model: Any = Glm5NextForConditionalGeneration(hf_config)  # transformers types its `to` unbound
     model = model.to(device, TRAIN_DTYPES[cfg.dtype]).train()
     text = model.model.language_model
-    balancer = LoadBalancer(
-        [layer.mlp.gate for layer in text.layers if hasattr(layer.mlp, "experts")], cfg.bias_update_rate
-    )
+    mtp = build_mtp(model) if cfg.mtp_loss_weight > 0 else None
+    routers = [layer.mlp.gate for layer in text.layers if hasattr(layer.mlp, "experts")]
+    balancer = LoadBalancer(routers + ([mtp.mlp.gate] if mtp is not None else []), cfg.bias_update_rate)
     params = [p for n, p in model.named_parameters() if "visual" not in n]
+    params += list(mtp.parameters()) if mtp is not None else []
     decay = [p for p in params if p.dim() >= 2]
     optimizer = torch.optim.AdamW(
         [
@@ -242,10 +304,15 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
         batch = torch.stack([stream[s : s + cfg.seq_len + 1] for s in starts.tolist()]).long().to(device)
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(step)
-        logits = text_model_logits(model, batch[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        hidden = text(input_ids=batch[:, :-1]).last_hidden_state
+        loss = F.cross_entropy(model.lm_head(hidden).float().flatten(0, 1), batch[:, 1:].flatten())
+        total, mtp_loss = loss, None
+        if mtp is not None:  # t_{i+2} from h_i and t_{i+1}: every input position but the last
+            logits = mtp_logits(mtp, hidden, batch).float()
+            mtp_loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 2:].flatten())
+            total = loss + cfg.mtp_loss_weight * mtp_loss
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         imbalance = balancer.step()
@@ -255,12 +322,15 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
                 {
                     "step": step,
                     "loss": round(loss.item(), 4),
+                    **({"mtp_loss": round(mtp_loss.item(), 4)} if mtp_loss is not None else {}),
                     "load_imbalance": round(imbalance, 3),
                     "seconds": round(elapsed, 1),
                 }
             )
             log(
-                f"step {step}: loss {loss.item():.4f}, load imbalance {imbalance:.2f}, "
+                f"step {step}: loss {loss.item():.4f}"
+                + (f", MTP loss {mtp_loss.item():.4f}" if mtp_loss is not None else "")
+                + f", load imbalance {imbalance:.2f}, "
                 f"{(step + 1) * cfg.batch_rows * cfg.seq_len / max(elapsed, 1e-9):,.0f} tokens/s"
             )
         if cfg.max_minutes is not None and time.monotonic() - train_started > 60 * cfg.max_minutes:
@@ -272,9 +342,18 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     torch.set_float32_matmul_precision(precision)
     ppl = perplexity(model, heldout.to(device), cfg.batch_rows)
     log(f"held-out perplexity {ppl:.3f} ({heldout.numel():,} tokens)")
+    mtp_record = mtp_heldout(model, mtp, heldout.to(device), cfg.batch_rows) if mtp is not None else None
+    if mtp_record is not None:
+        log(
+            f"MTP held-out: top-1 {mtp_record['heldout_top1']:.3f}, greedy agreement "
+            f"{mtp_record['heldout_greedy_agreement']:.3f}, perplexity {mtp_record['heldout_ppl']:.3f}"
+        )
 
     model = model.to("cpu").float()
-    save_release_checkpoint(model, model_dir, tokenizer, cfg.seed, shape.shard_bytes, made_up_router_bias=False)
+    mtp_state = mtp.to("cpu").float().state_dict() if mtp is not None else None
+    save_release_checkpoint(
+        model, model_dir, tokenizer, cfg.seed, shape.shard_bytes, made_up_router_bias=False, mtp_state=mtp_state
+    )
     routing = routing_check(model_dir, corpus_dir / "calibration.yaml", cfg.out / "routing", cfg.device)
     log(f"routing: {json.dumps(routing['verdict'])}")
     record = {
@@ -293,7 +372,8 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
         "heldout_ppl": ppl,
         "heldout_tokens": heldout.numel(),
         "routing": routing,
-        "mtp_trained": False,
+        "mtp_trained": mtp is not None,
+        "mtp": mtp_record,
         "environment": _environment(device),
         "seconds": round(time.monotonic() - started, 1),
     }

@@ -33,9 +33,11 @@ if TYPE_CHECKING:
 
 
 class MtpLayer(nn.Module):
-    """One MTP layer: `forward(hidden [1, S, H], next_ids [1, S], cache)` -> (logits [1, S, V], hidden [1, S, H]).
+    """One MTP layer: `forward(hidden [B, S, H], next_ids [B, S], cache)` -> (logits [B, S, V], hidden [B, S, H]).
 
     Submodules carry the checkpoint's names (after transformers' renames), so `module_map.layer_plan` fills them.
+    Without a cache it runs causally over whole sequences, differentiably: the proxy trains it so
+    (`proxy.train`; the indexer is not trained, as transformers runs it without gradients).
     """
 
     def __init__(self, text_config: Any, embed: nn.Embedding, lm_head: nn.Linear) -> None:
@@ -62,9 +64,9 @@ class MtpLayer(nn.Module):
         return DynamicCache(config=self.config)
 
     def forward(
-        self, hidden: torch.Tensor, next_ids: torch.Tensor, cache: DynamicCache
+        self, hidden: torch.Tensor, next_ids: torch.Tensor, cache: DynamicCache | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.eh_proj(torch.cat([self.enorm(self._embed[0](next_ids)), self.hnorm(hidden)], dim=-1))  # [1, S, H]
+        x = self.eh_proj(torch.cat([self.enorm(self._embed[0](next_ids)), self.hnorm(hidden)], dim=-1))  # [B, S, H]
         mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # no padding: the indexer's valid keys
         attn, _, _ = self.self_attn(hidden_states=self.input_layernorm(x), attention_mask=mask, cache=cache)
         x = x + attn

@@ -1,9 +1,12 @@
 """The proxy trains at smoke size on the CPU, from a fixed seed to the same weights, and is a source checkpoint
-the pipeline reads; the record holds held-out perplexity and the routing check."""
+the pipeline reads; the record holds held-out perplexity, the routing check and the MTP layer's held-out figures;
+the trained MTP layer loads in the runtime and drafts for speculative decoding."""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,8 +14,11 @@ import torch
 from proxy_helpers import smoke_config
 from safetensors import safe_open
 
-from glmquant.arch import load_model_spec
-from glmquant.proxy.train import TrainConfig, train_proxy
+from glmquant.arch import load_model_spec, table_for
+from glmquant.errors import UsageError
+from glmquant.fixtures.random_artifact import build_artifact
+from glmquant.fixtures.tiny import TinyModelConfig
+from glmquant.proxy.train import TrainConfig, build_mtp, train_proxy
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -34,6 +40,81 @@ def test_record_and_checkpoint(smoke_proxy: Path) -> None:
     assert spec.attention_types[3] != spec.attention_types[0] and spec.mtp_layers
     bias = _weights(smoke_proxy / "model")["model.language_model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.dtype == torch.float32 and bias.abs().max() > 0  # trained by the load balancer, not made up
+    assert record["mtp_trained"] and record["train_config"]["mtp_loss_weight"] == 0.3
+    mtp = record["mtp"]
+    assert mtp["heldout_positions"] == 2 * (32 - 2)  # heldout_rows x (seq_len - 2)
+    for key in ("heldout_top1", "heldout_greedy_agreement", "heldout_main_top1_next"):
+        assert 0 <= mtp[key] <= 1
+    assert math.isfinite(mtp["heldout_ppl"]) and mtp["heldout_ppl"] > 1
+    losses = [entry["mtp_loss"] for entry in record["loss_curve"]]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]  # the seed's CPU run is bit-exact
+
+
+@pytest.mark.slow
+def test_mtp_layer_is_trained_and_drafts_in_the_runtime(smoke_proxy: Path, tmp_path: Path) -> None:
+    """The checkpoint's MTP layer (release names, shapes, dtypes) moved from its initial weights, fills the
+    runtime's MTP layer from an artifact, and speculative greedy decoding with it equals plain greedy."""
+    from transformers import AutoTokenizer, Glm5NextForConditionalGeneration
+
+    from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
+    from glmquant.runtime.loader import load_model
+    from glmquant.runtime.mtp_decoder import MtpDecoder
+    from glmquant.runtime.options import RuntimeOptions
+    from glmquant.runtime.speculative import SpeculativeConfig
+
+    model_dir = smoke_proxy / "model"
+    record = json.loads((smoke_proxy / "proxy.json").read_text())
+    spec = load_model_spec(model_dir / "config.json")
+    prefix = table_for(spec).layer_prefix(spec.mtp_layers[0])
+    saved = {k: v for k, v in _weights(model_dir).items() if k.startswith(prefix)}
+    # the initial MTP layer, as train_proxy built it: the same seed, model construction and build_mtp
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    torch.manual_seed(record["seed"])
+    hf_config = TinyModelConfig(**record["shape"]).hf_config(tokenizer)
+    hf_config.text_config._experts_implementation = record["train_config"]["experts_implementation"]
+    initial = build_mtp(Glm5NextForConditionalGeneration(hf_config)).state_dict()
+
+    def at_init(name: str) -> torch.Tensor:
+        return initial[name[len(prefix) :]].to(saved[name].dtype)
+
+    wk = f"{prefix}self_attn.indexer.wk.weight"  # the indexer gets no gradient: still its initial value
+    assert torch.equal(saved[wk], at_init(wk))
+    for name in (
+        "eh_proj.weight",
+        "enorm.weight",
+        "hnorm.weight",
+        "self_attn.o_proj.weight",
+        "mlp.shared_experts.down_proj.weight",
+        "shared_head.norm.weight",
+    ):
+        assert not torch.equal(saved[prefix + name], at_init(prefix + name)), name
+    experts = initial["mlp.experts.down_proj"].to(torch.bfloat16)
+    n = spec.n_routed_experts
+    moved = [not torch.equal(saved[f"{prefix}mlp.experts.{e}.down_proj.weight"], experts[e]) for e in range(n)]
+    assert sum(moved) >= 3 * n // 4  # routed experts that got tokens moved
+
+    artifact = build_artifact(model_dir, tmp_path / "tr3", "tr3")  # plans the checkpoint: names, shapes, dtypes
+    options = RuntimeOptions(dtype="float32", speculative_config=SpeculativeConfig(num_speculative_tokens=2))
+    loaded = load_model(artifact, options)
+    assert loaded.mtp is not None
+    assert torch.equal(loaded.mtp.eh_proj.weight, saved[f"{prefix}eh_proj.weight"].float())
+    prompt = PromptInputs(tokenizer("def load(path):\n    with open(path) as f:", return_tensors="pt")["input_ids"])
+    params = SamplingParams(max_tokens=12)
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(ids)))
+
+    plain = generate(loaded.model, prompt, params, decode)
+    spec_run = generate(MtpDecoder(loaded.model, loaded.mtp, 2), prompt, params, decode)
+    assert spec_run.token_ids == plain.token_ids and spec_run.speculative is not None
+    assert spec_run.speculative.drafted == 2 * spec_run.speculative.steps
+
+
+def test_mtp_loss_weight_is_checked() -> None:
+    assert TrainConfig(out=Path("x"), device="cpu", mtp_loss_weight=0).mtp_loss_weight == 0
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(UsageError, match="--mtp-loss-weight"):
+            TrainConfig(out=Path("x"), device="cpu", mtp_loss_weight=bad)
 
 
 @pytest.mark.slow
