@@ -5,19 +5,25 @@ with a random MTP layer (every draft rejected: KDA restores and one-token re-run
 
 from __future__ import annotations
 
+import http.client
+import shutil
 from pathlib import Path
 
+import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from glmquant.runtime.artifact import open_artifact
 from glmquant.runtime.engine import Engine, EngineDecoder
+from glmquant.runtime.engine.loaded import LoadedEngine
 from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
 from glmquant.runtime.generate import Generation, PromptInputs, SamplingParams, generate
 from glmquant.runtime.loader import LoadedModel
 from glmquant.runtime.mtp import load_mtp
 from glmquant.runtime.options import RuntimeOptions
-from glmquant.runtime.speculative import SpeculativeDecoder
+from glmquant.runtime.server import serve_in_background
+from glmquant.runtime.speculative import SpeculativeConfig, SpeculativeDecoder
 
 # 12 prompt tokens + 20 generated: past index_topk (8), so the indexer's sparse selection runs over rolled-back caches
 PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
@@ -99,3 +105,32 @@ def test_engine_accepted_drafts_and_rollbacks_keep_greedy_output(engine: Engine,
     )
     assert perfect.token_ids == plain.token_ids
     assert perfect.speculative is not None and perfect.speculative.tokens_per_step > k
+
+
+def test_dummy_engine_server_speculates_and_reports_it(tiny_source: Path, tmp_path: Path) -> None:
+    """`serve --load-format dummy --model-impl glmquant --speculative-config`: the dummy MTP layer is made
+    resident, and usage and /metrics report the drafts as on the transformers path."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny_source / "config.json", bare / "config.json")
+    config = SpeculativeConfig(num_speculative_tokens=2)
+    with serve_in_background(
+        bare, load_format="dummy", model_impl="glmquant", max_model_len=256, speculative_config=config
+    ) as srv:
+        loaded = srv.service.loaded
+        assert isinstance(loaded, LoadedEngine) and loaded.engine.mtp is not None
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        out = client.completions.create(model="bare", prompt=[256, 10, 20, 30], max_tokens=6, temperature=0)
+        conn = http.client.HTTPConnection(*srv.address, timeout=30)
+        conn.request("GET", "/metrics")
+        metrics = {
+            s.name: s.value
+            for family in text_string_to_metric_families(conn.getresponse().read().decode())
+            for s in family.samples
+        }
+    assert out.usage is not None and out.usage.completion_tokens == 6
+    spec = (out.usage.model_extra or {})["speculative"]
+    assert spec["num_draft_tokens"] == 2 * spec["num_drafts"] >= 2
+    assert spec["num_accepted_tokens"] + spec["num_drafts"] >= 5
+    assert metrics["glmquant:spec_decode_num_drafts_total"] == spec["num_drafts"]
+    assert metrics["glmquant:spec_decode_num_accepted_tokens_total"] == spec["num_accepted_tokens"]
