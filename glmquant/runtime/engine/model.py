@@ -226,10 +226,13 @@ class Engine:
         """Fresh zeroed caches of another size (captured graphs are dropped: they address the old ones)."""
         dtype, device = self.weights.embed.dtype, self.device
         self.graphs = None
+        mtp, self.mtp_cache = self.mtp_cache is not None, None
         del self.caches  # the old caches are freed before the new ones are allocated
         if device.type == "cuda":
             torch.cuda.empty_cache()
         self.caches = Caches.allocate(self.cfg, max_batch, max_len, dtype, device)
+        if mtp:
+            self.mtp_cache = allocate_mtp_cache(self.cfg, max_batch, max_len, dtype, device)
         self.graphs = _graphs(device) if self.cuda_graphs else None
 
     def pools_for(self, context: int) -> int:
