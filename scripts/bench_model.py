@@ -355,6 +355,7 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
             fn()  # warm
             times[name] = timed_ms(engine, fn, reps=reps) / reps
         engine.restore_recurrent(0, saved)
+        graphed = verify_graph(engine, step_ids, context, saved, reps)
         decoder = EngineMtpDecoder(engine, k)
         decoder.prefill(PromptInputs(ids.view(1, -1)))
         produced: list[int] = [int(decoder.speculate(0)[-1].argmax())]  # warm: the MTP layer reads the prompt
@@ -364,6 +365,7 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
             {
                 "k": k,
                 **{name: round(v, 4) for name, v in times.items()},
+                **graphed,
                 "measured_tok_s": round((len(produced) - 1) * 1000 / ms, 2),
                 "measured_acceptance_rate": round(decoder.stats.acceptance_rate, 4),
                 "measured_steps": sizes.steps,  # timed; the acceptance rate counts the warm-up step too
@@ -378,10 +380,40 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
         "context": context,
         "plain_step_ms": round(plain_ms, 4),
         "plain_tok_s": round(1000 / plain_ms, 2),
-        "verify": "eager (no CUDA graph); drafts eager; the plain step graph-replayed where CUDA graphs run",
+        "verify": "verify_ms eager (the decoder's default); verify_graph_ms one CUDA graph per k where CUDA "
+        "graphs run (with its largest logit difference from eager); drafts and rollback eager; the plain step "
+        "graph-replayed where CUDA graphs run",
         "formula": SPEC_FORMULA,
         "rows": rows,
     }
+
+
+def verify_graph(
+    engine: Engine, step_ids: torch.Tensor, context: int, saved: list[torch.Tensor], reps: int
+) -> dict[str, Any]:
+    """The verify step replayed as a CUDA graph (`Engine.verify(graphs=True)`, one graph per k): its ms and its
+    largest logit difference from the eager verify, or why it failed; None off CUDA."""
+    if engine.graphs is None:
+        return {"verify_graph_ms": None}
+    try:
+        engine.restore_recurrent(0, saved)
+        eager = engine.verify(0, step_ids, context)[0].float()
+        for _ in range(2):  # the first call runs eagerly, the second captures
+            engine.restore_recurrent(0, saved)
+            engine.verify(0, step_ids, context, graphs=True)
+        engine.restore_recurrent(0, saved)
+        diff = float((engine.verify(0, step_ids, context, graphs=True)[0].float() - eager).abs().max())
+
+        def replay() -> None:
+            engine.verify(0, step_ids, context, graphs=True)
+            engine.restore_recurrent(0, saved)
+
+        ms = timed_ms(engine, replay, reps=reps) / reps
+        return {"verify_graph_ms": round(ms, 4), "verify_graph_max_abs_logit_diff": diff}
+    except Exception:  # noqa: BLE001  (the eager figures stand without it)
+        return {"verify_graph_ms": None, "verify_graph_error": traceback.format_exc()[-1500:]}
+    finally:
+        engine.restore_recurrent(0, saved)
 
 
 def speculate_greedily(decoder: Any, tokens: list[int]) -> None:

@@ -157,13 +157,29 @@ class Engine:
             parts.append(self.hidden_states(part, positions, rows, pools, run or self.prefill_run)[0])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def verify(self, slot: int, token_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(
+        self, slot: int, token_ids: torch.Tensor, start: int, graphs: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Speculative decoding's verify step: S tokens (the last token and k drafts) at positions start ..
-        start + S - 1 of `slot` in one forward against the static caches (eager). (logits [S, V], final hidden
-        states [S, H]). MLA caches take the new positions (a rollback is only a shorter length: later positions
-        are overwritten before they are read); KDA states advance over all S (`save_recurrent` first)."""
-        hidden = self.prefill_hidden(slot, token_ids, start)
+        start + S - 1 of `slot` in one forward against the static caches: (logits [S, V], final hidden states
+        [S, H]). MLA caches take the new positions (a rollback is only a shorter length: later positions are
+        overwritten before they are read); KDA states advance over all S (`save_recurrent` first). Eager on the
+        prefill math, or with `graphs` (where the engine has CUDA graphs) one graph per (slot, S, indexer window)
+        on the decode math."""
+        if not graphs or self.graphs is None:
+            hidden = self.prefill_hidden(slot, token_ids, start)
+            return self.lm_head(hidden), hidden
+        s = token_ids.numel()
+        self._check_room(slot, start + s)
+        tokens = token_ids.to(self.device).view(1, s)
+        positions = torch.arange(start, start + s, device=self.device).view(1, s)
+        pools = self.pools_for(start + s)
+        step = partial(self._verify_step, slot=slot, pools=pools)
+        hidden = self.graphs(("verify", slot, pools), step, tokens, positions)[0].clone()
         return self.lm_head(hidden), hidden
+
+    def _verify_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, pools: int) -> torch.Tensor:
+        return self.hidden_states(tokens, positions, self.caches.rows(slot, slot + 1), pools, self.decode_run)
 
     def save_recurrent(self, slot: int) -> list[torch.Tensor]:
         """Copies of `slot`'s KDA conv inputs and recurrent states (they cannot be cut back like MLA caches)."""

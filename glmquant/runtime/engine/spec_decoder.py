@@ -28,10 +28,16 @@ class EngineMtpDecoder(EngineDecoder):
     """A cache slot of an engine loaded with its MTP layer (`Engine.load(..., mtp=True)`), drafting k tokens."""
 
     def __init__(
-        self, engine: Engine, num_speculative_tokens: int, slot: int = 0, lock: threading.Lock | None = None
+        self,
+        engine: Engine,
+        num_speculative_tokens: int,
+        slot: int = 0,
+        lock: threading.Lock | None = None,
+        verify_graphs: bool = False,
     ) -> None:
         super().__init__(engine, slot, lock)
         self.k = num_speculative_tokens
+        self.verify_graphs = verify_graphs  # verify steps replay CUDA graphs (not yet checked on a GPU: off)
         self.stats = SpecStats()
         # target hidden states [m, H] the MTP layer has not read yet, from position `_hidden_at`, and the tokens
         # after each but the last (whose next token the next step feeds)
@@ -65,7 +71,7 @@ class EngineMtpDecoder(EngineDecoder):
         drafts = self._draft(token)
         ids = [token, *drafts]
         saved = engine.save_recurrent(self.slot)
-        logits, hidden = engine.verify(self.slot, self._ids(ids), start)  # [k + 1, V], [k + 1, H]
+        logits, hidden = engine.verify(self.slot, self._ids(ids), start, self.verify_graphs)  # [k + 1, V], [k + 1, H]
         greedy = logits.argmax(-1).tolist()
         n = 0
         while n < len(drafts) and drafts[n] == greedy[n]:
