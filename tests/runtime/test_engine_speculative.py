@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from glmquant.runtime.artifact import open_artifact
 from glmquant.runtime.engine import Engine, EngineDecoder
-from glmquant.runtime.engine.loaded import LoadedEngine
+from glmquant.runtime.engine.loaded import LoadedEngine, load_engine
 from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
 from glmquant.runtime.generate import Generation, PromptInputs, SamplingParams, generate
 from glmquant.runtime.loader import LoadedModel
@@ -105,6 +105,17 @@ def test_engine_accepted_drafts_and_rollbacks_keep_greedy_output(engine: Engine,
     )
     assert perfect.token_ids == plain.token_ids
     assert perfect.speculative is not None and perfect.speculative.tokens_per_step > k
+
+
+def test_served_engine_speculates_up_to_the_end_of_its_context(artifacts: dict[str, Path], plain: Generation) -> None:
+    """`load_engine` leaves room for the k positions a verify step writes past the last token: a generation that
+    fills max_len (prompt + tokens) with k = 3 ends as plain greedy does."""
+    options = RuntimeOptions(dtype="float32", model_impl="glmquant", speculative_config=SpeculativeConfig("mtp", 3))
+    loaded = load_engine(open_artifact(artifacts["tr3"]), options, max_seqs=1, max_len=PROMPT.num_tokens + 8)
+    with loaded.session() as decoder:
+        assert isinstance(decoder, EngineMtpDecoder) and decoder.k == 3
+        out = generate(decoder, PROMPT, SamplingParams(max_tokens=8), decode)
+    assert out.token_ids == plain.token_ids[:8]
 
 
 def test_dummy_engine_server_speculates_and_reports_it(tiny_source: Path, tmp_path: Path) -> None:

@@ -54,7 +54,9 @@ def load_engine(artifact: Artifact, options: RuntimeOptions, max_seqs: int, max_
     `speculative_config` the engine loads its MTP layer and each slot's decoder speculates (`EngineMtpDecoder`)."""
     require_visible(options.device)
     spec = options.speculative_config
-    engine = Engine.load(artifact, options, max_batch=max_seqs, max_len=max_len, mtp=spec is not None)
+    # a verify step writes k positions past the last token (and drafts as many into the MTP cache)
+    room = max_len + (spec.num_speculative_tokens if spec is not None else 0)
+    engine = Engine.load(artifact, options, max_batch=max_seqs, max_len=room, mtp=spec is not None)
     lock = threading.Lock()
     decoders: queue.Queue[EngineDecoder] = queue.Queue()
     for slot in range(max_seqs):
