@@ -107,6 +107,17 @@ def test_engine_accepted_drafts_and_rollbacks_keep_greedy_output(engine: Engine,
     assert perfect.speculative is not None and perfect.speculative.tokens_per_step > k
 
 
+def test_bf16_speculation_with_every_draft_rejected_is_plain_decoding(artifacts: dict[str, Path]) -> None:
+    """BF16 on the CPU: the random MTP layer's drafts are all rejected, and each step's token comes from the
+    one-token re-run on the decode math, so the output is plain greedy's."""
+    engine = Engine.load(open_artifact(artifacts["tr3"]), RuntimeOptions(dtype="bfloat16"), max_len=64, mtp=True)
+    plain = generate(EngineDecoder(engine), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    for k in (1, 3):
+        spec = generate(EngineMtpDecoder(engine, k), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+        assert spec.token_ids == plain.token_ids
+        assert spec.speculative is not None and spec.speculative.accepted == 0
+
+
 def test_served_engine_speculates_up_to_the_end_of_its_context(artifacts: dict[str, Path], plain: Generation) -> None:
     """`load_engine` leaves room for the k positions a verify step writes past the last token: a generation that
     fills max_len (prompt + tokens) with k = 3 ends as plain greedy does."""
