@@ -12,6 +12,10 @@ Parts (each saved to --out as soon as it is done, so a run cut short keeps what 
               the GB10 projection per class: max(bytes / BW, H200 time x (132 SMs x 1.98 GHz) / (48 SMs x GB10 clock)).
 - kernels:    torch.profiler over one eager batch-1 decode step and one prefill chunk: kernel launches and the
               kernels that take the most device time (where "rest" and prefill time go).
+- mtp:        MTP speculative decoding at batch 1 (the engine loads its MTP layer only when this part runs): per
+              k = 1..3 the ms of one draft, of one verify step (k + 1 tokens, eager) and of a rollback's re-run,
+              the measured decode tok/s with speculation (random weights: acceptance ~0), and the tok/s the step
+              times give at a given number of accepted drafts per step (the formula is in the report).
 
     python scripts/bench_model.py --commit SHA [--quick] [--parts graphs,decode,prefill,classes] [--out FILE]
     python scripts/bench_model.py --smoke --out FILE          # the tiny config on the CPU, every part (a test runs it)
@@ -55,7 +59,7 @@ GB10: dict[str, Any] = {
     ),
 }
 GB10_BANDWIDTHS = {"218": "measured copy bandwidth of one DGX Spark (docs anchors)", "273": "LPDDR5X spec"}
-PARTS = ("graphs", "decode", "prefill", "classes", "kernels")
+PARTS = ("graphs", "decode", "prefill", "classes", "kernels", "mtp")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Sizes:
     chunk: int  # prefill chunk
 
 
+MAX_K = 3  # drafts per step measured: 1..MAX_K (SpeculativeConfig's range)
 FULL = Sizes((1024, 32768), (1, 4, 16), (8192, 65536, 200_000), 64, 16, 4096)
 QUICK = Sizes((1024,), (1, 4, 16), (8192,), 32, 8, 4096)
 SMOKE = Sizes((24, 40), (1, 2), (48,), 3, 3, 16)
@@ -97,6 +102,7 @@ def main() -> None:
         max_batch=1,
         max_len=sizes.chunk,
         compile_decode=args.compile_decode,
+        mtp="mtp" in args.parts,
     )
     sync(engine)
     report["model"] = model_record(artifact, engine, time.perf_counter() - t0, config)
@@ -107,6 +113,7 @@ def main() -> None:
         "prefill": prefill_speed,
         "classes": breakdown,
         "kernels": kernel_profile,
+        "mtp": mtp_speed,
     }
     for part in args.parts:
         reset_peak(engine)
@@ -301,6 +308,119 @@ def kernel_profile(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, 
     return out
 
 
+SPEC_FORMULA = (
+    "tok/s = 1000 x (1 + accepted drafts per step) / (draft_ms x k + verify_ms); a step with a rejected draft "
+    "also pays rollback_ms (KDA states put back, the accepted tokens re-run), not in this formula"
+)
+
+
+def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
+    """Batch 1 at the first context: per k, ms per draft (one MTP position), per verify step (k + 1 tokens against
+    the static caches, eager, KDA states saved first) and per rollback (states put back and one token re-run);
+    then `steps` speculative steps through EngineMtpDecoder timed end to end (tokens / s actually produced)."""
+    from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
+    from glmquant.runtime.generate import PromptInputs
+
+    context, reps = sizes.contexts[0], max(3, sizes.steps // 4)
+    engine.reallocate(1, context + (MAX_K + 1) * (sizes.steps + 2) + 16)
+    ids = random_ids(engine, context)
+    hidden = engine.prefill_hidden(0, ids, chunk=sizes.chunk)
+    engine.draft(0, hidden, torch.cat([ids[1:], ids[:1]]), 0)  # the MTP cache holds the prompt's positions
+    tokens = torch.zeros(1, dtype=torch.long, device=engine.device)
+    position = torch.full((1,), context, dtype=torch.long, device=engine.device)
+    for _ in range(2):
+        engine.decode(tokens, position, context + 1)
+    plain_ms = timed_ms(engine, lambda: engine.decode(tokens, position, context + 1), reps=reps) / reps
+    saved = engine.save_recurrent(0)
+    one = hidden[-1:]
+
+    def draft() -> None:
+        engine.draft(0, one, tokens, context)
+
+    def rollback() -> None:
+        engine.restore_recurrent(0, saved)
+        engine.prefill_hidden(0, tokens, context, run=engine.decode_run)
+
+    rows = []
+    for k in range(1, MAX_K + 1):
+        step_ids = random_ids(engine, k + 1, seed=k).to(engine.device)
+
+        def verify(step_ids: torch.Tensor = step_ids) -> None:
+            engine.save_recurrent(0)
+            engine.verify(0, step_ids, context)
+            engine.restore_recurrent(0, saved)  # the next rep verifies from the same state
+
+        times = {}
+        for name, fn in (("draft_ms", draft), ("verify_ms", verify), ("rollback_ms", rollback)):
+            fn()  # warm
+            times[name] = timed_ms(engine, fn, reps=reps) / reps
+        engine.restore_recurrent(0, saved)
+        graphed = verify_graph(engine, step_ids, context, saved, reps)
+        decoder = EngineMtpDecoder(engine, k)
+        decoder.prefill(PromptInputs(ids.view(1, -1)))
+        produced: list[int] = [int(decoder.speculate(0)[-1].argmax())]  # warm: the MTP layer reads the prompt
+        ms = timed_ms(engine, partial(speculate_greedily, decoder, produced), reps=sizes.steps)
+        step_ms = times["draft_ms"] * k + times["verify_ms"]
+        rows.append(
+            {
+                "k": k,
+                **{name: round(v, 4) for name, v in times.items()},
+                **graphed,
+                "measured_tok_s": round((len(produced) - 1) * 1000 / ms, 2),
+                "measured_acceptance_rate": round(decoder.stats.acceptance_rate, 4),
+                "measured_steps": sizes.steps,  # timed; the acceptance rate counts the warm-up step too
+                "tok_s_at_accepted_per_step": {
+                    f"{a:g}": round(1000 * (1 + a) / step_ms, 2)
+                    for a in sorted({0.0, 0.5, 1.0, round(k * 0.7, 2), float(k)})
+                },
+            }
+        )
+    return {
+        "batch": 1,
+        "context": context,
+        "plain_step_ms": round(plain_ms, 4),
+        "plain_tok_s": round(1000 / plain_ms, 2),
+        "verify": "verify_ms eager (the decoder's default); verify_graph_ms one CUDA graph per k where CUDA "
+        "graphs run (with its largest logit difference from eager); drafts and rollback eager; the plain step "
+        "graph-replayed where CUDA graphs run",
+        "formula": SPEC_FORMULA,
+        "rows": rows,
+    }
+
+
+def verify_graph(
+    engine: Engine, step_ids: torch.Tensor, context: int, saved: list[torch.Tensor], reps: int
+) -> dict[str, Any]:
+    """The verify step replayed as a CUDA graph (`Engine.verify(graphs=True)`, one graph per k): its ms and its
+    largest logit difference from the eager verify, or why it failed; None off CUDA."""
+    if engine.graphs is None:
+        return {"verify_graph_ms": None}
+    try:
+        engine.restore_recurrent(0, saved)
+        eager = engine.verify(0, step_ids, context)[0].float()
+        for _ in range(2):  # the first call runs eagerly, the second captures
+            engine.restore_recurrent(0, saved)
+            engine.verify(0, step_ids, context, graphs=True)
+        engine.restore_recurrent(0, saved)
+        diff = float((engine.verify(0, step_ids, context, graphs=True)[0].float() - eager).abs().max())
+
+        def replay() -> None:
+            engine.verify(0, step_ids, context, graphs=True)
+            engine.restore_recurrent(0, saved)
+
+        ms = timed_ms(engine, replay, reps=reps) / reps
+        return {"verify_graph_ms": round(ms, 4), "verify_graph_max_abs_logit_diff": diff}
+    except Exception:  # noqa: BLE001  (the eager figures stand without it)
+        return {"verify_graph_ms": None, "verify_graph_error": traceback.format_exc()[-1500:]}
+    finally:
+        engine.restore_recurrent(0, saved)
+
+
+def speculate_greedily(decoder: Any, tokens: list[int]) -> None:
+    """One speculative step from the last of `tokens`; the tokens it yields are appended (greedy)."""
+    tokens.extend(int(logits.argmax()) for logits in decoder.speculate(tokens[-1]))
+
+
 def kernel_table(events: Any, cuda: bool, top: int = 25) -> dict[str, Any]:
     """Launch count, total own time and the `top` entries of a profiler's key_averages()."""
     rows = []
@@ -416,7 +536,7 @@ def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> 
     spec, table, ckpt = artifact.spec, table_for(artifact.spec), artifact.checkpoint
     mtp = tuple(table.layer_prefix(layer) for layer in spec.mtp_layers)
     vision = {t.name for t in table.top_level(spec) if t.role is TensorRole.VISION}
-    skipped = [n for n in ckpt.names() if n.startswith(mtp) or n in vision]
+    skipped = [n for n in ckpt.names() if (engine.mtp is None and n.startswith(mtp)) or n in vision]
     return {
         "config": str(config),
         "layout": artifact.layout,
@@ -426,7 +546,9 @@ def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> 
         "load_s": round(load_s, 1),
         "resident_gb": round(torch.cuda.memory_allocated() / 1e9, 2) if engine.device.type == "cuda" else None,
         "not_resident": {
-            "what": "MTP layer and vision tower (plain text decoding uses neither)",
+            "what": "MTP layer and vision tower (plain text decoding uses neither)"
+            if engine.mtp is None
+            else "vision tower (the MTP layer is resident: the mtp part runs)",
             "tensors": len(skipped),
             "bytes": sum(ckpt.spec(n).nbytes for n in skipped),
         },
@@ -467,6 +589,7 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     prefill = {r["tokens"]: r["seconds"] for r in parts.get("prefill", [])}
     projection = parts.get("classes", {}).get("projection", {})
     graphs = parts.get("graphs")
+    mtp = {r["k"]: r for r in parts.get("mtp", {}).get("rows", [])}
     peaks = [v for k, v in parts.items() if k.endswith("_peak_gpu_gb") and v is not None]
     return {
         "decode_tok_s_b1": at.get(1),
@@ -478,6 +601,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
         "gb10_tok_s_273": projection.get("gb10_tok_s_273"),
         "graphs_equal_eager": all(r["tokens_equal"] for r in graphs) if graphs else None,
         "logits_finite": all(r["logits_finite"] for r in graphs) if graphs else None,
+        **{f"mtp_verify_ms_k{k}": r["verify_ms"] for k, r in mtp.items()},
+        "mtp_draft_ms": mtp[1]["draft_ms"] if 1 in mtp else None,
+        **{f"mtp_measured_tok_s_k{k}": r["measured_tok_s"] for k, r in mtp.items()},
     }
 
 

@@ -10,6 +10,8 @@
 #   bash scripts/device_run_model.sh "$OUT" COMMIT decode    # graphs, decode 1k and 32k, classes
 #   bash scripts/device_run_model.sh "$OUT" COMMIT prefill   # prefill 8k, 64k, 200k
 #   bash scripts/device_run_model.sh "$OUT" COMMIT compiled  # decode 1k with the decode math torch.compile'd
+#   bash scripts/device_run_model.sh "$OUT" COMMIT mtp       # MTP speculation at batch 1, 1k: draft, verify and
+#                                                            # rollback ms per k = 1..3, measured tok/s (MTP resident)
 #   bash scripts/device_run_model.sh "$OUT" COMMIT serve     # `glmquant serve --load-format dummy` answers OpenAI
 #                                                            # requests (scripts/serve_probe.py)
 # then, here: python scripts/bench_model.py --merge model_h200_decode.json model_h200_prefill.json \
@@ -37,11 +39,12 @@ for MODE in "${MODES[@]}"; do
       timeout "$(left)" python3 scripts/serve_probe.py --config tests/data/glm-5.3-flash/config.json \
         --commit "$COMMIT" --out "$RES/serve_h200.json" >>"$LOG" 2>&1
       echo "serve probe exit $?" >>"$LOG"; continue ;;
-    quick) args=(--quick) ;;
+    quick) args=(--quick --parts graphs,decode,prefill,classes,kernels) ;;  # the MTP layer stays unread
     decode) args=(--parts graphs,decode,classes,kernels) ;;
     prefill) args=(--parts prefill) ;;
     compiled) args=(--quick --parts graphs,decode,classes,kernels --compile-decode) ;;
-    *) echo "mode must be checks, serve, quick, decode, prefill or compiled, not $MODE" >>"$LOG"; continue ;;
+    mtp) args=(--quick --parts mtp) ;;
+    *) echo "mode must be checks, serve, quick, decode, prefill, compiled or mtp, not $MODE" >>"$LOG"; continue ;;
   esac
   stamp "bench_model.py ${args[*]}"
   timeout "$(left)" python3 scripts/bench_model.py --commit "$COMMIT" "${args[@]}" \

@@ -79,8 +79,8 @@ def serve(
         typer.Option(
             help=(
                 'vLLM\'s JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\': the model\'s MTP layer drafts '
-                "1..3 tokens per step, verified in one forward (greedy requests; same output; --model-impl "
-                "transformers)"
+                "1..3 tokens per step, verified in one forward (greedy requests; same output; either "
+                "--model-impl)"
             )
         ),
     ] = None,

@@ -51,11 +51,6 @@ class RuntimeOptions:
         ):
             if value not in choices:
                 raise UsageError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
-        if self.speculative_config is not None and self.model_impl != "transformers":
-            raise UsageError(
-                "--speculative-config runs with --model-impl transformers only: the runtime's own engine "
-                "(--model-impl glmquant) does not run the MTP layer yet"
-            )
         try:
             torch.device(self.device)
         except RuntimeError:

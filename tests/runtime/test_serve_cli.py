@@ -102,6 +102,13 @@ def test_speculative_config_is_vllms_json(monkeypatch, tmp_path):
     result = CliRunner().invoke(_app(), ["serve", str(tmp_path), "--speculative-config", config])
     assert result.exit_code == 0, result.output
     assert calls[0][3] == RuntimeOptions(dtype="auto", speculative_config=SpeculativeConfig("mtp", 3))
+    result = CliRunner().invoke(
+        _app(), ["serve", str(tmp_path), "--speculative-config", config, "--model-impl", "glmquant"]
+    )
+    assert result.exit_code == 0, result.output
+    assert calls[1][3] == RuntimeOptions(
+        dtype="auto", model_impl="glmquant", speculative_config=SpeculativeConfig("mtp", 3)
+    )
 
 
 @pytest.mark.parametrize(
@@ -109,10 +116,6 @@ def test_speculative_config_is_vllms_json(monkeypatch, tmp_path):
     [
         (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 4}'], "integer in 1..3"),
         (["--speculative-config", '{"method": "ngram"}'], "method must be one of mtp"),
-        (
-            ["--speculative-config", '{"num_speculative_tokens": 1}', "--model-impl", "glmquant"],
-            "--model-impl transformers only",
-        ),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--dtype", "int8"], "--dtype must be one of auto, bfloat16, float16, half, float32, float"),
         (["--load-format", "safetensors"], "--load-format must be one of auto, dummy"),

@@ -48,6 +48,13 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
         table = parts["kernels"][work]
         assert table["launches"] >= table["distinct"] >= len(table["top"]) > 0
         assert table["total_ms"] > 0 and 0 < sum(r["share"] for r in table["top"]) <= 1 + 1e-6
+    mtp = parts["mtp"]
+    assert [r["k"] for r in mtp["rows"]] == [1, 2, 3] and "(draft_ms x k + verify_ms)" in mtp["formula"]
+    for row in mtp["rows"]:
+        assert row["draft_ms"] > 0 and row["verify_ms"] > 0 and row["rollback_ms"] > 0 and row["measured_tok_s"] > 0
+        assert 0 <= row["measured_acceptance_rate"] <= 1
+        rates = row["tok_s_at_accepted_per_step"]
+        assert rates["0"] < rates[f"{row['k']:g}"]  # more accepted drafts, more tokens per second
     summary = report["summary"]
     assert set(summary) >= {
         "decode_tok_s_b1",
@@ -59,6 +66,7 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     }
     assert summary["decode_tok_s_b1"] > 0 and summary["gb10_tok_s_273"] >= summary["gb10_tok_s_218"] > 0
     assert summary["graphs_equal_eager"] is True and summary["logits_finite"] is True
+    assert all(summary[f"mtp_verify_ms_k{k}"] > 0 for k in (1, 2, 3)) and summary["mtp_draft_ms"] > 0
 
     merged = tmp_path / "merged.json"
     assert _run("--merge", str(out), str(out), "--out", str(merged)).returncode == 0

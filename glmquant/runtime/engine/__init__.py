@@ -3,5 +3,6 @@ conv inputs and recurrent state), chunked prefill and whole-model decode steps t
 
 from glmquant.runtime.engine.decoder import EngineDecoder
 from glmquant.runtime.engine.model import Engine
+from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
 
-__all__ = ["Engine", "EngineDecoder"]
+__all__ = ["Engine", "EngineDecoder", "EngineMtpDecoder"]

@@ -15,6 +15,7 @@ from glmquant.devices import require_visible
 from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.engine.decoder import EngineDecoder
 from glmquant.runtime.engine.model import Engine
+from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.quantized_experts import ExpertBackend
 
@@ -49,11 +50,18 @@ class LoadedEngine:
 
 def load_engine(artifact: Artifact, options: RuntimeOptions, max_seqs: int, max_len: int) -> LoadedEngine:
     """The engine with caches for `max_seqs` sequences of `max_len` tokens; its decoders share one lock, so one
-    forward runs at a time (sequences interleave token by token; they are not batched together)."""
+    forward runs at a time (sequences interleave token by token; they are not batched together). With
+    `speculative_config` the engine loads its MTP layer and each slot's decoder speculates (`EngineMtpDecoder`)."""
     require_visible(options.device)
-    engine = Engine.load(artifact, options, max_batch=max_seqs, max_len=max_len)
+    spec = options.speculative_config
+    # a verify step writes k positions past the last token (and drafts as many into the MTP cache)
+    room = max_len + (spec.num_speculative_tokens if spec is not None else 0)
+    engine = Engine.load(artifact, options, max_batch=max_seqs, max_len=room, mtp=spec is not None)
     lock = threading.Lock()
     decoders: queue.Queue[EngineDecoder] = queue.Queue()
     for slot in range(max_seqs):
-        decoders.put(EngineDecoder(engine, slot, lock))
+        if spec is None:
+            decoders.put(EngineDecoder(engine, slot, lock))
+        else:
+            decoders.put(EngineMtpDecoder(engine, spec.num_speculative_tokens, slot, lock))
     return LoadedEngine(engine, artifact, options, decoders)

@@ -10,7 +10,7 @@ the cache's full length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from glmquant.errors import UsageError
 from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.engine.blocks import Run, decoder_layer
-from glmquant.runtime.engine.cache import Caches, LayerCache
+from glmquant.runtime.engine.cache import Caches, KDACache, LayerCache, MLACache
 from glmquant.runtime.engine.config import EngineConfig
 from glmquant.runtime.engine.experts import engine_experts
+from glmquant.runtime.engine.mtp import MtpWeights, allocate_mtp_cache, load_mtp_weights, mtp_layer
 from glmquant.runtime.engine.ops import ops_for
 from glmquant.runtime.engine.weights import ModelWeights, load_weights
 from glmquant.runtime.loader import hf_config
@@ -44,6 +45,8 @@ class Engine:
     decode_run: Run  # eager or compiled math (`compile_decode`)
     graphs: StepGraphs | None  # on CUDA with graphs on
     cuda_graphs: bool = False  # decode steps replay graphs where the device has them
+    mtp: MtpWeights | None = field(default=None, kw_only=True)  # the MTP layer, when speculation is asked
+    mtp_cache: MLACache | None = field(default=None, kw_only=True)  # its own latents and indexer caches per slot
 
     @classmethod
     def load(
@@ -54,9 +57,11 @@ class Engine:
         max_len: int = 4096,
         cuda_graphs: bool = True,
         compile_decode: bool = False,
+        mtp: bool = False,
     ) -> Engine:
         """Weights (one layer at a time), experts and caches for `max_batch` sequences of `max_len` tokens;
-        `compile_decode` runs decode steps' math through torch.compile (`engine/ops.py`)."""
+        `compile_decode` runs decode steps' math through torch.compile (`engine/ops.py`); `mtp` also loads the
+        MTP layer (speculative decoding) with a cache of its own."""
         options = options.resolved_for(artifact.config)
         device, dtype = torch.device(options.device), options.torch_dtype
         cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())
@@ -74,6 +79,8 @@ class Engine:
             decode_run,
             _graphs(device) if cuda_graphs else None,
             cuda_graphs,
+            mtp=load_mtp_weights(artifact, dtype, device) if mtp else None,
+            mtp_cache=allocate_mtp_cache(cfg, max_batch, max_len, dtype, device) if mtp else None,
         )
 
     @property
@@ -90,12 +97,31 @@ class Engine:
     ) -> torch.Tensor:
         """Logits [B, V] of the last of S new tokens per row: tokens and positions [B, S] (int64, on the device),
         `caches` those rows' caches, `pools` the k-pools the indexer scores (covering every position)."""
+        streams = self._streams(tokens, positions, caches, pools, run)
+        return F.linear(
+            run.ops.rms_norm(streams[:, -1].mean(dim=-2), self.weights.norm, self.cfg.rms_eps), self.weights.lm_head
+        )
+
+    @torch.no_grad()
+    def hidden_states(
+        self, tokens: torch.Tensor, positions: torch.Tensor, caches: tuple[LayerCache, ...], pools: int, run: Run
+    ) -> torch.Tensor:
+        """As `forward`, but the final hidden states [B, S, H] (after the final norm) of every new token."""
+        streams = self._streams(tokens, positions, caches, pools, run)
+        return run.ops.rms_norm(streams.mean(dim=-2), self.weights.norm, self.cfg.rms_eps)
+
+    def _streams(
+        self, tokens: torch.Tensor, positions: torch.Tensor, caches: tuple[LayerCache, ...], pools: int, run: Run
+    ) -> torch.Tensor:
         cfg, w = self.cfg, self.weights
         x = F.embedding(tokens, w.embed)
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], cfg.hc_mult, x.shape[-1]).contiguous()
         for layer, (lw, cache) in enumerate(zip(w.layers, caches, strict=True)):
             streams = decoder_layer(streams, layer, lw, cache, positions, pools, run)
-        return F.linear(run.ops.rms_norm(streams[:, -1].mean(dim=-2), w.norm, cfg.rms_eps), w.lm_head)
+        return streams
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weights.lm_head)
 
     def prefill(self, slot: int, token_ids: torch.Tensor, start: int = 0, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
         """Feed token_ids [S] to `slot` from position `start` (0 starts a new sequence); logits [V] of the last."""
@@ -110,6 +136,94 @@ class Engine:
             positions = torch.arange(start + c, start + c + part.shape[1], device=self.device).view(1, -1)
             logits = self.forward(part, positions, rows, self.pools_for(start + c + part.shape[1]), self.prefill_run)
         return logits[0]
+
+    @torch.no_grad()
+    def prefill_hidden(
+        self, slot: int, token_ids: torch.Tensor, start: int = 0, chunk: int = PREFILL_CHUNK, run: Run | None = None
+    ) -> torch.Tensor:
+        """As `prefill`, but the final hidden states [S, H] of every token fed (the MTP layer reads them);
+        `run` the math (default the prefill's)."""
+        end = start + token_ids.numel()
+        self._check_room(slot, end)
+        if start == 0:
+            self.caches.reset(slot)
+        ids = token_ids.to(self.device).view(1, -1)
+        rows = self.caches.rows(slot, slot + 1)
+        parts = []
+        for c in range(0, ids.shape[1], chunk):
+            part = ids[:, c : c + chunk]
+            positions = torch.arange(start + c, start + c + part.shape[1], device=self.device).view(1, -1)
+            pools = self.pools_for(start + c + part.shape[1])
+            parts.append(self.hidden_states(part, positions, rows, pools, run or self.prefill_run)[0])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def verify(
+        self, slot: int, token_ids: torch.Tensor, start: int, graphs: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative decoding's verify step: S tokens (the last token and k drafts) at positions start ..
+        start + S - 1 of `slot` in one forward against the static caches: (logits [S, V], final hidden states
+        [S, H]). MLA caches take the new positions (a rollback is only a shorter length: later positions are
+        overwritten before they are read); KDA states advance over all S (`save_recurrent` first). Eager on the
+        prefill math, or with `graphs` (where the engine has CUDA graphs) one graph per (slot, S, indexer window)
+        on the decode math."""
+        if not graphs or self.graphs is None:
+            hidden = self.prefill_hidden(slot, token_ids, start)
+            return self.lm_head(hidden), hidden
+        s = token_ids.numel()
+        self._check_room(slot, start + s)
+        tokens = token_ids.to(self.device).view(1, s)
+        positions = torch.arange(start, start + s, device=self.device).view(1, s)
+        pools = self.pools_for(start + s)
+        step = partial(self._verify_step, slot=slot, pools=pools)
+        hidden = self.graphs(("verify", slot, pools), step, tokens, positions)[0].clone()
+        return self.lm_head(hidden), hidden
+
+    def _verify_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, pools: int) -> torch.Tensor:
+        return self.hidden_states(tokens, positions, self.caches.rows(slot, slot + 1), pools, self.decode_run)
+
+    def save_recurrent(self, slot: int) -> list[torch.Tensor]:
+        """Copies of `slot`'s KDA conv inputs and recurrent states (they cannot be cut back like MLA caches)."""
+        return [t[slot].clone() for c in self.caches.layers if isinstance(c, KDACache) for t in (c.conv, c.state)]
+
+    def restore_recurrent(self, slot: int, saved: list[torch.Tensor]) -> None:
+        tensors = [t for c in self.caches.layers if isinstance(c, KDACache) for t in (c.conv, c.state)]
+        for t, s in zip(tensors, saved, strict=True):
+            t[slot].copy_(s)
+
+    @torch.no_grad()
+    def draft(
+        self, slot: int, hidden: torch.Tensor, next_ids: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over hidden [S, H] (the target's h_i) and next_ids [S] (t_{i+1}) at positions start ..
+        start + S - 1 of `slot`'s MTP cache: (logits [S, V] of t_{i+2}, its output hidden states [S, H])."""
+        if self.mtp is None or self.mtp_cache is None:
+            raise UsageError("the engine was loaded without its MTP layer (Engine.load(..., mtp=True))")
+        end = start + hidden.shape[0]
+        self._check_room(slot, end)
+        positions = torch.arange(start, end, device=self.device).view(1, -1)
+        cache = MLACache(
+            *(
+                t[slot : slot + 1]
+                for t in (
+                    self.mtp_cache.latents,
+                    self.mtp_cache.index_keys,
+                    self.mtp_cache.index_gates,
+                    self.mtp_cache.pooled,
+                )
+            )
+        )
+        run = Run(self.cfg, self.prefill_run.ops, self.mtp.experts, 1)
+        logits, out = mtp_layer(
+            hidden.view(1, *hidden.shape),
+            next_ids.to(self.device).view(1, -1),
+            positions,
+            self.mtp,
+            self.weights,
+            cache,
+            self.pools_for(end),
+            run,
+        )
+        return logits[0], out[0]
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, context: int, first_slot: int = 0, eager: bool = False
@@ -128,10 +242,13 @@ class Engine:
         """Fresh zeroed caches of another size (captured graphs are dropped: they address the old ones)."""
         dtype, device = self.weights.embed.dtype, self.device
         self.graphs = None
+        mtp, self.mtp_cache = self.mtp_cache is not None, None
         del self.caches  # the old caches are freed before the new ones are allocated
         if device.type == "cuda":
             torch.cuda.empty_cache()
         self.caches = Caches.allocate(self.cfg, max_batch, max_len, dtype, device)
+        if mtp:
+            self.mtp_cache = allocate_mtp_cache(self.cfg, max_batch, max_len, dtype, device)
         self.graphs = _graphs(device) if self.cuda_graphs else None
 
     def pools_for(self, context: int) -> int:

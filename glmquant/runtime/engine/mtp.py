@@ -1,0 +1,148 @@
+"""The checkpoint's MTP layer on the engine's own blocks (the drafter of MTP speculative decoding).
+
+The same layer as `runtime.mtp.MtpLayer` (see there and `docs/speculative.md`): for position i,
+x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), then sparse MLA with its DSA indexer (`blocks.mla_block`, on
+its own static cache) and the MoE (`blocks.moe_block`), plain residuals, then `shared_head.norm` and the target's
+lm_head. Its routed experts are BF16 in the artifact (not EXL3), so they run through `DenseExperts`, an expert
+backend over stacked dense weights.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from glmquant.arch import table_for
+from glmquant.errors import ConfigError
+from glmquant.runtime.artifact import Artifact
+from glmquant.runtime.engine.blocks import Run, mla_block, moe_block
+from glmquant.runtime.engine.cache import MLACache
+from glmquant.runtime.engine.config import EngineConfig
+from glmquant.runtime.engine.weights import MLAWeights, ModelWeights, MoEBlock, _LayerReader, _mla, _mlp
+from glmquant.runtime.expert_cache import CacheStats
+
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.gate_proj\.weight$")
+
+
+@dataclass(frozen=True)
+class MtpWeights:
+    layer: int  # the checkpoint's layer index (num_hidden_layers)
+    enorm: torch.Tensor  # [H]
+    hnorm: torch.Tensor  # [H]
+    eh_proj: torch.Tensor  # [H, 2 H]
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attention: MLAWeights
+    mlp: MoEBlock
+    head_norm: torch.Tensor  # shared_head.norm
+    experts: DenseExperts
+
+
+class DenseExperts:
+    """Routed experts kept as dense stacks (gate/up [E, 2I, H], down [E, H, I]), an `ExpertBackend` for one layer.
+
+    A few tokens (decode, verify, drafts) gather their routes' weights and multiply in one batched matmul (no
+    host sync); many tokens (a prompt) go expert by expert."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, swiglu_limit: float | None) -> None:
+        self.gate_up, self.down, self.swiglu_limit = gate_up, down, swiglu_limit
+        self.uses = 0
+
+    def forward(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        self.uses += expert_ids.numel()
+        if expert_ids.numel() <= self.gate_up.shape[0]:
+            gate_up = torch.matmul(self.gate_up[expert_ids], hidden[:, None, :, None]).squeeze(-1)  # [T, k, 2I]
+            y = torch.matmul(self.down[expert_ids], self._swiglu(gate_up).unsqueeze(-1)).squeeze(-1)  # [T, k, H]
+            return (y.float() * weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        for e in torch.unique(expert_ids).tolist():
+            token_idx, slot = torch.where(expert_ids == e)
+            y = F.linear(self._swiglu(F.linear(hidden[token_idx], self.gate_up[e])), self.down[e])
+            out.index_add_(0, token_idx, y.float() * weights[token_idx, slot, None])
+        return out.to(hidden.dtype)
+
+    def stats(self) -> CacheStats:
+        n = self.gate_up.shape[0]
+        return CacheStats(n, n, self.uses, 0, 0)
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.swiglu_limit is not None:
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        return F.silu(gate) * up
+
+
+def load_mtp_weights(artifact: Artifact, dtype: torch.dtype, device: torch.device) -> MtpWeights:
+    """The artifact's MTP layer on the device (every one of its tensors, experts included)."""
+    spec, table = artifact.spec, table_for(artifact.spec)
+    if not spec.mtp_layers:
+        raise ConfigError(f"{artifact.path}: the model has no MTP layer (num_nextn_predict_layers is 0)")
+    layer = spec.mtp_layers[0]
+    prefix = table.layer_prefix(layer)
+    names = [t.name for t in table.layer_tensors(spec, layer)]
+    read = _LayerReader(artifact, prefix, names, dtype, device)
+    experts = sorted(int(m.group(1)) for n in names if (m := _EXPERT.search(n[len(prefix) :])))
+    mlps = [_mlp(read, f"mlp.experts.{e}.") for e in experts]
+    gate_up, down = torch.stack([m.gate_up for m in mlps]), torch.stack([m.down for m in mlps])
+    del mlps
+    weights = MtpWeights(
+        layer,
+        read("enorm.weight"),
+        read("hnorm.weight"),
+        read("eh_proj.weight"),
+        read("input_layernorm.weight"),
+        read("post_attention_layernorm.weight"),
+        _mla(read),
+        MoEBlock(
+            read("mlp.gate.weight", True),
+            read("mlp.gate.e_score_correction_bias", True),
+            _mlp(read, "mlp.shared_experts."),
+        ),
+        read("shared_head.norm.weight"),
+        DenseExperts(gate_up, down, spec.swiglu_limit),
+    )
+    read.finish()
+    return weights
+
+
+def allocate_mtp_cache(
+    cfg: EngineConfig, max_batch: int, max_len: int, dtype: torch.dtype, device: torch.device
+) -> MLACache:
+    """The MTP layer's own MLA latent and indexer caches (max_len a whole number of k-pools)."""
+    max_len = -(-max_len // cfg.kpool) * cfg.kpool
+
+    def empty(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return MLACache(
+        empty(max_batch, max_len, cfg.kv_rank),
+        empty(max_batch, max_len, cfg.index_dim),
+        empty(max_batch, max_len, cfg.index_dim),
+        empty(max_batch, max_len // cfg.kpool, cfg.index_dim),
+    )
+
+
+def mtp_layer(
+    hidden: torch.Tensor,
+    next_ids: torch.Tensor,
+    positions: torch.Tensor,
+    w: MtpWeights,
+    target: ModelWeights,
+    cache: MLACache,
+    pools: int,
+    run: Run,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [B, S, H] (the target's final-norm hidden states h_i), next_ids [B, S] (t_{i+1}), positions [B, S]
+    -> (logits [B, S, V] of t_{i+2}, the layer's output hidden states [B, S, H]); `cache` rows of the batch."""
+    cfg, ops = run.cfg, run.ops
+    e = ops.rms_norm(F.embedding(next_ids, target.embed), w.enorm, cfg.rms_eps)
+    x = F.linear(torch.cat([e, ops.rms_norm(hidden, w.hnorm, cfg.rms_eps)], dim=-1), w.eh_proj)
+    x = x + mla_block(ops.rms_norm(x, w.input_norm, cfg.rms_eps), w.attention, cache, positions, pools, run)
+    x = x + moe_block(ops.rms_norm(x, w.post_norm, cfg.rms_eps), w.mlp, w.layer, run)
+    return F.linear(ops.rms_norm(x, w.head_norm, cfg.rms_eps), target.lm_head), x
