@@ -25,6 +25,8 @@ from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.server import serve_in_background
 from glmquant.runtime.speculative import SpeculativeConfig, SpeculativeDecoder
 
+SLOW = pytest.mark.slow  # the fast tier keeps k = 2
+
 # 12 prompt tokens + 20 generated: past index_topk (8), so the indexer's sparse selection runs over rolled-back caches
 PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
 TOKENS = 20
@@ -77,7 +79,7 @@ def test_engine_mtp_layer_equals_the_mtp_module(tr3_f32: LoadedModel, engine: En
         torch.testing.assert_close(out, want_out[0], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)])
 def test_engine_speculation_equals_plain_greedy(engine: Engine, plain: Generation, k: int) -> None:
     decoder = EngineMtpDecoder(engine, k)
     assert isinstance(decoder, SpeculativeDecoder)
@@ -88,7 +90,7 @@ def test_engine_speculation_equals_plain_greedy(engine: Engine, plain: Generatio
     assert stats.accepted + stats.steps >= TOKENS - 1
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)])
 def test_engine_accepted_drafts_and_rollbacks_keep_greedy_output(engine: Engine, plain: Generation, k: int) -> None:
     """Drafts right except at every 5th generated token: full and partial acceptances; then always right."""
     spec = generate(
@@ -107,6 +109,7 @@ def test_engine_accepted_drafts_and_rollbacks_keep_greedy_output(engine: Engine,
     assert perfect.speculative is not None and perfect.speculative.tokens_per_step > k
 
 
+@pytest.mark.slow
 def test_bf16_speculation_with_every_draft_rejected_is_plain_decoding(artifacts: dict[str, Path]) -> None:
     """BF16 on the CPU: the random MTP layer's drafts are all rejected, and each step's token comes from the
     one-token re-run on the decode math, so the output is plain greedy's."""

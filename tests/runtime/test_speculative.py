@@ -136,6 +136,7 @@ def test_mtp_drafts_from_its_cache_as_from_scratch(tr3_f32, mtp):
     assert drafts and all(int(logits[0, pos - 1].argmax()) == draft for pos, draft in drafts)
 
 
+@pytest.mark.slow
 def test_sampling_decodes_without_speculation(tr3_f32, mtp):
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
     spec = generate(MtpDecoder(tr3_f32.model, mtp, 2), PROMPT, params, decode)

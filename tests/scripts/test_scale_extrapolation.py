@@ -99,6 +99,7 @@ def _record(tokens: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_fixed_costs_do_not_scale_with_the_rehearsal_tokens() -> None:
     short, short_full = extrapolate(_args(8), _record(8 * 2048))
     long, long_full = extrapolate(_args(16), _record(16 * 2048))
@@ -119,6 +120,7 @@ def test_fixed_costs_do_not_scale_with_the_rehearsal_tokens() -> None:
     assert short_full["encode_h"] == long_full["encode_h"]
 
 
+@pytest.mark.slow
 def test_device_streams_project_their_checkpoints_not_a_disk_round_trip_per_layer() -> None:
     args = _args(16)
     args.device_streams_every = 8
