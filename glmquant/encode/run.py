@@ -36,9 +36,10 @@ from glmquant.checkpoint.writer import atomic_write_text, remove_temp_files
 from glmquant.encode.config import EncodeConfig
 from glmquant.encode.distributed import Ranks, join, leave
 from glmquant.encode.hessians import HessianSource, LayerHessiansView
-from glmquant.encode.layer import encode_units, layer_units
+from glmquant.encode.layer import EncodedLayer, encode_units, layer_units
 from glmquant.encode.provenance import build_provenance, job_inputs, observed_calibration
 from glmquant.encode.pruning import resolve_keep, resolve_tiers
+from glmquant.encode.retained import check_dense_hessians, retained_encoder
 from glmquant.encode.state import EncodeState
 from glmquant.encode.summary import LayerSummary, fallback_warnings, summarize_layer
 from glmquant.encode.units import UnitStore
@@ -98,7 +99,10 @@ class EncodeJob:
             {n: source.shard_of(n) for n in source.names()},
             self.keep,
             expert_bits=self.tiers,
+            retained_bits=cfg.retained_bits,
         )
+        if ranks.is_main and cfg.retained_bits is not None:  # refuse a missing Hessian before any work
+            check_dense_hessians(self.plan, cfg.observations, cfg.retained_fallback_identity)
         self.state = EncodeState.load_or_new(
             cfg.state_dir, cfg.fingerprint(job_inputs(cfg, source, self.keep, calibration, self.tiers))
         )
@@ -217,14 +221,34 @@ class EncodeJob:
                 if all(f.path in self._written for f in self._expert_files if finished in self._layers_of[f.path]):
                     self.store.remove_layer(finished)
 
+    def _warn_fallbacks(self, encoded: EncodedLayer) -> None:
+        for line in fallback_warnings(encoded.reports):
+            self.console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+
     def finish(self) -> EncodeResult:
         """Copy the retained tensors, finalize (config, index, manifest) and verify the artifact (rank 0)."""
         cfg, plan, state = self.cfg, self.plan, self.state
         if self.todo:
             raise UsageError(f"{cfg.out}: MoE layer(s) {self.todo} are not encoded yet")
         if not state.retained_done or not _files_present(cfg.out, _retained_files(plan)):
-            self.console.print("copying retained tensors byte-for-byte")
-            write_retained_shards(plan, self.source, cfg.out)
+            linears = None
+            if plan.retained_bits is None:
+                self.console.print("copying retained tensors byte-for-byte")
+            else:
+                self.console.print(
+                    "copying retained tensors byte-for-byte, EXL3-encoding the retained linears "
+                    f"at K{plan.retained_bits}"
+                )
+                linears = retained_encoder(
+                    plan,
+                    self.source,
+                    cfg.observations,
+                    cfg.retained_fallback_identity,
+                    cfg.seed,
+                    self.device,
+                    self._warn_fallbacks,
+                )
+            write_retained_shards(plan, self.source, cfg.out, linears)
             state.finish_retained()
         result = finalize_artifact(
             plan,
