@@ -159,7 +159,7 @@ def _place_retained_linears(
                 raise CheckpointFormatError(
                     f"{artifact.path}: {name} is not a bias-free linear; cannot hold {linear.key}"
                 )
-            model.set_submodule(name, Exl3Linear(artifact.read_linear(linear, device), mode, dtype))
+            model.set_submodule(name, Exl3Linear(artifact.read_linear(linear, device), mode, dtype, linear.source))
 
 
 def _load_retained(model: PreTrainedModel, artifact: Artifact, dtype: torch.dtype, device: torch.device) -> None:

@@ -30,8 +30,9 @@ class Exl3Linear(nn.Module):
     suh: torch.Tensor
     svh: torch.Tensor
 
-    def __init__(self, tensor: EXL3Tensor, mode: str, dtype: torch.dtype) -> None:
+    def __init__(self, tensor: EXL3Tensor, mode: str, dtype: torch.dtype, source: str = "") -> None:
         super().__init__()
+        self.source = source  # the checkpoint weight it stands for (`...q_proj.weight`)
         if mode not in MODES:
             raise ValueError(f"Exl3Linear mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
