@@ -111,8 +111,6 @@ class EncodeConfig:
                     f"--retained-bits must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1} "
                     f"(4..6 is the speed tier), got {self.retained_bits}"
                 )
-            if self.layout != "tr3":
-                raise UsageError("--retained-bits is supported with --layout tr3 only (exllamav3 export: not yet)")
         elif self.retained_fallback_identity:
             raise UsageError("--retained-uncalibrated-fallback applies to --retained-bits only")
         device_type(self.device)

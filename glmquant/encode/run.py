@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +25,7 @@ from glmquant.checkpoint.artifact_writer import (
     ArtifactResult,
     finalize_artifact,
     has_expert_parts,
+    has_retained_linears,
     write_planned_file,
     write_retained_shards,
 )
@@ -211,7 +212,8 @@ class EncodeJob:
             bytes_written = 0
             for f in self._expert_files:
                 if f.path not in self._written and self._layers_of[f.path] <= self._done:
-                    write_planned_file(f, self.source, self.cfg.out, self._pending)
+                    linears = self._retained_linears(f) if has_retained_linears(f) else {}  # exllamav3 module files
+                    write_planned_file(f, self.source, self.cfg.out, {**self._pending, **linears})
                     self._written.add(f.path)
                     bytes_written += f.size
                     for t in f.tensors:  # free what was written
@@ -220,6 +222,20 @@ class EncodeJob:
             for finished in sorted(self._done):
                 if all(f.path in self._written for f in self._expert_files if finished in self._layers_of[f.path]):
                     self.store.remove_layer(finished)
+
+    def _retained_linears(self, planned: PlannedFile) -> Mapping[str, torch.Tensor]:
+        """The EXL3 retained linears of one planned file (`--retained-bits`), encoded now."""
+        cfg = self.cfg
+        encode = retained_encoder(
+            self.plan,
+            self.source,
+            cfg.observations,
+            cfg.retained_fallback_identity,
+            cfg.seed,
+            self.device,
+            self._warn_fallbacks,
+        )
+        return encode(planned)
 
     def _warn_fallbacks(self, encoded: EncodedLayer) -> None:
         for line in fallback_warnings(encoded.reports):
@@ -231,7 +247,6 @@ class EncodeJob:
         if self.todo:
             raise UsageError(f"{cfg.out}: MoE layer(s) {self.todo} are not encoded yet")
         if not state.retained_done or not _files_present(cfg.out, _retained_files(plan)):
-            linears = None
             if plan.retained_bits is None:
                 self.console.print("copying retained tensors byte-for-byte")
             else:
@@ -239,16 +254,7 @@ class EncodeJob:
                     "copying retained tensors byte-for-byte, EXL3-encoding the retained linears "
                     f"at K{plan.retained_bits}"
                 )
-                linears = retained_encoder(
-                    plan,
-                    self.source,
-                    cfg.observations,
-                    cfg.retained_fallback_identity,
-                    cfg.seed,
-                    self.device,
-                    self._warn_fallbacks,
-                )
-            write_retained_shards(plan, self.source, cfg.out, linears)
+            write_retained_shards(plan, self.source, cfg.out, self._retained_linears)
             state.finish_retained()
         result = finalize_artifact(
             plan,

@@ -87,7 +87,6 @@ def test_hessian_mode_is_typed_and_the_fingerprint_stable(tmp_path: Path) -> Non
     [
         (["--retained-bits", "1"], "--retained-bits must be 2..8 (4..6 is the speed tier), got 1"),
         (["--retained-bits", "9"], "--retained-bits must be 2..8 (4..6 is the speed tier), got 9"),
-        (["--retained-bits", "4", "--layout", "exllamav3"], "--retained-bits is supported with --layout tr3 only"),
         (["--retained-uncalibrated-fallback"], "--retained-uncalibrated-fallback applies to --retained-bits only"),
     ],
 )

@@ -125,6 +125,33 @@ def test_retained_linears_encode_to_the_same_bytes_again(
         assert roles
 
 
+def test_exllamav3_layout_holds_the_same_retained_linears(
+    small_source: Path, dense_observations: Path, speed_tier: EncodeResult, tmp_path: Path
+) -> None:
+    """The ExLlamaV3 layout with --retained-bits: the module files hold the same EXL3 retained linears, byte for
+    byte, as the tr3 artifact's retained files; it verifies and the runtime serves it."""
+    cfg = EncodeConfig(
+        source=small_source, out=tmp_path / "art", observations=dense_observations, layout="exllamav3", retained_bits=K
+    )
+    result = encode_artifact(cfg, QUIET)
+    assert result is not None and result.verification is not None and result.verification.ok
+    tr3 = speed_tier.artifact.directory
+    with SourceCheckpoint.open(tr3) as a, SourceCheckpoint.open(result.artifact.directory) as x:
+        linears = [n for n in a.names() if n.endswith((".trellis", ".suh", ".svh", ".mcg")) and ".experts." not in n]
+        assert len(linears) == 4 * len(quantizable_retained(load_model_spec(small_source)))
+        for name in linears:
+            assert torch.equal(a.read_tensor(name), x.read_tensor(name)), name
+    storage = json.loads((result.artifact.directory / "quantization_config.json").read_text())["tensor_storage"]
+    q = storage["model.language_model.layers.0.self_attn.q_proj"]
+    assert q["quant_format"] == "exl3" and q["bits_per_weight"] == K
+    loaded = load_model(result.artifact.directory, RuntimeOptions(dtype="float32"))
+    assert loaded.artifact.layout == "exllamav3"
+    assert sum(isinstance(m, Exl3Linear) for m in loaded.model.modules()) == len(linears) // 4
+    assert (
+        len(generate(loaded.model, PromptInputs(PROMPT), SamplingParams(max_tokens=2), lambda ids: "").token_ids) == 2
+    )
+
+
 def test_a_missing_dense_hessian_is_refused_naming_the_tensor(
     small_source: Path, small_observations: Path, tmp_path: Path
 ) -> None:
