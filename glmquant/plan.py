@@ -102,7 +102,11 @@ def plan_to_json(plan: ArtifactPlan, summary: PlanSummary, with_tensors: bool = 
         if with_tensors:
             entry["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in f.tensors]
         files.append(entry)
-    tiers = {"tier_bitmap_sha256": tier_bitmap_sha256(plan.expert_bits)} if plan.expert_bits else {}
+    tiers: dict[str, str | int] = (
+        {"tier_bitmap_sha256": tier_bitmap_sha256(plan.expert_bits)} if plan.expert_bits else {}
+    )
+    if plan.retained_bits is not None:
+        tiers["retained_bits"] = plan.retained_bits
     return {
         "layout": summary.layout,
         "bits": summary.bits,

@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from glmquant.arch import load_model_spec
-from glmquant.checkpoint.layouts import plan_artifact, predicted_source_shards
+from glmquant.checkpoint.layouts import plan_artifact, predicted_source_shards, quantizable_retained
 from glmquant.cli import app
+from glmquant.errors import UsageError
 from glmquant.plan import load_source_shards, summarize
 
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "I16": torch.int16, "I32": torch.int32}
@@ -149,3 +150,50 @@ def test_reference_plan_matches_pinned_manifest(reference_config: Path, layout: 
     result = CliRunner().invoke(app, ["plan", str(reference_config), "--layout", layout, "--json", "--no-tensors"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == json.loads(pinned.read_text())
+
+
+def test_retained_bits_plan(tiny_source: Path, tmp_path: Path) -> None:
+    """--retained-bits K: every quantizable retained linear of the decoder layers becomes one EXL3 tensor at K in the
+    file that held it; norms, routers, embeddings, hyper-connections, F32 tensors, vision and the MTP layer stay
+    exact; the written files equal the prediction."""
+    spec = load_model_spec(tiny_source)
+    shards = load_source_shards(tiny_source / "model.safetensors.index.json")
+    exact = plan_artifact(spec, "tr3", source_shards=shards)
+    fast = plan_artifact(spec, "tr3", source_shards=shards, retained_bits=5)
+    linears = {t.name.removesuffix(".weight"): t for t in quantizable_retained(spec)}
+    roles = {t.role.value for t in linears.values()}
+    assert roles == {"kda_linear_attention", "mla_attention", "dsa_indexer", "shared_expert", "dense_mlp"}
+    assert all(t.layer is not None and t.layer < spec.num_hidden_layers for t in linears.values())
+    assert [f.path for f in fast.files] == [f.path for f in exact.files]  # same files, same grouping
+    for before, after in zip(exact.files, fast.files, strict=True):
+        kept = [t for t in before.tensors if t.name.removesuffix(".weight") not in linears]
+        assert [t for t in after.tensors if t.linear is None] == kept
+        encoded = {t.name.rpartition(".")[0] for t in after.tensors if t.linear is not None}
+        assert encoded == {t.name.removesuffix(".weight") for t in before.tensors} & set(linears)
+    parts = {t.name: t for f in fast.files for t in f.tensors if t.linear is not None}
+    assert len(parts) == 4 * len(linears)  # trellis, suh, svh, mcg
+    q = parts["model.language_model.layers.0.self_attn.q_proj.trellis"]  # 128 -> 64, padded to 128 x 128
+    assert (q.dtype, q.shape) == ("I16", (8, 8, 80))
+    assert all(t.dtype != "F32" and t.role.value not in ("norm", "router_weight") for t in parts.values())
+    assert fast.bits == exact.bits == 2 and fast.retained_bits == 5
+    _write_plan(fast, tiny_source, tmp_path)
+    for f in fast.files:
+        assert (tmp_path / f.path).stat().st_size == f.size, f.path
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            str(tiny_source),
+            "--json",
+            "--retained-bits",
+            "5",
+            "--source-index",
+            str(tiny_source / "model.safetensors.index.json"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["retained_bits"] == 5
+    assert [(f["path"], f["bytes"]) for f in data["files"]] == [(f.path, f.size) for f in fast.files]
+    with pytest.raises(UsageError, match="retained bits must be 2..8"):
+        plan_artifact(spec, "tr3", source_shards=shards, retained_bits=9)

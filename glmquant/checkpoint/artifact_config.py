@@ -28,6 +28,9 @@ TR3_FORMAT = "glm53-brandon-style-k2-k3-tail-k4-retained-v1"
 RELEASE_TIER_KEYS = {2: "k2_experts_per_layer", 3: "k3_experts_per_layer", 4: "k4_retained_experts_per_layer"}
 K1_TIER_KEY = "k1_experts_per_layer"  # glmquant's, written only when a K1 tier is used (the release has none)
 TR3_TIER_KEYS = {1: K1_TIER_KEY, **RELEASE_TIER_KEYS}
+RETAINED_BITS_KEY = (
+    "retained_bits"  # glmquant's, written only with `encode --retained-bits`: K of the EXL3 retained linears
+)
 TR3_TIER_BITS = tuple(TR3_TIER_KEYS)
 TR3_KEYS = frozenset(
     {
@@ -66,7 +69,7 @@ def routed_tier_bpw(trellis_bytes: int, projections: int, hidden: int, moe_inter
 
 
 def plan_routed_bpw(plan: ArtifactPlan) -> float:
-    trellis = [t for f in plan.files for t in f.tensors if t.part == "trellis"]
+    trellis = [t for f in plan.files for t in f.tensors if t.part == "trellis" and t.expert is not None]
     projections = {(t.expert.layer, t.expert.expert, t.expert.proj) for t in trellis if t.expert}
     return routed_tier_bpw(
         sum(t.spec.nbytes for t in trellis), len(projections), plan.spec.hidden_size, plan.spec.moe_intermediate_size
@@ -146,6 +149,8 @@ def _tr3_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
             "source_manifest_sha256": provenance.source_manifest_sha256,
         }
     )
+    if plan.retained_bits is not None:
+        block[RETAINED_BITS_KEY] = plan.retained_bits
     return block
 
 

@@ -50,6 +50,11 @@ def has_expert_parts(planned: PlannedFile) -> bool:
     return any(t.expert is not None for t in planned.tensors)
 
 
+def has_retained_linears(planned: PlannedFile) -> bool:
+    """Whether the file holds retained linears stored as EXL3 (`--retained-bits`), which the encoder supplies."""
+    return any(t.linear is not None for t in planned.tensors)
+
+
 def write_planned_file(
     planned: PlannedFile,
     source: SourceCheckpoint,
@@ -90,9 +95,12 @@ def _retained_bytes(source: SourceCheckpoint, t: OutputTensor) -> Provided:
     return lambda f: sum(source.copy_raw_into(name, f, r * row_bytes, row_bytes) for r in rows)
 
 
-def write_retained_shards(plan: ArtifactPlan, source: SourceCheckpoint, out_dir: str | Path) -> list[Path]:
-    """Every planned file without EXL3 parts (the tr3 retained shards): pure byte copies from the source."""
-    return _write_files([f for f in plan.files if not has_expert_parts(f)], source, out_dir, None)
+def write_retained_shards(
+    plan: ArtifactPlan, source: SourceCheckpoint, out_dir: str | Path, linears: ExpertTensors | None = None
+) -> list[Path]:
+    """Every planned file without routed-expert parts (the tr3 retained shards): byte copies from the source, plus
+    the EXL3 parts of retained linears (`--retained-bits`), which `linears(file)` supplies by output name."""
+    return _write_files([f for f in plan.files if not has_expert_parts(f)], source, out_dir, linears)
 
 
 def write_artifact_files(
@@ -113,7 +121,8 @@ def _write_files(
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("writing weight files", total=sum(f.size for f in files))
         for f in files:
-            parts = expert_tensors(f) if expert_tensors is not None and has_expert_parts(f) else None
+            needs = has_expert_parts(f) or has_retained_linears(f)
+            parts = expert_tensors(f) if expert_tensors is not None and needs else None
             written.append(write_planned_file(f, source, out_dir, parts))
             bar.advance(task, f.size)
     return written

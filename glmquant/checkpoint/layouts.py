@@ -19,7 +19,7 @@ from functools import cached_property
 from math import prod
 from typing import NamedTuple
 
-from glmquant.arch import DTYPE_BYTES, PROJECTIONS, ModelSpec, TensorRole, source_tensors, table_for
+from glmquant.arch import DTYPE_BYTES, PROJECTIONS, ModelSpec, TensorInfo, TensorRole, source_tensors, table_for
 from glmquant.checkpoint.safetensors_format import TensorSpec, file_size
 from glmquant.errors import UsageError
 
@@ -54,6 +54,52 @@ class ExpertSlice:
         return base if self.rank is None else f"{base}.rank{self.rank}"
 
 
+# Roles whose 2-D `.weight` tensors in the decoder layers are linear layers that `encode --retained-bits` EXL3-encodes
+# (the linears `observe --dense-hessians` captures). Norms, routers, embeddings, hyper-connections, the vision tower,
+# the MTP layer and every F32 tensor stay exact.
+QUANTIZABLE_RETAINED_ROLES = frozenset(
+    {
+        TensorRole.ATTENTION,
+        TensorRole.MLA_ATTENTION,
+        TensorRole.DSA_INDEXER,
+        TensorRole.KDA_ATTENTION,
+        TensorRole.SHARED_EXPERT,
+        TensorRole.DENSE_MLP,
+    }
+)
+RETAINED_BITS = range(2, 9)  # K of `--retained-bits` (4..6 is the intended speed tier)
+
+
+@dataclass(frozen=True)
+class RetainedLinear:
+    """A retained linear layer stored as one EXL3 tensor (`encode --retained-bits`): its source weight, whose
+    name without `.weight` is the EXL3 key, and its dimensions."""
+
+    layer: int
+    source: str  # the source `.weight` tensor (HF orientation: out x in)
+    in_features: int
+    out_features: int
+
+    @property
+    def key(self) -> str:
+        return self.source.removesuffix(".weight")
+
+
+def quantizable_retained(spec: ModelSpec) -> list[TensorInfo]:
+    """The source tensors `--retained-bits` encodes: 2-D BF16 `.weight`s of the decoder layers' attention, shared
+    experts and dense MLPs, in source order."""
+    return [
+        t
+        for t in source_tensors(spec)
+        if t.role in QUANTIZABLE_RETAINED_ROLES
+        and t.layer is not None
+        and t.layer < spec.num_hidden_layers
+        and t.name.endswith(".weight")
+        and len(t.shape) == 2
+        and t.dtype == "BF16"
+    ]
+
+
 class OutputTensor(NamedTuple):
     """One tensor of the artifact (a NamedTuple, like TensorSpec: a plan makes one per output tensor)."""
 
@@ -65,6 +111,15 @@ class OutputTensor(NamedTuple):
     rows: tuple[int, ...] | None = None  # retained with pruning: the source rows kept (router weight and bias)
     expert: ExpertSlice | None = None
     part: str | None = None  # trellis / suh / svh / mcg / mul1 for EXL3 parts
+    linear: RetainedLinear | None = None  # EXL3 part of a retained linear (`--retained-bits`)
+
+    @property
+    def origin(self) -> str:
+        """The source tensor this output comes from: the copied tensor, or the retained linear's weight (ValueError
+        for a routed-expert EXL3 part)."""
+        if self.linear is not None:
+            return self.linear.source
+        return self.source_name
 
     @property
     def spec(self) -> TensorSpec:
@@ -117,6 +172,7 @@ class ArtifactPlan:
     kept_experts: Mapping[int, tuple[int, ...]] | None = field(default=None)
     # per quantized layer, the bits of each output expert (tiers); None: every expert has `bits`
     expert_bits: Mapping[int, tuple[int, ...]] | None = field(default=None)
+    retained_bits: int | None = None  # K of the retained linears stored as EXL3 (None: all retained exact)
 
     @property
     def quantized_layers(self) -> list[int]:
@@ -188,11 +244,13 @@ def plan_artifact(
     keep: Mapping[int, Sequence[int]] | None = None,
     shard_bytes: int | None = None,
     expert_bits: Mapping[int, Sequence[int]] | None = None,
+    retained_bits: int | None = None,
 ) -> ArtifactPlan:
     """Every output file with its tensors. `source_shards` maps source tensor names to their shard file
     (default: `predicted_source_shards` with `shard_bytes`, tr3 only); `keep` maps a MoE layer (MTP included)
     to the source experts it keeps, in output order; `shard_bytes` caps an exllamav3 shard; `expert_bits` maps
-    each quantized layer to the bits of its output experts (tiers; default `bits` for all)."""
+    each quantized layer to the bits of its output experts (tiers; default `bits` for all); `retained_bits` stores the
+    retained linears (`quantizable_retained`) as EXL3 tensors of that K, in the files that would hold them exact."""
     if layout not in LAYOUTS:
         raise UsageError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if codebook not in MARKER_PARTS or not 1 <= bits <= 8:
@@ -205,6 +263,8 @@ def plan_artifact(
         layer: _expert_parts(spec, layer, kept, tiers[layer] if tiers else (bits,) * len(kept[layer]), codebook, ranks)
         for layer in spec.moe_layers
     }
+    if retained_bits is not None:
+        retained = _encode_retained(spec, retained, retained_bits, codebook)
     if layout == "tr3":
         shards = source_shards or predicted_source_shards(spec, shard_bytes or SOURCE_SHARD_BYTES)
         files = _tr3_expert_files(experts) + _retained_files(retained, shards)
@@ -218,7 +278,42 @@ def plan_artifact(
         tuple(sorted(files, key=lambda f: f.path)),
         {k: tuple(v) for k, v in kept.items()} if keep else None,
         tiers,
+        retained_bits,
     )
+
+
+def retained_linear_parts(linear: RetainedLinear, role: TensorRole, bits: int, codebook: str) -> list[OutputTensor]:
+    """The stored tensors of one retained linear as EXL3: trellis, suh, svh and the codebook marker."""
+    i, o = pad128(linear.in_features), pad128(linear.out_features)
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {
+        "trellis": ("I16", (i // 16, o // 16, 16 * bits)),
+        "suh": ("F16", (i,)),
+        "svh": ("F16", (o,)),
+    }
+    marker = MARKER_PARTS[codebook]
+    if marker:
+        shapes[marker] = ("I32", ())
+    return [
+        OutputTensor(f"{linear.key}.{part}", dtype, shape, role, part=part, linear=linear)
+        for part, (dtype, shape) in shapes.items()
+    ]
+
+
+def _encode_retained(spec: ModelSpec, retained: list[OutputTensor], bits: int, codebook: str) -> list[OutputTensor]:
+    """`retained` with each quantizable linear replaced by its EXL3 parts (same place in the order)."""
+    if bits not in RETAINED_BITS:
+        raise UsageError(f"retained bits must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1}, got {bits}")
+    linears = {t.name: t for t in quantizable_retained(spec)}
+    out = []
+    for t in retained:
+        info = linears.get(t.source) if t.source is not None and t.rows is None else None
+        if info is None:
+            out.append(t)
+            continue
+        assert info.layer is not None
+        linear = RetainedLinear(info.layer, info.name, info.shape[1], info.shape[0])
+        out += retained_linear_parts(linear, info.role, bits, codebook)
+    return out
 
 
 def _expert_bits(
@@ -319,12 +414,12 @@ def predicted_source_shards(spec: ModelSpec, shard_bytes: int = SOURCE_SHARD_BYT
 
 def _retained_files(retained: list[OutputTensor], source_shards: Mapping[str, str]) -> list[PlannedFile]:
     """Group retained tensors by the source shard that held them."""
-    missing = [t.source_name for t in retained if t.source_name not in source_shards]
+    missing = [t.origin for t in retained if t.origin not in source_shards]
     if missing:
         raise UsageError(f"source index lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
     groups: dict[str, list[OutputTensor]] = {}
     for t in retained:
-        groups.setdefault(source_shards[t.source_name], []).append(t)
+        groups.setdefault(source_shards[t.origin], []).append(t)
     names = _retained_names(sorted(set(source_shards.values())))
     return [PlannedFile(names[shard], "retained", tuple(ts), source_shard=shard) for shard, ts in groups.items()]
 

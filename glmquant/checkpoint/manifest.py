@@ -8,6 +8,7 @@ SHA-256 of exactly those bytes. Built from the files actually written (their hea
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from glmquant.checkpoint.writer import atomic_write_text
 MANIFEST_NAME = "EXL3_MANIFEST.json"
 SCHEMA_VERSION = 2
 STRUCTURAL_PASS = "STRUCTURAL_PASS"
+ROUTED_EXPERT_KEY = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
 def written_by_glmquant(manifest: Mapping[str, Any]) -> bool:
@@ -50,9 +52,11 @@ def retained_manifest_sha256(entries: Iterable[tuple[str, TensorSpec]]) -> str:
 
 
 def routed_bpw_of(groups: Mapping[str, Exl3Group], hidden: int, moe_inter: int) -> float:
-    """Effective routed bpw from headers: trellis bits over the weights of the (unsliced) projections."""
-    projections = {key.split(".rank")[0] for key in groups}
-    trellis = sum(g.parts["trellis"].nbytes for g in groups.values() if "trellis" in g.parts)
+    """Effective routed bpw from headers: trellis bits over the weights of the (unsliced) routed projections (EXL3
+    retained linears, `--retained-bits`, are not routed)."""
+    routed = {key: g for key, g in groups.items() if ROUTED_EXPERT_KEY.search(key + ".")}
+    projections = {key.split(".rank")[0] for key in routed}
+    trellis = sum(g.parts["trellis"].nbytes for g in routed.values() if "trellis" in g.parts)
     return routed_tier_bpw(trellis, len(projections), hidden, moe_inter)
 
 
@@ -126,6 +130,8 @@ def _layout(plan: ArtifactPlan, n: int) -> dict[str, Any]:
         "experts_per_layer": n,
         "quantized_layers": plan.quantized_layers,
     }
+    if plan.retained_bits is not None:
+        layout["retained_bits"] = plan.retained_bits
     if plan.expert_bits is not None:
         layout["tier_experts_per_layer"] = {f"k{b}": c for b, c in sorted(plan_tier_counts(plan).items())}
     if plan.layout == "tr3":
@@ -169,6 +175,15 @@ def _file_entry(f: PlannedFile, header: ParsedHeader, sha256: str, plan: Artifac
         )
     elif f.kind == "retained":
         entry["source_shard"] = f.source_shard
+        if groups:  # EXL3 retained linears (`--retained-bits`)
+            kept = [s for s in specs if not is_exl3_tensor(s.name, groups)]
+            entry.update(
+                {
+                    "exl3_linear_count": len(groups),
+                    "retained_tensor_count": len(kept),
+                    "retained_tensor_bytes": sum(s.nbytes for s in kept),
+                }
+            )
     else:
         kept = [s for s in specs if not is_exl3_tensor(s.name, groups)]
         entry.update(

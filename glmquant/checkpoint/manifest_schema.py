@@ -48,7 +48,16 @@ _KIND_FIELDS: dict[str, dict[str, type]] = {  # required per kind (the release's
         "retained_tensor_bytes": int,
     },
 }
-_KIND_OPTIONAL: dict[str, type] = {"tensor_count": int, "tensor_bytes": int, "layer": int, "source_shard": str}
+_KIND_OPTIONAL: dict[str, type] = {
+    "tensor_count": int,
+    "tensor_bytes": int,
+    "layer": int,
+    "source_shard": str,
+    # a glmquant retained file holding EXL3 retained linears (`encode --retained-bits`)
+    "exl3_linear_count": int,
+    "retained_tensor_count": int,
+    "retained_tensor_bytes": int,
+}
 _LAYOUT_KINDS = {"tr3": {"expert", "retained"}, "exllamav3": {"model"}}
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -72,8 +81,11 @@ def safe_relative(path: object) -> bool:
 def retained_share(entry: Mapping[str, Any]) -> tuple[int, int]:
     """(tensor count, bytes) of an entry's retained (non-EXL3) tensors."""
     kind = entry_kind(entry)
-    if kind == "retained":
-        return entry.get("tensor_count", 0), entry.get("tensor_bytes", 0)
+    if kind == "retained":  # all of it, unless it says how much is EXL3 retained linears (`--retained-bits`)
+        return (
+            entry.get("retained_tensor_count", entry.get("tensor_count", 0)),
+            entry.get("retained_tensor_bytes", entry.get("tensor_bytes", 0)),
+        )
     if kind == "model":
         return entry.get("retained_tensor_count", 0), entry.get("retained_tensor_bytes", 0)
     return 0, 0

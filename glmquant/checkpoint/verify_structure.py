@@ -11,11 +11,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from glmquant.arch import ModelSpec, load_model_spec, table_for
-from glmquant.checkpoint.artifact_config import K1_TIER_KEY, TR3_KEYS, TR3_TIER_KEYS, tensor_storage
+from glmquant.checkpoint.artifact_config import K1_TIER_KEY, RETAINED_BITS_KEY, TR3_KEYS, TR3_TIER_KEYS, tensor_storage
 from glmquant.checkpoint.exl3_groups import Exl3Group, exl3_groups, is_exl3_tensor
 from glmquant.checkpoint.index import INDEX_NAME, read_index
-from glmquant.checkpoint.layouts import TR3_RANKS, exl3_parts, expert_slices
-from glmquant.checkpoint.manifest import geometry, retained_manifest_sha256, routed_bpw_of, written_by_glmquant
+from glmquant.checkpoint.layouts import (
+    TR3_RANKS,
+    RetainedLinear,
+    exl3_parts,
+    expert_slices,
+    quantizable_retained,
+    retained_linear_parts,
+)
+from glmquant.checkpoint.manifest import (
+    ROUTED_EXPERT_KEY,
+    geometry,
+    retained_manifest_sha256,
+    routed_bpw_of,
+    written_by_glmquant,
+)
 from glmquant.checkpoint.manifest_schema import entry_kind
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.tiers import tier_bitmap_sha256, tier_counts
@@ -23,7 +36,7 @@ from glmquant.checkpoint.verify_report import ArtifactState, CheckResult, check
 from glmquant.errors import GlmquantError, UsageError
 
 _ROUTED_WEIGHT = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-_EXPERT_KEY = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+_EXPERT_KEY = ROUTED_EXPERT_KEY
 
 
 @dataclass(frozen=True)
@@ -144,19 +157,30 @@ def _exl3_problems(s: Structure) -> list[str]:
 
 
 def expected_exl3(
-    spec: ModelSpec, layout_type: str, bits: int, codebook: str, expert_bits: Mapping[int, Sequence[int]] | None = None
+    spec: ModelSpec,
+    layout_type: str,
+    bits: int,
+    codebook: str,
+    expert_bits: Mapping[int, Sequence[int]] | None = None,
+    retained_bits: int | None = None,
 ) -> dict[str, TensorSpec]:
     """Every EXL3 part the config implies: quantized layers x routed experts x projections (x rank slices), each
-    expert at its tier's K when `expert_bits` gives them."""
+    expert at its tier's K when `expert_bits` gives them; with `retained_bits`, also every retained linear."""
     ranks = TR3_RANKS if layout_type == "tr3" else None
     table = table_for(spec)
-    return {
+    expected = {
         t.name: t.spec
         for layer in spec.moe_layers
         for e in range(spec.n_routed_experts)
         for sl in expert_slices(spec, layer, e, e, ranks)
         for t in exl3_parts(sl, table.layer_prefix(layer), expert_bits[layer][e] if expert_bits else bits, codebook)
     }
+    if retained_bits is not None:
+        for info in quantizable_retained(spec):
+            assert info.layer is not None
+            linear = RetainedLinear(info.layer, info.name, info.shape[1], info.shape[0])
+            expected.update((t.name, t.spec) for t in retained_linear_parts(linear, info.role, retained_bits, codebook))
+    return expected
 
 
 def files_expert_bits(s: Structure, spec: ModelSpec) -> tuple[dict[int, tuple[int, ...]], list[str]]:
@@ -204,6 +228,7 @@ def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
             int(s.quantization("bits", 0)),
             str(s.quantization("codebook")),
             expert_bits,
+            None if s.layout.get("retained_bits") is None else int(s.layout["retained_bits"]),
         )
     except (GlmquantError, KeyError, ValueError, TypeError) as exc:
         return problems + [f"cannot derive the expected EXL3 tensors: {exc}"]
@@ -264,19 +289,25 @@ def _block_problems(
     except (OSError, ValueError) as exc:
         return problems + [f"quantization_config.json: {exc}"]
     if s.layout.get("type") == "tr3":
-        return problems + _tr3_block_problems(qc, qjson, s.quantization("bits"), expert_bits, bpw)
+        return problems + _tr3_block_problems(qc, qjson, s.quantization("bits"), expert_bits, bpw, s.layout)
     return problems + _exllamav3_block_problems(qc, qjson, s)
 
 
 def _tr3_block_problems(
-    qc: Mapping[str, Any], qjson: Any, bits: Any, expert_bits: Mapping[int, Sequence[int]], bpw: float
+    qc: Mapping[str, Any],
+    qjson: Any,
+    bits: Any,
+    expert_bits: Mapping[int, Sequence[int]],
+    bpw: float,
+    layout: Mapping[str, Any],
 ) -> list[str]:
     problems = []
     try:
         counts = tier_counts(expert_bits)
     except UsageError as exc:
         return [f"routed experts: {exc} (the tr3 block states one count per tier)"]
-    keys = TR3_KEYS | ({K1_TIER_KEY} if 1 in counts else set())
+    retained_bits = layout.get("retained_bits")
+    keys = TR3_KEYS | ({K1_TIER_KEY} if 1 in counts else set()) | ({RETAINED_BITS_KEY} if retained_bits else set())
     if set(qc) != keys:
         problems.append(
             f"quantization_config keys differ from the tr3 block: missing {sorted(keys - set(qc))}, "
@@ -289,6 +320,7 @@ def _tr3_block_problems(
         "rank_stacked_tp": TR3_RANKS,
         "effective_routed_tier_bpw": bpw,
         **{key: counts.get(b, 0) for b, key in TR3_TIER_KEYS.items() if key in keys},
+        **({RETAINED_BITS_KEY: retained_bits} if retained_bits else {}),
     }
     problems += [
         f"quantization_config.{k} is {qc.get(k)!r}, files imply {v!r}" for k, v in expect.items() if qc.get(k) != v
@@ -328,8 +360,13 @@ def _retained_problems(state: ArtifactState, s: Structure) -> list[str]:
         kind = entry_kind(entry)
         if kind == "expert" and kept:
             problems.append(f"{path}: {len(kept)} non-EXL3 tensor(s) in an expert file, e.g. {kept[0].name}")
-        if kind == "retained" and len(kept) != len(specs):
+        linears = {t.name.rpartition(".")[0] for t in specs if is_exl3_tensor(t.name, s.groups)}
+        if kind == "retained" and len(kept) != len(specs) and "exl3_linear_count" not in entry:
             problems.append(f"{path}: {len(specs) - len(kept)} EXL3 tensor(s) in a retained file")
+        if kind == "retained" and experts:
+            problems.append(f"{path}: routed-expert EXL3 tensors in a retained file")
+        if kind == "retained" and "exl3_linear_count" in entry:
+            facts["exl3_linear_count"] = len(linears)
         problems += [
             f"{path}: manifest {k} {entry[k]}, file has {v}" for k, v in facts.items() if k in entry and entry[k] != v
         ]

@@ -51,6 +51,18 @@ def encode(
         str | None,
         typer.Option(help="source repo id recorded in the provenance (default: the Hub repo id given as SOURCE)"),
     ] = None,
+    retained_bits: Annotated[
+        int | None,
+        typer.Option(
+            help="speed tier: EXL3-encode the retained linears (attention, shared experts, dense MLPs) at this K "
+            "(4..6 advised) with their dense Hessians (observe --dense-hessians); norms, routers, embeddings and F32 "
+            "tensors stay exact"
+        ),
+    ] = None,
+    retained_uncalibrated_fallback: Annotated[
+        bool,
+        typer.Option(help="with --retained-bits: encode a retained linear that has no dense Hessian uncalibrated"),
+    ] = False,
     revision: HubRevision = None,
 ) -> None:
     """EXL3-encode the routed experts, copy everything else byte-for-byte, write and verify the artifact.
@@ -77,6 +89,8 @@ def encode(
         seed=seed,
         source_repo=source_repo,
         experts_per_unit=experts_per_unit,
+        retained_bits=retained_bits,
+        retained_fallback_identity=retained_uncalibrated_fallback,
     )
     resolved = resolve_source(source, revision)
     cfg = replace(

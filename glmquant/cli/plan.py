@@ -34,6 +34,9 @@ def plan(
         typer.Option(help="per-expert K from an observation's tier_plan.json (observe --tiers; replaces --bits)"),
     ] = None,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
+    retained_bits: Annotated[
+        int | None, typer.Option(help="as encode --retained-bits: the retained linears stored as EXL3 at this K")
+    ] = None,
     as_json: JsonFlag = False,
     tensors: Annotated[bool, typer.Option(help="with --json: list every tensor of every file")] = True,
     revision: HubRevision = None,
@@ -53,6 +56,7 @@ def plan(
         codebook,
         shards,
         expert_bits=tiers.expert_bits if tiers else None,
+        retained_bits=retained_bits,
     )
     summary = summarize(result)
     if as_json:

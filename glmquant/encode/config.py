@@ -6,7 +6,7 @@ Resuming a killed job (rerun the same command; the state lives in --work-dir, de
                  (torchrun's world size: units are assigned by rank, each computed the same way anywhere)
     must match:  the source's tensors (content hash of its structure), the observations' token rows and
                  recipe, the kept experts and their tiers, --bits --codebook --layout --hessians --blend --keep
-                 --tiers --seed
+                 --tiers --seed --retained-bits --retained-uncalibrated-fallback
                  --experts-per-unit (the batch a GPU computes together), --source-repo and --revision
                  (the commit a Hub source resolved to), the device type and the Viterbi backend (CPU and GPU
                  arithmetic differ)
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
-from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS
+from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS, RETAINED_BITS
 from glmquant.devices import device_type
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
@@ -58,6 +58,11 @@ class EncodeConfig:
     source_revision: str | None = None  # the Hub commit a repo-id source resolved to
     verify: bool = True
     verified_at: str | None = None  # the manifest's timestamp (None: SOURCE_DATE_EPOCH, else the build's time)
+    # the speed tier: the retained linears (attention, shared experts, dense MLPs) EXL3-encoded at this K with their
+    # dense Hessians (`observe --dense-hessians`); None keeps every retained tensor exact
+    retained_bits: int | None = None
+    # a retained linear without a dense Hessian is encoded uncalibrated instead of refused (asked for, never a default)
+    retained_fallback_identity: bool = False
 
     def __post_init__(self) -> None:
         if self.observations is None and not self.uncalibrated:
@@ -100,6 +105,14 @@ class EncodeConfig:
                 raise UsageError(f"{name} must be a positive integer, got {value}")
         if self.keep is not None and self.prune_plan is not None:
             raise UsageError("--keep and --prune-plan exclude each other")
+        if self.retained_bits is not None:
+            if self.retained_bits not in RETAINED_BITS:
+                raise UsageError(
+                    f"--retained-bits must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1} "
+                    f"(4..6 is the speed tier), got {self.retained_bits}"
+                )
+        elif self.retained_fallback_identity:
+            raise UsageError("--retained-uncalibrated-fallback applies to --retained-bits only")
         device_type(self.device)
         exl3_backend()
 
@@ -127,6 +140,9 @@ class EncodeConfig:
                 "verified_at",
             )
         }
+        for k, default in (("retained_bits", None), ("retained_fallback_identity", False)):
+            if getattr(self, k) == default:  # a job from before these options existed resumes unchanged
+                del shaping[k]
         shaping["device"] = torch.device(self.device).type
         shaping["backend"] = exl3_backend() or "auto"
         return hashlib.sha256(json.dumps({**shaping, **inputs}, sort_keys=True).encode()).hexdigest()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +25,7 @@ from glmquant.checkpoint.artifact_writer import (
     ArtifactResult,
     finalize_artifact,
     has_expert_parts,
+    has_retained_linears,
     write_planned_file,
     write_retained_shards,
 )
@@ -36,9 +37,10 @@ from glmquant.checkpoint.writer import atomic_write_text, remove_temp_files
 from glmquant.encode.config import EncodeConfig
 from glmquant.encode.distributed import Ranks, join, leave
 from glmquant.encode.hessians import HessianSource, LayerHessiansView
-from glmquant.encode.layer import encode_units, layer_units
+from glmquant.encode.layer import EncodedLayer, encode_units, layer_units
 from glmquant.encode.provenance import build_provenance, job_inputs, observed_calibration
 from glmquant.encode.pruning import resolve_keep, resolve_tiers
+from glmquant.encode.retained import check_dense_hessians, retained_encoder
 from glmquant.encode.state import EncodeState
 from glmquant.encode.summary import LayerSummary, fallback_warnings, summarize_layer
 from glmquant.encode.units import UnitStore
@@ -98,7 +100,10 @@ class EncodeJob:
             {n: source.shard_of(n) for n in source.names()},
             self.keep,
             expert_bits=self.tiers,
+            retained_bits=cfg.retained_bits,
         )
+        if ranks.is_main and cfg.retained_bits is not None:  # refuse a missing Hessian before any work
+            check_dense_hessians(self.plan, cfg.observations, cfg.retained_fallback_identity)
         self.state = EncodeState.load_or_new(
             cfg.state_dir, cfg.fingerprint(job_inputs(cfg, source, self.keep, calibration, self.tiers))
         )
@@ -207,7 +212,8 @@ class EncodeJob:
             bytes_written = 0
             for f in self._expert_files:
                 if f.path not in self._written and self._layers_of[f.path] <= self._done:
-                    write_planned_file(f, self.source, self.cfg.out, self._pending)
+                    linears = self._retained_linears(f) if has_retained_linears(f) else {}  # exllamav3 module files
+                    write_planned_file(f, self.source, self.cfg.out, {**self._pending, **linears})
                     self._written.add(f.path)
                     bytes_written += f.size
                     for t in f.tensors:  # free what was written
@@ -217,14 +223,38 @@ class EncodeJob:
                 if all(f.path in self._written for f in self._expert_files if finished in self._layers_of[f.path]):
                     self.store.remove_layer(finished)
 
+    def _retained_linears(self, planned: PlannedFile) -> Mapping[str, torch.Tensor]:
+        """The EXL3 retained linears of one planned file (`--retained-bits`), encoded now."""
+        cfg = self.cfg
+        encode = retained_encoder(
+            self.plan,
+            self.source,
+            cfg.observations,
+            cfg.retained_fallback_identity,
+            cfg.seed,
+            self.device,
+            self._warn_fallbacks,
+        )
+        return encode(planned)
+
+    def _warn_fallbacks(self, encoded: EncodedLayer) -> None:
+        for line in fallback_warnings(encoded.reports):
+            self.console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+
     def finish(self) -> EncodeResult:
         """Copy the retained tensors, finalize (config, index, manifest) and verify the artifact (rank 0)."""
         cfg, plan, state = self.cfg, self.plan, self.state
         if self.todo:
             raise UsageError(f"{cfg.out}: MoE layer(s) {self.todo} are not encoded yet")
         if not state.retained_done or not _files_present(cfg.out, _retained_files(plan)):
-            self.console.print("copying retained tensors byte-for-byte")
-            write_retained_shards(plan, self.source, cfg.out)
+            if plan.retained_bits is None:
+                self.console.print("copying retained tensors byte-for-byte")
+            else:
+                self.console.print(
+                    "copying retained tensors byte-for-byte, EXL3-encoding the retained linears "
+                    f"at K{plan.retained_bits}"
+                )
+            write_retained_shards(plan, self.source, cfg.out, self._retained_linears)
             state.finish_retained()
         result = finalize_artifact(
             plan,

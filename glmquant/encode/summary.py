@@ -47,6 +47,8 @@ FALLBACK_MEANINGS = {
     "no_tokens:identity": "no calibration token was routed to this expert and there is no all-token Hessian: "
     "encoded uncalibrated",
     "no_hessian": "no Hessian: encoded uncalibrated",
+    "no_dense_hessian:identity": "no dense Hessian for this retained linear (--retained-uncalibrated-fallback): "
+    "encoded uncalibrated",
     "nonfinite_hessian": "the Hessian holds NaN or Inf: encoded uncalibrated",
     "negative_hessian": "the Hessian's diagonal is negative (no E[x x^T] is): encoded uncalibrated",
     "zero_hessian": "the Hessian is zero (no input reached it): encoded uncalibrated",

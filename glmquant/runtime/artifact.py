@@ -13,6 +13,7 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 
 from glmquant.arch import PROJECTIONS, ModelSpec, load_model_spec, read_config, table_for
 from glmquant.checkpoint.dummy import DummyCheckpoint
+from glmquant.checkpoint.layouts import RetainedLinear, quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import CheckpointFormatError
 from glmquant.exl3.decode import decode_weight
@@ -79,7 +81,8 @@ class Artifact:
         return torch.cat(parts, dim=1 if proj == "down_proj" else 0)
 
     def retained_names(self) -> list[str]:
-        """Tensors loaded as they are: everything but the quantized routed experts and the MTP layer.
+        """Tensors loaded as they are: everything but the quantized routed experts, the retained linears stored as
+        EXL3 (`retained_linears`) and the MTP layer.
 
         The MTP layer (speculative next-token head) is skipped: transformers' model has no module for it
         and plain decoding never runs it (`runtime.mtp.load_mtp` reads it for speculative decoding).
@@ -87,7 +90,27 @@ class Artifact:
         table = table_for(self.spec)
         skipped = tuple(table.layer_prefix(layer) for layer in self.spec.mtp_layers)
         experts = tuple(f"{table.layer_prefix(layer)}mlp.experts." for layer in self.quantized_layers)
-        return [n for n in self.checkpoint.names() if not n.startswith(skipped + experts)]
+        linears = self.retained_linears
+        return [
+            n
+            for n in self.checkpoint.names()
+            if not n.startswith(skipped + experts) and n.rpartition(".")[0] not in linears
+        ]
+
+    @cached_property
+    def retained_linears(self) -> dict[str, RetainedLinear]:
+        """The retained linears stored as EXL3 (the speed tier, `encode --retained-bits`), by EXL3 key (the source
+        weight's name without `.weight`); empty for an artifact whose retained tensors are all exact."""
+        return _retained_linears(self.path, self.spec, self.checkpoint)
+
+    def read_linear(self, linear: RetainedLinear, device: torch.device | str = "cpu") -> EXL3Tensor:
+        """The EXL3 tensor of one retained linear, read from disk."""
+        names = [f"{linear.key}.{part}" for part in EXL3_PARTS if f"{linear.key}.{part}" in self.checkpoint]
+        tensors = {n: self.checkpoint.read_tensor(n).to(device) for n in names}
+        try:
+            return EXL3Tensor.from_tensors(tensors, linear.key, linear.in_features, linear.out_features)
+        except ValueError as exc:
+            raise CheckpointFormatError(f"{self.path}: {exc}") from None
 
 
 def open_artifact(path: str | Path) -> Artifact:
@@ -120,6 +143,24 @@ def _expert_parts(spec: ModelSpec, names: list[str]) -> dict[int, set[tuple[int,
         m = pattern.match(name)
         if m and int(m[1]) < spec.num_hidden_layers:
             found[int(m[1])].add((int(m[2]), m[3], None if m[4] is None else int(m[4])))
+    return found
+
+
+def _retained_linears(
+    path: Path, spec: ModelSpec, checkpoint: SourceCheckpoint | DummyCheckpoint
+) -> dict[str, RetainedLinear]:
+    """Every EXL3 trellis that is not a routed expert's must be a retained linear the architecture names."""
+    known = {t.name.removesuffix(".weight"): t for t in quantizable_retained(spec)}
+    routed = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.")
+    found: dict[str, RetainedLinear] = {}
+    for name in checkpoint.names():
+        key, _, part = name.rpartition(".")
+        if part != "trellis" or routed.search(key + "."):
+            continue
+        info = known.get(key)
+        if info is None or info.layer is None:
+            raise CheckpointFormatError(f"{path}: EXL3 tensor {key} is neither a routed expert nor a retained linear")
+        found[key] = RetainedLinear(info.layer, info.name, info.shape[1], info.shape[0])
     return found
 
 

@@ -32,6 +32,7 @@ from glmquant.runtime.artifact import Artifact, open_artifact
 from glmquant.runtime.generate import Decoder
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.quantized_experts import BACKENDS, ExpertBackend, QuantizedExperts
+from glmquant.runtime.retained_linears import Exl3Linear
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -95,6 +96,7 @@ def load_model(source: str | Path | Artifact, options: RuntimeOptions = RuntimeO
     table = table_for(artifact.spec)
     for layer in artifact.quantized_layers:
         model.set_submodule(f"{table.layer_prefix(layer)}mlp.experts", QuantizedExperts(layer, artifact.ranks, backend))
+    _place_retained_linears(model, artifact, options, dtype)
     _load_retained(model, artifact, dtype, torch.device(options.device))
     _materialize_buffers(model, torch.device(options.device))
     loaded = LoadedModel(model.eval(), artifact, backend, options)
@@ -148,6 +150,36 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def retained_linear_mode(backend: str) -> str:
+    """How EXL3 retained linears run with an expert backend: the Triton backends' kernels, else decoded once."""
+    return "kernel" if backend.startswith("triton") else "decode"
+
+
+def _place_retained_linears(
+    model: PreTrainedModel, artifact: Artifact, options: RuntimeOptions, dtype: torch.dtype
+) -> None:
+    """Replace the `nn.Linear` of every retained linear stored as EXL3 (the speed tier) by an `Exl3Linear`."""
+    linears = artifact.retained_linears
+    if not linears:
+        return
+    spec, device, mode = artifact.spec, torch.device(options.device), retained_linear_mode(options.backend)
+    table = table_for(spec)
+    for layer in sorted({lin.layer for lin in linears.values()}):
+        prefix = table.layer_prefix(layer)
+        targets = {p.source: p.target for p in layer_plan(spec, layer, spec.moe_intermediate_size).placements}
+        for linear in (lin for lin in linears.values() if lin.layer == layer):
+            target = targets.get(linear.source)
+            if target is None or not target.endswith(".weight"):
+                raise CheckpointFormatError(f"{artifact.path}: EXL3 linear {linear.key} has no module in layer {layer}")
+            name = prefix + target.removesuffix(".weight")
+            old = model.get_submodule(name)
+            if not isinstance(old, nn.Linear) or old.bias is not None:
+                raise CheckpointFormatError(
+                    f"{artifact.path}: {name} is not a bias-free linear; cannot hold {linear.key}"
+                )
+            model.set_submodule(name, Exl3Linear(artifact.read_linear(linear, device), mode, dtype, linear.source))
+
+
 def _load_retained(model: PreTrainedModel, artifact: Artifact, dtype: torch.dtype, device: torch.device) -> None:
     """Assign every retained tensor, one decoder layer at a time; unknown or missing tensors fail closed."""
     spec, ckpt = artifact.spec, artifact.checkpoint
@@ -158,10 +190,16 @@ def _load_retained(model: PreTrainedModel, artifact: Artifact, dtype: torch.dtyp
         else None
     )
     retained = set(artifact.retained_names())
+    exl3_sources = {lin.source for lin in artifact.retained_linears.values()}  # placed by _place_retained_linears
     placed: set[str] = set()
     for layer in track(range(spec.num_hidden_layers), description="loading layers", transient=True):
         plan = layer_plan(spec, layer, spec.moe_intermediate_size)
-        kept = type(plan)(layer, tuple(p for p in plan.placements if not p.target.startswith("mlp.experts.")))
+        kept = type(plan)(
+            layer,
+            tuple(
+                p for p in plan.placements if not p.target.startswith("mlp.experts.") and p.source not in exl3_sources
+            ),
+        )
         module = model.get_submodule(table.layer_prefix(layer).rstrip("."))
         module.load_state_dict(read_layer_state(ckpt, kept, module.state_dict(), keep_fp32, device), assign=True)
         placed.update(p.source for p in kept.placements)

@@ -62,6 +62,11 @@ class Engine:
         """Weights (one layer at a time), experts and caches for `max_batch` sequences of `max_len` tokens;
         `compile_decode` runs decode steps' math through torch.compile (`engine/ops.py`); `mtp` also loads the
         MTP layer (speculative decoding) with a cache of its own."""
+        if artifact.retained_linears:
+            raise UsageError(
+                f"{artifact.path}: its retained linears are EXL3 (encode --retained-bits, the speed tier), which "
+                "--model-impl glmquant does not run yet; serve it with --model-impl transformers"
+            )
         options = options.resolved_for(artifact.config)
         device, dtype = torch.device(options.device), options.torch_dtype
         cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())

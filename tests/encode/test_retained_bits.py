@@ -1,0 +1,240 @@
+"""The speed tier end to end on the small model: `encode --retained-bits 4` EXL3-encodes the retained linears with
+their dense Hessians, writes exactly what `plan` predicts, verifies, encodes the same bytes again, and the runtime
+(the torch reference path and the Triton kernels, interpreted on a CPU) generates from it close to the artifact whose
+retained linears are exact."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from encode_fixtures import QUIET
+from typer.testing import CliRunner
+
+from glmquant.arch import load_model_spec, source_tensors
+from glmquant.checkpoint.layouts import plan_artifact, quantizable_retained
+from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.cli import app
+from glmquant.encode import EncodeConfig, encode_artifact
+from glmquant.encode.retained import dense_hessian, encode_retained_file, retained_linears
+from glmquant.encode.run import EncodeResult
+from glmquant.errors import UsageError
+from glmquant.observe.config import ObserveConfig
+from glmquant.observe.run import observe
+from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
+from glmquant.runtime.loader import LoadedModel, load_model
+from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.retained_linears import Exl3Linear
+
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (they are, lazily, in a test)
+
+pytestmark = pytest.mark.slow  # one encode of the small model with K4 retained linears: minutes on two CPU cores
+
+K = 4
+PROMPT = torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]])
+
+
+@pytest.fixture(scope="module")
+def dense_observations(small_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("enc-obs-dense")
+    observe(ObserveConfig(source=small_source, out=out, rows=4, tokens=64, dense_hessians=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def speed_tier(small_source: Path, dense_observations: Path, tmp_path_factory: pytest.TempPathFactory) -> EncodeResult:
+    out = tmp_path_factory.mktemp("speed-tier") / "art"
+    cfg = EncodeConfig(
+        source=small_source,
+        out=out,
+        observations=dense_observations,
+        retained_bits=K,
+        verified_at="2026-01-01T00:00:00Z",
+    )
+    result = encode_artifact(cfg, QUIET)
+    assert result is not None
+    return result
+
+
+def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    with SourceCheckpoint.open(path) as ckpt:
+        return {n: (ckpt.spec(n).dtype, tuple(ckpt.spec(n).shape)) for n in ckpt.names()}
+
+
+def test_written_artifact_is_the_plan(small_source: Path, speed_tier: EncodeResult) -> None:
+    art = speed_tier.artifact.directory
+    spec = load_model_spec(small_source)
+    with SourceCheckpoint.open(small_source) as source:
+        plan = plan_artifact(spec, "tr3", 2, "mcg", {n: source.shard_of(n) for n in source.names()}, retained_bits=K)
+    weight_files = sorted(p.name for p in art.glob("*.safetensors"))
+    assert weight_files == sorted(f.path for f in plan.files)
+    for f in plan.files:
+        assert (art / f.path).stat().st_size == f.size, f.path
+        with SourceCheckpoint.open(art / f.path) as ckpt:
+            assert {n: (ckpt.spec(n).dtype, tuple(ckpt.spec(n).shape)) for n in ckpt.names()} == {
+                t.name: (t.dtype, t.shape) for t in f.tensors
+            }
+    linears = {t.name for t in quantizable_retained(spec)}
+    stored = _headers(art)
+    assert not linears & set(stored)  # no exact copy of an encoded linear is left
+    assert all(stored[n.removesuffix(".weight") + ".trellis"][1][-1] == 16 * K for n in linears)
+    # everything else retained is the source's bytes: norms, routers and their biases, embeddings, F32 tensors
+    with SourceCheckpoint.open(small_source) as source, SourceCheckpoint.open(art) as ckpt:
+        exact = [t for t in source_tensors(spec) if t.role.value != "routed_expert" and t.name not in linears]
+        assert {t.dtype for t in exact} >= {"BF16", "F32"}
+        for t in exact:
+            assert torch.equal(ckpt.read_tensor(t.name), source.read_tensor(t.name)), t.name
+    manifest = json.loads((art / "EXL3_MANIFEST.json").read_text())
+    assert manifest["layout"]["retained_bits"] == K and manifest["effective_routed_tier_bpw"] == 2.0
+    config = json.loads((art / "config.json").read_text())
+    assert config["quantization_config"]["retained_bits"] == K and config["quantization_config"]["bits"] == 2
+    counts = [e.get("exl3_linear_count", 0) for e in manifest["files"] if e["kind"] == "retained"]
+    assert sum(counts) == len(linears)
+
+
+def test_verify_manifest_passes(speed_tier: EncodeResult) -> None:
+    assert speed_tier.verification is not None and speed_tier.verification.ok
+    art = speed_tier.artifact.directory
+    result = CliRunner().invoke(
+        app, ["verify-manifest", str(art), "--expect-sha256", speed_tier.artifact.manifest_sha256]
+    )
+    assert result.exit_code == 0, result.output
+
+
+def test_retained_linears_encode_to_the_same_bytes_again(
+    small_source: Path, dense_observations: Path, speed_tier: EncodeResult
+) -> None:
+    """Encoding a file's retained linears again (alone, in another call) gives the bytes already on disk."""
+    art = speed_tier.artifact.directory
+    spec = load_model_spec(small_source)
+    with SourceCheckpoint.open(small_source) as source, SourceCheckpoint.open(art) as ckpt:
+        plan = plan_artifact(spec, "tr3", 2, "mcg", {n: source.shard_of(n) for n in source.names()}, retained_bits=K)
+        files = sorted((f for f in plan.files if retained_linears(f)), key=lambda f: len(retained_linears(f)))[:2]
+        roles = set()
+        for f in files:
+            again = encode_retained_file(f, source, dense_observations, False, K, "mcg", 0, "cpu")
+            assert again.tensors and all(r.fallback is None for r in again.reports)
+            for name, tensor in again.tensors.items():
+                assert torch.equal(tensor, ckpt.read_tensor(name)), name
+            roles |= {t.role for t in f.tensors if t.linear is not None}
+        assert roles
+
+
+def test_exllamav3_layout_holds_the_same_retained_linears(
+    small_source: Path, dense_observations: Path, speed_tier: EncodeResult, tmp_path: Path
+) -> None:
+    """The ExLlamaV3 layout with --retained-bits: the module files hold the same EXL3 retained linears, byte for
+    byte, as the tr3 artifact's retained files; it verifies and the runtime serves it."""
+    cfg = EncodeConfig(
+        source=small_source, out=tmp_path / "art", observations=dense_observations, layout="exllamav3", retained_bits=K
+    )
+    result = encode_artifact(cfg, QUIET)
+    assert result is not None and result.verification is not None and result.verification.ok
+    tr3 = speed_tier.artifact.directory
+    with SourceCheckpoint.open(tr3) as a, SourceCheckpoint.open(result.artifact.directory) as x:
+        linears = [n for n in a.names() if n.endswith((".trellis", ".suh", ".svh", ".mcg")) and ".experts." not in n]
+        assert len(linears) == 4 * len(quantizable_retained(load_model_spec(small_source)))
+        for name in linears:
+            assert torch.equal(a.read_tensor(name), x.read_tensor(name)), name
+    storage = json.loads((result.artifact.directory / "quantization_config.json").read_text())["tensor_storage"]
+    q = storage["model.language_model.layers.0.self_attn.q_proj"]
+    assert q["quant_format"] == "exl3" and q["bits_per_weight"] == K
+    loaded = load_model(result.artifact.directory, RuntimeOptions(dtype="float32"))
+    assert loaded.artifact.layout == "exllamav3"
+    assert sum(isinstance(m, Exl3Linear) for m in loaded.model.modules()) == len(linears) // 4
+    assert (
+        len(generate(loaded.model, PromptInputs(PROMPT), SamplingParams(max_tokens=2), lambda ids: "").token_ids) == 2
+    )
+
+
+def test_a_missing_dense_hessian_is_refused_naming_the_tensor(
+    small_source: Path, small_observations: Path, tmp_path: Path
+) -> None:
+    """Observations without --dense-hessians: refused before anything is written, unless the fallback is asked."""
+    out = tmp_path / "art"
+    cfg = EncodeConfig(source=small_source, out=out, observations=small_observations, retained_bits=K)
+    with pytest.raises(UsageError, match=r"layers\.0\.self_attn\.q_proj\.weight needs its dense Hessian"):
+        encode_artifact(cfg, QUIET)
+    assert not out.exists() and not (tmp_path / "art.work").exists()
+    spec = load_model_spec(small_source)
+    with SourceCheckpoint.open(small_source) as source:
+        plan = plan_artifact(spec, "tr3", 2, "mcg", {n: source.shard_of(n) for n in source.names()}, retained_bits=K)
+    linear = next(lin for f in plan.files for lin in retained_linears(f))
+    assert dense_hessian(small_observations, linear, True) == (None, "no_dense_hessian:identity")
+
+
+def _logits(loaded: LoadedModel) -> torch.Tensor:
+    with torch.no_grad():
+        return loaded.model(input_ids=PROMPT).logits[0].float()
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """Mean over positions of KL(p || q)."""
+    p, q = p_logits.log_softmax(-1), q_logits.log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def test_runtime_generates_close_to_the_exact_retained_model(small_source: Path, speed_tier: EncodeResult) -> None:
+    """The torch reference path runs every EXL3 retained linear and generates; its logits are closer to the same
+    artifact with exact retained linears than that one is to the BF16 source: the K4 retained linears cost less
+    than the K2 routed experts, both measured on the same prompt."""
+    from transformers import Glm5NextForConditionalGeneration
+
+    art = speed_tier.artifact.directory
+    options = RuntimeOptions(dtype="float32")
+    fast = load_model(art, options)
+    modules = [m for m in fast.model.modules() if isinstance(m, Exl3Linear)]
+    assert {m.source for m in modules} == {t.name for t in quantizable_retained(fast.artifact.spec)}
+    assert all(m.mode == "decode" and m.bits == K for m in modules)
+    result = generate(fast.model, PromptInputs(PROMPT), SamplingParams(max_tokens=6), lambda ids: "")
+    assert len(result.token_ids) == 6
+    fast_logits = _logits(fast)
+    exact = load_model(art, options)  # the same artifact, its EXL3 linears given their exact source weights back
+    with SourceCheckpoint.open(small_source) as source:
+        for m in exact.model.modules():
+            if isinstance(m, Exl3Linear):
+                m.weight = source.read_tensor(m.source).float()
+    exact_logits = _logits(exact)
+    reference = Glm5NextForConditionalGeneration.from_pretrained(str(small_source), dtype=torch.float32).eval()
+    with torch.no_grad():
+        source_logits = reference(input_ids=PROMPT).logits[0].float()
+    retained_cost, routed_cost = _kl(exact_logits, fast_logits), _kl(source_logits, exact_logits)
+    assert 0 < retained_cost < routed_cost, (retained_cost, routed_cost)
+    agree = (exact_logits[1:].argmax(-1) == fast_logits[1:].argmax(-1)).float().mean()
+    source_agree = (source_logits[1:].argmax(-1) == exact_logits[1:].argmax(-1)).float().mean()
+    assert agree >= source_agree - 1 / len(PROMPT[0])  # within one position of the routed tier's own agreement
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_run_the_retained_linears_like_the_reference(speed_tier: EncodeResult) -> None:
+    """With a Triton backend every EXL3 retained linear runs through `exl3_linear` (interpreted on a CPU): the
+    logits match the torch path's to the fp16 rounding of its decode, and greedy decoding picks the same tokens."""
+    art = speed_tier.artifact.directory
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    reference = load_model(art, RuntimeOptions(device=device, dtype="float32"))
+    kernels = load_model(art, RuntimeOptions(device=device, dtype="float32", backend="triton-eager"))
+    modules = [m for m in kernels.model.modules() if isinstance(m, Exl3Linear)]
+    assert modules and all(m.mode == "kernel" and m.weight.numel() == 0 for m in modules)
+    want, got = _logits(reference).cpu(), _logits(kernels).cpu()
+    assert float((got - want).norm() / want.norm()) < 2e-3
+    params = SamplingParams(max_tokens=2)
+    prompt = PromptInputs(PROMPT.to(device))
+    assert (
+        generate(kernels.model, prompt, params, lambda ids: "").token_ids
+        == generate(reference.model, prompt, params, lambda ids: "").token_ids
+    )
+
+
+def test_the_glmquant_engine_refuses_the_speed_tier(speed_tier: EncodeResult) -> None:
+    from glmquant.runtime.artifact import open_artifact
+    from glmquant.runtime.engine.model import Engine
+
+    artifact = open_artifact(speed_tier.artifact.directory)
+    assert artifact.retained_linears
+    with pytest.raises(UsageError, match="--model-impl glmquant does not run yet"):
+        Engine.load(artifact, RuntimeOptions(dtype="float32", model_impl="glmquant"))
