@@ -230,11 +230,37 @@ def test_triton_kernels_run_the_retained_linears_like_the_reference(speed_tier: 
     )
 
 
-def test_the_glmquant_engine_refuses_the_speed_tier(speed_tier: EncodeResult) -> None:
+def test_the_glmquant_engine_runs_the_speed_tier_like_transformers(speed_tier: EncodeResult) -> None:
+    """`--model-impl glmquant` decodes the EXL3 retained linears once at load, as the torch reference path does:
+    every logit of the prompt and of each decode step to float32 rounding (measured ~1e-6), the same greedy tokens."""
     from glmquant.runtime.artifact import open_artifact
-    from glmquant.runtime.engine.model import Engine
+    from glmquant.runtime.engine import Engine, EngineDecoder
 
+    options = RuntimeOptions(dtype="float32")
     artifact = open_artifact(speed_tier.artifact.directory)
     assert artifact.retained_linears
-    with pytest.raises(UsageError, match="--model-impl glmquant does not run yet"):
-        Engine.load(artifact, RuntimeOptions(dtype="float32", model_impl="glmquant"))
+    reference = load_model(artifact, options).model
+    seen: list[torch.Tensor] = []
+    hook = reference.get_submodule("lm_head").register_forward_hook(lambda m, a, out: seen.append(out[0, -1].clone()))
+    params = SamplingParams(max_tokens=6)
+    try:
+        expected = generate(reference, PromptInputs(PROMPT), params, lambda ids: "").token_ids
+    finally:
+        hook.remove()
+    logits: list[torch.Tensor] = []
+
+    class Recording(EngineDecoder):
+        def prefill(self, prompt: PromptInputs) -> torch.Tensor:
+            logits.append(super().prefill(prompt).clone())
+            return logits[-1]
+
+        def step(self, token: int) -> torch.Tensor:
+            logits.append(super().step(token).clone())
+            return logits[-1]
+
+    engine = Engine.load(artifact, options, max_batch=1, max_len=64)
+    tokens = generate(Recording(engine), PromptInputs(PROMPT), params, lambda ids: "").token_ids
+    diffs = [float((ours - theirs).abs().max()) for ours, theirs in zip(logits, seen, strict=True)]
+    print("max |logit diff| per step", diffs)
+    assert max(diffs) < 1e-4
+    assert tokens == expected
