@@ -234,7 +234,7 @@ def test_the_glmquant_engine_runs_the_speed_tier_like_transformers(speed_tier: E
     """`--model-impl glmquant` decodes the EXL3 retained linears once at load, as the torch reference path does:
     every logit of the prompt and of four decode steps to float32 rounding (measured <= 3e-7), the same greedy tokens.
 
-    Open: a sixth step (context 17) was measured to differ by 0.126 in the max logit (a different sixth token), with
+    Open: the fifth decode step (context 17) was measured to differ by 0.126 in the max logit (another token), with
     every earlier step at 3e-7: one discrete choice flipping inside that step. Not the router (its top-1 margins
     there are >= 6e-3); not the EXL3 linears as such (a dummy K4 artifact of the same config matches for 8 steps);
     suspected a tie in the DSA indexer's top-k. Not diagnosed, so the test stops before it."""
