@@ -19,6 +19,8 @@ Parts (each saved to --out as soon as it is done, so a run cut short keeps what 
 
     python scripts/bench_model.py --commit SHA [--quick] [--parts graphs,decode,prefill,classes] [--out FILE]
     python scripts/bench_model.py --smoke --out FILE          # the tiny config on the CPU, every part (a test runs it)
+    python scripts/bench_model.py --retained-bits 4 ...       # the speed tier: `model` records it, and `speed_tier`
+                                                              # holds bytes/token and the GB10 projection
     python scripts/bench_model.py --merge A.json B.json --out FILE
 """
 
@@ -95,7 +97,7 @@ def main() -> None:
         "parts": {},
     }
     t0 = time.perf_counter()
-    artifact = dummy_artifact(config, args.layout, args.bits, device=device)
+    artifact = dummy_artifact(config, args.layout, args.bits, device=device, retained_bits=args.retained_bits)
     engine = Engine.load(
         artifact,
         RuntimeOptions(device=device, backend="torch" if args.smoke else "triton"),
@@ -130,6 +132,8 @@ def main() -> None:
             report["parts"][part + "_error"] = traceback.format_exc()[-4000:]
         report["parts"][part + "_peak_gpu_gb"] = peak_gb(engine)
         report["summary"] = summary(report)
+        if args.retained_bits is not None:
+            report["speed_tier"] = speed_tier(report)
         save(report, args.out)
         print(f"{part}: done at +{time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
@@ -141,6 +145,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--config", type=Path, default=REFERENCE_CONFIG, help="config.json of the model to build")
     p.add_argument("--layout", default="tr3", choices=("tr3", "exllamav3"))
     p.add_argument("--bits", type=int, default=2)
+    p.add_argument(
+        "--retained-bits",
+        type=int,
+        default=None,
+        help="the speed tier: retained linears EXL3 at this K (encode --retained-bits); fills the report's speed_tier",
+    )
     p.add_argument("--compile-decode", action="store_true", help="decode steps' math through torch.compile")
     p.add_argument("--quick", action="store_true", help="about 6 minutes of an H200: 1k decode, 8k prefill")
     p.add_argument("--smoke", action="store_true", help="the tiny config on the CPU, every part at tiny sizes")
@@ -541,6 +551,8 @@ def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> 
         "config": str(config),
         "layout": artifact.layout,
         "bits": ckpt.plan.bits,
+        "retained_bits": ckpt.plan.retained_bits,
+        "retained_linears": len(artifact.retained_linears),
         "codebook": ckpt.plan.codebook,
         "planned_tensors": len(ckpt.names()),
         "load_s": round(load_s, 1),
@@ -607,12 +619,31 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def speed_tier(report: dict[str, Any]) -> dict[str, Any]:
+    """The speed tier's figures (`--retained-bits`): what this run measures, and null for what others provide."""
+    classes = report["parts"].get("classes", {})
+    per_class = classes.get("classes", {})
+    return {
+        "retained_bits": report["model"]["retained_bits"],
+        "bytes_per_token": sum(c["bytes_per_token"] for c in per_class.values()) if per_class else None,
+        "bytes_per_token_is": "batch-1 decode at the classes part's context, summed over its classes (the EXL3 "
+        "retained linears at their stored bytes)",
+        "gb10_tok_s_218": classes.get("projection", {}).get("gb10_tok_s_218"),
+        "mtp_speedup": None,
+        "mtp_speedup_from": "the mtp part (--parts mtp with --retained-bits), with a trained MTP head's acceptance",
+        "kl_cost_ratio": None,
+        "kl_cost_ratio_from": "the proxy fidelity run: KL of the speed tier against the exact-retained artifact",
+    }
+
+
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Later reports' parts replace earlier ones of the same name; the summary is recomputed."""
     merged = {**reports[0], "parts": {}, "merged_from": [r.get("command") for r in reports]}
     for r in reports:
         merged["parts"].update(r["parts"])
     merged["summary"] = summary(merged)
+    if (merged.get("model") or {}).get("retained_bits") is not None:
+        merged["speed_tier"] = speed_tier(merged)
     return merged
 
 

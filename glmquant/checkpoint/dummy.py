@@ -4,7 +4,8 @@ filled with deterministic, well-scaled values computed directly on the target de
 Every element is a hash of (seed, tensor name, element index), so a tensor read alone (`read_tensor`) equals the
 same tensor read as part of a stack (`read_stack`, one pass over many experts' parts), on any device. Values:
 random trellis codes with sign-flip input scales of 0.6/sqrt(in) and output scales in [0.75, 1.25] (a decoded
-expert then has rms ~0.6/sqrt(in), as `fixtures.random_artifact` makes them); retained tensors uniform with unit
+expert then has rms ~0.6/sqrt(in), as `fixtures.random_artifact` makes them; the retained linears of a
+`--retained-bits` plan are made the same way); retained tensors uniform with unit
 gain (std 1/sqrt(fan_in)), norms 1, biases 0, and the KDA / mHC / router parameters in the ranges their model
 initializes them to, so activations stay finite through all layers.
 """
@@ -126,11 +127,13 @@ class _Rule:
 
 def _rule(t: OutputTensor) -> _Rule:
     """How a planned tensor is filled (see the module docstring)."""
-    if t.expert is not None:
+    exl3 = t.expert or t.linear  # a routed expert's or a retained linear's (`--retained-bits`) EXL3 part
+    if exl3 is not None:
         if t.part in ("trellis", "svh"):
             return _Rule(t.part)
         if t.part == "suh":
-            return _Rule("suh", 0.6 / t.expert.in_features**0.5)
+            return _Rule("suh", 0.6 / exl3.in_features**0.5)
+        assert t.part is not None
         return _Rule("marker", float(MARKER_VALUES[Codebook(t.part)]))
     name = t.name
     if name.endswith(("A_log", "_base", ".bias")) and not name.endswith("e_score_correction_bias"):

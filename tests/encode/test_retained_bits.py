@@ -230,11 +230,41 @@ def test_triton_kernels_run_the_retained_linears_like_the_reference(speed_tier: 
     )
 
 
-def test_the_glmquant_engine_refuses_the_speed_tier(speed_tier: EncodeResult) -> None:
-    from glmquant.runtime.artifact import open_artifact
-    from glmquant.runtime.engine.model import Engine
+def test_the_glmquant_engine_runs_the_speed_tier_like_transformers(speed_tier: EncodeResult) -> None:
+    """`--model-impl glmquant` decodes the EXL3 retained linears once at load, as the torch reference path does:
+    every logit of the prompt and of four decode steps to float32 rounding (measured <= 3e-7), the same greedy tokens.
 
+    Open: the fifth decode step (context 17) was measured to differ by 0.126 in the max logit (another token), with
+    every earlier step at 3e-7: one discrete choice flipping inside that step. Not the router (its top-1 margins
+    there are >= 6e-3); not the EXL3 linears as such (a dummy K4 artifact of the same config matches for 8 steps);
+    suspected a tie in the DSA indexer's top-k. Not diagnosed, so the test stops before it."""
+    from glmquant.runtime.artifact import open_artifact
+    from glmquant.runtime.engine import Engine, EngineDecoder
+
+    options = RuntimeOptions(dtype="float32")
     artifact = open_artifact(speed_tier.artifact.directory)
     assert artifact.retained_linears
-    with pytest.raises(UsageError, match="--model-impl glmquant does not run yet"):
-        Engine.load(artifact, RuntimeOptions(dtype="float32", model_impl="glmquant"))
+    reference = load_model(artifact, options).model
+    seen: list[torch.Tensor] = []
+    hook = reference.get_submodule("lm_head").register_forward_hook(lambda m, a, out: seen.append(out[0, -1].clone()))
+    params = SamplingParams(max_tokens=5)
+    try:
+        expected = generate(reference, PromptInputs(PROMPT), params, lambda ids: "").token_ids
+    finally:
+        hook.remove()
+    logits: list[torch.Tensor] = []
+
+    class Recording(EngineDecoder):
+        def prefill(self, prompt: PromptInputs) -> torch.Tensor:
+            logits.append(super().prefill(prompt).clone())
+            return logits[-1]
+
+        def step(self, token: int) -> torch.Tensor:
+            logits.append(super().step(token).clone())
+            return logits[-1]
+
+    engine = Engine.load(artifact, options, max_batch=1, max_len=64)
+    tokens = generate(Recording(engine), PromptInputs(PROMPT), params, lambda ids: "").token_ids
+    diffs = [float((ours - theirs).abs().max()) for ours, theirs in zip(logits, seen, strict=True)]
+    assert max(diffs) < 1e-5, diffs
+    assert tokens == expected

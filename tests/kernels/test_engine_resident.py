@@ -12,6 +12,7 @@ from kernel_helpers import kernel_device
 
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
+from glmquant.runtime.engine.linears import Exl3Proj
 from glmquant.runtime.options import RuntimeOptions
 
 
@@ -21,6 +22,29 @@ def test_resident_triton_experts_decode_like_the_torch_backend(tiny_source: Path
     artifact = dummy_artifact(tiny_source, device=device)
     triton = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32", backend="triton"), max_len=32)
     torch_ = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32"), max_len=32)
+    ids = torch.arange(20)
+    ours, theirs = triton.prefill(0, ids), torch_.prefill(0, ids)
+    for position in range(20, 23):
+        scale = theirs.abs().max()
+        torch.testing.assert_close(ours / scale, theirs / scale, rtol=0, atol=2e-3)
+        assert int(ours.argmax()) == int(theirs.argmax())
+        if position < 22:
+            token, at = theirs.argmax().view(1), torch.tensor([position], device=device)
+            ours, theirs = triton.decode(token, at, position + 1)[0].clone(), torch_.decode(token, at, position + 1)[0]
+
+
+@pytest.mark.slow
+def test_engine_runs_the_speed_tier_through_exl3_linear_like_the_torch_backend(tiny_source: Path) -> None:
+    """A dummy `--retained-bits 4` artifact: with the Triton backend each projection holding an EXL3 retained linear
+    is an `Exl3Proj` (run by `exl3_linear`, its stored bytes counted), with the torch backend decoded once; the same
+    greedy tokens, logits within the kernels' fp16 error."""
+    device = kernel_device()
+    artifact = dummy_artifact(tiny_source, device=device, retained_bits=4)
+    triton = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32", backend="triton"), max_len=32)
+    torch_ = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32"), max_len=32)
+    projections = [triton.weights.layers[0].attention.in_proj, triton.weights.layers[0].attention.o_proj]
+    assert all(isinstance(p, Exl3Proj) for p in projections)
+    assert isinstance(torch_.weights.layers[0].attention.in_proj, torch.Tensor)
     ids = torch.arange(20)
     ours, theirs = triton.prefill(0, ids), torch_.prefill(0, ids)
     for position in range(20, 23):

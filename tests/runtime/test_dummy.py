@@ -4,6 +4,7 @@ finite logits; generated expert stacks equal those the generic loader builds fro
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from glmquant.arch import TensorRole, table_for
 from glmquant.checkpoint.dummy import DummyCheckpoint
-from glmquant.checkpoint.layouts import plan_artifact
+from glmquant.checkpoint.layouts import plan_artifact, quantizable_retained
 from glmquant.checkpoint.tensor_bytes import TORCH_DTYPES
 from glmquant.errors import UsageError
 from glmquant.runtime.artifact import Artifact
@@ -20,9 +21,11 @@ from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
 from glmquant.runtime.engine.experts import resident_layer
 from glmquant.runtime.engine.loaded import load_engine
+from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
 from glmquant.runtime.kernels.backend import load_layer
 from glmquant.runtime.loader import load_model
 from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.retained_linears import Exl3Linear
 
 
 @pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
@@ -105,3 +108,35 @@ def test_cuda_asked_without_cuda_is_a_usage_error(tiny_source: Path, impl: str) 
             load_engine(artifact, options, max_seqs=1, max_len=64)
         else:
             load_model(artifact, options)
+
+
+def test_dummy_speed_tier_holds_the_planned_tensors_and_decodes_finite_logits(
+    tiny_source: Path, tmp_path: Path
+) -> None:
+    """retained_bits=4: the retained linears are EXL3 tensors as `plan` predicts them, declared in the config's
+    quantization block (a dummy load of that config takes it from there), and the runtime decodes finite logits."""
+    artifact = dummy_artifact(tiny_source / "config.json", "tr3", retained_bits=4)
+    plan = plan_artifact(artifact.spec, "tr3", retained_bits=4)
+    planned = {t.name: t for f in plan.files for t in f.tensors}
+    ckpt = _checkpoint(artifact)
+    assert ckpt.plan.retained_bits == 4 and sorted(ckpt.names()) == sorted(planned)
+    linears = [t for t in planned.values() if t.linear is not None]
+    assert {t.linear.source for t in linears if t.linear} == {t.name for t in quantizable_retained(artifact.spec)}
+    for name, t in planned.items():
+        value = ckpt.read_tensor(name)
+        assert (value.dtype, tuple(value.shape)) == (TORCH_DTYPES[t.dtype], t.shape), name
+        assert bool(torch.isfinite(value.float()).all()), name
+    assert artifact.config["quantization_config"]["retained_bits"] == 4
+    assert set(artifact.retained_linears) == {t.linear.key for t in linears if t.linear}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(artifact.config))
+    assert _checkpoint(dummy_artifact(config)).plan.retained_bits == 4
+    loaded = load_model(artifact, RuntimeOptions(dtype="float32"))
+    assert sum(isinstance(m, Exl3Linear) for m in loaded.model.modules()) == len(artifact.retained_linears)
+    with torch.no_grad():
+        logits = loaded.model(input_ids=torch.arange(20).view(1, -1)).logits[0]
+    assert bool(torch.isfinite(logits).all()) and logits.std() > 0
+    params = SamplingParams(max_tokens=4)
+    assert (
+        len(generate(loaded.model, PromptInputs(torch.arange(20).view(1, -1)), params, lambda ids: "").token_ids) == 4
+    )

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmquant.runtime.artifact import open_artifact
+from glmquant.runtime.artifact import Artifact, open_artifact
+from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine, EngineDecoder
 from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
 from glmquant.runtime.loader import load_model
@@ -41,7 +42,7 @@ class Recording(EngineDecoder):
         return logits
 
 
-def transformers_logits(path: Path, steps: int) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+def transformers_logits(path: Path | Artifact, steps: int) -> tuple[list[torch.Tensor], tuple[int, ...]]:
     model = load_model(path, F32).model
     seen: list[torch.Tensor] = []
     hook = model.get_submodule("lm_head").register_forward_hook(lambda mod, args, out: seen.append(out[0, -1].clone()))
@@ -146,3 +147,17 @@ def test_cuda_bf16_engine_prefill_matches_transformers_on_cuda(artifacts: dict[s
     got = engine.prefill(0, PROMPT.input_ids[0]).float()
     scale = want.abs().max()
     torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=3e-2)  # bf16 rounding in another order
+
+
+def test_engine_runs_the_speed_tier_like_transformers(tiny_source: Path) -> None:
+    """A dummy `--retained-bits 4` artifact: the engine decodes its EXL3 retained linears once at load, as the
+    transformers-module runtime's torch path does, so logits match to float32 rounding and greedy tokens are equal."""
+    artifact = dummy_artifact(tiny_source, retained_bits=4)
+    assert artifact.retained_linears
+    expected, expected_tokens = transformers_logits(artifact, steps=8)
+    engine = Engine.load(artifact, F32, max_batch=1, max_len=64)
+    recording = Recording(engine)
+    tokens = generate(recording, PROMPT, SamplingParams(max_tokens=8), decode).token_ids
+    assert tokens == expected_tokens
+    for ours, theirs in zip(recording.logits, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)

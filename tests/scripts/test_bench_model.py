@@ -71,3 +71,20 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     merged = tmp_path / "merged.json"
     assert _run("--merge", str(out), str(out), "--out", str(merged)).returncode == 0
     assert json.loads(merged.read_text())["summary"] == summary
+
+
+def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
+    """`--retained-bits 4`: the dummy artifact holds EXL3 retained linears, the engine runs them, `model` records the
+    K and `speed_tier` holds bytes per token and the GB10 projection, with MTP speedup and KL cost left to others."""
+    out = tmp_path / "tier.json"
+    run = _run("--smoke", "--retained-bits", "4", "--parts", "graphs,decode,classes", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert not [key for key in report["parts"] if key.endswith("_error")], report["parts"]
+    assert report["model"]["retained_bits"] == 4 and report["model"]["retained_linears"] > 0
+    assert all(row["tokens_equal"] and row["logits_finite"] for row in report["parts"]["graphs"])
+    tier, classes = report["speed_tier"], report["parts"]["classes"]
+    assert tier["bytes_per_token"] == sum(c["bytes_per_token"] for c in classes["classes"].values()) > 0
+    assert tier["gb10_tok_s_218"] == classes["projection"]["gb10_tok_s_218"] > 0
+    assert tier["mtp_speedup"] is None and "mtp part" in tier["mtp_speedup_from"]
+    assert tier["kl_cost_ratio"] is None and "proxy fidelity" in tier["kl_cost_ratio_from"]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from glmquant.runtime.engine.cache import KDACache, LayerCache, MLACache
 from glmquant.runtime.engine.config import EngineConfig
+from glmquant.runtime.engine.linears import project
 from glmquant.runtime.engine.ops import Ops
 from glmquant.runtime.engine.weights import MLP, Hyper, KDAWeights, LayerWeights, MLAWeights, MoEBlock
 from glmquant.runtime.kernels.kda import kda
@@ -68,7 +69,7 @@ def _hyper_residual(
 
 
 def mlp(x: torch.Tensor, w: MLP, run: Run) -> torch.Tensor:
-    return F.linear(run.ops.swiglu(F.linear(x, w.gate_up), run.cfg.swiglu_limit), w.down)
+    return project(run.ops.swiglu(project(x, w.gate_up), run.cfg.swiglu_limit), w.down)
 
 
 def moe_block(x: torch.Tensor, w: MoEBlock, layer: int, run: Run) -> torch.Tensor:
@@ -87,12 +88,12 @@ def kda_block(x: torch.Tensor, w: KDAWeights, cache: KDACache, run: Run) -> torc
     """KDA linear attention: fused projections, causal conv over the cached inputs, the delta rule, gated norm."""
     cfg, ops = run.cfg, run.ops
     width, d, heads = cfg.kda_width, cfg.kda_head_dim, cfg.kda_heads
-    qkv, f_a, g_a, b = F.linear(x, w.in_proj).split([3 * width, d, d, heads], dim=-1)
+    qkv, f_a, g_a, b = project(x, w.in_proj).split([3 * width, d, d, heads], dim=-1)
     q, k, v = causal_conv(qkv, w.conv, cache.conv).unflatten(-1, (3, heads, d)).unbind(-3)
-    g = ops.kda_gate(F.linear(f_a, w.f_b), w.dt_bias, w.a_log, cfg.kda_lower_bound, d)
+    g = ops.kda_gate(project(f_a, w.f_b), w.dt_bias, w.a_log, cfg.kda_lower_bound, d)
     out = kda(q, k, v, g, torch.sigmoid(b), cache.state)
-    gate = F.linear(g_a, w.g_b).unflatten(-1, (heads, d))
-    return F.linear(ops.gated_rms_norm(out, gate, w.o_norm, cfg.rms_eps).flatten(-2), w.o_proj)
+    gate = project(g_a, w.g_b).unflatten(-1, (heads, d))
+    return project(ops.gated_rms_norm(out, gate, w.o_norm, cfg.rms_eps).flatten(-2), w.o_proj)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -113,13 +114,13 @@ def mla_block(
     """Sparse MLA: cache the new latents and indexer keys, score the first `pools` k-pools for every query, attend
     to the selected tokens' latents with absorbed queries. Queries go in blocks of bounded memory."""
     cfg, ops = run.cfg, run.ops
-    q_a, kv, index_key, index_gate, head_w = F.linear(x, w.in_proj).split(
+    q_a, kv, index_key, index_gate, head_w = project(x, w.in_proj).split(
         [cfg.q_rank, cfg.kv_rank, cfg.index_dim, cfg.index_dim, cfg.index_heads], dim=-1
     )
     q_resid = ops.rms_norm(q_a, w.q_norm, cfg.rms_eps)
     index_key = F.layer_norm(index_key, (cfg.index_dim,), w.k_norm_weight, w.k_norm_bias, 1e-6)
     _store(cache, positions, ops.rms_norm(kv, w.kv_norm, cfg.rms_eps), index_key, index_gate, w.ape, run)
-    q, q_index = F.linear(q_resid, w.q_b).split([cfg.heads * cfg.nope_dim, cfg.index_heads * cfg.index_dim], dim=-1)
+    q, q_index = project(q_resid, w.q_b).split([cfg.heads * cfg.nope_dim, cfg.index_heads * cfg.index_dim], dim=-1)
     q_latent = ops.absorbed_query(q.unflatten(-1, (cfg.heads, cfg.nope_dim)), w.kv_b, cfg.nope_dim)
     q_index = q_index.unflatten(-1, (cfg.index_heads, cfg.index_dim))
     head_w = head_w.float() * cfg.index_heads**-0.5
@@ -133,7 +134,7 @@ def mla_block(
         tokens = ops.select_tokens(scores, positions[:, block], cfg.kpool, cfg.index_topk, cfg.kpool_tail)
         outs.append(ops.sparse_mla(q_latent[:, block], cache.latents, tokens, w.kv_b, cfg.nope_dim, cfg.nope_dim**-0.5))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return F.linear(out.flatten(-2), w.o_proj)
+    return project(out.flatten(-2), w.o_proj)
 
 
 def _store(

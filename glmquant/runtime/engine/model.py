@@ -26,7 +26,7 @@ from glmquant.runtime.engine.experts import engine_experts
 from glmquant.runtime.engine.mtp import MtpWeights, allocate_mtp_cache, load_mtp_weights, mtp_layer
 from glmquant.runtime.engine.ops import ops_for
 from glmquant.runtime.engine.weights import ModelWeights, load_weights
-from glmquant.runtime.loader import hf_config
+from glmquant.runtime.loader import hf_config, retained_linear_mode
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.quantized_experts import ExpertBackend
 
@@ -62,15 +62,10 @@ class Engine:
         """Weights (one layer at a time), experts and caches for `max_batch` sequences of `max_len` tokens;
         `compile_decode` runs decode steps' math through torch.compile (`engine/ops.py`); `mtp` also loads the
         MTP layer (speculative decoding) with a cache of its own."""
-        if artifact.retained_linears:
-            raise UsageError(
-                f"{artifact.path}: its retained linears are EXL3 (encode --retained-bits, the speed tier), which "
-                "--model-impl glmquant does not run yet; serve it with --model-impl transformers"
-            )
         options = options.resolved_for(artifact.config)
         device, dtype = torch.device(options.device), options.torch_dtype
         cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())
-        weights = load_weights(artifact, cfg, dtype, device)
+        weights = load_weights(artifact, cfg, dtype, device, retained_linear_mode(options.backend) == "kernel")
         experts = engine_experts(artifact, options)
         cuda_graphs = cuda_graphs and options.backend == "triton"  # the torch backend syncs with the host
         prefill_run, decode_run = (

@@ -89,7 +89,9 @@ def load_mtp_weights(artifact: Artifact, dtype: torch.dtype, device: torch.devic
     read = _LayerReader(artifact, prefix, names, dtype, device)
     experts = sorted(int(m.group(1)) for n in names if (m := _EXPERT.search(n[len(prefix) :])))
     mlps = [_mlp(read, f"mlp.experts.{e}.") for e in experts]
-    gate_up, down = torch.stack([m.gate_up for m in mlps]), torch.stack([m.down for m in mlps])
+    dense = [(m.gate_up, m.down) for m in mlps]  # the MTP layer's linears are never EXL3: its reader decodes
+    assert all(isinstance(g, torch.Tensor) and isinstance(d, torch.Tensor) for g, d in dense)
+    gate_up, down = torch.stack([g for g, _ in dense]), torch.stack([d for _, d in dense])  # type: ignore[misc]
     del mlps
     weights = MtpWeights(
         layer,

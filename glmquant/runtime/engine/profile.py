@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from glmquant.runtime.engine.blocks import kda_block, mla_block, mlp, routed_experts
 from glmquant.runtime.engine.cache import KDACache, MLACache
+from glmquant.runtime.engine.linears import Exl3Proj
 from glmquant.runtime.engine.model import Engine
 from glmquant.runtime.engine.weights import MLP, KDAWeights, MLAWeights, MoEBlock
 
@@ -110,5 +111,6 @@ def class_bytes(engine: Engine, batch: int, context: int, experts_routed: int, e
 
 
 def _nbytes(obj: DataclassInstance) -> int:
-    """Bytes of every tensor field of a weights or cache dataclass."""
-    return sum(getattr(obj, f.name).nbytes for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor))
+    """Bytes of every tensor field of a weights or cache dataclass (an EXL3 projection's: its stored bytes)."""
+    values = [getattr(obj, f.name) for f in fields(obj)]
+    return sum(v.nbytes for v in values if isinstance(v, torch.Tensor | Exl3Proj))

@@ -4,6 +4,12 @@ Projections that read the same input are concatenated so one matmul serves them 
 q_a, kv_a and the indexer's wk, weights_proj and k-pool gate; q_b with the indexer's wq_b; gate with up).
 Tensors keep transformers' dtypes: fp32 where its model keeps them fp32 (KDA conv, A_log, dt_bias, router, mHC
 base and scale), the model dtype otherwise. Every tensor of a layer must be used, and only those exist.
+
+A retained linear stored as EXL3 (the speed tier, `encode --retained-bits`) is decoded once at load to its dense
+weight in the model dtype (`decode_weight`, as the transformers-module runtime's torch path does) and then
+concatenated and applied like an exact one with the torch backend; with the Triton backends a projection holding
+one becomes an `Exl3Proj` (`linears.py`): its row blocks run separately (`exl3_linear` for the EXL3 ones) and their
+outputs are concatenated. kv_b, which attention absorbs as a matrix, is always decoded.
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ from rich.progress import track
 
 from glmquant.arch import TensorRole, table_for
 from glmquant.errors import CheckpointFormatError
+from glmquant.exl3.decode import decode_weight
+from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.engine.config import EngineConfig
+from glmquant.runtime.engine.linears import Exl3Proj, Proj
 
 
 @dataclass(frozen=True)
@@ -28,8 +37,8 @@ class Hyper:
 
 @dataclass(frozen=True)
 class MLP:
-    gate_up: torch.Tensor  # [2 I, H], gate rows first
-    down: torch.Tensor  # [H, I]
+    gate_up: Proj  # [2 I, H], gate rows first
+    down: Proj  # [H, I]
 
 
 @dataclass(frozen=True)
@@ -41,24 +50,24 @@ class MoEBlock:
 
 @dataclass(frozen=True)
 class KDAWeights:
-    in_proj: torch.Tensor  # [3 P + 2 D + heads, H]: q, k, v, f_a, g_a, b
+    in_proj: Proj  # [3 P + 2 D + heads, H]: q, k, v, f_a, g_a, b
     conv: torch.Tensor  # fp32 [3 P, kernel]
-    f_b: torch.Tensor  # [P, D]
-    g_b: torch.Tensor  # [P, D]
+    f_b: Proj  # [P, D]
+    g_b: Proj  # [P, D]
     dt_bias: torch.Tensor  # fp32 [P]
     a_log: torch.Tensor  # fp32 [heads]
     o_norm: torch.Tensor  # [D]
-    o_proj: torch.Tensor  # [H, P]
+    o_proj: Proj  # [H, P]
 
 
 @dataclass(frozen=True)
 class MLAWeights:
-    in_proj: torch.Tensor  # [q_rank + kv_rank + 2 index_dim + index_heads, H]: q_a, kv_a, wk, k-pool gate, weights_proj
+    in_proj: Proj  # [q_rank + kv_rank + 2 index_dim + index_heads, H]: q_a, kv_a, wk, k-pool gate, weights_proj
     q_norm: torch.Tensor  # [q_rank]
     kv_norm: torch.Tensor  # [kv_rank]
-    q_b: torch.Tensor  # [heads nope + index_heads index_dim, q_rank]: q_b, then the indexer's wq_b
+    q_b: Proj  # [heads nope + index_heads index_dim, q_rank]: q_b, then the indexer's wq_b
     kv_b: torch.Tensor  # [heads (nope + v), kv_rank]
-    o_proj: torch.Tensor  # [H, heads v]
+    o_proj: Proj  # [H, heads v]
     k_norm_weight: torch.Tensor  # [index_dim]
     k_norm_bias: torch.Tensor  # [index_dim]
     ape: torch.Tensor  # [kpool, index_dim]
@@ -86,13 +95,24 @@ class _LayerReader:
     """Reads a layer's tensors by suffix onto the device and checks that every one of them was used."""
 
     def __init__(
-        self, artifact: Artifact, prefix: str, names: list[str], dtype: torch.dtype, device: torch.device
+        self,
+        artifact: Artifact,
+        prefix: str,
+        names: list[str],
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: bool = False,
     ) -> None:
         self.artifact, self.prefix, self.dtype, self.device = artifact, prefix, dtype, device
         self.left = set(names)
+        self.kernels = kernels  # EXL3 retained linears run by `exl3_linear` (the Triton backends), else decoded
 
     def __call__(self, suffix: str, fp32: bool = False) -> torch.Tensor:
         name = self.prefix + suffix
+        linear = self.artifact.retained_linears.get(name.removesuffix(".weight"))
+        if linear is not None and name.endswith(".weight"):  # the speed tier: decoded once, used like the exact weight
+            self.left.discard(name)
+            return decode_weight(self.artifact.read_linear(linear, self.device), self.dtype)
         if name not in self.artifact.checkpoint:
             raise CheckpointFormatError(f"{self.artifact.path}: tensor {name} is missing")
         self.left.discard(name)
@@ -100,6 +120,22 @@ class _LayerReader:
 
     def cat(self, *suffixes: str) -> torch.Tensor:
         return torch.cat([self(s) for s in suffixes])
+
+    def proj(self, *suffixes: str) -> Proj:
+        """The row blocks of one projection: concatenated dense, or an `Exl3Proj` where one is an EXL3 linear
+        that the kernels run."""
+        keys = [(self.prefix + s).removesuffix(".weight") for s in suffixes]
+        exl3 = [s.endswith(".weight") and k in self.artifact.retained_linears for s, k in zip(suffixes, keys)]
+        if not self.kernels or not any(exl3):
+            return self.cat(*suffixes)
+        blocks: list[EXL3Tensor | torch.Tensor] = []
+        for suffix, key, is_exl3 in zip(suffixes, keys, exl3):
+            if is_exl3:
+                self.left.discard(self.prefix + suffix)
+                blocks.append(self.artifact.read_linear(self.artifact.retained_linears[key], self.device))
+            else:
+                blocks.append(self(suffix))
+        return Exl3Proj.build(blocks, self.device)
 
     def finish(self) -> None:
         if self.left:
@@ -109,13 +145,16 @@ class _LayerReader:
             )
 
 
-def load_weights(artifact: Artifact, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
-    """Every non-expert tensor of the text model (the MTP layer and vision tower are not read)."""
+def load_weights(
+    artifact: Artifact, cfg: EngineConfig, dtype: torch.dtype, device: torch.device, kernels: bool = False
+) -> ModelWeights:
+    """Every non-expert tensor of the text model (the MTP layer and vision tower are not read); `kernels`: EXL3
+    retained linears run through `exl3_linear` (the Triton backends), else decoded once."""
     spec, table = artifact.spec, table_for(artifact.spec)
     layers = []
     for layer in track(range(cfg.layers), description="text layers to device", transient=True):
         names = [t.name for t in table.layer_tensors(spec, layer) if t.role is not TensorRole.ROUTED_EXPERT]
-        read = _LayerReader(artifact, table.layer_prefix(layer), names, dtype, device)
+        read = _LayerReader(artifact, table.layer_prefix(layer), names, dtype, device, kernels)
         layers.append(_layer(read, cfg, layer))
         read.finish()
     top = _LayerReader(
@@ -154,41 +193,41 @@ def _layer(read: _LayerReader, cfg: EngineConfig, layer: int) -> LayerWeights:
 
 
 def _mlp(read: _LayerReader, prefix: str) -> MLP:
-    return MLP(read.cat(prefix + "gate_proj.weight", prefix + "up_proj.weight"), read(prefix + "down_proj.weight"))
+    return MLP(
+        read.proj(prefix + "gate_proj.weight", prefix + "up_proj.weight"), read.proj(prefix + "down_proj.weight")
+    )
 
 
 def _kda(read: _LayerReader) -> KDAWeights:
     a = "self_attn."
     conv = torch.cat([read(f"{a}{x}_conv1d.weight", True) for x in "qkv"]).squeeze(1)
     return KDAWeights(
-        read.cat(*(f"{a}{x}.weight" for x in ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"))),
+        read.proj(*(f"{a}{x}.weight" for x in ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"))),
         conv,
-        read(a + "f_b_proj.weight"),
-        read(a + "g_b_proj.weight"),
+        read.proj(a + "f_b_proj.weight"),
+        read.proj(a + "g_b_proj.weight"),
         read(a + "dt_bias", True),
         read(a + "A_log", True),
         read(a + "o_norm.weight"),
-        read(a + "o_proj.weight"),
+        read.proj(a + "o_proj.weight"),
     )
 
 
 def _mla(read: _LayerReader) -> MLAWeights:
     a, i = "self_attn.", "self_attn.indexer."
     return MLAWeights(
-        torch.cat(
-            [
-                read(a + "q_a_proj.weight"),
-                read(a + "kv_a_proj_with_mqa.weight"),
-                read(i + "wk.weight"),
-                read(i + "index_kpool_compress_gate"),
-                read(i + "weights_proj.weight"),
-            ]
+        read.proj(
+            a + "q_a_proj.weight",
+            a + "kv_a_proj_with_mqa.weight",
+            i + "wk.weight",
+            i + "index_kpool_compress_gate",
+            i + "weights_proj.weight",
         ),
         read(a + "q_a_layernorm.weight"),
         read(a + "kv_a_layernorm.weight"),
-        read.cat(a + "q_b_proj.weight", i + "wq_b.weight"),
+        read.proj(a + "q_b_proj.weight", i + "wq_b.weight"),
         read(a + "kv_b_proj.weight"),
-        read(a + "o_proj.weight"),
+        read.proj(a + "o_proj.weight"),
         read(i + "k_norm.weight"),
         read(i + "k_norm.bias"),
         read(i + "index_kpool_compress_ape"),

@@ -1,0 +1,60 @@
+"""The engine's projections: a dense weight applied with `F.linear`, or, for the speed tier (`encode --retained-bits`)
+on the Triton backends, an `Exl3Proj`: the row blocks of one fused projection (q/k/v, gate/up, ...), each an EXL3
+retained linear run through `exl3_linear` (the trellis decoded inside the matrix product) or a dense block, their
+outputs concatenated in order. With the torch backend an EXL3 retained linear is decoded once at load instead and
+the projection stays one dense tensor (`weights.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from glmquant.exl3.tensor import EXL3Tensor
+
+
+@dataclass(frozen=True)
+class Exl3Proj:
+    """Row blocks of one projection [sum of out, in], in order: an EXL3 linear's prepared `WeightStack` or a dense
+    weight [out, in]."""
+
+    blocks: tuple[Any, ...]  # WeightStack (imports triton, so not named here) | torch.Tensor
+    in_features: int
+    out_features: int
+    nbytes: int  # what a step reads: the EXL3 tensors' storage plus the dense blocks
+
+    @classmethod
+    def build(cls, blocks: list[EXL3Tensor | torch.Tensor], device: torch.device) -> Exl3Proj:
+        from glmquant.runtime.kernels.exl3_jobs import WeightStack  # imports triton: only on this path
+
+        out, nbytes, prepared = 0, 0, list[Any]()
+        for b in blocks:
+            if isinstance(b, EXL3Tensor):
+                prepared.append(WeightStack.from_tensors([[b]], device))
+                out += b.out_features
+                nbytes += EXL3Tensor.storage_bytes(b.in_features, b.out_features, b.bits, b.codebook)
+            else:
+                prepared.append(b)
+                out += b.shape[0]
+                nbytes += b.nbytes
+        first = blocks[0]
+        return cls(tuple(prepared), first.in_features if isinstance(first, EXL3Tensor) else first.shape[1], out, nbytes)
+
+
+Proj = torch.Tensor | Exl3Proj
+
+
+def project(x: torch.Tensor, w: Proj) -> torch.Tensor:
+    """x [..., in] @ wᵀ -> [..., out]."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    from glmquant.runtime.kernels.exl3_gemm import exl3_linear
+
+    flat = x.reshape(-1, w.in_features).contiguous()
+    if flat.shape[0] == 0:
+        return x.new_zeros((*x.shape[:-1], w.out_features))
+    outs = [F.linear(flat, b) if isinstance(b, torch.Tensor) else exl3_linear(flat, b) for b in w.blocks]
+    return torch.cat(outs, dim=-1).reshape(*x.shape[:-1], w.out_features)
