@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from glmquant.build import BuildConfig, build_artifact
-from glmquant.cli.common import console, guarded, out
+from glmquant.cli.common import DeviceStreamsEvery, StreamBudgetGb, console, guarded, out
 from glmquant.encode import EncodeConfig
 from glmquant.encode.summary import summary_table
 from glmquant.observe.config import DEFAULT_RECIPE, ObserveConfig
@@ -34,17 +34,8 @@ def build(
     prune_plan: Annotated[Path | None, typer.Option(help="encode only the experts this prune_plan.json keeps")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda (observation and encoding)")] = "cpu",
     batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
-    stream_budget_gb: Annotated[
-        float | None,
-        typer.Option(help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed"),
-    ] = None,
-    device_streams_every: Annotated[
-        int | None,
-        typer.Option(
-            help="hold the hidden streams on the device (one layer's worth plus a chunk) instead of disk files, "
-            "writing a resumable checkpoint every N layers (0: none, a killed run starts over)"
-        ),
-    ] = None,
+    stream_budget_gb: StreamBudgetGb = None,
+    device_streams_every: DeviceStreamsEvery = None,
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",

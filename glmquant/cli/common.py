@@ -34,6 +34,17 @@ R = TypeVar("R")
 
 ExistingPath = Annotated[Path, typer.Argument(exists=True, help="an existing file or directory")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="print machine-readable JSON instead of tables")]
+StreamBudgetGb = Annotated[
+    float | None,
+    typer.Option(help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed"),
+]
+DeviceStreamsEvery = Annotated[
+    int | None,
+    typer.Option(
+        help="hold the hidden streams on the device (one layer's worth plus a chunk) instead of disk files, "
+        "writing a resumable checkpoint every N layers (0: none, a killed run starts over)"
+    ),
+]
 HubRevision = Annotated[
     str | None,
     typer.Option(

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from glmquant.checkpoint.hub import resolve_source
-from glmquant.cli.common import HubRevision, guarded, out
+from glmquant.cli.common import DeviceStreamsEvery, HubRevision, StreamBudgetGb, guarded, out
 from glmquant.observe.config import DEFAULT_RECIPE, ObserveConfig
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.report import build_report, expert_table, layer_table
@@ -37,17 +37,8 @@ def observe(
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
-    stream_budget_gb: Annotated[
-        float | None,
-        typer.Option(help="most disk (GB) the hidden streams between layers may take; chunks past it are recomputed"),
-    ] = None,
-    device_streams_every: Annotated[
-        int | None,
-        typer.Option(
-            help="hold the hidden streams on the device (one layer's worth plus a chunk) instead of disk files, "
-            "writing a resumable checkpoint every N layers (0: none, a killed run starts over)"
-        ),
-    ] = None,
+    stream_budget_gb: StreamBudgetGb = None,
+    device_streams_every: DeviceStreamsEvery = None,
     report: Annotated[bool, typer.Option(help="print per-layer tables and write the REAP heat map")] = False,
     report_layer: Annotated[list[int] | None, typer.Option(help="with --report: every expert of this layer")] = None,
     revision: HubRevision = None,
