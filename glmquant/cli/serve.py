@@ -84,6 +84,15 @@ def serve(
             )
         ),
     ] = None,
+    compile_decode: Annotated[
+        bool,
+        typer.Option(
+            help=(
+                "with --model-impl glmquant: compile the decode step's math with torch.compile (fused elementwise "
+                "kernels inside the step's CUDA graph; slower start; 56 -> 72 tok/s on an H200, docs/engine.md)"
+            )
+        ),
+    ] = False,
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /version and
     /metrics until Ctrl-C, which ends open streams cleanly before exiting."""
@@ -95,6 +104,7 @@ def serve(
         load_format=load_format,
         model_impl=model_impl,
         speculative_config=SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None,
+        compile_decode=compile_decode,
     )
     options = ServiceOptions(
         served_model_name=served_model_name, max_num_seqs=max_num_seqs, max_model_len=max_model_len

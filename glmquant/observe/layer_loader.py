@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from glmquant.arch import ModelSpec, load_model_spec
+from glmquant.arch.hf_glm5_next import modeling
 from glmquant.arch.module_map import (
     ATTN_IMPLEMENTATION,
     EXPERTS_IMPLEMENTATION,
@@ -52,7 +53,7 @@ def load_decoder_layer(
     ckpt: SourceCheckpoint, spec: ModelSpec, cfg, layer: int, device: str | torch.device = "cpu"
 ) -> nn.Module:
     """Build decoder layer `layer` with its weights read from `ckpt`, in eval mode on `device`."""
-    from transformers.models.glm5_next import modeling_glm5_next as glm
+    glm = modeling()
 
     if layer >= spec.num_hidden_layers:
         raise ConfigError(f"layer {layer} is not a decoder layer (the model has {spec.num_hidden_layers})")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glmquant.arch import ModelSpec, load_model_spec, table_for
+from glmquant.arch.hf_glm5_next import modeling
 from glmquant.arch.module_map import LayerPlan, layer_plan
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import ConfigError, UsageError
@@ -74,7 +75,7 @@ class TextModel:
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:
         """Final streams [B,T,hc,H] -> last hidden state [B,T,H] (HyperHead mean, then the final norm)."""
-        from transformers.models.glm5_next import modeling_glm5_next as glm
+        glm = modeling()
 
         norm = glm.Glm5NextTextRMSNorm(self.cfg.hidden_size, eps=self.cfg.rms_norm_eps)
         norm.weight = nn.Parameter(self._tensor("norm.weight"), requires_grad=False)

@@ -24,6 +24,7 @@ from rich.progress import track
 from torch import nn
 
 from glmquant.arch import table_for
+from glmquant.arch.hf_glm5_next import modeling
 from glmquant.arch.module_map import ATTN_IMPLEMENTATION, fp32_names, layer_plan, read_layer_state
 from glmquant.devices import require_visible
 from glmquant.errors import CheckpointFormatError, ConfigError, UsageError
@@ -131,6 +132,8 @@ def make_backend(artifact: Artifact, options: RuntimeOptions) -> ExpertBackend:
 def _model_class(artifact: Artifact) -> type[PreTrainedModel]:
     import transformers
 
+    if artifact.spec.architecture == "Glm5NextForConditionalGeneration":
+        modeling()  # its KDA and conv kernels follow the tensors' device (a CPU model beside CUDA kernels)
     cls = getattr(transformers, artifact.spec.architecture, None)
     if cls is None:
         raise ConfigError(

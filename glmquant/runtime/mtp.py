@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from glmquant.arch import table_for
+from glmquant.arch.hf_glm5_next import modeling
 from glmquant.arch.module_map import fp32_names, layer_plan, read_layer_state
 from glmquant.errors import ConfigError
 
@@ -41,7 +42,7 @@ class MtpLayer(nn.Module):
     """
 
     def __init__(self, text_config: Any, embed: nn.Embedding, lm_head: nn.Linear) -> None:
-        from transformers.models.glm5_next import modeling_glm5_next as hf
+        hf = modeling()
 
         super().__init__()
         self.config = one_layer_config(text_config)

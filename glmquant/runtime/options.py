@@ -30,7 +30,8 @@ class RuntimeOptions:
     `expert_cache` counts decoded virtual experts the torch backend keeps (0: decode on every use);
     `load_format` "dummy" makes the weights from the config (`runtime.dummy`) instead of reading files;
     `model_impl` "glmquant" runs the runtime's own forward (`runtime.engine`) instead of transformers' modules;
-    `speculative_config` (vLLM's `--speculative-config`) drafts tokens with the model's MTP layer."""
+    `speculative_config` (vLLM's `--speculative-config`) drafts tokens with the model's MTP layer;
+    `compile_decode` runs the engine's decode-step math through torch.compile (fewer, fused kernels per step)."""
 
     device: str = "cpu"
     dtype: str = "bfloat16"
@@ -39,8 +40,11 @@ class RuntimeOptions:
     load_format: str = "auto"
     model_impl: str = "transformers"
     speculative_config: SpeculativeConfig | None = None
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
+        if self.compile_decode and self.model_impl != "glmquant":
+            raise UsageError("--compile-decode compiles the runtime's own forward: it needs --model-impl glmquant")
         if self.dtype not in DTYPE_CHOICES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.expert_cache < 0:

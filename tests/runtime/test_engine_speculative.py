@@ -166,10 +166,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_engine_speculation_equals_plain_greedy_with_and_without_verify_graphs(artifacts: dict[str, Path]) -> None:
+def test_cuda_engine_speculation_equals_plain_greedy_with_and_without_graphs(artifacts: dict[str, Path]) -> None:
     """On CUDA (resident Triton experts, fla's KDA when installed, whole-step decode graphs): greedy output with
-    k = 1, 2, 3 equals plain greedy, with the verify step eager or replayed as a CUDA graph (one per k), for the
-    random MTP layer and for an oracle drafter that is right except at every 5th token."""
+    k = 1, 2, 3 equals plain greedy, with drafts, verify steps and re-runs eager or replayed as CUDA graphs (one
+    per token count), for the random MTP layer and for an oracle drafter that is right except at every 5th token."""
     options = RuntimeOptions(device="cuda", dtype="float32", backend="triton")
     engine = Engine.load(open_artifact(artifacts["tr3"]), options, max_batch=1, max_len=64, mtp=True)
     plain = generate(EngineDecoder(engine), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
@@ -177,10 +177,10 @@ def test_cuda_engine_speculation_equals_plain_greedy_with_and_without_verify_gra
     for k in (1, 2, 3):
         for graphs in (False, True):
             spec = generate(
-                EngineMtpDecoder(engine, k, verify_graphs=graphs), PROMPT, SamplingParams(max_tokens=TOKENS), decode
+                EngineMtpDecoder(engine, k, graphs=graphs), PROMPT, SamplingParams(max_tokens=TOKENS), decode
             )
             assert spec.token_ids == plain.token_ids, (k, graphs)
             oracle = OracleDecoder(engine, k, plain.token_ids, lambda i: i % 5 == 3)
-            oracle.verify_graphs = graphs
+            oracle.graphs = graphs
             assert generate(oracle, PROMPT, SamplingParams(max_tokens=TOKENS), decode).token_ids == plain.token_ids
-    assert engine.graphs.captured > 1  # the decode step's graph and verify graphs
+    assert engine.graphs.captured > 1  # the decode step's graph, verify, re-run and draft graphs

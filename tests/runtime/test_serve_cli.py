@@ -120,6 +120,7 @@ def test_speculative_config_is_vllms_json(monkeypatch, tmp_path):
         (["--dtype", "int8"], "--dtype must be one of auto, bfloat16, float16, half, float32, float"),
         (["--load-format", "safetensors"], "--load-format must be one of auto, dummy"),
         (["--model-impl", "vllm"], "--model-impl must be one of transformers, glmquant"),
+        (["--compile-decode"], "--compile-decode compiles the runtime's own forward: it needs --model-impl glmquant"),
     ],
 )
 def test_bad_option_is_one_line_and_exit_2(monkeypatch, tmp_path, args, message):
@@ -221,3 +222,11 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 60) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
+
+
+def test_compile_decode_reaches_the_engine(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(serve, "run_server", lambda *args, **kwargs: calls.append(args))
+    result = CliRunner().invoke(_app(), ["serve", str(tmp_path), "--model-impl", "glmquant", "--compile-decode"])
+    assert result.exit_code == 0, result.output
+    assert calls[0][3] == RuntimeOptions(dtype="auto", model_impl="glmquant", compile_decode=True)

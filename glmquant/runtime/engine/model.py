@@ -23,12 +23,13 @@ from glmquant.runtime.engine.blocks import Run, decoder_layer
 from glmquant.runtime.engine.cache import Caches, KDACache, LayerCache, MLACache
 from glmquant.runtime.engine.config import EngineConfig
 from glmquant.runtime.engine.experts import engine_experts
-from glmquant.runtime.engine.mtp import MtpWeights, allocate_mtp_cache, load_mtp_weights, mtp_layer
+from glmquant.runtime.engine.mtp import MtpWeights, allocate_mtp_cache, load_mtp_weights, mtp_hidden, mtp_logits
 from glmquant.runtime.engine.ops import ops_for
 from glmquant.runtime.engine.weights import ModelWeights, load_weights
 from glmquant.runtime.loader import hf_config, retained_linear_mode
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.quantized_experts import ExpertBackend
+from glmquant.runtime.speculative import MAX_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     from glmquant.runtime.kernels.cuda_graphs import StepGraphs
@@ -56,12 +57,11 @@ class Engine:
         max_batch: int = 1,
         max_len: int = 4096,
         cuda_graphs: bool = True,
-        compile_decode: bool = False,
         mtp: bool = False,
     ) -> Engine:
         """Weights (one layer at a time), experts and caches for `max_batch` sequences of `max_len` tokens;
-        `compile_decode` runs decode steps' math through torch.compile (`engine/ops.py`); `mtp` also loads the
-        MTP layer (speculative decoding) with a cache of its own."""
+        `options.compile_decode` runs decode steps' math through torch.compile (`engine/ops.py`); `mtp` also loads
+        the MTP layer (speculative decoding) with a cache of its own."""
         options = options.resolved_for(artifact.config)
         device, dtype = torch.device(options.device), options.torch_dtype
         cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())
@@ -69,7 +69,7 @@ class Engine:
         experts = engine_experts(artifact, options)
         cuda_graphs = cuda_graphs and options.backend == "triton"  # the torch backend syncs with the host
         prefill_run, decode_run = (
-            Run(cfg, ops_for(device, compiled), experts, artifact.ranks) for compiled in (False, compile_decode)
+            Run(cfg, ops_for(device, compiled), experts, artifact.ranks) for compiled in (False, options.compile_decode)
         )
         return cls(
             cfg,
@@ -192,38 +192,34 @@ class Engine:
 
     @torch.no_grad()
     def draft(
-        self, slot: int, hidden: torch.Tensor, next_ids: torch.Tensor, start: int
+        self, slot: int, hidden: torch.Tensor, next_ids: torch.Tensor, start: int, graphs: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over hidden [S, H] (the target's h_i) and next_ids [S] (t_{i+1}) at positions start ..
-        start + S - 1 of `slot`'s MTP cache: (logits [S, V] of t_{i+2}, its output hidden states [S, H])."""
+        start + S - 1 of `slot`'s MTP cache: (logits [S, V] of t_{i+2}, its output hidden states [S, H]). With
+        `graphs` (where the engine has CUDA graphs) and at most a verify step's tokens (a prompt's first draft is
+        eager) the layer replays one graph per (slot, S, indexer window), its head runs after it."""
         if self.mtp is None or self.mtp_cache is None:
             raise UsageError("the engine was loaded without its MTP layer (Engine.load(..., mtp=True))")
         end = start + hidden.shape[0]
         self._check_room(slot, end)
         positions = torch.arange(start, end, device=self.device).view(1, -1)
-        cache = MLACache(
-            *(
-                t[slot : slot + 1]
-                for t in (
-                    self.mtp_cache.latents,
-                    self.mtp_cache.index_keys,
-                    self.mtp_cache.index_gates,
-                    self.mtp_cache.pooled,
-                )
-            )
-        )
+        ids = next_ids.to(self.device).view(1, -1)
+        pools = self.pools_for(end)
         run = Run(self.cfg, self.prefill_run.ops, self.mtp.experts, 1)
-        logits, out = mtp_layer(
-            hidden.view(1, *hidden.shape),
-            next_ids.to(self.device).view(1, -1),
-            positions,
-            self.mtp,
-            self.weights,
-            cache,
-            self.pools_for(end),
-            run,
-        )
-        return logits[0], out[0]
+        step = partial(self._draft_step, slot=slot, pools=pools, run=run)
+        if graphs and self.graphs is not None and hidden.shape[0] <= MAX_SPECULATIVE_TOKENS + 1:
+            out = self.graphs(("draft", slot, pools), step, hidden.view(1, *hidden.shape), ids, positions)[0].clone()
+        else:
+            out = step(hidden.view(1, *hidden.shape), ids, positions)[0]
+        return mtp_logits(out, self.mtp, self.weights, run), out
+
+    def _draft_step(
+        self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, slot: int, pools: int, run: Run
+    ) -> torch.Tensor:
+        assert self.mtp is not None and self.mtp_cache is not None
+        c = self.mtp_cache
+        cache = MLACache(*(t[slot : slot + 1] for t in (c.latents, c.index_keys, c.index_gates, c.pooled)))
+        return mtp_hidden(hidden, next_ids, positions, self.mtp, self.weights, cache, pools, run)
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, context: int, first_slot: int = 0, eager: bool = False

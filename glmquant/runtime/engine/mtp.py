@@ -130,7 +130,7 @@ def allocate_mtp_cache(
     )
 
 
-def mtp_layer(
+def mtp_hidden(
     hidden: torch.Tensor,
     next_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -139,12 +139,17 @@ def mtp_layer(
     cache: MLACache,
     pools: int,
     run: Run,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """hidden [B, S, H] (the target's final-norm hidden states h_i), next_ids [B, S] (t_{i+1}), positions [B, S]
-    -> (logits [B, S, V] of t_{i+2}, the layer's output hidden states [B, S, H]); `cache` rows of the batch."""
+    -> the MTP layer's output hidden states [B, S, H] (`mtp_logits` gives t_{i+2}'s logits); `cache` rows of the
+    batch. A draft's CUDA graph captures this part."""
     cfg, ops = run.cfg, run.ops
     e = ops.rms_norm(F.embedding(next_ids, target.embed), w.enorm, cfg.rms_eps)
     x = F.linear(torch.cat([e, ops.rms_norm(hidden, w.hnorm, cfg.rms_eps)], dim=-1), w.eh_proj)
     x = x + mla_block(ops.rms_norm(x, w.input_norm, cfg.rms_eps), w.attention, cache, positions, pools, run)
-    x = x + moe_block(ops.rms_norm(x, w.post_norm, cfg.rms_eps), w.mlp, w.layer, run)
-    return F.linear(ops.rms_norm(x, w.head_norm, cfg.rms_eps), target.lm_head), x
+    return x + moe_block(ops.rms_norm(x, w.post_norm, cfg.rms_eps), w.mlp, w.layer, run)
+
+
+def mtp_logits(x: torch.Tensor, w: MtpWeights, target: ModelWeights, run: Run) -> torch.Tensor:
+    """Logits of the MTP layer's output hidden states x [..., H]: its head norm, then the target's lm_head."""
+    return F.linear(run.ops.rms_norm(x, w.head_norm, run.cfg.rms_eps), target.lm_head)

@@ -6,10 +6,14 @@ One step from the last token t at position L (the slot holds L positions):
 1. Draft: the MTP layer reads every target hidden state it has not read yet, paired with the next token (the
    last with t), and drafts d1; for k > 1 it drafts d2..dk from its own output at positions L + 1.. (its static
    cache keeps them until later positions overwrite them: cutting it is only not counting them).
-2. Verify: `Engine.verify` runs [t, d1..dk] at positions L..L + k (eager, one forward): k + 1 logits.
+2. Verify: `Engine.verify` runs [t, d1..dk] at positions L..L + k in one forward: k + 1 logits.
 3. Roll back after a rejection at draft n + 1: the MLA caches need nothing (positions past L + n are rewritten
    before they are read); the KDA states saved before the verify are put back and t, d1..dn run again (for
    n = 0 that is plain decoding's one-token step), whose last logits give the target's next token.
+
+Where the engine has CUDA graphs (`graphs`, the default), drafts, verify steps and re-runs replay one graph per
+token count on the decode math: eager, a verify step of the full model costs ~10x its graph (H200: 212 vs 23 ms
+at k = 1, docs/speculative.md). Eager (`graphs=False`, or no graphs) they run the prefill math.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ class EngineMtpDecoder(EngineDecoder):
         num_speculative_tokens: int,
         slot: int = 0,
         lock: threading.Lock | None = None,
-        verify_graphs: bool = False,
+        graphs: bool = True,
     ) -> None:
         super().__init__(engine, slot, lock)
         self.k = num_speculative_tokens
-        self.verify_graphs = verify_graphs  # verify steps replay CUDA graphs (not yet checked on a GPU: off)
+        self.graphs = graphs  # drafts, verify steps and re-runs replay CUDA graphs where the engine has them
         self.stats = SpecStats()
         # target hidden states [m, H] the MTP layer has not read yet, from position `_hidden_at`, and the tokens
         # after each but the last (whose next token the next step feeds)
@@ -71,7 +75,7 @@ class EngineMtpDecoder(EngineDecoder):
         drafts = self._draft(token)
         ids = [token, *drafts]
         saved = engine.save_recurrent(self.slot)
-        logits, hidden = engine.verify(self.slot, self._ids(ids), start, self.verify_graphs)  # [k + 1, V], [k + 1, H]
+        logits, hidden = engine.verify(self.slot, self._ids(ids), start, self.graphs)  # [k + 1, V], [k + 1, H]
         greedy = logits.argmax(-1).tolist()
         n = 0
         while n < len(drafts) and drafts[n] == greedy[n]:
@@ -79,11 +83,15 @@ class EngineMtpDecoder(EngineDecoder):
         out = list(logits[: n + 1])
         if n < len(drafts):  # KDA states back to before the verify, then the accepted tokens again
             engine.restore_recurrent(self.slot, saved)
-            # n = 0: a one-token forward on the decode math, as plain decoding's step (eager: the hidden state is
-            # kept for the MTP layer)
-            run = engine.decode_run if n == 0 else None
-            hidden = engine.prefill_hidden(self.slot, self._ids(ids[: n + 1]), start, run=run)
-            out[n] = engine.lm_head(hidden[-1])
+            if self.graphs and engine.graphs is not None:
+                rerun, hidden = engine.verify(self.slot, self._ids(ids[: n + 1]), start, graphs=True)
+                out[n] = rerun[-1]
+            else:
+                # n = 0: a one-token forward on the decode math, as plain decoding's step (eager: the hidden state
+                # is kept for the MTP layer)
+                run = engine.decode_run if n == 0 else None
+                hidden = engine.prefill_hidden(self.slot, self._ids(ids[: n + 1]), start, run=run)
+                out[n] = engine.lm_head(hidden[-1])
         self.position = start + n + 1
         self._hidden, self._hidden_at, self._next = hidden[: n + 1], start, drafts[:n]
         self.stats.steps += 1
@@ -97,11 +105,11 @@ class EngineMtpDecoder(EngineDecoder):
         if self._hidden is None:
             raise RuntimeError("speculate() needs a prefill and no step() since: the MTP layer missed positions")
         engine, at = self.engine, self._hidden_at
-        logits, hidden = engine.draft(self.slot, self._hidden, self._ids([*self._next, token]), at)
+        logits, hidden = engine.draft(self.slot, self._hidden, self._ids([*self._next, token]), at, self.graphs)
         at += self._hidden.shape[0]
         drafts = [int(logits[-1].argmax())]
         for _ in range(self.k - 1):
-            logits, hidden = engine.draft(self.slot, hidden[-1:], self._ids(drafts[-1:]), at)
+            logits, hidden = engine.draft(self.slot, hidden[-1:], self._ids(drafts[-1:]), at, self.graphs)
             at += 1
             drafts.append(int(logits[-1].argmax()))
         return drafts
