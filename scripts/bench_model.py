@@ -642,7 +642,8 @@ def speed_tier(report: dict[str, Any]) -> dict[str, Any]:
 
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Later reports' parts replace earlier ones of the same name; the summary is recomputed."""
-    merged = {**reports[0], "parts": {}, "merged_from": [r.get("command") for r in reports]}
+    sources = [c for r in reports for c in (r.get("merged_from") or [r.get("command")])]  # merges of merges too
+    merged = {**reports[0], "parts": {}, "merged_from": sources}
     for r in reports:
         merged["parts"].update(r["parts"])
     merged["summary"] = summary(merged)

@@ -75,6 +75,8 @@ def main() -> None:
                     "completion_tokens": reply.usage.completion_tokens,
                     "seconds": round(time.perf_counter() - t, 3),
                     "content": reply.choices[0].message.content,
+                    # GLM's reply opens in thinking mode: random weights rarely close it, so the text is here
+                    "reasoning_content": (reply.choices[0].message.model_extra or {}).get("reasoning_content"),
                 })  # fmt: skip
             with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
                 report["health"] = json.loads(reply.read())
