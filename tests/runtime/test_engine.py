@@ -13,6 +13,7 @@ import torch
 from glmquant.runtime.artifact import Artifact, open_artifact
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine, EngineDecoder
+from glmquant.runtime.engine.cache import KDACache
 from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
 from glmquant.runtime.loader import load_model
 from glmquant.runtime.options import RuntimeOptions
@@ -71,6 +72,17 @@ def test_chunked_prefill_equals_one_chunk(artifacts: dict[str, Path]) -> None:
     whole = engine.prefill(0, PROMPT.input_ids[0])
     for chunk in (1, 4, 7):
         torch.testing.assert_close(engine.prefill(0, PROMPT.input_ids[0], chunk=chunk), whole, rtol=0, atol=1e-5)
+
+
+def test_warm_up_leaves_no_trace_in_later_output(artifacts: dict[str, Path]) -> None:
+    """A server's start-up warm-up (a prefill and three decode steps in slot 0) changes no later logit."""
+    artifact = open_artifact(artifacts["tr3"])
+    fresh = _greedy(Engine.load(artifact, F32, max_batch=1, max_len=64), PROMPT.input_ids[0], 4)
+    warmed = Engine.load(artifact, F32, max_batch=1, max_len=64)
+    warmed.warm_up(prompt_tokens=20)
+    assert all(not c.state.any() for c in warmed.caches.layers if isinstance(c, KDACache))  # slot 0 reset
+    for ours, theirs in zip(_greedy(warmed, PROMPT.input_ids[0], 4), fresh, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 def test_batched_decode_equals_each_sequence_alone(artifacts: dict[str, Path]) -> None:

@@ -4,8 +4,10 @@ slot handed out to generations as they run (as many as `--max-num-seqs`)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,6 +20,8 @@ from glmquant.runtime.engine.model import Engine
 from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.quantized_experts import ExpertBackend
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +61,10 @@ def load_engine(artifact: Artifact, options: RuntimeOptions, max_seqs: int, max_
     # a verify step writes k positions past the last token (and drafts as many into the MTP cache)
     room = max_len + (spec.num_speculative_tokens if spec is not None else 0)
     engine = Engine.load(artifact, options, max_batch=max_seqs, max_len=room, mtp=spec is not None)
+    if engine.device.type == "cuda":  # the first request would otherwise wait for every kernel's compile
+        started = time.monotonic()
+        engine.warm_up()
+        log.info("kernels compiled and the decode graph captured in %.1f s", time.monotonic() - started)
     lock = threading.Lock()
     decoders: queue.Queue[EngineDecoder] = queue.Queue()
     for slot in range(max_seqs):

@@ -234,6 +234,19 @@ class Engine:
             return step(tokens, positions)
         return self.graphs(("decode", first_slot, pools), step, tokens, positions)
 
+    @torch.no_grad()
+    def warm_up(self, prompt_tokens: int = 32, steps: int = 3) -> None:
+        """Compile and autotune the prefill and decode kernels and capture batch 1's decode graph now (a server's
+        start) instead of in its first request (~100 s of the whole model's first request on an H200), then
+        leave slot 0 as a new sequence. Later output is unchanged: a slot is reset before every sequence."""
+        prompt_tokens = min(prompt_tokens, self.caches.max_len - steps)
+        ids = torch.arange(prompt_tokens, device=self.device) % self.cfg.vocab
+        token = self.prefill(0, ids).argmax().view(1)
+        for i in range(steps):  # eager, captured, replayed: StepGraphs' three paths
+            position = torch.full((1,), prompt_tokens + i, dtype=torch.long, device=self.device)
+            token = self.decode(token, position, prompt_tokens + i + 1).argmax(-1)
+        self.caches.reset(0)
+
     def reallocate(self, max_batch: int, max_len: int) -> None:
         """Fresh zeroed caches of another size (captured graphs are dropped: they address the old ones)."""
         dtype, device = self.weights.embed.dtype, self.device
