@@ -39,8 +39,8 @@ from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
-from glmquant.runtime.kernels.exl3_jobs import GemmConfig, Jobs, WeightStack
-from glmquant.runtime.kernels.fused_moe import ONE_ROW_GEMV, MoEConfig, MoEWeights, choose_moe_config, fused_moe
+from glmquant.runtime.kernels.exl3_jobs import ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
+from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe
 
 LINEAR_BOUND = 2e-5  # tensor-core core: fp16 hi + lo activation planes, fp32 sums
 MOE_BOUND = 1e-4

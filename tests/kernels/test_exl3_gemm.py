@@ -5,6 +5,8 @@ Both decode in registers: the GEMV core on fp16 activations, the tensor-core GEM
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
@@ -12,9 +14,9 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from glmquant.exl3 import decode_inner
-from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows
+from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
-from glmquant.runtime.kernels.exl3_jobs import GemmConfig, Jobs, WeightStack
+from glmquant.runtime.kernels.exl3_jobs import ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
 
 BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo planes, Hadamards as fp32 butterflies
 
@@ -28,7 +30,7 @@ BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo pl
             2,
             1,
             GemmConfig(ti=8, tj=4),
-        ),  # GEMV core at the one-row-job steps (fused_moe.ONE_ROW_GEMV), one K split
+        ),  # GEMV core at the one-row-job steps (ONE_ROW_GEMV), one K split
         ("3inst", 2, 1, GemmConfig()),  # GEMV core, one K split
         ("mul1", 2, 1, GemmConfig(ti=1, tj=16, split_tiles=4)),  # GEMV core, 4 K splits
         ("3inst", 3, 19, GemmConfig(ti=1, tj=8, split_tiles=4)),  # 4 K splits, two jobs (16 + 3 rows), B = 4 windows
@@ -61,6 +63,39 @@ def test_config_splits_k_into_whole_steps():
     assert (cfg.splits(256), cfg.splits(128), cfg.splits(32), cfg.tiles_per_split(200)) == (4, 2, 1, 8)
     with pytest.raises(ValueError, match="do not split"):
         GemmConfig(ti=8, split_tiles=4).tiles_per_split(32)
+
+
+def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
+    """A stack of the given shape whose codes are never read (launch shapes only)."""
+    kt, nt = in_features // 16, out_features // 16
+    trellis = torch.zeros((1, 1, kt, nt, 16 * bits), dtype=torch.int16)
+    suh, svh = torch.ones((1, 1, in_features)), torch.ones((1, 1, out_features))
+    return WeightStack(trellis, suh.half(), svh.half(), 1, in_features, out_features)
+
+
+@pytest.mark.parametrize(
+    ("shape", "bits", "rows", "want"),
+    [
+        # batch 1, K4, 4096 x 4096: 32 column blocks x 32 K splits (8 tile rows each) = 1,024 programs, not 128
+        ((4096, 4096), 4, 1, GemmConfig(split_tiles=8)),
+        # batch 1, K4, 4096 -> 16,384: 128 blocks x 8 splits reach 1,024 at 32-tile splits
+        ((4096, 16384), 4, 1, GemmConfig(split_tiles=32)),
+        # batch 1 at K2 takes the GEMV core's one-row steps (8 x 4 tiles); 16 blocks x 32 splits = 512 programs
+        # short of 1,024: the finest split
+        ((4096, 1024), 2, 1, replace(ONE_ROW_GEMV, split_tiles=8)),
+        ((4096, 4096), 2, 1, replace(ONE_ROW_GEMV, split_tiles=16)),  # 64 blocks x 16 splits
+        # a prefill chunk of 4,096 rows is 256 jobs: the expert-sized default already fills the GPU
+        ((4096, 4096), 4, 4096, GemmConfig()),
+        # a small linear stops at the finest split that is whole steps
+        ((256, 128), 5, 1, GemmConfig(split_tiles=8)),
+    ],
+)
+def test_linear_config_fills_the_gpu_with_fixed_splits(shape, bits, rows, want):
+    stack = _stack(*shape, bits)
+    cfg = linear_config(rows, stack)
+    assert cfg == want
+    kt = shape[0] // 16
+    assert cfg.tiles_per_split(kt) % cfg.ti == 0  # whole steps
 
 
 @pytest.mark.slow

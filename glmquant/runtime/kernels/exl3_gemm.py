@@ -10,6 +10,9 @@ the tensor-core core here (fp16 hi/lo activation planes, mma.sync).
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -17,7 +20,15 @@ import triton.language as tl
 from glmquant.exl3 import EXL3Tensor
 from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, load_window, window_values
 from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel, packed_gemv, uses_gemv
-from glmquant.runtime.kernels.exl3_jobs import JOB_ROWS, GemmConfig, Jobs, WeightStack, job_program, job_rows
+from glmquant.runtime.kernels.exl3_jobs import (
+    JOB_ROWS,
+    ONE_ROW_GEMV,
+    GemmConfig,
+    Jobs,
+    WeightStack,
+    job_program,
+    job_rows,
+)
 
 
 @triton.jit
@@ -301,16 +312,42 @@ def rotate_out(
     return out
 
 
+LINEAR_PROGRAMS = 1024  # programs a single linear's core launch aims for (~8 per H200 SM, ~21 per GB10 SM)
+LINEAR_SPLIT_TILES = (64, 32, 16, 8)  # K splits tried for a single linear, coarsest (fewest partial sums) first
+
+
+def linear_config(rows: int, stack: WeightStack) -> GemmConfig:
+    """Launch shape of one linear's core for `rows` activation rows.
+
+    A linear has one job per 16 rows (one per row at one row), so only column blocks and K splits make programs:
+    at the expert-sized default a 4096 x 4096 linear is 128 programs at batch 1, under one per SM of an H200.
+    K is cut finer until the launch reaches LINEAR_PROGRAMS, a fixed count so every GPU sums alike; one-row K2
+    products take the GEMV core's one-row steps (`ONE_ROW_GEMV`).
+    """
+    _, _, kt, nt, _ = stack.trellis.shape
+    base = ONE_ROW_GEMV if rows == 1 and uses_gemv(stack, 1) else GemmConfig()
+    jobs = 1 if rows == 1 else -(-rows // JOB_ROWS.value)
+    cfg = base
+    for split_tiles in LINEAR_SPLIT_TILES:
+        if math.gcd(kt, split_tiles) % base.ti:  # splits must be whole steps
+            continue
+        cfg = replace(base, split_tiles=split_tiles)
+        if jobs * (nt // base.tj) * cfg.splits(kt) >= LINEAR_PROGRAMS:
+            break
+    return cfg
+
+
 def exl3_linear(
     x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConfig | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """y = x @ W.T for one EXL3 linear.
 
-    x is [M, in_features] of any float dtype; y is [M, out_features] in x's dtype, or out's when given.
+    x is [M, in_features] of any float dtype; y is [M, out_features] in x's dtype, or out's when given. `cfg`
+    defaults to `linear_config`'s.
     """
     stack = tensor if isinstance(tensor, WeightStack) else WeightStack.from_tensors([[tensor]], x.device)
     M = x.shape[0]
-    cfg = cfg or GemmConfig()
+    cfg = cfg or linear_config(M, stack)
     rows = torch.arange(M, dtype=torch.int32, device=x.device)
     zero = torch.zeros(M, dtype=torch.int32, device=x.device)
     starts = torch.arange(0, M, JOB_ROWS.value, dtype=torch.int32, device=x.device)

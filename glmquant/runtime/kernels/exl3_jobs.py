@@ -27,7 +27,7 @@ class GemmConfig:
     ti = 4, tj = 8 decodes a 64 x 128 weight block per step (64 codes per thread at 4 warps) into a
     16 x 128 fp32 accumulator in the tensor-core core, small enough in registers and shared memory (decoded block
     + pipelined activations) for 4 programs per SM on a GB10; the GEMV core takes the same blocks without shared
-    memory in its loop, and one-row GEMV jobs run ti = 8, tj = 4 (`fused_moe.ONE_ROW_GEMV`). Resources per
+    memory in its loop, and one-row GEMV jobs run ti = 8, tj = 4 (`ONE_ROW_GEMV`). Resources per
     config: docs/kernels.md.
     K is cut into splits of gcd(k_tiles, split_tiles) tile rows: the same on every GPU (deterministic
     sums), and at most a few trip counts to compile. 1024 rows per split gives a 4096 x 2048 expert
@@ -50,6 +50,12 @@ class GemmConfig:
 
     def splits(self, k_tiles: int) -> int:
         return k_tiles // self.tiles_per_split(k_tiles)
+
+
+# one-row GEMV jobs: 8 x 4-tile steps take fewer registers than the 4 x 8 default and make twice the programs,
+# which a batch-1 launch needs to fill the GPU; the fastest of the swept configs at batches 1, 4 and 16
+# (figures: docs/kernels.md, "Per kernel")
+ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from glmquant.runtime.kernels.exl3_gemm import (
     store_activations,
 )
 from glmquant.runtime.kernels.exl3_gemv import GEMV_JOB_ROWS, uses_gemv
-from glmquant.runtime.kernels.exl3_jobs import JOB_ROWS, GemmConfig, Jobs, WeightStack, job_rows
+from glmquant.runtime.kernels.exl3_jobs import JOB_ROWS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack, job_rows
 
 
 @dataclass(frozen=True)
@@ -165,12 +165,6 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
         GEMV=gemv,
     )
     return out
-
-
-# one-row GEMV jobs: 8 x 4-tile steps take fewer registers than the 4 x 8 default and make twice the programs,
-# which a batch-1 launch needs to fill the GPU; the fastest of the swept configs at batches 1, 4 and 16
-# (figures: docs/kernels.md, "Per kernel")
-ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)
 
 
 @dataclass(frozen=True)
