@@ -1,8 +1,13 @@
-"""Fixtures shared by the whole suite: the tiny source checkpoint and the reference artifact's config."""
+"""Fixtures shared by the whole suite: the tiny source checkpoint and the reference artifact's config.
+
+Without CUDA the Triton kernels run under Triton's CPU interpreter. The choice is fixed when a kernel module is
+first imported, and several test folders import them (kernels, runtime, encode), so it is made here, before any.
+"""
 
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import re
 from collections.abc import Callable
@@ -10,6 +15,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+import torch
+
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.writer import Provided

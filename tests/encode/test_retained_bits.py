@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,6 @@ from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
 from glmquant.runtime.loader import LoadedModel, load_model
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.retained_linears import Exl3Linear
-
-if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (they are, lazily, in a test)
 
 pytestmark = pytest.mark.slow  # one encode of the small model with K4 retained linears: minutes on two CPU cores
 

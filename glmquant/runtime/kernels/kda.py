@@ -16,6 +16,7 @@ import torch
 from glmquant.runtime.kernels.availability import FLA_AVAILABLE
 
 KDAFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+RECURRENT_TOKENS = 4  # a verify step's tokens at the most drafts (runtime.speculative.MAX_SPECULATIVE_TOKENS + 1)
 
 
 def uses_fla(device: torch.device) -> bool:
@@ -42,9 +43,11 @@ def kda(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> torch.Tensor:
     """KDA over S new tokens from `state`; returns the output [B, S, heads, dv] and leaves the final state in
-    `state`. One token per sequence takes the recurrent kernel (decode), more the chunked one (prefill)."""
+    `state`. Up to RECURRENT_TOKENS per sequence take the recurrent kernel (decode, and speculation's verify steps
+    and re-runs: the same per-token recurrence as one-token steps, without the chunked kernel's set-up), more the
+    chunked one (prefill)."""
     recurrent, chunked = _functions(uses_fla(q.device))
-    fn = recurrent if q.shape[1] == 1 else chunked
+    fn = recurrent if q.shape[1] <= RECURRENT_TOKENS else chunked
     out, final = fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.copy_(final)
     return out
