@@ -230,6 +230,7 @@ def compile_reports() -> dict:
     setmaxnreg). Needs triton only, no GPU."""
     from glmquant.runtime.kernels.exl3_gemm import _exl3_rows_kernel
     from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel
+    from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, _exl3_row_kernel
 
     common = {
         "expert_ptr": "*i32",
@@ -245,6 +246,11 @@ def compile_reports() -> dict:
     }
     rows_sig = {"x_ptr": "*fp16", "trellis_ptr": "*i16", **common}
     gemv_sig = {"x_ptr": "*i32", "words_ptr": "*i32", **common}
+    row_sig = {
+        "x_ptr": "*fp16",
+        "trellis_ptr": "*i16",
+        **{k: v for k, v in common.items() if k not in ("job_start_ptr", "job_rows_ptr")},
+    }
 
     def consts(cfg: GemmConfig, **extra: int | bool) -> dict:
         return {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "TI": cfg.ti, "TJ": cfg.tj, **extra}
@@ -253,7 +259,7 @@ def compile_reports() -> dict:
     cores: dict[
         str, tuple[Any, dict, GemmConfig, dict[str, int | bool]]
     ] = {  # name: (kernel, signature, config, extra constexprs)
-        "rows": (_exl3_rows_kernel, rows_sig, default, {"ONE_ROW_JOBS": True}),
+        "rows": (_exl3_rows_kernel, rows_sig, default, {}),
         "gemv": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 1, "PACKED": True}),
         "gemv_one_row_jobs": (_exl3_gemv_kernel, gemv_sig, ONE_ROW_GEMV, {"JOB_ROWS_MAX": 1, "PACKED": True}),
         "gemv_one_row_jobs_3inst": (
@@ -263,10 +269,12 @@ def compile_reports() -> dict:
             {"JOB_ROWS_MAX": 1, "PACKED": True, "CB": 0},
         ),
         "gemv_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 2, "PACKED": True}),
+        "row_kbit_k4": (_exl3_row_kernel, row_sig, ONE_ROW_KBIT, {"K": 4}),
     }
     reports = {}
-    divisible = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # pointers, as Triton specializes them at launch
     for name, (fn, sig, cfg, extra) in cores.items():
+        # pointers are 16-byte aligned, as Triton specializes them at launch
+        divisible = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(sig.values()) if kind.startswith("*")}
         weights_per_thread = cfg.ti * 16 * cfg.tj * 16 // (32 * cfg.num_warps)
         reports[f"{name}.config"] = {
             **consts(cfg, **extra),

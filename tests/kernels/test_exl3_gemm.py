@@ -16,6 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from glmquant.exl3 import decode_inner
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT
 from glmquant.runtime.kernels.exl3_jobs import ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
 
 BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo planes, Hadamards as fp32 butterflies
@@ -35,6 +36,9 @@ BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo pl
         ("mul1", 2, 1, GemmConfig(ti=1, tj=16, split_tiles=4)),  # GEMV core, 4 K splits
         ("3inst", 3, 19, GemmConfig(ti=1, tj=8, split_tiles=4)),  # 4 K splits, two jobs (16 + 3 rows), B = 4 windows
         ("mul1", 7, 5, GemmConfig(ti=4, tj=8)),  # one K split, B = 2 windows
+        ("3inst", 4, 1, GemmConfig(ti=2, tj=4, split_tiles=4)),  # the one-row core (K != 2), 4 K splits, B = 4
+        ("mcg", 3, 1, ONE_ROW_KBIT),  # the one-row core, one K split, B = 4 windows across chunks
+        ("mul1", 6, 1, None),  # the one-row core at `linear_config`'s launch, B = 2 windows
     ],
 )
 def test_linear_matches_exact_weight(codebook, bits, rows, cfg):
@@ -76,10 +80,11 @@ def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
 @pytest.mark.parametrize(
     ("shape", "bits", "rows", "want"),
     [
-        # batch 1, K4, 4096 x 4096: 32 column blocks x 32 K splits (8 tile rows each) = 1,024 programs, not 128
-        ((4096, 4096), 4, 1, GemmConfig(split_tiles=8)),
-        # batch 1, K4, 4096 -> 16,384: 128 blocks x 8 splits reach 1,024 at 32-tile splits
-        ((4096, 16384), 4, 1, GemmConfig(split_tiles=32)),
+        # batch 1, K4, 4096 x 4096 (the one-row core's 4 x 4 steps): 64 column blocks x 16 K splits = 1,024 programs;
+        # the expert-sized default made 128
+        ((4096, 4096), 4, 1, replace(ONE_ROW_KBIT, split_tiles=16)),
+        # batch 1, K4, 4096 -> 16,384: 256 blocks x 4 splits reach 1,024 at the coarsest split
+        ((4096, 16384), 4, 1, replace(ONE_ROW_KBIT, split_tiles=64)),
         # batch 1 at K2 takes the GEMV core's one-row steps (8 x 4 tiles); 16 blocks x 32 splits = 512 programs
         # short of 1,024: the finest split
         ((4096, 1024), 2, 1, replace(ONE_ROW_GEMV, split_tiles=8)),
@@ -87,7 +92,7 @@ def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
         # a prefill chunk of 4,096 rows is 256 jobs: the expert-sized default already fills the GPU
         ((4096, 4096), 4, 4096, GemmConfig()),
         # a small linear stops at the finest split that is whole steps
-        ((256, 128), 5, 1, GemmConfig(split_tiles=8)),
+        ((256, 128), 5, 1, replace(ONE_ROW_KBIT, split_tiles=8)),
     ],
 )
 def test_linear_config_fills_the_gpu_with_fixed_splits(shape, bits, rows, want):

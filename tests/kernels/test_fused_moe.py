@@ -10,6 +10,7 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, WeightStack
 from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe, plan_routes
 from glmquant.runtime.quantized_experts import expand_routes
@@ -36,11 +37,13 @@ def _reference(x, ids, weights, gates, ups, downs, limit):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job_rows", [1, 2, 16])  # GEMV one-row and two-row jobs, tensor-core jobs
-def test_moe_step_matches_reference(job_rows):
+@pytest.mark.parametrize(
+    ("job_rows", "bits"), [(1, 2), (2, 2), (16, 2), (1, 3)]
+)  # GEMV one-row and two-row jobs, tensor-core jobs, the one-row core at K3
+def test_moe_step_matches_reference(job_rows, bits):
     device = kernel_device()
     gen = torch.Generator().manual_seed(0)
-    gates, ups, downs = _experts(gen, 5, 136, 160)  # padded hidden and intermediate
+    gates, ups, downs = _experts(gen, 5, 136, 160, bits=bits)  # padded hidden and intermediate
     w = MoEWeights(WeightStack.from_tensors([gates, ups], device), WeightStack.from_tensors([downs], device), 1.5)
     x = torch.randn(4, 136, generator=gen)
     ids = torch.tensor([[0, 3], [3, 1], [4, 3], [1, 0]])  # expert 3 shared by three tokens
@@ -49,7 +52,7 @@ def test_moe_step_matches_reference(job_rows):
     cfg = MoEConfig(job_rows, GemmConfig(ti=2, tj=8, split_tiles=8), GemmConfig(ti=4, tj=8))  # 2 and 1 K splits
     got = fused_moe(x.to(device), ids.to(device), weights.to(device), w, cfg)
     assert want.abs().max() > 0.1
-    assert rel_err(got, want) < (GEMV_ERROR_BOUND if job_rows <= 2 else BOUND)
+    assert rel_err(got, want) < (GEMV_ERROR_BOUND if job_rows <= 2 and bits == 2 else BOUND)
 
 
 @pytest.mark.slow
@@ -116,6 +119,7 @@ def test_job_size_follows_routes_per_expert():
     assert [choose_moe_config(t, t * 8, k2).job_rows for t in (1, 16, 64, 512)] == [1, 1, 2, 16]
     assert [choose_moe_config(t, t * 8, k2).down.ti for t in (1, 16, 64)] == [8, 8, 4]  # one-row jobs: 8 x 4-tile steps
     assert [choose_moe_config(t, t * 8, k3).job_rows for t in (1, 2, 64)] == [1, 16, 16]
+    assert choose_moe_config(1, 8, k3).down == ONE_ROW_KBIT  # one token: the one-row core's steps
 
 
 @pytest.mark.slow

@@ -4,8 +4,9 @@
 Hadamard), `exl3_rows` (the decode-and-multiply core over the packed trellis, split along K into fp32
 partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router weights). The core works on
 jobs (`exl3_jobs`): rows that share one weight, decoded once per job. Jobs of one or two rows at K2 take the
-GEMV core (`exl3_gemv`: fp16 activations, fp16x2 CUDA-core products, nothing through shared memory); other jobs
-the tensor-core core here (fp16 hi/lo activation planes, mma.sync).
+GEMV core (`exl3_gemv`: fp16 activations, fp16x2 CUDA-core products, nothing through shared memory); one-row jobs
+at other K the one-row core (`exl3_gemv_kbit`: fp32 CUDA-core products in the decode layout); other jobs the
+tensor-core core here (fp16 hi/lo activation planes, mma.sync).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton.language as tl
 from glmquant.exl3 import EXL3Tensor
 from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, load_window, window_values
 from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel, packed_gemv, uses_gemv
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, _exl3_row_kernel
 from glmquant.runtime.kernels.exl3_jobs import (
     JOB_ROWS,
     ONE_ROW_GEMV,
@@ -113,18 +115,18 @@ def _exl3_rows_kernel(
     STEP_TILES: tl.constexpr,
     K: tl.constexpr,
     CB: tl.constexpr,
-    ONE_ROW_JOBS: tl.constexpr,
     TI: tl.constexpr,
     TJ: tl.constexpr,
 ):
-    """part[s, p, job rows, cols] = x[p, job rows, k-split s] @ Q[p, expert] for one 16*TJ-column block.
+    """part[s, p, job rows, cols] = x[p, job rows, k-split s] @ Q[p, expert] for one 16*TJ-column block (jobs from
+    the job tables: one-row jobs take `exl3_gemv_kbit`).
 
     Each step decodes a [TI*16, TJ*16] weight block in registers as dims [ti, tj, e1, e0, e2, g, l4]: the
     stream window depends on (ti, tj, g, l4) only, so it is built once per block of positions (and loaded two
     steps ahead, hiding the memory latency of these 2-byte gathers that cp.async pipelining cannot take); the
     block is then permuted to (k, n) order and fed to two fp16 tensor-core products (activation hi and lo).
     """
-    row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, ONE_ROW_JOBS)
+    row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, False)
     if rows > 0:
         ti_ = tl.arange(0, TI)[:, None, None, None, None, None, None]
         tj_ = tl.arange(0, TJ)[None, :, None, None, None, None, None]
@@ -259,6 +261,26 @@ def exl3_rows(
             num_warps=cfg.num_warps,
         )
         return part
+    if jobs is None:  # one row per job at K != 2: CUDA cores, no tile of 15 empty rows
+        _exl3_row_kernel[grid](
+            xr,
+            stack.trellis,
+            experts,
+            part,
+            R,
+            V,
+            kt,
+            nt,
+            HASH_MASK,
+            HASH_FLIP,
+            STEP_TILES=cfg.tiles_per_split(kt),
+            K=stack.bits,
+            CB=stack.codebook,
+            TI=cfg.ti,
+            TJ=cfg.tj,
+            num_warps=cfg.num_warps,
+        )
+        return part
     _exl3_rows_kernel[grid](
         xr,
         stack.trellis,
@@ -275,7 +297,6 @@ def exl3_rows(
         STEP_TILES=cfg.tiles_per_split(kt),
         K=stack.bits,
         CB=stack.codebook,
-        ONE_ROW_JOBS=jobs is None,
         TI=cfg.ti,
         TJ=cfg.tj,
         num_warps=cfg.num_warps,
@@ -321,11 +342,11 @@ def linear_config(rows: int, stack: WeightStack) -> GemmConfig:
 
     A linear has one job per 16 rows (one per row at one row), so only column blocks and K splits make programs:
     at the expert-sized default a 4096 x 4096 linear is 128 programs at batch 1, under one per SM of an H200.
-    K is cut finer until the launch reaches LINEAR_PROGRAMS, a fixed count so every GPU sums alike; one-row K2
-    products take the GEMV core's one-row steps (`ONE_ROW_GEMV`).
+    K is cut finer until the launch reaches LINEAR_PROGRAMS, a fixed count so every GPU sums alike; one-row
+    products take the one-row cores' steps (`ONE_ROW_GEMV` at K2, `ONE_ROW_KBIT` otherwise).
     """
     _, _, kt, nt, _ = stack.trellis.shape
-    base = ONE_ROW_GEMV if rows == 1 and uses_gemv(stack, 1) else GemmConfig()
+    base = GemmConfig() if rows > 1 else ONE_ROW_GEMV if uses_gemv(stack, 1) else ONE_ROW_KBIT
     jobs = 1 if rows == 1 else -(-rows // JOB_ROWS.value)
     cfg = base
     for split_tiles in LINEAR_SPLIT_TILES:

@@ -26,6 +26,7 @@ from glmquant.runtime.kernels.exl3_gemm import (
     store_activations,
 )
 from glmquant.runtime.kernels.exl3_gemv import GEMV_JOB_ROWS, uses_gemv
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT
 from glmquant.runtime.kernels.exl3_jobs import JOB_ROWS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack, job_rows
 
 
@@ -183,10 +184,10 @@ def choose_moe_config(tokens: int, routes: int, w: MoEWeights) -> MoEConfig:
     """Jobs sized to how many routes an expert gets on average. With the GEMV core (K2, both stacks): one row
     per route under 1/2 and for one token, whose routes never share an expert (at `ONE_ROW_GEMV`), GEMV jobs of
     two rows (one decode, an FMA per row) under 4, tensor-core jobs of 16 rows beyond (prefill): the measurements
-    behind these thresholds are in docs/kernels.md (the switch at 4 is an estimate). Other K run the tensor-core
-    core only: 16-row jobs once there are two tokens."""
+    behind these thresholds are in docs/kernels.md (the switch at 4 is an estimate). Other K: one token's routes
+    take the one-row core (`exl3_gemv_kbit`), two tokens or more 16-row tensor-core jobs."""
     if not (uses_gemv(w.gate_up, GEMV_JOB_ROWS) and uses_gemv(w.down, GEMV_JOB_ROWS)):
-        return MoEConfig(1 if tokens == 1 else JOB_ROWS.value)
+        return MoEConfig(1, ONE_ROW_KBIT, ONE_ROW_KBIT) if tokens == 1 else MoEConfig(JOB_ROWS.value)
     per_expert = routes / w.experts
     if tokens == 1 or per_expert < 0.5:
         return MoEConfig(1, ONE_ROW_GEMV, ONE_ROW_GEMV)
