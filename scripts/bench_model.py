@@ -297,8 +297,8 @@ def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
 
 
 def kernel_profile(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
-    """torch.profiler over one eager batch-1 decode step at the first context and one prefill chunk: launches, and
-    the kernels (CPU ops off CUDA) ranked by their own time."""
+    """torch.profiler over one eager batch-1 decode step at the first context and one prefill chunk, each run once
+    before (compiles, autotuning): launches, and the kernels (CPU ops off CUDA) ranked by their own time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.device.type == "cuda"
@@ -315,6 +315,7 @@ def kernel_profile(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, 
     }
     out: dict[str, Any] = {"context": context, "chunk": sizes.chunk, "time_is": "device" if cuda else "cpu"}
     for name, fn in work.items():
+        fn()  # warm: Triton autotuning (fla's kernels key on sizes, e.g. rows / 65,536) stays out of the profile
         sync(engine)
         with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
             fn()
