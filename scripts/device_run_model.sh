@@ -5,7 +5,8 @@
 # bounded by the time left (e.g. `serve checks compiled`).
 # Usage on the device:
 #   bash scripts/device_run_model.sh "$OUT" COMMIT checks    # GPU tests: fused mHC kernel, engine vs the CPU reference
-#                                                            # (fla KDA, whole-step graphs, bf16), resident experts
+#                                                            # (fla KDA, whole-step graphs, bf16), resident experts,
+#                                                            # the EXL3 cores (one-row K-bit core), KDA, speculation
 #   bash scripts/device_run_model.sh "$OUT" COMMIT quick     # --quick: graphs check, decode 1k, prefill 8k, classes
 #   bash scripts/device_run_model.sh "$OUT" COMMIT decode    # graphs, decode 1k and 32k, classes
 #   bash scripts/device_run_model.sh "$OUT" COMMIT prefill   # prefill 8k, 64k, 200k
@@ -34,7 +35,10 @@ for MODE in "${MODES[@]}"; do
     checks)
       stamp "GPU checks: mHC kernel, engine vs CPU reference (fla, graphs, bf16), resident experts"
       timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc.py \
-        tests/kernels/test_engine_resident.py tests/runtime/test_engine.py >"$RES/pytest.log" 2>&1
+        tests/kernels/test_engine_resident.py tests/runtime/test_engine.py tests/kernels/test_exl3_gemm.py \
+        tests/kernels/test_kda.py tests/arch/test_hf_glm5_next.py \
+        tests/runtime/test_engine_speculative.py::test_cuda_engine_speculation_equals_plain_greedy_with_and_without_graphs \
+        >"$RES/pytest.log" 2>&1
       echo "pytest exit $?" >>"$LOG"; continue ;;
     serve)
       stamp "serve --load-format dummy: OpenAI requests"
