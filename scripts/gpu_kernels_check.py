@@ -39,7 +39,7 @@ from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
-from glmquant.runtime.kernels.exl3_jobs import ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
+from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
 from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe
 
 LINEAR_BOUND = 2e-5  # tensor-core core: fp16 hi + lo activation planes, fp32 sums
@@ -259,7 +259,8 @@ def compile_reports() -> dict:
     cores: dict[
         str, tuple[Any, dict, GemmConfig, dict[str, int | bool]]
     ] = {  # name: (kernel, signature, config, extra constexprs)
-        "rows": (_exl3_rows_kernel, rows_sig, default, {}),
+        "rows": (_exl3_rows_kernel, rows_sig, default, {"JOB_M": 16}),
+        "rows_large_jobs": (_exl3_rows_kernel, rows_sig, LARGE_JOBS, {"JOB_M": 64}),
         "gemv": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 1, "PACKED": True}),
         "gemv_one_row_jobs": (_exl3_gemv_kernel, gemv_sig, ONE_ROW_GEMV, {"JOB_ROWS_MAX": 1, "PACKED": True}),
         "gemv_one_row_jobs_3inst": (

@@ -17,7 +17,7 @@ from glmquant.exl3 import decode_inner
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT
-from glmquant.runtime.kernels.exl3_jobs import ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
+from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
 
 BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo planes, Hadamards as fp32 butterflies
 
@@ -39,6 +39,8 @@ BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo pl
         ("3inst", 4, 1, GemmConfig(ti=2, tj=4, split_tiles=4)),  # the one-row core (K != 2), 4 K splits, B = 4
         ("mcg", 3, 1, ONE_ROW_KBIT),  # the one-row core, one K split, B = 4 windows across chunks
         ("mul1", 6, 1, None),  # the one-row core at `linear_config`'s launch, B = 2 windows
+        ("mcg", 2, 70, None),  # 64-row jobs (64 + 6 rows) at `linear_config`'s launch
+        ("3inst", 4, 64, GemmConfig(ti=2, tj=4, split_tiles=4)),  # one full 64-row job, 4 K splits
     ],
 )
 def test_linear_matches_exact_weight(codebook, bits, rows, cfg):
@@ -89,8 +91,9 @@ def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
         # short of 1,024: the finest split
         ((4096, 1024), 2, 1, replace(ONE_ROW_GEMV, split_tiles=8)),
         ((4096, 4096), 2, 1, replace(ONE_ROW_GEMV, split_tiles=16)),  # 64 blocks x 16 splits
-        # a prefill chunk of 4,096 rows is 256 jobs: the expert-sized default already fills the GPU
-        ((4096, 4096), 4, 4096, GemmConfig()),
+        # a prefill chunk of 4,096 rows is 64 jobs of 64 rows: the large jobs' steps already fill the GPU
+        ((4096, 4096), 4, 4096, LARGE_JOBS),
+        ((4096, 4096), 4, 32, GemmConfig(split_tiles=16)),  # 32 rows: 2 jobs of 16 x 32 blocks x 16 splits
         # a small linear stops at the finest split that is whole steps
         ((256, 128), 5, 1, replace(ONE_ROW_KBIT, split_tiles=8)),
     ],

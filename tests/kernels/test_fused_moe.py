@@ -38,8 +38,8 @@ def _reference(x, ids, weights, gates, ups, downs, limit):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("job_rows", "bits"), [(1, 2), (2, 2), (16, 2), (1, 3)]
-)  # GEMV one-row and two-row jobs, tensor-core jobs, the one-row core at K3
+    ("job_rows", "bits"), [(1, 2), (2, 2), (16, 2), (1, 3), (64, 2)]
+)  # GEMV one-row and two-row jobs, tensor-core jobs (16- and 64-row tiles), the one-row core at K3
 def test_moe_step_matches_reference(job_rows, bits):
     device = kernel_device()
     gen = torch.Generator().manual_seed(0)
@@ -116,7 +116,8 @@ def test_job_size_follows_routes_per_expert():
     """Decode (288 experts, top-8): one row per route at batch 1-16, GEMV pairs at 64, tensor-core jobs for prefill;
     without the GEMV core (K3) one-row jobs for one token and tensor-core jobs from two."""
     k2, k3 = _empty_layer(288, 2), _empty_layer(288, 3)
-    assert [choose_moe_config(t, t * 8, k2).job_rows for t in (1, 16, 64, 512)] == [1, 1, 2, 16]
+    assert [choose_moe_config(t, t * 8, k2).job_rows for t in (1, 16, 64, 512, 4096)] == [1, 1, 2, 16, 64]
+    assert choose_moe_config(4096, 4096 * 8, k3).job_rows == 64  # a prefill chunk: one decode for four tiles
     assert [choose_moe_config(t, t * 8, k2).down.ti for t in (1, 16, 64)] == [8, 8, 4]  # one-row jobs: 8 x 4-tile steps
     assert [choose_moe_config(t, t * 8, k3).job_rows for t in (1, 2, 64)] == [1, 16, 16]
     assert choose_moe_config(1, 8, k3).down == ONE_ROW_KBIT  # one token: the one-row core's steps

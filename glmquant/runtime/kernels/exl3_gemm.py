@@ -24,12 +24,15 @@ from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel, packed_gemv, u
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, _exl3_row_kernel
 from glmquant.runtime.kernels.exl3_jobs import (
     JOB_ROWS,
+    LARGE_JOB_ROWS,
+    LARGE_JOBS,
     ONE_ROW_GEMV,
     GemmConfig,
     Jobs,
     WeightStack,
     job_program,
     job_rows,
+    tile_rows,
 )
 
 
@@ -117,9 +120,11 @@ def _exl3_rows_kernel(
     CB: tl.constexpr,
     TI: tl.constexpr,
     TJ: tl.constexpr,
+    JOB_M: tl.constexpr,
 ):
     """part[s, p, job rows, cols] = x[p, job rows, k-split s] @ Q[p, expert] for one 16*TJ-column block (jobs from
-    the job tables: one-row jobs take `exl3_gemv_kbit`).
+    the job tables: one-row jobs take `exl3_gemv_kbit`); JOB_M rows per tile (`tile_rows`: 16, or 64 so that a
+    prefill's many rows per expert share one decode of each weight block).
 
     Each step decodes a [TI*16, TJ*16] weight block in registers as dims [ti, tj, e1, e0, e2, g, l4]: the
     stream window depends on (ti, tj, g, l4) only, so it is built once per block of positions (and loaded two
@@ -137,9 +142,9 @@ def _exl3_rows_kernel(
         l4 = tl.arange(0, 4)[None, None, None, None, None, None, :]
         expert = tl.load(expert_ptr + row0).to(tl.int64)
         tiles = trellis_ptr + (p * V + expert) * (KT * NT * 16 * K) + (nb * TJ + tj_) * (16 * K)
-        m = tl.arange(0, JOB_ROWS)[:, None]
+        m = tl.arange(0, JOB_M)[:, None]
         xrow = x_ptr + (p * R + row0 + m).to(tl.int64) * (2 * KT * 16) + tl.arange(0, TI * 16)[None, :]
-        acc = tl.zeros([JOB_ROWS, TJ * 16], dtype=tl.float32)
+        acc = tl.zeros([JOB_M, TJ * 16], dtype=tl.float32)
         first = split * STEP_TILES
         rows_step = NT * 16 * K  # int16 words per row of tiles
         win = load_window(tiles + (first + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
@@ -299,6 +304,7 @@ def exl3_rows(
         CB=stack.codebook,
         TI=cfg.ti,
         TJ=cfg.tj,
+        JOB_M=tile_rows(job_rows(jobs)),
         num_warps=cfg.num_warps,
     )
     return part
@@ -337,6 +343,12 @@ LINEAR_PROGRAMS = 1024  # programs a single linear's core launch aims for (~8 pe
 LINEAR_SPLIT_TILES = (64, 32, 16, 8)  # K splits tried for a single linear, coarsest (fewest partial sums) first
 
 
+def linear_job_rows(rows: int) -> int:
+    """Rows per job of one linear's `rows` activation rows: 1, 16, or 64 from 64 rows (a prefill chunk: one decode
+    of each weight block for four tensor-core tiles)."""
+    return 1 if rows == 1 else JOB_ROWS.value if rows < LARGE_JOB_ROWS else LARGE_JOB_ROWS
+
+
 def linear_config(rows: int, stack: WeightStack) -> GemmConfig:
     """Launch shape of one linear's core for `rows` activation rows.
 
@@ -346,8 +358,11 @@ def linear_config(rows: int, stack: WeightStack) -> GemmConfig:
     products take the one-row cores' steps (`ONE_ROW_GEMV` at K2, `ONE_ROW_KBIT` otherwise).
     """
     _, _, kt, nt, _ = stack.trellis.shape
-    base = GemmConfig() if rows > 1 else ONE_ROW_GEMV if uses_gemv(stack, 1) else ONE_ROW_KBIT
-    jobs = 1 if rows == 1 else -(-rows // JOB_ROWS.value)
+    if rows > 1:
+        base = LARGE_JOBS if linear_job_rows(rows) == LARGE_JOB_ROWS else GemmConfig()
+    else:
+        base = ONE_ROW_GEMV if uses_gemv(stack, 1) else ONE_ROW_KBIT
+    jobs = -(-rows // linear_job_rows(rows))
     cfg = base
     for split_tiles in LINEAR_SPLIT_TILES:
         if math.gcd(kt, split_tiles) % base.ti:  # splits must be whole steps
@@ -371,8 +386,9 @@ def exl3_linear(
     cfg = cfg or linear_config(M, stack)
     rows = torch.arange(M, dtype=torch.int32, device=x.device)
     zero = torch.zeros(M, dtype=torch.int32, device=x.device)
-    starts = torch.arange(0, M, JOB_ROWS.value, dtype=torch.int32, device=x.device)
-    jobs = Jobs(starts, (M - starts).clamp(max=JOB_ROWS.value).to(torch.int32), JOB_ROWS.value) if M > 1 else None
+    size = linear_job_rows(M)
+    starts = torch.arange(0, M, size, dtype=torch.int32, device=x.device)
+    jobs = Jobs(starts, (M - starts).clamp(max=size).to(torch.int32), size) if M > 1 else None
     xr = rotate_in(x, rows, stack, zero, uses_gemv(stack, job_rows(jobs)))
     part = exl3_rows(xr, stack, zero, jobs, cfg)
     ones = torch.ones((M, 1), dtype=torch.float32, device=x.device)

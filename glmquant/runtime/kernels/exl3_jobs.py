@@ -17,7 +17,8 @@ import triton.language as tl
 from glmquant.exl3 import EXL3Tensor
 from glmquant.runtime.kernels.exl3_decode import codebook_id
 
-JOB_ROWS = tl.constexpr(16)  # rows of one tensor-core tile: the most rows a job can hold
+JOB_ROWS = tl.constexpr(16)  # rows of one tensor-core tile: the most rows a decode-batch job holds
+LARGE_JOB_ROWS = 64  # the most rows a job holds: four tiles under one decode of its weights (prefill)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,11 @@ class GemmConfig:
 # which a batch-1 launch needs to fill the GPU; the fastest of the swept configs at batches 1, 4 and 16
 # (figures: docs/kernels.md, "Per kernel")
 ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)
+
+
+# 64-row jobs: 4 x 4-tile steps keep the 64 x 64 fp32 accumulator at 32 registers per thread (4 warps), as the
+# default's 16 x 128; not yet tuned on a GPU
+LARGE_JOBS = GemmConfig(ti=4, tj=4)
 
 
 @triton.jit
@@ -127,8 +133,13 @@ class Jobs:
     max_rows: int
 
     def __post_init__(self) -> None:
-        if not 2 <= self.max_rows <= JOB_ROWS.value:
-            raise ValueError(f"jobs hold 2 to {JOB_ROWS.value} rows (None is one row per job), not {self.max_rows}")
+        if not 2 <= self.max_rows <= LARGE_JOB_ROWS:
+            raise ValueError(f"jobs hold 2 to {LARGE_JOB_ROWS} rows (None is one row per job), not {self.max_rows}")
+
+
+def tile_rows(max_rows: int) -> int:
+    """Rows of the tensor-core core's tile for jobs of at most `max_rows` rows: 16, or 64 for larger jobs."""
+    return JOB_ROWS.value if max_rows <= JOB_ROWS.value else LARGE_JOB_ROWS
 
 
 def job_rows(jobs: Jobs | None) -> int:

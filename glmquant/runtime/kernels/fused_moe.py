@@ -27,7 +27,16 @@ from glmquant.runtime.kernels.exl3_gemm import (
 )
 from glmquant.runtime.kernels.exl3_gemv import GEMV_JOB_ROWS, uses_gemv
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT
-from glmquant.runtime.kernels.exl3_jobs import JOB_ROWS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack, job_rows
+from glmquant.runtime.kernels.exl3_jobs import (
+    JOB_ROWS,
+    LARGE_JOB_ROWS,
+    LARGE_JOBS,
+    ONE_ROW_GEMV,
+    GemmConfig,
+    Jobs,
+    WeightStack,
+    job_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,9 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
     return out
 
 
+LARGE_JOBS_FROM = 32  # routes per expert from which jobs hold 64 rows (most experts then fill a large job)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Launch shapes of one step: the most rows a job may hold and the cores' configs.
@@ -185,10 +197,14 @@ def choose_moe_config(tokens: int, routes: int, w: MoEWeights) -> MoEConfig:
     per route under 1/2 and for one token, whose routes never share an expert (at `ONE_ROW_GEMV`), GEMV jobs of
     two rows (one decode, an FMA per row) under 4, tensor-core jobs of 16 rows beyond (prefill): the measurements
     behind these thresholds are in docs/kernels.md (the switch at 4 is an estimate). Other K: one token's routes
-    take the one-row core (`exl3_gemv_kbit`), two tokens or more 16-row tensor-core jobs."""
+    take the one-row core (`exl3_gemv_kbit`), two tokens or more 16-row tensor-core jobs. Any K: from
+    LARGE_JOBS_FROM routes per expert (a prefill chunk: 4,096 tokens give 114 at 288 experts) 64-row jobs, each
+    weight block decoded once for four tiles (an estimate, not measured)."""
+    per_expert = routes / w.experts
+    if per_expert >= LARGE_JOBS_FROM:
+        return MoEConfig(LARGE_JOB_ROWS, LARGE_JOBS, LARGE_JOBS)
     if not (uses_gemv(w.gate_up, GEMV_JOB_ROWS) and uses_gemv(w.down, GEMV_JOB_ROWS)):
         return MoEConfig(1, ONE_ROW_KBIT, ONE_ROW_KBIT) if tokens == 1 else MoEConfig(JOB_ROWS.value)
-    per_expert = routes / w.experts
     if tokens == 1 or per_expert < 0.5:
         return MoEConfig(1, ONE_ROW_GEMV, ONE_ROW_GEMV)
     return MoEConfig(GEMV_JOB_ROWS if per_expert < 4 else JOB_ROWS.value)
