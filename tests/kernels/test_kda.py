@@ -19,6 +19,14 @@ def _inputs(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     return q, k, v, g, beta
 
 
+def _token(
+    i: int, *inputs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token i of q, k, v, g, beta."""
+    q, k, v, g, beta = (t[:, i : i + 1] for t in inputs)
+    return q, k, v, g, beta
+
+
 def test_verify_sized_steps_equal_one_token_steps_bit_for_bit() -> None:
     """A verify step (k + 1 tokens) and a re-run take the recurrence plain decoding takes, token for token: the
     same outputs and final state as one-token steps, exactly (speculation's greedy identity rests on it)."""
@@ -29,7 +37,7 @@ def test_verify_sized_steps_equal_one_token_steps_bit_for_bit() -> None:
     together = start.clone()
     out = kda(q, k, v, g, beta, together)
     alone = start.clone()
-    steps = [kda(*(t[:, i : i + 1] for t in (q, k, v, g, beta)), alone) for i in range(RECURRENT_TOKENS)]
+    steps = [kda(*_token(i, q, k, v, g, beta), alone) for i in range(RECURRENT_TOKENS)]
     assert torch.equal(out, torch.cat(steps, dim=1)) and torch.equal(together, alone)
 
 
@@ -39,7 +47,7 @@ def test_longer_inputs_take_the_chunked_form_of_the_same_recurrence() -> None:
     q, k, v, g, beta = _inputs(tokens, gen)
     chunked_state, stepped_state = torch.zeros(1, 2, 16, 16), torch.zeros(1, 2, 16, 16)
     out = kda(q, k, v, g, beta, chunked_state)
-    steps = [kda(*(t[:, i : i + 1] for t in (q, k, v, g, beta)), stepped_state) for i in range(tokens)]
+    steps = [kda(*_token(i, q, k, v, g, beta), stepped_state) for i in range(tokens)]
     torch.testing.assert_close(out, torch.cat(steps, dim=1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked_state, stepped_state, rtol=1e-5, atol=1e-5)
     assert not torch.equal(out, torch.cat(steps, dim=1))  # a different summation: the chunked kernel ran
