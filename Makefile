@@ -22,7 +22,7 @@ demo: setup
 	$(BIN)/glmquant demo out/tiny
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # the edit-test loop: every test not marked slow, under a minute on two idle cores
 test-fast: setup

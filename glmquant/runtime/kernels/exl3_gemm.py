@@ -242,71 +242,25 @@ def exl3_rows(
     part = torch.empty((cfg.splits(kt), P, R, nt * 16), dtype=torch.float32, device=xr.device)
     starts, counts = (jobs.starts, jobs.counts) if jobs is not None else (experts, experts)  # unread for one-row jobs
     grid = (R if jobs is None else starts.numel(), P * (nt // cfg.tj), cfg.splits(kt))
+    common_args = (part, R, V, kt, nt, HASH_MASK, HASH_FLIP)  # every core's arguments after its job tables
+    shape = {
+        "STEP_TILES": cfg.tiles_per_split(kt),
+        "K": stack.bits,
+        "CB": stack.codebook,
+        "TI": cfg.ti,
+        "TJ": cfg.tj,
+        "num_warps": cfg.num_warps,
+    }
     if gemv:
-        _exl3_gemv_kernel[grid](
-            xr,
-            stack.trellis.view(torch.int32),
-            experts,
-            starts,
-            counts,
-            part,
-            R,
-            V,
-            kt,
-            nt,
-            HASH_MASK,
-            HASH_FLIP,
-            STEP_TILES=cfg.tiles_per_split(kt),
-            K=stack.bits,
-            CB=stack.codebook,
-            JOB_ROWS_MAX=job_rows(jobs),
-            TI=cfg.ti,
-            TJ=cfg.tj,
-            PACKED=packed_gemv(xr, stack),
-            num_warps=cfg.num_warps,
+        words = stack.trellis.view(torch.int32)
+        extra = {"JOB_ROWS_MAX": job_rows(jobs), "PACKED": packed_gemv(xr, stack)}
+        _exl3_gemv_kernel[grid](xr, words, experts, starts, counts, *common_args, **shape, **extra)
+    elif jobs is None:  # one row per job at K != 2: CUDA cores, no tile of 15 empty rows
+        _exl3_row_kernel[grid](xr, stack.trellis, experts, *common_args, **shape)
+    else:
+        _exl3_rows_kernel[grid](
+            xr, stack.trellis, experts, starts, counts, *common_args, **shape, JOB_M=tile_rows(job_rows(jobs))
         )
-        return part
-    if jobs is None:  # one row per job at K != 2: CUDA cores, no tile of 15 empty rows
-        _exl3_row_kernel[grid](
-            xr,
-            stack.trellis,
-            experts,
-            part,
-            R,
-            V,
-            kt,
-            nt,
-            HASH_MASK,
-            HASH_FLIP,
-            STEP_TILES=cfg.tiles_per_split(kt),
-            K=stack.bits,
-            CB=stack.codebook,
-            TI=cfg.ti,
-            TJ=cfg.tj,
-            num_warps=cfg.num_warps,
-        )
-        return part
-    _exl3_rows_kernel[grid](
-        xr,
-        stack.trellis,
-        experts,
-        starts,
-        counts,
-        part,
-        R,
-        V,
-        kt,
-        nt,
-        HASH_MASK,
-        HASH_FLIP,
-        STEP_TILES=cfg.tiles_per_split(kt),
-        K=stack.bits,
-        CB=stack.codebook,
-        TI=cfg.ti,
-        TJ=cfg.tj,
-        JOB_M=tile_rows(job_rows(jobs)),
-        num_warps=cfg.num_warps,
-    )
     return part
 
 
@@ -349,12 +303,13 @@ def linear_job_rows(rows: int) -> int:
     return 1 if rows == 1 else JOB_ROWS.value if rows < LARGE_JOB_ROWS else LARGE_JOB_ROWS
 
 
-def linear_config(rows: int, stack: WeightStack) -> GemmConfig:
+def linear_config(rows: int, stack: WeightStack, programs: int = LINEAR_PROGRAMS) -> GemmConfig:
     """Launch shape of one linear's core for `rows` activation rows.
 
     A linear has one job per 16 rows (one per row at one row), so only column blocks and K splits make programs:
     at the expert-sized default a 4096 x 4096 linear is 128 programs at batch 1, under one per SM of an H200.
-    K is cut finer until the launch reaches LINEAR_PROGRAMS, a fixed count so every GPU sums alike; one-row
+    K is cut finer until the launch reaches `programs`, a fixed count so every GPU sums alike (Triton's CPU
+    interpreter runs programs one after another: `exl3_linear` asks it for the fewest); one-row
     products take the one-row cores' steps (`ONE_ROW_GEMV` at K2, `ONE_ROW_KBIT` otherwise).
     """
     _, _, kt, nt, _ = stack.trellis.shape
@@ -368,7 +323,7 @@ def linear_config(rows: int, stack: WeightStack) -> GemmConfig:
         if math.gcd(kt, split_tiles) % base.ti:  # splits must be whole steps
             continue
         cfg = replace(base, split_tiles=split_tiles)
-        if jobs * (nt // base.tj) * cfg.splits(kt) >= LINEAR_PROGRAMS:
+        if jobs * (nt // base.tj) * cfg.splits(kt) >= programs:
             break
     return cfg
 
@@ -383,7 +338,7 @@ def exl3_linear(
     """
     stack = tensor if isinstance(tensor, WeightStack) else WeightStack.from_tensors([[tensor]], x.device)
     M = x.shape[0]
-    cfg = cfg or linear_config(M, stack)
+    cfg = cfg or linear_config(M, stack, LINEAR_PROGRAMS if x.is_cuda else 1)
     rows = torch.arange(M, dtype=torch.int32, device=x.device)
     zero = torch.zeros(M, dtype=torch.int32, device=x.device)
     size = linear_job_rows(M)
