@@ -12,6 +12,7 @@ from observe_helpers import observe_config
 
 from glmquant.errors import GlmquantError, UsageError
 from glmquant.observe import run
+from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.run import observe
 
@@ -33,24 +34,30 @@ def _assert_same_outputs(a: Path, b: Path) -> None:
     assert sorted(p.name for p in (b / "state").iterdir()) == ["progress.json"]  # hidden streams cleaned up
 
 
-def test_killed_between_layers_resumes_identically(
-    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _killed_at_layer_2(monkeypatch: pytest.MonkeyPatch, job: ObserveConfig) -> None:
+    """Run `observe(job)` until it is killed as it starts layer 2 (a KeyboardInterrupt is what a kill looks like
+    to the code that was running); the observing pass is the real one again afterwards."""
     original = run._observe_pass
 
     def dies_at_layer_2(model, rows, config, streams, layer, *rest):
         if layer == 2:
-            raise KeyboardInterrupt  # what a kill looks like to the code that was running
+            raise KeyboardInterrupt
         return original(model, rows, config, streams, layer, *rest)
 
     monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
     with pytest.raises(KeyboardInterrupt):
-        observe(observe_config(tiny_source, tmp_path))
+        observe(job)
+    monkeypatch.setattr(run, "_observe_pass", original)
+
+
+def test_killed_between_layers_resumes_identically(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _killed_at_layer_2(monkeypatch, observe_config(tiny_source, tmp_path))
     assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
     assert not (tmp_path / "layer-02.stats.safetensors").exists()
     (tmp_path / "state" / "streams-03").mkdir()
     (tmp_path / "state" / "streams-03" / ".mix-00001.safetensors.tmp-4242").write_bytes(b"half a file from a SIGKILL")
-    monkeypatch.setattr(run, "_observe_pass", original)
     summary = observe(observe_config(tiny_source, tmp_path))
     assert summary.resumed_from_layer == 2
     _assert_same_outputs(observed, tmp_path)
@@ -156,20 +163,10 @@ def test_device_streams_give_the_same_outputs_and_resume_from_their_checkpoint(
         real_write(self, layer, chunk, streams)
 
     monkeypatch.setattr(StreamStore, "write", write)
-    original = run._observe_pass
-
-    def dies_at_layer_2(model, rows, config, streams, layer, *rest):
-        if layer == 2:
-            raise KeyboardInterrupt
-        return original(model, rows, config, streams, layer, *rest)
-
-    monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
-    with pytest.raises(KeyboardInterrupt):
-        observe(observe_config(tiny_source, tmp_path, device_streams_every=1))
+    _killed_at_layer_2(monkeypatch, observe_config(tiny_source, tmp_path, device_streams_every=1))
     assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["progress.json", "streams-02"]  # the newest only
     assert sorted(set(disk_writes)) == [1, 2]  # only the checkpoints went to disk
-    monkeypatch.setattr(run, "_observe_pass", original)
     with pytest.raises(UsageError, match="streams"):  # the streams' place is part of the fingerprint
         observe(observe_config(tiny_source, tmp_path))
     summary = observe(observe_config(tiny_source, tmp_path, device_streams_every=1))
@@ -180,18 +177,8 @@ def test_device_streams_give_the_same_outputs_and_resume_from_their_checkpoint(
 def test_device_streams_without_checkpoints_start_a_killed_run_over(
     tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = run._observe_pass
-
-    def dies_at_layer_2(model, rows, config, streams, layer, *rest):
-        if layer == 2:
-            raise KeyboardInterrupt
-        return original(model, rows, config, streams, layer, *rest)
-
-    monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
-    with pytest.raises(KeyboardInterrupt):
-        observe(observe_config(tiny_source, tmp_path, device_streams_every=0))
+    _killed_at_layer_2(monkeypatch, observe_config(tiny_source, tmp_path, device_streams_every=0))
     assert not (tmp_path / "state" / "progress.json").exists()
-    monkeypatch.setattr(run, "_observe_pass", original)
     summary = observe(observe_config(tiny_source, tmp_path, device_streams_every=0))
     assert summary.resumed_from_layer is None
     assert all(
