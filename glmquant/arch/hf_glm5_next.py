@@ -34,9 +34,18 @@ def modeling() -> ModuleType:
     return glm
 
 
+def reference(name: str) -> Callable[..., Any]:
+    """transformers' own PyTorch function `name` (one of KERNEL_FUNCTIONS), never a package's kernel."""
+    return _reference(getattr(modeling(), name))
+
+
+def _reference(wrapped: Callable[..., Any]) -> Callable[..., Any]:
+    return getattr(wrapped, "__wrapped__", wrapped)  # the hub-kernel wrapper (and ours) keep the function they wrap
+
+
 def _route_by_device(wrapped: Callable[..., Any]) -> Callable[..., Any]:
     """`wrapped` (transformers' hub-kernel wrapper) for CUDA inputs, the PyTorch function it wraps for others."""
-    reference = getattr(wrapped, "__wrapped__", wrapped)
+    reference = _reference(wrapped)
 
     @functools.wraps(reference)
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -13,6 +13,7 @@ from functools import cache
 
 import torch
 
+from glmquant.arch.hf_glm5_next import reference
 from glmquant.runtime.kernels.availability import FLA_AVAILABLE
 
 KDAFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -26,17 +27,13 @@ def uses_fla(device: torch.device) -> bool:
 
 @cache
 def _functions(fla: bool) -> tuple[KDAFunction, KDAFunction]:
-    """(recurrent, chunked) implementations: fla's, or the torch functions transformers falls back to."""
+    """(recurrent, chunked) implementations: fla's, or the torch functions transformers falls back to (its
+    hub-kernel wrappers would pick fla themselves)."""
     if fla:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
         return fused_recurrent_kda, chunk_kda
-    from transformers.models.glm5_next import modeling_glm5_next as glm
-
-    def unwrap(fn: Callable) -> Callable:
-        return getattr(fn, "__wrapped__", fn)  # the hub-kernel wrapper may pick fla itself
-
-    return unwrap(glm.recurrent_kimi_delta_attention), unwrap(glm.chunk_kimi_delta_attention)
+    return reference("recurrent_kimi_delta_attention"), reference("chunk_kimi_delta_attention")
 
 
 def kda(
