@@ -57,10 +57,7 @@ class Exl3Linear(nn.Module):
             return F.linear(x, self.weight)
         from glmquant.runtime.kernels.exl3_gemm import exl3_linear  # imports triton: only on this path
 
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] == 0:
-            return x.new_zeros((*x.shape[:-1], self.out_features))
-        return exl3_linear(flat.contiguous(), self.exl3()).reshape(*x.shape[:-1], self.out_features)
+        return exl3_linear(x, self.exl3())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, K={self.bits}, mode={self.mode}"

@@ -22,26 +22,21 @@ class Exl3Proj:
     weight [out, in]."""
 
     blocks: tuple[Any, ...]  # WeightStack (imports triton, so not named here) | torch.Tensor
-    in_features: int
-    out_features: int
     nbytes: int  # what a step reads: the EXL3 tensors' storage plus the dense blocks
 
     @classmethod
     def build(cls, blocks: list[EXL3Tensor | torch.Tensor], device: torch.device) -> Exl3Proj:
         from glmquant.runtime.kernels.exl3_jobs import WeightStack  # imports triton: only on this path
 
-        out, nbytes, prepared = 0, 0, list[Any]()
+        nbytes, prepared = 0, list[Any]()
         for b in blocks:
             if isinstance(b, EXL3Tensor):
-                prepared.append(WeightStack.from_tensors([[b]], device))
-                out += b.out_features
+                prepared.append(WeightStack.single(b, device))
                 nbytes += EXL3Tensor.storage_bytes(b.in_features, b.out_features, b.bits, b.codebook)
             else:
                 prepared.append(b)
-                out += b.shape[0]
                 nbytes += b.nbytes
-        first = blocks[0]
-        return cls(tuple(prepared), first.in_features if isinstance(first, EXL3Tensor) else first.shape[1], out, nbytes)
+        return cls(tuple(prepared), nbytes)
 
 
 Proj = torch.Tensor | Exl3Proj
@@ -53,8 +48,4 @@ def project(x: torch.Tensor, w: Proj) -> torch.Tensor:
         return F.linear(x, w)
     from glmquant.runtime.kernels.exl3_gemm import exl3_linear
 
-    flat = x.reshape(-1, w.in_features).contiguous()
-    if flat.shape[0] == 0:
-        return x.new_zeros((*x.shape[:-1], w.out_features))
-    outs = [F.linear(flat, b) if isinstance(b, torch.Tensor) else exl3_linear(flat, b) for b in w.blocks]
-    return torch.cat(outs, dim=-1).reshape(*x.shape[:-1], w.out_features)
+    return torch.cat([F.linear(x, b) if isinstance(b, torch.Tensor) else exl3_linear(x, b) for b in w.blocks], dim=-1)

@@ -333,11 +333,15 @@ def exl3_linear(
 ) -> torch.Tensor:
     """y = x @ W.T for one EXL3 linear.
 
-    x is [M, in_features] of any float dtype; y is [M, out_features] in x's dtype, or out's when given. `cfg`
-    defaults to `linear_config`'s.
+    x is [..., in_features] of any float dtype; y is [..., out_features] in x's dtype, or out's ([M, out_features]
+    for a 2-D x) when given. `cfg` defaults to `linear_config`'s.
     """
-    stack = tensor if isinstance(tensor, WeightStack) else WeightStack.from_tensors([[tensor]], x.device)
+    stack = tensor if isinstance(tensor, WeightStack) else WeightStack.single(tensor, x.device)
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
     M = x.shape[0]
+    if M == 0:
+        return x.new_zeros((*lead, stack.out_features))
     cfg = cfg or linear_config(M, stack, LINEAR_PROGRAMS if x.is_cuda else 1)
     rows = torch.arange(M, dtype=torch.int32, device=x.device)
     zero = torch.zeros(M, dtype=torch.int32, device=x.device)
@@ -348,4 +352,4 @@ def exl3_linear(
     part = exl3_rows(xr, stack, zero, jobs, cfg)
     ones = torch.ones((M, 1), dtype=torch.float32, device=x.device)
     out = torch.empty((M, stack.out_features), dtype=x.dtype, device=x.device) if out is None else out
-    return rotate_out(part, rows, ones, zero, stack, out)
+    return rotate_out(part, rows, ones, zero, stack, out).view(*lead, stack.out_features)

@@ -95,6 +95,12 @@ class WeightStack:
         return self.trellis.shape[-1] // 16
 
     @classmethod
+    def single(cls, t: EXL3Tensor, device: torch.device | str) -> WeightStack:
+        """One linear as a stack (P = V = 1): views of its tensors on `device`, copied only to move them there."""
+        parts = (t.trellis.to(device)[None, None], t.suh.to(device)[None, None], t.svh.to(device)[None, None])
+        return cls(*parts, codebook_id(t.codebook), t.in_features, t.out_features)
+
+    @classmethod
     def from_tensors(cls, groups: list[list[EXL3Tensor]], device: torch.device | str) -> WeightStack:
         """Stack groups[p][v]; every tensor must share shape, bits and codebook (ValueError naming the first misfit)."""
         first = groups[0][0]
