@@ -303,7 +303,7 @@ class Bench:
         self.best_hessians: tuple[str, float | None] | None = None
         self.record: dict[str, Any] = {
             "format": "glmquant.bench_fidelity.v1",
-            "commit": _commit(),
+            "commit": args.commit or _commit(),
             "device": _device_name(args.device),
             "layout": args.layout,
             "calibration": {"rows": args.rows, "tokens": args.tokens},
@@ -560,6 +560,7 @@ def main() -> None:
     ap.add_argument("--recipes", default=None, help="comma-separated subset of the rows (default: all)")
     ap.add_argument("--no-exllamav3", dest="exllamav3", action="store_false", help="skip ExLlamaV3's converter")
     ap.add_argument("--keep-artifacts", action="store_true")
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, where git runs)")
     ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds for this proxy")
     os.environ.setdefault("SOURCE_DATE_EPOCH", "1767225600")
     Bench(ap.parse_args()).run()
