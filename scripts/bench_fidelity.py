@@ -225,15 +225,16 @@ def routed_bytes(artifact: Path) -> tuple[int, float]:
 
 
 def artifact_experts(
-    artifact: Path, keep: dict[int, list[int]] | None, source_experts: int
+    artifact: Path, keep: dict[int, list[int]] | None, source_experts: int, device: str
 ) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict[int, list[int]]]:
-    """Decoded routed experts of an artifact by (layer, source expert), and the source experts it dropped."""
+    """Decoded routed experts of an artifact by (layer, source expert), decoded on `device`, and the source
+    experts it dropped."""
     art = open_artifact(artifact)
     out, pruned = {}, {}
     for layer in art.quantized_layers:
         kept = keep[layer] if keep else list(range(source_experts))
         for new_id, source_id in enumerate(kept):
-            out[(layer, source_id)] = {p: art.decode_expert(layer, new_id, p) for p in PROJECTIONS}
+            out[(layer, source_id)] = {p: art.decode_expert(layer, new_id, p, device=device) for p in PROJECTIONS}
         if keep:
             pruned[layer] = sorted(set(range(source_experts)) - set(kept))
     art.checkpoint.close()
@@ -427,7 +428,8 @@ class Bench:
         assert result is not None  # one process: it writes the artifact
         encode_s = time.monotonic() - t0
         nbytes, bpw = routed_bytes(out)
-        experts, pruned = artifact_experts(out, keep, self.spec.n_routed_experts)
+        experts, pruned = artifact_experts(out, keep, self.spec.n_routed_experts, self.args.device)
+        decode_s = time.monotonic() - t0 - encode_s
         metrics = self.measure(experts, pruned)
         self.add(
             {
@@ -437,7 +439,9 @@ class Bench:
                 **metrics,
                 **{k: v for k, v in asdict(replace(recipe, hessians=hessians, blend=blend)).items() if k != "name"},
                 "manifest_sha256": result.artifact.manifest_sha256,
-                "encode_seconds": round(encode_s, 1),
+                "encode_seconds": round(encode_s, 1),  # observations to a verified artifact
+                "decode_seconds": round(decode_s, 1),
+                "measure_seconds": round(time.monotonic() - t0 - encode_s - decode_s, 1),
             }
         )
         if not self.args.keep_artifacts:
@@ -532,7 +536,7 @@ def _proxy_facts(proxy: Path) -> dict[str, Any]:
     record = json.loads(path.read_text())
     return {
         k: record.get(k)
-        for k in ("heldout_ppl", "shape", "steps_done", "stopped_early", "tokenizer_sha256", "train_seconds")
+        for k in ("heldout_ppl", "shape", "steps_done", "resumed_at", "tokenizer_sha256", "train_seconds")
     } | {"routing": record.get("routing", {}).get("verdict")}
 
 

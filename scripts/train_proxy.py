@@ -7,19 +7,24 @@ small GLM-5.3-Flash-architecture model from a fixed seed, written as a BF16 sour
     python scripts/train_proxy.py --out /tmp/proxy-smoke --device cpu --smoke
 
 Writes OUT/proxy.json (held-out perplexity, routing check, loss curve) and OUT/model (the checkpoint that
-scripts/bench_fidelity.py quantizes); the same command on the same machine gives the same model.
+scripts/bench_fidelity.py quantizes); the same command on the same machine gives the same model. Training pauses
+at --max-minutes (wall time of the whole command), on Ctrl-C or SIGTERM, saving OUT/train_state.pt, and exits 3;
+the same command then continues from there to the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import fields
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
 
 from glmquant.proxy.train import PROXY_SHAPE, SMOKE_SHAPE, TrainConfig, train_proxy
+
+PAUSED_EXIT = 3  # training paused (--max-minutes, Ctrl-C, SIGTERM): the same command continues it
 
 SMOKE = dict(
     corpus_bytes=2_000_000,
@@ -48,6 +53,7 @@ def main() -> None:
         "warmup_steps",
         "corpus_bytes",
         "max_minutes",
+        "checkpoint_every",
         "heldout_rows",
         "calibration_rows",
         "log_every",
@@ -61,7 +67,9 @@ def main() -> None:
     args = ap.parse_args()
     given = {k: v for k, v in vars(args).items() if v is not None and k in defaults and k != "out"}
     preset = {**SMOKE, "shape": SMOKE_SHAPE} if args.smoke else {"shape": PROXY_SHAPE}
-    train_proxy(TrainConfig(out=args.out, **{**preset, **given}))
+    record = train_proxy(TrainConfig(out=args.out, **{**preset, **given}))
+    if record.get("paused"):
+        sys.exit(PAUSED_EXIT)
 
 
 if __name__ == "__main__":

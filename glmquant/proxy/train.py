@@ -18,9 +18,9 @@ reads the model's final hidden state h_i (after its final norm, as the runtime f
 predicts t_{i+2}; the loss is the main LM loss + `mtp_loss_weight` x the MTP loss, jointly from the first step
 (h_i not detached: the release's MTP layer was trained so, and h_i then carries what the layer needs; the MTP
 router is balanced like the model's). `mtp_loss_weight` 0 writes the layer untrained (made up from the seed).
-Training runs in float32 (TF32 matmuls on a GPU) with transformers' grouped-GEMM expert path (its per-expert
-loop ran 46 tokens/s on an H200, far too slow): the same dtypes and code on the CPU and the GPU, so the CPU smoke
-test covers the GPU path; the checkpoint is cast to BF16 when written.
+Training runs in float32 (TF32 matmuls on a GPU) with transformers' grouped-GEMM expert path (one GEMM per
+projection, not a loop over the experts): the same dtypes and code on the CPU and the GPU, so the CPU smoke test
+covers the GPU path; the checkpoint is cast to BF16 when written.
 `--dtype bfloat16` trains in BF16 throughout instead (weights, activations and AdamW state), a fallback.
 
 Reproducible: the seed fixes the corpus, the tokenizer, the initial weights and the batches, and training runs
@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -86,6 +89,9 @@ SMOKE_SHAPE = TinyModelConfig(
     index_topk=32,
 )
 VOCAB_MULTIPLE = 64
+STATE_NAME = "train_state.pt"
+# settings that do not change the trained weights: a run may resume with other values of these
+RESUME_FREE = ("out", "max_minutes", "checkpoint_every", "log_every", "heldout_rows", "calibration_rows")
 TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -105,11 +111,14 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     bias_update_rate: float = 1e-3
-    max_minutes: float | None = None  # stop early past this (recorded: the result is then not reproducible)
+    max_minutes: float | None = None  # pause (state saved, resumable) once this much wall time has passed
+    # steps between saved training states besides the pauses and the end (0: none); a state is ~2.2 GB at
+    # PROXY_SHAPE (fp32 weights and AdamW moments), seconds to write
+    checkpoint_every: int = 0
     heldout_rows: int = 64
     calibration_rows: int = 64  # rows of the routing check
     log_every: int = 50
-    # transformers' grouped GEMM over experts: 29k tokens/s on an H200 where its per-expert loop ran 46 tokens/s
+    # transformers' grouped GEMM over experts (one GEMM per projection instead of a loop over the experts)
     experts_implementation: str = EXPERTS_IMPLEMENTATION
     dtype: str = "float32"  # weights and activations; "bfloat16" is the fallback should a GPU kernel refuse float32
     mtp_loss_weight: float = 0.3  # lambda of the MTP loss (DeepSeek-V3's early value); 0: MTP layer not trained
@@ -118,6 +127,8 @@ class TrainConfig:
         for name in ("steps", "batch_rows", "seq_len", "heldout_rows", "calibration_rows", "log_every"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise UsageError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if not self.lr > 0 or not 0 <= self.min_lr_fraction <= 1 or self.warmup_steps < 0:
             raise UsageError("--lr must be positive, --min-lr-fraction in [0, 1], --warmup-steps >= 0")
         if self.max_minutes is not None and not self.max_minutes > 0:
@@ -166,6 +177,61 @@ class LoadBalancer:
             router.e_score_correction_bias.add_(self.rate * torch.sign(mean - count))
             count.zero_()
         return worst
+
+
+def settings_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings a saved training state depends on (every field but RESUME_FREE), as plain data."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k not in RESUME_FREE}
+
+
+def save_train_state(path: Path, cfg: TrainConfig, state: dict[str, Any]) -> None:
+    """Write the training state atomically (a temporary file renamed over it): a kill mid-write keeps the last."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save({"format": "glmquant.proxy-train-state.v1", "settings": settings_fingerprint(cfg), **state}, partial)
+    os.replace(partial, path)
+
+
+def load_train_state(path: Path, cfg: TrainConfig) -> dict[str, Any]:
+    """A saved training state to resume from, refused (naming the file and the settings) when it cannot be read
+    or was written with settings that change the weights."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)  # RNG states must stay on the CPU
+    except Exception as exc:  # noqa: BLE001 - any unreadable file: the message names it and the way out
+        raise UsageError(f"{path}: cannot read the saved training state ({exc}); delete it to start over") from None
+    if not isinstance(state, dict) or state.get("format") != "glmquant.proxy-train-state.v1":
+        raise UsageError(f"{path}: not a proxy training state; delete it to start over")
+    ours = settings_fingerprint(cfg)
+    differ = sorted(k for k in ours.keys() | state["settings"].keys() if ours.get(k) != state["settings"].get(k))
+    if differ:
+        raise UsageError(
+            f"{path} was saved with other settings ({', '.join(differ)}): resume with the same ones, or delete it "
+            "to start over"
+        )
+    return state
+
+
+class StopRequests:
+    """Within the block, Ctrl-C and SIGTERM ask the training loop to pause at the end of the step under way
+    (`requested` names the signal); a second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, _frame: Any) -> None:
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handler)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def token_stream(tokenizer: Any, texts: list[str]) -> torch.Tensor:
@@ -245,24 +311,38 @@ def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int) -> float:
 
 
 def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Corpus, tokenizer, training, checkpoint and checks; returns (and writes) the record."""
-    from transformers import Glm5NextForConditionalGeneration
+    """Corpus, tokenizer, training, checkpoint and checks; returns (and writes) the record.
+
+    Resumable: the training state is saved to OUT/train_state.pt every `checkpoint_every` steps, when
+    `max_minutes` is reached, and on Ctrl-C or SIGTERM (at the end of the step under way); the same command then
+    continues from it, to the same weights an uninterrupted run gives. A paused run returns `{"paused": True,
+    ...}` and writes no model; the state is removed once proxy.json is written."""
+    from transformers import AutoTokenizer, Glm5NextForConditionalGeneration
 
     started = time.monotonic()
-    corpus_dir, model_dir = cfg.out / "corpus", cfg.out / "model"
-    recipe = load_corpus_recipe(cfg.corpus_recipe)
-    recipe = recipe.scaled(cfg.corpus_bytes) if cfg.corpus_bytes else recipe
-    corpus = build_corpus(recipe, corpus_dir)
+    corpus_dir, model_dir, state_path = cfg.out / "corpus", cfg.out / "model", cfg.out / STATE_NAME
+    state = load_train_state(state_path, cfg) if state_path.is_file() else None
+    tokenizer: Any  # transformers' fast tokenizer, trained here or read back
+    if state is None:
+        recipe = load_corpus_recipe(cfg.corpus_recipe)
+        recipe = recipe.scaled(cfg.corpus_bytes) if cfg.corpus_bytes else recipe
+        corpus = build_corpus(recipe, corpus_dir)
+        texts = read_split(corpus_dir, "train")
+        tokenizer = train_tokenizer(texts, cfg.shape.vocab_size)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(model_dir)
+        stream = token_stream(tokenizer, texts)
+    else:  # the corpus, tokenizer and token stream of the run being resumed
+        corpus, stream = state["corpus"], state["stream"]
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if tokenizer_sha256(tokenizer) != state["tokenizer_sha256"]:
+            raise UsageError(f"{model_dir}: the tokenizer differs from the one {state_path} was trained with")
+        log(f"resuming from {state_path} after step {state['steps_done']}")
     log(
         f"corpus: {json.dumps({k: (v['documents'], v['bytes']) for k, v in corpus['splits'].items()})}, "
         f"{len(corpus['languages'])} languages"
     )
-    texts = read_split(corpus_dir, "train")
-    tokenizer = train_tokenizer(texts, cfg.shape.vocab_size)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(model_dir)
     shape = replace(cfg.shape, vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
-    stream = token_stream(tokenizer, texts)
     heldout = split_rows(corpus_dir, "heldout", cfg.heldout_rows, cfg.seq_len, tokenizer)
     split_recipe(corpus_dir, "calibration", cfg.calibration_rows, cfg.seq_len)
     log(
@@ -295,51 +375,91 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
         betas=(0.9, 0.95),
         eps=1e-8,
     )
-
     sampler = torch.Generator().manual_seed(cfg.seed)
-    curve, stopped_early, step = [], False, 0
+    curve: list[dict[str, Any]] = []
+    resumed_at: list[int] = []
+    first, earlier_seconds = 0, 0.0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        if mtp is not None:
+            mtp.load_state_dict(state["mtp"])
+        optimizer.load_state_dict(state["optimizer"])
+        sampler.set_state(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        first, curve, earlier_seconds = state["steps_done"], state["loss_curve"], state["train_seconds"]
+        resumed_at = [*state["resumed_at"], first]
+
+    def save_state(steps_done: int) -> None:
+        save_train_state(
+            state_path,
+            cfg,
+            {
+                "steps_done": steps_done,
+                "resumed_at": resumed_at,
+                "loss_curve": curve,
+                "train_seconds": earlier_seconds + time.monotonic() - train_started,
+                "model": model.state_dict(),
+                "mtp": mtp.state_dict() if mtp is not None else None,
+                "optimizer": optimizer.state_dict(),
+                "sampler": sampler.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "corpus": corpus,
+                "stream": stream,
+                "tokenizer_sha256": tokenizer_sha256(tokenizer),
+            },
+        )
+
     train_started = time.monotonic()
-    for step in range(cfg.steps):
-        starts = torch.randint(0, stream.numel() - cfg.seq_len - 1, (cfg.batch_rows,), generator=sampler)
-        batch = torch.stack([stream[s : s + cfg.seq_len + 1] for s in starts.tolist()]).long().to(device)
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr_at(step)
-        hidden = text(input_ids=batch[:, :-1]).last_hidden_state
-        loss = F.cross_entropy(model.lm_head(hidden).float().flatten(0, 1), batch[:, 1:].flatten())
-        total, mtp_loss = loss, None
-        if mtp is not None:  # t_{i+2} from h_i and t_{i+1}: every input position but the last
-            logits = mtp_logits(mtp, hidden, batch).float()
-            mtp_loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 2:].flatten())
-            total = loss + cfg.mtp_loss_weight * mtp_loss
-        optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        imbalance = balancer.step()
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            elapsed = time.monotonic() - train_started
-            curve.append(
-                {
-                    "step": step,
-                    "loss": round(loss.item(), 4),
-                    **({"mtp_loss": round(mtp_loss.item(), 4)} if mtp_loss is not None else {}),
-                    "load_imbalance": round(imbalance, 3),
-                    "seconds": round(elapsed, 1),
-                }
-            )
-            log(
-                f"step {step}: loss {loss.item():.4f}"
-                + (f", MTP loss {mtp_loss.item():.4f}" if mtp_loss is not None else "")
-                + f", load imbalance {imbalance:.2f}, "
-                f"{(step + 1) * cfg.batch_rows * cfg.seq_len / max(elapsed, 1e-9):,.0f} tokens/s"
-            )
-        if cfg.max_minutes is not None and time.monotonic() - train_started > 60 * cfg.max_minutes:
-            stopped_early = True
-            log(f"stopped after step {step}: --max-minutes {cfg.max_minutes} reached (not reproducible)")
-            break
-    train_seconds = time.monotonic() - train_started
-    torch.use_deterministic_algorithms(deterministic)
-    torch.set_float32_matmul_precision(precision)
+    try:
+        with StopRequests() as stop:
+            for step in range(first, cfg.steps):
+                starts = torch.randint(0, stream.numel() - cfg.seq_len - 1, (cfg.batch_rows,), generator=sampler)
+                batch = torch.stack([stream[s : s + cfg.seq_len + 1] for s in starts.tolist()]).long().to(device)
+                for group in optimizer.param_groups:
+                    group["lr"] = cfg.lr_at(step)
+                hidden = text(input_ids=batch[:, :-1]).last_hidden_state
+                loss = F.cross_entropy(model.lm_head(hidden).float().flatten(0, 1), batch[:, 1:].flatten())
+                total, mtp_loss = loss, None
+                if mtp is not None:  # t_{i+2} from h_i and t_{i+1}: every input position but the last
+                    logits = mtp_logits(mtp, hidden, batch).float()
+                    mtp_loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 2:].flatten())
+                    total = loss + cfg.mtp_loss_weight * mtp_loss
+                optimizer.zero_grad(set_to_none=True)
+                total.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                imbalance = balancer.step()
+                if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                    elapsed = time.monotonic() - train_started
+                    curve.append(
+                        {
+                            "step": step,
+                            "loss": round(loss.item(), 4),
+                            **({"mtp_loss": round(mtp_loss.item(), 4)} if mtp_loss is not None else {}),
+                            "load_imbalance": round(imbalance, 3),
+                            "seconds": round(earlier_seconds + elapsed, 1),
+                        }
+                    )
+                    log(
+                        f"step {step}: loss {loss.item():.4f}"
+                        + (f", MTP loss {mtp_loss.item():.4f}" if mtp_loss is not None else "")
+                        + f", load imbalance {imbalance:.2f}, "
+                        f"{(step + 1 - first) * cfg.batch_rows * cfg.seq_len / max(elapsed, 1e-9):,.0f} tokens/s"
+                    )
+                out_of_time = cfg.max_minutes is not None and time.monotonic() - started > 60 * cfg.max_minutes
+                if step + 1 < cfg.steps and (out_of_time or stop.requested):
+                    save_state(step + 1)
+                    why = f"--max-minutes {cfg.max_minutes} reached" if out_of_time else f"{stop.requested} received"
+                    log(f"paused after step {step} ({why}): the same command continues from {state_path}")
+                    return {"paused": True, "steps_done": step + 1, "state": str(state_path)}
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                    save_state(step + 1)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_float32_matmul_precision(precision)
+    if first < cfg.steps:  # a crash or kill in the checks below does not cost the training
+        save_state(cfg.steps)
+    train_seconds = earlier_seconds + time.monotonic() - train_started
     ppl = perplexity(model, heldout.to(device), cfg.batch_rows)
     log(f"held-out perplexity {ppl:.3f} ({heldout.numel():,} tokens)")
     mtp_record = mtp_heldout(model, mtp, heldout.to(device), cfg.batch_rows) if mtp is not None else None
@@ -365,8 +485,8 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
         "tokenizer_vocab": len(tokenizer),
         "train_tokens": stream.numel(),
-        "steps_done": step + 1,
-        "stopped_early": stopped_early,
+        "steps_done": cfg.steps,
+        "resumed_at": resumed_at,
         "train_seconds": round(train_seconds, 1),
         "loss_curve": curve,
         "heldout_ppl": ppl,
@@ -378,6 +498,7 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
         "seconds": round(time.monotonic() - started, 1),
     }
     (cfg.out / "proxy.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    state_path.unlink(missing_ok=True)
     return record
 
 

@@ -72,11 +72,19 @@ class Artifact:
         except ValueError as exc:
             raise CheckpointFormatError(f"{self.path}: {exc}") from None
 
-    def decode_expert(self, layer: int, expert: int, proj: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """One logical expert's projection as its HF (out, in) weight: the rank slices decoded and concatenated
-        (gate/up along the output dim, down along the input dim)."""
+    def decode_expert(
+        self,
+        layer: int,
+        expert: int,
+        proj: str,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        """One logical expert's projection as its HF (out, in) weight, decoded on `device`: the rank slices decoded
+        and concatenated (gate/up along the output dim, down along the input dim)."""
         parts = [
-            decode_weight(self.read_expert(layer, expert * self.ranks + r, proj), dtype) for r in range(self.ranks)
+            decode_weight(self.read_expert(layer, expert * self.ranks + r, proj, device), dtype)
+            for r in range(self.ranks)
         ]
         return torch.cat(parts, dim=1 if proj == "down_proj" else 0)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from glmquant.arch import load_model_spec, table_for
 from glmquant.errors import UsageError
 from glmquant.fixtures.random_artifact import build_artifact
 from glmquant.fixtures.tiny import TinyModelConfig
-from glmquant.proxy.train import TrainConfig, build_mtp, train_proxy
+from glmquant.proxy.train import STATE_NAME, StopRequests, TrainConfig, build_mtp, load_train_state, train_proxy
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -32,7 +34,8 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_record_and_checkpoint(smoke_proxy: Path) -> None:
     record = json.loads((smoke_proxy / "proxy.json").read_text())
-    assert record["steps_done"] == 3 and not record["stopped_early"] and record["heldout_ppl"] > 1
+    assert record["steps_done"] == 3 and record["resumed_at"] == [] and record["heldout_ppl"] > 1
+    assert not (smoke_proxy / "train_state.pt").exists()  # removed once the record is written
     assert len(record["loss_curve"]) == 3 and record["routing"]["layers"].keys() == {"1", "2", "3"}
     assert {"load_imbalance", "experts_without_tokens", "reap_cv"} <= set(record["routing"]["layers"]["1"])
     spec = load_model_spec(smoke_proxy / "model" / "config.json")
@@ -120,10 +123,39 @@ def test_mtp_loss_weight_is_checked() -> None:
 
 
 @pytest.mark.slow
-def test_same_seed_same_weights(corpus_recipe: Path, smoke_proxy: Path, tmp_path: Path) -> None:
-    train_proxy(smoke_config(tmp_path, corpus_recipe), log=lambda _line: None)
+def test_paused_training_resumes_to_the_uninterrupted_weights(
+    corpus_recipe: Path, smoke_proxy: Path, tmp_path: Path
+) -> None:
+    """Two pauses (--max-minutes) and a resume give the bytes of the uninterrupted run from the same seed;
+    a paused run writes no model, and resuming with settings that change the weights is refused."""
+    quiet = {"log": lambda _line: None}
+    for steps_done in (1, 2):
+        paused = train_proxy(smoke_config(tmp_path, corpus_recipe, max_minutes=1e-9), **quiet)
+        assert paused == {"paused": True, "steps_done": steps_done, "state": str(tmp_path / STATE_NAME)}
+        assert not (tmp_path / "proxy.json").exists() and not list((tmp_path / "model").glob("*.safetensors"))
+    with pytest.raises(UsageError, match=r"train_state\.pt was saved with other settings \(lr\)"):
+        train_proxy(smoke_config(tmp_path, corpus_recipe, lr=1e-3), **quiet)
+    record = train_proxy(smoke_config(tmp_path, corpus_recipe), **quiet)
+    assert record["resumed_at"] == [1, 2] and record["steps_done"] == 3
+    assert [e["step"] for e in record["loss_curve"]] == [0, 1, 2]
     ours, theirs = _weights(smoke_proxy / "model"), _weights(tmp_path / "model")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert not (tmp_path / STATE_NAME).exists()
+
+
+def test_unreadable_training_state_is_refused_by_name(tmp_path: Path) -> None:
+    state = tmp_path / STATE_NAME
+    state.write_bytes(b"not a torch file")
+    with pytest.raises(UsageError, match=r"train_state\.pt: cannot read the saved training state .*delete it"):
+        load_train_state(state, TrainConfig(out=tmp_path, device="cpu"))
+
+
+def test_sigterm_asks_the_loop_to_pause_and_the_handlers_come_back() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequests() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == "SIGTERM"  # the process lives on; the loop pauses at the end of its step
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_learning_rate_schedule() -> None:
