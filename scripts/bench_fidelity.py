@@ -49,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from glmquant.arch import PROJECTIONS, load_model_spec
+from glmquant.arch import PROJECTIONS, load_model_spec, table_for
+from glmquant.arch.module_map import layer_plan
 from glmquant.checkpoint.exl3_groups import exl3_groups
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode import EncodeConfig, encode_artifact
@@ -66,6 +67,8 @@ AT_SEED_BYTES = 1.01  # rows with at most this times the seed's routed bytes com
 PRUNED_BIAS = -1e4  # router correction bias of a pruned expert: never among the top-k
 EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.trellis$")
 HESSIAN_ROWS = ("seed", "all-token", "blend-0.5")
+ROUTED_KEY = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.")
+MTP_PROMPT_TOKENS = 128  # held-out prompt length of the MTP acceptance run (at most half a held-out row)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Recipe:
     keep: int | None = None
     observations: str = "full"  # full | small (a quarter of the calibration rows)
     reference: bool = False  # above the seed's bytes on purpose
+    retained_bits: int | None = None  # the speed tier: retained linears EXL3 at this K (issue 18's KL cost)
 
 
 def recipes(experts: int) -> list[Recipe]:
@@ -148,6 +152,15 @@ def recipes(experts: int) -> list[Recipe]:
             bits=4,
             reference=True,
         ),
+        *(
+            Recipe(
+                f"retained-k{k}",
+                f"the speed tier (issue 18): the seed's experts, and the retained linears EXL3 K{k} with their "
+                "dense Hessians; kl_cost_ratio = KL of the retained linears alone over the seed's (experts') KL",
+                retained_bits=k,
+            )
+            for k in (4, 5, 6)
+        ),
     ]
 
 
@@ -173,12 +186,22 @@ class PatchedProxy:
             for i, m in self.layers.items()
         }
 
+        self.linears: dict[str, torch.Tensor] = {}  # originals of the linears a speed-tier row replaced
+
     @torch.no_grad()
     def set_experts(
-        self, experts: dict[tuple[int, int], dict[str, torch.Tensor]], pruned: dict[int, list[int]]
+        self,
+        experts: dict[tuple[int, int], dict[str, torch.Tensor]],
+        pruned: dict[int, list[int]],
+        linears: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """experts[(layer, source expert)][proj] = HF (out, in) weight; pruned[layer] = source experts dropped."""
+        """experts[(layer, source expert)][proj] = HF (out, in) weight; pruned[layer] = source experts dropped;
+        linears[parameter name] = a retained linear's weight."""
         self.restore()
+        for name, weight in (linears or {}).items():
+            param = self.model.get_parameter(name)
+            self.linears[name] = param.detach().clone()
+            param.copy_(weight.to(param))
         for (layer, e), w in experts.items():
             mlp = self.layers[layer]
             mlp.experts.gate_up_proj[e] = torch.cat((w["gate_proj"], w["up_proj"])).to(mlp.experts.gate_up_proj)
@@ -188,6 +211,9 @@ class PatchedProxy:
 
     @torch.no_grad()
     def restore(self) -> None:
+        for name, weight in self.linears.items():
+            self.model.get_parameter(name).copy_(weight)
+        self.linears.clear()
         for i, (gate_up, down, bias) in self.original.items():
             m = self.layers[i]
             m.experts.gate_up_proj.copy_(gate_up)
@@ -217,7 +243,7 @@ def routed_bytes(artifact: Path) -> tuple[int, float]:
     with SourceCheckpoint.open(artifact) as ckpt:
         specs = [ckpt.spec(n) for n in ckpt.names()]
         spec = load_model_spec(ckpt.config_path)
-    groups = exl3_groups(specs)
+    groups = {k: g for k, g in exl3_groups(specs).items() if ROUTED_KEY.search(k + ".")}  # not retained linears
     total = sum(p.nbytes for g in groups.values() for p in g.parts.values())
     trellis = sum(g.parts["trellis"].nbytes for g in groups.values() if "trellis" in g.parts)
     weights = len(spec.moe_layers) * spec.n_routed_experts * 3 * spec.hidden_size * spec.moe_intermediate_size
@@ -239,6 +265,74 @@ def artifact_experts(
             pruned[layer] = sorted(set(range(source_experts)) - set(kept))
     art.checkpoint.close()
     return out, pruned
+
+
+def artifact_linears(artifact: Path, device: str) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Decoded retained linears of a speed-tier artifact by the transformers model's parameter name (the MTP
+    layer's left out: the KL is measured without it), their EXL3 bytes and their BF16 bytes."""
+    art = open_artifact(artifact)
+    spec, table = art.spec, table_for(art.spec)
+    out, exl3_bytes, bf16_bytes = {}, 0, 0
+    for layer in sorted({lin.layer for lin in art.retained_linears.values()} - set(spec.mtp_layers)):
+        targets = {p.source: p.target for p in layer_plan(spec, layer, spec.moe_intermediate_size).placements}
+        for linear in (lin for lin in art.retained_linears.values() if lin.layer == layer):
+            tensor = art.read_linear(linear, device)
+            out[table.layer_prefix(layer) + targets[linear.source]] = decode_weight(tensor, torch.float32)
+            exl3_bytes += sum(t.numel() * t.element_size() for t in tensor.tensors(linear.key).values())
+            bf16_bytes += 2 * linear.in_features * linear.out_features
+    art.checkpoint.close()
+    return out, exl3_bytes, bf16_bytes
+
+
+def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, device: str) -> dict[str, Any]:
+    """Greedy speculative decoding of `prompts` [N, T] with the artifact's own MTP layer drafting k = 1..3 tokens
+    (runtime.mtp_decoder.MtpDecoder on the runtime's load of the artifact): acceptance rate, tokens per verify step
+    (accepted + 1) and whether every output equals plain greedy decoding, the figures issue 18's MTP speedup
+    projection takes (docs/speculative.md)."""
+    from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
+    from glmquant.runtime.loader import load_model
+    from glmquant.runtime.mtp_decoder import MtpDecoder
+    from glmquant.runtime.options import RuntimeOptions
+    from glmquant.runtime.speculative import SpecStats, SpeculativeConfig
+
+    on_cuda = torch.device(device).type == "cuda"
+    options = RuntimeOptions(
+        device=device,
+        dtype="bfloat16" if on_cuda else "float32",
+        expert_cache=1 << 20,  # every virtual expert decoded once
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+    )
+    loaded = load_model(artifact, options)
+    if loaded.mtp is None:
+        raise RuntimeError(f"{artifact}: the artifact has no MTP layer to draft with")
+    params = SamplingParams(max_tokens=new_tokens)
+
+    def no_text(_ids: Any) -> str:
+        return ""
+
+    plain = [generate(loaded.model, PromptInputs(row[None]), params, no_text).token_ids for row in prompts]
+    out: dict[str, Any] = {
+        "artifact": artifact.name,
+        "prompts": prompts.shape[0],
+        "prompt_tokens": prompts.shape[1],
+        "new_tokens": new_tokens,
+    }
+    for k in (1, 2, 3):
+        total, equal = SpecStats(), True
+        for row, reference in zip(prompts, plain):
+            run = generate(MtpDecoder(loaded.model, loaded.mtp, k), PromptInputs(row[None]), params, no_text)
+            equal &= run.token_ids == reference
+            assert run.speculative is not None  # greedy decoding with a speculative decoder
+            total.steps += run.speculative.steps
+            total.drafted += run.speculative.drafted
+            total.accepted += run.speculative.accepted
+        out[f"k{k}"] = {
+            "acceptance_rate": round(total.acceptance_rate, 4),
+            "tokens_per_step": round(total.tokens_per_step, 4),
+            "verify_steps": total.steps,
+            "equals_plain_greedy": equal,
+        }
+    return out
 
 
 def exllamav3_experts(out_dir: Path) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], int, list[int]]:
@@ -317,6 +411,8 @@ class Bench:
             if all(earlier.get(k) == self.record[k] for k in ("layout", "calibration", "heldout", "proxy")):
                 self.rows += [r for r in earlier["rows"] if not r["recipe"].startswith("exllamav3") or "error" not in r]
                 self.record["hessians_chosen"] = earlier.get("hessians_chosen")
+                if earlier.get("mtp_acceptance"):
+                    self.record["mtp_acceptance"] = earlier["mtp_acceptance"]
                 self.log(f"resuming: {len(self.rows)} rows already measured in {args.results}")
 
     def log(self, line: str) -> None:
@@ -337,6 +433,7 @@ class Bench:
                 rows=rows,
                 tokens=self.args.tokens,
                 hessians=HessianMode.BOTH,
+                dense_hessians=True,  # the speed-tier rows' retained linears
                 device=self.args.device,
                 batch_rows=self.args.batch_rows,
             )
@@ -420,6 +517,7 @@ class Bench:
             blend=blend,
             prune_plan=plan,
             tiers=recipe.tiers,  # type: ignore[arg-type]  # parsed by EncodeConfig too
+            retained_bits=recipe.retained_bits,
             device=self.args.device,
             verified_at="2026-01-01T00:00:00Z",
         )
@@ -429,14 +527,29 @@ class Bench:
         encode_s = time.monotonic() - t0
         nbytes, bpw = routed_bytes(out)
         experts, pruned = artifact_experts(out, keep, self.spec.n_routed_experts, self.args.device)
+        linears: dict[str, torch.Tensor] = {}
+        tier: dict[str, Any] = {}
+        if recipe.retained_bits is not None:
+            linears, exl3_bytes, bf16_bytes = artifact_linears(out, self.args.device)
+            tier = {
+                "retained_linears": len(linears),
+                "retained_exl3_bytes": exl3_bytes,
+                "retained_bf16_bytes": bf16_bytes,
+            }
         decode_s = time.monotonic() - t0 - encode_s
-        metrics = self.measure(experts, pruned)
+        metrics = self.measure(experts, pruned, linears)
+        if linears:  # the retained linears' own KL, the experts BF16: issue 18's cost against the experts' KL
+            alone = self.measure({}, {}, linears)
+            seed = next((r for r in self.rows if r["recipe"] == "seed"), None)
+            tier |= {f"retained_only_{k}": v for k, v in alone.items()}
+            tier["kl_cost_ratio"] = round(alone["kl"] / seed["kl"], 4) if seed and seed.get("kl") else None
         self.add(
             {
                 "recipe": recipe.name,
                 "routed_bytes": nbytes,
                 "routed_bpw": bpw,
                 **metrics,
+                **tier,
                 **{k: v for k, v in asdict(replace(recipe, hessians=hessians, blend=blend)).items() if k != "name"},
                 "manifest_sha256": result.artifact.manifest_sha256,
                 "encode_seconds": round(encode_s, 1),  # observations to a verified artifact
@@ -444,14 +557,25 @@ class Bench:
                 "measure_seconds": round(time.monotonic() - t0 - encode_s - decode_s, 1),
             }
         )
+        if recipe.name == "seed" and self.args.mtp_prompts:
+            t1 = time.monotonic()
+            length = min(MTP_PROMPT_TOKENS, self.ids.shape[1] // 2)
+            prompts = self.ids[: self.args.mtp_prompts, :length]
+            self.record["mtp_acceptance"] = mtp_acceptance(out, prompts, self.args.mtp_new_tokens, self.args.device)
+            self.record["mtp_acceptance"]["seconds"] = round(time.monotonic() - t1, 1)
+            self.save()
+            self.log(f"MTP on the seed artifact: {json.dumps(self.record['mtp_acceptance'])}")
         if not self.args.keep_artifacts:
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)
 
     def measure(
-        self, experts: dict[tuple[int, int], dict[str, torch.Tensor]], pruned: dict[int, list[int]]
+        self,
+        experts: dict[tuple[int, int], dict[str, torch.Tensor]],
+        pruned: dict[int, list[int]],
+        linears: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, float]:
-        self.proxy.set_experts(experts, pruned)
+        self.proxy.set_experts(experts, pruned, linears)
         got = self.proxy.logprobs(self.ids)
         self.proxy.restore()
         return compare(self.reference, got, self.ids)
@@ -509,7 +633,14 @@ class Bench:
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The seed method's row, the best row at its bytes (lowest KL), the ExLlamaV3 row and the issue's goal."""
     seed = next((r for r in rows if r["recipe"] == "seed"), None)
-    peers = [r for r in rows if r.get("at_seed_bytes") and r.get("kl") is not None and not r.get("reference")]
+    peers = [
+        r
+        for r in rows
+        if r.get("at_seed_bytes")
+        and r.get("kl") is not None
+        and not r.get("reference")
+        and r.get("retained_bits") is None  # the speed tier also quantizes what the recipes keep exact
+    ]
     best = min(peers, key=lambda r: r["kl"]) if peers else None
     exl = next((r for r in rows if r["recipe"].startswith("exllamav3")), None)
     out: dict[str, Any] = {
@@ -564,6 +695,13 @@ def main() -> None:
     ap.add_argument("--recipes", default=None, help="comma-separated subset of the rows (default: all)")
     ap.add_argument("--no-exllamav3", dest="exllamav3", action="store_false", help="skip ExLlamaV3's converter")
     ap.add_argument("--keep-artifacts", action="store_true")
+    ap.add_argument(
+        "--mtp-prompts",
+        type=int,
+        default=8,
+        help="held-out prompts of the MTP acceptance run on the seed artifact (0: none)",
+    )
+    ap.add_argument("--mtp-new-tokens", type=int, default=64, help="greedy tokens per prompt of the MTP run")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, where git runs)")
     ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds for this proxy")
     os.environ.setdefault("SOURCE_DATE_EPOCH", "1767225600")

@@ -84,7 +84,8 @@ SMOKE = Sizes((24, 40), (1, 2), (48,), 3, 3, 16)
 def main() -> None:
     args = parse_args()
     if args.merge:
-        merged = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        acceptance = json.loads(args.mtp_acceptance.read_text()) if args.mtp_acceptance else None
+        merged = merge([json.loads(Path(p).read_text()) for p in args.merge], acceptance)
         save(merged, args.out)
         return
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
@@ -161,6 +162,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="the tiny config on the CPU, every part at tiny sizes")
     p.add_argument("--parts", type=lambda s: tuple(s.split(",")), default=PARTS)
     p.add_argument("--merge", nargs="+", type=Path, help="combine the parts of earlier reports into --out")
+    p.add_argument(
+        "--mtp-acceptance",
+        type=Path,
+        help="with --merge: bench_fidelity's results (its mtp_acceptance, the trained proxy's MTP layer) to project "
+        "the mtp part's tok/s and speedup at that acceptance",
+    )
     args = p.parse_args()
     if set(args.parts) - set(PARTS):
         p.error(f"--parts takes {', '.join(PARTS)}")
@@ -634,20 +641,58 @@ def speed_tier(report: dict[str, Any]) -> dict[str, Any]:
         "bytes_per_token_is": "batch-1 decode at the classes part's context, summed over its classes (the EXL3 "
         "retained linears at their stored bytes)",
         "gb10_tok_s_218": classes.get("projection", {}).get("gb10_tok_s_218"),
-        "mtp_speedup": None,
-        "mtp_speedup_from": "the mtp part (--parts mtp with --retained-bits), with a trained MTP head's acceptance",
+        "mtp_speedup": (report.get("mtp_at_proxy_acceptance") or {}).get("speedup"),
+        "mtp_speedup_from": "the mtp part (--parts mtp with --retained-bits) merged with --mtp-acceptance (the "
+        "trained proxy's MTP acceptance): mtp_at_proxy_acceptance",
         "kl_cost_ratio": None,
         "kl_cost_ratio_from": "the proxy fidelity run: KL of the speed tier against the exact-retained artifact",
     }
 
 
-def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Later reports' parts replace earlier ones of the same name; the summary is recomputed."""
+def mtp_at_acceptance(mtp: dict[str, Any], acceptance: dict[str, Any]) -> dict[str, Any]:
+    """The mtp part's step times at the tokens per verify step the trained proxy's MTP layer measured
+    (bench_fidelity's mtp_acceptance): per k the projected tok/s (SPEC_FORMULA, the graph verify) and its speedup
+    over the plain step, and the best k. A projection: the proxy's acceptance, this model's step times."""
+    rows = []
+    for row in mtp["rows"]:
+        measured = acceptance.get(f"k{row['k']}")
+        if measured is None:
+            continue
+        step_ms = row["k"] * row["draft_ms"] + row.get("verify_graph_ms", row["verify_ms"])  # older reports: both
+        tok_s = 1000 * measured["tokens_per_step"] / step_ms
+        rows.append(
+            {
+                "k": row["k"],
+                "tokens_per_step": measured["tokens_per_step"],
+                "acceptance_rate": measured["acceptance_rate"],
+                "step_ms": round(step_ms, 4),
+                "tok_s": round(tok_s, 2),
+                "speedup": round(tok_s / mtp["plain_tok_s"], 3),
+            }
+        )
+    best = max(rows, key=lambda r: r["speedup"], default=None)
+    return {
+        "formula": "tok_s = 1000 x tokens_per_step / (k x draft_ms + verify_ms), speedup = tok_s / plain_tok_s; "
+        + SPEC_FORMULA.split("; ", 1)[1],
+        "acceptance_from": {k: acceptance[k] for k in ("artifact", "prompts", "new_tokens") if k in acceptance},
+        "plain_tok_s": mtp["plain_tok_s"],
+        "rows": rows,
+        "best_k": best["k"] if best else None,
+        "speedup": best["speedup"] if best else None,
+    }
+
+
+def merge(reports: list[dict[str, Any]], fidelity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Later reports' parts replace earlier ones of the same name; the summary is recomputed. With `fidelity`
+    (bench_fidelity's results), the mtp part is projected at the trained proxy's MTP acceptance."""
     sources = [c for r in reports for c in (r.get("merged_from") or [r.get("command")])]  # merges of merges too
     merged = {**reports[0], "parts": {}, "merged_from": sources}
     for r in reports:
         merged["parts"].update(r["parts"])
     merged["summary"] = summary(merged)
+    acceptance = (fidelity or {}).get("mtp_acceptance")
+    if acceptance and "rows" in merged["parts"].get("mtp", {}):
+        merged["mtp_at_proxy_acceptance"] = mtp_at_acceptance(merged["parts"]["mtp"], acceptance)
     if (merged.get("model") or {}).get("retained_bits") is not None:
         merged["speed_tier"] = speed_tier(merged)
     return merged

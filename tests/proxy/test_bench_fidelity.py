@@ -24,7 +24,7 @@ BENCH_SHAPE = replace(
     SMOKE_SHAPE, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
 )
 
-SMOKE_ROWS = ("seed", "blend-0.5", "prune25-k3", "calibration-quarter", "uniform-k4")
+SMOKE_ROWS = ("seed", "blend-0.5", "prune25-k3", "calibration-quarter", "uniform-k4", "retained-k4")
 
 
 def _bench_module():
@@ -94,6 +94,10 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
         str(results),
         "--recipes",
         ",".join(SMOKE_ROWS),
+        "--mtp-prompts",
+        "2",
+        "--mtp-new-tokens",
+        "5",
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
@@ -108,6 +112,18 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
     assert rows["blend-0.5"]["routed_bytes"] == rows["seed"]["routed_bytes"] and rows["blend-0.5"]["blend"] == 0.5
     assert rows["prune25-k3"]["at_seed_bytes"] and rows["prune25-k3"]["routed_bytes"] < rows["seed"]["routed_bytes"]
     assert rows["uniform-k4"]["kl"] < rows["seed"]["kl"] and not rows["uniform-k4"]["at_seed_bytes"]
+    tier = rows["retained-k4"]  # the seed's experts plus the retained linears at K4 (issue 18's KL cost)
+    assert tier["routed_bytes"] == rows["seed"]["routed_bytes"] and tier["retained_bits"] == 4
+    assert tier["retained_linears"] > 0 and 0 < tier["retained_exl3_bytes"] < tier["retained_bf16_bytes"]
+    assert tier["kl"] > 0 and tier["retained_only_kl"] > 0
+    assert tier["kl_cost_ratio"] == pytest.approx(tier["retained_only_kl"] / rows["seed"]["kl"], rel=1e-3)
+    assert record["summary"]["best"] != "retained-k4"  # another question than the recipes at the seed's bytes
+    mtp = record["mtp_acceptance"]  # the seed artifact's own MTP layer drafting for its quantized model
+    assert (mtp["prompts"], mtp["prompt_tokens"], mtp["new_tokens"]) == (2, 16, 5)
+    for k in (1, 2, 3):
+        run = mtp[f"k{k}"]
+        assert run["equals_plain_greedy"] and 0 <= run["acceptance_rate"] <= 1 and run["verify_steps"] >= 2
+        assert 1 <= run["tokens_per_step"] <= k + 1
     summary = record["summary"]
     assert summary["seed_method"] == "seed" and rows[summary["best"]]["at_seed_bytes"]
     assert {"kl_at_most_0.7x_seed", "top1_at_least_seed_plus_3_points"} <= set(summary["goal"])
@@ -115,6 +131,8 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
     exl = next(r for r in record["rows"] if r["recipe"].startswith("exllamav3"))
     assert exl.get("error") or exl["kl"] is not None  # measured where exllamav3 imports, else why not
     again = subprocess.run([*argv, "--resume"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert again.returncode == 0 and "resuming: 5 rows" in again.stderr, again.stderr[-3000:]
+    n = len(SMOKE_ROWS)
+    assert again.returncode == 0 and f"resuming: {n} rows" in again.stderr, again.stderr[-3000:]
     resumed = json.loads(results.read_text())
-    assert [r["recipe"] for r in resumed["rows"]][:5] == list(SMOKE_ROWS) and resumed["rows"][:5] == record["rows"][:5]
+    assert [r["recipe"] for r in resumed["rows"]][:n] == list(SMOKE_ROWS) and resumed["rows"][:n] == record["rows"][:n]
+    assert resumed["mtp_acceptance"] == record["mtp_acceptance"]

@@ -72,6 +72,19 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     assert _run("--merge", str(out), str(out), "--out", str(merged)).returncode == 0
     assert json.loads(merged.read_text())["summary"] == summary
 
+    # projected at a trained proxy's MTP acceptance (bench_fidelity's mtp_acceptance): k = 2 only measured there
+    fidelity = tmp_path / "fidelity.json"
+    fidelity.write_text(json.dumps({"mtp_acceptance": {"k2": {"tokens_per_step": 2.2, "acceptance_rate": 0.6}}}))
+    run = _run("--merge", str(out), "--mtp-acceptance", str(fidelity), "--out", str(merged))
+    assert run.returncode == 0, run.stderr[-3000:]
+    projected = json.loads(merged.read_text())["mtp_at_proxy_acceptance"]
+    mtp = report["parts"]["mtp"]
+    row = next(r for r in mtp["rows"] if r["k"] == 2)
+    tok_s = 1000 * 2.2 / (2 * row["draft_ms"] + row["verify_ms"])
+    assert [r["k"] for r in projected["rows"]] == [2] and projected["best_k"] == 2
+    assert projected["rows"][0]["tok_s"] == pytest.approx(tok_s, abs=0.01)
+    assert projected["speedup"] == pytest.approx(tok_s / mtp["plain_tok_s"], abs=1e-3)
+
 
 def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     """`--retained-bits 4`: the dummy artifact holds EXL3 retained linears, the engine runs them, `model` records the
