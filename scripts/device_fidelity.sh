@@ -10,6 +10,11 @@
 #                                                              # the benchmark's missing rows (--resume)
 #   bash scripts/device_fidelity.sh "$OUT" COMMIT checks bench # the GPU kernel checks in the background (pytest -v
 #                                                              # to checks.log), beside the benchmark
+#   ... cache                                                  # return Triton's kernel cache (compiled and autotuned
+#                                                              # kernels, ~6 minutes of a cold machine's first
+#                                                              # training step) as $OUT/triton-cache.tgz.NN parts;
+#                                                              # here: cat them into .triton-cache/cache.tgz (ignored)
+#                                                              # and carry .triton-cache next session
 # The benchmark runs ExLlamaV3's converter last, once its extension is built. Each call copies what it has into
 # $OUT: proxy.json, fidelity_proxy.json, the logs.
 set -u
@@ -21,6 +26,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/te
 if [[ ! -e /tmp/exl-build.log ]]; then  # once per machine, on a few cores so the corpus and kernels keep theirs
   MAX_JOBS=4 setsid nice -n 10 bash -c "python3 -c 'import exllamav3.ext' && touch /tmp/exl-built" \
     >/tmp/exl-build.log 2>&1 < /dev/null &
+fi
+export TRITON_CACHE_DIR=/tmp/triton-cache
+if [[ -e .triton-cache/cache.tgz && ! -e $TRITON_CACHE_DIR ]]; then  # a carried cache of an earlier session
+  mkdir -p "$TRITON_CACHE_DIR" && tar xzf .triton-cache/cache.tgz -C "$TRITON_CACHE_DIR"
+  echo "Triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files carried in" >>"$LOG"
 fi
 mkdir -p /tmp/proxy /tmp/fid
 checks=
@@ -49,10 +59,17 @@ for MODE in "${MODES[@]}"; do
         --results /tmp/fid/fidelity_proxy.json --commit "$COMMIT" --resume "${extra[@]}" 2>&1 \
         | tee -a /tmp/fid/bench.log >>"$LOG"
       echo "bench exit ${PIPESTATUS[0]} (${extra[*]:-with exllamav3})" >>"$LOG" ;;
-    *) echo "mode must be train, checks or bench, not $MODE" >>"$LOG" ;;
+    cache)
+      # it must travel back (4 parts of 15 MiB) and out again beside the wheels and the tree (64 MiB a call)
+      tar czf /tmp/triton-cache.tgz -C "$TRITON_CACHE_DIR" .
+      size=$(du -b /tmp/triton-cache.tgz | cut -f1)
+      if (( size < 36 << 20 )); then split -b 15M -d /tmp/triton-cache.tgz "$OUT/triton-cache.tgz."; fi
+      echo "Triton cache: $size bytes, $(ls "$OUT" | grep -c triton-cache) parts returned" >>"$LOG" ;;
+    *) echo "mode must be train, checks, bench or cache, not $MODE" >>"$LOG" ;;
   esac
 done
 [[ -n $checks ]] && wait "$checks"  # not the extension build: it may outlive the call
-cp /tmp/proxy/proxy.json /tmp/proxy/train.log /tmp/fid/fidelity_proxy.json /tmp/fid/bench.log \
-  /tmp/exl-build.log /tmp/checks.log "$OUT/" 2>/dev/null
+cp /tmp/proxy/proxy.json /tmp/fid/fidelity_proxy.json "$OUT/" 2>/dev/null
+# at most 8 files come back: run.log, proxy.json, fidelity_proxy.json, logs.tgz and up to 4 cache parts
+tar czf "$OUT/logs.tgz" --ignore-failed-read -C /tmp proxy/train.log fid/bench.log exl-build.log checks.log 2>/dev/null
 echo "== collected at +$(( $(date +%s) - t0 ))s" >>"$LOG"
