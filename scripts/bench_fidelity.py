@@ -94,6 +94,39 @@ def recipes(experts: int) -> list[Recipe]:
         Recipe("all-token", "all-token Hessians (ExLlamaV3's convention), uniform K2", hessians="all"),
         Recipe("blend-0.5", "Hessians 0.5 natural + 0.5 all-token, uniform K2", blend=0.5),
         Recipe(
+            "codebook-mul1",
+            "the best Hessians, uniform K2, MUL1 codebook (ExLlamaV3's default)",
+            "best",
+            codebook="mul1",
+        ),
+        Recipe(
+            "tiers-k3-k1-narrow",
+            f"REAP tiers: K3 for the {e8} most salient, K1 for the {e8} least, K2 rest",
+            "best",
+            tiers=f"reap:K3={e8},K2=rest,K1={e8}",
+        ),
+        Recipe(
+            "prune12-k3",
+            f"REAP pruning 12.5 % (keep {experts - e8}), freed bytes on K3 for the {e4} most salient kept",
+            "best",
+            keep=experts - e8,
+            tiers=f"reap:K3={e4},K2=rest",
+        ),
+        Recipe(
+            "uniform-k3",
+            "reference above the seed's bytes: the best Hessians, uniform K3",
+            "best",
+            bits=3,
+            reference=True,
+        ),
+        Recipe(
+            "calibration-quarter",
+            "the best Hessians, uniform K2, a quarter of the calibration rows",
+            "best",
+            observations="small",
+        ),
+        Recipe("codebook-3inst", "the best Hessians, uniform K2, 3INST codebook", "best", codebook="3inst"),
+        Recipe(
             "tiers-k3-k1",
             f"REAP tiers: K3 for the {e4} most salient experts, K1 for the {e4} least, K2 rest",
             "best",
@@ -106,51 +139,11 @@ def recipes(experts: int) -> list[Recipe]:
             tiers=f"reap:K4={e8},K2=rest,K1={2 * e8}",
         ),
         Recipe(
-            "tiers-k3-k1-narrow",
-            f"REAP tiers: K3 for the {e8} most salient, K1 for the {e8} least, K2 rest",
-            "best",
-            tiers=f"reap:K3={e8},K2=rest,K1={e8}",
-        ),
-        Recipe(
             "prune25-k3",
             f"REAP pruning 25 % (keep {experts - e4}), freed bytes on K3 for the {2 * e4} most salient kept",
             "best",
             keep=experts - e4,
             tiers=f"reap:K3={2 * e4},K2=rest",
-        ),
-        Recipe(
-            "prune12-k3",
-            f"REAP pruning 12.5 % (keep {experts - e8}), freed bytes on K3 for the {e4} most salient kept",
-            "best",
-            keep=experts - e8,
-            tiers=f"reap:K3={e4},K2=rest",
-        ),
-        Recipe("codebook-3inst", "the best Hessians, uniform K2, 3INST codebook", "best", codebook="3inst"),
-        Recipe(
-            "codebook-mul1",
-            "the best Hessians, uniform K2, MUL1 codebook (ExLlamaV3's default)",
-            "best",
-            codebook="mul1",
-        ),
-        Recipe(
-            "calibration-quarter",
-            "the best Hessians, uniform K2, a quarter of the calibration rows",
-            "best",
-            observations="small",
-        ),
-        Recipe(
-            "uniform-k3",
-            "reference above the seed's bytes: the best Hessians, uniform K3",
-            "best",
-            bits=3,
-            reference=True,
-        ),
-        Recipe(
-            "uniform-k4",
-            "reference above the seed's bytes: the best Hessians, uniform K4",
-            "best",
-            bits=4,
-            reference=True,
         ),
         *(
             Recipe(
@@ -160,6 +153,13 @@ def recipes(experts: int) -> list[Recipe]:
                 retained_bits=k,
             )
             for k in (4, 5, 6)
+        ),
+        Recipe(
+            "uniform-k4",
+            "reference above the seed's bytes: the best Hessians, uniform K4",
+            "best",
+            bits=4,
+            reference=True,
         ),
     ]
 
@@ -458,10 +458,20 @@ class Bench:
         for recipe in recipes(self.spec.n_routed_experts):
             if (wanted is None or recipe.name in wanted) and recipe.name not in done:
                 self.row(recipe, observations)
-        peer_done = any(r["recipe"].startswith("exllamav3") for r in self.rows)
-        if args.exllamav3 and not peer_done and importlib.util.find_spec("exllamav3") is not None:
+            if recipe.name == "seed":  # the peer row right after the seed method, should a call end early
+                self.peer_row(final=False)
+        self.peer_row(final=True)
+        self.record["summary"] = summarize(self.rows)
+        self.save()
+        self.log(json.dumps(self.record["summary"], indent=2))
+
+    def peer_row(self, final: bool) -> None:
+        """ExLlamaV3's converter row, once, when `exllamav3` imports; in the `final` call, a row saying why not."""
+        if not self.args.exllamav3 or any(r["recipe"].startswith("exllamav3") for r in self.rows):
+            return
+        if importlib.util.find_spec("exllamav3") is not None:
             self.exllamav3_row()
-        elif args.exllamav3 and not peer_done:
+        elif final:
             self.rows.append(
                 {
                     "recipe": "exllamav3-1.6.5",
@@ -472,9 +482,6 @@ class Bench:
                     "error": "exllamav3 is not installed here",
                 }
             )
-        self.record["summary"] = summarize(self.rows)
-        self.save()
-        self.log(json.dumps(self.record["summary"], indent=2))
 
     def hessians(self, recipe: Recipe) -> tuple[str, float | None]:
         if recipe.hessians != "best":
