@@ -24,7 +24,7 @@ BENCH_SHAPE = replace(
     SMOKE_SHAPE, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
 )
 
-SMOKE_ROWS = ("seed", "blend-0.5", "calibration-quarter", "prune25-k3", "retained-k4", "uniform-k4")
+SMOKE_ROWS = ("seed", "blend-0.5", "prune25-k3", "retained-k4", "uniform-k4")
 
 
 def _bench_module():

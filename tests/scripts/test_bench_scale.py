@@ -70,6 +70,6 @@ def test_rehearsal_runs_end_to_end_on_cpu(tiny_source: Path, tmp_path: Path) -> 
 
 
 def test_a_stage_past_the_time_limit_fails_loudly(tiny_source: Path, tmp_path: Path) -> None:
-    run = _run(tiny_source, tmp_path, "--time-limit-s", "15")
+    run = _run(tiny_source, tmp_path, "--time-limit-s", "2")
     assert run.returncode != 0 and re.search(r"stage '\w+' (did not finish within|no time left)", run.stderr)
     assert json.loads((tmp_path / "scale.json").read_text())["failed"]["stage"] in ("fixture", "build")
