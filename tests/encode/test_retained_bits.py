@@ -166,7 +166,7 @@ def test_a_missing_dense_hessian_is_refused_naming_the_tensor(
 
 def _logits(loaded: LoadedModel, ids: torch.Tensor = PROMPT) -> torch.Tensor:
     with torch.no_grad():
-        return loaded.model(input_ids=ids.to(loaded.model.device)).logits[0].float()
+        return loaded.model(input_ids=ids.to(next(loaded.model.parameters()).device)).logits[0].float()
 
 
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
