@@ -335,7 +335,9 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     else:  # the corpus, tokenizer and token stream of the run being resumed
         corpus, stream = state["corpus"], state["stream"]
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        if tokenizer_sha256(tokenizer) != state["tokenizer_sha256"]:
+    tokenizer_sha = tokenizer_sha256(tokenizer)
+    if state is not None:
+        if tokenizer_sha != state["tokenizer_sha256"]:
             raise UsageError(f"{model_dir}: the tokenizer differs from the one {state_path} was trained with")
         log(f"resuming from {state_path} after step {state['steps_done']}")
     log(
@@ -405,7 +407,7 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
                 "torch_rng": torch.get_rng_state(),
                 "corpus": corpus,
                 "stream": stream,
-                "tokenizer_sha256": tokenizer_sha256(tokenizer),
+                "tokenizer_sha256": tokenizer_sha,
             },
         )
 
@@ -482,7 +484,7 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
         "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "shape"},
         "shape": asdict(shape),
         "corpus": corpus,
-        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "tokenizer_sha256": tokenizer_sha,
         "tokenizer_vocab": len(tokenizer),
         "train_tokens": stream.numel(),
         "steps_done": cfg.steps,
