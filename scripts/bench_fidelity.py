@@ -49,8 +49,7 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from glmquant.arch import PROJECTIONS, load_model_spec, table_for
-from glmquant.arch.module_map import layer_plan
+from glmquant.arch import PROJECTIONS, load_model_spec
 from glmquant.checkpoint.exl3_groups import exl3_groups
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode import EncodeConfig, encode_artifact
@@ -271,15 +270,14 @@ def artifact_linears(artifact: Path, device: str) -> tuple[dict[str, torch.Tenso
     """Decoded retained linears of a speed-tier artifact by the transformers model's parameter name (the MTP
     layer's left out: the KL is measured without it), their EXL3 bytes and their BF16 bytes."""
     art = open_artifact(artifact)
-    spec, table = art.spec, table_for(art.spec)
     out, exl3_bytes, bf16_bytes = {}, 0, 0
-    for layer in sorted({lin.layer for lin in art.retained_linears.values()} - set(spec.mtp_layers)):
-        targets = {p.source: p.target for p in layer_plan(spec, layer, spec.moe_intermediate_size).placements}
-        for linear in (lin for lin in art.retained_linears.values() if lin.layer == layer):
-            tensor = art.read_linear(linear, device)
-            out[table.layer_prefix(layer) + targets[linear.source]] = decode_weight(tensor, torch.float32)
-            exl3_bytes += sum(t.numel() * t.element_size() for t in tensor.tensors(linear.key).values())
-            bf16_bytes += 2 * linear.in_features * linear.out_features
+    for name, linear in art.retained_linear_modules().items():
+        if linear.layer in art.spec.mtp_layers:
+            continue
+        tensor = art.read_linear(linear, device)
+        out[f"{name}.weight"] = decode_weight(tensor, torch.float32)
+        exl3_bytes += sum(t.numel() * t.element_size() for t in tensor.tensors(linear.key).values())
+        bf16_bytes += 2 * linear.in_features * linear.out_features
     art.checkpoint.close()
     return out, exl3_bytes, bf16_bytes
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from glmquant.arch import PROJECTIONS, ModelSpec, load_model_spec, read_config, table_for
+from glmquant.arch.module_map import layer_plan
 from glmquant.checkpoint.dummy import DummyCheckpoint
 from glmquant.checkpoint.layouts import RetainedLinear, quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
@@ -110,6 +111,21 @@ class Artifact:
         """The retained linears stored as EXL3 (the speed tier, `encode --retained-bits`), by EXL3 key (the source
         weight's name without `.weight`); empty for an artifact whose retained tensors are all exact."""
         return _retained_linears(self.path, self.spec, self.checkpoint)
+
+    def retained_linear_modules(self) -> dict[str, RetainedLinear]:
+        """The EXL3 retained linears by the path of the `nn.Linear` that holds each in transformers' model (the
+        layer's placement of its source weight); CheckpointFormatError for one no module holds."""
+        table, out = table_for(self.spec), {}
+        for layer in sorted({lin.layer for lin in self.retained_linears.values()}):
+            targets = {
+                p.source: p.target for p in layer_plan(self.spec, layer, self.spec.moe_intermediate_size).placements
+            }
+            for linear in (lin for lin in self.retained_linears.values() if lin.layer == layer):
+                target = targets.get(linear.source)
+                if target is None or not target.endswith(".weight"):
+                    raise CheckpointFormatError(f"{self.path}: EXL3 linear {linear.key} has no module in layer {layer}")
+                out[table.layer_prefix(layer) + target.removesuffix(".weight")] = linear
+        return out
 
     def read_linear(self, linear: RetainedLinear, device: torch.device | str = "cpu") -> EXL3Tensor:
         """The EXL3 tensor of one retained linear, read from disk."""

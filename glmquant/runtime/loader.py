@@ -162,25 +162,14 @@ def _place_retained_linears(
     model: PreTrainedModel, artifact: Artifact, options: RuntimeOptions, dtype: torch.dtype
 ) -> None:
     """Replace the `nn.Linear` of every retained linear stored as EXL3 (the speed tier) by an `Exl3Linear`."""
-    linears = artifact.retained_linears
-    if not linears:
+    if not artifact.retained_linears:
         return
-    spec, device, mode = artifact.spec, torch.device(options.device), retained_linear_mode(options.backend)
-    table = table_for(spec)
-    for layer in sorted({lin.layer for lin in linears.values()}):
-        prefix = table.layer_prefix(layer)
-        targets = {p.source: p.target for p in layer_plan(spec, layer, spec.moe_intermediate_size).placements}
-        for linear in (lin for lin in linears.values() if lin.layer == layer):
-            target = targets.get(linear.source)
-            if target is None or not target.endswith(".weight"):
-                raise CheckpointFormatError(f"{artifact.path}: EXL3 linear {linear.key} has no module in layer {layer}")
-            name = prefix + target.removesuffix(".weight")
-            old = model.get_submodule(name)
-            if not isinstance(old, nn.Linear) or old.bias is not None:
-                raise CheckpointFormatError(
-                    f"{artifact.path}: {name} is not a bias-free linear; cannot hold {linear.key}"
-                )
-            model.set_submodule(name, Exl3Linear(artifact.read_linear(linear, device), mode, dtype, linear.source))
+    device, mode = torch.device(options.device), retained_linear_mode(options.backend)
+    for name, linear in artifact.retained_linear_modules().items():
+        old = model.get_submodule(name)
+        if not isinstance(old, nn.Linear) or old.bias is not None:
+            raise CheckpointFormatError(f"{artifact.path}: {name} is not a bias-free linear; cannot hold {linear.key}")
+        model.set_submodule(name, Exl3Linear(artifact.read_linear(linear, device), mode, dtype, linear.source))
 
 
 def _load_retained(model: PreTrainedModel, artifact: Artifact, dtype: torch.dtype, device: torch.device) -> None:
