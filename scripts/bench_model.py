@@ -331,10 +331,11 @@ def kernel_profile(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, 
     return out
 
 
-SPEC_FORMULA = (
-    "tok/s = 1000 x (1 + accepted drafts per step) / (draft_ms x k + verify_ms); a step with a rejected draft "
-    "also pays rollback_ms (KDA states put back, the accepted tokens re-run), not in this formula"
+ROLLBACK_NOTE = (
+    "a step with a rejected draft also pays rollback_ms (KDA states put back, the accepted tokens re-run), not in "
+    "this formula"
 )
+SPEC_FORMULA = f"tok/s = 1000 x (1 + accepted drafts per step) / (draft_ms x k + verify_ms); {ROLLBACK_NOTE}"
 
 
 def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
@@ -673,7 +674,7 @@ def mtp_at_acceptance(mtp: dict[str, Any], acceptance: dict[str, Any]) -> dict[s
     best = max(rows, key=lambda r: r["speedup"], default=None)
     return {
         "formula": "tok_s = 1000 x tokens_per_step / (k x draft_ms + verify_ms), speedup = tok_s / plain_tok_s; "
-        + SPEC_FORMULA.split("; ", 1)[1],
+        + ROLLBACK_NOTE,
         "acceptance_from": {k: acceptance[k] for k in ("artifact", "prompts", "new_tokens") if k in acceptance},
         "plain_tok_s": mtp["plain_tok_s"],
         "rows": rows,
