@@ -24,7 +24,9 @@ after the first three use the Hessians (natural, all-token or blend) that gave t
 
 The results are written after every row; `--resume` keeps the rows of an earlier run with the same proxy and
 settings and measures only the missing ones (the observations are reused), so the benchmark can span several
-time-limited calls. `summary` names the seed method's row, the best row at the seed's bytes
+time-limited calls. `--jobs N` measures N rows at once, each in a worker process with its own proxy (a row's
+encode and measurement leave the GPU idle much of the time); the rows on the best Hessians wait for the three
+Hessian rows, and the file keeps the rows in the order above whatever order they finish in. `summary` names the seed method's row, the best row at the seed's bytes
 (lowest KL) and the ExLlamaV3 row, and checks the issue's goal (KL <= 0.7x the seed's, top-1 >= 3 points higher,
 KL no worse than ExLlamaV3's).
 """
@@ -41,7 +43,9 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -385,124 +389,43 @@ def convert_with_exllamav3(model_dir: Path, out_dir: Path, work_dir: Path, rows:
         raise RuntimeError(f"ExLlamaV3's converter failed ({run.returncode}): {(run.stderr or run.stdout)[-2000:]}")
 
 
-class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.console = Console(stderr=True)
-        self.work = args.work
-        self.model_dir = args.proxy / "model"
-        self.spec = load_model_spec(self.model_dir / "config.json")
-        self.rows: list[dict[str, Any]] = []
-        self.best_hessians: tuple[str, float | None] | None = None
-        self.record: dict[str, Any] = {
-            "format": "glmquant.bench_fidelity.v1",
-            "commit": args.commit or _commit(),
-            "device": _device_name(args.device),
-            "layout": args.layout,
-            "calibration": {"rows": args.rows, "tokens": args.tokens},
-            "heldout": {"rows": args.heldout_rows, "tokens": args.heldout_tokens},
-            "proxy": _proxy_facts(args.proxy),
-            "rows": self.rows,
-        }
-        if args.resume and args.results.is_file():
-            earlier = json.loads(args.results.read_text())
-            if all(earlier.get(k) == self.record[k] for k in ("layout", "calibration", "heldout", "proxy")):
-                self.rows += [r for r in earlier["rows"] if not r["recipe"].startswith("exllamav3") or "error" not in r]
-                self.record["hessians_chosen"] = earlier.get("hessians_chosen")
-                if earlier.get("mtp_acceptance"):
-                    self.record["mtp_acceptance"] = earlier["mtp_acceptance"]
-                self.log(f"resuming: {len(self.rows)} rows already measured in {args.results}")
+@dataclass(frozen=True)
+class Task:
+    """One row to measure: a recipe with the Hessians it uses, or (recipe None) ExLlamaV3's converter."""
 
-    def log(self, line: str) -> None:
-        self.console.print(line, highlight=False)
+    recipe: Recipe | None
+    hessians: str = "natural"
+    blend: float | None = None
 
-    def save(self) -> None:
-        self.args.results.parent.mkdir(parents=True, exist_ok=True)
-        self.args.results.write_text(json.dumps(self.record, indent=2) + "\n")
 
-    def observe(self, name: str, rows: int) -> Path:
-        out = self.work / f"obs-{name}"
-        t0 = time.monotonic()
-        observe(
-            ObserveConfig(
-                self.model_dir,
-                out,
-                recipe=self.args.proxy / "corpus" / "calibration.yaml",
-                rows=rows,
-                tokens=self.args.tokens,
-                hessians=HessianMode.BOTH,
-                dense_hessians=True,  # the speed-tier rows' retained linears
-                device=self.args.device,
-                batch_rows=self.args.batch_rows,
-            )
-        )
-        self.log(f"observed {name} ({rows} x {self.args.tokens} tokens) in {time.monotonic() - t0:.1f} s")
-        return out
+class Evaluator:
+    """One process's measuring state: the held-out ids, the BF16 proxy (patched per row) and its reference
+    log-probabilities. Every worker of --jobs holds its own; the parent only schedules and records."""
 
-    def run(self) -> None:
-        args = self.args
-        self.work.mkdir(parents=True, exist_ok=True)
-        observations = {"full": self.observe("full", args.rows), "small": self.observe("small", max(1, args.rows // 4))}
+    def __init__(self, args: argparse.Namespace, observations: dict[str, Path]) -> None:
         from transformers import AutoTokenizer
 
+        self.args = args
+        self.work: Path = args.work
+        self.model_dir = args.proxy / "model"
+        self.spec = load_model_spec(self.model_dir / "config.json")
+        self.observations = observations
         tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.ids = split_rows(args.proxy / "corpus", "heldout", args.heldout_rows, args.heldout_tokens, tokenizer)
         self.proxy = PatchedProxy(self.model_dir, args.device)
         self.reference = self.proxy.logprobs(self.ids)
         targets = self.ids[:, 1:].to(self.reference.device).unsqueeze(-1)
-        self.record["bf16_ppl"] = math.exp(float(-self.reference[:, :-1].gather(-1, targets).mean()))
-        wanted = set(args.recipes.split(",")) if args.recipes else None
-        done = {r["recipe"] for r in self.rows}
-        for recipe in recipes(self.spec.n_routed_experts):
-            if (wanted is None or recipe.name in wanted) and recipe.name not in done:
-                self.row(recipe, observations)
-            if recipe.name == "seed":  # the peer row right after the seed method, should a call end early
-                self.peer_row(final=False)
-        self.peer_row(final=True)
-        self.record["summary"] = summarize(self.rows)
-        self.save()
-        self.log(json.dumps(self.record["summary"], indent=2))
+        self.bf16_ppl = math.exp(float(-self.reference[:, :-1].gather(-1, targets).mean()))
 
-    def peer_row(self, final: bool) -> None:
-        """ExLlamaV3's converter row, once, when `exllamav3` imports; in the `final` call, a row saying why not."""
-        if not self.args.exllamav3 or any(r["recipe"].startswith("exllamav3") for r in self.rows):
-            return
-        if importlib.util.find_spec("exllamav3") is not None:
-            self.exllamav3_row()
-        elif final:
-            self.rows.append(
-                {
-                    "recipe": "exllamav3-1.6.5",
-                    "routed_bytes": None,
-                    "kl": None,
-                    "top1": None,
-                    "ppl": None,
-                    "error": "exllamav3 is not installed here",
-                }
-            )
+    def run(self, task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the row, extras for the record: the BF16 perplexity, and the seed row's MTP acceptance)."""
+        extras: dict[str, Any] = {"bf16_ppl": self.bf16_ppl}
+        if task.recipe is None:
+            return self.exllamav3_row(), extras
+        return self.row(task.recipe, task.hessians, task.blend, extras), extras
 
-    def hessians(self, recipe: Recipe) -> tuple[str, float | None]:
-        if recipe.hessians != "best":
-            return recipe.hessians, recipe.blend
-        if self.best_hessians is None and self.record.get("hessians_chosen"):
-            chosen = self.record["hessians_chosen"]
-            self.best_hessians = (chosen["hessians"], chosen["blend"])
-        if self.best_hessians is None:
-            measured = [r for r in self.rows if r["recipe"] in HESSIAN_ROWS and r.get("kl") is not None]
-            best: dict[str, Any] = (
-                min(measured, key=lambda r: r["kl"]) if measured else {"hessians": "natural", "blend": None}
-            )
-            self.best_hessians = (best["hessians"], best["blend"])
-            self.record["hessians_chosen"] = {
-                "hessians": best["hessians"],
-                "blend": best["blend"],
-                "from": best.get("recipe", "default"),
-            }
-        return self.best_hessians
-
-    def row(self, recipe: Recipe, observations: dict[str, Path]) -> None:
-        hessians, blend = self.hessians(recipe)
-        obs = observations[recipe.observations]
+    def row(self, recipe: Recipe, hessians: str, blend: float | None, extras: dict[str, Any]) -> dict[str, Any]:
+        obs = self.observations[recipe.observations]
         out = self.work / f"artifact-{recipe.name}"
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)
@@ -543,36 +466,30 @@ class Bench:
             }
         decode_s = time.monotonic() - t0 - encode_s
         metrics = self.measure(experts, pruned, linears)
-        if linears:  # the retained linears' own KL, the experts BF16: issue 18's cost against the experts' KL
-            alone = self.measure({}, {}, linears)
-            seed = next((r for r in self.rows if r["recipe"] == "seed"), None)
-            tier |= {f"retained_only_{k}": v for k, v in alone.items()}
-            tier["kl_cost_ratio"] = round(alone["kl"] / seed["kl"], 4) if seed and seed.get("kl") else None
-        self.add(
-            {
-                "recipe": recipe.name,
-                "routed_bytes": nbytes,
-                "routed_bpw": bpw,
-                **metrics,
-                **tier,
-                **{k: v for k, v in asdict(replace(recipe, hessians=hessians, blend=blend)).items() if k != "name"},
-                "manifest_sha256": result.artifact.manifest_sha256,
-                "encode_seconds": round(encode_s, 1),  # observations to a verified artifact
-                "decode_seconds": round(decode_s, 1),
-                "measure_seconds": round(time.monotonic() - t0 - encode_s - decode_s, 1),
-            }
-        )
+        if linears:  # the retained linears' own KL, the experts BF16: Bench.save divides it by the seed's KL
+            tier |= {f"retained_only_{k}": v for k, v in self.measure({}, {}, linears).items()}
+        row = {
+            "recipe": recipe.name,
+            "routed_bytes": nbytes,
+            "routed_bpw": bpw,
+            **metrics,
+            **tier,
+            **{k: v for k, v in asdict(replace(recipe, hessians=hessians, blend=blend)).items() if k != "name"},
+            "manifest_sha256": result.artifact.manifest_sha256,
+            "encode_seconds": round(encode_s, 1),  # observations to a verified artifact
+            "decode_seconds": round(decode_s, 1),
+            "measure_seconds": round(time.monotonic() - t0 - encode_s - decode_s, 1),
+        }
         if recipe.name == "seed" and self.args.mtp_prompts:
             t1 = time.monotonic()
             length = min(MTP_PROMPT_TOKENS, self.ids.shape[1] // 2)
             prompts = self.ids[: self.args.mtp_prompts, :length]
-            self.record["mtp_acceptance"] = mtp_acceptance(out, prompts, self.args.mtp_new_tokens, self.args.device)
-            self.record["mtp_acceptance"]["seconds"] = round(time.monotonic() - t1, 1)
-            self.save()
-            self.log(f"MTP on the seed artifact: {json.dumps(self.record['mtp_acceptance'])}")
+            mtp = mtp_acceptance(out, prompts, self.args.mtp_new_tokens, self.args.device)
+            extras["mtp_acceptance"] = mtp | {"seconds": round(time.monotonic() - t1, 1)}
         if not self.args.keep_artifacts:
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)
+        return row
 
     def measure(
         self,
@@ -585,20 +502,7 @@ class Bench:
         self.proxy.restore()
         return compare(self.reference, got, self.ids)
 
-    def add(self, row: dict[str, Any]) -> None:
-        seed = next((r for r in self.rows if r["recipe"] == "seed"), row if row["recipe"] == "seed" else None)
-        if seed is not None and row.get("routed_bytes"):
-            row["bytes_vs_seed"] = round(row["routed_bytes"] / seed["routed_bytes"], 4)
-            row["at_seed_bytes"] = row["bytes_vs_seed"] <= AT_SEED_BYTES
-        self.rows.append(row)
-        self.save()
-        self.log(
-            f"{row['recipe']}: "
-            + ", ".join(f"{k} {row[k]:.4g}" for k in ("kl", "top1", "ppl") if row.get(k) is not None)
-            + f", {row.get('routed_bytes')} B"
-        )
-
-    def exllamav3_row(self) -> None:
+    def exllamav3_row(self) -> dict[str, Any]:
         from importlib.metadata import version
 
         name = f"exllamav3-{version('exllamav3')}"
@@ -632,7 +536,214 @@ class Bench:
                     "error": f"{type(exc).__name__}: {exc}"[-3000:],
                 }
             )
-        self.add(row)
+        return row
+
+
+_EVALUATOR: Evaluator | None = None  # a --jobs worker's own
+
+
+def _start_worker(args: argparse.Namespace, observations: dict[str, Path], threads: int) -> None:
+    global _EVALUATOR
+    torch.set_num_threads(threads)
+    _EVALUATOR = Evaluator(args, observations)
+
+
+def _run_task(task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
+    assert _EVALUATOR is not None, "the worker was not started"
+    return _EVALUATOR.run(task)
+
+
+class InlineExecutor:
+    """--jobs 1: each task runs in this process as it is submitted (the pool's interface, so one scheduler)."""
+
+    def __init__(self, args: argparse.Namespace, observations: dict[str, Path]) -> None:
+        _start_worker(args, observations, torch.get_num_threads())
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_result(fn(*args))
+        return future
+
+    def __enter__(self) -> InlineExecutor:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        return None
+
+
+class Bench:
+    """Schedules the rows (on --jobs worker processes), records them in the canonical order, resumes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.console = Console(stderr=True)
+        self.work: Path = args.work
+        self.model_dir = args.proxy / "model"
+        self.spec = load_model_spec(self.model_dir / "config.json")
+        self.rows: list[dict[str, Any]] = []
+        self.best_hessians: tuple[str, float | None] | None = None
+        self.record: dict[str, Any] = {
+            "format": "glmquant.bench_fidelity.v1",
+            "commit": args.commit or _commit(),
+            "device": _device_name(args.device),
+            "layout": args.layout,
+            "calibration": {"rows": args.rows, "tokens": args.tokens},
+            "heldout": {"rows": args.heldout_rows, "tokens": args.heldout_tokens},
+            "proxy": _proxy_facts(args.proxy),
+            "rows": self.rows,
+        }
+        if args.resume and args.results.is_file():
+            earlier = json.loads(args.results.read_text())
+            if all(earlier.get(k) == self.record[k] for k in ("layout", "calibration", "heldout", "proxy")):
+                self.rows += [r for r in earlier["rows"] if not r["recipe"].startswith("exllamav3") or "error" not in r]
+                self.record["hessians_chosen"] = earlier.get("hessians_chosen")
+                for key in ("mtp_acceptance", "bf16_ppl"):
+                    if earlier.get(key):
+                        self.record[key] = earlier[key]
+                self.log(f"resuming: {len(self.rows)} rows already measured in {args.results}")
+
+    def log(self, line: str) -> None:
+        self.console.print(line, highlight=False)
+
+    def observe(self, name: str, rows: int) -> Path:
+        out = self.work / f"obs-{name}"
+        t0 = time.monotonic()
+        observe(
+            ObserveConfig(
+                self.model_dir,
+                out,
+                recipe=self.args.proxy / "corpus" / "calibration.yaml",
+                rows=rows,
+                tokens=self.args.tokens,
+                hessians=HessianMode.BOTH,
+                dense_hessians=True,  # the speed-tier rows' retained linears
+                device=self.args.device,
+                batch_rows=self.args.batch_rows,
+            )
+        )
+        self.log(f"observed {name} ({rows} x {self.args.tokens} tokens) in {time.monotonic() - t0:.1f} s")
+        return out
+
+    def run(self) -> None:
+        args = self.args
+        self.work.mkdir(parents=True, exist_ok=True)
+        observations = {"full": self.observe("full", args.rows), "small": self.observe("small", max(1, args.rows // 4))}
+        wanted = set(args.recipes.split(",")) if args.recipes else None
+        done = {r["recipe"] for r in self.rows}
+        queue: list[Recipe | None] = []
+        for recipe in recipes(self.spec.n_routed_experts):
+            if (wanted is None or recipe.name in wanted) and recipe.name not in done:
+                queue.append(recipe)
+            if recipe.name == "seed" and self.wants_peer():  # right after the seed method, should a call end early
+                queue.append(None)
+        if queue:
+            executor: Any
+            if args.jobs == 1:
+                executor = InlineExecutor(args, observations)
+            else:  # spawn: CUDA does not survive a fork; the cores shared so the workers do not oversubscribe them
+                threads = max(1, (os.cpu_count() or 1) // args.jobs)
+                executor = ProcessPoolExecutor(
+                    args.jobs, get_context("spawn"), initializer=_start_worker, initargs=(args, observations, threads)
+                )
+            with executor:
+                self.schedule(executor, queue)
+        if args.exllamav3 and importlib.util.find_spec("exllamav3") is None:
+            self.rows.append(
+                {
+                    "recipe": "exllamav3-1.6.5",
+                    "routed_bytes": None,
+                    "kl": None,
+                    "top1": None,
+                    "ppl": None,
+                    "error": "exllamav3 is not installed here",
+                }
+            )
+        self.save()
+        self.record["summary"] = summarize(self.rows)
+        self.save()
+        self.log(json.dumps(self.record["summary"], indent=2))
+
+    def wants_peer(self) -> bool:
+        return (
+            self.args.exllamav3
+            and importlib.util.find_spec("exllamav3") is not None
+            and not any(r["recipe"].startswith("exllamav3") for r in self.rows)
+        )
+
+    def schedule(self, executor: Any, queue: list[Recipe | None]) -> None:
+        """Up to --jobs rows at once, in the queue's order, except that rows on the best Hessians wait until the
+        Hessian rows (seed, all-token, blend) are measured."""
+        running: dict[Future[Any], str] = {}
+
+        def ready(item: Recipe | None) -> bool:
+            if item is None or item.hessians != "best" or self.best_hessians or self.record.get("hessians_chosen"):
+                return True
+            waiting = {r.name for r in queue if r is not None} | set(running.values())
+            return not waiting & set(HESSIAN_ROWS)
+
+        while queue or running:
+            starts = [i for i, x in enumerate(queue) if ready(x)][: self.args.jobs - len(running)]
+            for item in [queue[i] for i in starts]:
+                queue.remove(item)
+                hessians, blend = self.hessians(item) if item is not None else ("natural", None)
+                name = item.name if item is not None else "exllamav3"
+                self.log(f"{name}: started")
+                running[executor.submit(_run_task, Task(item, hessians, blend))] = name
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                del running[future]
+                row, extras = future.result()
+                self.record.update(extras)
+                self.rows.append(row)
+                self.save()
+                self.log(
+                    f"{row['recipe']}: "
+                    + ", ".join(f"{k} {row[k]:.4g}" for k in ("kl", "top1", "ppl") if row.get(k) is not None)
+                    + f", {row.get('routed_bytes')} B"
+                )
+                if "mtp_acceptance" in extras:
+                    self.log(f"MTP on the seed artifact: {json.dumps(extras['mtp_acceptance'])}")
+
+    def hessians(self, recipe: Recipe) -> tuple[str, float | None]:
+        if recipe.hessians != "best":
+            return recipe.hessians, recipe.blend
+        if self.best_hessians is None and self.record.get("hessians_chosen"):
+            chosen = self.record["hessians_chosen"]
+            self.best_hessians = (chosen["hessians"], chosen["blend"])
+        if self.best_hessians is None:
+            measured = [r for r in self.rows if r["recipe"] in HESSIAN_ROWS and r.get("kl") is not None]
+            best: dict[str, Any] = (
+                min(measured, key=lambda r: r["kl"]) if measured else {"hessians": "natural", "blend": None}
+            )
+            self.best_hessians = (best["hessians"], best["blend"])
+            self.record["hessians_chosen"] = {
+                "hessians": best["hessians"],
+                "blend": best["blend"],
+                "from": best.get("recipe", "default"),
+            }
+        return self.best_hessians
+
+    def save(self) -> None:
+        """The rows in the canonical order (the peer's right after the seed's), with what compares each to the
+        seed's row: bytes ratio, whether at its bytes, and a speed-tier row's KL cost ratio."""
+        order = [r.name for r in recipes(self.spec.n_routed_experts)]
+        rank = {name: i for i, name in enumerate(order)}
+        self.rows.sort(
+            key=lambda r: (
+                rank["seed"] + 0.5 if r["recipe"].startswith("exllamav3") else rank.get(r["recipe"], len(order))
+            )
+        )
+        seed = next((r for r in self.rows if r["recipe"] == "seed"), None)
+        for row in self.rows:
+            if seed is not None and row.get("routed_bytes"):
+                row["bytes_vs_seed"] = round(row["routed_bytes"] / seed["routed_bytes"], 4)
+                row["at_seed_bytes"] = row["bytes_vs_seed"] <= AT_SEED_BYTES
+            if "retained_only_kl" in row:
+                row["kl_cost_ratio"] = (
+                    round(row["retained_only_kl"] / seed["kl"], 4) if seed and seed.get("kl") else None
+                )
+        self.args.results.parent.mkdir(parents=True, exist_ok=True)
+        self.args.results.write_text(json.dumps(self.record, indent=2) + "\n")
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -680,6 +791,13 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else "cpu"
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _commit() -> str | None:
     run = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return run.stdout.strip() or None
@@ -709,6 +827,12 @@ def main() -> None:
     ap.add_argument("--mtp-new-tokens", type=int, default=64, help="greedy tokens per prompt of the MTP run")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, where git runs)")
     ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds for this proxy")
+    ap.add_argument(
+        "--jobs",
+        type=_positive,
+        default=1,
+        help="rows measured at once, each worker process with its own proxy (the GPU is idle in much of a row)",
+    )
     os.environ.setdefault("SOURCE_DATE_EPOCH", "1767225600")
     Bench(ap.parse_args()).run()
 

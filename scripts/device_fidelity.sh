@@ -7,7 +7,8 @@
 #                                                              # (exit 3, state saved); ExLlamaV3's extension
 #                                                              # builds beside it (setsid: it outlives the call)
 #   bash scripts/device_fidelity.sh "$OUT" COMMIT train bench  # continue training; once the proxy is written,
-#                                                              # the benchmark's missing rows (--resume)
+#                                                              # the benchmark's missing rows (--resume), JOBS
+#                                                              # (default 4) at once
 #   bash scripts/device_fidelity.sh "$OUT" COMMIT checks bench # the GPU kernel checks in the background (pytest -v
 #                                                              # to checks.log), beside the benchmark
 #   ... cache                                                  # return Triton's kernel cache (compiled and autotuned
@@ -56,7 +57,7 @@ for MODE in "${MODES[@]}"; do
       extra=()
       [[ -e /tmp/exl-built ]] || extra=(--no-exllamav3)  # still building
       timeout "$(left)" python3 scripts/bench_fidelity.py --proxy /tmp/proxy --device cuda --work /tmp/fid \
-        --results /tmp/fid/fidelity_proxy.json --commit "$COMMIT" --resume "${extra[@]}" 2>&1 \
+        --results /tmp/fid/fidelity_proxy.json --commit "$COMMIT" --resume --jobs "${JOBS:-4}" "${extra[@]}" 2>&1 \
         | tee -a /tmp/fid/bench.log >>"$LOG"
       echo "bench exit ${PIPESTATUS[0]} (${extra[*]:-with exllamav3})" >>"$LOG" ;;
     cache)
