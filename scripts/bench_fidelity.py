@@ -484,7 +484,10 @@ class Evaluator:
             t1 = time.monotonic()
             length = min(MTP_PROMPT_TOKENS, self.ids.shape[1] // 2)
             prompts = self.ids[: self.args.mtp_prompts, :length]
-            mtp = mtp_acceptance(out, prompts, self.args.mtp_new_tokens, self.args.device)
+            try:
+                mtp = mtp_acceptance(out, prompts, self.args.mtp_new_tokens, self.args.device)
+            except Exception as exc:  # noqa: BLE001 - recorded: the seed's row stands on its own
+                mtp = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
             extras["mtp_acceptance"] = mtp | {"seconds": round(time.monotonic() - t1, 1)}
         if not self.args.keep_artifacts:
             shutil.rmtree(out, ignore_errors=True)
