@@ -85,10 +85,12 @@ class SharedHead(nn.Module):
 
 def one_layer_config(text_config: Any) -> Any:
     """The text config of a model made of the MTP layer alone: one sparse-MLA layer with its own indexer and MoE,
-    so transformers' modules and `DynamicCache` build exactly that layer at index 0."""
+    so transformers' modules and `DynamicCache` build exactly that layer at index 0. The layer type is the target's
+    own MLA layers' name: transformers releases name it differently ("indexed_attention" in 5.24; 5.17's
+    `DynamicCache` has no layer of that name), and the target's cache builds with it."""
     config = copy.deepcopy(text_config)
     config.num_hidden_layers = 1
-    config.layer_types = ["indexed_attention"]
+    config.layer_types = [next(t for t in text_config.layer_types if t != "linear_attention")]
     config.indexer_types = ["full"]
     config.mlp_layer_types = ["sparse"]
     return config

@@ -4,6 +4,7 @@ rollbacks keep the caches right, the MTP layer drafts the same from its incremen
 
 from __future__ import annotations
 
+import copy
 import http.client
 
 import openai
@@ -217,3 +218,20 @@ def test_server_reports_speculation_in_usage_and_metrics(artifacts):
     assert metrics["glmquant:spec_decode_num_drafts_total"] == spec["num_drafts"]
     assert metrics["glmquant:spec_decode_num_draft_tokens_total"] == spec["num_draft_tokens"]
     assert metrics["glmquant:spec_decode_num_accepted_tokens_total"] == spec["num_accepted_tokens"]
+
+
+def test_mtp_layer_takes_the_targets_own_mla_layer_type(tr3_f32):
+    """The MTP layer's one-layer config names its layer as the target's MLA layers (a transformers release whose
+    `DynamicCache` lacks "indexed_attention" builds the target's cache, so it builds this one), and the cache
+    it makes is that layer's."""
+    from transformers import DynamicCache
+
+    from glmquant.runtime.mtp import one_layer_config
+
+    text = copy.deepcopy(tr3_f32.model.config.get_text_config())
+    mla = next(t for t in text.layer_types if t != "linear_attention")
+    text.layer_types = ["linear_attention" if t != mla else "full_attention" for t in text.layer_types]
+    config = one_layer_config(text)
+    assert config.layer_types == ["full_attention"] and config.num_hidden_layers == 1
+    cache = DynamicCache(config=config)
+    assert len(cache.layers) == 1 and type(cache.layers[0]).__name__ == "DynamicLayer"
