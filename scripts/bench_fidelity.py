@@ -23,12 +23,13 @@ after the first three use the Hessians (natural, all-token or blend) that gave t
         --tokens 32 --heldout-rows 2 --heldout-tokens 32 --work /tmp/fid --results /tmp/fid.json
 
 The results are written after every row; `--resume` keeps the rows of an earlier run with the same proxy and
-settings and measures only the missing ones (the observations are reused), so the benchmark can span several
-time-limited calls. `--jobs N` measures N rows at once, each in a worker process with its own proxy (a row's
-encode and measurement leave the GPU idle much of the time); the rows on the best Hessians wait for the three
-Hessian rows, and the file keeps the rows in the order above whatever order they finish in. `summary` names the seed method's row, the best row at the seed's bytes
-(lowest KL) and the ExLlamaV3 row, and checks the issue's goal (KL <= 0.7x the seed's, top-1 >= 3 points higher,
-KL no worse than ExLlamaV3's).
+settings and measures only the missing and failed ones (the observations are reused), so the benchmark can span
+several time-limited calls. A row that fails is recorded with its error; the others go on. `--jobs N` measures N
+rows at once, each in a worker process with its own proxy (a row's encode and measurement leave the GPU idle much
+of the time); the rows on the best Hessians wait for the three Hessian rows, and the file keeps the rows in the
+order above whatever order they finish in. `summary` names the seed method's row, the best row at the seed's
+bytes (lowest KL) and the ExLlamaV3 row, and checks the issue's goal (KL <= 0.7x the seed's, top-1 >= 3 points
+higher, KL no worse than ExLlamaV3's).
 """
 
 from __future__ import annotations
@@ -359,8 +360,9 @@ def exllamav3_experts(out_dir: Path) -> tuple[dict[tuple[int, int], dict[str, to
     return found, nbytes, sorted(widths)
 
 
-def convert_with_exllamav3(model_dir: Path, out_dir: Path, work_dir: Path, rows: int, tokens: int) -> None:
-    """ExLlamaV3's converter in its own process (it prints a lot and may exit): -b 2.0, MCG, head unquantized."""
+def convert_with_exllamav3(model_dir: Path, out_dir: Path, work_dir: Path, rows: int, tokens: int, log: Path) -> None:
+    """ExLlamaV3's converter in its own process (it prints a lot and may exit): -b 2.0, MCG, head unquantized. Its
+    output streams to `log`, so a call that ends mid-conversion still shows how far it got."""
     args = [
         "-i",
         str(model_dir),
@@ -384,9 +386,11 @@ def convert_with_exllamav3(model_dir: Path, out_dir: Path, work_dir: Path, rows:
         "a, s, ok, err = prepare(parser.parse_args(sys.argv[1:]))\n"
         "sys.exit(err) if not ok else main(a, s)"
     )
-    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    with log.open("w") as sink:
+        run = subprocess.run([sys.executable, "-u", "-c", code, *args], stdout=sink, stderr=subprocess.STDOUT)
     if run.returncode != 0:
-        raise RuntimeError(f"ExLlamaV3's converter failed ({run.returncode}): {(run.stderr or run.stdout)[-2000:]}")
+        tail = log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"ExLlamaV3's converter failed ({run.returncode}; {log}): {tail}")
 
 
 @dataclass(frozen=True)
@@ -519,7 +523,8 @@ class Evaluator:
         }
         try:
             t0 = time.monotonic()
-            convert_with_exllamav3(self.model_dir, out, work, self.args.rows, self.args.tokens)
+            log = self.work / "exllamav3-convert.log"
+            convert_with_exllamav3(self.model_dir, out, work, self.args.rows, self.args.tokens, log)
             experts, nbytes, widths = exllamav3_experts(out)
             row.update(
                 {
@@ -564,7 +569,10 @@ class InlineExecutor:
 
     def submit(self, fn: Any, *args: Any) -> Future[Any]:
         future: Future[Any] = Future()
-        future.set_result(fn(*args))
+        try:
+            future.set_result(fn(*args))
+        except Exception as exc:  # noqa: BLE001 - handed to the scheduler, as a worker's exception is
+            future.set_exception(exc)
         return future
 
     def __enter__(self) -> InlineExecutor:
@@ -598,7 +606,7 @@ class Bench:
         if args.resume and args.results.is_file():
             earlier = json.loads(args.results.read_text())
             if all(earlier.get(k) == self.record[k] for k in ("layout", "calibration", "heldout", "proxy")):
-                self.rows += [r for r in earlier["rows"] if not r["recipe"].startswith("exllamav3") or "error" not in r]
+                self.rows += [r for r in earlier["rows"] if "error" not in r]  # failed rows are measured again
                 self.record["hessians_chosen"] = earlier.get("hessians_chosen")
                 for key in ("mtp_acceptance", "bf16_ppl"):
                     if earlier.get(key):
@@ -651,16 +659,7 @@ class Bench:
             with executor:
                 self.schedule(executor, queue)
         if args.exllamav3 and importlib.util.find_spec("exllamav3") is None:
-            self.rows.append(
-                {
-                    "recipe": "exllamav3-1.6.5",
-                    "routed_bytes": None,
-                    "kl": None,
-                    "top1": None,
-                    "ppl": None,
-                    "error": "exllamav3 is not installed here",
-                }
-            )
+            self.rows.append(self.failed("exllamav3-1.6.5", "exllamav3 is not installed here"))
         self.save()
         self.record["summary"] = summarize(self.rows)
         self.save()
@@ -694,8 +693,12 @@ class Bench:
                 running[executor.submit(_run_task, Task(item, hessians, blend))] = name
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
-                del running[future]
-                row, extras = future.result()
+                name = running.pop(future)
+                try:
+                    row, extras = future.result()
+                except Exception as exc:  # noqa: BLE001 - recorded (and measured again on --resume); others go on
+                    self.log(f"{name}: failed: {type(exc).__name__}: {exc}")
+                    row, extras = self.failed(name, exc), {}
                 self.record.update(extras)
                 self.rows.append(row)
                 self.save()
@@ -706,6 +709,11 @@ class Bench:
                 )
                 if "mtp_acceptance" in extras:
                     self.log(f"MTP on the seed artifact: {json.dumps(extras['mtp_acceptance'])}")
+
+    @staticmethod
+    def failed(recipe: str, why: Exception | str) -> dict[str, Any]:
+        error = f"{type(why).__name__}: {why}" if isinstance(why, Exception) else why
+        return {"recipe": recipe, "routed_bytes": None, "kl": None, "top1": None, "ppl": None, "error": error[-3000:]}
 
     def hessians(self, recipe: Recipe) -> tuple[str, float | None]:
         if recipe.hessians != "best":
@@ -736,7 +744,7 @@ class Bench:
                 rank["seed"] + 0.5 if r["recipe"].startswith("exllamav3") else rank.get(r["recipe"], len(order))
             )
         )
-        seed = next((r for r in self.rows if r["recipe"] == "seed"), None)
+        seed = next((r for r in self.rows if r["recipe"] == "seed" and r.get("kl") is not None), None)
         for row in self.rows:
             if seed is not None and row.get("routed_bytes"):
                 row["bytes_vs_seed"] = round(row["routed_bytes"] / seed["routed_bytes"], 4)
@@ -751,7 +759,7 @@ class Bench:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The seed method's row, the best row at its bytes (lowest KL), the ExLlamaV3 row and the issue's goal."""
-    seed = next((r for r in rows if r["recipe"] == "seed"), None)
+    seed = next((r for r in rows if r["recipe"] == "seed" and r.get("kl") is not None), None)
     peers = [
         r
         for r in rows

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call (under 10 minutes) of issue 17's fidelity session (docs/fidelity.md). The proxy, its training state
 # and the benchmark's work live in /tmp, which survives only while the machine stays warm: run the calls back to
-# back. Modes run in order, each bounded by the call's time left (LIMIT_S, default 585 s).
+# back. Modes run in order, each bounded by the call's time left (LIMIT_S, default 585 s; set it below the run's
+# limit when less device time than that is left: the device kills the call at its limit).
 # Usage on the device (carry .whl):
 #   bash scripts/device_fidelity.sh "$OUT" COMMIT train        # train the proxy, pausing before the call's end
 #                                                              # (exit 3, state saved); ExLlamaV3's extension
@@ -43,7 +44,8 @@ for MODE in "${MODES[@]}"; do
       # pauses (state saved) once --max-minutes of wall time have passed; SIGTERM from timeout pauses too
       timeout "$(left)" python3 scripts/train_proxy.py --out /tmp/proxy --device cuda \
         --max-minutes "$(awk -v s="$(( $(left) - 45 ))" 'BEGIN { print s / 60 }')" 2>&1 | tee -a /tmp/proxy/train.log >>"$LOG"
-      echo "train exit ${PIPESTATUS[0]}" >>"$LOG" ;;
+      echo "train exit ${PIPESTATUS[0]}" >>"$LOG"
+      cp /tmp/proxy/proxy.json "$OUT/" 2>/dev/null ;;
     checks)
       nice -n 5 timeout "$(left)" python3 -m pytest -v -p no:cacheprovider -rs tests/kernels/test_kda.py \
         tests/runtime/test_engine.py::test_cuda_bf16_engine_prefill_matches_transformers_on_cuda \
@@ -56,10 +58,14 @@ for MODE in "${MODES[@]}"; do
       [[ -e /tmp/proxy/proxy.json ]] || { echo "bench skipped: the proxy is not trained yet" >>"$LOG"; continue; }
       extra=()
       [[ -e /tmp/exl-built ]] || extra=(--no-exllamav3)  # still building
+      # the results file lives in $OUT while the benchmark runs: a call killed at the device's limit (which may be
+      # below LIMIT_S when little device time is left) still returns every row measured
+      cp /tmp/fid/fidelity_proxy.json "$OUT/" 2>/dev/null
       timeout "$(left)" python3 scripts/bench_fidelity.py --proxy /tmp/proxy --device cuda --work /tmp/fid \
-        --results /tmp/fid/fidelity_proxy.json --commit "$COMMIT" --resume --jobs "${JOBS:-4}" "${extra[@]}" 2>&1 \
+        --results "$OUT/fidelity_proxy.json" --commit "$COMMIT" --resume --jobs "${JOBS:-4}" "${extra[@]}" 2>&1 \
         | tee -a /tmp/fid/bench.log >>"$LOG"
-      echo "bench exit ${PIPESTATUS[0]} (${extra[*]:-with exllamav3})" >>"$LOG" ;;
+      echo "bench exit ${PIPESTATUS[0]} (${extra[*]:-with exllamav3})" >>"$LOG"
+      cp "$OUT/fidelity_proxy.json" /tmp/fid/ 2>/dev/null ;;
     cache)
       # it must travel back (4 parts of 15 MiB) and out again beside the wheels and the tree (64 MiB a call)
       tar czf /tmp/triton-cache.tgz -C "$TRITON_CACHE_DIR" .
@@ -70,7 +76,8 @@ for MODE in "${MODES[@]}"; do
   esac
 done
 [[ -n $checks ]] && wait "$checks"  # not the extension build: it may outlive the call
-cp /tmp/proxy/proxy.json /tmp/fid/fidelity_proxy.json "$OUT/" 2>/dev/null
+cp /tmp/proxy/proxy.json "$OUT/" 2>/dev/null
 # at most 8 files come back: run.log, proxy.json, fidelity_proxy.json, logs.tgz and up to 4 cache parts
-tar czf "$OUT/logs.tgz" --ignore-failed-read -C /tmp proxy/train.log fid/bench.log exl-build.log checks.log 2>/dev/null
+tar czf "$OUT/logs.tgz" --ignore-failed-read -C /tmp proxy/train.log fid/bench.log fid/exllamav3-convert.log exl-build.log \
+  checks.log 2>/dev/null
 echo "== collected at +$(( $(date +%s) - t0 ))s" >>"$LOG"

@@ -64,6 +64,75 @@ def test_summary_picks_the_lowest_kl_at_the_seeds_bytes() -> None:
     }
 
 
+def test_scheduler_waits_for_the_hessian_rows_records_failures_and_keeps_the_canonical_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows on the best Hessians start only after seed, all-token and blend; a row that raises is recorded with
+    its error while the others go on; the file lists rows in recipe order whatever order they finished in, with
+    bytes ratios and the speed tier's KL cost ratio taken from the seed's row."""
+    from concurrent.futures import Future
+
+    bench_module = _bench_module()
+    names = ["seed", "all-token", "blend-0.5", "codebook-mul1", "retained-k4"]
+    queue = [r for r in bench_module.recipes(8) if r.name in names]
+    started: list[tuple[str, str]] = []
+    finish_order = ["codebook-mul1", "retained-k4", "blend-0.5", "all-token", "seed"]  # not the queue's order
+
+    class Held:
+        """A pool whose rows finish only when the (patched) wait says so."""
+
+        def submit(self, _fn, task) -> Future:
+            started.append((task.recipe.name, task.hessians))
+            return Future()
+
+    bench = object.__new__(bench_module.Bench)
+    bench.args = type("Args", (), {"jobs": 3, "results": tmp_path / "fid.json"})()
+    bench.console = bench_module.Console(quiet=True)
+    bench.spec = type("Spec", (), {"n_routed_experts": 8})()
+    bench.rows, bench.best_hessians = [], None
+    bench.record = {"rows": bench.rows}
+
+    def outcome(name: str) -> tuple[dict, dict]:
+        if name == "all-token":
+            raise RuntimeError("Cholesky failed in layer 3")
+        kl = {"seed": 0.010, "blend-0.5": 0.008, "codebook-mul1": 0.007, "retained-k4": 0.013}[name]
+        row = {"recipe": name, "routed_bytes": 1000, "kl": kl, "top1": 0.9, "ppl": 17.0}
+        if name == "blend-0.5":
+            row |= {"hessians": "natural", "blend": 0.5}
+        if name == "seed":
+            row |= {"hessians": "natural", "blend": None}
+        if name == "retained-k4":
+            row["retained_only_kl"] = 0.005
+        return row, {"bf16_ppl": 17.0}
+
+    real_wait = bench_module.wait
+
+    def wait(running, return_when):  # completes the running row that comes first in finish_order
+        name = next(n for n in finish_order if n in running.values())
+        future = next(f for f, n in running.items() if n == name)
+        try:
+            future.set_result(outcome(name))
+        except RuntimeError as exc:
+            future.set_exception(exc)
+        return real_wait([future], return_when=return_when)
+
+    monkeypatch.setattr(bench_module, "wait", wait)
+    bench.schedule(Held(), list(queue))
+    first_three = {name for name, _ in started[:3]}
+    assert first_three == {"seed", "all-token", "blend-0.5"}  # codebook-mul1 (best Hessians) waited for them
+    order = [name for name, _ in started]
+    assert order.index("retained-k4") < order.index("codebook-mul1")  # a row on its own Hessians did not wait
+    assert ("codebook-mul1", "natural") in started  # the blend's Hessians won: best is natural + blend 0.5
+    assert bench.record["hessians_chosen"] == {"hessians": "natural", "blend": 0.5, "from": "blend-0.5"}
+    rows = json.loads((tmp_path / "fid.json").read_text())["rows"]
+    assert [r["recipe"] for r in rows] == ["seed", "all-token", "blend-0.5", "codebook-mul1", "retained-k4"]
+    failed = rows[1]
+    assert failed["kl"] is None and "Cholesky failed in layer 3" in failed["error"]
+    assert rows[4]["kl_cost_ratio"] == 0.5 and all(r["bytes_vs_seed"] == 1.0 for r in rows if r["routed_bytes"])
+    summary = bench_module.summarize(rows)
+    assert summary["best"] == "codebook-mul1" and summary["goal"]["kl_ratio_to_seed"] == 0.7
+
+
 @pytest.mark.slow
 def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Path) -> None:
     proxy = tmp_path / "proxy"
