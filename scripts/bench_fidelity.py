@@ -56,6 +56,7 @@ from rich.console import Console
 
 from glmquant.arch import PROJECTIONS, load_model_spec
 from glmquant.checkpoint.exl3_groups import exl3_groups
+from glmquant.checkpoint.layouts import quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.exl3 import EXL3Tensor, decode_weight
@@ -271,20 +272,22 @@ def artifact_experts(
     return out, pruned
 
 
-def artifact_linears(artifact: Path, device: str) -> tuple[dict[str, torch.Tensor], int, int]:
+def artifact_linears(artifact: Path, device: str) -> tuple[dict[str, torch.Tensor], dict[str, str], int, int]:
     """Decoded retained linears of a speed-tier artifact by the transformers model's parameter name (the MTP
-    layer's left out: the KL is measured without it), their EXL3 bytes and their BF16 bytes."""
+    layer's left out: the KL is measured without it), the role of each, their EXL3 bytes and their BF16 bytes."""
     art = open_artifact(artifact)
-    out, exl3_bytes, bf16_bytes = {}, 0, 0
+    role_of = {t.name: t.role.value for t in quantizable_retained(art.spec)}
+    out, roles, exl3_bytes, bf16_bytes = {}, {}, 0, 0
     for name, linear in art.retained_linear_modules().items():
         if linear.layer in art.spec.mtp_layers:
             continue
         tensor = art.read_linear(linear, device)
         out[f"{name}.weight"] = decode_weight(tensor, torch.float32)
+        roles[f"{name}.weight"] = role_of[linear.source]
         exl3_bytes += sum(t.numel() * t.element_size() for t in tensor.tensors(linear.key).values())
         bf16_bytes += 2 * linear.in_features * linear.out_features
     art.checkpoint.close()
-    return out, exl3_bytes, bf16_bytes
+    return out, roles, exl3_bytes, bf16_bytes
 
 
 def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, device: str) -> dict[str, Any]:
@@ -462,7 +465,7 @@ class Evaluator:
         linears: dict[str, torch.Tensor] = {}
         tier: dict[str, Any] = {}
         if recipe.retained_bits is not None:
-            linears, exl3_bytes, bf16_bytes = artifact_linears(out, self.args.device)
+            linears, roles, exl3_bytes, bf16_bytes = artifact_linears(out, self.args.device)
             tier = {
                 "retained_linears": len(linears),
                 "retained_exl3_bytes": exl3_bytes,
@@ -472,6 +475,11 @@ class Evaluator:
         metrics = self.measure(experts, pruned, linears)
         if linears:  # the retained linears' own KL, the experts BF16: Bench.save divides it by the seed's KL
             tier |= {f"retained_only_{k}": v for k, v in self.measure({}, {}, linears).items()}
+            # and each role's alone (attention, indexer, KDA, shared experts, dense MLPs): where that cost comes from
+            tier["retained_only_kl_by_role"] = {
+                role: self.measure({}, {}, {n: w for n, w in linears.items() if roles[n] == role})["kl"]
+                for role in sorted(set(roles.values()))
+            }
         row = {
             "recipe": recipe.name,
             "routed_bytes": nbytes,

@@ -187,6 +187,9 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
     assert tier["routed_bytes"] == rows["seed"]["routed_bytes"] and tier["retained_bits"] == 4
     assert tier["retained_linears"] > 0 and 0 < tier["retained_exl3_bytes"] < tier["retained_bf16_bytes"]
     assert tier["kl"] > 0 and tier["retained_only_kl"] > 0
+    by_role = tier["retained_only_kl_by_role"]  # each role's linears alone: the smoke proxy has all four kinds
+    assert set(by_role) == {"dense_mlp", "dsa_indexer", "kda_linear_attention", "mla_attention", "shared_expert"}
+    assert all(kl >= 0 for kl in by_role.values()) and max(by_role.values()) <= 2 * tier["retained_only_kl"]
     assert tier["kl_cost_ratio"] == pytest.approx(tier["retained_only_kl"] / rows["seed"]["kl"], rel=1e-3)
     assert record["summary"]["best"] != "retained-k4"  # another question than the recipes at the seed's bytes
     mtp = record["mtp_acceptance"]  # the seed artifact's own MTP layer drafting for its quantized model
