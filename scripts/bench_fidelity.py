@@ -668,7 +668,7 @@ class Bench:
                 self.schedule(executor, queue)
         if args.exllamav3 and importlib.util.find_spec("exllamav3") is None:
             self.rows.append(self.failed("exllamav3-1.6.5", "exllamav3 is not installed here"))
-        self.save()
+        self.save()  # sorts the rows and compares them with the seed's, which the summary reads
         self.record["summary"] = summarize(self.rows)
         self.save()
         self.log(json.dumps(self.record["summary"], indent=2))
@@ -761,8 +761,11 @@ class Bench:
                 row["kl_cost_ratio"] = (
                     round(row["retained_only_kl"] / seed["kl"], 4) if seed and seed.get("kl") else None
                 )
-        self.args.results.parent.mkdir(parents=True, exist_ok=True)
-        self.args.results.write_text(json.dumps(self.record, indent=2) + "\n")
+        results: Path = self.args.results
+        results.parent.mkdir(parents=True, exist_ok=True)
+        partial = results.with_name(results.name + ".partial")  # renamed over it: a kill never leaves half a file
+        partial.write_text(json.dumps(self.record, indent=2) + "\n")
+        os.replace(partial, results)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
