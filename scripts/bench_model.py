@@ -84,8 +84,8 @@ SMOKE = Sizes((24, 40), (1, 2), (48,), 3, 3, 16)
 def main() -> None:
     args = parse_args()
     if args.merge:
-        acceptance = json.loads(args.mtp_acceptance.read_text()) if args.mtp_acceptance else None
-        merged = merge([json.loads(Path(p).read_text()) for p in args.merge], acceptance)
+        fidelity = json.loads(args.fidelity.read_text()) if args.fidelity else None
+        merged = merge([json.loads(Path(p).read_text()) for p in args.merge], fidelity)
         save(merged, args.out)
         return
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
@@ -139,7 +139,7 @@ def main() -> None:
         report["parts"][part + "_peak_gpu_gb"] = peak_gb(engine)
         report["summary"] = summary(report)
         if args.retained_bits is not None:
-            report["speed_tier"] = speed_tier(report)
+            report["speed_tier"] = speed_tier(report, None)
         save(report, args.out)
         print(f"{part}: done at +{time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
@@ -163,10 +163,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--parts", type=lambda s: tuple(s.split(",")), default=PARTS)
     p.add_argument("--merge", nargs="+", type=Path, help="combine the parts of earlier reports into --out")
     p.add_argument(
-        "--mtp-acceptance",
+        "--fidelity",
         type=Path,
-        help="with --merge: bench_fidelity's results (its mtp_acceptance, the trained proxy's MTP layer) to project "
-        "the mtp part's tok/s and speedup at that acceptance",
+        help="with --merge: bench_fidelity's results on the trained proxy: the mtp part's tok/s and speedup projected "
+        "at its MTP acceptance, and the speed tier's KL cost ratio from its retained-kK row",
     )
     args = p.parse_args()
     if set(args.parts) - set(PARTS):
@@ -632,21 +632,27 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def speed_tier(report: dict[str, Any]) -> dict[str, Any]:
-    """The speed tier's figures (`--retained-bits`): what this run measures, and null for what others provide."""
+def speed_tier(report: dict[str, Any], fidelity: dict[str, Any] | None) -> dict[str, Any]:
+    """The speed tier's figures (`--retained-bits`): what this run measures, and from `fidelity` (bench_fidelity's
+    results) its KL cost at the same K; null for what is not provided."""
     classes = report["parts"].get("classes", {})
     per_class = classes.get("classes", {})
+    bits = report["model"]["retained_bits"]
+    proxy_row: dict[str, Any] = next(
+        (r for r in (fidelity or {}).get("rows", []) if r["recipe"] == f"retained-k{bits}"), {}
+    )
     return {
-        "retained_bits": report["model"]["retained_bits"],
+        "retained_bits": bits,
         "bytes_per_token": sum(c["bytes_per_token"] for c in per_class.values()) if per_class else None,
         "bytes_per_token_is": "batch-1 decode at the classes part's context, summed over its classes (the EXL3 "
         "retained linears at their stored bytes)",
         "gb10_tok_s_218": classes.get("projection", {}).get("gb10_tok_s_218"),
         "mtp_speedup": (report.get("mtp_at_proxy_acceptance") or {}).get("speedup"),
-        "mtp_speedup_from": "the mtp part (--parts mtp with --retained-bits) merged with --mtp-acceptance (the "
+        "mtp_speedup_from": "the mtp part (--parts mtp with --retained-bits) merged with --fidelity (the "
         "trained proxy's MTP acceptance): mtp_at_proxy_acceptance",
-        "kl_cost_ratio": None,
-        "kl_cost_ratio_from": "the proxy fidelity run: KL of the speed tier against the exact-retained artifact",
+        "kl_cost_ratio": proxy_row.get("kl_cost_ratio"),
+        "kl_cost_ratio_from": f"the proxy fidelity run merged with --fidelity: its retained-k{bits} row, the "
+        "retained linears' KL alone (experts BF16) over the seed row's (the experts') KL",
     }
 
 
@@ -685,7 +691,8 @@ def mtp_at_acceptance(mtp: dict[str, Any], acceptance: dict[str, Any]) -> dict[s
 
 def merge(reports: list[dict[str, Any]], fidelity: dict[str, Any] | None = None) -> dict[str, Any]:
     """Later reports' parts replace earlier ones of the same name; the summary is recomputed. With `fidelity`
-    (bench_fidelity's results), the mtp part is projected at the trained proxy's MTP acceptance."""
+    (bench_fidelity's results), the mtp part is projected at the trained proxy's MTP acceptance and the speed
+    tier takes its KL cost."""
     sources = [c for r in reports for c in (r.get("merged_from") or [r.get("command")])]  # merges of merges too
     merged = {**reports[0], "parts": {}, "merged_from": sources}
     for r in reports:
@@ -695,7 +702,7 @@ def merge(reports: list[dict[str, Any]], fidelity: dict[str, Any] | None = None)
     if acceptance and "rows" in merged["parts"].get("mtp", {}):
         merged["mtp_at_proxy_acceptance"] = mtp_at_acceptance(merged["parts"]["mtp"], acceptance)
     if (merged.get("model") or {}).get("retained_bits") is not None:
-        merged["speed_tier"] = speed_tier(merged)
+        merged["speed_tier"] = speed_tier(merged, fidelity)
     return merged
 
 

@@ -75,7 +75,7 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     # projected at a trained proxy's MTP acceptance (bench_fidelity's mtp_acceptance): k = 2 only measured there
     fidelity = tmp_path / "fidelity.json"
     fidelity.write_text(json.dumps({"mtp_acceptance": {"k2": {"tokens_per_step": 2.2, "acceptance_rate": 0.6}}}))
-    run = _run("--merge", str(out), "--mtp-acceptance", str(fidelity), "--out", str(merged))
+    run = _run("--merge", str(out), "--fidelity", str(fidelity), "--out", str(merged))
     assert run.returncode == 0, run.stderr[-3000:]
     projected = json.loads(merged.read_text())["mtp_at_proxy_acceptance"]
     mtp = report["parts"]["mtp"]
@@ -88,7 +88,8 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
 
 def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     """`--retained-bits 4`: the dummy artifact holds EXL3 retained linears, the engine runs them, `model` records the
-    K and `speed_tier` holds bytes per token and the GB10 projection, with MTP speedup and KL cost left to others."""
+    K and `speed_tier` holds bytes per token and the GB10 projection, with MTP speedup and KL cost left to others
+    until a proxy fidelity run is merged in."""
     out = tmp_path / "tier.json"
     run = _run("--smoke", "--retained-bits", "4", "--parts", "graphs,decode,classes", "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -101,3 +102,13 @@ def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     assert tier["gb10_tok_s_218"] == classes["projection"]["gb10_tok_s_218"] > 0
     assert tier["mtp_speedup"] is None and "mtp part" in tier["mtp_speedup_from"]
     assert tier["kl_cost_ratio"] is None and "proxy fidelity" in tier["kl_cost_ratio_from"]
+
+    # merged with a proxy fidelity run: the KL cost of its row at the same K (not another K's)
+    fidelity = tmp_path / "fidelity.json"
+    rows = [{"recipe": "retained-k5", "kl_cost_ratio": 0.62}, {"recipe": "retained-k4", "kl_cost_ratio": 1.04}]
+    fidelity.write_text(json.dumps({"rows": rows}))
+    merged = tmp_path / "merged.json"
+    run = _run("--merge", str(out), "--fidelity", str(fidelity), "--out", str(merged))
+    assert run.returncode == 0, run.stderr[-3000:]
+    tier = json.loads(merged.read_text())["speed_tier"]
+    assert tier["kl_cost_ratio"] == 1.04 and "retained-k4" in tier["kl_cost_ratio_from"]
