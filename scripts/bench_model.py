@@ -698,6 +698,8 @@ def merge(reports: list[dict[str, Any]], fidelity: dict[str, Any] | None = None)
     for r in reports:
         merged["parts"].update(r["parts"])
     merged["summary"] = summary(merged)
+    if fidelity is not None:  # which proxy fidelity run the projection and the KL cost come from
+        merged["fidelity_from"] = {k: fidelity.get(k) for k in ("format", "commit", "device")}
     acceptance = (fidelity or {}).get("mtp_acceptance")
     if acceptance and "rows" in merged["parts"].get("mtp", {}):
         merged["mtp_at_proxy_acceptance"] = mtp_at_acceptance(merged["parts"]["mtp"], acceptance)

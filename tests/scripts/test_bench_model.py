@@ -106,9 +106,11 @@ def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     # merged with a proxy fidelity run: the KL cost of its row at the same K (not another K's)
     fidelity = tmp_path / "fidelity.json"
     rows = [{"recipe": "retained-k5", "kl_cost_ratio": 0.62}, {"recipe": "retained-k4", "kl_cost_ratio": 1.04}]
-    fidelity.write_text(json.dumps({"rows": rows}))
     merged = tmp_path / "merged.json"
+    fidelity.write_text(json.dumps({"rows": rows, "commit": "abc1234"}))
     run = _run("--merge", str(out), "--fidelity", str(fidelity), "--out", str(merged))
     assert run.returncode == 0, run.stderr[-3000:]
-    tier = json.loads(merged.read_text())["speed_tier"]
+    record = json.loads(merged.read_text())
+    tier = record["speed_tier"]
     assert tier["kl_cost_ratio"] == 1.04 and "retained-k4" in tier["kl_cost_ratio_from"]
+    assert record["fidelity_from"]["commit"] == "abc1234"
