@@ -179,9 +179,14 @@ class LoadBalancer:
         return worst
 
 
+def plain_settings(cfg: TrainConfig, leave_out: tuple[str, ...]) -> dict[str, Any]:
+    """The config's fields but `leave_out` as plain data (paths as text), for JSON and saved states."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k not in leave_out}
+
+
 def settings_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
-    """The settings a saved training state depends on (every field but RESUME_FREE), as plain data."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k not in RESUME_FREE}
+    """The settings a saved training state depends on (every field but RESUME_FREE)."""
+    return plain_settings(cfg, RESUME_FREE)
 
 
 def save_train_state(path: Path, cfg: TrainConfig, state: dict[str, Any]) -> None:
@@ -481,7 +486,7 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     record = {
         "format": "glmquant.proxy.v1",
         "seed": cfg.seed,
-        "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "shape"},
+        "train_config": plain_settings(cfg, ("shape",)),
         "shape": asdict(shape),
         "corpus": corpus,
         "tokenizer_sha256": tokenizer_sha,
