@@ -8,12 +8,15 @@ mean KL(BF16 || recipe) in nats, top-1 agreement (a fraction) and the recipe's p
 routed bytes (the EXL3 tensors of the routed experts), their ratio to the seed method's and whether it is at most
 the seed's (1 % slack): pruning leaves a few % of scale vectors unspent, so those rows compete with fewer bytes.
 
-Rows: the seed method (natural-routing Hessians, uniform K2 MCG); all-token Hessians; a 50/50 blend; REAP tiers
+Rows: the seed method (natural-routing Hessians, uniform K2 MCG); gate-weighted natural Hessians (each routed
+token's rows weighted by its routing weight, observe --hessian-weighting gate), alone and with MUL1; all-token
+Hessians; a 50/50 blend; the speed tier's retained linears at K4-K6 (issue 18); REAP tiers
 at the seed's bytes (K3 or K4 for the most salient experts, K1 for the least, K2 for the rest); REAP pruning with
 the freed bytes on K3; codebooks 3INST and MUL1; a quarter of the calibration rows; uniform K3 and K4 as
 references above the seed's bytes; and ExLlamaV3 1.6.5's own converter on the same proxy when `exllamav3` imports
-(its routed-expert tensors evaluated the same way; attention, shared experts and head stay BF16 here too). Rows
-after the first three use the Hessians (natural, all-token or blend) that gave the lowest KL among them.
+(its routed-expert tensors evaluated the same way; attention, shared experts and head stay BF16 here too). The
+rows from codebook-mul1 on use the Hessians (natural, all-token or blend) that gave the lowest KL among the seed,
+all-token and blend rows. The rows are listed (and measured) in this order: the ones issues 17 and 18 wait on first.
 
     # H200, after scripts/train_proxy.py --out /tmp/proxy --device cuda:
     python scripts/bench_fidelity.py --proxy /tmp/proxy --device cuda --work /tmp/fidelity \
@@ -61,7 +64,7 @@ from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.exl3 import EXL3Tensor, decode_weight
 from glmquant.observe.config import ObserveConfig
-from glmquant.observe.hessians import HessianMode
+from glmquant.observe.hessians import HessianMode, HessianWeighting
 from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.run import observe
 from glmquant.proxy.train import split_rows
@@ -86,7 +89,7 @@ class Recipe:
     bits: int = 2
     tiers: str | None = None
     keep: int | None = None
-    observations: str = "full"  # full | small (a quarter of the calibration rows)
+    observations: str = "full"  # full | small (a quarter of the calibration rows) | gated (gate-weighted natural)
     reference: bool = False  # above the seed's bytes on purpose
     retained_bits: int | None = None  # the speed tier: retained linears EXL3 at this K (issue 18's KL cost)
 
@@ -96,13 +99,59 @@ def recipes(experts: int) -> list[Recipe]:
     e4, e8 = experts // 4, experts // 8
     return [
         Recipe("seed", "seed method: natural-routing Hessians, uniform K2 MCG"),
+        Recipe(
+            "gate-weighted",
+            "natural Hessians with each routed token weighted by its gate (Σ ĝ² x xᵀ), uniform K2",
+            observations="gated",
+        ),
         Recipe("all-token", "all-token Hessians (ExLlamaV3's convention), uniform K2", hessians="all"),
         Recipe("blend-0.5", "Hessians 0.5 natural + 0.5 all-token, uniform K2", blend=0.5),
+        Recipe(
+            "gate-weighted-mul1",
+            "gate-weighted natural Hessians, uniform K2, MUL1 codebook",
+            codebook="mul1",
+            observations="gated",
+        ),
+        *(
+            Recipe(
+                f"retained-k{k}",
+                f"the speed tier (issue 18): the seed's experts, and the retained linears EXL3 K{k} with their "
+                "dense Hessians; kl_cost_ratio = KL of the retained linears alone over the seed's (experts') KL",
+                retained_bits=k,
+            )
+            for k in (4, 5, 6)
+        ),
         Recipe(
             "codebook-mul1",
             "the best Hessians, uniform K2, MUL1 codebook (ExLlamaV3's default)",
             "best",
             codebook="mul1",
+        ),
+        Recipe(
+            "tiers-k3-k1",
+            f"REAP tiers: K3 for the {e4} most salient experts, K1 for the {e4} least, K2 rest",
+            "best",
+            tiers=f"reap:K3={e4},K2=rest,K1={e4}",
+        ),
+        Recipe(
+            "tiers-k4-k1",
+            f"REAP tiers: K4 for the {e8} most salient, K1 for the {e4} least, K2 rest",
+            "best",
+            tiers=f"reap:K4={e8},K2=rest,K1={2 * e8}",
+        ),
+        Recipe(
+            "prune25-k3",
+            f"REAP pruning 25 % (keep {experts - e4}), freed bytes on K3 for the {2 * e4} most salient kept",
+            "best",
+            keep=experts - e4,
+            tiers=f"reap:K3={2 * e4},K2=rest",
+        ),
+        Recipe(
+            "uniform-k4",
+            "reference above the seed's bytes: the best Hessians, uniform K4",
+            "best",
+            bits=4,
+            reference=True,
         ),
         Recipe(
             "tiers-k3-k1-narrow",
@@ -131,41 +180,6 @@ def recipes(experts: int) -> list[Recipe]:
             observations="small",
         ),
         Recipe("codebook-3inst", "the best Hessians, uniform K2, 3INST codebook", "best", codebook="3inst"),
-        Recipe(
-            "tiers-k3-k1",
-            f"REAP tiers: K3 for the {e4} most salient experts, K1 for the {e4} least, K2 rest",
-            "best",
-            tiers=f"reap:K3={e4},K2=rest,K1={e4}",
-        ),
-        Recipe(
-            "tiers-k4-k1",
-            f"REAP tiers: K4 for the {e8} most salient, K1 for the {e4} least, K2 rest",
-            "best",
-            tiers=f"reap:K4={e8},K2=rest,K1={2 * e8}",
-        ),
-        Recipe(
-            "prune25-k3",
-            f"REAP pruning 25 % (keep {experts - e4}), freed bytes on K3 for the {2 * e4} most salient kept",
-            "best",
-            keep=experts - e4,
-            tiers=f"reap:K3={2 * e4},K2=rest",
-        ),
-        *(
-            Recipe(
-                f"retained-k{k}",
-                f"the speed tier (issue 18): the seed's experts, and the retained linears EXL3 K{k} with their "
-                "dense Hessians; kl_cost_ratio = KL of the retained linears alone over the seed's (experts') KL",
-                retained_bits=k,
-            )
-            for k in (4, 5, 6)
-        ),
-        Recipe(
-            "uniform-k4",
-            "reference above the seed's bytes: the best Hessians, uniform K4",
-            "best",
-            bits=4,
-            reference=True,
-        ),
     ]
 
 
@@ -624,7 +638,7 @@ class Bench:
     def log(self, line: str) -> None:
         self.console.print(line, highlight=False)
 
-    def observe(self, name: str, rows: int) -> Path:
+    def observe(self, name: str, rows: int, weighting: HessianWeighting = HessianWeighting.TOKEN) -> Path:
         out = self.work / f"obs-{name}"
         t0 = time.monotonic()
         observe(
@@ -638,6 +652,7 @@ class Bench:
                 dense_hessians=True,  # the speed-tier rows' retained linears
                 device=self.args.device,
                 batch_rows=self.args.batch_rows,
+                hessian_weighting=weighting,
             )
         )
         self.log(f"observed {name} ({rows} x {self.args.tokens} tokens) in {time.monotonic() - t0:.1f} s")
@@ -646,7 +661,11 @@ class Bench:
     def run(self) -> None:
         args = self.args
         self.work.mkdir(parents=True, exist_ok=True)
-        observations = {"full": self.observe("full", args.rows), "small": self.observe("small", max(1, args.rows // 4))}
+        observations = {
+            "full": self.observe("full", args.rows),
+            "small": self.observe("small", max(1, args.rows // 4)),
+            "gated": self.observe("gated", args.rows, HessianWeighting.GATE),
+        }
         wanted = set(args.recipes.split(",")) if args.recipes else None
         done = {r["recipe"] for r in self.rows}
         queue: list[Recipe | None] = []

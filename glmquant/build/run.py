@@ -50,6 +50,7 @@ class EncodedLayers:
             rows.sha256,
             [tuple(lane.ids.shape) for lane in rows.lanes],
             self.config.encode.hessians,
+            self.config.observe.hessian_weighting.value,
         )
         self.job = EncodeJob(self.config.encode, self.source, calibration, self.console)
 

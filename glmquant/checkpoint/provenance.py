@@ -21,7 +21,9 @@ class CalibrationInfo:
     verification_sha256: str | None = None  # hash of the calibration verification record
     rows: int | None = None
     cols: int | None = None
-    routing: str = "natural"  # "natural" (top-k routed tokens only) or "all-token"
+    # "natural" (top-k routed tokens only), "all-token", "blend:<natural share>"; "+gate-weighted" when the natural
+    # Hessians weight each routed token by its gate (observe --hessian-weighting gate)
+    routing: str = "natural"
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ from typing import Annotated
 import typer
 
 from glmquant.build import BuildConfig, build_artifact
-from glmquant.cli.common import DeviceStreamsEvery, StreamBudgetGb, console, guarded, out
+from glmquant.cli.common import DeviceStreamsEvery, HessianWeightingOption, StreamBudgetGb, console, guarded, out
 from glmquant.encode import EncodeConfig
 from glmquant.encode.summary import summary_table
 from glmquant.observe.config import DEFAULT_RECIPE, ObserveConfig
-from glmquant.observe.hessians import HessianMode
+from glmquant.observe.hessians import HessianMode, HessianWeighting
 
 
 def register(app: typer.Typer) -> None:
@@ -30,6 +30,7 @@ def build(
     hessians: Annotated[
         HessianMode, typer.Option(help="Hessians to observe; 'all' encodes with all-token Hessians, else natural ones")
     ] = HessianMode.NATURAL,
+    hessian_weighting: HessianWeightingOption = HessianWeighting.TOKEN,
     keep: Annotated[int | None, typer.Option(help="also write OBS/prune_plan.json keeping N experts per layer")] = None,
     prune_plan: Annotated[Path | None, typer.Option(help="encode only the experts this prune_plan.json keeps")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda (observation and encoding)")] = "cpu",
@@ -58,6 +59,7 @@ def build(
             batch_rows,
             stream_budget_gb,
             device_streams_every=device_streams_every,
+            hessian_weighting=hessian_weighting,
         ),
         EncodeConfig(
             source=source,

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from glmquant.errors import GlmquantError
+from glmquant.observe.hessians import HessianWeighting
 
 UNWRAPPED_WIDTH = 100_000  # outside a terminal: lines as long as they are
 
@@ -43,6 +44,13 @@ DeviceStreamsEvery = Annotated[
     typer.Option(
         help="hold the hidden streams on the device (one layer's worth plus a chunk) instead of disk files, "
         "writing a resumable checkpoint every N layers (0: none, a killed run starts over)"
+    ),
+]
+HessianWeightingOption = Annotated[
+    HessianWeighting,
+    typer.Option(
+        help="natural Hessians: each routed token counted once (token), or weighted by its routing weight over its "
+        "token's mean (gate: the weight of its error in the layer's output)"
     ),
 ]
 HubRevision = Annotated[

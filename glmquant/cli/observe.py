@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 
 from glmquant.checkpoint.hub import resolve_source
-from glmquant.cli.common import DeviceStreamsEvery, HubRevision, StreamBudgetGb, guarded, out
+from glmquant.cli.common import DeviceStreamsEvery, HessianWeightingOption, HubRevision, StreamBudgetGb, guarded, out
 from glmquant.observe.config import DEFAULT_RECIPE, ObserveConfig
-from glmquant.observe.hessians import HessianMode
+from glmquant.observe.hessians import HessianMode, HessianWeighting
 from glmquant.observe.report import build_report, expert_table, layer_table
 from glmquant.observe.run import observe as run_observe
 
@@ -28,6 +28,7 @@ def observe(
     tokens: Annotated[int | None, typer.Option(help="tokens per row (overrides the recipe)")] = None,
     hessians: Annotated[HessianMode, typer.Option(help="routed-expert Hessian coverage")] = HessianMode.NATURAL,
     dense_hessians: Annotated[bool, typer.Option(help="also capture attention/shared-expert/dense Hessians")] = False,
+    hessian_weighting: HessianWeightingOption = HessianWeighting.TOKEN,
     keep: Annotated[int | None, typer.Option(help="write prune_plan.json keeping N experts per layer")] = None,
     tiers: Annotated[
         str | None,
@@ -61,6 +62,7 @@ def observe(
         stream_budget_gb,
         tiers,  # type: ignore[arg-type]  # ObserveConfig parses the text; a bad value is a UsageError
         device_streams_every,
+        hessian_weighting,
     )
     summary = run_observe(config, progress=True)
     out.print(

@@ -54,13 +54,15 @@ def job_inputs(
     tiers: Mapping[int, Sequence[int]] | None = None,
 ) -> dict[str, str | None]:
     """Content hashes of what an encode reads, for its resume fingerprint (the tiers only when there are some, so
-    the fingerprints of one-K jobs stay as they were)."""
+    the fingerprints of one-K jobs stay as they were; the routing only when gate-weighted, likewise)."""
     inputs = {
         "source": source_manifest_sha256(source),
         "token_rows": calibration.token_rows_sha256,
         "recipe": calibration.manifest_sha256,
         "selection": selection_sha256(keep),
     }
+    if calibration.routing.endswith("-weighted"):  # other Hessians from the same rows (unweighted: as before)
+        inputs["routing"] = calibration.routing
     return {**inputs, "tiers": tier_bitmap_sha256(tiers)} if tiers else inputs
 
 
@@ -75,6 +77,7 @@ def observed_calibration(cfg: EncodeConfig) -> CalibrationInfo:
         summary.token_rows_sha256,
         [(lane.rows, lane.tokens) for lane in summary.lanes],
         hessian_routing(cfg),
+        summary.hessian_weighting,
     )
 
 
@@ -84,15 +87,24 @@ def hessian_routing(cfg: EncodeConfig) -> str:
 
 
 def calibration_info(
-    recipe: str, recipe_sha256: str, token_rows_sha256: str, lanes: Sequence[tuple[int, ...]], hessians: str
+    recipe: str,
+    recipe_sha256: str,
+    token_rows_sha256: str,
+    lanes: Sequence[tuple[int, ...]],
+    hessians: str,
+    weighting: str = "token",
 ) -> CalibrationInfo:
     """Hashes of the recipe and of the token rows actually used (not of observations.json, which records
-    timings and would make two identical observation runs look different); `lanes` as (rows, tokens)."""
+    timings and would make two identical observation runs look different); `lanes` as (rows, tokens).
+    Gate-weighted natural Hessians (`weighting` "gate") add "+gate-weighted" to the routing the manifest states."""
+    routing = "natural" if hessians == "natural" else "all-token" if hessians == "all" else hessians
+    if weighting != "token" and hessians != "all":  # all-token Hessians are never weighted
+        routing += f"+{weighting}-weighted"
     return CalibrationInfo(
         manifest=Path(recipe).name,
         manifest_sha256=recipe_sha256,
         token_rows_sha256=token_rows_sha256,
         rows=sum(rows for rows, _ in lanes),
         cols=max(tokens for _, tokens in lanes),
-        routing="natural" if hessians == "natural" else "all-token" if hessians == "all" else hessians,
+        routing=routing,
     )

@@ -17,7 +17,7 @@ from torch import nn
 
 from glmquant.arch.module_map import LayerPlan
 from glmquant.errors import CheckpointFormatError, NumericalError
-from glmquant.observe.hessians import HessianAccumulator
+from glmquant.observe.hessians import HessianAccumulator, HessianWeighting
 from glmquant.observe.routing import Routing, RoutingParams, route
 from glmquant.observe.stats import ExpertStats
 
@@ -98,6 +98,9 @@ class LayerCapture:
         counts = torch.bincount(flat, minlength=self.params.n_experts)
         stats = self.targets.stats
         hit, gates, norms = [], [], []
+        relative = None  # ĝ: each routing weight over the mean weight of its token's top-k, for gate weighting
+        if natural is not None and natural.weighting is HessianWeighting.GATE:
+            relative = routing.weights / routing.weights.mean(dim=-1, keepdim=True).clamp_min(1e-30)
         start = 0
         for j, count in enumerate(counts.tolist()):
             token, slot, start = tokens[start : start + count], slots[start : start + count], start + count
@@ -111,7 +114,7 @@ class LayerCapture:
                 gates.append(routing.weights[token, slot])
                 norms.append(out.float().norm(dim=-1))
             if natural is not None:
-                natural.add_natural(j, xj, act, counted=False)
+                natural.add_natural(j, xj, act, False, None if relative is None else relative[token, slot])
         if stats is not None:
             stats.update_experts(torch.tensor(hit, dtype=torch.int64, device=counts.device), counts, gates, norms)
         if natural is not None:

@@ -6,7 +6,8 @@ must match, see checkpointing.py):
     may change:  keep and tiers (the prune and tier plans are recomputed from the finished statistics),
                  stream_budget_gb (chunk outputs
                  are the same whichever pass writes them), progress display
-    must match:  source model, token rows (recipe, rows, tokens, tokenizer), hessians, dense_hessians,
+    must match:  source model, token rows (recipe, rows, tokens, tokenizer), hessians, hessian_weighting,
+                 dense_hessians,
                  device type, batch_rows, model dtype, torch and transformers versions, where the streams
                  live (disk or device; the checkpoint interval of device streams may change)
 """
@@ -23,7 +24,7 @@ import torch
 import glmquant
 from glmquant.devices import device_type
 from glmquant.errors import UsageError
-from glmquant.observe.hessians import HessianMode
+from glmquant.observe.hessians import HessianMode, HessianWeighting
 from glmquant.observe.tiers import TierSpec
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "calibration" / "default.yaml"
@@ -47,8 +48,19 @@ class ObserveConfig:
     # one chunk, no disk traffic; a resumable checkpoint (the streams written to disk) every this many layers, 0: none
     # (a killed run starts over). None: streams on disk (streams.py)
     device_streams_every: int | None = None
+    # natural Hessians with each routed token counted once ("token") or weighted by its gate ("gate": hessians.py)
+    hessian_weighting: HessianWeighting = HessianWeighting.TOKEN
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "hessian_weighting", HessianWeighting(self.hessian_weighting))
+        except ValueError:
+            raise UsageError(f"--hessian-weighting must be token or gate, not {self.hessian_weighting!r}") from None
+        if self.hessian_weighting is HessianWeighting.GATE and not self.hessians.natural:
+            raise UsageError(
+                f"--hessian-weighting gate weights the natural Hessians: use it with --hessians natural or both, "
+                f"not {self.hessians.value}"
+            )
         if self.stream_budget_gb is not None and not self.stream_budget_gb > 0:
             raise UsageError(f"--stream-budget-gb must be positive, got {self.stream_budget_gb}")
         if self.batch_rows < 1:
@@ -71,6 +83,8 @@ def fingerprint(config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtyp
     import transformers
 
     where = {} if config.device_streams_every is None else {"streams": "device"}  # disk runs keep their fingerprint
+    if config.hessian_weighting is not HessianWeighting.TOKEN:  # token-weighted runs keep theirs too
+        where["hessian_weighting"] = config.hessian_weighting.value
     return {
         **where,
         "source_config_sha256": _sha256(config.source / "config.json"),

@@ -7,6 +7,11 @@ Two coverage modes (docs/observations.md):
   all      every calibration token through every expert: gate/up of all experts share one H×H Hessian
            (the MoE input of all tokens); each expert's down Hessian comes from its activations on all
            tokens.
+Weighting of the natural sums (`HessianWeighting`): "token" counts every routed token once; "gate" scales each
+routed token's rows by its routing weight over the mean weight of its token's top-k, so the sums are Σ ĝ² x xᵀ.
+An expert's output enters the layer's output multiplied by its gate, so ĝ² is the weight of its error in the
+layer's output (MoEQuant's affinity-guided calibration); normalising by the token's mean keeps the sums on the
+scale of the unweighted ones, so they blend with all-token Hessians as they are. All-token sums stay unweighted.
 Dense (optional): every nn.Linear of the layer other than the routed experts (attention, shared experts,
 dense MLP), keyed by its checkpoint weight name, over all tokens.
 
@@ -54,6 +59,11 @@ class HessianMode(str, Enum):
         return self in (HessianMode.ALL, HessianMode.BOTH)
 
 
+class HessianWeighting(str, Enum):
+    TOKEN = "token"
+    GATE = "gate"
+
+
 class _Sum:
     """One running Σ x xᵀ (optionally stacked per expert) with its token counts."""
 
@@ -87,9 +97,16 @@ class HessianAccumulator:
     """Accumulators of one layer for the chosen mode (plus dense linears when asked)."""
 
     def __init__(
-        self, mode: HessianMode, n_experts: int, hidden: int, intermediate: int, device: torch.device | str = "cpu"
+        self,
+        mode: HessianMode,
+        n_experts: int,
+        hidden: int,
+        intermediate: int,
+        device: torch.device | str = "cpu",
+        weighting: HessianWeighting = HessianWeighting.TOKEN,
     ) -> None:
         self.mode = mode
+        self.weighting = weighting
         self.device = device
         self.sums: dict[str, _Sum] = {}
         if mode.natural:
@@ -99,9 +116,22 @@ class HessianAccumulator:
             self.sums["all.gate_up"] = _Sum(None, hidden, device)
             self.sums["all.down"] = _Sum(n_experts, intermediate, device)
 
-    def add_natural(self, expert: int, x: torch.Tensor, act: torch.Tensor, counted: bool = True) -> None:
+    def add_natural(
+        self,
+        expert: int,
+        x: torch.Tensor,
+        act: torch.Tensor,
+        counted: bool = True,
+        gates: torch.Tensor | None = None,
+    ) -> None:
         """x: [n, H] MoE inputs routed to `expert`; act: [n, I] its intermediate activations (down's input).
-        `counted` False: the token counts come later, a batch at once, from `add_natural_counts`."""
+        `counted` False: the token counts come later, a batch at once, from `add_natural_counts`. gates: [n] the
+        tokens' normalised routing weights ĝ, which gate weighting needs."""
+        if self.weighting is HessianWeighting.GATE:
+            if gates is None:
+                raise ValueError("gate-weighted Hessians need the routed tokens' gates")
+            scale = gates.to(torch.float32).unsqueeze(-1)
+            x, act = x.float() * scale, act.float() * scale
         self.sums["natural.gate_up"].add(x, expert, counted)
         self.sums["natural.down"].add(act, expert, counted)
 
@@ -130,7 +160,10 @@ class HessianAccumulator:
                 specs.append(spec)
                 providers[spec.name] = chunk_streamer(acc.chunks()) if part == "sum" else value
         write_safetensors(
-            path, specs, lambda s: providers[s.name], {"format": FORMAT, "layer": str(layer), "mode": self.mode.value}
+            path,
+            specs,
+            lambda s: providers[s.name],
+            {"format": FORMAT, "layer": str(layer), "mode": self.mode.value, "weighting": self.weighting.value},
         )
 
     @property

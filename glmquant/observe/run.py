@@ -224,7 +224,14 @@ def _observe_pass(
     mode = config.hessians if moe else HessianMode.NONE
     hessians = None
     if "hessians" in uses and (mode is not HessianMode.NONE or config.dense_hessians):
-        hessians = HessianAccumulator(mode, spec.n_routed_experts, spec.hidden_size, spec.moe_intermediate_size, device)
+        hessians = HessianAccumulator(
+            mode,
+            spec.n_routed_experts,
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            device,
+            config.hessian_weighting,
+        )
     if stats is None and hessians is None:
         return None, None
     module = _load(model, layer, cost, "observe")
@@ -350,6 +357,7 @@ def _summarize(
         resumed,
         plan.name if plan is not None else None,
         tiers,
+        config.hessian_weighting.value,
     )
 
 

@@ -76,6 +76,7 @@ class ObservationSummary:
     resumed_from_layer: int | None
     prune_plan: str | None
     tier_plan: str | None = None
+    hessian_weighting: str = "token"  # of the natural Hessians (hessians.HessianWeighting); older files: token
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"

@@ -24,7 +24,7 @@ BENCH_SHAPE = replace(
     SMOKE_SHAPE, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
 )
 
-SMOKE_ROWS = ("seed", "blend-0.5", "prune25-k3", "retained-k4", "uniform-k4")
+SMOKE_ROWS = ("seed", "gate-weighted", "blend-0.5", "retained-k4", "prune25-k3", "uniform-k4")
 
 
 def _bench_module():
@@ -125,10 +125,10 @@ def test_scheduler_waits_for_the_hessian_rows_records_failures_and_keeps_the_can
     assert ("codebook-mul1", "natural") in started  # the blend's Hessians won: best is natural + blend 0.5
     assert bench.record["hessians_chosen"] == {"hessians": "natural", "blend": 0.5, "from": "blend-0.5"}
     rows = json.loads((tmp_path / "fid.json").read_text())["rows"]
-    assert [r["recipe"] for r in rows] == ["seed", "all-token", "blend-0.5", "codebook-mul1", "retained-k4"]
+    assert [r["recipe"] for r in rows] == ["seed", "all-token", "blend-0.5", "retained-k4", "codebook-mul1"]
     failed = rows[1]
     assert failed["kl"] is None and "Cholesky failed in layer 3" in failed["error"]
-    assert rows[4]["kl_cost_ratio"] == 0.5 and all(r["bytes_vs_seed"] == 1.0 for r in rows if r["routed_bytes"])
+    assert rows[3]["kl_cost_ratio"] == 0.5 and all(r["bytes_vs_seed"] == 1.0 for r in rows if r["routed_bytes"])
     summary = bench_module.summarize(rows)
     assert summary["best"] == "codebook-mul1" and summary["goal"]["kl_ratio_to_seed"] == 0.7
 
@@ -181,6 +181,9 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
         isinstance(r["routed_bytes"], int) and r["kl"] >= 0 and 0 <= r["top1"] <= 1 and r["ppl"] > 1 for r in measured
     )
     assert rows["blend-0.5"]["routed_bytes"] == rows["seed"]["routed_bytes"] and rows["blend-0.5"]["blend"] == 0.5
+    gated = rows["gate-weighted"]  # the same bytes from other Hessians: another artifact
+    assert gated["routed_bytes"] == rows["seed"]["routed_bytes"] and gated["observations"] == "gated"
+    assert gated["manifest_sha256"] != rows["seed"]["manifest_sha256"]
     assert rows["prune25-k3"]["at_seed_bytes"] and rows["prune25-k3"]["routed_bytes"] < rows["seed"]["routed_bytes"]
     assert rows["uniform-k4"]["kl"] < rows["seed"]["kl"] and not rows["uniform-k4"]["at_seed_bytes"]
     tier = rows["retained-k4"]  # the seed's experts plus the retained linears at K4 (issue 18's KL cost)
