@@ -47,6 +47,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
@@ -513,7 +514,7 @@ class Evaluator:
             try:
                 mtp = mtp_acceptance(out, prompts, self.args.mtp_new_tokens, self.args.device)
             except Exception as exc:  # noqa: BLE001 - recorded: the seed's row stands on its own
-                mtp = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
+                mtp = {"error": f"{type(exc).__name__}: {exc}"[-3000:], "traceback": traceback.format_exc()[-6000:]}
             extras["mtp_acceptance"] = mtp | {"seconds": round(time.monotonic() - t1, 1)}
         if not self.args.keep_artifacts:
             shutil.rmtree(out, ignore_errors=True)

@@ -26,6 +26,7 @@ from glmquant.arch import table_for
 from glmquant.arch.hf_glm5_next import modeling
 from glmquant.arch.module_map import fp32_names, layer_plan, read_layer_state
 from glmquant.errors import ConfigError
+from glmquant.runtime.generate import cache_argument
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -55,6 +56,7 @@ class MtpLayer(nn.Module):
         self.post_attention_layernorm = hf.Glm5NextTextRMSNorm(h, eps)
         self.mlp = hf.Glm5NextTextMoE(self.config)
         self.shared_head = SharedHead(hf.Glm5NextTextRMSNorm(h, eps))
+        self._cache_kw = cache_argument(self.self_attn)  # `past_key_values` before transformers 5.2x: else ignored
         # the target's own tensors, shared (kept out of this module's state_dict)
         self._embed = [embed]
         self._lm_head = [lm_head]
@@ -69,7 +71,9 @@ class MtpLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.eh_proj(torch.cat([self.enorm(self._embed[0](next_ids)), self.hnorm(hidden)], dim=-1))  # [B, S, H]
         mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # no padding: the indexer's valid keys
-        attn, _, _ = self.self_attn(hidden_states=self.input_layernorm(x), attention_mask=mask, cache=cache)
+        attn, _, _ = self.self_attn(
+            hidden_states=self.input_layernorm(x), attention_mask=mask, **{self._cache_kw: cache}
+        )
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self._lm_head[0](self.shared_head.norm(x)), x

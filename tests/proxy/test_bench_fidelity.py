@@ -196,6 +196,7 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
     assert tier["kl_cost_ratio"] == pytest.approx(tier["retained_only_kl"] / rows["seed"]["kl"], rel=1e-3)
     assert record["summary"]["best"] != "retained-k4"  # another question than the recipes at the seed's bytes
     mtp = record["mtp_acceptance"]  # the seed artifact's own MTP layer drafting for its quantized model
+    assert "error" not in mtp, mtp.get("traceback")
     assert (mtp["prompts"], mtp["prompt_tokens"], mtp["new_tokens"]) == (2, 16, 5)
     for k in (1, 2, 3):
         run = mtp[f"k{k}"]

@@ -120,12 +120,14 @@ def test_rejected_drafts_leave_bf16_output_as_plain(artifacts):
 @pytest.mark.slow
 def test_mtp_drafts_from_its_cache_as_from_scratch(tr3_f32, mtp):
     """Each first draft equals the MTP layer run over the whole sequence at once: its cache holds exactly the
-    target's accepted positions (the positions it drafted on were cut)."""
+    target's accepted positions (the positions it drafted on were cut), whatever transformers calls the attention's
+    cache argument (`past_key_values` before 5.2x: a misnamed one is ignored, and the layer drafts without a cache)."""
     drafts: list[tuple[int, int]] = []  # (sequence position of the fed token, first draft)
 
     class Recording(MtpDecoder):
         def _draft(self, token: int) -> list[int]:
             out = super()._draft(token)
+            assert self._mtp_cache is not None and self._mtp_cache.get_seq_length() == self._cache.get_seq_length()
             drafts.append((self._cache.get_seq_length(), out[0]))
             return out
 
