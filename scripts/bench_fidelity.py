@@ -65,6 +65,7 @@ from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.exl3 import EXL3Tensor, decode_weight
 from glmquant.observe.config import ObserveConfig
+from glmquant.observe.hessian_reader import load_dense_hessian
 from glmquant.observe.hessians import HessianMode, HessianWeighting
 from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.run import observe
@@ -287,22 +288,47 @@ def artifact_experts(
     return out, pruned
 
 
-def artifact_linears(artifact: Path, device: str) -> tuple[dict[str, torch.Tensor], dict[str, str], int, int]:
+@dataclass(frozen=True)
+class DecodedLinear:
+    """A speed-tier retained linear decoded from the artifact: its weight (HF layout, float32), role and source."""
+
+    weight: torch.Tensor
+    role: str
+    layer: int
+    source: str  # checkpoint weight name (its dense Hessian's key)
+
+
+def artifact_linears(artifact: Path, device: str) -> tuple[dict[str, DecodedLinear], int, int]:
     """Decoded retained linears of a speed-tier artifact by the transformers model's parameter name (the MTP
-    layer's left out: the KL is measured without it), the role of each, their EXL3 bytes and their BF16 bytes."""
+    layer's left out: the KL is measured without it), their EXL3 bytes and their BF16 bytes."""
     art = open_artifact(artifact)
     role_of = {t.name: t.role.value for t in quantizable_retained(art.spec)}
-    out, roles, exl3_bytes, bf16_bytes = {}, {}, 0, 0
+    out, exl3_bytes, bf16_bytes = {}, 0, 0
     for name, linear in art.retained_linear_modules().items():
         if linear.layer in art.spec.mtp_layers:
             continue
         tensor = art.read_linear(linear, device)
-        out[f"{name}.weight"] = decode_weight(tensor, torch.float32)
-        roles[f"{name}.weight"] = role_of[linear.source]
+        weight = decode_weight(tensor, torch.float32)
+        out[f"{name}.weight"] = DecodedLinear(weight, role_of[linear.source], linear.layer, linear.source)
         exl3_bytes += sum(t.numel() * t.element_size() for t in tensor.tensors(linear.key).values())
         bf16_bytes += 2 * linear.in_features * linear.out_features
     art.checkpoint.close()
-    return out, roles, exl3_bytes, bf16_bytes
+    return out, exl3_bytes, bf16_bytes
+
+
+def weight_error_by_role(
+    decoded: dict[str, DecodedLinear], original: dict[str, torch.Tensor], observations: Path
+) -> dict[str, float]:
+    """Per role, the mean over its linears of the Hessian-weighted relative error tr(E H Eᵀ) / tr(W H Wᵀ) (E the
+    decoded weight minus the original, H the linear's dense Hessian): what the encoder minimises, so a role whose
+    KL does not fall with K while this does is sensitive, not badly encoded."""
+    errors: dict[str, list[float]] = {}
+    for name, linear in decoded.items():
+        w = original[name].float()
+        h = load_dense_hessian(observations, linear.layer, linear.source).sum.to(w.device)
+        e = linear.weight.to(w.device) - w
+        errors.setdefault(linear.role, []).append(float(torch.trace(e @ h @ e.T) / torch.trace(w @ h @ w.T)))
+    return {role: sum(v) / len(v) for role, v in sorted(errors.items())}
 
 
 def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, device: str) -> dict[str, Any]:
@@ -399,8 +425,10 @@ def convert_with_exllamav3(model_dir: Path, out_dir: Path, work_dir: Path, rows:
         "-cc",
         str(tokens),
     ]
-    code = (
-        "import sys; from exllamav3.conversion.convert_model import parser, prepare, main\n"
+    code = (  # the import is timed: on the H200 the converter printed nothing in 7 minutes (an import that hangs?)
+        "import sys, time; t0 = time.monotonic(); print('importing exllamav3', flush=True)\n"
+        "from exllamav3.conversion.convert_model import parser, prepare, main\n"
+        "print(f'imported exllamav3 in {time.monotonic() - t0:.1f} s', flush=True)\n"
         "a, s, ok, err = prepare(parser.parse_args(sys.argv[1:]))\n"
         "sys.exit(err) if not ok else main(a, s)"
     )
@@ -438,10 +466,13 @@ class Evaluator:
         self.reference = self.proxy.logprobs(self.ids)
         targets = self.ids[:, 1:].to(self.reference.device).unsqueeze(-1)
         self.bf16_ppl = math.exp(float(-self.reference[:, :-1].gather(-1, targets).mean()))
+        # the floor of every row's figures: the unchanged proxy measured again (nonzero where kernels are not
+        # deterministic, e.g. atomics, or a routing tie that falls the other way)
+        self.bf16_repeat = {k: v for k, v in self.measure({}, {}).items() if k != "ppl"}
 
     def run(self, task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the row, extras for the record: the BF16 perplexity, and the seed row's MTP acceptance)."""
-        extras: dict[str, Any] = {"bf16_ppl": self.bf16_ppl}
+        extras: dict[str, Any] = {"bf16_ppl": self.bf16_ppl, "bf16_repeat": self.bf16_repeat}
         if task.recipe is None:
             return self.exllamav3_row(), extras
         return self.row(task.recipe, task.hessians, task.blend, extras), extras
@@ -480,11 +511,15 @@ class Evaluator:
         linears: dict[str, torch.Tensor] = {}
         tier: dict[str, Any] = {}
         if recipe.retained_bits is not None:
-            linears, roles, exl3_bytes, bf16_bytes = artifact_linears(out, self.args.device)
+            decoded, exl3_bytes, bf16_bytes = artifact_linears(out, self.args.device)
+            linears = {name: d.weight for name, d in decoded.items()}
+            roles = {name: d.role for name, d in decoded.items()}
+            original = {name: self.proxy.model.get_parameter(name).detach() for name in decoded}
             tier = {
                 "retained_linears": len(linears),
                 "retained_exl3_bytes": exl3_bytes,
                 "retained_bf16_bytes": bf16_bytes,
+                "retained_weight_error_by_role": weight_error_by_role(decoded, original, obs),
             }
         decode_s = time.monotonic() - t0 - encode_s
         metrics = self.measure(experts, pruned, linears)
@@ -631,7 +666,7 @@ class Bench:
             if all(earlier.get(k) == self.record[k] for k in ("layout", "calibration", "heldout", "proxy")):
                 self.rows += [r for r in earlier["rows"] if "error" not in r]  # failed rows are measured again
                 self.record["hessians_chosen"] = earlier.get("hessians_chosen")
-                for key in ("mtp_acceptance", "bf16_ppl"):
+                for key in ("mtp_acceptance", "bf16_ppl", "bf16_repeat"):
                     if earlier.get(key):
                         self.record[key] = earlier[key]
                 self.log(f"resuming: {len(self.rows)} rows already measured in {args.results}")

@@ -58,6 +58,8 @@ for MODE in "${MODES[@]}"; do
       [[ -e /tmp/proxy/proxy.json ]] || { echo "bench skipped: the proxy is not trained yet" >>"$LOG"; continue; }
       extra=()
       [[ -e /tmp/exl-built ]] || extra=(--no-exllamav3)  # still building
+      # a torch extension lock left behind makes every later import of exllamav3 wait: show what the build left
+      [[ -e /tmp/exl-built ]] && find /tmp/tex -maxdepth 2 \( -name lock -o -name '*.so' \) -printf '%p %s B\n' >>"$LOG"
       # the results file lives in $OUT while the benchmark runs: a call killed at the device's limit (which may be
       # below LIMIT_S when little device time is left) still returns every row measured
       cp /tmp/fid/fidelity_proxy.json "$OUT/" 2>/dev/null

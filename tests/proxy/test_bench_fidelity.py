@@ -193,6 +193,8 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
     by_role = tier["retained_only_kl_by_role"]  # each role's linears alone: the smoke proxy has all four kinds
     assert set(by_role) == {"dense_mlp", "dsa_indexer", "kda_linear_attention", "mla_attention", "shared_expert"}
     assert all(kl >= 0 for kl in by_role.values()) and max(by_role.values()) <= 2 * tier["retained_only_kl"]
+    errors = tier["retained_weight_error_by_role"]  # what the encoder minimises, per role: small at K4
+    assert set(errors) == set(by_role) and all(0 < e < 0.05 for e in errors.values()), errors
     assert tier["kl_cost_ratio"] == pytest.approx(tier["retained_only_kl"] / rows["seed"]["kl"], rel=1e-3)
     assert record["summary"]["best"] != "retained-k4"  # another question than the recipes at the seed's bytes
     mtp = record["mtp_acceptance"]  # the seed artifact's own MTP layer drafting for its quantized model
@@ -206,6 +208,7 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
     assert summary["seed_method"] == "seed" and rows[summary["best"]]["at_seed_bytes"]
     assert {"kl_at_most_0.7x_seed", "top1_at_least_seed_plus_3_points"} <= set(summary["goal"])
     assert record["hessians_chosen"]["from"] in ("seed", "all-token", "blend-0.5") and record["bf16_ppl"] > 1
+    assert record["bf16_repeat"]["top1"] == 1.0 and record["bf16_repeat"]["kl"] < 1e-6  # the CPU repeats itself
     exl = next(r for r in record["rows"] if r["recipe"].startswith("exllamav3"))
     assert exl.get("error") or exl["kl"] is not None  # measured where exllamav3 imports, else why not
     # the canonical order whatever order the two workers finished in: the peer's row right after the seed's
