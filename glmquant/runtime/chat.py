@@ -143,7 +143,12 @@ def _load_processor(path: Path, tokenizer: Any) -> Any:
             return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
 
     try:
-        image = AutoImageProcessor.from_pretrained(str(path))
+        try:
+            image = AutoImageProcessor.from_pretrained(str(path))
+        except ImportError:  # before 5.2x the auto class maps to torchvision's processor; the PIL one needs Pillow
+            from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
+
+            image = Glm5NextImageProcessorPil.from_pretrained(str(path))
     except OSError as exc:
         raise UsageError(f"{path}: the model has a vision tower but no image processor config ({exc})") from None
     return _Processor(

@@ -69,6 +69,26 @@ def test_image_parts_reach_the_vision_tower(chat, tr3_f32):
     assert (logits[0] - logits[1]).abs().max() > 1e-4  # the pixels changed the answer's logits
 
 
+def test_images_work_where_the_auto_class_wants_torchvision(artifacts, monkeypatch):
+    """transformers before 5.2x maps GLM-5.3-Flash's image processor to torchvision's: without torchvision the PIL
+    one is loaded, and images render as with the auto class."""
+    import transformers
+
+    want = ChatFormat(artifacts["tr3"], has_vision=True).render([image_message(png_data_url((255, 0, 0)))])
+
+    class NeedsTorchvision:  # what transformers 5.17 puts in the auto class's place without torchvision
+        @staticmethod
+        def from_pretrained(*_args, **_kwargs):
+            raise ImportError("AutoImageProcessor requires the Torchvision library")
+
+    monkeypatch.setattr(transformers, "AutoImageProcessor", NeedsTorchvision)
+    fallback = ChatFormat(artifacts["tr3"], has_vision=True)
+    assert type(fallback.processor.image_processor).__name__ == "Glm5NextImageProcessorPil"
+    got = fallback.render([image_message(png_data_url((255, 0, 0)))])
+    assert torch.equal(got.inputs.input_ids, want.inputs.input_ids)
+    assert torch.equal(got.inputs.vision["pixel_values"], want.inputs.vision["pixel_values"])
+
+
 @pytest.mark.parametrize(
     "part, message",
     [

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from indexer_ties import indexer_ties_to_earlier_pool
 
 from glmquant.runtime.artifact import Artifact, open_artifact
 from glmquant.runtime.dummy import dummy_artifact
@@ -49,7 +50,8 @@ def transformers_logits(path: Path | Artifact, steps: int) -> tuple[list[torch.T
     seen: list[torch.Tensor] = []
     hook = model.get_submodule("lm_head").register_forward_hook(lambda mod, args, out: seen.append(out[0, -1].clone()))
     try:
-        tokens = generate(model, PROMPT, SamplingParams(max_tokens=steps), decode).token_ids
+        with indexer_ties_to_earlier_pool():  # the engine's tie rule (indexer_ties.py)
+            tokens = generate(model, PROMPT, SamplingParams(max_tokens=steps), decode).token_ids
     finally:
         hook.remove()
     return seen, tokens
