@@ -674,7 +674,11 @@ class Bench:
     def log(self, line: str) -> None:
         self.console.print(line, highlight=False)
 
-    def observe(self, name: str, rows: int, weighting: HessianWeighting = HessianWeighting.TOKEN) -> Path:
+    def observe(self, name: str) -> Path:
+        """The observation a recipe's `observations` names: full (with the dense Hessians the speed tier reads),
+        small (a quarter of the rows) or gated (gate-weighted natural Hessians)."""
+        rows = max(1, self.args.rows // 4) if name == "small" else self.args.rows
+        weighting = HessianWeighting.GATE if name == "gated" else HessianWeighting.TOKEN
         out = self.work / f"obs-{name}"
         t0 = time.monotonic()
         observe(
@@ -685,7 +689,7 @@ class Bench:
                 rows=rows,
                 tokens=self.args.tokens,
                 hessians=HessianMode.BOTH,
-                dense_hessians=True,  # the speed-tier rows' retained linears
+                dense_hessians=name == "full",  # the speed-tier rows' retained linears
                 device=self.args.device,
                 batch_rows=self.args.batch_rows,
                 hessian_weighting=weighting,
@@ -697,11 +701,6 @@ class Bench:
     def run(self) -> None:
         args = self.args
         self.work.mkdir(parents=True, exist_ok=True)
-        observations = {
-            "full": self.observe("full", args.rows),
-            "small": self.observe("small", max(1, args.rows // 4)),
-            "gated": self.observe("gated", args.rows, HessianWeighting.GATE),
-        }
         wanted = set(args.recipes.split(",")) if args.recipes else None
         done = {r["recipe"] for r in self.rows}
         queue: list[Recipe | None] = []
@@ -710,6 +709,8 @@ class Bench:
                 queue.append(recipe)
             if recipe.name == "seed" and self.wants_peer():  # right after the seed method, should a call end early
                 queue.append(None)
+        needed = sorted({r.observations for r in queue if r is not None})
+        observations = {name: self.observe(name) for name in needed}
         if queue:
             executor: Any
             if args.jobs == 1:

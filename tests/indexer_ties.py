@@ -27,7 +27,7 @@ def indexer_ties_to_earlier_pool() -> Iterator[None]:
             return torch.return_types.topk((scores.gather(-1, indices), indices))
         return topk(scores, k, dim, *args, **kwargs)
 
-    torch.Tensor.topk = earlier_first  # type: ignore[method-assign]
+    torch.Tensor.topk = earlier_first  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

@@ -18,7 +18,7 @@ from glmquant.build.config import BuildConfig
 from glmquant.calibration import TokenRows
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode.hessians import LayerHessiansView
-from glmquant.encode.provenance import calibration_info
+from glmquant.encode.provenance import calibration_info, hessian_routing
 from glmquant.encode.run import EncodeJob, EncodeResult
 from glmquant.observe.hessian_reader import HeldHessians
 from glmquant.observe.hessians import HessianAccumulator, HessianMode
@@ -49,7 +49,7 @@ class EncodedLayers:
             rows.recipe_sha256,
             rows.sha256,
             [tuple(lane.ids.shape) for lane in rows.lanes],
-            self.config.encode.hessians,
+            hessian_routing(self.config.encode),  # as an encode of these observations states it (blend included)
             self.config.observe.hessian_weighting.value,
         )
         self.job = EncodeJob(self.config.encode, self.source, calibration, self.console)

@@ -52,10 +52,14 @@ class ObserveConfig:
     hessian_weighting: HessianWeighting = HessianWeighting.TOKEN
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "hessian_weighting", HessianWeighting(self.hessian_weighting))
-        except ValueError:
-            raise UsageError(f"--hessian-weighting must be token or gate, not {self.hessian_weighting!r}") from None
+        for name, kind in (("hessians", HessianMode), ("hessian_weighting", HessianWeighting)):
+            try:
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                choices = ", ".join(m.value for m in kind)
+                raise UsageError(
+                    f"--{name.replace('_', '-')} must be one of {choices}, not {getattr(self, name)!r}"
+                ) from None
         if self.hessian_weighting is HessianWeighting.GATE and not self.hessians.natural:
             raise UsageError(
                 f"--hessian-weighting gate weights the natural Hessians: use it with --hessians natural or both, "

@@ -10,8 +10,9 @@ Two coverage modes (docs/observations.md):
 Weighting of the natural sums (`HessianWeighting`): "token" counts every routed token once; "gate" scales each
 routed token's rows by its routing weight over the mean weight of its token's top-k, so the sums are Σ ĝ² x xᵀ.
 An expert's output enters the layer's output multiplied by its gate, so ĝ² is the weight of its error in the
-layer's output (MoEQuant's affinity-guided calibration); normalising by the token's mean keeps the sums on the
-scale of the unweighted ones, so they blend with all-token Hessians as they are. All-token sums stay unweighted.
+layer's output (MoEQuant's affinity-guided calibration); normalising by the token's mean keeps the sums near the
+scale of the unweighted ones (each expert's by its mean ĝ², ~1), so they blend with all-token Hessians as they are.
+All-token and dense sums and all counts stay unweighted.
 Dense (optional): every nn.Linear of the layer other than the routed experts (attention, shared experts,
 dense MLP), keyed by its checkpoint weight name, over all tokens.
 

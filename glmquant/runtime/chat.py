@@ -145,9 +145,11 @@ def _load_processor(path: Path, tokenizer: Any) -> Any:
     try:
         try:
             image = AutoImageProcessor.from_pretrained(str(path))
-        except ImportError:  # before 5.2x the auto class maps to torchvision's processor; the PIL one needs Pillow
-            from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
-
+        except ImportError as needs:  # before 5.2x the auto class maps to torchvision's processor; PIL's needs Pillow
+            try:
+                from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
+            except ImportError:
+                raise MissingDependencyError(f"{path}: no image processor loads here ({needs})") from None
             image = Glm5NextImageProcessorPil.from_pretrained(str(path))
     except OSError as exc:
         raise UsageError(f"{path}: the model has a vision tower but no image processor config ({exc})") from None

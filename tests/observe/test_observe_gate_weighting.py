@@ -10,8 +10,10 @@ import torch
 from observe_helpers import observe_config
 from test_observe_reference import _act_bf16, _close
 
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode.provenance import calibration_info
 from glmquant.errors import UsageError
+from glmquant.observe.config import fingerprint
 from glmquant.observe.hessian_reader import load_layer_hessians
 from glmquant.observe.hessians import HessianMode, HessianWeighting
 from glmquant.observe.run import observe
@@ -21,10 +23,7 @@ from glmquant.observe.summary import ObservationSummary
 @pytest.fixture(scope="module")
 def gated(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gated")
-    config = observe_config(
-        tiny_source, out, hessians=HessianMode.NATURAL, dense_hessians=False, keep=None, hessian_weighting="gate"
-    )
-    observe(config)
+    observe(observe_config(tiny_source, out, hessian_weighting="gate"))  # the shared observation's settings, gated
     return out
 
 
@@ -49,11 +48,33 @@ def test_gate_weighted_hessians_equal_direct_sums(gated: Path, observed: Path, r
     assert ObservationSummary.load(observed).hessian_weighting == "token"
 
 
+def test_only_the_natural_sums_are_weighted(gated: Path, observed: Path) -> None:
+    """All-token and dense sums, and every count, are the unweighted run's, bit for bit."""
+    files = sorted(p.name for p in observed.glob("layer-*.hessians.safetensors"))
+    assert files == sorted(p.name for p in gated.glob("layer-*.hessians.safetensors")) and files
+    natural_differs = []
+    for file in files:
+        with SourceCheckpoint.open(gated / file) as got, SourceCheckpoint.open(observed / file) as want:
+            assert got.names() == want.names()
+            for name in want.names():
+                same = torch.equal(got.read_tensor(name), want.read_tensor(name))
+                if name.startswith("natural.") and name.endswith(".sum"):
+                    natural_differs.append(not same)
+                else:
+                    assert same, f"{file}: {name}"
+    assert natural_differs and all(natural_differs)
+
+
 def test_gate_weighting_needs_natural_hessians_and_is_stated_in_the_provenance(tiny_source: Path) -> None:
     with pytest.raises(UsageError, match="natural or both, not all"):
         observe_config(tiny_source, Path("unused"), hessians=HessianMode.ALL, hessian_weighting=HessianWeighting.GATE)
-    with pytest.raises(UsageError, match="must be token or gate, not 'size'"):
+    with pytest.raises(UsageError, match="must be one of token, gate, not 'size'"):
         observe_config(tiny_source, Path("unused"), hessian_weighting="size")
+    with pytest.raises(UsageError, match="natural or both, not all"):  # text settings are checked the same way
+        observe_config(tiny_source, Path("unused"), hessians="all", hessian_weighting="gate")
+    token = fingerprint(observe_config(tiny_source, Path("unused")), "rows", torch.bfloat16)
+    gate = fingerprint(observe_config(tiny_source, Path("unused"), hessian_weighting="gate"), "rows", torch.bfloat16)
+    assert "hessian_weighting" not in token and gate == {**token, "hessian_weighting": "gate"}  # old runs resume
     lanes = [(4, 32)]
     assert calibration_info("r.yaml", "a", "b", lanes, "natural", "gate").routing == "natural+gate-weighted"
     assert calibration_info("r.yaml", "a", "b", lanes, "blend:0.5", "gate").routing == "blend:0.5+gate-weighted"
