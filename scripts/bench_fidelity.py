@@ -63,7 +63,7 @@ from glmquant.checkpoint.exl3_groups import exl3_groups
 from glmquant.checkpoint.layouts import quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode import EncodeConfig, encode_artifact
-from glmquant.exl3 import EXL3Tensor, decode_weight
+from glmquant.exl3 import EXL3Tensor, decode_weight, proxy_error
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessian_reader import load_dense_hessian
 from glmquant.observe.hessians import HessianMode, HessianWeighting
@@ -324,10 +324,8 @@ def weight_error_by_role(
     KL does not fall with K while this does is sensitive, not badly encoded."""
     errors: dict[str, list[float]] = {}
     for name, linear in decoded.items():
-        w = original[name].float()
-        h = load_dense_hessian(observations, linear.layer, linear.source).sum.to(w.device)
-        e = linear.weight.to(w.device) - w
-        errors.setdefault(linear.role, []).append(float(torch.trace(e @ h @ e.T) / torch.trace(w @ h @ w.T)))
+        h = load_dense_hessian(observations, linear.layer, linear.source).sum
+        errors.setdefault(linear.role, []).append(proxy_error(original[name], linear.weight, h))
     return {role: sum(v) / len(v) for role, v in sorted(errors.items())}
 
 

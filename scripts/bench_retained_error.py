@@ -3,8 +3,9 @@
 Issue 18's KL cost on the trained proxy falls only 1.1-1.6x per added bit of the retained linears
 (docs/fidelity.md). This measures what the encoder itself achieves on the same roles: build the small random
 model, observe it with dense Hessians, encode `--retained-bits K` for each K, and per role report the mean over its
-linears of the Hessian-weighted relative error tr(E H Eᵀ) / tr(W H Wᵀ) (what LDLQ minimises; E = decoded - original)
-and the plain relative MSE, with the factor per added bit. Writes bench/results/retained_error_cpu.json.
+linears of the Hessian-weighted relative error tr(E H Eᵀ) / tr(W H Wᵀ) (what LDLQ minimises; E = decoded - original;
+the encoder's own `exl3.proxy_error`) and the plain relative MSE, with the factor per added bit. Writes
+bench/results/retained_error_cpu.json.
 
     .venv/bin/python scripts/bench_retained_error.py            # ~5 minutes on 2 cores
 """
@@ -24,7 +25,7 @@ from rich.console import Console
 from glmquant.checkpoint.layouts import quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode import EncodeConfig, encode_artifact
-from glmquant.exl3 import decode_weight
+from glmquant.exl3 import decode_weight, proxy_error
 from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessian_reader import load_dense_hessian
@@ -41,11 +42,10 @@ def role_errors(artifact: Path, source: Path, observations: Path) -> dict[str, d
     found: dict[str, list[tuple[float, float]]] = {}
     with SourceCheckpoint.open(source) as src:
         for linear in art.retained_linear_modules().values():
-            w = src.read_tensor(linear.source).float()
-            e = decode_weight(art.read_linear(linear, "cpu"), torch.float32) - w
+            w = src.read_tensor(linear.source)
+            d = decode_weight(art.read_linear(linear, "cpu"), torch.float32)
             h = load_dense_hessian(observations, linear.layer, linear.source).sum
-            weighted = float(torch.trace(e @ h @ e.T) / torch.trace(w @ h @ w.T))
-            found.setdefault(role_of[linear.source], []).append((weighted, float(e.square().sum() / w.square().sum())))
+            found.setdefault(role_of[linear.source], []).append((proxy_error(w, d, h), proxy_error(w, d, None)))
     art.checkpoint.close()
     return {
         role: {
