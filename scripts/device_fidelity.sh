@@ -12,6 +12,7 @@
 #                                                              # (default 4) at once
 #   bash scripts/device_fidelity.sh "$OUT" COMMIT checks bench # the GPU kernel checks in the background (pytest -v
 #                                                              # to checks.log), beside the benchmark
+#   RECIPES=seed,retained-k4 bash ... bench                 # only these rows (bench_fidelity --recipes)
 #   ... cache                                                  # return Triton's kernel cache (compiled and autotuned
 #                                                              # kernels, ~6 minutes of a cold machine's first
 #                                                              # training step) as $OUT/triton-cache.tgz.NN parts;
@@ -47,17 +48,15 @@ for MODE in "${MODES[@]}"; do
       echo "train exit ${PIPESTATUS[0]}" >>"$LOG"
       cp /tmp/proxy/proxy.json "$OUT/" 2>/dev/null ;;
     checks)
-      nice -n 5 timeout "$(left)" python3 -m pytest -v -p no:cacheprovider -rs tests/kernels/test_kda.py \
-        tests/runtime/test_engine.py::test_cuda_bf16_engine_prefill_matches_transformers_on_cuda \
-        tests/runtime/test_engine.py::test_engine_runs_the_speed_tier_like_transformers \
-        tests/arch/test_hf_glm5_next.py \
-        tests/runtime/test_engine_speculative.py::test_cuda_engine_speculation_equals_plain_greedy_with_and_without_graphs \
+      mapfile -t tests < scripts/gpu_tests.txt  # the GPU tests, one list for every device script
+      nice -n 5 timeout "$(left)" python3 -m pytest -v -p no:cacheprovider -rs "${tests[@]}" \
         >/tmp/checks.log 2>&1 &
       checks=$! ;;
     bench)
       [[ -e /tmp/proxy/proxy.json ]] || { echo "bench skipped: the proxy is not trained yet" >>"$LOG"; continue; }
       extra=()
       [[ -e /tmp/exl-built ]] || extra=(--no-exllamav3)  # still building
+      [[ -n ${RECIPES:-} ]] && extra+=(--recipes "$RECIPES")
       # a torch extension lock left behind makes every later import of exllamav3 wait: show what the build left
       [[ -e /tmp/exl-built ]] && find /tmp/tex -maxdepth 2 \( -name lock -o -name '*.so' \) -printf '%p %s B\n' >>"$LOG"
       # the results file lives in $OUT while the benchmark runs: a call killed at the device's limit (which may be
@@ -77,7 +76,8 @@ for MODE in "${MODES[@]}"; do
     *) echo "mode must be train, checks, bench or cache, not $MODE" >>"$LOG" ;;
   esac
 done
-[[ -n $checks ]] && wait "$checks"  # not the extension build: it may outlive the call
+[[ -n $checks ]] && { wait "$checks"; echo "checks exit $?" >>"$LOG"; }  # not the extension build: it may
+                                                                            # outlive the call
 cp /tmp/proxy/proxy.json "$OUT/" 2>/dev/null
 # at most 8 files come back: run.log, proxy.json, fidelity_proxy.json, logs.tgz and up to 4 cache parts
 tar czf "$OUT/logs.tgz" --ignore-failed-read -C /tmp proxy/train.log fid/bench.log fid/exllamav3-convert.log exl-build.log \

@@ -34,10 +34,8 @@ for MODE in "${MODES[@]}"; do
   case $MODE in
     checks)
       stamp "GPU checks: mHC kernel, engine vs CPU reference (fla, graphs, bf16), resident experts"
-      timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mhc.py \
-        tests/kernels/test_engine_resident.py tests/runtime/test_engine.py tests/kernels/test_exl3_gemm.py \
-        tests/kernels/test_kda.py tests/arch/test_hf_glm5_next.py \
-        tests/runtime/test_engine_speculative.py::test_cuda_engine_speculation_equals_plain_greedy_with_and_without_graphs \
+      mapfile -t tests < scripts/gpu_tests.txt  # the GPU tests, one list for every device script
+      timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" \
         >"$RES/pytest.log" 2>&1
       echo "pytest exit $?" >>"$LOG"; continue ;;
     serve)
