@@ -22,10 +22,7 @@
 set -u
 OUT=${1:?output dir}; COMMIT=${2:?commit}; shift 2; MODES=("${@:-quick}")
 RES=/tmp/res; mkdir -p "$RES"; LOG="$OUT/run.log"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# a wheel missing from .whl shows here, not as an ImportError deep in a mode (the server's packages among them)
-python3 -c "import glmquant.runtime, glmquant.cli" >>"$LOG" 2>&1 || echo "glmquant does not import: carry its wheels" >>"$LOG"
+source scripts/device_env.sh
 t0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; tar czf "$OUT/results.tgz" -C "$RES" .; }
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__,
