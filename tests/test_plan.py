@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -53,18 +52,10 @@ def test_reference_files_from_the_config_alone(reference_config: Path) -> None:
     assert len(shards) == 38_770 and len(set(shards.values())) == 120
     plan = plan_artifact(spec, "tr3")
     retained = [f for f in plan.files if f.kind == "retained"]
-    assert len(plan.files) == 133 and len(retained) == 49
+    assert len(plan.files) == 133 and len(retained) == 49 and summarize(plan).file_count == 133
     assert all(re.fullmatch(r"retained-\d{5}-of-00120\.safetensors", f.path) for f in retained)
     assert all(shards[t.source_name] == f.source_shard for f in retained for t in f.tensors)
     assert plan.files == plan_artifact(spec, "tr3", source_shards=shards).files
-
-
-@pytest.mark.slow
-def test_reference_plan_is_fast(reference_config: Path) -> None:
-    """`plan` is arithmetic: planning and summarizing the 583,090 tensors takes seconds of CPU, not minutes."""
-    start = time.process_time()
-    summary = summarize(plan_artifact(load_model_spec(reference_config), "tr3"))
-    assert summary.file_count == 133 and time.process_time() - start < 8.0
 
 
 def test_source_index_numbering(tiny_source: Path) -> None:

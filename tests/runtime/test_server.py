@@ -333,10 +333,9 @@ def test_prompt_far_beyond_the_context_is_refused_before_tokenizing(server, monk
     calls = []
     tokenizer = server.service.chat.tokenizer
     monkeypatch.setattr(type(tokenizer), "__call__", lambda *a, **k: calls.append(a) or pytest.fail("tokenized"))
-    start = time.perf_counter()
     chat = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab " * 1_400_000}]})
     text = _post(server, "/v1/completions", {"prompt": "ab " * 1_400_000})
-    assert time.perf_counter() - start < 5 and not calls
+    assert not calls
     assert [(s, e["error"]["param"]) for s, e in (chat, text)] == [(400, "messages"), (400, "prompt")]
     assert "maximum context length is 1024" in chat[1]["error"]["message"]
 
