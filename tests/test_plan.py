@@ -195,5 +195,47 @@ def test_retained_bits_plan(tiny_source: Path, tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     assert data["retained_bits"] == 5
     assert [(f["path"], f["bytes"]) for f in data["files"]] == [(f.path, f.size) for f in fast.files]
-    with pytest.raises(UsageError, match="retained bits must be 2..8"):
+    with pytest.raises(UsageError, match="--retained-bits must be 2..8"):
         plan_artifact(spec, "tr3", source_shards=shards, retained_bits=9)
+
+
+@pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
+def test_head_bits_plan(tiny_source: Path, tmp_path: Path, layout: str) -> None:
+    """--head-bits K: lm_head becomes one EXL3 tensor at K where lm_head.weight was (same files, same grouping), with
+    or without --retained-bits; the written files equal the prediction; plan --head-bits reports it."""
+    spec = load_model_spec(tiny_source)
+    shards = load_source_shards(tiny_source / "model.safetensors.index.json") if layout == "tr3" else None
+    exact = plan_artifact(spec, layout, source_shards=shards)
+    head = plan_artifact(spec, layout, source_shards=shards, head_bits=6)
+    both = plan_artifact(spec, layout, source_shards=shards, retained_bits=4, head_bits=6)
+    retained = plan_artifact(spec, layout, source_shards=shards, retained_bits=4)
+    assert (head.head_bits, head.retained_bits, both.head_bits, both.retained_bits) == (6, None, 6, 4)
+    parts = ("trellis", "suh", "svh", "mcg")
+    for before, after in zip(exact.files, head.files, strict=True):
+        assert before.path == after.path
+        names = [t.name for t in before.tensors]
+        if "lm_head.weight" in names:  # the head's parts in its place, in the same file
+            at = names.index("lm_head.weight")
+            names[at : at + 1] = [f"lm_head.{p}" for p in parts]
+        assert [t.name for t in after.tensors] == names
+    encoded = {t.name: t for f in head.files for t in f.tensors if t.linear is not None}
+    assert set(encoded) == {f"lm_head.{p}" for p in parts}
+    trellis = encoded["lm_head.trellis"]
+    assert (trellis.shape, trellis.role.value) == ((128 // 16, 384 // 16, 96), "lm_head")  # 128 -> 320, padded to 384
+    assert trellis.linear is not None and (trellis.linear.layer, trellis.linear.bits) == (None, 6)
+    assert {t.name for f in both.files for t in f.tensors if t.linear is not None} == set(encoded) | {
+        t.name for f in retained.files for t in f.tensors if t.linear is not None
+    }
+    _write_plan(both, tiny_source, tmp_path)
+    for f in both.files:
+        assert (tmp_path / f.path).stat().st_size == f.size, f.path
+    args = ["plan", str(tiny_source), "--layout", layout, "--json", "--head-bits", "6"]
+    if shards:
+        args += ["--source-index", str(tiny_source / "model.safetensors.index.json")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["head_bits"] == 6 and "retained_bits" not in data
+    assert [(f["path"], f["bytes"]) for f in data["files"]] == [(f.path, f.size) for f in head.files]
+    with pytest.raises(UsageError, match="--head-bits must be 2..8"):
+        plan_artifact(spec, layout, source_shards=shards, head_bits=1)
