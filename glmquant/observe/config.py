@@ -38,7 +38,7 @@ class ObserveConfig:
     rows: int | None = None  # override every lane's row count
     tokens: int | None = None  # override every lane's tokens per row
     hessians: HessianMode = HessianMode.NATURAL
-    dense_hessians: bool = False  # also capture attention / shared-expert / dense-MLP Hessians
+    dense_hessians: bool = False  # also capture attention / shared-expert / dense-MLP and lm_head Hessians
     keep: int | None = None  # write prune_plan.json keeping this many experts per MoE layer
     device: str = "cpu"
     batch_rows: int = 4  # calibration rows pushed through a layer at once

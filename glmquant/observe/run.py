@@ -28,6 +28,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from glmquant.calibration import TokenRows, load_recipe, reuse_or_build
+from glmquant.checkpoint.layouts import quantizable_head
 from glmquant.checkpoint.reader import assert_finite
 from glmquant.observe.capture import CaptureTargets, LayerCapture
 from glmquant.observe.checkpointing import RunState, clean_stale, resume_point, state_dir, write_state
@@ -137,6 +138,9 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
                 model.device, cost, "advance_s", _advance, model, streams, layer, advance, cost, kept
             )
             kept = None
+            if layer == model.num_layers - 1 and _observes_head(model, rows, config):
+                head_cost = costs.setdefault("head", LayerCost(chunks=len(streams.chunks)))
+                _measured(model.device, head_cost, "observe_s", _observe_head, model, rows, config, streams)
             _record_progress(config, fp, streams, layer + 1, model.num_layers, cost)
             streams.drop_layer(layer)
             bar.advance(layers)
@@ -255,6 +259,28 @@ def _observe_pass(
             torch.cuda.empty_cache()
         return (stats, hessians), None
     return (stats, hessians), module
+
+
+def _observes_head(model: TextModel, rows: TokenRows, config: ObserveConfig) -> bool:
+    """Whether the run captures lm_head's Hessian: with --dense-hessians, a lane that feeds Hessians, and a head of
+    the model's own (a tied one is the embedding, which `--head-bits` refuses)."""
+    uses = {use for lane in rows.lanes for use in lane.use}
+    return config.dense_hessians and "hessians" in uses and not model.spec.tie_word_embeddings
+
+
+def _observe_head(model: TextModel, rows: TokenRows, config: ObserveConfig, streams: StreamStore) -> None:
+    """lm_head's dense Hessian: its input (the final norm's output over the streams leaving the last layer, as the
+    model's forward computes it) over every token of the lanes that feed Hessians. Run before the last layer's
+    progress is recorded, so a killed run redoes it from the final streams, which are still there."""
+    layer = model.num_layers
+    hessians = HessianAccumulator(HessianMode.NONE, 0, 0, 0, model.device)
+    name = quantizable_head(model.spec).name
+    with torch.no_grad():
+        for lane in rows.lanes:
+            if "hessians" in lane.use:
+                for chunk in _lane_chunks(streams, lane.name):
+                    hessians.add_dense(name, model.collapse(streams.read(layer, chunk).to(model.device)))
+    hessians.save(hessians_path(config.out, None), None)
 
 
 def _advance(
