@@ -4,6 +4,7 @@ bytes, the GB10 projection with its formula and assumptions, and the summary key
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -87,17 +88,20 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
 
 
 def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
-    """`--retained-bits 4`: the dummy artifact holds EXL3 retained linears, the engine runs them, `model` records the
-    K and `speed_tier` holds bytes per token and the GB10 projection, with MTP speedup and KL cost left to others
-    until a proxy fidelity run is merged in."""
+    """`--retained-bits 4 --head-bits 6`: the dummy artifact holds EXL3 retained linears and head, the engine runs
+    them, `model` records both K and `speed_tier` holds them, bytes per token and the GB10 projection, with MTP
+    speedup and KL cost left to others until a proxy fidelity run is merged in."""
     out = tmp_path / "tier.json"
-    run = _run("--smoke", "--retained-bits", "4", "--parts", "graphs,decode,classes", "--out", str(out))
+    args = ("--retained-bits", "4", "--head-bits", "6", "--parts", "graphs,decode,classes")
+    run = _run("--smoke", *args, "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert not [key for key in report["parts"] if key.endswith("_error")], report["parts"]
-    assert report["model"]["retained_bits"] == 4 and report["model"]["retained_linears"] > 0
+    model = report["model"]
+    assert (model["retained_bits"], model["head_bits"]) == (4, 6) and model["retained_linears"] > 1
     assert all(row["tokens_equal"] and row["logits_finite"] for row in report["parts"]["graphs"])
     tier, classes = report["speed_tier"], report["parts"]["classes"]
+    assert (tier["retained_bits"], tier["head_bits"]) == (4, 6)
     assert tier["bytes_per_token"] == sum(c["bytes_per_token"] for c in classes["classes"].values()) > 0
     assert tier["gb10_tok_s_218"] == classes["projection"]["gb10_tok_s_218"] > 0
     assert tier["mtp_speedup"] is None and "mtp part" in tier["mtp_speedup_from"]
@@ -114,3 +118,19 @@ def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     tier = record["speed_tier"]
     assert tier["kl_cost_ratio"] == 1.04 and "retained-k4" in tier["kl_cost_ratio_from"]
     assert record["fidelity_from"]["commit"] == "abc1234"
+
+
+def test_head_bits_alone_make_a_speed_tier_report() -> None:
+    """A report whose model has an EXL3 head and exact retained linears (`--head-bits` alone) gets its `speed_tier`
+    when merged; one from before --head-bits (no head_bits key) and without retained_bits gets none."""
+    spec = importlib.util.spec_from_file_location("bench_model", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    bench_model = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench_model  # a script, not a package: its dataclasses resolve their module by name
+    spec.loader.exec_module(bench_model)
+    head_only = bench_model.merge([{"model": {"retained_bits": None, "head_bits": 6}, "parts": {}}])
+    assert {k: head_only["speed_tier"][k] for k in ("retained_bits", "head_bits")} == {
+        "retained_bits": None,
+        "head_bits": 6,
+    }
+    assert "speed_tier" not in bench_model.merge([{"model": {"retained_bits": None}, "parts": {}}])
