@@ -81,10 +81,11 @@ class RetainedLinear:
     in_features: int
     out_features: int
     bits: int
+    role: TensorRole
 
     @classmethod
     def of(cls, info: TensorInfo, bits: int) -> RetainedLinear:
-        return cls(info.layer, info.name, info.shape[1], info.shape[0], bits)
+        return cls(info.layer, info.name, info.shape[1], info.shape[0], bits, info.role)
 
     @property
     def key(self) -> str:
@@ -329,7 +330,7 @@ def plan_artifact(
     )
 
 
-def retained_linear_parts(linear: RetainedLinear, role: TensorRole, codebook: str) -> list[OutputTensor]:
+def retained_linear_parts(linear: RetainedLinear, codebook: str) -> list[OutputTensor]:
     """The stored tensors of one retained linear as EXL3 at its K: trellis, suh, svh and the codebook marker."""
     i, o = pad128(linear.in_features), pad128(linear.out_features)
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -341,7 +342,7 @@ def retained_linear_parts(linear: RetainedLinear, role: TensorRole, codebook: st
     if marker:
         shapes[marker] = ("I32", ())
     return [
-        OutputTensor(f"{linear.key}.{part}", dtype, shape, role, part=part, linear=linear)
+        OutputTensor(f"{linear.key}.{part}", dtype, shape, linear.role, part=part, linear=linear)
         for part, (dtype, shape) in shapes.items()
     ]
 
@@ -357,7 +358,7 @@ def _encode_retained(
         if linear is None:
             out.append(t)
             continue
-        out += retained_linear_parts(linear, t.role, codebook)
+        out += retained_linear_parts(linear, codebook)
     return out
 
 

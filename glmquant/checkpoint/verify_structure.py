@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from glmquant.arch import ModelSpec, load_model_spec, source_tensors, table_for
+from glmquant.arch import ModelSpec, load_model_spec, table_for
 from glmquant.checkpoint.artifact_config import (
     HEAD_BITS_KEY,
     K1_TIER_KEY,
@@ -184,9 +184,8 @@ def expected_exl3(
         for sl in expert_slices(spec, layer, e, e, ranks)
         for t in exl3_parts(sl, table.layer_prefix(layer), expert_bits[layer][e] if expert_bits else bits, codebook)
     }
-    roles = {t.name: t.role for t in source_tensors(spec)}
-    for name, linear in exl3_linears(spec, retained_bits, head_bits).items():
-        expected.update((t.name, t.spec) for t in retained_linear_parts(linear, roles[name], codebook))
+    for linear in exl3_linears(spec, retained_bits, head_bits).values():
+        expected.update((t.name, t.spec) for t in retained_linear_parts(linear, codebook))
     return expected
 
 
