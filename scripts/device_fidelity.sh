@@ -24,10 +24,7 @@ set -u
 OUT=${1:?output dir}; COMMIT=${2:?commit}; shift 2; MODES=("$@")
 LOG="$OUT/run.log"; t0=$(date +%s)
 left() { echo $(( ${LIMIT_S:-585} - ($(date +%s) - t0) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/tex TORCH_CUDA_ARCH_LIST=9.0
-# a wheel missing from .whl shows here, not as an ImportError deep in a mode (the server's packages among them)
-python3 -c "import glmquant.runtime, glmquant.cli" >>"$LOG" 2>&1 || echo "glmquant does not import: carry its wheels" >>"$LOG"
+source scripts/device_env.sh
 if [[ ! -e /tmp/exl-build.log ]]; then  # once per machine, on a few cores so the corpus and kernels keep theirs
   MAX_JOBS=4 setsid nice -n 10 bash -c "python3 -c 'import exllamav3.ext' && touch /tmp/exl-built" \
     >/tmp/exl-build.log 2>&1 < /dev/null &

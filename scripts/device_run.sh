@@ -9,8 +9,8 @@
 set -u
 OUT=${1:?output dir}
 RES=/tmp/res; mkdir -p "$RES"; LOG="$OUT/run.log"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
-export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=12 TORCH_EXTENSIONS_DIR=/tmp/tex PYTHONUNBUFFERED=1
+source scripts/device_env.sh
+export MAX_JOBS=12
 t0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; tar czf "$OUT/results.tgz" -C "$RES" .; }
 setsid bash -c "python3 -c 'import exllamav3.ext; print(\"exllamav3 extension ready\")' >'$RES/build.log' 2>&1" &

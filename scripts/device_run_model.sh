@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call (under 10 minutes) for issue 16, the whole model from dummy weights. Installs the carried wheels
-# (.whl/: fla-core, flash-linear-attention, einops), then one mode. Every step is bounded by `timeout`; results are
-# refreshed in $OUT/results.tgz, the log is $OUT/run.log. Several modes run one after another in one call, each
+# (.whl/, scripts/device_wheels.sh), then one mode. Every step is bounded by `timeout`; a benchmark mode writes
+# $OUT/model_h200_MODE.json after each part, the others' results are refreshed in $OUT/results.tgz, the log is
+# $OUT/run.log. Several modes run one after another in one call, each
 # bounded by the time left (e.g. `serve checks compiled`).
 # Usage on the device:
 #   bash scripts/device_run_model.sh "$OUT" COMMIT checks    # GPU tests: fused mHC kernel, engine vs the CPU reference
@@ -22,15 +23,12 @@
 set -u
 OUT=${1:?output dir}; COMMIT=${2:?commit}; shift 2; MODES=("${@:-quick}")
 RES=/tmp/res; mkdir -p "$RES"; LOG="$OUT/run.log"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# a wheel missing from .whl shows here, not as an ImportError deep in a mode (the server's packages among them)
-python3 -c "import glmquant.runtime, glmquant.cli" >>"$LOG" 2>&1 || echo "glmquant does not import: carry its wheels" >>"$LOG"
+source scripts/device_env.sh
 t0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; tar czf "$OUT/results.tgz" -C "$RES" .; }
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__,
   'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())" >>"$LOG" 2>&1
-left() { echo $(( 580 - ($(date +%s) - t0) )); }
+left() { echo $(( ${LIMIT_S:-580} - ($(date +%s) - t0) )); }  # LIMIT_S: below the call's limit when less device time is left
 for MODE in "${MODES[@]}"; do
   if (( $(left) < 30 )); then echo "== $MODE skipped: under 30 s left" >>"$LOG"; continue; fi
   case $MODE in
@@ -55,7 +53,7 @@ for MODE in "${MODES[@]}"; do
   esac
   stamp "bench_model.py ${args[*]}"
   timeout "$(left)" python3 scripts/bench_model.py --commit "$COMMIT" "${args[@]}" \
-    --out "$RES/model_h200_$MODE.json" >>"$LOG" 2>&1
+    --out "$OUT/model_h200_$MODE.json" >>"$LOG" 2>&1  # in $OUT: a call killed at its limit keeps every part saved
   echo "bench exit $?" >>"$LOG"
 done
 stamp "done"
