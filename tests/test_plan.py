@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from glmquant.arch import load_model_spec
+from glmquant.arch import TensorRole, load_model_spec, source_tensors
+from glmquant.checkpoint import layouts
 from glmquant.checkpoint.layouts import plan_artifact, predicted_source_shards, quantizable_retained
 from glmquant.cli import app
 from glmquant.errors import UsageError
@@ -221,7 +223,10 @@ def test_head_bits_plan(tiny_source: Path, tmp_path: Path, layout: str) -> None:
     encoded = {t.name: t for f in head.files for t in f.tensors if t.linear is not None}
     assert set(encoded) == {f"lm_head.{p}" for p in parts}
     trellis = encoded["lm_head.trellis"]
-    assert (trellis.shape, trellis.role.value) == ((128 // 16, 384 // 16, 96), "lm_head")  # 128 -> 320, padded to 384
+    assert (trellis.shape, trellis.role.value) == (
+        (128 // 16, 384 // 16, 96),
+        "lm_head",
+    )  # in 128; out 320 (vocab), padded to 384
     assert trellis.linear is not None and (trellis.linear.layer, trellis.linear.bits) == (None, 6)
     assert {t.name for f in both.files for t in f.tensors if t.linear is not None} == set(encoded) | {
         t.name for f in retained.files for t in f.tensors if t.linear is not None
@@ -239,3 +244,17 @@ def test_head_bits_plan(tiny_source: Path, tmp_path: Path, layout: str) -> None:
     assert [(f["path"], f["bytes"]) for f in data["files"]] == [(f.path, f.size) for f in head.files]
     with pytest.raises(UsageError, match="--head-bits must be 2..8"):
         plan_artifact(spec, layout, source_shards=shards, head_bits=1)
+
+
+def test_head_bits_need_one_bf16_head_weight(tiny_source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An architecture table without lm_head's weight, or with one the codec does not take (not a 2-D BF16
+    `.weight`), is refused naming the lm_head tensors it has, as the retained linears' filter leaves such tensors
+    exact."""
+    spec = load_model_spec(tiny_source)
+    tensors = source_tensors(spec)
+    without = [t for t in tensors if t.role is not TensorRole.LM_HEAD]
+    f32 = [replace(t, dtype="F32") if t.role is TensorRole.LM_HEAD else t for t in tensors]
+    for table, named in ((without, "none"), (f32, r"lm_head\.weight \(F32 \[320, 128\]\)")):
+        monkeypatch.setattr(layouts, "source_tensors", lambda spec, table=table: table)
+        with pytest.raises(UsageError, match=rf"--head-bits: .* 0 2-D BF16 lm_head weights.*: {named}\)"):
+            plan_artifact(spec, "tr3", head_bits=6)

@@ -97,6 +97,11 @@ class RetainedLinear:
         return "--head-bits" if self.layer is None else "--retained-bits"
 
 
+def _bf16_matrix(t: TensorInfo) -> bool:
+    """A linear's weight the EXL3 codec takes: a 2-D BF16 `.weight` (biases, norms and F32 tensors stay exact)."""
+    return t.name.endswith(".weight") and len(t.shape) == 2 and t.dtype == "BF16"
+
+
 def quantizable_retained(spec: ModelSpec) -> list[TensorInfo]:
     """The source tensors `--retained-bits` encodes: 2-D BF16 `.weight`s of the decoder layers' attention, shared
     experts and dense MLPs, in source order."""
@@ -106,21 +111,28 @@ def quantizable_retained(spec: ModelSpec) -> list[TensorInfo]:
         if t.role in QUANTIZABLE_RETAINED_ROLES
         and t.layer is not None
         and t.layer < spec.num_hidden_layers
-        and t.name.endswith(".weight")
-        and len(t.shape) == 2
-        and t.dtype == "BF16"
+        and _bf16_matrix(t)
     ]
 
 
 def quantizable_head(spec: ModelSpec) -> TensorInfo:
-    """The source tensor `--head-bits` encodes: lm_head's weight. UsageError for a model whose head is tied to its
-    embedding (there is no head weight of its own: encoding it would quantize the embedding too)."""
+    """The source tensor `--head-bits` encodes: lm_head's 2-D BF16 weight. UsageError for a model whose head is tied
+    to its embedding (there is no head weight of its own: encoding it would quantize the embedding too) or whose
+    tensor table has no such weight (naming the lm_head tensors it has)."""
     if spec.tie_word_embeddings:
         raise UsageError(
             f"--head-bits: {spec.architecture} ties lm_head to the input embedding (tie_word_embeddings): the head "
             "is the embedding, which stays exact"
         )
-    return next(t for t in source_tensors(spec) if t.role is TensorRole.LM_HEAD)
+    heads = [t for t in source_tensors(spec) if t.role is TensorRole.LM_HEAD]
+    found = [t for t in heads if _bf16_matrix(t)]
+    if len(found) != 1:
+        named = ", ".join(f"{t.name} ({t.dtype} {list(t.shape)})" for t in heads) or "none"
+        raise UsageError(
+            f"--head-bits: {spec.architecture} has {len(found)} 2-D BF16 lm_head weights, not one, to encode "
+            f"(its lm_head tensors: {named})"
+        )
+    return found[0]
 
 
 def exl3_linears(spec: ModelSpec, retained_bits: int | None, head_bits: int | None) -> dict[str, RetainedLinear]:
