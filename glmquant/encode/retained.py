@@ -51,8 +51,10 @@ def dense_hessian(
     if fallback_identity:
         return None, "no_dense_hessian:identity"
     raise UsageError(
-        f"{linear.option}: {linear.source} needs its dense Hessian ({problem}); observe with --dense-hessians, or "
-        "pass --retained-uncalibrated-fallback to encode it uncalibrated"
+        f"{linear.option}: {linear.source} needs its dense Hessian ({problem}); observe again with --dense-hessians "
+        f"into a new --out (observe adds none to {observations}: it refuses a rerun with other settings; or delete "
+        f"{observations}/state to redo it there from the start), or pass --retained-uncalibrated-fallback to encode "
+        "it uncalibrated"
     )
 
 
@@ -88,7 +90,7 @@ def encode_retained_file(
         items.append((weight, hessian))
         fallbacks.append(fallback)
     inputs = UnitInputs([lin.key for lin in linears], items, fallbacks, [lin.bits for lin in linears])
-    return encode_unit(inputs, 0, codebook, seed, device)  # no default K: each linear's is in the inputs
+    return encode_unit(inputs, None, codebook, seed, device)  # each linear's K is in the inputs
 
 
 def retained_encoder(

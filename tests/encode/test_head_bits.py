@@ -3,19 +3,24 @@ layer of 128-wide experts, so its routed experts encode in seconds): observe cap
 norm's output over every calibration token), encode stores lm_head as one EXL3 tensor in the file that held it and
 everything else as before, writes what `plan --head-bits` predicts, verifies, encodes the same bytes again, its decode
 is close to the BF16 head in the Hessian's metric, and both runtimes give the same logits, close to those of the same
-artifact with its exact head back. Refused: a missing head Hessian (named) and a head tied to the embedding.
+artifact with its exact head back. A missing head Hessian is refused (named) or, with the fallback, the head encoded
+uncalibrated; a head tied to the embedding is refused by plan, encode and a dummy load.
 With `--retained-bits` and in the tr3 layout: test_retained_bits.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from encode_fixtures import QUIET
 from indexer_ties import indexer_ties_to_earlier_pool
+from rich.console import Console
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from glmquant.arch import load_model_spec, read_config, source_tensors
@@ -24,7 +29,8 @@ from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.cli import app
 from glmquant.encode import EncodeConfig, encode_artifact
-from glmquant.encode.retained import dense_hessian, encode_retained_file, retained_linears
+from glmquant.encode.layer import UnitInputs, encode_unit
+from glmquant.encode.retained import encode_retained_file, retained_linears
 from glmquant.encode.run import EncodeResult
 from glmquant.errors import UsageError
 from glmquant.exl3.decode import decode_weight
@@ -35,6 +41,7 @@ from glmquant.observe.hessian_reader import hessians_path, load_dense_hessian
 from glmquant.observe.run import observe
 from glmquant.observe.streaming import stream_final_hidden
 from glmquant.runtime.artifact import open_artifact
+from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine, EngineDecoder
 from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
 from glmquant.runtime.loader import load_model
@@ -123,7 +130,7 @@ def test_head_only_artifact_is_the_plan_and_verifies(micro_source: Path, head_ti
     with SourceCheckpoint.open(micro_source) as source, SourceCheckpoint.open(art) as ckpt:
         linears = [n.removesuffix(".trellis") for n in ckpt.names() if n.endswith(".trellis") and ".experts." not in n]
         assert linears == ["lm_head"] and HEAD not in ckpt
-        assert ckpt.spec("lm_head.trellis").shape == (128 // 16, 384 // 16, 16 * HEAD_K)  # 128 -> 320, padded
+        assert ckpt.spec("lm_head.trellis").shape == (128 // 16, 384 // 16, 16 * HEAD_K)  # in 128; out 320, padded
         for t in source_tensors(spec):
             if t.role.value != "routed_expert" and t.name != HEAD:
                 assert ckpt.read_raw(t.name) == source.read_raw(t.name), t.name
@@ -158,6 +165,8 @@ def test_head_decodes_close_in_its_hessian_metric_and_encodes_the_same_bytes_aga
         assert [lin.source for lin in retained_linears(head_file)] == [HEAD]
         again = encode_retained_file(head_file, source, micro_observations, False, "mcg", 0, "cpu")
     assert [r.fallback for r in again.reports] == [None]
+    with pytest.raises(ValueError, match="no K for lm_head"):  # the head's K comes with its inputs, or not at all
+        encode_unit(UnitInputs(["lm_head"], [(weight, hessian)], [None]), None, "mcg", 0, "cpu")
     assert set(again.tensors) == {f"lm_head.{part}" for part in ("trellis", "suh", "svh", "mcg")}
     for name, tensor in again.tensors.items():
         assert torch.equal(tensor, art.checkpoint.read_tensor(name)), name
@@ -220,37 +229,60 @@ def test_both_runtimes_run_the_head_alike_close_to_the_exact_head(micro_source: 
     assert int((exact.argmax(-1) == quantized.argmax(-1)).sum()) >= PROMPT.shape[1] - 1  # measured: 11 of 12
 
 
-def test_a_missing_head_hessian_is_refused_naming_it(
+def test_a_missing_head_hessian_is_refused_naming_it_or_encoded_with_the_fallback(
     micro_source: Path, micro_observations: Path, tmp_path: Path
 ) -> None:
     """Observations without lm_head's Hessian (observed before it was captured): refused before anything is
-    written, naming lm_head.weight and the file; with the fallback it is encoded uncalibrated (the label says so),
-    and an uncalibrated job encodes it uncalibrated."""
+    written, naming lm_head.weight and the file and saying to observe into a new --out; with
+    --retained-uncalibrated-fallback lm_head is encoded with an identity Hessian (the warning names it) and stored as
+    EXL3 in an artifact that verifies."""
     obs = tmp_path / "obs"
     shutil.copytree(micro_observations, obs)
     hessians_path(obs, None).unlink()
     out = tmp_path / "art"
-    cfg = EncodeConfig(source=micro_source, out=out, observations=obs, head_bits=HEAD_K)
-    with pytest.raises(UsageError, match=r"--head-bits: lm_head\.weight needs its dense Hessian \(.*head\.hessians"):
+    cfg = EncodeConfig(source=micro_source, out=out, observations=obs, layout="exllamav3", head_bits=HEAD_K)
+    missing = r"--head-bits: lm_head\.weight needs its dense Hessian \(.*head\.hessians.*into a new --out"
+    with pytest.raises(UsageError, match=missing):
         encode_artifact(cfg, QUIET)
     assert not out.exists() and not (tmp_path / "art.work").exists()
-    plan = plan_artifact(load_model_spec(micro_source), "tr3", head_bits=HEAD_K)
-    linear = next(lin for f in plan.files for lin in retained_linears(f))
-    assert (linear.source, linear.layer, linear.bits) == (HEAD, None, HEAD_K)
-    assert dense_hessian(obs, linear, True) == (None, "no_dense_hessian:identity")
-    assert dense_hessian(None, linear, False) == (None, "uncalibrated")
+    warnings = io.StringIO()
+    result = encode_artifact(replace(cfg, retained_fallback_identity=True), Console(file=warnings, width=300))
+    assert result is not None and result.verification is not None and result.verification.ok
+    assert "lm_head: no_dense_hessian:identity" in warnings.getvalue()
+    with SourceCheckpoint.open(out) as ckpt:
+        assert "lm_head.trellis" in ckpt and HEAD not in ckpt
+
+
+def _tied_copy(source: Path, out: Path) -> Path:
+    """`source` as a checkpoint whose head is tied to its embedding: the config says so and lm_head.weight is gone."""
+    shutil.copytree(source, out)
+    config = read_config(out)
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
+    (out / "config.json").write_text(json.dumps(config))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = out / index["weight_map"].pop(HEAD)
+    tensors = load_file(shard)
+    del tensors[HEAD]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
 
 
 def test_a_head_tied_to_the_embedding_is_refused(micro_source: Path, tmp_path: Path) -> None:
-    """tie_word_embeddings: there is no head of its own to encode; plan (and so encode and a dummy load) refuse
-    --head-bits, saying why."""
-    config = read_config(micro_source)
-    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = load_model_spec(tmp_path / "config.json")
+    """tie_word_embeddings: there is no head of its own to encode; plan, encode (before writing anything) and a dummy
+    load refuse --head-bits, saying why."""
+    tied = _tied_copy(micro_source, tmp_path / "tied")
+    spec = load_model_spec(tied)
     assert spec.tie_word_embeddings
-    with pytest.raises(UsageError, match="ties lm_head to the input embedding"):
+    why = "ties lm_head to the input embedding"
+    with pytest.raises(UsageError, match=why):
         plan_artifact(spec, "tr3", head_bits=HEAD_K)
     assert plan_artifact(spec, "tr3", retained_bits=HEAD_K).head_bits is None
-    result = CliRunner().invoke(app, ["plan", str(tmp_path), "--head-bits", str(HEAD_K)])
+    result = CliRunner().invoke(app, ["plan", str(tied), "--head-bits", str(HEAD_K)])
     assert result.exit_code == 2 and "the head is the embedding" in " ".join(result.output.split())
+    out = tmp_path / "art"
+    with pytest.raises(UsageError, match=why):
+        encode_artifact(EncodeConfig(source=tied, out=out, uncalibrated=True, head_bits=HEAD_K), QUIET)
+    assert not out.exists() and not (tmp_path / "art.work").exists()
+    with pytest.raises(UsageError, match=why):
+        dummy_artifact(tied, "tr3", head_bits=HEAD_K)
