@@ -575,7 +575,8 @@ def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> 
         "bits": ckpt.plan.bits,
         "retained_bits": ckpt.plan.retained_bits,
         "head_bits": ckpt.plan.head_bits,
-        "retained_linears": len(artifact.retained_linears),  # lm_head included with head_bits
+        "retained_linears": sum(1 for lin in artifact.retained_linears.values() if lin.layer is not None),
+        "head_exl3": any(lin.layer is None for lin in artifact.retained_linears.values()),  # --head-bits
         "codebook": ckpt.plan.codebook,
         "planned_tensors": len(ckpt.names()),
         "load_s": round(load_s, 1),
@@ -651,16 +652,27 @@ def is_speed_tier(report: dict[str, Any]) -> bool:
 
 def speed_tier(report: dict[str, Any], fidelity: dict[str, Any] | None) -> dict[str, Any]:
     """The speed tier's figures (`--retained-bits`, `--head-bits`): what this run measures, and from `fidelity`
-    (bench_fidelity's results) its KL cost at the same K; null for what is not provided."""
+    (bench_fidelity's results) its KL cost at the same K; null for what is not provided. With an EXL3 head the KL
+    cost stays null: the fidelity bench has no row with one, and its retained-kK row would leave the head's cost out."""
     classes = report["parts"].get("classes", {})
     per_class = classes.get("classes", {})
-    bits = report["model"]["retained_bits"]
-    proxy_row: dict[str, Any] = next(
-        (r for r in (fidelity or {}).get("rows", []) if r["recipe"] == f"retained-k{bits}"), {}
-    )
+    bits, head_bits = report["model"]["retained_bits"], report["model"].get("head_bits")
+    kl_cost_ratio = None
+    if head_bits is None:
+        rows = (fidelity or {}).get("rows", [])
+        kl_cost_ratio = next((r.get("kl_cost_ratio") for r in rows if r["recipe"] == f"retained-k{bits}"), None)
+        kl_from = (
+            f"the proxy fidelity run merged with --fidelity: its retained-k{bits} row, the retained linears' KL alone "
+            "(experts BF16, lm_head exact) over the seed row's (the experts') KL"
+        )
+    else:
+        kl_from = (
+            f"not measured: lm_head is EXL3 (head_bits {head_bits}) and the proxy fidelity bench has no row with an "
+            "EXL3 head (its retained-kK rows keep lm_head exact, so they would leave the head's cost out)"
+        )
     return {
         "retained_bits": bits,
-        "head_bits": report["model"].get("head_bits"),
+        "head_bits": head_bits,
         "bytes_per_token": sum(c["bytes_per_token"] for c in per_class.values()) if per_class else None,
         "bytes_per_token_is": "batch-1 decode at the classes part's context, summed over its classes (the EXL3 "
         "retained linears and head at their stored bytes)",
@@ -668,9 +680,8 @@ def speed_tier(report: dict[str, Any], fidelity: dict[str, Any] | None) -> dict[
         "mtp_speedup": (report.get("mtp_at_proxy_acceptance") or {}).get("speedup"),
         "mtp_speedup_from": "the mtp part (--parts mtp with --retained-bits) merged with --fidelity (the "
         "trained proxy's MTP acceptance): mtp_at_proxy_acceptance",
-        "kl_cost_ratio": proxy_row.get("kl_cost_ratio"),
-        "kl_cost_ratio_from": f"the proxy fidelity run merged with --fidelity: its retained-k{bits} row, the "
-        "retained linears' KL alone (experts BF16, lm_head exact) over the seed row's (the experts') KL",
+        "kl_cost_ratio": kl_cost_ratio,
+        "kl_cost_ratio_from": kl_from,
     }
 
 
