@@ -60,7 +60,6 @@ from rich.console import Console
 
 from glmquant.arch import PROJECTIONS, load_model_spec
 from glmquant.checkpoint.exl3_groups import exl3_groups
-from glmquant.checkpoint.layouts import quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.exl3 import EXL3Tensor, decode_weight, proxy_error
@@ -290,11 +289,12 @@ def artifact_experts(
 
 @dataclass(frozen=True)
 class DecodedLinear:
-    """A speed-tier retained linear decoded from the artifact: its weight (HF layout, float32), role and source."""
+    """A speed-tier retained linear (or head) decoded from the artifact: its weight (HF layout, float32), role and
+    source."""
 
     weight: torch.Tensor
     role: str
-    layer: int
+    layer: int | None  # None: lm_head (`--head-bits`)
     source: str  # checkpoint weight name (its dense Hessian's key)
 
 
@@ -302,14 +302,13 @@ def artifact_linears(artifact: Path, device: str) -> tuple[dict[str, DecodedLine
     """Decoded retained linears of a speed-tier artifact by the transformers model's parameter name (the MTP
     layer's left out: the KL is measured without it), their EXL3 bytes and their BF16 bytes."""
     art = open_artifact(artifact)
-    role_of = {t.name: t.role.value for t in quantizable_retained(art.spec)}
     out, exl3_bytes, bf16_bytes = {}, 0, 0
     for name, linear in art.retained_linear_modules().items():
         if linear.layer in art.spec.mtp_layers:
             continue
         tensor = art.read_linear(linear, device)
         weight = decode_weight(tensor, torch.float32)
-        out[f"{name}.weight"] = DecodedLinear(weight, role_of[linear.source], linear.layer, linear.source)
+        out[f"{name}.weight"] = DecodedLinear(weight, linear.role.value, linear.layer, linear.source)
         exl3_bytes += sum(t.numel() * t.element_size() for t in tensor.tensors(linear.key).values())
         bf16_bytes += 2 * linear.in_features * linear.out_features
     art.checkpoint.close()

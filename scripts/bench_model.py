@@ -22,6 +22,7 @@ Parts (each saved to --out as soon as it is done, so a run cut short keeps what 
     python scripts/bench_model.py --smoke --out FILE          # the tiny config on the CPU, every part (a test runs it)
     python scripts/bench_model.py --retained-bits 4 ...       # the speed tier: `model` records it, and `speed_tier`
                                                               # holds bytes/token and the GB10 projection
+    python scripts/bench_model.py --retained-bits 4 --head-bits 6 ...   # lm_head EXL3 too (or --head-bits alone)
     python scripts/bench_model.py --merge A.json B.json --out FILE
 """
 
@@ -99,7 +100,9 @@ def main() -> None:
         "parts": {},
     }
     t0 = time.perf_counter()
-    artifact = dummy_artifact(config, args.layout, args.bits, device=device, retained_bits=args.retained_bits)
+    artifact = dummy_artifact(
+        config, args.layout, args.bits, device=device, retained_bits=args.retained_bits, head_bits=args.head_bits
+    )
     engine = Engine.load(
         artifact,
         RuntimeOptions(
@@ -138,7 +141,7 @@ def main() -> None:
             report["parts"][part + "_error"] = traceback.format_exc()[-4000:]
         report["parts"][part + "_peak_gpu_gb"] = peak_gb(engine)
         report["summary"] = summary(report)
-        if args.retained_bits is not None:
+        if is_speed_tier(report):
             report["speed_tier"] = speed_tier(report, None)
         save(report, args.out)
         print(f"{part}: done at +{time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -156,6 +159,12 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=None,
         help="the speed tier: retained linears EXL3 at this K (encode --retained-bits); fills the report's speed_tier",
+    )
+    p.add_argument(
+        "--head-bits",
+        type=int,
+        default=None,
+        help="the speed tier: lm_head EXL3 at this K (encode --head-bits); fills the report's speed_tier",
     )
     p.add_argument("--compile-decode", action="store_true", help="decode steps' math through torch.compile")
     p.add_argument("--quick", action="store_true", help="about 6 minutes of an H200: 1k decode, 8k prefill")
@@ -565,7 +574,9 @@ def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> 
         "layout": artifact.layout,
         "bits": ckpt.plan.bits,
         "retained_bits": ckpt.plan.retained_bits,
-        "retained_linears": len(artifact.retained_linears),
+        "head_bits": ckpt.plan.head_bits,
+        "retained_linears": sum(1 for lin in artifact.retained_linears.values() if lin.layer is not None),
+        "head_exl3": any(lin.layer is None for lin in artifact.retained_linears.values()),  # --head-bits
         "codebook": ckpt.plan.codebook,
         "planned_tensors": len(ckpt.names()),
         "load_s": round(load_s, 1),
@@ -632,27 +643,45 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def is_speed_tier(report: dict[str, Any]) -> bool:
+    """Whether the report's model is the speed tier: EXL3 retained linears or head (`--retained-bits`, `--head-bits`;
+    reports from before --head-bits have no head_bits)."""
+    model = report.get("model") or {}
+    return model.get("retained_bits") is not None or model.get("head_bits") is not None
+
+
 def speed_tier(report: dict[str, Any], fidelity: dict[str, Any] | None) -> dict[str, Any]:
-    """The speed tier's figures (`--retained-bits`): what this run measures, and from `fidelity` (bench_fidelity's
-    results) its KL cost at the same K; null for what is not provided."""
+    """The speed tier's figures (`--retained-bits`, `--head-bits`): what this run measures, and from `fidelity`
+    (bench_fidelity's results) its KL cost at the same K; null for what is not provided. With an EXL3 head the KL
+    cost stays null: the fidelity bench has no row with one, and its retained-kK row would leave the head's cost out."""
     classes = report["parts"].get("classes", {})
     per_class = classes.get("classes", {})
-    bits = report["model"]["retained_bits"]
-    proxy_row: dict[str, Any] = next(
-        (r for r in (fidelity or {}).get("rows", []) if r["recipe"] == f"retained-k{bits}"), {}
-    )
+    bits, head_bits = report["model"]["retained_bits"], report["model"].get("head_bits")
+    kl_cost_ratio = None
+    if head_bits is None:
+        rows = (fidelity or {}).get("rows", [])
+        kl_cost_ratio = next((r.get("kl_cost_ratio") for r in rows if r["recipe"] == f"retained-k{bits}"), None)
+        kl_from = (
+            f"the proxy fidelity run merged with --fidelity: its retained-k{bits} row, the retained linears' KL alone "
+            "(experts BF16, lm_head exact) over the seed row's (the experts') KL"
+        )
+    else:
+        kl_from = (
+            f"not measured: lm_head is EXL3 (head_bits {head_bits}) and the proxy fidelity bench has no row with an "
+            "EXL3 head (its retained-kK rows keep lm_head exact, so they would leave the head's cost out)"
+        )
     return {
         "retained_bits": bits,
+        "head_bits": head_bits,
         "bytes_per_token": sum(c["bytes_per_token"] for c in per_class.values()) if per_class else None,
         "bytes_per_token_is": "batch-1 decode at the classes part's context, summed over its classes (the EXL3 "
-        "retained linears at their stored bytes)",
+        "retained linears and head at their stored bytes)",
         "gb10_tok_s_218": classes.get("projection", {}).get("gb10_tok_s_218"),
         "mtp_speedup": (report.get("mtp_at_proxy_acceptance") or {}).get("speedup"),
         "mtp_speedup_from": "the mtp part (--parts mtp with --retained-bits) merged with --fidelity (the "
         "trained proxy's MTP acceptance): mtp_at_proxy_acceptance",
-        "kl_cost_ratio": proxy_row.get("kl_cost_ratio"),
-        "kl_cost_ratio_from": f"the proxy fidelity run merged with --fidelity: its retained-k{bits} row, the "
-        "retained linears' KL alone (experts BF16) over the seed row's (the experts') KL",
+        "kl_cost_ratio": kl_cost_ratio,
+        "kl_cost_ratio_from": kl_from,
     }
 
 
@@ -703,7 +732,7 @@ def merge(reports: list[dict[str, Any]], fidelity: dict[str, Any] | None = None)
     acceptance = (fidelity or {}).get("mtp_acceptance")
     if acceptance and "rows" in merged["parts"].get("mtp", {}):
         merged["mtp_at_proxy_acceptance"] = mtp_at_acceptance(merged["parts"]["mtp"], acceptance)
-    if (merged.get("model") or {}).get("retained_bits") is not None:
+    if is_speed_tier(merged):
         merged["speed_tier"] = speed_tier(merged, fidelity)
     return merged
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from glmquant.checkpoint.layouts import quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.exl3 import decode_weight, proxy_error
@@ -38,14 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def role_errors(artifact: Path, source: Path, observations: Path) -> dict[str, dict[str, float]]:
     """Per role: linears, mean Hessian-weighted relative error, mean relative MSE."""
     art = open_artifact(artifact)
-    role_of = {t.name: t.role.value for t in quantizable_retained(art.spec)}
     found: dict[str, list[tuple[float, float]]] = {}
     with SourceCheckpoint.open(source) as src:
         for linear in art.retained_linear_modules().values():
             w = src.read_tensor(linear.source)
             d = decode_weight(art.read_linear(linear, "cpu"), torch.float32)
             h = load_dense_hessian(observations, linear.layer, linear.source).sum
-            found.setdefault(role_of[linear.source], []).append((proxy_error(w, d, h), proxy_error(w, d, None)))
+            found.setdefault(linear.role.value, []).append((proxy_error(w, d, h), proxy_error(w, d, None)))
     art.checkpoint.close()
     return {
         role: {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from glmquant.arch import load_model_spec
+from glmquant.arch import TensorRole, load_model_spec, source_tensors
+from glmquant.checkpoint import layouts
 from glmquant.checkpoint.layouts import plan_artifact, predicted_source_shards, quantizable_retained
 from glmquant.cli import app
 from glmquant.errors import UsageError
@@ -186,5 +188,64 @@ def test_retained_bits_plan(tiny_source: Path, tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     assert data["retained_bits"] == 5
     assert [(f["path"], f["bytes"]) for f in data["files"]] == [(f.path, f.size) for f in fast.files]
-    with pytest.raises(UsageError, match="retained bits must be 2..8"):
+    with pytest.raises(UsageError, match="--retained-bits must be 2..8"):
         plan_artifact(spec, "tr3", source_shards=shards, retained_bits=9)
+
+
+@pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
+def test_head_bits_plan(tiny_source: Path, tmp_path: Path, layout: str) -> None:
+    """--head-bits K: lm_head becomes one EXL3 tensor at K where lm_head.weight was (same files, same grouping), with
+    or without --retained-bits; the written files equal the prediction; plan --head-bits reports it."""
+    spec = load_model_spec(tiny_source)
+    shards = load_source_shards(tiny_source / "model.safetensors.index.json") if layout == "tr3" else None
+    exact = plan_artifact(spec, layout, source_shards=shards)
+    head = plan_artifact(spec, layout, source_shards=shards, head_bits=6)
+    both = plan_artifact(spec, layout, source_shards=shards, retained_bits=4, head_bits=6)
+    retained = plan_artifact(spec, layout, source_shards=shards, retained_bits=4)
+    assert (head.head_bits, head.retained_bits, both.head_bits, both.retained_bits) == (6, None, 6, 4)
+    parts = ("trellis", "suh", "svh", "mcg")
+    for before, after in zip(exact.files, head.files, strict=True):
+        assert before.path == after.path
+        names = [t.name for t in before.tensors]
+        if "lm_head.weight" in names:  # the head's parts in its place, in the same file
+            at = names.index("lm_head.weight")
+            names[at : at + 1] = [f"lm_head.{p}" for p in parts]
+        assert [t.name for t in after.tensors] == names
+    encoded = {t.name: t for f in head.files for t in f.tensors if t.linear is not None}
+    assert set(encoded) == {f"lm_head.{p}" for p in parts}
+    trellis = encoded["lm_head.trellis"]
+    assert (trellis.shape, trellis.role.value) == (
+        (128 // 16, 384 // 16, 96),
+        "lm_head",
+    )  # in 128; out 320 (vocab), padded to 384
+    assert trellis.linear is not None and (trellis.linear.layer, trellis.linear.bits) == (None, 6)
+    assert {t.name for f in both.files for t in f.tensors if t.linear is not None} == set(encoded) | {
+        t.name for f in retained.files for t in f.tensors if t.linear is not None
+    }
+    _write_plan(both, tiny_source, tmp_path)
+    for f in both.files:
+        assert (tmp_path / f.path).stat().st_size == f.size, f.path
+    args = ["plan", str(tiny_source), "--layout", layout, "--json", "--head-bits", "6"]
+    if shards:
+        args += ["--source-index", str(tiny_source / "model.safetensors.index.json")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["head_bits"] == 6 and "retained_bits" not in data
+    assert [(f["path"], f["bytes"]) for f in data["files"]] == [(f.path, f.size) for f in head.files]
+    with pytest.raises(UsageError, match="--head-bits must be 2..8"):
+        plan_artifact(spec, layout, source_shards=shards, head_bits=1)
+
+
+def test_head_bits_need_one_bf16_head_weight(tiny_source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An architecture table without lm_head's weight, or with one the codec does not take (not a 2-D BF16
+    `.weight`), is refused naming the lm_head tensors it has, as the retained linears' filter leaves such tensors
+    exact."""
+    spec = load_model_spec(tiny_source)
+    tensors = source_tensors(spec)
+    without = [t for t in tensors if t.role is not TensorRole.LM_HEAD]
+    f32 = [replace(t, dtype="F32") if t.role is TensorRole.LM_HEAD else t for t in tensors]
+    for table, named in ((without, "none"), (f32, r"lm_head\.weight \(F32 \[320, 128\]\)")):
+        monkeypatch.setattr(layouts, "source_tensors", lambda spec, table=table: table)
+        with pytest.raises(UsageError, match=rf"--head-bits: .* 0 2-D BF16 lm_head weights.*: {named}\)"):
+            plan_artifact(spec, "tr3", head_bits=6)

@@ -54,7 +54,8 @@ class EncodedLayers:
         )
         self.job = EncodeJob(self.config.encode, self.source, calibration, self.console)
 
-    def save(self, layer: int, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:
+    def save(self, layer: int | None, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:
+        assert layer is not None  # no lm_head Hessian: a build refuses --dense-hessians
         self.statistics.save(layer, stats, None)
         assert self.job is not None  # observe starts the sink before it saves a layer
         if layer in self.job.todo:  # an encode killed after its layer finished but before observe recorded it

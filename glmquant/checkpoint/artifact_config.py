@@ -31,6 +31,9 @@ TR3_TIER_KEYS = {1: K1_TIER_KEY, **RELEASE_TIER_KEYS}
 RETAINED_BITS_KEY = (
     "retained_bits"  # glmquant's, written only with `encode --retained-bits`: K of the EXL3 retained linears
 )
+# K of an EXL3 lm_head (`encode --head-bits`): ExLlamaV3's own key, in its block always (UNQUANTIZED_BITS for an exact
+# head); in the tr3 block glmquant's, written only with --head-bits
+HEAD_BITS_KEY = "head_bits"
 TR3_TIER_BITS = tuple(TR3_TIER_KEYS)
 TR3_KEYS = frozenset(
     {
@@ -59,7 +62,7 @@ SMALL_FILE_LIMIT = 64 << 20
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
 # files the artifact writes itself; a source that has them (a re-quantization) must not overwrite ours
 NOT_COPIED = frozenset({"config.json", "quantization_config.json", "EXL3_MANIFEST.json", "MODEL_CARD.md"})
-UNQUANTIZED_BITS = 16  # ExLlamaV3's value for "stored unquantized" (our head and MTP layers are retained)
+UNQUANTIZED_BITS = 16  # ExLlamaV3's value for "stored unquantized" (the MTP layer, and the head without --head-bits)
 
 
 def routed_tier_bpw(trellis_bytes: int, projections: int, hidden: int, moe_inter: int) -> float:
@@ -108,7 +111,7 @@ def quantization_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, 
         "quant_method": "exl3",
         "version": EXLLAMAV3_VERSION,
         "bits": round(target_bits(plan), 2),
-        "head_bits": UNQUANTIZED_BITS,
+        HEAD_BITS_KEY: plan.head_bits or UNQUANTIZED_BITS,
     }
     cal = provenance.calibration
     if cal.rows is not None and cal.cols is not None:
@@ -151,7 +154,19 @@ def _tr3_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
     )
     if plan.retained_bits is not None:
         block[RETAINED_BITS_KEY] = plan.retained_bits
+    if plan.head_bits is not None:
+        block[HEAD_BITS_KEY] = plan.head_bits
     return block
+
+
+def declared_linear_bits(block: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(retained_bits, head_bits) a quantization block declares; None for linears it keeps exact (an ExLlamaV3
+    block's head_bits of UNQUANTIZED_BITS included)."""
+    retained, head = block.get(RETAINED_BITS_KEY), block.get(HEAD_BITS_KEY)
+    return (
+        None if retained is None else int(retained),
+        None if head is None or int(head) == UNQUANTIZED_BITS else int(head),
+    )
 
 
 def output_config(source_config: Mapping[str, Any], plan: ArtifactPlan, block: Mapping[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,7 @@ class ExpertSlice:
 
 # Roles whose 2-D `.weight` tensors in the decoder layers are linear layers that `encode --retained-bits` EXL3-encodes
 # (the linears `observe --dense-hessians` captures). Norms, routers, embeddings, hyper-connections, the vision tower,
-# the MTP layer and every F32 tensor stay exact.
+# the MTP layer and every F32 tensor stay exact; lm_head is encoded only with `--head-bits`.
 QUANTIZABLE_RETAINED_ROLES = frozenset(
     {
         TensorRole.ATTENTION,
@@ -67,22 +67,39 @@ QUANTIZABLE_RETAINED_ROLES = frozenset(
         TensorRole.DENSE_MLP,
     }
 )
-RETAINED_BITS = range(2, 9)  # K of `--retained-bits` (4..6 is the intended speed tier)
+RETAINED_BITS = range(2, 9)  # K of `--retained-bits` and `--head-bits` (4..6 is the intended speed tier)
 
 
 @dataclass(frozen=True)
 class RetainedLinear:
-    """A retained linear layer stored as one EXL3 tensor (`encode --retained-bits`): its source weight, whose
-    name without `.weight` is the EXL3 key, and its dimensions."""
+    """A linear layer outside the routed experts stored as one EXL3 tensor at K `bits` (`encode --retained-bits`
+    for the decoder layers' linears, `--head-bits` for lm_head): its source weight, whose name without `.weight` is
+    the EXL3 key, and its dimensions."""
 
-    layer: int
+    layer: int | None  # its decoder layer; None for lm_head, which reads the final norm's output after the last one
     source: str  # the source `.weight` tensor (HF orientation: out x in)
     in_features: int
     out_features: int
+    bits: int
+    role: TensorRole
+
+    @classmethod
+    def of(cls, info: TensorInfo, bits: int) -> RetainedLinear:
+        return cls(info.layer, info.name, info.shape[1], info.shape[0], bits, info.role)
 
     @property
     def key(self) -> str:
         return self.source.removesuffix(".weight")
+
+    @property
+    def option(self) -> str:
+        """The encode option that asked for it (errors name it)."""
+        return "--head-bits" if self.layer is None else "--retained-bits"
+
+
+def _bf16_matrix(t: TensorInfo) -> bool:
+    """A linear's weight the EXL3 codec takes: a 2-D BF16 `.weight` (biases, norms and F32 tensors stay exact)."""
+    return t.name.endswith(".weight") and len(t.shape) == 2 and t.dtype == "BF16"
 
 
 def quantizable_retained(spec: ModelSpec) -> list[TensorInfo]:
@@ -94,10 +111,50 @@ def quantizable_retained(spec: ModelSpec) -> list[TensorInfo]:
         if t.role in QUANTIZABLE_RETAINED_ROLES
         and t.layer is not None
         and t.layer < spec.num_hidden_layers
-        and t.name.endswith(".weight")
-        and len(t.shape) == 2
-        and t.dtype == "BF16"
+        and _bf16_matrix(t)
     ]
+
+
+def quantizable_head(spec: ModelSpec) -> TensorInfo:
+    """The source tensor `--head-bits` encodes: lm_head's 2-D BF16 weight. UsageError for a model whose head is tied
+    to its embedding (there is no head weight of its own: encoding it would quantize the embedding too) or whose
+    tensor table has no such weight (naming the lm_head tensors it has)."""
+    if spec.tie_word_embeddings:
+        raise UsageError(
+            f"--head-bits: {spec.architecture} ties lm_head to the input embedding (tie_word_embeddings): the head "
+            "is the embedding, which stays exact"
+        )
+    heads = [t for t in source_tensors(spec) if t.role is TensorRole.LM_HEAD]
+    found = [t for t in heads if _bf16_matrix(t)]
+    if len(found) != 1:
+        named = ", ".join(f"{t.name} ({t.dtype} {list(t.shape)})" for t in heads) or "none"
+        raise UsageError(
+            f"--head-bits: {spec.architecture} has {len(found)} 2-D BF16 lm_head weights, not one, to encode "
+            f"(its lm_head tensors: {named})"
+        )
+    return found[0]
+
+
+def exl3_linears(spec: ModelSpec, retained_bits: int | None, head_bits: int | None) -> dict[str, RetainedLinear]:
+    """The linears outside the routed experts stored as EXL3, by source weight name: the retained linears at
+    `retained_bits` and lm_head at `head_bits` (None: those stay exact)."""
+    found: dict[str, RetainedLinear] = {}
+    if retained_bits is not None:
+        check_linear_bits("--retained-bits", retained_bits)
+        found.update((t.name, RetainedLinear.of(t, retained_bits)) for t in quantizable_retained(spec))
+    if head_bits is not None:
+        check_linear_bits("--head-bits", head_bits)
+        head = quantizable_head(spec)
+        found[head.name] = RetainedLinear.of(head, head_bits)
+    return found
+
+
+def check_linear_bits(option: str, bits: int) -> None:
+    """K of a linear outside the routed experts: what the codec accepts for one (UsageError naming the option)."""
+    if bits not in RETAINED_BITS:
+        raise UsageError(
+            f"{option} must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1} (4..6 is the speed tier), got {bits}"
+        )
 
 
 class OutputTensor(NamedTuple):
@@ -111,7 +168,7 @@ class OutputTensor(NamedTuple):
     rows: tuple[int, ...] | None = None  # retained with pruning: the source rows kept (router weight and bias)
     expert: ExpertSlice | None = None
     part: str | None = None  # trellis / suh / svh / mcg / mul1 for EXL3 parts
-    linear: RetainedLinear | None = None  # EXL3 part of a retained linear (`--retained-bits`)
+    linear: RetainedLinear | None = None  # EXL3 part of a retained linear (`--retained-bits`, `--head-bits`)
 
     @property
     def origin(self) -> str:
@@ -173,6 +230,7 @@ class ArtifactPlan:
     # per quantized layer, the bits of each output expert (tiers); None: every expert has `bits`
     expert_bits: Mapping[int, tuple[int, ...]] | None = field(default=None)
     retained_bits: int | None = None  # K of the retained linears stored as EXL3 (None: all retained exact)
+    head_bits: int | None = None  # K of lm_head stored as EXL3 (None: exact)
 
     @property
     def quantized_layers(self) -> list[int]:
@@ -245,12 +303,14 @@ def plan_artifact(
     shard_bytes: int | None = None,
     expert_bits: Mapping[int, Sequence[int]] | None = None,
     retained_bits: int | None = None,
+    head_bits: int | None = None,
 ) -> ArtifactPlan:
     """Every output file with its tensors. `source_shards` maps source tensor names to their shard file
     (default: `predicted_source_shards` with `shard_bytes`, tr3 only); `keep` maps a MoE layer (MTP included)
     to the source experts it keeps, in output order; `shard_bytes` caps an exllamav3 shard; `expert_bits` maps
     each quantized layer to the bits of its output experts (tiers; default `bits` for all); `retained_bits` stores the
-    retained linears (`quantizable_retained`) as EXL3 tensors of that K, in the files that would hold them exact."""
+    retained linears (`quantizable_retained`) and `head_bits` lm_head as EXL3 tensors of that K, in the files that
+    would hold them exact."""
     if layout not in LAYOUTS:
         raise UsageError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if codebook not in MARKER_PARTS or not 1 <= bits <= 8:
@@ -263,8 +323,7 @@ def plan_artifact(
         layer: _expert_parts(spec, layer, kept, tiers[layer] if tiers else (bits,) * len(kept[layer]), codebook, ranks)
         for layer in spec.moe_layers
     }
-    if retained_bits is not None:
-        retained = _encode_retained(spec, retained, retained_bits, codebook)
+    retained = _encode_retained(retained, exl3_linears(spec, retained_bits, head_bits), codebook)
     if layout == "tr3":
         shards = source_shards or predicted_source_shards(spec, shard_bytes or SOURCE_SHARD_BYTES)
         files = _tr3_expert_files(experts) + _retained_files(retained, shards)
@@ -279,14 +338,15 @@ def plan_artifact(
         {k: tuple(v) for k, v in kept.items()} if keep else None,
         tiers,
         retained_bits,
+        head_bits,
     )
 
 
-def retained_linear_parts(linear: RetainedLinear, role: TensorRole, bits: int, codebook: str) -> list[OutputTensor]:
-    """The stored tensors of one retained linear as EXL3: trellis, suh, svh and the codebook marker."""
+def retained_linear_parts(linear: RetainedLinear, codebook: str) -> list[OutputTensor]:
+    """The stored tensors of one retained linear as EXL3 at its K: trellis, suh, svh and the codebook marker."""
     i, o = pad128(linear.in_features), pad128(linear.out_features)
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {
-        "trellis": ("I16", (i // 16, o // 16, 16 * bits)),
+        "trellis": ("I16", (i // 16, o // 16, 16 * linear.bits)),
         "suh": ("F16", (i,)),
         "svh": ("F16", (o,)),
     }
@@ -294,25 +354,23 @@ def retained_linear_parts(linear: RetainedLinear, role: TensorRole, bits: int, c
     if marker:
         shapes[marker] = ("I32", ())
     return [
-        OutputTensor(f"{linear.key}.{part}", dtype, shape, role, part=part, linear=linear)
+        OutputTensor(f"{linear.key}.{part}", dtype, shape, linear.role, part=part, linear=linear)
         for part, (dtype, shape) in shapes.items()
     ]
 
 
-def _encode_retained(spec: ModelSpec, retained: list[OutputTensor], bits: int, codebook: str) -> list[OutputTensor]:
-    """`retained` with each quantizable linear replaced by its EXL3 parts (same place in the order)."""
-    if bits not in RETAINED_BITS:
-        raise UsageError(f"retained bits must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1}, got {bits}")
-    linears = {t.name: t for t in quantizable_retained(spec)}
+def _encode_retained(
+    retained: list[OutputTensor], linears: Mapping[str, RetainedLinear], codebook: str
+) -> list[OutputTensor]:
+    """`retained` with each linear of `linears` (by source name) replaced by its EXL3 parts (same place in the
+    order)."""
     out = []
     for t in retained:
-        info = linears.get(t.source) if t.source is not None and t.rows is None else None
-        if info is None:
+        linear = linears.get(t.source) if t.source is not None and t.rows is None else None
+        if linear is None:
             out.append(t)
             continue
-        assert info.layer is not None
-        linear = RetainedLinear(info.layer, info.name, info.shape[1], info.shape[0])
-        out += retained_linear_parts(linear, info.role, bits, codebook)
+        out += retained_linear_parts(linear, codebook)
     return out
 
 

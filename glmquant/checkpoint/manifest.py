@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from glmquant.arch import ModelSpec
-from glmquant.checkpoint.artifact_config import experts_per_layer, plan_tier_counts, routed_tier_bpw, target_bits
+from glmquant.checkpoint.artifact_config import (
+    HEAD_BITS_KEY,
+    RETAINED_BITS_KEY,
+    experts_per_layer,
+    plan_tier_counts,
+    routed_tier_bpw,
+    target_bits,
+)
 from glmquant.checkpoint.exl3_groups import Exl3Group, exl3_groups, is_exl3_tensor
 from glmquant.checkpoint.hashing import sha256_bytes, sha256_files
 from glmquant.checkpoint.layouts import TR3_RANKS, ArtifactPlan, PlannedFile
@@ -53,7 +60,7 @@ def retained_manifest_sha256(entries: Iterable[tuple[str, TensorSpec]]) -> str:
 
 def routed_bpw_of(groups: Mapping[str, Exl3Group], hidden: int, moe_inter: int) -> float:
     """Effective routed bpw from headers: trellis bits over the weights of the (unsliced) routed projections (EXL3
-    retained linears, `--retained-bits`, are not routed)."""
+    retained linears and head, `--retained-bits` and `--head-bits`, are not routed)."""
     routed = {key: g for key, g in groups.items() if ROUTED_EXPERT_KEY.search(key + ".")}
     projections = {key.split(".rank")[0] for key in routed}
     trellis = sum(g.parts["trellis"].nbytes for g in routed.values() if "trellis" in g.parts)
@@ -131,7 +138,9 @@ def _layout(plan: ArtifactPlan, n: int) -> dict[str, Any]:
         "quantized_layers": plan.quantized_layers,
     }
     if plan.retained_bits is not None:
-        layout["retained_bits"] = plan.retained_bits
+        layout[RETAINED_BITS_KEY] = plan.retained_bits
+    if plan.head_bits is not None:
+        layout[HEAD_BITS_KEY] = plan.head_bits
     if plan.expert_bits is not None:
         layout["tier_experts_per_layer"] = {f"k{b}": c for b, c in sorted(plan_tier_counts(plan).items())}
     if plan.layout == "tr3":
@@ -175,7 +184,7 @@ def _file_entry(f: PlannedFile, header: ParsedHeader, sha256: str, plan: Artifac
         )
     elif f.kind == "retained":
         entry["source_shard"] = f.source_shard
-        if groups:  # EXL3 retained linears (`--retained-bits`)
+        if groups:  # EXL3 retained linears (`--retained-bits`) or lm_head (`--head-bits`)
             kept = [s for s in specs if not is_exl3_tensor(s.name, groups)]
             entry.update(
                 {

@@ -53,7 +53,7 @@ _KIND_OPTIONAL: dict[str, type] = {
     "tensor_bytes": int,
     "layer": int,
     "source_shard": str,
-    # a glmquant retained file holding EXL3 retained linears (`encode --retained-bits`)
+    # a glmquant retained file holding EXL3 retained linears or lm_head (`encode --retained-bits`, `--head-bits`)
     "exl3_linear_count": int,
     "retained_tensor_count": int,
     "retained_tensor_bytes": int,
@@ -81,7 +81,7 @@ def safe_relative(path: object) -> bool:
 def retained_share(entry: Mapping[str, Any]) -> tuple[int, int]:
     """(tensor count, bytes) of an entry's retained (non-EXL3) tensors."""
     kind = entry_kind(entry)
-    if kind == "retained":  # all of it, unless it says how much is EXL3 retained linears (`--retained-bits`)
+    if kind == "retained":  # all of it, unless it says how much is EXL3 linears (`--retained-bits`, `--head-bits`)
         return (
             entry.get("retained_tensor_count", entry.get("tensor_count", 0)),
             entry.get("retained_tensor_bytes", entry.get("tensor_bytes", 0)),

@@ -11,17 +11,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from glmquant.arch import ModelSpec, load_model_spec, table_for
-from glmquant.checkpoint.artifact_config import K1_TIER_KEY, RETAINED_BITS_KEY, TR3_KEYS, TR3_TIER_KEYS, tensor_storage
+from glmquant.checkpoint.artifact_config import (
+    HEAD_BITS_KEY,
+    K1_TIER_KEY,
+    RETAINED_BITS_KEY,
+    TR3_KEYS,
+    TR3_TIER_KEYS,
+    UNQUANTIZED_BITS,
+    tensor_storage,
+)
 from glmquant.checkpoint.exl3_groups import Exl3Group, exl3_groups, is_exl3_tensor
 from glmquant.checkpoint.index import INDEX_NAME, read_index
-from glmquant.checkpoint.layouts import (
-    TR3_RANKS,
-    RetainedLinear,
-    exl3_parts,
-    expert_slices,
-    quantizable_retained,
-    retained_linear_parts,
-)
+from glmquant.checkpoint.layouts import TR3_RANKS, exl3_linears, exl3_parts, expert_slices, retained_linear_parts
 from glmquant.checkpoint.manifest import (
     ROUTED_EXPERT_KEY,
     geometry,
@@ -65,6 +66,12 @@ class Structure:
     @property
     def quantized_layers(self) -> list[int]:
         return self.spec.moe_layers if self.spec else list(self.layout.get("quantized_layers", []))
+
+    def linear_bits(self, key: str) -> int | None:
+        """K of the linears outside the routed experts the manifest's layout records under `key` (`retained_bits`,
+        `head_bits`); None where it records none (they are exact)."""
+        value = self.layout.get(key)
+        return None if value is None else int(value)
 
     def quantization(self, key: str, default: Any = None) -> Any:
         """A quantization fact (bits, codebook) from the manifest's layout, else from the config's block (the
@@ -163,9 +170,11 @@ def expected_exl3(
     codebook: str,
     expert_bits: Mapping[int, Sequence[int]] | None = None,
     retained_bits: int | None = None,
+    head_bits: int | None = None,
 ) -> dict[str, TensorSpec]:
     """Every EXL3 part the config implies: quantized layers x routed experts x projections (x rank slices), each
-    expert at its tier's K when `expert_bits` gives them; with `retained_bits`, also every retained linear."""
+    expert at its tier's K when `expert_bits` gives them; with `retained_bits`, also every retained linear, and with
+    `head_bits` lm_head."""
     ranks = TR3_RANKS if layout_type == "tr3" else None
     table = table_for(spec)
     expected = {
@@ -175,11 +184,8 @@ def expected_exl3(
         for sl in expert_slices(spec, layer, e, e, ranks)
         for t in exl3_parts(sl, table.layer_prefix(layer), expert_bits[layer][e] if expert_bits else bits, codebook)
     }
-    if retained_bits is not None:
-        for info in quantizable_retained(spec):
-            assert info.layer is not None
-            linear = RetainedLinear(info.layer, info.name, info.shape[1], info.shape[0])
-            expected.update((t.name, t.spec) for t in retained_linear_parts(linear, info.role, retained_bits, codebook))
+    for linear in exl3_linears(spec, retained_bits, head_bits).values():
+        expected.update((t.name, t.spec) for t in retained_linear_parts(linear, codebook))
     return expected
 
 
@@ -228,7 +234,8 @@ def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
             int(s.quantization("bits", 0)),
             str(s.quantization("codebook")),
             expert_bits,
-            None if s.layout.get("retained_bits") is None else int(s.layout["retained_bits"]),
+            s.linear_bits(RETAINED_BITS_KEY),
+            s.linear_bits(HEAD_BITS_KEY),
         )
     except (GlmquantError, KeyError, ValueError, TypeError) as exc:
         return problems + [f"cannot derive the expected EXL3 tensors: {exc}"]
@@ -289,25 +296,20 @@ def _block_problems(
     except (OSError, ValueError) as exc:
         return problems + [f"quantization_config.json: {exc}"]
     if s.layout.get("type") == "tr3":
-        return problems + _tr3_block_problems(qc, qjson, s.quantization("bits"), expert_bits, bpw, s.layout)
+        return problems + _tr3_block_problems(qc, qjson, s, expert_bits, bpw)
     return problems + _exllamav3_block_problems(qc, qjson, s)
 
 
 def _tr3_block_problems(
-    qc: Mapping[str, Any],
-    qjson: Any,
-    bits: Any,
-    expert_bits: Mapping[int, Sequence[int]],
-    bpw: float,
-    layout: Mapping[str, Any],
+    qc: Mapping[str, Any], qjson: Any, s: Structure, expert_bits: Mapping[int, Sequence[int]], bpw: float
 ) -> list[str]:
     problems = []
     try:
         counts = tier_counts(expert_bits)
     except UsageError as exc:
         return [f"routed experts: {exc} (the tr3 block states one count per tier)"]
-    retained_bits = layout.get("retained_bits")
-    keys = TR3_KEYS | ({K1_TIER_KEY} if 1 in counts else set()) | ({RETAINED_BITS_KEY} if retained_bits else set())
+    linear_bits = {k: v for k in (RETAINED_BITS_KEY, HEAD_BITS_KEY) if (v := s.linear_bits(k)) is not None}
+    keys = TR3_KEYS | ({K1_TIER_KEY} if 1 in counts else set()) | set(linear_bits)
     if set(qc) != keys:
         problems.append(
             f"quantization_config keys differ from the tr3 block: missing {sorted(keys - set(qc))}, "
@@ -315,12 +317,12 @@ def _tr3_block_problems(
         )
     problems += [f"K{b} routed experts: the tr3 layout's tiers are K1 to K4" for b in counts if b not in TR3_TIER_KEYS]
     expect = {
-        "bits": bits,
+        "bits": s.quantization("bits"),
         "archive_tensor_parallel_size": TR3_RANKS,
         "rank_stacked_tp": TR3_RANKS,
         "effective_routed_tier_bpw": bpw,
         **{key: counts.get(b, 0) for b, key in TR3_TIER_KEYS.items() if key in keys},
-        **({RETAINED_BITS_KEY: retained_bits} if retained_bits else {}),
+        **linear_bits,
     }
     problems += [
         f"quantization_config.{k} is {qc.get(k)!r}, files imply {v!r}" for k, v in expect.items() if qc.get(k) != v
@@ -331,8 +333,11 @@ def _tr3_block_problems(
 
 
 def _exllamav3_block_problems(qc: Mapping[str, Any], qjson: Any, s: Structure) -> list[str]:
-    missing = [k for k in ("quant_method", "version", "bits", "head_bits", "codebook") if k not in qc]
+    missing = [k for k in ("quant_method", "version", "bits", HEAD_BITS_KEY, "codebook") if k not in qc]
     problems = [f"quantization_config lacks ExLlamaV3 key(s) {missing}"] if missing else []
+    head_bits = s.linear_bits(HEAD_BITS_KEY) or UNQUANTIZED_BITS
+    if HEAD_BITS_KEY in qc and qc[HEAD_BITS_KEY] != head_bits:
+        problems.append(f"quantization_config.{HEAD_BITS_KEY} is {qc[HEAD_BITS_KEY]!r}, files imply {head_bits!r}")
     if not isinstance(qjson, dict) or {k: v for k, v in qjson.items() if k != "tensor_storage"} != qc:
         return problems + ["quantization_config.json differs from config.json's quantization_config"]
     if qjson.get("tensor_storage") != tensor_storage(t for specs in s.files.values() for t in specs):

@@ -55,17 +55,27 @@ def encode(
         int | None,
         typer.Option(
             help="speed tier: EXL3-encode the retained linears (attention, shared experts, dense MLPs) at this K "
-            "(4..6 advised) with their dense Hessians (observe --dense-hessians); norms, routers, embeddings and F32 "
-            "tensors stay exact"
+            "(4..6 advised) with their dense Hessians (observe --dense-hessians); norms, routers, embeddings, F32 "
+            "tensors and the MTP layer stay exact, lm_head unless --head-bits"
+        ),
+    ] = None,
+    head_bits: Annotated[
+        int | None,
+        typer.Option(
+            help="EXL3-encode lm_head at this K (2..8; ExLlamaV3's converter defaults to 6) with the Hessian of its "
+            "input (observe --dense-hessians); with or without --retained-bits; refused for tied embeddings"
         ),
     ] = None,
     retained_uncalibrated_fallback: Annotated[
         bool,
-        typer.Option(help="with --retained-bits: encode a retained linear that has no dense Hessian uncalibrated"),
+        typer.Option(
+            help="with --retained-bits or --head-bits: encode a linear that has no dense Hessian uncalibrated"
+        ),
     ] = False,
     revision: HubRevision = None,
 ) -> None:
-    """EXL3-encode the routed experts, copy everything else byte-for-byte, write and verify the artifact.
+    """EXL3-encode the routed experts (and with --retained-bits / --head-bits the retained linears / lm_head), copy
+    everything else byte-for-byte, write and verify the artifact.
 
     On N GPUs: torchrun --nproc-per-node N -m glmquant encode ... --device cuda (shared storage for --out).
     """
@@ -90,6 +100,7 @@ def encode(
         source_repo=source_repo,
         experts_per_unit=experts_per_unit,
         retained_bits=retained_bits,
+        head_bits=head_bits,
         retained_fallback_identity=retained_uncalibrated_fallback,
     )
     resolved = resolve_source(source, revision)

@@ -27,7 +27,9 @@ def observe(
     rows: Annotated[int | None, typer.Option(help="rows per lane (overrides the recipe)")] = None,
     tokens: Annotated[int | None, typer.Option(help="tokens per row (overrides the recipe)")] = None,
     hessians: Annotated[HessianMode, typer.Option(help="routed-expert Hessian coverage")] = HessianMode.NATURAL,
-    dense_hessians: Annotated[bool, typer.Option(help="also capture attention/shared-expert/dense Hessians")] = False,
+    dense_hessians: Annotated[
+        bool, typer.Option(help="also capture attention/shared-expert/dense and lm_head Hessians")
+    ] = False,
     hessian_weighting: HessianWeightingOption = HessianWeighting.TOKEN,
     keep: Annotated[int | None, typer.Option(help="write prune_plan.json keeping N experts per layer")] = None,
     tiers: Annotated[

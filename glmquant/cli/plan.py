@@ -37,6 +37,9 @@ def plan(
     retained_bits: Annotated[
         int | None, typer.Option(help="as encode --retained-bits: the retained linears stored as EXL3 at this K")
     ] = None,
+    head_bits: Annotated[
+        int | None, typer.Option(help="as encode --head-bits: lm_head stored as EXL3 at this K")
+    ] = None,
     as_json: JsonFlag = False,
     tensors: Annotated[bool, typer.Option(help="with --json: list every tensor of every file")] = True,
     revision: HubRevision = None,
@@ -57,6 +60,7 @@ def plan(
         shards,
         expert_bits=tiers.expert_bits if tiers else None,
         retained_bits=retained_bits,
+        head_bits=head_bits,
     )
     summary = summarize(result)
     if as_json:

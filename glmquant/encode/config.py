@@ -6,7 +6,7 @@ Resuming a killed job (rerun the same command; the state lives in --work-dir, de
                  (torchrun's world size: units are assigned by rank, each computed the same way anywhere)
     must match:  the source's tensors (content hash of its structure), the observations' token rows and
                  recipe, the kept experts and their tiers, --bits --codebook --layout --hessians --blend --keep
-                 --tiers --seed --retained-bits --retained-uncalibrated-fallback
+                 --tiers --seed --retained-bits --head-bits --retained-uncalibrated-fallback
                  --experts-per-unit (the batch a GPU computes together), --source-repo and --revision
                  (the commit a Hub source resolved to), the device type and the Viterbi backend (CPU and GPU
                  arithmetic differ)
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
-from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS, RETAINED_BITS
+from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS, check_linear_bits
 from glmquant.devices import device_type
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
@@ -61,7 +61,10 @@ class EncodeConfig:
     # the speed tier: the retained linears (attention, shared experts, dense MLPs) EXL3-encoded at this K with their
     # dense Hessians (`observe --dense-hessians`); None keeps every retained tensor exact
     retained_bits: int | None = None
-    # a retained linear without a dense Hessian is encoded uncalibrated instead of refused (asked for, never a default)
+    # lm_head EXL3-encoded at this K with the Hessian of its input (observe --dense-hessians); None keeps it exact
+    head_bits: int | None = None
+    # a retained linear (or lm_head) without a dense Hessian is encoded uncalibrated instead of refused (asked for,
+    # never a default)
     retained_fallback_identity: bool = False
 
     def __post_init__(self) -> None:
@@ -105,14 +108,11 @@ class EncodeConfig:
                 raise UsageError(f"{name} must be a positive integer, got {value}")
         if self.keep is not None and self.prune_plan is not None:
             raise UsageError("--keep and --prune-plan exclude each other")
-        if self.retained_bits is not None:
-            if self.retained_bits not in RETAINED_BITS:
-                raise UsageError(
-                    f"--retained-bits must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1} "
-                    f"(4..6 is the speed tier), got {self.retained_bits}"
-                )
-        elif self.retained_fallback_identity:
-            raise UsageError("--retained-uncalibrated-fallback applies to --retained-bits only")
+        for option, bits in (("--retained-bits", self.retained_bits), ("--head-bits", self.head_bits)):
+            if bits is not None:
+                check_linear_bits(option, bits)
+        if self.retained_fallback_identity and self.retained_bits is None and self.head_bits is None:
+            raise UsageError("--retained-uncalibrated-fallback applies to --retained-bits and --head-bits only")
         device_type(self.device)
         exl3_backend()
 
@@ -140,7 +140,7 @@ class EncodeConfig:
                 "verified_at",
             )
         }
-        for k, default in (("retained_bits", None), ("retained_fallback_identity", False)):
+        for k, default in (("retained_bits", None), ("head_bits", None), ("retained_fallback_identity", False)):
             if getattr(self, k) == default:  # a job from before these options existed resumes unchanged
                 del shaping[k]
         shaping["device"] = torch.device(self.device).type

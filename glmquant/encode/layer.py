@@ -80,9 +80,17 @@ def read_unit(
 
 
 def encode_unit(
-    inputs: UnitInputs, bits: int, codebook: str, seed: int, device: str, search: ScaleSearch = DEFAULT_SEARCH
+    inputs: UnitInputs, bits: int | None, codebook: str, seed: int, device: str, search: ScaleSearch = DEFAULT_SEARCH
 ) -> EncodedLayer:
-    """Encode every tensor of a unit on `device`: one batched call per bit width (tiers), results in unit order."""
+    """Encode every tensor of a unit on `device`: one batched call per bit width (tiers), results in unit order.
+    `bits` is the K of tensors whose inputs carry none; None when every tensor's K is in the inputs (ValueError
+    otherwise)."""
+    if inputs.bits is not None:
+        widths = inputs.bits
+    elif bits is not None:
+        widths = [bits] * len(inputs.items)
+    else:
+        raise ValueError(f"encode_unit: no K for {', '.join(inputs.names)} (the inputs carry none, no default given)")
     dev = torch.device(device)
     moved: dict[int, torch.Tensor] = {}  # one device copy per distinct Hessian (shared ones stay shared)
 
@@ -94,7 +102,6 @@ def encode_unit(
         return moved[id(t)]
 
     items = [(to_device(w), None if h is None else to_device(h)) for w, h in inputs.items]
-    widths = inputs.bits or [bits] * len(items)
     encoded: dict[int, EncodedLinear] = {}
     for k in sorted(set(widths)):
         batch = [i for i, w in enumerate(widths) if w == k]

@@ -1,11 +1,13 @@
-"""The speed tier (`encode --retained-bits K`): the retained linears of a planned file EXL3-encoded at K.
+"""The speed tier (`encode --retained-bits K`, `--head-bits K`): the retained linears and lm_head of a planned file
+EXL3-encoded, each at its K.
 
-Each linear (attention projections, shared experts, dense MLPs: `quantizable_retained`) is encoded with its own
-Hessian, the one `observe --dense-hessians` captured for its checkpoint weight name over all calibration tokens.
+Each linear (attention projections, shared experts, dense MLPs: `quantizable_retained`; lm_head:
+`quantizable_head`) is encoded with its own Hessian, the one `observe --dense-hessians` captured for its checkpoint
+weight name over all calibration tokens (lm_head's: the final norm's output, in `head.hessians.safetensors`).
 A linear without one is refused with its name, unless the job asked for the uncalibrated fallback
 (`--retained-uncalibrated-fallback`) or is uncalibrated as a whole. One planned file's linears are encoded in one
-batched call (`encode_linears` gives each tensor the result it would get alone, so the bytes do not depend on
-the grouping) and handed to the writer by output name.
+batched call per K (`encode_linears` gives each tensor the result it would get alone, so the bytes do not depend
+on the grouping) and handed to the writer by output name.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def dense_hessian(
     if observations is None:
         return None, "uncalibrated"
     problem = None
-    if not hessians_path(observations, linear.layer).is_file():
-        problem = f"{hessians_path(observations, linear.layer)}: no Hessians for layer {linear.layer}"
+    path = hessians_path(observations, linear.layer)
+    if not path.is_file():
+        problem = f"{path}: no Hessians for " + ("lm_head's input" if linear.layer is None else f"layer {linear.layer}")
     else:
         try:
             mean = load_dense_hessian(observations, linear.layer, linear.source).mean()
@@ -48,8 +51,10 @@ def dense_hessian(
     if fallback_identity:
         return None, "no_dense_hessian:identity"
     raise UsageError(
-        f"--retained-bits: {linear.source} needs its dense Hessian ({problem}); observe with --dense-hessians, or "
-        "pass --retained-uncalibrated-fallback to encode it uncalibrated"
+        f"{linear.option}: {linear.source} needs its dense Hessian ({problem}); observe again with --dense-hessians "
+        f"into a new --out (observe adds none to {observations}: it refuses a rerun with other settings; or delete "
+        f"{observations}/state to redo it there from the start), or pass --retained-uncalibrated-fallback to encode "
+        "it uncalibrated"
     )
 
 
@@ -67,12 +72,11 @@ def encode_retained_file(
     source: SourceCheckpoint,
     observations: Path | None,
     fallback_identity: bool,
-    bits: int,
     codebook: str,
     seed: int,
     device: str,
 ) -> EncodedLayer:
-    """Every EXL3 retained linear of one planned file, encoded in one call."""
+    """Every EXL3 retained linear of one planned file, each at its K, encoded in one call per K."""
     linears = retained_linears(planned)
     items: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     fallbacks: list[str | None] = []
@@ -85,7 +89,8 @@ def encode_retained_file(
         hessian, fallback = dense_hessian(observations, linear, fallback_identity)
         items.append((weight, hessian))
         fallbacks.append(fallback)
-    return encode_unit(UnitInputs([lin.key for lin in linears], items, fallbacks), bits, codebook, seed, device)
+    inputs = UnitInputs([lin.key for lin in linears], items, fallbacks, [lin.bits for lin in linears])
+    return encode_unit(inputs, None, codebook, seed, device)  # each linear's K is in the inputs
 
 
 def retained_encoder(
@@ -98,14 +103,9 @@ def retained_encoder(
     on_encoded: Callable[[EncodedLayer], None] | None = None,
 ) -> Callable[[PlannedFile], Mapping[str, torch.Tensor]]:
     """What `write_retained_shards` asks for each file: its EXL3 retained linears' stored tensors, by name."""
-    if plan.retained_bits is None:
-        raise UsageError("the plan stores no retained linear as EXL3 (no --retained-bits)")
-    bits = plan.retained_bits
 
     def encode(planned: PlannedFile) -> Mapping[str, torch.Tensor]:
-        encoded = encode_retained_file(
-            planned, source, observations, fallback_identity, bits, plan.codebook, seed, device
-        )
+        encoded = encode_retained_file(planned, source, observations, fallback_identity, plan.codebook, seed, device)
         if on_encoded is not None:
             on_encoded(encoded)
         return {name: t.cpu() for name, t in encoded.tensors.items()}

@@ -101,8 +101,9 @@ class EncodeJob:
             self.keep,
             expert_bits=self.tiers,
             retained_bits=cfg.retained_bits,
+            head_bits=cfg.head_bits,
         )
-        if ranks.is_main and cfg.retained_bits is not None:  # refuse a missing Hessian before any work
+        if ranks.is_main:  # refuse a missing Hessian of an EXL3 retained linear or head before any work
             check_dense_hessians(self.plan, cfg.observations, cfg.retained_fallback_identity)
         self.state = EncodeState.load_or_new(
             cfg.state_dir, cfg.fingerprint(job_inputs(cfg, source, self.keep, calibration, self.tiers))
@@ -224,7 +225,7 @@ class EncodeJob:
                     self.store.remove_layer(finished)
 
     def _retained_linears(self, planned: PlannedFile) -> Mapping[str, torch.Tensor]:
-        """The EXL3 retained linears of one planned file (`--retained-bits`), encoded now."""
+        """The EXL3 retained linears and head of one planned file (`--retained-bits`, `--head-bits`), encoded now."""
         cfg = self.cfg
         encode = retained_encoder(
             self.plan,
@@ -247,13 +248,15 @@ class EncodeJob:
         if self.todo:
             raise UsageError(f"{cfg.out}: MoE layer(s) {self.todo} are not encoded yet")
         if not state.retained_done or not _files_present(cfg.out, _retained_files(plan)):
-            if plan.retained_bits is None:
-                self.console.print("copying retained tensors byte-for-byte")
-            else:
-                self.console.print(
-                    "copying retained tensors byte-for-byte, EXL3-encoding the retained linears "
-                    f"at K{plan.retained_bits}"
-                )
+            encoded = [
+                f"the {what} at K{k}"
+                for what, k in (("retained linears", plan.retained_bits), ("lm_head", plan.head_bits))
+                if k is not None
+            ]
+            self.console.print(
+                "copying retained tensors byte-for-byte"
+                + (", EXL3-encoding " + " and ".join(encoded) if encoded else "")
+            )
             write_retained_shards(plan, self.source, cfg.out, self._retained_linears)
             state.finish_retained()
         result = finalize_artifact(

@@ -7,7 +7,8 @@ must match, see checkpointing.py):
                  stream_budget_gb (chunk outputs
                  are the same whichever pass writes them), progress display
     must match:  source model, token rows (recipe, rows, tokens, tokenizer), hessians, hessian_weighting,
-                 dense_hessians,
+                 dense_hessians, whether lm_head's Hessian is captured (runs from before it was are refused:
+                 they would resume as done without it),
                  device type, batch_rows, model dtype, torch and transformers versions, where the streams
                  live (disk or device; the checkpoint interval of device streams may change)
 """
@@ -38,7 +39,7 @@ class ObserveConfig:
     rows: int | None = None  # override every lane's row count
     tokens: int | None = None  # override every lane's tokens per row
     hessians: HessianMode = HessianMode.NATURAL
-    dense_hessians: bool = False  # also capture attention / shared-expert / dense-MLP Hessians
+    dense_hessians: bool = False  # also capture attention / shared-expert / dense-MLP and lm_head Hessians
     keep: int | None = None  # write prune_plan.json keeping this many experts per MoE layer
     device: str = "cpu"
     batch_rows: int = 4  # calibration rows pushed through a layer at once
@@ -82,13 +83,20 @@ class ObserveConfig:
         return None if self.stream_budget_gb is None else int(self.stream_budget_gb * 1e9)
 
 
-def fingerprint(config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtype) -> dict[str, Any]:
-    """Everything that changes the bytes of the observations (see the module docstring)."""
+def fingerprint(
+    config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtype, head_hessian: bool
+) -> dict[str, Any]:
+    """Everything that changes the bytes of the observations (see the module docstring). `head_hessian`: the run
+    captures lm_head's Hessian (run.py `_observes_head`)."""
     import transformers
 
-    where = {} if config.device_streams_every is None else {"streams": "device"}  # disk runs keep their fingerprint
-    if config.hessian_weighting is not HessianWeighting.TOKEN:  # token-weighted runs keep theirs too
+    where: dict[str, Any] = {}  # keys added only when set, so older runs keep their fingerprint
+    if config.device_streams_every is not None:
+        where["streams"] = "device"
+    if config.hessian_weighting is not HessianWeighting.TOKEN:
         where["hessian_weighting"] = config.hessian_weighting.value
+    if head_hessian:  # a run from before the head was captured is refused here instead of resuming as done
+        where["head_hessian"] = True
     return {
         **where,
         "source_config_sha256": _sha256(config.source / "config.json"),

@@ -17,8 +17,10 @@ from glmquant.observe.hessians import FORMAT, HessianAccumulator, HessianMode
 from glmquant.observe.tensor_file import read_rows
 
 
-def hessians_path(obs_dir: str | Path, layer: int) -> Path:
-    return Path(obs_dir) / f"layer-{layer:02d}.hessians.safetensors"
+def hessians_path(obs_dir: str | Path, layer: int | None) -> Path:
+    """Decoder layer `layer`'s Hessians; layer None: lm_head's (its input, the final norm's output after the last
+    decoder layer, is no layer's)."""
+    return Path(obs_dir) / f"{'head' if layer is None else f'layer-{layer:02d}'}.hessians.safetensors"
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,9 @@ def load_layer_hessians(obs_dir: str | Path, layer: int, mode: str | HessianMode
     return LayerHessians(path, layer, mode, gate_up, down)
 
 
-def load_dense_hessian(obs_dir: str | Path, layer: int, weight_name: str) -> Hessian:
-    """The Hessian of a dense linear (attention, shared expert, dense MLP) by its checkpoint weight name."""
+def load_dense_hessian(obs_dir: str | Path, layer: int | None, weight_name: str) -> Hessian:
+    """The Hessian of a dense linear (attention, shared expert, dense MLP; lm_head with layer None) by its checkpoint
+    weight name."""
     path = hessians_path(obs_dir, layer)
     with SourceCheckpoint.open(path) as f:
         if f"dense.{weight_name}.sum" not in f:

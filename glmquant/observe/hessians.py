@@ -14,7 +14,8 @@ layer's output (MoEQuant's affinity-guided calibration); normalising by the toke
 scale of the unweighted ones (each expert's by its mean ĝ², ~1), so they blend with all-token Hessians as they are.
 All-token and dense sums and all counts stay unweighted.
 Dense (optional): every nn.Linear of the layer other than the routed experts (attention, shared experts,
-dense MLP), keyed by its checkpoint weight name, over all tokens.
+dense MLP), keyed by its checkpoint weight name, over all tokens; and lm_head's input (the final norm's output) in
+`head.hessians.safetensors`.
 
 On disk, `layer-LL.hessians.safetensors` (metadata format=glmquant.hessians.v1) holds raw sums and counts:
   natural.gate_up.sum F32 [E,H,H]   natural.gate_up.count I64 [E]
@@ -153,7 +154,8 @@ class HessianAccumulator:
             self.sums[key] = _Sum(None, x.shape[-1], self.device)
         self.sums[key].add(x)
 
-    def save(self, path: Path, layer: int) -> None:
+    def save(self, path: Path, layer: int | None) -> None:
+        """Write the sums and counts atomically; `layer` None for lm_head's (metadata layer "head")."""
         specs, providers = [], {}
         for key, acc in sorted(self.sums.items()):
             for part, value in (("sum", acc.sum), ("count", acc.count)):
@@ -164,7 +166,12 @@ class HessianAccumulator:
             path,
             specs,
             lambda s: providers[s.name],
-            {"format": FORMAT, "layer": str(layer), "mode": self.mode.value, "weighting": self.weighting.value},
+            {
+                "format": FORMAT,
+                "layer": "head" if layer is None else str(layer),
+                "mode": self.mode.value,
+                "weighting": self.weighting.value,
+            },
         )
 
     @property

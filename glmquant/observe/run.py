@@ -28,6 +28,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from glmquant.calibration import TokenRows, load_recipe, reuse_or_build
+from glmquant.checkpoint.layouts import quantizable_head
 from glmquant.checkpoint.reader import assert_finite
 from glmquant.observe.capture import CaptureTargets, LayerCapture
 from glmquant.observe.checkpointing import RunState, clean_stale, resume_point, state_dir, write_state
@@ -39,7 +40,7 @@ from glmquant.observe.routing import RoutingParams
 from glmquant.observe.stats import ExpertStats, LayerStats, stats_path
 from glmquant.observe.streaming import TextModel, run_layer
 from glmquant.observe.streams import Chunk, DeviceStreamStore, StreamStore
-from glmquant.observe.summary import LaneSummary, LayerCost, LayerSummary, ObservationSummary
+from glmquant.observe.summary import HeadSummary, LaneSummary, LayerCost, LayerSummary, ObservationSummary
 from glmquant.observe.tiers import write_tier_plan
 
 Advance = Callable[[int], None]
@@ -54,12 +55,14 @@ class LayerResults(Protocol):
     def start(self, rows: TokenRows) -> None:
         """Called once the token rows are known, before the first layer."""
 
-    def save(self, layer: int, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:
-        """Make the layer's results durable (the run records the layer as committed right after)."""
+    def save(self, layer: int | None, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:
+        """Make the layer's results durable (the run records the layer as committed right after). Layer None:
+        lm_head's Hessian (`--dense-hessians`), saved before the last layer's progress is recorded."""
 
 
 class ObservationFiles:
-    """The default sink: `layer-LL.stats.safetensors` and `layer-LL.hessians.safetensors` in the observations."""
+    """The default sink: `layer-LL.stats.safetensors` and `layer-LL.hessians.safetensors` in the observations
+    (`head.hessians.safetensors` for lm_head's)."""
 
     kind = "files"
 
@@ -69,8 +72,9 @@ class ObservationFiles:
     def start(self, rows: TokenRows) -> None:
         pass
 
-    def save(self, layer: int, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:
+    def save(self, layer: int | None, stats: ExpertStats | None, hessians: HessianAccumulator | None) -> None:
         if stats is not None:
+            assert layer is not None  # lm_head has no REAP statistics
             stats.result().save(stats_path(self.obs_dir, layer))
         if hessians is not None and not hessians.empty:
             hessians.save(hessians_path(self.obs_dir, layer), layer)
@@ -86,7 +90,8 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     model = TextModel.open(config.source, config.device)
     recipe = load_recipe(config.recipe).with_shape(config.rows, config.tokens)
     rows = reuse_or_build(recipe, AutoTokenizer.from_pretrained(str(config.source)), config.out)
-    fp = {**fingerprint(config, rows.sha256, model.dtype), "results": results.kind}
+    head = _observes_head(model, rows, config)
+    fp = {**fingerprint(config, rows.sha256, model.dtype, head), "results": results.kind}
     clean_stale(config.out)
     resumed = resume_point(config.out, fp)
     store_args = (
@@ -137,6 +142,10 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
                 model.device, cost, "advance_s", _advance, model, streams, layer, advance, cost, kept
             )
             kept = None
+            if layer == model.num_layers - 1 and head:
+                head_cost = costs["head"] = LayerCost(chunks=len(streams.chunks))
+                found_head = _measured(model.device, head_cost, "observe_s", _observe_head, model, rows, streams)
+                results.save(None, None, found_head)
             _record_progress(config, fp, streams, layer + 1, model.num_layers, cost)
             streams.drop_layer(layer)
             bar.advance(layers)
@@ -257,6 +266,28 @@ def _observe_pass(
     return (stats, hessians), module
 
 
+def _observes_head(model: TextModel, rows: TokenRows, config: ObserveConfig) -> bool:
+    """Whether the run captures lm_head's Hessian: with --dense-hessians, a lane that feeds Hessians, and a head of
+    the model's own (a tied one is the embedding, which `--head-bits` refuses)."""
+    uses = {use for lane in rows.lanes for use in lane.use}
+    return config.dense_hessians and "hessians" in uses and not model.spec.tie_word_embeddings
+
+
+def _observe_head(model: TextModel, rows: TokenRows, streams: StreamStore) -> HessianAccumulator:
+    """lm_head's dense Hessian: its input (the final norm's output over the streams leaving the last layer, as the
+    model's forward computes it) over every token of the lanes that feed Hessians. Run (and saved) before the last
+    layer's progress is recorded, so a killed run redoes it from the final streams, which are still there."""
+    layer = model.num_layers
+    hessians = HessianAccumulator(HessianMode.NONE, 0, 0, 0, model.device)
+    name = quantizable_head(model.spec).name
+    with torch.no_grad():
+        for lane in rows.lanes:
+            if "hessians" in lane.use:
+                for chunk in _lane_chunks(streams, lane.name):
+                    hessians.add_dense(name, model.collapse(streams.read(layer, chunk).to(model.device)))
+    return hessians
+
+
 def _advance(
     model: TextModel,
     streams: StreamStore,
@@ -337,6 +368,8 @@ def _summarize(
         kept = {int(layer): v for layer, v in json.loads(plan.read_text())["layers"].items()} if plan else None
         tiers = write_tier_plan(config.out, config.tiers, kept).name
     lanes = tuple(LaneSummary(x.name, x.ids.shape[0], x.ids.shape[1], x.use) for x in rows.lanes)
+    head_file = hessians_path(config.out, None)
+    head = HeadSummary(head_file.name, costs.get("head")) if head_file.is_file() else None
     peaks = [c.peak_device_bytes for c in costs.values() if c.peak_device_bytes is not None]
     peak_device = max(peaks, default=0) if model.device.type == "cuda" else None
     return ObservationSummary(
@@ -358,6 +391,7 @@ def _summarize(
         plan.name if plan is not None else None,
         tiers,
         config.hessian_weighting.value,
+        head,
     )
 
 

@@ -50,6 +50,14 @@ class LayerCost:
 
 
 @dataclass(frozen=True)
+class HeadSummary:
+    """lm_head's Hessian (`--dense-hessians`, a head of the model's own): its file and what capturing it cost."""
+
+    hessians_file: str
+    cost: LayerCost | None = None  # None: captured by an earlier invocation
+
+
+@dataclass(frozen=True)
 class LaneSummary:
     name: str
     rows: int
@@ -77,6 +85,7 @@ class ObservationSummary:
     prune_plan: str | None
     tier_plan: str | None = None
     hessian_weighting: str = "token"  # of the natural Hessians (hessians.HessianWeighting); older files: token
+    head: HeadSummary | None = None  # lm_head's Hessian; None without one (and in older files)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"
@@ -95,6 +104,9 @@ class ObservationSummary:
             raw["layers"] = tuple(
                 LayerSummary(**{**x, "cost": x.get("cost") and LayerCost(**x["cost"])}) for x in raw["layers"]
             )
+            if raw.get("head") is not None:
+                head = raw["head"]
+                raw["head"] = HeadSummary(head["hessians_file"], head.get("cost") and LayerCost(**head["cost"]))
             return cls(**raw)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"{path}: unreadable observation summary ({exc}); run glmquant observe first") from None

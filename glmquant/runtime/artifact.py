@@ -22,7 +22,7 @@ import torch
 from glmquant.arch import PROJECTIONS, ModelSpec, load_model_spec, read_config, table_for
 from glmquant.arch.module_map import layer_plan
 from glmquant.checkpoint.dummy import DummyCheckpoint
-from glmquant.checkpoint.layouts import RetainedLinear, quantizable_retained
+from glmquant.checkpoint.layouts import RetainedLinear, quantizable_head, quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import CheckpointFormatError
 from glmquant.exl3.decode import decode_weight
@@ -108,19 +108,23 @@ class Artifact:
 
     @cached_property
     def retained_linears(self) -> dict[str, RetainedLinear]:
-        """The retained linears stored as EXL3 (the speed tier, `encode --retained-bits`), by EXL3 key (the source
-        weight's name without `.weight`); empty for an artifact whose retained tensors are all exact."""
+        """The retained linears and head stored as EXL3 (the speed tier, `encode --retained-bits`, `--head-bits`), by
+        EXL3 key (the source weight's name without `.weight`); empty for an artifact whose retained tensors are all
+        exact."""
         return _retained_linears(self.path, self.spec, self.checkpoint)
 
     def retained_linear_modules(self) -> dict[str, RetainedLinear]:
         """The EXL3 retained linears by the path of the `nn.Linear` that holds each in transformers' model (the
-        layer's placement of its source weight); CheckpointFormatError for one no module holds."""
-        table, out = table_for(self.spec), {}
-        for layer in sorted({lin.layer for lin in self.retained_linears.values()}):
+        layer's placement of its source weight; lm_head's is its own name); CheckpointFormatError for one no module
+        holds."""
+        table, linears = table_for(self.spec), self.retained_linears.values()
+        out: dict[str, RetainedLinear] = {}
+        out.update((lin.key, lin) for lin in linears if lin.layer is None)
+        for layer in sorted({lin.layer for lin in linears if lin.layer is not None}):
             targets = {
                 p.source: p.target for p in layer_plan(self.spec, layer, self.spec.moe_intermediate_size).placements
             }
-            for linear in (lin for lin in self.retained_linears.values() if lin.layer == layer):
+            for linear in (lin for lin in linears if lin.layer == layer):
                 target = targets.get(linear.source)
                 if target is None or not target.endswith(".weight"):
                     raise CheckpointFormatError(f"{self.path}: EXL3 linear {linear.key} has no module in layer {layer}")
@@ -173,8 +177,12 @@ def _expert_parts(spec: ModelSpec, names: list[str]) -> dict[int, set[tuple[int,
 def _retained_linears(
     path: Path, spec: ModelSpec, checkpoint: SourceCheckpoint | DummyCheckpoint
 ) -> dict[str, RetainedLinear]:
-    """Every EXL3 trellis that is not a routed expert's must be a retained linear the architecture names."""
+    """Every EXL3 trellis that is not a routed expert's must be a retained linear or the head the architecture
+    names; its K is its trellis's."""
     known = {t.name.removesuffix(".weight"): t for t in quantizable_retained(spec)}
+    if not spec.tie_word_embeddings:
+        head = quantizable_head(spec)
+        known[head.name.removesuffix(".weight")] = head
     routed = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.")
     found: dict[str, RetainedLinear] = {}
     for name in checkpoint.names():
@@ -182,9 +190,11 @@ def _retained_linears(
         if part != "trellis" or routed.search(key + "."):
             continue
         info = known.get(key)
-        if info is None or info.layer is None:
-            raise CheckpointFormatError(f"{path}: EXL3 tensor {key} is neither a routed expert nor a retained linear")
-        found[key] = RetainedLinear(info.layer, info.name, info.shape[1], info.shape[0])
+        if info is None:
+            raise CheckpointFormatError(
+                f"{path}: EXL3 tensor {key} is neither a routed expert nor a retained linear or lm_head"
+            )
+        found[key] = RetainedLinear.of(info, checkpoint.spec(name).shape[-1] // 16)
     return found
 
 

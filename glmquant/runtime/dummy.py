@@ -1,5 +1,5 @@
-"""`--load-format dummy`: an `Artifact` built from a config plus layout and bits (and retained bits for the speed
-tier), with no weight files.
+"""`--load-format dummy`: an `Artifact` built from a config plus layout and bits (and retained and head bits for the
+speed tier), with no weight files.
 
 Its checkpoint is a `DummyCheckpoint` over `plan_artifact`'s prediction, so the runtime sees exactly the tensors
 (names, shapes, dtypes) a real artifact of that config would hold, and every loader reads it unchanged; the
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from glmquant.arch import load_model_spec, read_config
-from glmquant.checkpoint.artifact_config import RETAINED_BITS_KEY, output_config, quantization_block
+from glmquant.checkpoint.artifact_config import declared_linear_bits, output_config, quantization_block
 from glmquant.checkpoint.dummy import DummyCheckpoint
 from glmquant.checkpoint.layouts import TR3_RANKS, plan_artifact
 from glmquant.checkpoint.provenance import Provenance
@@ -29,10 +29,11 @@ def dummy_artifact(
     device: torch.device | str = "cpu",
     seed: int = 0,
     retained_bits: int | None = None,
+    head_bits: int | None = None,
 ) -> Artifact:
     """The artifact `plan` predicts for `config` (a config.json or a directory holding one), values on `device`.
-    Layout, bits, codebook and retained_bits (the speed tier's EXL3 retained linears) default to what the config's
-    quantization block declares, else tr3 K2 MCG with exact retained linears."""
+    Layout, bits, codebook, retained_bits and head_bits (the speed tier's EXL3 retained linears and lm_head) default
+    to what the config's quantization block declares, else tr3 K2 MCG with exact retained linears and head."""
     path = Path(config)
     raw = read_config(path)
     spec = load_model_spec(raw)
@@ -41,9 +42,15 @@ def dummy_artifact(
     declared = raw.get("quantization_config") or {}
     layout = layout or ("exllamav3" if declared and "rank_stacked_tp" not in declared else "tr3")
     bits = bits or int(declared.get("bits", 2))
-    if retained_bits is None and declared.get(RETAINED_BITS_KEY) is not None:
-        retained_bits = int(declared[RETAINED_BITS_KEY])
-    plan = plan_artifact(spec, layout, bits, codebook or declared.get("codebook", "mcg"), retained_bits=retained_bits)
+    declared_retained, declared_head = declared_linear_bits(declared)
+    plan = plan_artifact(
+        spec,
+        layout,
+        bits,
+        codebook or declared.get("codebook", "mcg"),
+        retained_bits=declared_retained if retained_bits is None else retained_bits,
+        head_bits=declared_head if head_bits is None else head_bits,
+    )
     block = quantization_block(plan, Provenance(source_repo="dummy", runtime_status="dummy"))
     checkpoint = DummyCheckpoint(plan, seed, torch.device(device))
     ranks = TR3_RANKS if layout == "tr3" else 1

@@ -161,7 +161,8 @@ def retained_linear_mode(backend: str) -> str:
 def _place_retained_linears(
     model: PreTrainedModel, artifact: Artifact, options: RuntimeOptions, dtype: torch.dtype
 ) -> None:
-    """Replace the `nn.Linear` of every retained linear stored as EXL3 (the speed tier) by an `Exl3Linear`."""
+    """Replace the `nn.Linear` of every retained linear stored as EXL3 (the speed tier), lm_head included, by an
+    `Exl3Linear` (the MTP layer reads the head through the model's `lm_head`, so it gets the same one)."""
     if not artifact.retained_linears:
         return
     device, mode = torch.device(options.device), retained_linear_mode(options.backend)

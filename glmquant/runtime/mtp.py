@@ -5,9 +5,10 @@ layer index `num_hidden_layers`), built like DeepSeek-V3's: for position i it ta
 hidden state h_i and the embedding of the next token t_{i+1}, normalizes each (`hnorm`, `enorm`), projects their
 concatenation [enorm(e); hnorm(h)] back to the hidden size (`eh_proj`), runs one decoder block (sparse MLA with
 its DSA indexer and a MoE, plain residuals: no mHC streams) and reads the logits of t_{i+2} through
-`shared_head.norm` and the target's own `lm_head` (the embedding is the target's too). Its weights are retained
-(BF16) in the artifact, experts included; transformers has no module for the layer, so this one assembles it
-from transformers' attention and MoE modules on a one-layer copy of the text config, and keeps its own cache.
+`shared_head.norm` and the target's own `lm_head` (the embedding is the target's too; an EXL3 head, `encode
+--head-bits`, is that same module). Its weights are retained (BF16) in the artifact, experts included; transformers
+has no module for the layer, so this one assembles it from transformers' attention and MoE modules on a one-layer
+copy of the text config, and keeps its own cache.
 
 What the layer reads as h_i: the target's last hidden state after its final norm, as vLLM's DeepSeek MTP takes
 the target model's output hidden states; the release does not document its own choice. A different choice
@@ -42,7 +43,7 @@ class MtpLayer(nn.Module):
     (`proxy.train`; the indexer is not trained, as transformers runs it without gradients).
     """
 
-    def __init__(self, text_config: Any, embed: nn.Embedding, lm_head: nn.Linear) -> None:
+    def __init__(self, text_config: Any, embed: nn.Embedding, lm_head: nn.Module) -> None:
         hf = modeling()
 
         super().__init__()

@@ -36,7 +36,8 @@ PROVENANCE = Provenance(
 
 
 def placeholder_experts(planned: PlannedFile) -> Mapping[str, torch.Tensor]:
-    """Valid EXL3 parts for every expert slice of a planned file, seeded by the file name."""
+    """Valid EXL3 parts for every expert slice and EXL3 retained linear or head of a planned file, seeded by the file
+    name."""
     gen = torch.Generator().manual_seed(zlib.crc32(planned.path.encode()))
     codebook = Codebook(next((t.part for t in planned.tensors if t.part in ("mcg", "mul1")), "3inst"))
     out: dict[str, torch.Tensor] = {}
@@ -44,13 +45,15 @@ def placeholder_experts(planned: PlannedFile) -> Mapping[str, torch.Tensor]:
         if t.part != "trellis":
             continue
         i, o, _ = t.shape
+        owner = t.expert or t.linear
+        assert owner is not None
         x = EXL3Tensor(
             torch.randint(-32768, 32768, t.shape, generator=gen, dtype=torch.int32).to(torch.int16),
             torch.randn(i * 16, generator=gen).half(),
             torch.randn(o * 16, generator=gen).half(),
             codebook,
-            t.expert_slice.in_features,
-            t.expert_slice.out_features,
+            owner.in_features,
+            owner.out_features,
         )
         out.update(x.tensors(t.name[: -len(".trellis")]))
     return out

@@ -8,12 +8,13 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import typer
-from checkpoint_artifacts import PROVENANCE, VERIFIED_AT
+from checkpoint_artifacts import PROVENANCE, VERIFIED_AT, build
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -334,3 +335,36 @@ def test_sealed_structural_defects(tr3_artifact, tr3_copy: Path, edit, failing: 
     code, checks = report(tr3_copy)
     assert code == 1 and checks["file sha256"]["ok"] and checks["index closure"]["ok"]
     assert not checks[failing]["ok"] and message in checks[failing]["detail"]
+
+
+def _reseal_metadata(directory: Path, plan: ArtifactPlan) -> None:
+    """Rewrite the manifest from `plan` over the files as they are now (metadata files hashed again)."""
+    metadata = [e["path"] for e in json.loads((directory / MANIFEST_NAME).read_text())["metadata_files"]]
+    write_manifest(directory, build_manifest(plan, directory, PROVENANCE, VERIFIED_AT, metadata))
+
+
+@pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
+def test_head_bits_are_recorded_and_checked(tiny_source: Path, tmp_path: Path, layout: str) -> None:
+    """An artifact with an EXL3 lm_head (`--head-bits`) verifies, its manifest and blocks recording head_bits; a
+    block whose head_bits differs from the manifest's, or a manifest without head_bits over files that hold the EXL3
+    head, fails the config check even with every hash sealed again."""
+    out = tmp_path / "art"
+    plan, result = build(tiny_source, out, layout, head_bits=6)
+    code, checks = report(out, "--expect-sha256", result.manifest_sha256)
+    assert code == 0, {k: c["detail"] for k, c in checks.items() if not c["ok"]}
+    assert json.loads((out / MANIFEST_NAME).read_text())["layout"]["head_bits"] == 6
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["head_bits"] == 6
+    config["quantization_config"]["head_bits"] = 5
+    (out / "config.json").write_text(json.dumps(config))
+    qjson = json.loads((out / "quantization_config.json").read_text())
+    (out / "quantization_config.json").write_text(json.dumps({**qjson, "head_bits": 5}))
+    _reseal_metadata(out, plan)
+    code, checks = report(out)
+    assert code == 1 and checks["file sha256"]["ok"]
+    assert "quantization_config.head_bits is 5, files imply 6" in checks["config geometry"]["detail"]
+    _reseal_metadata(out, replace(plan, head_bits=None))  # a manifest that says the head is exact
+    code, checks = report(out)
+    assert (
+        code == 1 and "lm_head.trellis: EXL3 tensor the config does not call for" in checks["config geometry"]["detail"]
+    )

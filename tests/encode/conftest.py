@@ -1,4 +1,4 @@
-"""The small source and its observations, built once for all encode tests."""
+"""The small source and its observations (with and without dense Hessians), built once for all encode tests."""
 
 from __future__ import annotations
 
@@ -24,4 +24,12 @@ def small_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_observations(small_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("enc-obs")
     observe(ObserveConfig(source=small_source, out=out, rows=4, tokens=64))
+    return out
+
+
+@pytest.fixture(scope="session")
+def dense_observations(small_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Observations with the dense Hessians of the retained linears and lm_head (`--dense-hessians`)."""
+    out = tmp_path_factory.mktemp("enc-obs-dense")
+    observe(ObserveConfig(source=small_source, out=out, rows=4, tokens=64, dense_hessians=True))
     return out

@@ -87,7 +87,12 @@ def test_hessian_mode_is_typed_and_the_fingerprint_stable(tmp_path: Path) -> Non
     [
         (["--retained-bits", "1"], "--retained-bits must be 2..8 (4..6 is the speed tier), got 1"),
         (["--retained-bits", "9"], "--retained-bits must be 2..8 (4..6 is the speed tier), got 9"),
-        (["--retained-uncalibrated-fallback"], "--retained-uncalibrated-fallback applies to --retained-bits only"),
+        (["--head-bits", "1"], "--head-bits must be 2..8 (4..6 is the speed tier), got 1"),
+        (["--head-bits", "9"], "--head-bits must be 2..8 (4..6 is the speed tier), got 9"),
+        (
+            ["--retained-uncalibrated-fallback"],
+            "--retained-uncalibrated-fallback applies to --retained-bits and --head-bits only",
+        ),
     ],
 )
 def test_bad_retained_bits_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
@@ -97,20 +102,22 @@ def test_bad_retained_bits_are_usage_errors(tmp_path: Path, args: list[str], mes
 
 
 def test_retained_bits_shape_the_fingerprint_and_leave_older_jobs_resumable(tmp_path: Path) -> None:
-    """--retained-bits and its fallback change the job's fingerprint (a resume notices); without them the
-    fingerprint is the one a job written before these options existed has (no new keys hashed)."""
+    """--retained-bits, --head-bits and their fallback change the job's fingerprint (a resume notices); without them
+    the fingerprint is the one a job written before these options existed has (no new keys hashed)."""
     base = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True)
     k4 = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_bits=4)
     k5 = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_bits=5)
     fallback = EncodeConfig(
         source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_bits=4, retained_fallback_identity=True
     )
-    prints = {c.fingerprint({}) for c in (base, k4, k5, fallback)}
-    assert len(prints) == 4
+    head = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, head_bits=4)
+    both = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_bits=4, head_bits=4)
+    prints = {c.fingerprint({}) for c in (base, k4, k5, fallback, head, both)}
+    assert len(prints) == 6
     assert k4.retained_bits == 4 and base.retained_bits is None
     # the fingerprint of the default options hashes no retained_* key: the pre-option recipe
     skipped = {"out", "work_dir", "verify", "source", "observations", "prune_plan", "tier_plan", "uncalibrated"}
-    skipped |= {"verified_at", "retained_bits", "retained_fallback_identity"}
+    skipped |= {"verified_at", "retained_bits", "head_bits", "retained_fallback_identity"}
     old = {k: v.value if hasattr(v, "value") else str(v) for k, v in asdict(base).items() if k not in skipped}
     old["device"] = torch.device(base.device).type
     old["backend"] = exl3_backend() or "auto"

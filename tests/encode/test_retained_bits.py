@@ -1,7 +1,7 @@
-"""The speed tier end to end on the small model: `encode --retained-bits 4` EXL3-encodes the retained linears with
-their dense Hessians, writes exactly what `plan` predicts, verifies, encodes the same bytes again, and the runtime
-(the torch reference path and the Triton kernels, interpreted on a CPU) generates from it close to the artifact whose
-retained linears are exact."""
+"""The speed tier end to end on the small model: `encode --retained-bits 4 --head-bits 5` EXL3-encodes the retained
+linears and lm_head with their dense Hessians, writes exactly what `plan` predicts, verifies, encodes the same bytes
+again, and the runtime (the torch reference path and the Triton kernels, interpreted on a CPU) generates from it close
+to the artifact whose retained linears and head are exact. `--head-bits` alone: test_head_bits.py."""
 
 from __future__ import annotations
 
@@ -15,16 +15,14 @@ from encode_fixtures import QUIET
 from indexer_ties import indexer_ties_to_earlier_pool
 from typer.testing import CliRunner
 
-from glmquant.arch import load_model_spec, source_tensors
-from glmquant.checkpoint.layouts import plan_artifact, quantizable_retained
+from glmquant.arch import TensorRole, load_model_spec, source_tensors
+from glmquant.checkpoint.layouts import ArtifactPlan, plan_artifact, quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.cli import app
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.retained import dense_hessian, encode_retained_file, retained_linears
 from glmquant.encode.run import EncodeResult
 from glmquant.errors import UsageError
-from glmquant.observe.config import ObserveConfig
-from glmquant.observe.run import observe
 from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
 from glmquant.runtime.loader import LoadedModel, load_model
 from glmquant.runtime.options import RuntimeOptions
@@ -33,14 +31,9 @@ from glmquant.runtime.retained_linears import Exl3Linear
 pytestmark = pytest.mark.slow  # one encode of the small model with K4 retained linears: minutes on two CPU cores
 
 K = 4
+HEAD_K = 5  # another K than the retained linears': each linear is encoded, stored and checked at its own
+HEAD = "lm_head.weight"
 PROMPT = torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]])
-
-
-@pytest.fixture(scope="module")
-def dense_observations(small_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("enc-obs-dense")
-    observe(ObserveConfig(source=small_source, out=out, rows=4, tokens=64, dense_hessians=True))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +44,7 @@ def speed_tier(small_source: Path, dense_observations: Path, tmp_path_factory: p
         out=out,
         observations=dense_observations,
         retained_bits=K,
+        head_bits=HEAD_K,
         verified_at="2026-01-01T00:00:00Z",
     )
     result = encode_artifact(cfg, QUIET)
@@ -63,11 +57,18 @@ def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {n: (ckpt.spec(n).dtype, tuple(ckpt.spec(n).shape)) for n in ckpt.names()}
 
 
+def _plan(small_source: Path, retained_bits: int | None, head_bits: int | None = None) -> ArtifactPlan:
+    """The tr3 K2 plan of the small source, over its own sharding."""
+    with SourceCheckpoint.open(small_source) as source:
+        shards = {n: source.shard_of(n) for n in source.names()}
+    spec = load_model_spec(small_source)
+    return plan_artifact(spec, "tr3", 2, "mcg", shards, retained_bits=retained_bits, head_bits=head_bits)
+
+
 def test_written_artifact_is_the_plan(small_source: Path, speed_tier: EncodeResult) -> None:
     art = speed_tier.artifact.directory
     spec = load_model_spec(small_source)
-    with SourceCheckpoint.open(small_source) as source:
-        plan = plan_artifact(spec, "tr3", 2, "mcg", {n: source.shard_of(n) for n in source.names()}, retained_bits=K)
+    plan = _plan(small_source, retained_bits=K, head_bits=HEAD_K)
     weight_files = sorted(p.name for p in art.glob("*.safetensors"))
     assert weight_files == sorted(f.path for f in plan.files)
     for f in plan.files:
@@ -78,20 +79,22 @@ def test_written_artifact_is_the_plan(small_source: Path, speed_tier: EncodeResu
             }
     linears = {t.name for t in quantizable_retained(spec)}
     stored = _headers(art)
-    assert not linears & set(stored)  # no exact copy of an encoded linear is left
+    assert not (linears | {HEAD}) & set(stored)  # no exact copy of an encoded linear is left
     assert all(stored[n.removesuffix(".weight") + ".trellis"][1][-1] == 16 * K for n in linears)
+    assert stored["lm_head.trellis"] == ("I16", (128 // 16, 384 // 16, 16 * HEAD_K))  # 128 -> 320, padded to 384
     # everything else retained is the source's bytes: norms, routers and their biases, embeddings, F32 tensors
     with SourceCheckpoint.open(small_source) as source, SourceCheckpoint.open(art) as ckpt:
-        exact = [t for t in source_tensors(spec) if t.role.value != "routed_expert" and t.name not in linears]
+        exact = [t for t in source_tensors(spec) if t.role.value != "routed_expert" and t.name not in linears | {HEAD}]
         assert {t.dtype for t in exact} >= {"BF16", "F32"}
         for t in exact:
             assert torch.equal(ckpt.read_tensor(t.name), source.read_tensor(t.name)), t.name
     manifest = json.loads((art / "EXL3_MANIFEST.json").read_text())
-    assert manifest["layout"]["retained_bits"] == K and manifest["effective_routed_tier_bpw"] == 2.0
-    config = json.loads((art / "config.json").read_text())
-    assert config["quantization_config"]["retained_bits"] == K and config["quantization_config"]["bits"] == 2
+    layout = manifest["layout"]
+    assert (layout["retained_bits"], layout["head_bits"], manifest["effective_routed_tier_bpw"]) == (K, HEAD_K, 2.0)
+    block = json.loads((art / "config.json").read_text())["quantization_config"]
+    assert (block["retained_bits"], block["head_bits"], block["bits"]) == (K, HEAD_K, 2)
     counts = [e.get("exl3_linear_count", 0) for e in manifest["files"] if e["kind"] == "retained"]
-    assert sum(counts) == len(linears)
+    assert sum(counts) == len(linears) + 1
 
 
 def test_verify_manifest_passes(speed_tier: EncodeResult) -> None:
@@ -106,41 +109,53 @@ def test_verify_manifest_passes(speed_tier: EncodeResult) -> None:
 def test_retained_linears_encode_to_the_same_bytes_again(
     small_source: Path, dense_observations: Path, speed_tier: EncodeResult
 ) -> None:
-    """Encoding a file's retained linears again (alone, in another call) gives the bytes already on disk."""
+    """Encoding a file's retained linears (or its head) again (alone, in another call) gives the bytes already on
+    disk."""
     art = speed_tier.artifact.directory
-    spec = load_model_spec(small_source)
+    plan = _plan(small_source, retained_bits=K, head_bits=HEAD_K)
     with SourceCheckpoint.open(small_source) as source, SourceCheckpoint.open(art) as ckpt:
-        plan = plan_artifact(spec, "tr3", 2, "mcg", {n: source.shard_of(n) for n in source.names()}, retained_bits=K)
-        files = sorted((f for f in plan.files if retained_linears(f)), key=lambda f: len(retained_linears(f)))[:2]
+        encoded = sorted((f for f in plan.files if retained_linears(f)), key=lambda f: len(retained_linears(f)))
+        head = next(f for f in encoded if any(lin.source == HEAD for lin in retained_linears(f)))
+        files = [next(f for f in encoded if f is not head), head]  # the smallest other file, and the head's
         roles = set()
         for f in files:
-            again = encode_retained_file(f, source, dense_observations, False, K, "mcg", 0, "cpu")
+            again = encode_retained_file(f, source, dense_observations, False, "mcg", 0, "cpu")
             assert again.tensors and all(r.fallback is None for r in again.reports)
             for name, tensor in again.tensors.items():
                 assert torch.equal(tensor, ckpt.read_tensor(name)), name
             roles |= {t.role for t in f.tensors if t.linear is not None}
-        assert roles
+        assert len(roles) > 1 and TensorRole.LM_HEAD in roles
 
 
 def test_exllamav3_layout_holds_the_same_retained_linears(
     small_source: Path, dense_observations: Path, speed_tier: EncodeResult, tmp_path: Path
 ) -> None:
-    """The ExLlamaV3 layout with --retained-bits: the module files hold the same EXL3 retained linears, byte for
-    byte, as the tr3 artifact's retained files; it verifies and the runtime serves it."""
+    """The ExLlamaV3 layout with --retained-bits and --head-bits: the module files hold the same EXL3 retained
+    linears and head, byte for byte, as the tr3 artifact's retained files (here in one file, one encode call per K);
+    `tensor_storage` lists each as an `exl3` module with its K, the block's head_bits is the head's; it verifies and
+    the runtime serves it."""
     cfg = EncodeConfig(
-        source=small_source, out=tmp_path / "art", observations=dense_observations, layout="exllamav3", retained_bits=K
+        source=small_source,
+        out=tmp_path / "art",
+        observations=dense_observations,
+        layout="exllamav3",
+        retained_bits=K,
+        head_bits=HEAD_K,
     )
     result = encode_artifact(cfg, QUIET)
     assert result is not None and result.verification is not None and result.verification.ok
     tr3 = speed_tier.artifact.directory
     with SourceCheckpoint.open(tr3) as a, SourceCheckpoint.open(result.artifact.directory) as x:
         linears = [n for n in a.names() if n.endswith((".trellis", ".suh", ".svh", ".mcg")) and ".experts." not in n]
-        assert len(linears) == 4 * len(quantizable_retained(load_model_spec(small_source)))
+        assert len(linears) == 4 * (len(quantizable_retained(load_model_spec(small_source))) + 1)
         for name in linears:
             assert torch.equal(a.read_tensor(name), x.read_tensor(name)), name
-    storage = json.loads((result.artifact.directory / "quantization_config.json").read_text())["tensor_storage"]
+    qc = json.loads((result.artifact.directory / "quantization_config.json").read_text())
+    storage = qc["tensor_storage"]
     q = storage["model.language_model.layers.0.self_attn.q_proj"]
     assert q["quant_format"] == "exl3" and q["bits_per_weight"] == K
+    assert storage["lm_head"]["quant_format"] == "exl3" and storage["lm_head"]["bits_per_weight"] == HEAD_K
+    assert qc["head_bits"] == HEAD_K
     loaded = load_model(result.artifact.directory, RuntimeOptions(dtype="float32"))
     assert loaded.artifact.layout == "exllamav3"
     assert sum(isinstance(m, Exl3Linear) for m in loaded.model.modules()) == len(linears) // 4
@@ -158,10 +173,7 @@ def test_a_missing_dense_hessian_is_refused_naming_the_tensor(
     with pytest.raises(UsageError, match=r"layers\.0\.self_attn\.q_proj\.weight needs its dense Hessian"):
         encode_artifact(cfg, QUIET)
     assert not out.exists() and not (tmp_path / "art.work").exists()
-    spec = load_model_spec(small_source)
-    with SourceCheckpoint.open(small_source) as source:
-        plan = plan_artifact(spec, "tr3", 2, "mcg", {n: source.shard_of(n) for n in source.names()}, retained_bits=K)
-    linear = next(lin for f in plan.files for lin in retained_linears(f))
+    linear = next(lin for f in _plan(small_source, retained_bits=K).files for lin in retained_linears(f))
     assert dense_hessian(small_observations, linear, True) == (None, "no_dense_hessian:identity")
 
 
@@ -177,17 +189,18 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 def test_runtime_generates_close_to_the_exact_retained_model(small_source: Path, speed_tier: EncodeResult) -> None:
-    """The torch reference path runs every EXL3 retained linear and generates; its logits are closer to the same
-    artifact with exact retained linears than that one is to the BF16 source: the K4 retained linears cost less
-    than the K2 routed experts, both measured on the same prompt."""
+    """The torch reference path runs every EXL3 retained linear and the head, and generates; its logits are closer to
+    the same artifact with exact retained linears and head than that one is to the BF16 source: the K4 retained
+    linears and K5 head cost less than the K2 routed experts, both measured on the same prompt."""
     from transformers import Glm5NextForConditionalGeneration
 
     art = speed_tier.artifact.directory
     options = RuntimeOptions(dtype="float32")
     fast = load_model(art, options)
     modules = [m for m in fast.model.modules() if isinstance(m, Exl3Linear)]
-    assert {m.source for m in modules} == {t.name for t in quantizable_retained(fast.artifact.spec)}
-    assert all(m.mode == "decode" and m.bits == K for m in modules)
+    assert {m.source for m in modules} == {t.name for t in quantizable_retained(fast.artifact.spec)} | {HEAD}
+    assert all(m.mode == "decode" and m.bits == (HEAD_K if m.source == HEAD else K) for m in modules)
+    assert fast.model.get_submodule("lm_head").source == HEAD
     result = generate(fast.model, PromptInputs(PROMPT), SamplingParams(max_tokens=6), lambda ids: "")
     assert len(result.token_ids) == 6
     fast_logits = _logits(fast)
@@ -225,8 +238,8 @@ def test_triton_kernels_run_the_retained_linears_like_the_reference(speed_tier: 
 
 
 def test_the_glmquant_engine_runs_the_speed_tier_like_transformers(speed_tier: EncodeResult) -> None:
-    """`--model-impl glmquant` decodes the EXL3 retained linears once at load, as the torch reference path does:
-    every logit of the prompt and of eight decode steps to float32 rounding, the same greedy tokens.
+    """`--model-impl glmquant` decodes the EXL3 retained linears and head once at load, as the torch reference path
+    does: every logit of the prompt and of eight decode steps to float32 rounding, the same greedy tokens.
 
     The DSA indexer's pool scores are sums of ReLU'd products, so pools tie at exactly 0 on this random model (three
     pools at 0.0 for two slots at context 16 with transformers 5.17, measured). `torch.topk` leaves ties in an
@@ -238,7 +251,7 @@ def test_the_glmquant_engine_runs_the_speed_tier_like_transformers(speed_tier: E
 
     options = RuntimeOptions(dtype="float32")
     artifact = open_artifact(speed_tier.artifact.directory)
-    assert artifact.retained_linears
+    assert artifact.retained_linears and "lm_head" in artifact.retained_linears
     reference = load_model(artifact, options).model
     seen: list[torch.Tensor] = []
     hook = reference.get_submodule("lm_head").register_forward_hook(lambda m, a, out: seen.append(out[0, -1].clone()))

@@ -10,9 +10,11 @@ import pytest
 import torch
 from kernel_helpers import kernel_device
 
+from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
 from glmquant.runtime.engine.linears import Exl3Proj
+from glmquant.runtime.engine.profile import class_bytes
 from glmquant.runtime.options import RuntimeOptions
 
 
@@ -41,14 +43,19 @@ def test_resident_triton_experts_decode_like_the_torch_backend(tiny_source: Path
 
 @pytest.mark.slow
 def test_engine_runs_the_speed_tier_through_exl3_linear_like_the_torch_backend(tiny_source: Path) -> None:
-    """A dummy `--retained-bits 4` artifact: with the Triton backend each projection holding an EXL3 retained linear
-    is an `Exl3Proj` (run by `exl3_linear`, its stored bytes counted), with the torch backend decoded once; the same
-    greedy tokens, logits within the kernels' fp16 error."""
+    """A dummy `--retained-bits 4 --head-bits 6` artifact: with the Triton backend each projection holding an EXL3
+    retained linear, and lm_head, is an `Exl3Proj` (run by `exl3_linear`, its stored bytes counted: the profile's
+    lm_head class reads the head's EXL3 bytes), with the torch backend decoded once; the same greedy tokens, logits
+    within the kernels' fp16 error."""
     device = kernel_device()
-    artifact = dummy_artifact(tiny_source, device=device, retained_bits=4)
+    artifact = dummy_artifact(tiny_source, device=device, retained_bits=4, head_bits=6)
     triton = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32", backend="triton"), max_len=32)
     torch_ = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32"), max_len=32)
     projections = [triton.weights.layers[0].attention.in_proj, triton.weights.layers[0].attention.o_proj]
-    assert all(isinstance(p, Exl3Proj) for p in projections)
+    assert all(isinstance(p, Exl3Proj) for p in [*projections, triton.weights.lm_head])
     assert isinstance(torch_.weights.layers[0].attention.in_proj, torch.Tensor)
+    assert isinstance(torch_.weights.lm_head, torch.Tensor)
+    cfg, norm = triton.cfg, triton.weights.norm.nbytes
+    head_bytes = EXL3Tensor.storage_bytes(cfg.hidden, cfg.vocab, 6, "mcg")
+    assert class_bytes(triton, 1, 8, 0, 0)["lm_head"] == head_bytes + norm < class_bytes(torch_, 1, 8, 0, 0)["lm_head"]
     _assert_same_greedy_steps(triton, torch_, device)

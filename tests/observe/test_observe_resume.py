@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from glmquant.observe import run
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.run import observe
+from glmquant.observe.summary import ObservationSummary
 
 OUTPUTS = (
     "token_rows.safetensors",
@@ -24,6 +26,7 @@ OUTPUTS = (
     "layer-01.hessians.safetensors",
     "layer-02.stats.safetensors",
     "layer-02.hessians.safetensors",
+    "head.hessians.safetensors",
     "prune_plan.json",
 )
 
@@ -103,6 +106,28 @@ def test_other_settings_are_refused_and_keep_may_change(
     assert finished.resumed_from_layer == 3  # nothing left to run: only the prune plan is redone
     assert len(json.loads((copy / "prune_plan.json").read_text())["layers"]["1"]) == 3
     assert (copy / "layer-01.stats.safetensors").read_bytes() == (observed / "layer-01.stats.safetensors").read_bytes()
+
+
+def test_an_observation_from_before_the_head_hessian_is_refused_naming_why(
+    tiny_source: Path, observed: Path, tmp_path: Path
+) -> None:
+    """observations.json records lm_head's Hessian (its file, what capturing it cost); an observation finished before
+    observe captured it (its state's fingerprint without `head_hessian`) is refused rather than resumed as done,
+    which would leave it without one: the refusal names head_hessian and a new --out."""
+    summary = ObservationSummary.load(observed)
+    assert summary.fingerprint["head_hessian"] is True
+    assert summary.head is not None and summary.head.hessians_file == "head.hessians.safetensors"
+    assert summary.head.cost is not None and summary.head.cost.observe_s > 0
+    old = Path(shutil.copytree(observed, tmp_path / "old"))
+    (old / "head.hessians.safetensors").unlink()
+    progress = old / "state" / "progress.json"
+    state = json.loads(progress.read_text())
+    del state["fingerprint"]["head_hessian"]
+    progress.write_text(json.dumps(state))
+    with pytest.raises(UsageError, match=r"head_hessian: None -> True.*use a new --out \(or delete .*state"):
+        observe(observe_config(tiny_source, old))
+    resumed = observe(observe_config(tiny_source, Path(shutil.copytree(observed, tmp_path / "new"))))
+    assert resumed.resumed_from_layer == 3 and resumed.head == replace(summary.head, cost=None)  # done earlier
 
 
 def test_stream_budget_keeps_the_disk_down_and_the_outputs_identical(

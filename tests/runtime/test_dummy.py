@@ -140,3 +140,23 @@ def test_dummy_speed_tier_holds_the_planned_tensors_and_decodes_finite_logits(
     assert (
         len(generate(loaded.model, PromptInputs(torch.arange(20).view(1, -1)), params, lambda ids: "").token_ids) == 4
     )
+
+
+@pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
+def test_dummy_head_bits_are_planned_declared_and_read_back(tiny_source: Path, tmp_path: Path, layout: str) -> None:
+    """head_bits=6: lm_head is an EXL3 tensor as `plan` predicts, the config's block declares it (a dummy load of that
+    config takes it from there; ExLlamaV3's head_bits of 16 means an exact head), and both runtimes load it."""
+    artifact = dummy_artifact(tiny_source / "config.json", layout, head_bits=6)
+    ckpt = _checkpoint(artifact)
+    assert (ckpt.plan.head_bits, ckpt.plan.retained_bits) == (6, None)
+    assert sorted(ckpt.names()) == sorted(
+        t.name for f in plan_artifact(artifact.spec, layout, head_bits=6).files for t in f.tensors
+    )
+    assert list(artifact.retained_linears) == ["lm_head"] and artifact.config["quantization_config"]["head_bits"] == 6
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(artifact.config))
+    assert _checkpoint(dummy_artifact(config)).plan.head_bits == 6
+    exact = dummy_artifact(tiny_source / "config.json", layout)
+    config.write_text(json.dumps(exact.config))
+    assert _checkpoint(dummy_artifact(config)).plan.head_bits is None
+    assert isinstance(load_model(artifact, RuntimeOptions(dtype="float32")).model.get_submodule("lm_head"), Exl3Linear)

@@ -168,10 +168,11 @@ def test_cuda_bf16_engine_prefill_matches_transformers_on_cuda(artifacts: dict[s
 
 
 def test_engine_runs_the_speed_tier_like_transformers(tiny_source: Path) -> None:
-    """A dummy `--retained-bits 4` artifact: the engine decodes its EXL3 retained linears once at load, as the
-    transformers-module runtime's torch path does, so logits match to float32 rounding and greedy tokens are equal."""
-    artifact = dummy_artifact(tiny_source, retained_bits=4)
-    assert artifact.retained_linears
+    """A dummy `--retained-bits 4 --head-bits 6` artifact: the engine decodes its EXL3 retained linears and head once
+    at load, as the transformers-module runtime's torch path does, so logits match to float32 rounding and greedy
+    tokens are equal."""
+    artifact = dummy_artifact(tiny_source, retained_bits=4, head_bits=6)
+    assert len(artifact.retained_linears) > 1 and "lm_head" in artifact.retained_linears
     expected, expected_tokens = transformers_logits(artifact, steps=8)
     engine = Engine.load(artifact, F32, max_batch=1, max_len=64)
     recording = Recording(engine)

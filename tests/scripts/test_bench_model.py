@@ -4,13 +4,18 @@ bytes, the GB10 projection with its formula and assumptions, and the summary key
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+
+from glmquant.arch import load_model_spec
+from glmquant.checkpoint.layouts import quantizable_retained
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_model.py"
@@ -35,6 +40,7 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     assert not [key for key in parts if key.endswith("_error")], parts
     assert report["commit"] == "abc123" and report["environment"]["torch"]
     assert report["model"]["not_resident"]["tensors"] > 0  # the MTP layer and vision tower
+    assert (report["model"]["retained_linears"], report["model"]["head_exl3"]) == (0, False)
     assert all(row["tokens_equal"] for row in parts["graphs"])
     assert {(r["context"], r["batch"]) for r in parts["decode"]} == {(24, 1), (24, 2), (40, 1), (40, 2)}
     assert all(r["tok_s"] > 0 for r in parts["decode"]) and parts["prefill"][0]["tokens"] == 48
@@ -87,30 +93,71 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
 
 
 def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
-    """`--retained-bits 4`: the dummy artifact holds EXL3 retained linears, the engine runs them, `model` records the
-    K and `speed_tier` holds bytes per token and the GB10 projection, with MTP speedup and KL cost left to others
-    until a proxy fidelity run is merged in."""
+    """`--retained-bits 4 --head-bits 6`: the dummy artifact holds EXL3 retained linears and head, the engine runs
+    them, `model` records both K, the retained linears (the head apart) and the EXL3 head, and `speed_tier` holds
+    both K, bytes per token and the GB10 projection, with MTP speedup and KL cost left to others; merged with a
+    proxy fidelity run the KL cost stays null, saying why (the bench has no row with an EXL3 head)."""
     out = tmp_path / "tier.json"
-    run = _run("--smoke", "--retained-bits", "4", "--parts", "graphs,decode,classes", "--out", str(out))
+    args = ("--retained-bits", "4", "--head-bits", "6", "--parts", "graphs,decode,classes")
+    run = _run("--smoke", *args, "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert not [key for key in report["parts"] if key.endswith("_error")], report["parts"]
-    assert report["model"]["retained_bits"] == 4 and report["model"]["retained_linears"] > 0
+    model = report["model"]
+    assert (model["retained_bits"], model["head_bits"], model["head_exl3"]) == (4, 6, True)
+    assert model["retained_linears"] == len(quantizable_retained(load_model_spec(model["config"]))) > 1
     assert all(row["tokens_equal"] and row["logits_finite"] for row in report["parts"]["graphs"])
     tier, classes = report["speed_tier"], report["parts"]["classes"]
+    assert (tier["retained_bits"], tier["head_bits"]) == (4, 6)
     assert tier["bytes_per_token"] == sum(c["bytes_per_token"] for c in classes["classes"].values()) > 0
     assert tier["gb10_tok_s_218"] == classes["projection"]["gb10_tok_s_218"] > 0
     assert tier["mtp_speedup"] is None and "mtp part" in tier["mtp_speedup_from"]
-    assert tier["kl_cost_ratio"] is None and "proxy fidelity" in tier["kl_cost_ratio_from"]
+    assert tier["kl_cost_ratio"] is None and "no row with an EXL3 head" in tier["kl_cost_ratio_from"]
 
-    # merged with a proxy fidelity run: the KL cost of its row at the same K (not another K's)
     fidelity = tmp_path / "fidelity.json"
-    rows = [{"recipe": "retained-k5", "kl_cost_ratio": 0.62}, {"recipe": "retained-k4", "kl_cost_ratio": 1.04}]
+    fidelity.write_text(json.dumps({"rows": FIDELITY_ROWS, "commit": "abc1234"}))
     merged = tmp_path / "merged.json"
-    fidelity.write_text(json.dumps({"rows": rows, "commit": "abc1234"}))
     run = _run("--merge", str(out), "--fidelity", str(fidelity), "--out", str(merged))
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads(merged.read_text())
-    tier = record["speed_tier"]
-    assert tier["kl_cost_ratio"] == 1.04 and "retained-k4" in tier["kl_cost_ratio_from"]
-    assert record["fidelity_from"]["commit"] == "abc1234"
+    assert record["speed_tier"]["kl_cost_ratio"] is None and record["fidelity_from"]["commit"] == "abc1234"
+    assert "no row with an EXL3 head" in record["speed_tier"]["kl_cost_ratio_from"]
+
+
+FIDELITY_ROWS = [{"recipe": "retained-k5", "kl_cost_ratio": 0.62}, {"recipe": "retained-k4", "kl_cost_ratio": 1.04}]
+
+
+@pytest.fixture(scope="module")
+def bench_model() -> ModuleType:
+    """The script as a module (a script, not a package: its dataclasses resolve their module by name)."""
+    spec = importlib.util.spec_from_file_location("bench_model", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kl_cost_is_the_fidelity_row_at_the_same_k_only_with_an_exact_head(bench_model: ModuleType) -> None:
+    """Merged with a proxy fidelity run, a report with EXL3 retained linears and an exact head takes the KL cost of
+    the row at its K (not another K's); with an EXL3 head (`--head-bits`, alone or with `--retained-bits`) it stays
+    null with a note: the bench measures no head, so no row is that model's cost."""
+    fidelity = {"rows": FIDELITY_ROWS}
+    retained = bench_model.merge([{"model": {"retained_bits": 4, "head_bits": None}, "parts": {}}], fidelity)
+    tier = retained["speed_tier"]
+    assert tier["kl_cost_ratio"] == 1.04 and "retained-k4 row" in tier["kl_cost_ratio_from"]
+    for model in ({"retained_bits": None, "head_bits": 6}, {"retained_bits": 4, "head_bits": 6}):
+        tier = bench_model.merge([{"model": model, "parts": {}}], fidelity)["speed_tier"]
+        assert tier["kl_cost_ratio"] is None, model
+        assert "head_bits 6" in tier["kl_cost_ratio_from"] and "kNone" not in tier["kl_cost_ratio_from"]
+
+
+def test_head_bits_alone_make_a_speed_tier_report(bench_model: ModuleType) -> None:
+    """A report whose model has an EXL3 head and exact retained linears (`--head-bits` alone) gets its `speed_tier`
+    when merged; one from before --head-bits (no head_bits key) and without retained_bits gets none."""
+    head_only = bench_model.merge([{"model": {"retained_bits": None, "head_bits": 6}, "parts": {}}])
+    assert {k: head_only["speed_tier"][k] for k in ("retained_bits", "head_bits")} == {
+        "retained_bits": None,
+        "head_bits": 6,
+    }
+    assert "speed_tier" not in bench_model.merge([{"model": {"retained_bits": None}, "parts": {}}])

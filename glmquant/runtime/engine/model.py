@@ -23,6 +23,7 @@ from glmquant.runtime.engine.blocks import Run, decoder_layer
 from glmquant.runtime.engine.cache import Caches, KDACache, LayerCache, MLACache
 from glmquant.runtime.engine.config import EngineConfig
 from glmquant.runtime.engine.experts import engine_experts
+from glmquant.runtime.engine.linears import project
 from glmquant.runtime.engine.mtp import MtpWeights, allocate_mtp_cache, load_mtp_weights, mtp_hidden, mtp_logits
 from glmquant.runtime.engine.ops import ops_for
 from glmquant.runtime.engine.weights import ModelWeights, load_weights
@@ -98,9 +99,7 @@ class Engine:
         """Logits [B, V] of the last of S new tokens per row: tokens and positions [B, S] (int64, on the device),
         `caches` those rows' caches, `pools` the k-pools the indexer scores (covering every position)."""
         streams = self._streams(tokens, positions, caches, pools, run)
-        return F.linear(
-            run.ops.rms_norm(streams[:, -1].mean(dim=-2), self.weights.norm, self.cfg.rms_eps), self.weights.lm_head
-        )
+        return self.lm_head(run.ops.rms_norm(streams[:, -1].mean(dim=-2), self.weights.norm, self.cfg.rms_eps))
 
     @torch.no_grad()
     def hidden_states(
@@ -121,7 +120,8 @@ class Engine:
         return streams
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weights.lm_head)
+        """Logits [..., V] of final-norm hidden states [..., H] (an EXL3 head, `--head-bits`, through its kernels)."""
+        return project(hidden, self.weights.lm_head)
 
     def prefill(self, slot: int, token_ids: torch.Tensor, start: int = 0, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
         """Feed token_ids [S] to `slot` from position `start` (0 starts a new sequence); logits [V] of the last."""

@@ -21,6 +21,7 @@ from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.engine.blocks import Run, mla_block, moe_block
 from glmquant.runtime.engine.cache import MLACache
 from glmquant.runtime.engine.config import EngineConfig
+from glmquant.runtime.engine.linears import project
 from glmquant.runtime.engine.weights import MLAWeights, ModelWeights, MoEBlock, _LayerReader, _mla, _mlp
 from glmquant.runtime.expert_cache import CacheStats
 
@@ -151,5 +152,6 @@ def mtp_hidden(
 
 
 def mtp_logits(x: torch.Tensor, w: MtpWeights, target: ModelWeights, run: Run) -> torch.Tensor:
-    """Logits of the MTP layer's output hidden states x [..., H]: its head norm, then the target's lm_head."""
-    return F.linear(run.ops.rms_norm(x, w.head_norm, run.cfg.rms_eps), target.lm_head)
+    """Logits of the MTP layer's output hidden states x [..., H]: its head norm, then the target's lm_head (EXL3 with
+    `--head-bits`, as the target runs it)."""
+    return project(run.ops.rms_norm(x, w.head_norm, run.cfg.rms_eps), target.lm_head)

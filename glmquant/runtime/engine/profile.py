@@ -14,11 +14,10 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from glmquant.runtime.engine.blocks import kda_block, mla_block, mlp, routed_experts
 from glmquant.runtime.engine.cache import KDACache, MLACache
-from glmquant.runtime.engine.linears import Exl3Proj
+from glmquant.runtime.engine.linears import Exl3Proj, project
 from glmquant.runtime.engine.model import Engine
 from glmquant.runtime.engine.weights import MLP, KDAWeights, MLAWeights, MoEBlock
 
@@ -68,7 +67,7 @@ def class_steps(engine: Engine, x: torch.Tensor, position: int) -> dict[str, Cal
         return [mlp(x, m, run) for m in mlps]
 
     def run_head() -> object:
-        return F.linear(run.ops.rms_norm(x[:, -1], w.norm, cfg.rms_eps), w.lm_head)
+        return project(run.ops.rms_norm(x[:, -1], w.norm, cfg.rms_eps), w.lm_head)
 
     return dict(zip(CLASSES, (run_kda, run_mla, run_routed, run_mlps, run_head)))
 
@@ -102,7 +101,7 @@ def class_bytes(engine: Engine, batch: int, context: int, experts_routed: int, e
         "mla_dsa": sum(_nbytes(a) for a in mla) + len(mla) * batch * per_mla_row,
         "routed_moe": sum(m.router.nbytes + m.bias.nbytes for m in moe) + experts_routed * expert_bytes,
         "shared_dense_mlp": sum(_nbytes(lw.mlp if isinstance(lw.mlp, MLP) else lw.mlp.shared) for lw in layers),
-        "lm_head": w.lm_head.nbytes + w.norm.nbytes,
+        "lm_head": w.lm_head.nbytes + w.norm.nbytes,  # an EXL3 head (`--head-bits`): its stored bytes
         "rest": sum(
             _nbytes(lw.attn_hc) + _nbytes(lw.ffn_hc) + lw.input_norm.nbytes + lw.post_norm.nbytes for lw in layers
         )

@@ -5,11 +5,11 @@ q_a, kv_a and the indexer's wk, weights_proj and k-pool gate; q_b with the index
 Tensors keep transformers' dtypes: fp32 where its model keeps them fp32 (KDA conv, A_log, dt_bias, router, mHC
 base and scale), the model dtype otherwise. Every tensor of a layer must be used, and only those exist.
 
-A retained linear stored as EXL3 (the speed tier, `encode --retained-bits`) is decoded once at load to its dense
-weight in the model dtype (`decode_weight`, as the transformers-module runtime's torch path does) and then
-concatenated and applied like an exact one with the torch backend; with the Triton backends a projection holding
-one becomes an `Exl3Proj` (`linears.py`): its row blocks run separately (`exl3_linear` for the EXL3 ones) and their
-outputs are concatenated. kv_b, which attention absorbs as a matrix, is always decoded.
+A retained linear stored as EXL3 (the speed tier, `encode --retained-bits`; lm_head with `--head-bits`) is decoded
+once at load to its dense weight in the model dtype (`decode_weight`, as the transformers-module runtime's torch path
+does) and then concatenated and applied like an exact one with the torch backend; with the Triton backends a
+projection holding one becomes an `Exl3Proj` (`linears.py`): its row blocks run separately (`exl3_linear` for the
+EXL3 ones) and their outputs are concatenated. kv_b, which attention absorbs as a matrix, is always decoded.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class LayerWeights:
 class ModelWeights:
     embed: torch.Tensor  # [V, H]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]
+    lm_head: Proj  # [V, H]
     layers: tuple[LayerWeights, ...]
 
 
@@ -119,7 +119,7 @@ class _LayerReader:
         return self.artifact.checkpoint.read_tensor(name).to(self.device, torch.float32 if fp32 else self.dtype)
 
     def cat(self, *suffixes: str) -> torch.Tensor:
-        return torch.cat([self(s) for s in suffixes])
+        return self(suffixes[0]) if len(suffixes) == 1 else torch.cat([self(s) for s in suffixes])
 
     def proj(self, *suffixes: str) -> Proj:
         """The row blocks of one projection: concatenated dense, or an `Exl3Proj` where one is an EXL3 linear
@@ -158,12 +158,12 @@ def load_weights(
         layers.append(_layer(read, cfg, layer))
         read.finish()
     top = _LayerReader(
-        artifact, "", [t.name for t in table.top_level(spec) if t.role is not TensorRole.VISION], dtype, device
+        artifact, "", [t.name for t in table.top_level(spec) if t.role is not TensorRole.VISION], dtype, device, kernels
     )
     p = table.text_prefix
     embed = top(p + "embed_tokens.weight")
     weights = ModelWeights(
-        embed, top(p + "norm.weight"), embed if spec.tie_word_embeddings else top("lm_head.weight"), tuple(layers)
+        embed, top(p + "norm.weight"), embed if spec.tie_word_embeddings else top.proj("lm_head.weight"), tuple(layers)
     )
     top.finish()
     return weights
