@@ -2,13 +2,14 @@
 // W tiles are searched at once, one per SIMD lane, so every step is the same dense vector code
 // (GCC vector extensions; compiled with -march=native and without FMA contraction, so the result
 // matches the torch reference bit for bit). W is one native register of floats: GCC lowers the
-// compare-and-select of a wider vector to scalar code (on AVX2, W = 16 ran 5x slower than W = 8). Cost arrays are indexed by the 16-K bits a state shares
-// with its successor; hist keeps the chosen top K bits per step for the traceback.
+// compare-and-select of a wider vector to scalar code (on AVX2, W = 16 ran 5x slower than W = 8).
+// Cost arrays are indexed by the 16-K bits a state shares with its successor; hist keeps the chosen
+// top K bits per step for the traceback.
 #include <cstdint>
 #include <cstring>
 #include <cmath>
 #include <utility>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -23,18 +24,26 @@ typedef float vf __attribute__((vector_size(4 * W)));
 typedef int32_t vi __attribute__((vector_size(4 * W)));
 typedef uint8_t vb __attribute__((vector_size(W)));
 
-// Traceback history: the chosen candidate c of every lane, per step and edge. With AVX-512 it is kept
-// as K bit planes of W bits (2K bytes per edge instead of W: at K = 2 a quarter of the traffic, about
-// 20% faster); elsewhere as one byte per lane. Both give the same paths.
+// Traceback history: the chosen candidate c of every lane, per step and edge. With AVX-512 or AVX2 it
+// is kept as K bit planes of W bits, one mask instruction each (GCC turns the narrowing of a vector of
+// candidates into per-lane scalar code, which cost as much as the search itself on AVX2); elsewhere as
+// one byte per lane. All give the same paths.
+#if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
+typedef uint16_t plane_t;
+static inline plane_t lane_bits(vi arg, int b) { return _mm512_test_epi32_mask((__m512i) arg, _mm512_set1_epi32(1 << b)); }
+#else
+typedef uint8_t plane_t;
+static inline plane_t lane_bits(vi arg, int b) { return _mm256_movemask_ps((__m256) (arg << (31 - b))); }
+#endif
 template <int K> struct Hist {
-    static constexpr int64_t bytes_per_edge = K * sizeof(uint16_t);
+    static constexpr int64_t bytes_per_edge = K * sizeof(plane_t);
     static void store(uint8_t* row, int e, vi arg) {
-        uint16_t* p = reinterpret_cast<uint16_t*>(row) + (size_t) e * K;
-        for (int b = 0; b < K; ++b) p[b] = _mm512_test_epi32_mask((__m512i) arg, _mm512_set1_epi32(1 << b));
+        plane_t* p = reinterpret_cast<plane_t*>(row) + (size_t) e * K;
+        for (int b = 0; b < K; ++b) p[b] = lane_bits(arg, b);
     }
     static int load(const uint8_t* row, int e, int lane) {
-        const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + (size_t) e * K;
+        const plane_t* p = reinterpret_cast<const plane_t*>(row) + (size_t) e * K;
         int c = 0;
         for (int b = 0; b < K; ++b) c |= ((p[b] >> lane) & 1) << b;
         return c;
