@@ -20,19 +20,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout, no install
 
+from bench_encode import git_commit
+
 from glmquant.exl3 import Codebook, encode_linear
 from glmquant.exl3.backends import select_backend
 from glmquant.exl3.codebooks import codebook_values
+from glmquant.exl3.native import load_kernel
 
 
-def cpu_model() -> str:
+def cpu_field(name: str) -> str:
+    """One field of /proc/cpuinfo's first CPU ('' where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return ""
+
+
+def simd() -> dict:
+    """What the native kernel was built for: its lanes per vector (16 AVX-512, 8 AVX2, 4 otherwise)."""
+    flags = set(cpu_field("flags").split())
+    kernel = load_kernel()
+    return {
+        "avx512f": "avx512f" in flags,
+        "avx2": "avx2" in flags,
+        "kernel_lanes": int(kernel.exl3_viterbi_lanes()) if kernel is not None else None,
+    }
 
 
 def tiles_per_second(backend: str, bits: int, codebook: Codebook, count: int, repeats: int) -> dict:
@@ -84,7 +99,9 @@ def main() -> None:
         "torch": torch.__version__,
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
+        "cpu": cpu_field("model name") or platform.processor(),
+        "simd": simd(),
+        "commit": git_commit(),
         "loadavg_before": [round(v, 2) for v in os.getloadavg()],
         "viterbi": {},
     }
