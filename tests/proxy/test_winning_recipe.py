@@ -41,7 +41,7 @@ def test_gate_weighted_mul1_verifies_and_passes_serve_check(
     model = small_proxy / "model"
     _run(
         ["serve-check", str(art), "--bf16-source", str(model), "--gates", "fidelity,speed", "--out", str(tmp_path)]
-        + ["--panel-rows", "2", "--panel-tokens", "48", "--speed-inputs", "64", "--max-tokens", "8"]
+        + ["--panel-rows", "2", "--panel-tokens", "48", "--speed-inputs", "128", "--max-tokens", "8"]
         + ["--min-decode-tps", "0.1", "--seed", "0", "--kl-max", "0.5", "--top1-min", "0.5"]
         + ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
     )
