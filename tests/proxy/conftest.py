@@ -1,11 +1,12 @@
-"""One smoke-size trained proxy for the proxy and fidelity-benchmark tests."""
+"""Smoke-size trained proxies for the proxy, fidelity-benchmark and winning-recipe tests."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from proxy_helpers import small_corpus_recipe, smoke_config
+from proxy_helpers import SMOKE_SHAPE, BenchRun, run_bench, small_corpus_recipe, smoke_config
 
 from glmquant.proxy.train import train_proxy
 
@@ -21,3 +22,20 @@ def smoke_proxy(corpus_recipe: Path, tmp_path_factory: pytest.TempPathFactory) -
     out = tmp_path_factory.mktemp("proxy")
     train_proxy(smoke_config(out, corpus_recipe), log=lambda _line: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def small_proxy(corpus_recipe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A smaller trained proxy (two layers, one MoE layer of 8 experts) for the tests that encode it for real."""
+    out = tmp_path_factory.mktemp("small-proxy")
+    shape = replace(
+        SMOKE_SHAPE, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
+    )
+    train_proxy(smoke_config(out, corpus_recipe, shape=shape), log=lambda _line: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def bench_run(small_proxy: Path, tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
+    """scripts/bench_fidelity.py's CPU run on the small proxy, its row artifacts kept."""
+    return run_bench(small_proxy, tmp_path_factory.mktemp("bench-fidelity"))

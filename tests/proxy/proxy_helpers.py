@@ -3,8 +3,11 @@ smoke-size training options, shared by the proxy tests."""
 
 from __future__ import annotations
 
+import os
 import struct
-from dataclasses import replace
+import subprocess
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,10 @@ import yaml
 
 from glmquant.proxy import train
 from glmquant.proxy.train import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+# the rows the CPU benchmark measures, in its canonical order (each a real encode: the CPU's Viterbi is slow, so a few)
+SMOKE_ROWS = ("seed", "blend-0.5", "gate-weighted-mul1", "retained-k4", "prune25-k3", "uniform-k4")
 
 # the script's CPU smoke proxy with a smaller vocabulary and indexer window, for test speed
 SMOKE_SHAPE = replace(train.SMOKE_SHAPE, vocab_size=400, index_topk=8)
@@ -114,3 +121,38 @@ def smoke_config(out: Path, recipe: Path, **changes: Any) -> TrainConfig:
         log_every=1,
     )
     return TrainConfig(out=out, **{**options, **changes})
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """A finished CPU run of scripts/bench_fidelity.py: its command, environment, results file and work directory
+    (which keeps every row's artifact as artifact-RECIPE)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    results: Path
+    work: Path
+
+
+def run_bench(proxy: Path, tmp: Path) -> BenchRun:
+    """scripts/bench_fidelity.py over SMOKE_ROWS on the CPU (exllamav3 layout, a few calibration and held-out rows,
+    two worker processes), artifacts kept."""
+    results, work = tmp / "fidelity.json", tmp / "work"
+    argv = [sys.executable, str(ROOT / "scripts" / "bench_fidelity.py"), "--proxy", str(proxy), "--device", "cpu"]
+    argv += ["--layout", "exllamav3", "--rows", "4", "--tokens", "32", "--batch-rows", "2", "--heldout-rows", "2"]
+    argv += [
+        "--heldout-tokens",
+        "32",
+        "--work",
+        str(work),
+        "--results",
+        str(results),
+        "--recipes",
+        ",".join(SMOKE_ROWS),
+    ]
+    argv += ["--mtp-prompts", "2", "--mtp-new-tokens", "5", "--keep-artifacts"]
+    argv += ["--jobs", "2"]  # two worker processes: rows finish out of order, the file keeps the canonical one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return BenchRun(argv, env, results, work)

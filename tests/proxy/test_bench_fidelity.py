@@ -1,5 +1,5 @@
 """scripts/bench_fidelity.py end to end on the CPU at smoke size: a tiny trained proxy, recipes of every kind
-(Hessian blend, pruning with tiers, a smaller calibration, a reference width) encoded, verified and measured
+(Hessian blend, gate-weighted Hessians with MUL1, pruning, a reference width) encoded, verified and measured
 against the BF16 proxy on held-out text, the results file with its summary; and every row's recipe spends the
 seed's trellis bytes (the CPU encodes the rest too slowly for the suite: the GPU run measures all rows)."""
 
@@ -7,24 +7,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from proxy_helpers import SMOKE_SHAPE, smoke_config
-
-from glmquant.proxy.train import train_proxy
+from proxy_helpers import SMOKE_ROWS, BenchRun
 
 ROOT = Path(__file__).resolve().parents[2]
 # one MoE layer of 8 experts, 128-wide: the exllamav3 layout keeps every EXL3 tensor one 128 x 128 block
-BENCH_SHAPE = replace(
-    SMOKE_SHAPE, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
-)
-
-SMOKE_ROWS = ("seed", "gate-weighted", "blend-0.5", "retained-k4", "prune25-k3", "uniform-k4")
 
 
 def _bench_module():
@@ -134,45 +125,8 @@ def test_scheduler_waits_for_the_hessian_rows_records_failures_and_keeps_the_can
 
 
 @pytest.mark.slow
-def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Path) -> None:
-    proxy = tmp_path / "proxy"
-    train_proxy(smoke_config(proxy, corpus_recipe, shape=BENCH_SHAPE), log=lambda _line: None)
-    results = tmp_path / "fidelity.json"
-    argv = [
-        sys.executable,
-        str(ROOT / "scripts" / "bench_fidelity.py"),
-        "--proxy",
-        str(proxy),
-        "--device",
-        "cpu",
-        "--layout",
-        "exllamav3",
-        "--rows",
-        "4",
-        "--tokens",
-        "32",
-        "--batch-rows",
-        "2",
-        "--heldout-rows",
-        "2",
-        "--heldout-tokens",
-        "32",
-        "--work",
-        str(tmp_path / "work"),
-        "--results",
-        str(results),
-        "--recipes",
-        ",".join(SMOKE_ROWS),
-        "--mtp-prompts",
-        "2",
-        "--mtp-new-tokens",
-        "5",
-        "--jobs",
-        "2",  # two worker processes: rows finish out of order, the file keeps the canonical one
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
-    assert run.returncode == 0, run.stderr[-3000:]
+def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
+    argv, env, results = bench_run.argv, bench_run.env, bench_run.results
     record = json.loads(results.read_text())
     rows = {r["recipe"]: r for r in record["rows"]}
     measured = [r for r in rows.values() if r.get("kl") is not None]
@@ -181,8 +135,9 @@ def test_bench_runs_end_to_end_and_summarizes(corpus_recipe: Path, tmp_path: Pat
         isinstance(r["routed_bytes"], int) and r["kl"] >= 0 and 0 <= r["top1"] <= 1 and r["ppl"] > 1 for r in measured
     )
     assert rows["blend-0.5"]["routed_bytes"] == rows["seed"]["routed_bytes"] and rows["blend-0.5"]["blend"] == 0.5
-    gated = rows["gate-weighted"]  # the same bytes from other Hessians: another artifact
+    gated = rows["gate-weighted-mul1"]  # the same bytes from other Hessians and codebook: another artifact
     assert gated["routed_bytes"] == rows["seed"]["routed_bytes"] and gated["observations"] == "gated"
+    assert gated["codebook"] == "mul1"
     assert gated["manifest_sha256"] != rows["seed"]["manifest_sha256"]
     assert rows["prune25-k3"]["at_seed_bytes"] and rows["prune25-k3"]["routed_bytes"] < rows["seed"]["routed_bytes"]
     assert rows["uniform-k4"]["kl"] < rows["seed"]["kl"] and not rows["uniform-k4"]["at_seed_bytes"]
