@@ -14,7 +14,8 @@
 #   bash scripts/device_run_model.sh "$OUT" COMMIT compiled  # decode 1k with the decode math torch.compile'd
 #   bash scripts/device_run_model.sh "$OUT" COMMIT mtp       # MTP speculation at batch 1, 1k: draft, verify and
 #                                                            # rollback ms per k = 1..3, measured tok/s (MTP resident)
-#   bash scripts/device_run_model.sh "$OUT" COMMIT tier      # the speed tier (--retained-bits 4): graphs check,
+#   bash scripts/device_run_model.sh "$OUT" COMMIT tier      # the speed tier (--retained-bits $TIER_BITS, default 4;
+#                                                            # --head-bits $TIER_HEAD_BITS when set): graphs check,
 #                                                            # decode 1k, classes, MTP; fills the report's speed_tier
 #   bash scripts/device_run_model.sh "$OUT" COMMIT serve     # `glmquant serve --load-format dummy` answers OpenAI
 #                                                            # requests (scripts/serve_probe.py)
@@ -48,7 +49,8 @@ for MODE in "${MODES[@]}"; do
     prefill) args=(--parts prefill) ;;
     compiled) args=(--quick --parts graphs,decode,classes,kernels --compile-decode) ;;
     mtp) args=(--quick --parts mtp) ;;
-    tier) args=(--quick --retained-bits 4 --parts graphs,decode,classes,mtp) ;;  # mtp: the tier's mtp_speedup
+    tier) args=(--quick --retained-bits "${TIER_BITS:-4}" ${TIER_HEAD_BITS:+--head-bits "$TIER_HEAD_BITS"}
+                --parts graphs,decode,classes,mtp) ;;  # mtp: the tier's mtp_speedup
     *) echo "mode must be checks, serve, quick, decode, prefill, compiled, mtp or tier, not $MODE" >>"$LOG"; continue ;;
   esac
   stamp "bench_model.py ${args[*]}"
