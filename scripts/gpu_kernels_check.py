@@ -246,11 +246,6 @@ def compile_reports() -> dict:
     }
     rows_sig = {"x_ptr": "*fp16", "trellis_ptr": "*i16", **common}
     gemv_sig = {"x_ptr": "*i32", "words_ptr": "*i32", **common}
-    row_sig = {
-        "x_ptr": "*fp16",
-        "trellis_ptr": "*i16",
-        **{k: v for k, v in common.items() if k not in ("job_start_ptr", "job_rows_ptr")},
-    }
 
     def consts(cfg: GemmConfig, **extra: int | bool) -> dict:
         return {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "TI": cfg.ti, "TJ": cfg.tj, **extra}
@@ -270,7 +265,8 @@ def compile_reports() -> dict:
             {"JOB_ROWS_MAX": 1, "PACKED": True, "CB": 0},
         ),
         "gemv_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 2, "PACKED": True}),
-        "row_kbit_k4": (_exl3_row_kernel, row_sig, ONE_ROW_KBIT, {"K": 4}),
+        "row_kbit_k4": (_exl3_row_kernel, rows_sig, ONE_ROW_KBIT, {"K": 4, "ROWS": 1}),
+        "row_kbit_k4_two_rows": (_exl3_row_kernel, rows_sig, ONE_ROW_KBIT, {"K": 4, "ROWS": 2}),
     }
     reports = {}
     for name, (fn, sig, cfg, extra) in cores.items():

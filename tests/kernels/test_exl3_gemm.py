@@ -14,7 +14,7 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from glmquant.exl3 import decode_inner
-from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config
+from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config, linear_job_rows
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT
 from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
@@ -39,6 +39,10 @@ BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo pl
         ("3inst", 4, 1, GemmConfig(ti=2, tj=4, split_tiles=4)),  # the one-row core (K != 2), 4 K splits, B = 4
         ("mcg", 3, 1, ONE_ROW_KBIT),  # the one-row core, one K split, B = 4 windows across chunks
         ("mul1", 6, 1, None),  # the one-row core at `linear_config`'s launch, B = 2 windows
+        ("mcg", 4, 2, None),  # the small-job core: one job of 2 rows (an MTP verify of one draft)
+        ("3inst", 3, 3, ONE_ROW_KBIT),  # a job of 3 rows in a 4-row accumulator (the 4th masked)
+        ("mul1", 2, 4, GemmConfig(ti=2, tj=4, split_tiles=4)),  # K2 beyond the GEMV core's 2 rows, 4 K splits
+        ("mcg", 2, 2, None),  # K2 at 2 rows: one two-row GEMV job
         ("mcg", 2, 70, None),  # 64-row jobs (64 + 6 rows) at `linear_config`'s launch
         ("3inst", 4, 64, GemmConfig(ti=2, tj=4, split_tiles=4)),  # one full 64-row job, 4 K splits
     ],
@@ -52,7 +56,7 @@ def test_linear_matches_exact_weight(codebook, bits, rows, cfg):
     stack = WeightStack.from_tensors([[t]], device)
     got = exl3_linear(x.to(device), stack, cfg)
     assert got.shape == (rows, 136) and got.dtype == torch.float32
-    assert rel_err(got, want) < (GEMV_ERROR_BOUND if uses_gemv(stack, 1 if rows == 1 else 16) else BOUND)
+    assert rel_err(got, want) < (GEMV_ERROR_BOUND if uses_gemv(stack, linear_job_rows(rows)) else BOUND)
 
 
 def test_output_keeps_input_dtype_and_default_config():
@@ -94,6 +98,9 @@ def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
         # a prefill chunk of 4,096 rows is 64 jobs of 64 rows: the large jobs' steps already fill the GPU
         ((4096, 4096), 4, 4096, LARGE_JOBS),
         ((4096, 4096), 4, 32, GemmConfig(split_tiles=16)),  # 32 rows: 2 jobs of 16 x 32 blocks x 16 splits
+        # an MTP verify's 2-4 rows are one job of the small-job core, at the one-row steps
+        ((4096, 4096), 4, 3, replace(ONE_ROW_KBIT, split_tiles=16)),
+        ((4096, 4096), 2, 2, GemmConfig(split_tiles=8)),  # K2, 2 rows: one GEMV job, 32 blocks x 32 splits
         # a small linear stops at the finest split that is whole steps
         ((256, 128), 5, 1, replace(ONE_ROW_KBIT, split_tiles=8)),
     ],

@@ -4,8 +4,8 @@
 Hadamard), `exl3_rows` (the decode-and-multiply core over the packed trellis, split along K into fp32
 partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router weights). The core works on
 jobs (`exl3_jobs`): rows that share one weight, decoded once per job. Jobs of one or two rows at K2 take the
-GEMV core (`exl3_gemv`: fp16 activations, fp16x2 CUDA-core products, nothing through shared memory); one-row jobs
-at other K the one-row core (`exl3_gemv_kbit`: fp32 CUDA-core products in the decode layout); other jobs the
+GEMV core (`exl3_gemv`: fp16 activations, fp16x2 CUDA-core products, nothing through shared memory); other jobs of up
+to four rows the small-job core (`exl3_gemv_kbit`: fp32 CUDA-core products in the decode layout); larger jobs the
 tensor-core core here (fp16 hi/lo activation planes, mma.sync).
 """
 
@@ -21,7 +21,7 @@ import triton.language as tl
 from glmquant.exl3 import EXL3Tensor
 from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, load_window, window_values
 from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel, packed_gemv, uses_gemv
-from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, _exl3_row_kernel
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_ROWS, _exl3_row_kernel
 from glmquant.runtime.kernels.exl3_jobs import (
     JOB_ROWS,
     LARGE_JOB_ROWS,
@@ -255,8 +255,9 @@ def exl3_rows(
         words = stack.trellis.view(torch.int32)
         extra = {"JOB_ROWS_MAX": job_rows(jobs), "PACKED": packed_gemv(xr, stack)}
         _exl3_gemv_kernel[grid](xr, words, experts, starts, counts, *common_args, **shape, **extra)
-    elif jobs is None:  # one row per job at K != 2: CUDA cores, no tile of 15 empty rows
-        _exl3_row_kernel[grid](xr, stack.trellis, experts, *common_args, **shape)
+    elif job_rows(jobs) <= SMALL_JOB_ROWS:  # CUDA cores, no 16-row tile of mostly empty rows
+        ROWS = triton.next_power_of_2(job_rows(jobs))
+        _exl3_row_kernel[grid](xr, stack.trellis, experts, starts, counts, *common_args, **shape, ROWS=ROWS)
     else:
         _exl3_rows_kernel[grid](
             xr, stack.trellis, experts, starts, counts, *common_args, **shape, JOB_M=tile_rows(job_rows(jobs))
@@ -298,9 +299,12 @@ LINEAR_SPLIT_TILES = (64, 32, 16, 8)  # K splits tried for a single linear, coar
 
 
 def linear_job_rows(rows: int) -> int:
-    """Rows per job of one linear's `rows` activation rows: 1, 16, or 64 from 64 rows (a prefill chunk: one decode
+    """Rows per job of one linear's `rows` activation rows: all of them up to `SMALL_JOB_ROWS` (batch 1 and an MTP
+    verify step: one decode of the weights, CUDA cores), then 16, or 64 from 64 rows (a prefill chunk: one decode
     of each weight block for four tensor-core tiles)."""
-    return 1 if rows == 1 else JOB_ROWS.value if rows < LARGE_JOB_ROWS else LARGE_JOB_ROWS
+    if rows <= SMALL_JOB_ROWS:
+        return rows
+    return JOB_ROWS.value if rows < LARGE_JOB_ROWS else LARGE_JOB_ROWS
 
 
 def linear_config(rows: int, stack: WeightStack, programs: int = LINEAR_PROGRAMS) -> GemmConfig:
@@ -310,14 +314,18 @@ def linear_config(rows: int, stack: WeightStack, programs: int = LINEAR_PROGRAMS
     at the expert-sized default a 4096 x 4096 linear is 128 programs at batch 1, under one per SM of an H200.
     K is cut finer until the launch reaches `programs`, a fixed count so every GPU sums alike (Triton's CPU
     interpreter runs programs one after another: `exl3_linear` asks it for the fewest); one-row
-    products take the one-row cores' steps (`ONE_ROW_GEMV` at K2, `ONE_ROW_KBIT` otherwise).
+    products take the one-row cores' steps (`ONE_ROW_GEMV` at K2, `ONE_ROW_KBIT` otherwise), and so do the
+    small-job core's jobs of 2-4 rows; two-row GEMV jobs take the default steps, as the fused MoE runs them.
     """
     _, _, kt, nt, _ = stack.trellis.shape
-    if rows > 1:
-        base = LARGE_JOBS if linear_job_rows(rows) == LARGE_JOB_ROWS else GemmConfig()
+    job = linear_job_rows(rows)
+    if job == LARGE_JOB_ROWS:
+        base = LARGE_JOBS
+    elif uses_gemv(stack, job):
+        base = ONE_ROW_GEMV if job == 1 else GemmConfig()
     else:
-        base = ONE_ROW_GEMV if uses_gemv(stack, 1) else ONE_ROW_KBIT
-    jobs = -(-rows // linear_job_rows(rows))
+        base = ONE_ROW_KBIT if job <= SMALL_JOB_ROWS else GemmConfig()
+    jobs = -(-rows // job)
     cfg = base
     for split_tiles in LINEAR_SPLIT_TILES:
         if math.gcd(kt, split_tiles) % base.ti:  # splits must be whole steps
