@@ -5,7 +5,7 @@ A batch-1 product at K != 2 (the speed tier's K4 retained linears, K3/K4 expert 
 verify step would otherwise take the tensor-core core, whose 16-row tile is mostly empty for so few rows and which
 permutes every decoded block through shared memory into (k, n) order for `tl.dot`. Here each decoded weight is
 multiplied where it is decoded by the activation of each row of the job: products accumulate in fp32 registers in
-the decode layout across the K split (one accumulator block per row), and the rows of the split are summed once at
+the decode layout across the K split (one accumulator per row), and the rows of the split are summed once at
 the end. Activations are the tensor-core core's fp16 hi/lo planes (`activation_buffer`), added in fp32:
 fp32-level results, like that core's.
 """
@@ -22,6 +22,18 @@ from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 # 4 x 8 would double them); not yet tuned on a GPU
 ONE_ROW_KBIT = GemmConfig(ti=4, tj=4)
 SMALL_JOB_ROWS = 4  # the most rows of a job this core takes (an MTP verify of 3 drafts + 1); 128 accumulators
+
+
+@triton.jit
+def _row_activation(xs, live, KT):
+    """One row's activations at `xs` (hi + lo planes in fp32), 0 where the row is past its job's end."""
+    return tl.load(xs, mask=live, other=0.0).to(tl.float32) + tl.load(xs + KT * 16, mask=live, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_row(dst, acc, cols, live):
+    """Sum one row's accumulator over the split's rows (ti, e1, e0, l4 -> [TJ, e2, g]) and store it."""
+    tl.store(dst + cols, tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=6), axis=3), axis=2), axis=0), mask=live)
 
 
 @triton.jit
@@ -46,44 +58,53 @@ def _exl3_row_kernel(
     ROWS: tl.constexpr,
 ):
     """part[s, p, row, cols] = x[p, row, k-split s] @ Q[p, expert[row]] for one 16*TJ-column block and the rows of
-    one job (ROWS = 1: program i is row i, no job tables; else up to ROWS rows from the tables).
+    one job (ROWS = 1: program i is row i, no job tables; else up to ROWS <= 4 rows from the tables).
 
     Weights are decoded as the tensor-core core decodes them, dims [ti, tj, e1, e0, e2, g, l4] (tile row, tile
-    column, ring fields: row 2 l4 + e0 + 8 e1, column g + 8 e2 of the tile), windows loaded one step ahead; the
-    accumulator has the job's rows in front.
+    column, ring fields: row 2 l4 + e0 + 8 e1, column g + 8 e2 of the tile), windows loaded one step ahead. Each
+    row has its own accumulator in that same layout (a leading row dim would make Triton move every decoded block
+    between layouts); the unused ones compile away.
     """
     row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, ROWS == 1)
-    r_ = tl.arange(0, ROWS)[:, None, None, None, None, None, None, None]
-    ti_ = tl.arange(0, TI)[None, :, None, None, None, None, None, None]
-    tj_ = tl.arange(0, TJ)[None, None, :, None, None, None, None, None]
-    e1 = tl.arange(0, 2)[None, None, None, :, None, None, None, None]
-    e0 = tl.arange(0, 2)[None, None, None, None, :, None, None, None]
-    e2 = tl.arange(0, 2)[None, None, None, None, None, :, None, None]
-    g = tl.arange(0, 8)[None, None, None, None, None, None, :, None]
-    l4 = tl.arange(0, 4)[None, None, None, None, None, None, None, :]
-    live = r_ < rows
+    ti_ = tl.arange(0, TI)[:, None, None, None, None, None, None]
+    tj_ = tl.arange(0, TJ)[None, :, None, None, None, None, None]
+    e1 = tl.arange(0, 2)[None, None, :, None, None, None, None]
+    e0 = tl.arange(0, 2)[None, None, None, :, None, None, None]
+    e2 = tl.arange(0, 2)[None, None, None, None, :, None, None]
+    g = tl.arange(0, 8)[None, None, None, None, None, :, None]
+    l4 = tl.arange(0, 4)[None, None, None, None, None, None, :]
     expert = tl.load(expert_ptr + row0).to(tl.int64)
     tiles = trellis_ptr + (p * V + expert) * (KT * NT * 16 * K) + (nb * TJ + tj_) * (16 * K)
     rows_step = NT * 16 * K  # int16 words per row of tiles
-    # the activation of each decoded weight's row: hi and lo planes of the job's rows of projection p
-    xrow = x_ptr + (p * R + row0 + r_).to(tl.int64) * (2 * KT * 16) + 16 * ti_ + 2 * l4 + e0 + 8 * e1
+    # the activation of each decoded weight's row: hi and lo planes of the job's first row of projection p
+    xrow = x_ptr + (p * R + row0).to(tl.int64) * (2 * KT * 16) + 16 * ti_ + 2 * l4 + e0 + 8 * e1
+    x_row_step = 2 * KT * 16
+    lanes = l4 * 0  # a row's liveness in the activations' shape (the interpreter rejects scalar masks)
     first = split * STEP_TILES
-    acc = tl.zeros([ROWS, TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
+    acc0 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
+    acc1 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
+    acc2 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
+    acc3 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
     win = load_window(tiles + (first + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
     for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
         # the next step's windows load while this step decodes (the last step reloads the first: unused)
         nxt = load_window(tiles + (first + (step + TI) % STEP_TILES + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
         q = window_values(win, e2, 2 * e1 + e0, K, CB, hash_mask, hash_flip).to(tl.float32)
         xs = xrow + 16 * (first + step)
-        x = tl.load(xs, mask=live, other=0.0).to(tl.float32) + tl.load(xs + KT * 16, mask=live, other=0.0).to(
-            tl.float32
-        )
-        acc += q * x
+        acc0 += q * _row_activation(xs, lanes == 0, KT)
+        if ROWS > 1:
+            acc1 += q * _row_activation(xs + x_row_step, lanes + 1 < rows, KT)
+        if ROWS > 2:
+            acc2 += q * _row_activation(xs + 2 * x_row_step, lanes + 2 < rows, KT)
+            acc3 += q * _row_activation(xs + 3 * x_row_step, lanes + 3 < rows, KT)
         win = nxt
-    # sum the rows of the split: ti, e1, e0, l4 -> [rows, TJ, e2, g]
-    col = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=7), axis=4), axis=3), axis=1)
-    cols = nb * TJ * 16 + tl.arange(0, TJ)[None, :, None, None] * 16 + tl.arange(0, 2)[None, None, :, None] * 8
-    cols += tl.arange(0, 8)[None, None, None, :]
-    r_out = tl.arange(0, ROWS)[:, None, None, None]
-    dst = part_ptr + ((split * n_proj + p) * R + row0 + r_out).to(tl.int64) * (NT * 16)
-    tl.store(dst + cols, col, mask=r_out < rows)
+    cols = nb * TJ * 16 + tl.arange(0, TJ)[:, None, None] * 16 + tl.arange(0, 2)[None, :, None] * 8
+    cols += tl.arange(0, 8)[None, None, :]
+    dst = part_ptr + ((split * n_proj + p) * R + row0).to(tl.int64) * (NT * 16)
+    out_lanes = cols * 0
+    _store_row(dst, acc0, cols, out_lanes == 0)
+    if ROWS > 1:
+        _store_row(dst + NT * 16, acc1, cols, out_lanes + 1 < rows)
+    if ROWS > 2:
+        _store_row(dst + 2 * NT * 16, acc2, cols, out_lanes + 2 < rows)
+        _store_row(dst + 3 * NT * 16, acc3, cols, out_lanes + 3 < rows)
