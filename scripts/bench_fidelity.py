@@ -330,33 +330,34 @@ def weight_error_by_role(
 
 def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, device: str) -> dict[str, Any]:
     """Greedy speculative decoding of `prompts` [N, T] with the artifact's own MTP layer drafting k = 1..3 tokens
-    (runtime.mtp_decoder.MtpDecoder on the runtime's load of the artifact): acceptance rate, tokens per verify step
-    (accepted + 1) and whether every output equals plain greedy decoding, the figures issue 18's MTP speedup
-    projection takes (docs/speculative.md)."""
+    on the runtime's engine (EngineMtpDecoder, what `serve --speculative-config` runs; CUDA graphs on CUDA):
+    acceptance rate, tokens per verify step (accepted + 1) and whether every output equals the engine's plain
+    greedy decoding, the figures issue 18's MTP speedup projection takes (docs/speculative.md)."""
+    from glmquant.runtime.artifact import open_artifact
+    from glmquant.runtime.engine import Engine, EngineDecoder
+    from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
     from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
-    from glmquant.runtime.loader import load_model
-    from glmquant.runtime.mtp_decoder import MtpDecoder
     from glmquant.runtime.options import RuntimeOptions
-    from glmquant.runtime.speculative import SpecStats, SpeculativeConfig
+    from glmquant.runtime.speculative import MAX_SPECULATIVE_TOKENS, SpecStats
 
     on_cuda = torch.device(device).type == "cuda"
     options = RuntimeOptions(
         device=device,
         dtype="bfloat16" if on_cuda else "float32",
-        expert_cache=1 << 20,  # every virtual expert decoded once
-        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+        backend="triton" if on_cuda else "torch",
+        model_impl="glmquant",
     )
-    loaded = load_model(artifact, options)
-    if loaded.mtp is None:
-        raise RuntimeError(f"{artifact}: the artifact has no MTP layer to draft with")
+    max_len = prompts.shape[1] + new_tokens + MAX_SPECULATIVE_TOKENS
+    engine = Engine.load(open_artifact(artifact), options, max_len=max_len, mtp=True)
     params = SamplingParams(max_tokens=new_tokens)
 
     def no_text(_ids: Any) -> str:
         return ""
 
-    plain = [generate(loaded.model, PromptInputs(row[None]), params, no_text).token_ids for row in prompts]
+    plain = [generate(EngineDecoder(engine), PromptInputs(row[None]), params, no_text).token_ids for row in prompts]
     out: dict[str, Any] = {
         "artifact": artifact.name,
+        "runtime": f"engine ({options.dtype}, {options.backend})",
         "prompts": prompts.shape[0],
         "prompt_tokens": prompts.shape[1],
         "new_tokens": new_tokens,
@@ -364,7 +365,7 @@ def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, devic
     for k in (1, 2, 3):
         total, equal = SpecStats(), True
         for row, reference in zip(prompts, plain):
-            run = generate(MtpDecoder(loaded.model, loaded.mtp, k), PromptInputs(row[None]), params, no_text)
+            run = generate(EngineMtpDecoder(engine, k), PromptInputs(row[None]), params, no_text)
             equal &= run.token_ids == reference
             assert run.speculative is not None  # greedy decoding with a speculative decoder
             total.steps += run.speculative.steps

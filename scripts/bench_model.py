@@ -14,8 +14,8 @@ Parts (each saved to --out as soon as it is done, so a run cut short keeps what 
               kernels that take the most device time (where "rest" and prefill time go).
 - mtp:        MTP speculative decoding at batch 1 (the engine loads its MTP layer only when this part runs): per
               k = 1..3 the ms of one draft, of one verify step (k + 1 tokens; CUDA graphs, and eager beside them) and
-              of a rollback's re-run,
-              the measured decode tok/s with speculation (random weights: acceptance ~0), and the tok/s the step
+              of a rollback (each KDA layer's state after the kept tokens copied back), the measured decode
+              tok/s with speculation (random weights: acceptance ~0), and the tok/s the step
               times give at a given number of accepted drafts per step (the formula is in the report).
 
     python scripts/bench_model.py --commit SHA [--quick] [--parts graphs,decode,prefill,classes] [--out FILE]
@@ -341,15 +341,16 @@ def kernel_profile(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, 
 
 
 ROLLBACK_NOTE = (
-    "a step with a rejected draft also pays rollback_ms (KDA states put back, the accepted tokens re-run), not in "
-    "this formula"
+    "a step with a rejected draft also pays rollback_ms (each KDA layer's state after the last kept token copied "
+    "back), not in this formula"
 )
 SPEC_FORMULA = f"tok/s = 1000 x (1 + accepted drafts per step) / (draft_ms x k + verify_ms); {ROLLBACK_NOTE}"
 
 
 def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
     """Batch 1 at the first context: per k, ms per draft (one MTP position), per verify step (k + 1 tokens against
-    the static caches, KDA states saved first) and per rollback (states put back and one token re-run), each as
+    the static caches, each token's KDA states recorded) and per rollback (the states after the first token copied
+    back), each as
     EngineMtpDecoder runs it (CUDA graphs where the engine has them; the eager verify beside it); then `steps`
     speculative steps through EngineMtpDecoder timed end to end (tokens / s actually produced)."""
     from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
@@ -373,18 +374,13 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
         engine.draft(0, one, tokens, context, graphs)
 
     def rollback() -> None:
-        engine.restore_recurrent(0, saved)
-        if graphs:
-            engine.verify(0, tokens, context, graphs=True)
-        else:
-            engine.prefill_hidden(0, tokens, context, run=engine.decode_run)
+        engine.keep_verified(0, 1)
 
     rows = []
     for k in range(1, MAX_K + 1):
         step_ids = random_ids(engine, k + 1, seed=k).to(engine.device)
 
         def verify(step_ids: torch.Tensor = step_ids, graphed: bool = graphs) -> None:
-            engine.save_recurrent(0)
             engine.verify(0, step_ids, context, graphed)
             engine.restore_recurrent(0, saved)  # the next rep verifies from the same state
 
@@ -427,7 +423,7 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
         "graphs": graphs,
         "verify": "draft_ms, verify_ms and rollback_ms as EngineMtpDecoder runs them: one CUDA graph per token "
         "count where CUDA graphs run (graphs: true), else eager; verify_eager_ms the same verify eager on the "
-        "prefill math, and verify_graph_max_abs_logit_diff its largest logit difference from the graph's; the "
+        "decode math, and verify_graph_max_abs_logit_diff its largest logit difference from the graph's; the "
         "plain step graph-replayed where CUDA graphs run",
         "formula": SPEC_FORMULA,
         "rows": rows,

@@ -1,7 +1,8 @@
 """MTP speculative decoding on the runtime's own engine: the engine's MTP layer equals `runtime.mtp.MtpLayer` on
 the same weights, and greedy output with k = 1, 2, 3 drafts equals the engine's plain greedy, token for token,
-with a random MTP layer (every draft rejected: KDA restores and one-token re-runs) and with an oracle drafter
-(full and partial acceptance: the verify forward's logits kept, MLA positions rewritten after a cut)."""
+with a random MTP layer (every draft rejected: each KDA layer's state after the kept token copied back from the
+verify step's history) and with an oracle drafter (full and partial acceptance: the verify forward's logits kept,
+MLA positions rewritten after a cut)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,24 @@ def test_engine_mtp_layer_equals_the_mtp_module(tr3_f32: LoadedModel, engine: En
         torch.testing.assert_close(out, want_out[0], rtol=0, atol=1e-5)
 
 
+def test_keep_verified_puts_back_the_states_after_the_kept_tokens(engine: Engine) -> None:
+    """A 4-token verify cut back to 2 tokens leaves every KDA state and conv input as a 2-token verify from the
+    same start does (to rounding: a matmul's rows need not round alike at another row count; measured 3e-7;
+    the 4 tokens moved them by 1.0)."""
+    ids = PROMPT.input_ids.view(-1)
+    engine.prefill(0, ids)
+    start, before = ids.numel(), engine.save_recurrent(0)
+    step = torch.tensor([5, 6, 7, 8])
+    engine.verify(0, step[:2], start)
+    want = engine.save_recurrent(0)
+    engine.restore_recurrent(0, before)
+    engine.verify(0, step, start)
+    moved = max(float((a - b).abs().max()) for a, b in zip(engine.save_recurrent(0), want))
+    engine.keep_verified(0, 2)
+    diff = max(float((a - b).abs().max()) for a, b in zip(engine.save_recurrent(0), want, strict=True))
+    assert moved > 0.1 and diff < 1e-5
+
+
 @pytest.mark.parametrize("k", [pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)])
 def test_engine_speculation_equals_plain_greedy(engine: Engine, plain: Generation, k: int) -> None:
     decoder = EngineMtpDecoder(engine, k)
@@ -112,7 +131,7 @@ def test_engine_accepted_drafts_and_rollbacks_keep_greedy_output(engine: Engine,
 @pytest.mark.slow
 def test_bf16_speculation_with_every_draft_rejected_is_plain_decoding(artifacts: dict[str, Path]) -> None:
     """BF16 on the CPU: the random MTP layer's drafts are all rejected, and each step's token comes from the
-    one-token re-run on the decode math, so the output is plain greedy's."""
+    verify step's first row on the decode math, the same as plain greedy's one-token step."""
     engine = Engine.load(open_artifact(artifacts["tr3"]), RuntimeOptions(dtype="bfloat16"), max_len=64, mtp=True)
     plain = generate(EngineDecoder(engine), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
     for k in (1, 3):

@@ -89,17 +89,24 @@ def kda_block(x: torch.Tensor, w: KDAWeights, cache: KDACache, run: Run) -> torc
     cfg, ops = run.cfg, run.ops
     width, d, heads = cfg.kda_width, cfg.kda_head_dim, cfg.kda_heads
     qkv, f_a, g_a, b = project(x, w.in_proj).split([3 * width, d, d, heads], dim=-1)
-    q, k, v = causal_conv(qkv, w.conv, cache.conv).unflatten(-1, (3, heads, d)).unbind(-3)
+    history = cache.history
+    windows = None if history is None else history.windows
+    q, k, v = causal_conv(qkv, w.conv, cache.conv, windows).unflatten(-1, (3, heads, d)).unbind(-3)
     g = ops.kda_gate(project(f_a, w.f_b), w.dt_bias, w.a_log, cfg.kda_lower_bound, d)
-    out = kda(q, k, v, g, torch.sigmoid(b), cache.state)
+    out = kda(q, k, v, g, torch.sigmoid(b), cache.state, None if history is None else history.states)
     gate = project(g_a, w.g_b).unflatten(-1, (heads, d))
     return project(ops.gated_rms_norm(out, gate, w.o_norm, cfg.rms_eps).flatten(-2), w.o_proj)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, windows: torch.Tensor | None = None
+) -> torch.Tensor:
     """Depthwise causal conv + SiLU of x [B, S, C] after the cached inputs state [B, kernel - 1, C] (updated);
-    fp32 like the conv weight [C, kernel], returned in x's dtype."""
+    fp32 like the conv weight [C, kernel], returned in x's dtype. `windows` (one sequence's verify step) gets
+    the cached inputs and x: any prefix's conv state can be put back from it."""
     window = torch.cat([state, x], dim=1)
+    if windows is not None:
+        windows[: window.shape[1]].copy_(window[0])
     state.copy_(window[:, -state.shape[1] :])
     if x.shape[1] == 1:
         out = (window.float() * weight.t()).sum(dim=1, keepdim=True)

@@ -75,7 +75,7 @@ class Engine:
         return cls(
             cfg,
             weights,
-            Caches.allocate(cfg, max_batch, max_len, dtype, device),
+            Caches.allocate(cfg, max_batch, max_len, dtype, device, _verify_tokens(mtp)),
             prefill_run,
             decode_run,
             _graphs(device) if cuda_graphs else None,
@@ -161,28 +161,35 @@ class Engine:
         self, slot: int, token_ids: torch.Tensor, start: int, graphs: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Speculative decoding's verify step: S tokens (the last token and k drafts) at positions start ..
-        start + S - 1 of `slot` in one forward against the static caches: (logits [S, V], final hidden states
-        [S, H]). MLA caches take the new positions (a rollback is only a shorter length: later positions are
-        overwritten before they are read); KDA states advance over all S (`save_recurrent` first). Eager on the
-        prefill math, or with `graphs` (where the engine has CUDA graphs) one graph per (slot, S, indexer window)
-        on the decode math."""
-        if not graphs or self.graphs is None:
-            hidden = self.prefill_hidden(slot, token_ids, start)
-            return self.lm_head(hidden), hidden
+        start + S - 1 of `slot` in one forward on the decode math against the static caches: (logits [S, V],
+        final hidden states [S, H]). MLA caches take the new positions (a rollback is only a shorter length: later
+        positions are overwritten before they are read); KDA states advance over all S and record each token's
+        (`keep_verified` cuts them back). With `graphs` (where the engine has CUDA graphs) one graph per (slot,
+        S, indexer window)."""
         s = token_ids.numel()
+        if not 0 < s <= MAX_SPECULATIVE_TOKENS + 1:
+            raise UsageError(f"a verify step takes 1 to {MAX_SPECULATIVE_TOKENS + 1} tokens, not {s}")
         self._check_room(slot, start + s)
         tokens = token_ids.to(self.device).view(1, s)
         positions = torch.arange(start, start + s, device=self.device).view(1, s)
         pools = self.pools_for(start + s)
         step = partial(self._verify_step, slot=slot, pools=pools)
-        hidden = self.graphs(("verify", slot, pools), step, tokens, positions)[0].clone()
+        if graphs and self.graphs is not None:
+            hidden = self.graphs(("verify", slot, pools), step, tokens, positions)[0].clone()
+        else:
+            hidden = step(tokens, positions)[0]
         return self.lm_head(hidden), hidden
 
     def _verify_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, pools: int) -> torch.Tensor:
-        return self.hidden_states(tokens, positions, self.caches.rows(slot, slot + 1), pools, self.decode_run)
+        rows = self.caches.rows(slot, slot + 1, history=True)
+        return self.hidden_states(tokens, positions, rows, pools, self.decode_run)
+
+    def keep_verified(self, slot: int, tokens: int) -> None:
+        """After a verify step in `slot`: only its first `tokens` tokens stand (the rest were rejected drafts)."""
+        self.caches.keep(slot, tokens)
 
     def save_recurrent(self, slot: int) -> list[torch.Tensor]:
-        """Copies of `slot`'s KDA conv inputs and recurrent states (they cannot be cut back like MLA caches)."""
+        """Copies of `slot`'s KDA conv inputs and recurrent states (a benchmark repeats a step from one state)."""
         return [t[slot].clone() for c in self.caches.layers if isinstance(c, KDACache) for t in (c.conv, c.state)]
 
     def restore_recurrent(self, slot: int, saved: list[torch.Tensor]) -> None:
@@ -255,7 +262,7 @@ class Engine:
         del self.caches  # the old caches are freed before the new ones are allocated
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        self.caches = Caches.allocate(self.cfg, max_batch, max_len, dtype, device)
+        self.caches = Caches.allocate(self.cfg, max_batch, max_len, dtype, device, _verify_tokens(mtp))
         if mtp:
             self.mtp_cache = allocate_mtp_cache(self.cfg, max_batch, max_len, dtype, device)
         self.graphs = _graphs(device) if self.cuda_graphs else None
@@ -275,6 +282,11 @@ class Engine:
             raise UsageError(f"slot {slot} is outside the engine's {self.caches.max_batch} cache slots")
         if end > self.caches.max_len:
             raise UsageError(f"{end} tokens exceed the engine's cache of {self.caches.max_len} tokens per sequence")
+
+
+def _verify_tokens(mtp: bool) -> int:
+    """Tokens of the KDA history a verify step records: speculation's most (with the MTP layer), else none."""
+    return MAX_SPECULATIVE_TOKENS + 1 if mtp else 0
 
 
 def _graphs(device: torch.device) -> StepGraphs | None:

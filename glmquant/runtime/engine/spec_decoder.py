@@ -6,14 +6,16 @@ One step from the last token t at position L (the slot holds L positions):
 1. Draft: the MTP layer reads every target hidden state it has not read yet, paired with the next token (the
    last with t), and drafts d1; for k > 1 it drafts d2..dk from its own output at positions L + 1.. (its static
    cache keeps them until later positions overwrite them: cutting it is only not counting them).
-2. Verify: `Engine.verify` runs [t, d1..dk] at positions L..L + k in one forward: k + 1 logits.
+2. Verify: `Engine.verify` runs [t, d1..dk] at positions L..L + k in one forward on the decode math: k + 1
+   logits, and each KDA layer's state after every token.
 3. Roll back after a rejection at draft n + 1: the MLA caches need nothing (positions past L + n are rewritten
-   before they are read); the KDA states saved before the verify are put back and t, d1..dn run again (for
-   n = 0 that is plain decoding's one-token step), whose last logits give the target's next token.
+   before they are read); each KDA layer takes back its state and conv inputs as they were after d_n
+   (`Engine.keep_verified`, a copy). The verify's logits at t, d1..dn stand: the target's next token is the
+   last's argmax. (Before, the states were put back to before the verify and t, d1..dn re-run: a whole decode
+   step, 34 ms of the H200's 43 ms verify at k = 1.)
 
-Where the engine has CUDA graphs (`graphs`, the default), drafts, verify steps and re-runs replay one graph per
-token count on the decode math: eager, a verify step of the full model costs ~10x its graph (H200: 212 vs 23 ms
-at k = 1, docs/speculative.md). Eager (`graphs=False`, or no graphs) they run the prefill math.
+Where the engine has CUDA graphs (`graphs`, the default), drafts and verify steps replay one graph per token
+count: eager, a verify step of the full model costs ~7x its graph (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -74,24 +76,14 @@ class EngineMtpDecoder(EngineDecoder):
         engine, start = self.engine, self.position
         drafts = self._draft(token)
         ids = [token, *drafts]
-        saved = engine.save_recurrent(self.slot)
         logits, hidden = engine.verify(self.slot, self._ids(ids), start, self.graphs)  # [k + 1, V], [k + 1, H]
         greedy = logits.argmax(-1).tolist()
         n = 0
         while n < len(drafts) and drafts[n] == greedy[n]:
             n += 1
+        if n < len(drafts):
+            engine.keep_verified(self.slot, n + 1)  # the KDA states after t, d1..dn: the rejected drafts undone
         out = list(logits[: n + 1])
-        if n < len(drafts):  # KDA states back to before the verify, then the accepted tokens again
-            engine.restore_recurrent(self.slot, saved)
-            if self.graphs and engine.graphs is not None:
-                rerun, hidden = engine.verify(self.slot, self._ids(ids[: n + 1]), start, graphs=True)
-                out[n] = rerun[-1]
-            else:
-                # n = 0: a one-token forward on the decode math, as plain decoding's step (eager: the hidden state
-                # is kept for the MTP layer)
-                run = engine.decode_run if n == 0 else None
-                hidden = engine.prefill_hidden(self.slot, self._ids(ids[: n + 1]), start, run=run)
-                out[n] = engine.lm_head(hidden[-1])
         self.position = start + n + 1
         self._hidden, self._hidden_at, self._next = hidden[: n + 1], start, drafts[:n]
         self.stats.steps += 1

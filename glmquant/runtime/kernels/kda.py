@@ -37,14 +37,43 @@ def _functions(fla: bool) -> tuple[KDAFunction, KDAFunction]:
 
 
 def kda(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KDA over S new tokens from `state`; returns the output [B, S, heads, dv] and leaves the final state in
-    `state`. Up to RECURRENT_TOKENS per sequence take the recurrent kernel (decode, and speculation's verify steps
-    and re-runs: the same per-token recurrence as one-token steps, without the chunked kernel's set-up), more the
-    chunked one (prefill)."""
+    `state`. Up to RECURRENT_TOKENS per sequence take the recurrent kernel (decode, and speculation's verify steps:
+    the same per-token recurrence as one-token steps, without the chunked kernel's set-up), more the chunked one
+    (prefill). `states` [S, heads, dk, dv] (one sequence's verify step) gets the state after every token: the
+    recurrence then runs token by token."""
     recurrent, chunked = _functions(uses_fla(q.device))
-    fn = recurrent if q.shape[1] <= RECURRENT_TOKENS else chunked
-    out, final = fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    state.copy_(final)
-    return out
+    if states is None:
+        fn = recurrent if q.shape[1] <= RECURRENT_TOKENS else chunked
+        out, final = fn(
+            q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+        state.copy_(final)
+        return out
+    if q.shape[0] != 1 or q.shape[1] > states.shape[0]:
+        raise ValueError(f"a KDA history of {states.shape[0]} tokens of one sequence cannot take {tuple(q.shape[:2])}")
+    outs = []
+    for t in range(q.shape[1]):
+        at = slice(t, t + 1)
+        out, final = recurrent(
+            q[:, at],
+            k[:, at],
+            v[:, at],
+            g=g[:, at],
+            beta=beta[:, at],
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        state.copy_(final)
+        states[t].copy_(final[0])
+        outs.append(out)
+    return torch.cat(outs, dim=1)
