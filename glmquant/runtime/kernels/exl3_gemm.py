@@ -307,7 +307,9 @@ def linear_job_rows(rows: int) -> int:
     return JOB_ROWS.value if rows < LARGE_JOB_ROWS else LARGE_JOB_ROWS
 
 
-def linear_config(rows: int, stack: WeightStack, programs: int = LINEAR_PROGRAMS) -> GemmConfig:
+def linear_config(
+    rows: int, stack: WeightStack, programs: int = LINEAR_PROGRAMS, base: GemmConfig | None = None
+) -> GemmConfig:
     """Launch shape of one linear's core for `rows` activation rows.
 
     A linear has one job per 16 rows (one per row at one row), so only column blocks and K splits make programs:
@@ -316,15 +318,11 @@ def linear_config(rows: int, stack: WeightStack, programs: int = LINEAR_PROGRAMS
     interpreter runs programs one after another: `exl3_linear` asks it for the fewest); one-row
     products take the one-row cores' steps (`ONE_ROW_GEMV` at K2, `ONE_ROW_KBIT` otherwise), and so do the
     small-job core's jobs of 2-4 rows; two-row GEMV jobs take the default steps, as the fused MoE runs them.
+    `base` overrides the steps (a launch-shape sweep, `scripts/bench_exl3_linear.py`).
     """
     _, _, kt, nt, _ = stack.trellis.shape
     job = linear_job_rows(rows)
-    if job == LARGE_JOB_ROWS:
-        base = LARGE_JOBS
-    elif uses_gemv(stack, job):
-        base = ONE_ROW_GEMV if job == 1 else GemmConfig()
-    else:
-        base = ONE_ROW_KBIT if job <= SMALL_JOB_ROWS else GemmConfig()
+    base = base or _linear_steps(job, stack)
     jobs = -(-rows // job)
     cfg = base
     for split_tiles in LINEAR_SPLIT_TILES:
@@ -334,6 +332,15 @@ def linear_config(rows: int, stack: WeightStack, programs: int = LINEAR_PROGRAMS
         if jobs * (nt // base.tj) * cfg.splits(kt) >= programs:
             break
     return cfg
+
+
+def _linear_steps(job: int, stack: WeightStack) -> GemmConfig:
+    """The steps (ti, tj, warps) of a linear's core for jobs of `job` rows."""
+    if job == LARGE_JOB_ROWS:
+        return LARGE_JOBS
+    if uses_gemv(stack, job):
+        return ONE_ROW_GEMV if job == 1 else GemmConfig()
+    return ONE_ROW_KBIT if job <= SMALL_JOB_ROWS else GemmConfig()
 
 
 def exl3_linear(

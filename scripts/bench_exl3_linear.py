@@ -1,0 +1,171 @@
+"""Launch shapes of the small-job core (`exl3_gemv_kbit`) on the speed tier's retained linears: time one EXL3
+linear (rotations + core + output) per config at 1, 2 and 4 rows, for the shapes GLM-5.3-Flash's K4 retained
+linears have, and report GB/s of trellis read. Picks what `ONE_ROW_KBIT` should be (docs/kernels.md).
+
+Each measurement replays a CUDA graph of `--copies` linears of one shape, each its own weights (more bytes than the
+L2 holds, as in a decode step), and takes the median of `--reps` replays. Configs whose accumulators would pass
+128 fp32 registers per thread are skipped; K splits are chosen as `linear_config` chooses them.
+
+    python scripts/bench_exl3_linear.py --out bench/results/exl3_linear_sweep_h200.json [--bits 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glmquant.fixtures.random_artifact import random_exl3
+from glmquant.runtime.kernels.exl3_gemm import exl3_linear, linear_config
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT
+from glmquant.runtime.kernels.exl3_jobs import GemmConfig, WeightStack
+
+# (name, in_features, out_features) of GLM-5.3-Flash's retained linears (tests/data/glm-5.3-flash/config.json)
+SHAPES = (
+    ("kda_in_proj", 4096, 24896),  # q, k, v (3 x 64 heads x 128), f_a, g_a (128 each), beta (64)
+    ("kda_o_proj", 8192, 4096),
+    ("shared_gate_up", 4096, 4096),
+    ("shared_down", 2048, 4096),
+)
+CANDIDATES = tuple(
+    GemmConfig(ti=ti, tj=tj, num_warps=w) for ti in (2, 4, 8) for tj in (2, 4) for w in (2, 4, 8)
+)  # split_tiles set per shape by `linear_config`
+MAX_ACCUMULATORS = 128  # fp32 registers per thread for the rows' accumulators
+
+
+def accumulators(cfg: GemmConfig, rows: int) -> int:
+    """fp32 accumulator registers per thread: a [ti, tj] block of 16 x 16 tiles per row, over the warps' lanes."""
+    return cfg.ti * cfg.tj * 256 * rows // (32 * cfg.num_warps)
+
+
+def fits(cfg: GemmConfig, stack: WeightStack, rows: int) -> bool:
+    _, _, kt, nt, _ = stack.trellis.shape
+    return kt % cfg.ti == 0 and nt % cfg.tj == 0 and accumulators(cfg, rows) <= MAX_ACCUMULATORS
+
+
+def linears(x: torch.Tensor, stacks: list[WeightStack], cfg: GemmConfig) -> None:
+    for stack in stacks:
+        exl3_linear(x, stack, cfg)
+
+
+def timed_us(fn: Any, reps: int) -> float:
+    """Median µs of a CUDA graph replay of `fn`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(0)
+    device = torch.device("cuda")
+    deadline = time.monotonic() + args.max_seconds  # each config compiles first: a cap keeps a call's results
+    out = []
+    for name, inf, outf in SHAPES:
+        stacks = [WeightStack.single(random_exl3(inf, outf, gen, args.bits), device) for _ in range(args.copies)]
+        nbytes = sum(s.trellis.numel() * s.trellis.element_size() for s in stacks)
+        for rows in args.rows:
+            x = torch.randn(rows, inf, generator=gen).to(device, torch.bfloat16)
+            default = linear_config(rows, stacks[0])
+            for cand in (default, *CANDIDATES):
+                if not fits(cand, stacks[0], rows) or time.monotonic() > deadline:
+                    continue
+                cfg = linear_config(rows, stacks[0], base=cand)  # K splits as for the default: ~1,024 programs
+                try:
+                    us = timed_us(partial(linears, x, stacks, cfg), args.reps)
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is recorded, not fatal
+                    out.append({"shape": name, "rows": rows, "config": asdict(cfg), "error": repr(exc)[:500]})
+                    continue
+                row = {
+                    "shape": name,
+                    "in_features": inf,
+                    "out_features": outf,
+                    "rows": rows,
+                    "config": asdict(cfg),
+                    "is_default": cand is default,
+                    "us_per_linear": round(us / args.copies, 2),
+                    "trellis_gb_s": round(nbytes / (us * 1e-6) / 1e9, 1),
+                }
+                print(json.dumps(row), flush=True)
+                out.append(row)
+    return out
+
+
+def best(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per row count, the candidate with the least time summed over every shape, against the default's."""
+    summary: dict[str, Any] = {}
+    for n in sorted({r["rows"] for r in rows}):
+        at = [r for r in rows if r["rows"] == n and "us_per_linear" in r]
+        shapes = {r["shape"] for r in at}
+        totals: dict[str, float] = {}
+        covered: dict[str, set[str]] = {}
+        for r in at:
+            if r["is_default"]:
+                continue
+            key = json.dumps({k: r["config"][k] for k in ("ti", "tj", "num_warps")})
+            totals[key] = totals.get(key, 0.0) + r["us_per_linear"]
+            covered.setdefault(key, set()).add(r["shape"])
+        default = sum(r["us_per_linear"] for r in at if r["is_default"])
+        top = min(((k, v) for k, v in totals.items() if covered[k] == shapes), key=lambda kv: kv[1], default=None)
+        summary[f"rows_{n}"] = {
+            "default_us": round(default, 2),
+            "best": json.loads(top[0]) if top else None,
+            "best_us": round(top[1], 2) if top else None,
+            "speedup": round(default / top[1], 3) if top else None,
+        }
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--copies", type=int, default=8, help="linears of one shape per graph, each its own weights")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4])
+    ap.add_argument("--max-seconds", type=float, default=1e9, help="measure no new config after this long")
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_exl3_linear.py times CUDA kernels: no CUDA GPU here")
+    import triton
+
+    rows = sweep(args)
+    report = {
+        "command": "python scripts/bench_exl3_linear.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "commit": args.commit,
+        "gpu": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__},
+        "bits": args.bits,
+        "default_one_row": asdict(ONE_ROW_KBIT),
+        "summary": best(rows),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
