@@ -1,6 +1,6 @@
 """Launch shapes of the small-job core (`exl3_gemv_kbit`) on the speed tier's retained linears: time one EXL3
 linear (rotations + core + output) per config at 1, 2 and 4 rows, for the shapes GLM-5.3-Flash's K4 retained
-linears have, and report GB/s of trellis read. Picks what `ONE_ROW_KBIT` should be (docs/kernels.md).
+linears have, and report GB/s of trellis read. Picks `ONE_ROW_KBIT` and `SMALL_JOB_KBIT` (docs/kernels.md).
 
 Each measurement replays a CUDA graph of `--copies` linears of one shape, each its own weights (more bytes than the
 L2 holds, as in a decode step), and takes the median of `--reps` replays. Configs whose accumulators would pass
@@ -24,7 +24,7 @@ import torch
 
 from glmquant.fixtures.random_artifact import random_exl3
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, linear_config
-from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, WeightStack
 
 # (name, in_features, out_features) of GLM-5.3-Flash's retained linears (tests/data/glm-5.3-flash/config.json)
@@ -35,7 +35,7 @@ SHAPES = (
     ("shared_down", 2048, 4096),
 )
 CANDIDATES = tuple(
-    GemmConfig(ti=ti, tj=tj, num_warps=w) for ti in (2, 4, 8) for tj in (2, 4) for w in (2, 4, 8)
+    GemmConfig(ti=ti, tj=tj, num_warps=w) for ti in (1, 2, 4, 8) for tj in (1, 2, 4) for w in (1, 2, 4, 8)
 )  # split_tiles set per shape by `linear_config`
 MAX_ACCUMULATORS = 128  # fp32 registers per thread for the rows' accumulators
 
@@ -158,7 +158,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "bits": args.bits,
-        "default_one_row": asdict(ONE_ROW_KBIT),
+        "defaults": {"one_row": asdict(ONE_ROW_KBIT), "small_jobs": asdict(SMALL_JOB_KBIT)},
         "summary": best(rows),
         "rows": rows,
     }

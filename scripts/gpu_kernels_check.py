@@ -230,7 +230,7 @@ def compile_reports() -> dict:
     setmaxnreg). Needs triton only, no GPU."""
     from glmquant.runtime.kernels.exl3_gemm import _exl3_rows_kernel
     from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel
-    from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, _exl3_row_kernel
+    from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, _exl3_row_kernel
 
     common = {
         "expert_ptr": "*i32",
@@ -266,7 +266,7 @@ def compile_reports() -> dict:
         ),
         "gemv_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 2, "PACKED": True}),
         "row_kbit_k4": (_exl3_row_kernel, rows_sig, ONE_ROW_KBIT, {"K": 4, "ROWS": 1}),
-        "row_kbit_k4_two_rows": (_exl3_row_kernel, rows_sig, ONE_ROW_KBIT, {"K": 4, "ROWS": 2}),
+        "row_kbit_k4_two_rows": (_exl3_row_kernel, rows_sig, SMALL_JOB_KBIT, {"K": 4, "ROWS": 2}),
     }
     reports = {}
     for name, (fn, sig, cfg, extra) in cores.items():

@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from glmquant.exl3 import decode_inner
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config, linear_job_rows
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
-from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT
 from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
 
 BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo planes, Hadamards as fp32 butterflies
@@ -40,7 +40,7 @@ BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo pl
         ("mcg", 3, 1, ONE_ROW_KBIT),  # the one-row core, one K split, B = 4 windows across chunks
         ("mul1", 6, 1, None),  # the one-row core at `linear_config`'s launch, B = 2 windows
         ("mcg", 4, 2, None),  # the small-job core: one job of 2 rows (an MTP verify of one draft)
-        ("3inst", 3, 3, ONE_ROW_KBIT),  # a job of 3 rows in a 4-row accumulator (the 4th masked)
+        ("3inst", 3, 3, SMALL_JOB_KBIT),  # a job of 3 rows in a 4-row accumulator (the 4th masked)
         ("mul1", 2, 4, GemmConfig(ti=2, tj=4, split_tiles=4)),  # K2 beyond the GEMV core's 2 rows, 4 K splits
         ("mcg", 2, 2, None),  # K2 at 2 rows: one two-row GEMV job
         ("mcg", 2, 70, None),  # 64-row jobs (64 + 6 rows) at `linear_config`'s launch
@@ -88,7 +88,7 @@ def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
     [
         # batch 1, K4, 4096 x 4096 (the one-row core's 4 x 4 steps): 64 column blocks x 16 K splits = 1,024 programs;
         # the expert-sized default made 128
-        ((4096, 4096), 4, 1, replace(ONE_ROW_KBIT, split_tiles=16)),
+        ((4096, 4096), 4, 1, replace(ONE_ROW_KBIT, split_tiles=32)),  # 128 blocks x 8 splits
         # batch 1, K4, 4096 -> 16,384: 256 blocks x 4 splits reach 1,024 at the coarsest split
         ((4096, 16384), 4, 1, replace(ONE_ROW_KBIT, split_tiles=64)),
         # batch 1 at K2 takes the GEMV core's one-row steps (8 x 4 tiles); 16 blocks x 32 splits = 512 programs
@@ -98,8 +98,8 @@ def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
         # a prefill chunk of 4,096 rows is 64 jobs of 64 rows: the large jobs' steps already fill the GPU
         ((4096, 4096), 4, 4096, LARGE_JOBS),
         ((4096, 4096), 4, 32, GemmConfig(split_tiles=16)),  # 32 rows: 2 jobs of 16 x 32 blocks x 16 splits
-        # an MTP verify's 2-4 rows are one job of the small-job core, at the one-row steps
-        ((4096, 4096), 4, 3, replace(ONE_ROW_KBIT, split_tiles=16)),
+        # an MTP verify's 2-4 rows are one job of the small-job core, at its own steps
+        ((4096, 4096), 4, 3, replace(SMALL_JOB_KBIT, split_tiles=16)),
         ((4096, 4096), 2, 2, GemmConfig(split_tiles=8)),  # K2, 2 rows: one GEMV job, 32 blocks x 32 splits
         # a small linear stops at the finest split that is whole steps
         ((256, 128), 5, 1, replace(ONE_ROW_KBIT, split_tiles=8)),

@@ -21,7 +21,7 @@ import triton.language as tl
 from glmquant.exl3 import EXL3Tensor
 from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, load_window, window_values
 from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel, packed_gemv, uses_gemv
-from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_ROWS, _exl3_row_kernel
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, SMALL_JOB_ROWS, _exl3_row_kernel
 from glmquant.runtime.kernels.exl3_jobs import (
     JOB_ROWS,
     LARGE_JOB_ROWS,
@@ -316,8 +316,8 @@ def linear_config(
     at the expert-sized default a 4096 x 4096 linear is 128 programs at batch 1, under one per SM of an H200.
     K is cut finer until the launch reaches `programs`, a fixed count so every GPU sums alike (Triton's CPU
     interpreter runs programs one after another: `exl3_linear` asks it for the fewest); one-row
-    products take the one-row cores' steps (`ONE_ROW_GEMV` at K2, `ONE_ROW_KBIT` otherwise), and so do the
-    small-job core's jobs of 2-4 rows; two-row GEMV jobs take the default steps, as the fused MoE runs them.
+    products take the one-row cores' steps (`ONE_ROW_GEMV` at K2, `ONE_ROW_KBIT` otherwise), the small-job core's
+    jobs of 2-4 rows `SMALL_JOB_KBIT`; two-row GEMV jobs take the default steps, as the fused MoE runs them.
     `base` overrides the steps (a launch-shape sweep, `scripts/bench_exl3_linear.py`).
     """
     _, _, kt, nt, _ = stack.trellis.shape
@@ -340,7 +340,9 @@ def _linear_steps(job: int, stack: WeightStack) -> GemmConfig:
         return LARGE_JOBS
     if uses_gemv(stack, job):
         return ONE_ROW_GEMV if job == 1 else GemmConfig()
-    return ONE_ROW_KBIT if job <= SMALL_JOB_ROWS else GemmConfig()
+    if job == 1:
+        return ONE_ROW_KBIT
+    return SMALL_JOB_KBIT if job <= SMALL_JOB_ROWS else GemmConfig()
 
 
 def exl3_linear(

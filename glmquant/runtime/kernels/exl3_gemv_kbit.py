@@ -18,10 +18,12 @@ import triton.language as tl
 from glmquant.runtime.kernels.exl3_decode import load_window, window_values
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 
-# 4 x 4 tiles per step: a 4,096-weight block, 32 fp32 accumulators per thread and row at 4 warps (the default
-# 4 x 8 would double them); not yet tuned on a GPU
-ONE_ROW_KBIT = GemmConfig(ti=4, tj=4)
-SMALL_JOB_ROWS = 4  # the most rows of a job this core takes (an MTP verify of 3 drafts + 1); 128 accumulators
+# Steps of 2 x 2 tiles (one row) and 2 x 4 (2-4 rows) at 2 warps: the fastest of 18 shapes on the speed tier's
+# K4 retained linears on an H200, 1.60x and 1.42x the 4 x 4 at 4 warps they replace
+# (bench/results/exl3_linear_sweep_h200.json, scripts/bench_exl3_linear.py)
+ONE_ROW_KBIT = GemmConfig(ti=2, tj=2, num_warps=2)
+SMALL_JOB_KBIT = GemmConfig(ti=2, tj=4, num_warps=2)
+SMALL_JOB_ROWS = 4  # the most rows of a job this core takes (an MTP verify of 3 drafts + 1)
 
 
 @triton.jit
