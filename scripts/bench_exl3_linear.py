@@ -83,12 +83,14 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     deadline = time.monotonic() + args.max_seconds  # each config compiles first: a cap keeps a call's results
     out = []
     for name, inf, outf in SHAPES:
+        if name not in args.shapes:
+            continue
         stacks = [WeightStack.single(random_exl3(inf, outf, gen, args.bits), device) for _ in range(args.copies)]
         nbytes = sum(s.trellis.numel() * s.trellis.element_size() for s in stacks)
         for rows in args.rows:
             x = torch.randn(rows, inf, generator=gen).to(device, torch.bfloat16)
             default = linear_config(rows, stacks[0])
-            for cand in (default, *CANDIDATES):
+            for cand in (default, *(c for c in CANDIDATES if c.num_warps in args.warps and c.ti in args.ti)):
                 if not fits(cand, stacks[0], rows) or time.monotonic() > deadline:
                     continue
                 cfg = linear_config(rows, stacks[0], base=cand)  # K splits as for the default: ~1,024 programs
@@ -144,6 +146,9 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=8, help="linears of one shape per graph, each its own weights")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4])
+    ap.add_argument("--shapes", type=lambda v: v.split(","), default=[name for name, _, _ in SHAPES])
+    ap.add_argument("--warps", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 8])
+    ap.add_argument("--ti", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--max-seconds", type=float, default=1e9, help="measure no new config after this long")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
