@@ -93,6 +93,7 @@ class Recipe:
     observations: str = "full"  # full | small (a quarter of the calibration rows) | gated (gate-weighted natural)
     reference: bool = False  # above the seed's bytes on purpose
     retained_bits: int | None = None  # the speed tier: retained linears EXL3 at this K (issue 18's KL cost)
+    head_bits: int | None = None  # and lm_head EXL3 at this K (`encode --head-bits`)
 
 
 def recipes(experts: int) -> list[Recipe]:
@@ -121,6 +122,13 @@ def recipes(experts: int) -> list[Recipe]:
                 retained_bits=k,
             )
             for k in (4, 5, 6)
+        ),
+        Recipe(
+            "retained-k4-head5",
+            "the speed tier as the H200 benchmark runs it (issue 18): retained-k4 with lm_head EXL3 K5 and its "
+            "Hessian; kl_cost_ratio = KL of the retained linears and the head alone over the seed's KL",
+            retained_bits=4,
+            head_bits=5,
         ),
         Recipe(
             "codebook-mul1",
@@ -497,6 +505,7 @@ class Evaluator:
             prune_plan=plan,
             tiers=recipe.tiers,  # type: ignore[arg-type]  # parsed by EncodeConfig too
             retained_bits=recipe.retained_bits,
+            head_bits=recipe.head_bits,
             device=self.args.device,
             verified_at="2026-01-01T00:00:00Z",
         )
@@ -508,7 +517,7 @@ class Evaluator:
         experts, pruned = artifact_experts(out, keep, self.spec.n_routed_experts, self.args.device)
         linears: dict[str, torch.Tensor] = {}
         tier: dict[str, Any] = {}
-        if recipe.retained_bits is not None:
+        if recipe.retained_bits is not None or recipe.head_bits is not None:
             decoded, exl3_bytes, bf16_bytes = artifact_linears(out, self.args.device)
             linears = {name: d.weight for name, d in decoded.items()}
             roles = {name: d.role for name, d in decoded.items()}

@@ -648,23 +648,22 @@ def is_speed_tier(report: dict[str, Any]) -> bool:
 
 def speed_tier(report: dict[str, Any], fidelity: dict[str, Any] | None) -> dict[str, Any]:
     """The speed tier's figures (`--retained-bits`, `--head-bits`): what this run measures, and from `fidelity`
-    (bench_fidelity's results) its KL cost at the same K; null for what is not provided. With an EXL3 head the KL
-    cost stays null: the fidelity bench has no row with one, and its retained-kK row would leave the head's cost out."""
+    (bench_fidelity's results) its KL cost at the same K: the proxy row with the same retained and head K
+    (`retained-k4`, `retained-k4-head5`); null for what is not provided."""
     classes = report["parts"].get("classes", {})
     per_class = classes.get("classes", {})
     bits, head_bits = report["model"]["retained_bits"], report["model"].get("head_bits")
     kl_cost_ratio = None
-    if head_bits is None:
-        rows = (fidelity or {}).get("rows", [])
-        kl_cost_ratio = next((r.get("kl_cost_ratio") for r in rows if r["recipe"] == f"retained-k{bits}"), None)
-        kl_from = (
-            f"the proxy fidelity run merged with --fidelity: its retained-k{bits} row, the retained linears' KL alone "
-            "(experts BF16, lm_head exact) over the seed row's (the experts') KL"
-        )
+    if bits is None:
+        kl_from = f"not measured: the proxy fidelity bench has no row with an EXL3 head alone (head_bits {head_bits})"
     else:
+        recipe = f"retained-k{bits}" + (f"-head{head_bits}" if head_bits is not None else "")
+        rows = (fidelity or {}).get("rows", [])
+        kl_cost_ratio = next((r.get("kl_cost_ratio") for r in rows if r["recipe"] == recipe), None)
+        head = "lm_head exact" if head_bits is None else f"lm_head EXL3 K{head_bits}"
         kl_from = (
-            f"not measured: lm_head is EXL3 (head_bits {head_bits}) and the proxy fidelity bench has no row with an "
-            "EXL3 head (its retained-kK rows keep lm_head exact, so they would leave the head's cost out)"
+            f"the proxy fidelity run merged with --fidelity: its {recipe} row, the retained linears' KL alone "
+            f"(experts BF16, {head}) over the seed row's (the experts') KL"
         )
     return {
         "retained_bits": bits,

@@ -141,17 +141,24 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     assert gated["manifest_sha256"] != rows["seed"]["manifest_sha256"]
     assert rows["prune25-k3"]["at_seed_bytes"] and rows["prune25-k3"]["routed_bytes"] < rows["seed"]["routed_bytes"]
     assert rows["uniform-k4"]["kl"] < rows["seed"]["kl"] and not rows["uniform-k4"]["at_seed_bytes"]
-    tier = rows["retained-k4"]  # the seed's experts plus the retained linears at K4 (issue 18's KL cost)
-    assert tier["routed_bytes"] == rows["seed"]["routed_bytes"] and tier["retained_bits"] == 4
+    tier = rows["retained-k4-head5"]  # the seed's experts, the retained linears at K4, lm_head K5 (issue 18)
+    assert tier["routed_bytes"] == rows["seed"]["routed_bytes"] and (tier["retained_bits"], tier["head_bits"]) == (4, 5)
     assert tier["retained_linears"] > 0 and 0 < tier["retained_exl3_bytes"] < tier["retained_bf16_bytes"]
     assert tier["kl"] > 0 and tier["retained_only_kl"] > 0
-    by_role = tier["retained_only_kl_by_role"]  # each role's linears alone: the smoke proxy has all four kinds
-    assert set(by_role) == {"dense_mlp", "dsa_indexer", "kda_linear_attention", "mla_attention", "shared_expert"}
+    by_role = tier["retained_only_kl_by_role"]  # each role's linears alone: the smoke proxy has every kind
+    assert set(by_role) == {
+        "dense_mlp",
+        "dsa_indexer",
+        "kda_linear_attention",
+        "lm_head",
+        "mla_attention",
+        "shared_expert",
+    }
     assert all(kl >= 0 for kl in by_role.values()) and max(by_role.values()) <= 2 * tier["retained_only_kl"]
     errors = tier["retained_weight_error_by_role"]  # what the encoder minimises, per role: small at K4
     assert set(errors) == set(by_role) and all(0 < e < 0.05 for e in errors.values()), errors
     assert tier["kl_cost_ratio"] == pytest.approx(tier["retained_only_kl"] / rows["seed"]["kl"], rel=1e-3)
-    assert record["summary"]["best"] != "retained-k4"  # another question than the recipes at the seed's bytes
+    assert record["summary"]["best"] != "retained-k4-head5"  # another question than the recipes at the seed's bytes
     mtp = record["mtp_acceptance"]  # the seed artifact's own MTP layer drafting for its quantized model
     assert "error" not in mtp, mtp.get("traceback")
     assert (mtp["prompts"], mtp["prompt_tokens"], mtp["new_tokens"]) == (2, 16, 5)

@@ -96,7 +96,7 @@ def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     """`--retained-bits 4 --head-bits 6`: the dummy artifact holds EXL3 retained linears and head, the engine runs
     them, `model` records both K, the retained linears (the head apart) and the EXL3 head, and `speed_tier` holds
     both K, bytes per token and the GB10 projection, with MTP speedup and KL cost left to others; merged with a
-    proxy fidelity run the KL cost stays null, saying why (the bench has no row with an EXL3 head)."""
+    proxy fidelity run the KL cost is its row with the same retained and head K (not the head-less row's)."""
     out = tmp_path / "tier.json"
     args = ("--retained-bits", "4", "--head-bits", "6", "--parts", "graphs,decode,classes")
     run = _run("--smoke", *args, "--out", str(out))
@@ -112,7 +112,7 @@ def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     assert tier["bytes_per_token"] == sum(c["bytes_per_token"] for c in classes["classes"].values()) > 0
     assert tier["gb10_tok_s_218"] == classes["projection"]["gb10_tok_s_218"] > 0
     assert tier["mtp_speedup"] is None and "mtp part" in tier["mtp_speedup_from"]
-    assert tier["kl_cost_ratio"] is None and "no row with an EXL3 head" in tier["kl_cost_ratio_from"]
+    assert tier["kl_cost_ratio"] is None and "retained-k4-head6 row" in tier["kl_cost_ratio_from"]
 
     fidelity = tmp_path / "fidelity.json"
     fidelity.write_text(json.dumps({"rows": FIDELITY_ROWS, "commit": "abc1234"}))
@@ -120,11 +120,15 @@ def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     run = _run("--merge", str(out), "--fidelity", str(fidelity), "--out", str(merged))
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads(merged.read_text())
-    assert record["speed_tier"]["kl_cost_ratio"] is None and record["fidelity_from"]["commit"] == "abc1234"
-    assert "no row with an EXL3 head" in record["speed_tier"]["kl_cost_ratio_from"]
+    assert record["speed_tier"]["kl_cost_ratio"] == 0.71 and record["fidelity_from"]["commit"] == "abc1234"
+    assert "lm_head EXL3 K6" in record["speed_tier"]["kl_cost_ratio_from"]
 
 
-FIDELITY_ROWS = [{"recipe": "retained-k5", "kl_cost_ratio": 0.62}, {"recipe": "retained-k4", "kl_cost_ratio": 1.04}]
+FIDELITY_ROWS = [
+    {"recipe": "retained-k5", "kl_cost_ratio": 0.62},
+    {"recipe": "retained-k4", "kl_cost_ratio": 1.04},
+    {"recipe": "retained-k4-head6", "kl_cost_ratio": 0.71},
+]
 
 
 @pytest.fixture(scope="module")
@@ -138,18 +142,21 @@ def bench_model() -> ModuleType:
     return module
 
 
-def test_kl_cost_is_the_fidelity_row_at_the_same_k_only_with_an_exact_head(bench_model: ModuleType) -> None:
-    """Merged with a proxy fidelity run, a report with EXL3 retained linears and an exact head takes the KL cost of
-    the row at its K (not another K's); with an EXL3 head (`--head-bits`, alone or with `--retained-bits`) it stays
-    null with a note: the bench measures no head, so no row is that model's cost."""
+def test_kl_cost_is_the_fidelity_row_with_the_same_retained_and_head_k(bench_model: ModuleType) -> None:
+    """Merged with a proxy fidelity run, a speed-tier report takes the KL cost of the row with its retained K and
+    head K (`retained-k4`, `retained-k4-head6`), not another's; with an EXL3 head alone it stays null with a note
+    (the bench has no such row)."""
     fidelity = {"rows": FIDELITY_ROWS}
-    retained = bench_model.merge([{"model": {"retained_bits": 4, "head_bits": None}, "parts": {}}], fidelity)
-    tier = retained["speed_tier"]
-    assert tier["kl_cost_ratio"] == 1.04 and "retained-k4 row" in tier["kl_cost_ratio_from"]
-    for model in ({"retained_bits": None, "head_bits": 6}, {"retained_bits": 4, "head_bits": 6}):
+    for model, want, row in (
+        ({"retained_bits": 4, "head_bits": None}, 1.04, "retained-k4 row"),
+        ({"retained_bits": 4, "head_bits": 6}, 0.71, "retained-k4-head6 row"),
+        ({"retained_bits": 5, "head_bits": 6}, None, "retained-k5-head6 row"),  # not measured: not retained-k5's
+    ):
         tier = bench_model.merge([{"model": model, "parts": {}}], fidelity)["speed_tier"]
-        assert tier["kl_cost_ratio"] is None, model
-        assert "head_bits 6" in tier["kl_cost_ratio_from"] and "kNone" not in tier["kl_cost_ratio_from"]
+        assert tier["kl_cost_ratio"] == want and row in tier["kl_cost_ratio_from"], model
+    tier = bench_model.merge([{"model": {"retained_bits": None, "head_bits": 6}, "parts": {}}], fidelity)["speed_tier"]
+    assert tier["kl_cost_ratio"] is None
+    assert "head_bits 6" in tier["kl_cost_ratio_from"] and "kNone" not in tier["kl_cost_ratio_from"]
 
 
 def test_head_bits_alone_make_a_speed_tier_report(bench_model: ModuleType) -> None:
