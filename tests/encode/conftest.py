@@ -1,4 +1,4 @@
-"""The small source and its observations (with and without dense Hessians), built once for all encode tests."""
+"""The sources, their observations and the small tr3 artifact, built once for all encode tests."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from encode_fixtures import SMALL
+from encode_fixtures import EPOCH, ONE_MOE, QUIET, SMALL
 
+from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.fixtures import build_tiny_checkpoint
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.run import observe
@@ -28,8 +29,25 @@ def small_observations(small_source: Path, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="session")
-def dense_observations(small_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def small_artifact(small_source: Path, small_observations: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small source's tr3 K2 artifact, encoded in one process at SOURCE_DATE_EPOCH: the bytes that a resumed
+    encode (test_encode_artifact.py) and a two-process one (test_distributed.py) must reproduce. Encoded once: it is
+    the encode tests' slowest step on a CPU."""
+    out = tmp_path_factory.mktemp("enc") / "artifact"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SOURCE_DATE_EPOCH", EPOCH)
+        encode_artifact(EncodeConfig(source=small_source, out=out, observations=small_observations), QUIET)
+    return out
+
+
+@pytest.fixture(scope="session")
+def one_moe_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("one-moe-src"), ONE_MOE)
+
+
+@pytest.fixture(scope="session")
+def one_moe_dense_observations(one_moe_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Observations with the dense Hessians of the retained linears and lm_head (`--dense-hessians`)."""
-    out = tmp_path_factory.mktemp("enc-obs-dense")
-    observe(ObserveConfig(source=small_source, out=out, rows=4, tokens=64, dense_hessians=True))
+    out = tmp_path_factory.mktemp("one-moe-obs-dense")
+    observe(ObserveConfig(source=one_moe_source, out=out, rows=4, tokens=64, dense_hessians=True))
     return out

@@ -1,17 +1,38 @@
-"""What the encode tests share: the small source's shape, a quiet console and a file-digest helper."""
+"""What the encode tests share: the sources' shapes, a quiet console, a file-digest helper and the verify-manifest CLI
+check."""
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
+from typer.testing import CliRunner
 
+from glmquant.cli import app
+from glmquant.encode.run import EncodeResult
 from glmquant.fixtures import TinyModelConfig
 
 QUIET = Console(quiet=True)
 SMALL = TinyModelConfig(n_routed_experts=2, num_experts_per_tok=1)
+# the speed tier's source: two layers (a dense KDA layer, then an MLA/DSA MoE layer with a shared expert) hold every
+# kind of retained linear that SMALL's three do (23 linears of its 35); its experts stay 512 wide, so tr3's rank
+# slices are whole 128-wide EXL3 tensors (128-wide experts would pad each slice: 8 stored bits per weight at K2)
+ONE_MOE = replace(SMALL, num_hidden_layers=2)
+EPOCH = "1767225600"  # SOURCE_DATE_EPOCH of the encodes compared byte for byte: 2026-01-01T00:00:00Z
 
 
 def digests(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def assert_verify_manifest_cli(result: EncodeResult) -> None:
+    """The encode's own verification passed, and `glmquant verify-manifest` passes against the manifest hash it
+    reported (the pinned-hash check a user runs)."""
+    assert result.verification is not None and result.verification.ok
+    art = result.artifact.directory
+    verified = CliRunner().invoke(
+        app, ["verify-manifest", str(art), "--expect-sha256", result.artifact.manifest_sha256]
+    )
+    assert verified.exit_code == 0, verified.output

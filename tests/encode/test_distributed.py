@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from encode_fixtures import QUIET, digests
+from encode_fixtures import EPOCH, digests
 
-from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.distributed import Ranks
 
 
@@ -23,15 +22,13 @@ def test_units_are_dealt_round_robin() -> None:
 
 @pytest.mark.slow
 def test_two_processes_write_the_same_artifact_as_one(
-    small_source: Path, small_observations: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_source: Path, small_observations: Path, small_artifact: Path, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767225600")
-    one = tmp_path / "one"
-    encode_artifact(
-        EncodeConfig(source=small_source, out=one, observations=small_observations, experts_per_unit=1), QUIET
-    )
+    """Each rank encodes its units of one expert (--experts-per-unit 1: two ranks get work in every layer); the
+    result is byte for byte the one-process artifact (`small_artifact`, encoded with the default 32 experts per unit
+    at the same SOURCE_DATE_EPOCH), so neither the ranks nor the units' size change a byte."""
     two = tmp_path / "two"
-    env = {**os.environ, "SOURCE_DATE_EPOCH": "1767225600", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
         [
             sys.executable,
@@ -57,5 +54,5 @@ def test_two_processes_write_the_same_artifact_as_one(
         timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert digests(two) == digests(one)
+    assert digests(two) == digests(small_artifact)
     assert not list((two.parent / "two.work" / "units").glob("*.safetensors"))  # unit files cleaned up

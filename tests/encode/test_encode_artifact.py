@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from encode_fixtures import QUIET, digests
+from encode_fixtures import EPOCH, QUIET, digests
 from rich.console import Console
 
 import glmquant.encode.layer as encode_layer
@@ -27,27 +27,10 @@ from glmquant.observe.summary import ObservationSummary
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def tr3_artifact(
-    small_source: Path, small_observations: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch_module
-) -> Path:
-    out = tmp_path_factory.mktemp("enc") / "artifact"
-    encode_artifact(EncodeConfig(source=small_source, out=out, observations=small_observations), QUIET)
-    return out
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SOURCE_DATE_EPOCH", "1767225600")
-    yield mp
-    mp.undo()
-
-
-def test_experts_decode_back_at_k2_quality(tr3_artifact: Path, small_source: Path) -> None:
+def test_experts_decode_back_at_k2_quality(small_artifact: Path, small_source: Path) -> None:
     spec = load_model_spec(small_source)
     table = table_for(spec)
-    with SourceCheckpoint.open(small_source) as src, SourceCheckpoint.open(tr3_artifact) as art:
+    with SourceCheckpoint.open(small_source) as src, SourceCheckpoint.open(small_artifact) as art:
         for layer in spec.moe_layers:
             for e in range(spec.n_routed_experts):
                 for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -65,32 +48,38 @@ def test_experts_decode_back_at_k2_quality(tr3_artifact: Path, small_source: Pat
                     assert 0.1 < rel < 0.45, (prefix, rel)  # K2: about 0.3
 
 
-def test_retained_bytes_identical_and_plan_exact(tr3_artifact: Path, small_source: Path) -> None:
+def test_retained_bytes_identical_and_plan_exact(small_artifact: Path, small_source: Path) -> None:
     spec = load_model_spec(small_source)
-    with SourceCheckpoint.open(small_source) as src, SourceCheckpoint.open(tr3_artifact) as art:
+    with SourceCheckpoint.open(small_source) as src, SourceCheckpoint.open(small_artifact) as art:
         plan = plan_artifact(spec, "tr3", source_shards={n: src.shard_of(n) for n in src.names()})
         retained = [n for n in art.names() if not n.endswith((".trellis", ".suh", ".svh", ".mcg"))]
         assert len(retained) > 100
         for name in retained:
             assert art.read_raw(name) == src.read_raw(name), name
     for f in plan.files:
-        assert (tr3_artifact / f.path).stat().st_size == f.size
-    weight_files = {p.name for p in tr3_artifact.glob("*.safetensors")}
+        assert (small_artifact / f.path).stat().st_size == f.size
+    weight_files = {p.name for p in small_artifact.glob("*.safetensors")}
     assert weight_files == {f.path for f in plan.files}
 
 
-def test_manifest_verifies(tr3_artifact: Path) -> None:
-    report = verify_artifact(tr3_artifact, fast=False, show_progress=False)
+def test_manifest_verifies(small_artifact: Path) -> None:
+    report = verify_artifact(small_artifact, fast=False, show_progress=False)
     assert report.ok, report.failure_summary()
     assert not any(c.warning for c in report.checks)  # every file the encoder wrote is listed
 
 
 def test_killed_job_resumes_to_identical_bytes(
-    tr3_artifact: Path, small_source: Path, small_observations: Path, tmp_path: Path, monkeypatch_module
+    small_artifact: Path,
+    small_source: Path,
+    small_observations: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Killed between layers, in the middle of writing a retained shard, and inside the final verification:
     each rerun of the same command resumes, and the finished artifact is byte-identical to an uninterrupted one."""
     import glmquant.checkpoint.artifact_writer as artifact_writer
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)  # small_artifact's
 
     out = tmp_path / "artifact"
     cfg = EncodeConfig(source=small_source, out=out, observations=small_observations)
@@ -150,17 +139,17 @@ def test_killed_job_resumes_to_identical_bytes(
     (out / ".layer-01-part-tail-0.safetensors.tmp-999999").write_bytes(b"half a file")
     (cfg.state_dir / ".encode-state.json.tmp-999999").write_text("{")
     encode_artifact(cfg, QUIET)
-    assert digests(out) == digests(tr3_artifact)
+    assert digests(out) == digests(small_artifact)
     assert not [p for p in cfg.state_dir.iterdir() if ".tmp" in p.name]
 
 
 def test_natural_hessians_and_documented_fallbacks(
-    tr3_artifact: Path, small_source: Path, small_observations: Path
+    small_artifact: Path, small_source: Path, small_observations: Path
 ) -> None:
     """Experts the calibration never routed to are encoded uncalibrated and reported; the others use their Hessians."""
     spec = load_model_spec(small_source)
-    summary = json.loads((tr3_artifact.with_name("artifact.work") / "encode-summary.json").read_text())
-    manifest = json.loads((tr3_artifact / "EXL3_MANIFEST.json").read_text())
+    summary = json.loads((small_artifact.with_name("artifact.work") / "encode-summary.json").read_text())
+    manifest = json.loads((small_artifact / "EXL3_MANIFEST.json").read_text())
     assert manifest["calibration"]["token_rows_sha256"] == ObservationSummary.load(small_observations).token_rows_sha256
     for layer in summary["layers"]:
         h = load_layer_hessians(small_observations, layer["layer"], "natural")
@@ -179,7 +168,7 @@ def test_natural_hessians_and_documented_fallbacks(
         assert layer["mean_proxy_error"] < 0.1
 
 
-def test_changed_options_do_not_resume(small_source: Path, tr3_artifact: Path, tmp_path: Path) -> None:
+def test_changed_options_do_not_resume(small_source: Path, small_artifact: Path, tmp_path: Path) -> None:
     from glmquant.errors import UsageError
 
     work = tmp_path / "work"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from encode_fixtures import QUIET
+from encode_fixtures import QUIET, assert_verify_manifest_cli
 from indexer_ties import indexer_ties_to_earlier_pool
 from rich.console import Console
 from safetensors.torch import load_file, save_file
@@ -141,11 +141,7 @@ def test_head_only_artifact_is_the_plan_and_verifies(micro_source: Path, head_ti
     assert qc["head_bits"] == read_config(art)["quantization_config"]["head_bits"] == HEAD_K
     assert qc["tensor_storage"]["lm_head"]["quant_format"] == "exl3"
     assert qc["tensor_storage"]["lm_head"]["bits_per_weight"] == HEAD_K
-    assert head_tier.verification is not None and head_tier.verification.ok
-    verified = CliRunner().invoke(
-        app, ["verify-manifest", str(art), "--expect-sha256", head_tier.artifact.manifest_sha256]
-    )
-    assert verified.exit_code == 0, verified.output
+    assert_verify_manifest_cli(head_tier)
 
 
 def test_head_decodes_close_in_its_hessian_metric_and_encodes_the_same_bytes_again(
