@@ -8,24 +8,19 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from encode_fixtures import EPOCH, ONE_MOE, QUIET, SMALL
+from encode_fixtures import EPOCH, ONE_MOE, QUIET, SMALL, observed, tiny_source
 
 from glmquant.encode import EncodeConfig, encode_artifact
-from glmquant.fixtures import build_tiny_checkpoint
-from glmquant.observe.config import ObserveConfig
-from glmquant.observe.run import observe
 
 
 @pytest.fixture(scope="session")
 def small_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("enc-src"), SMALL)
+    return tiny_source(tmp_path_factory, "enc-src", SMALL)
 
 
 @pytest.fixture(scope="session")
 def small_observations(small_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("enc-obs")
-    observe(ObserveConfig(source=small_source, out=out, rows=4, tokens=64))
-    return out
+    return observed(small_source, tmp_path_factory, "enc-obs")
 
 
 @pytest.fixture(scope="session")
@@ -42,12 +37,10 @@ def small_artifact(small_source: Path, small_observations: Path, tmp_path_factor
 
 @pytest.fixture(scope="session")
 def one_moe_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("one-moe-src"), ONE_MOE)
+    return tiny_source(tmp_path_factory, "one-moe-src", ONE_MOE)
 
 
 @pytest.fixture(scope="session")
 def one_moe_dense_observations(one_moe_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Observations with the dense Hessians of the retained linears and lm_head (`--dense-hessians`)."""
-    out = tmp_path_factory.mktemp("one-moe-obs-dense")
-    observe(ObserveConfig(source=one_moe_source, out=out, rows=4, tokens=64, dense_hessians=True))
-    return out
+    return observed(one_moe_source, tmp_path_factory, "one-moe-obs-dense", dense_hessians=True)

@@ -1,5 +1,5 @@
-"""What the encode tests share: the sources' shapes, a quiet console, a file-digest helper and the verify-manifest CLI
-check."""
+"""What the encode tests share: the sources' shapes, a quiet console, building and observing a source, a file-digest
+helper and the verify-manifest CLI check."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import hashlib
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
 from glmquant.cli import app
 from glmquant.encode.run import EncodeResult
-from glmquant.fixtures import TinyModelConfig
+from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
+from glmquant.observe.config import ObserveConfig
+from glmquant.observe.run import observe
 
 QUIET = Console(quiet=True)
 SMALL = TinyModelConfig(n_routed_experts=2, num_experts_per_tok=1)
@@ -21,6 +24,17 @@ SMALL = TinyModelConfig(n_routed_experts=2, num_experts_per_tok=1)
 # slices are whole 128-wide EXL3 tensors (128-wide experts would pad each slice: 8 stored bits per weight at K2)
 ONE_MOE = replace(SMALL, num_hidden_layers=2)
 EPOCH = "1767225600"  # SOURCE_DATE_EPOCH of the encodes compared byte for byte: 2026-01-01T00:00:00Z
+
+
+def tiny_source(factory: pytest.TempPathFactory, name: str, config: TinyModelConfig) -> Path:
+    return build_tiny_checkpoint(factory.mktemp(name), config)
+
+
+def observed(source: Path, factory: pytest.TempPathFactory, name: str, dense_hessians: bool = False) -> Path:
+    """Observations of `source` over 4 rows of 64 tokens (with the retained linears' and lm_head's dense Hessians)."""
+    out = factory.mktemp(name)
+    observe(ObserveConfig(source=source, out=out, rows=4, tokens=64, dense_hessians=dense_hessians))
+    return out
 
 
 def digests(directory: Path) -> dict[str, str]:

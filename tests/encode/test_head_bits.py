@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from encode_fixtures import QUIET, assert_verify_manifest_cli
+from encode_fixtures import QUIET, assert_verify_manifest_cli, observed, tiny_source
 from indexer_ties import indexer_ties_to_earlier_pool
 from rich.console import Console
 from safetensors.torch import load_file, save_file
@@ -35,10 +35,8 @@ from glmquant.encode.run import EncodeResult
 from glmquant.errors import UsageError
 from glmquant.exl3.decode import decode_weight
 from glmquant.exl3.encode import proxy_error
-from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
-from glmquant.observe.config import ObserveConfig
+from glmquant.fixtures import TinyModelConfig
 from glmquant.observe.hessian_reader import hessians_path, load_dense_hessian
-from glmquant.observe.run import observe
 from glmquant.observe.streaming import stream_final_hidden
 from glmquant.runtime.artifact import open_artifact
 from glmquant.runtime.dummy import dummy_artifact
@@ -60,14 +58,12 @@ F32 = RuntimeOptions(dtype="float32")
 
 @pytest.fixture(scope="module")
 def micro_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("micro-src"), MICRO)
+    return tiny_source(tmp_path_factory, "micro-src", MICRO)
 
 
 @pytest.fixture(scope="module")
 def micro_observations(micro_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("micro-obs")
-    observe(ObserveConfig(source=micro_source, out=out, rows=4, tokens=64, dense_hessians=True))
-    return out
+    return observed(micro_source, tmp_path_factory, "micro-obs", dense_hessians=True)
 
 
 @pytest.fixture(scope="module")
