@@ -52,28 +52,27 @@ def kda(
     recurrence then runs token by token."""
     recurrent, chunked = _functions(uses_fla(q.device))
     if states is None:
-        fn = recurrent if q.shape[1] <= RECURRENT_TOKENS else chunked
-        out, final = fn(
-            q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
-        )
-        state.copy_(final)
-        return out
+        return _advance(recurrent if q.shape[1] <= RECURRENT_TOKENS else chunked, q, k, v, g, beta, state)
     if q.shape[0] != 1 or q.shape[1] > states.shape[0]:
         raise ValueError(f"a KDA history of {states.shape[0]} tokens of one sequence cannot take {tuple(q.shape[:2])}")
     outs = []
     for t in range(q.shape[1]):
         at = slice(t, t + 1)
-        out, final = recurrent(
-            q[:, at],
-            k[:, at],
-            v[:, at],
-            g=g[:, at],
-            beta=beta[:, at],
-            initial_state=state,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
-        state.copy_(final)
-        states[t].copy_(final[0])
-        outs.append(out)
+        outs.append(_advance(recurrent, q[:, at], k[:, at], v[:, at], g[:, at], beta[:, at], state))
+        states[t].copy_(state[0])
     return torch.cat(outs, dim=1)
+
+
+def _advance(
+    fn: KDAFunction,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """`fn` over the tokens from `state`, leaving the final state there (its address stays: graphs read it)."""
+    out, final = fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    state.copy_(final)
+    return out
