@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_moe_decode import Clock, capture, replays
 
 from glmquant.fixtures.random_artifact import random_exl3
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, linear_config
@@ -50,31 +51,15 @@ def fits(cfg: GemmConfig, stack: WeightStack, rows: int) -> bool:
     return kt % cfg.ti == 0 and nt % cfg.tj == 0 and accumulators(cfg, rows) <= MAX_ACCUMULATORS
 
 
-def linears(x: torch.Tensor, stacks: list[WeightStack], cfg: GemmConfig) -> None:
-    for stack in stacks:
-        exl3_linear(x, stack, cfg)
+def linears(x: torch.Tensor, stacks: list[WeightStack], cfg: GemmConfig) -> torch.Tensor:
+    return torch.stack([exl3_linear(x, stack, cfg) for stack in stacks])
 
 
 def timed_us(fn: Any, reps: int) -> float:
-    """Median µs of a CUDA graph replay of `fn`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    """Median µs of a CUDA graph replay of `fn` (bench_moe_decode's timer)."""
+    clock = Clock(torch.device("cuda"))
+    step = capture(clock, fn)
+    return statistics.median(clock.repeat(replays(clock, step.graph), reps))
 
 
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
