@@ -336,11 +336,20 @@ def weight_error_by_role(
     return {role: sum(v) / len(v) for role, v in sorted(errors.items())}
 
 
+def first_difference(tokens: list[int], reference: list[int]) -> int | None:
+    """Index of the first token where `tokens` and `reference` differ (a length difference counts), else None."""
+    diff = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    return diff if diff is not None or len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
 def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, device: str) -> dict[str, Any]:
     """Greedy speculative decoding of `prompts` [N, T] with the artifact's own MTP layer drafting k = 1..3 tokens
     on the runtime's engine (EngineMtpDecoder, what `serve --speculative-config` runs; CUDA graphs on CUDA):
     acceptance rate, tokens per verify step (accepted + 1) and whether every output equals the engine's plain
-    greedy decoding, the figures issue 18's MTP speedup projection takes (docs/speculative.md)."""
+    greedy decoding (else each prompt's first differing token), the figures issue 18's MTP speedup projection
+    takes (docs/speculative.md). On CUDA the figures are BF16's (the served dtype), where an accepted draft's
+    next token comes from a verify row whose sums round differently from a one-token step's; a float32 run
+    beside them (`float32`) checks exactness, as the GPU test does."""
     from glmquant.runtime.artifact import open_artifact
     from glmquant.runtime.engine import Engine, EngineDecoder
     from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
@@ -348,43 +357,45 @@ def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, devic
     from glmquant.runtime.options import RuntimeOptions
     from glmquant.runtime.speculative import MAX_SPECULATIVE_TOKENS, SpecStats
 
-    on_cuda = torch.device(device).type == "cuda"
-    options = RuntimeOptions(
-        device=device,
-        dtype="bfloat16" if on_cuda else "float32",
-        backend="triton" if on_cuda else "torch",
-        model_impl="glmquant",
-    )
-    max_len = prompts.shape[1] + new_tokens + MAX_SPECULATIVE_TOKENS
-    engine = Engine.load(open_artifact(artifact), options, max_len=max_len, mtp=True)
-    params = SamplingParams(max_tokens=new_tokens)
-
     def no_text(_ids: Any) -> str:
         return ""
 
-    plain = [generate(EngineDecoder(engine), PromptInputs(row[None]), params, no_text).token_ids for row in prompts]
-    out: dict[str, Any] = {
+    def speculate(dtype: str) -> dict[str, Any]:
+        options = RuntimeOptions(device=device, dtype=dtype, backend=backend, model_impl="glmquant")
+        max_len = prompts.shape[1] + new_tokens + MAX_SPECULATIVE_TOKENS
+        engine = Engine.load(open_artifact(artifact), options, max_len=max_len, mtp=True)
+        params = SamplingParams(max_tokens=new_tokens)
+        plain = [generate(EngineDecoder(engine), PromptInputs(row[None]), params, no_text).token_ids for row in prompts]
+        out: dict[str, Any] = {"runtime": f"engine ({dtype}, {backend})"}
+        for k in (1, 2, 3):
+            total, differences = SpecStats(), []
+            for row, reference in zip(prompts, plain):
+                run = generate(EngineMtpDecoder(engine, k), PromptInputs(row[None]), params, no_text)
+                differences.append(first_difference(run.token_ids, reference))
+                assert run.speculative is not None  # greedy decoding with a speculative decoder
+                total.steps += run.speculative.steps
+                total.drafted += run.speculative.drafted
+                total.accepted += run.speculative.accepted
+            out[f"k{k}"] = {
+                "acceptance_rate": round(total.acceptance_rate, 4),
+                "tokens_per_step": round(total.tokens_per_step, 4),
+                "verify_steps": total.steps,
+                "equals_plain_greedy": all(d is None for d in differences),
+                "first_difference": differences,
+            }
+        return out
+
+    on_cuda = torch.device(device).type == "cuda"
+    backend = "triton" if on_cuda else "torch"
+    out = {
         "artifact": artifact.name,
-        "runtime": f"engine ({options.dtype}, {options.backend})",
         "prompts": prompts.shape[0],
         "prompt_tokens": prompts.shape[1],
         "new_tokens": new_tokens,
+        **speculate("bfloat16" if on_cuda else "float32"),
     }
-    for k in (1, 2, 3):
-        total, equal = SpecStats(), True
-        for row, reference in zip(prompts, plain):
-            run = generate(EngineMtpDecoder(engine, k), PromptInputs(row[None]), params, no_text)
-            equal &= run.token_ids == reference
-            assert run.speculative is not None  # greedy decoding with a speculative decoder
-            total.steps += run.speculative.steps
-            total.drafted += run.speculative.drafted
-            total.accepted += run.speculative.accepted
-        out[f"k{k}"] = {
-            "acceptance_rate": round(total.acceptance_rate, 4),
-            "tokens_per_step": round(total.tokens_per_step, 4),
-            "verify_steps": total.steps,
-            "equals_plain_greedy": equal,
-        }
+    if on_cuda:
+        out["float32"] = speculate("float32")
     return out
 
 

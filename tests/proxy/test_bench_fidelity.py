@@ -37,6 +37,13 @@ def test_rows_spend_the_seeds_trellis_bytes() -> None:
             assert (sum(b * n for b, n in widths) == 2 * experts) != r.reference, (experts, r.name)
 
 
+def test_first_difference_names_where_speculative_output_leaves_plain_greedy() -> None:
+    first_difference = _bench_module().first_difference
+    assert first_difference([5, 6, 7], [5, 6, 7]) is None
+    assert first_difference([5, 9, 7], [5, 6, 7]) == 1
+    assert first_difference([5, 6], [5, 6, 7]) == 2  # a shorter output differs where it ends
+
+
 def test_summary_picks_the_lowest_kl_at_the_seeds_bytes() -> None:
     rows = [
         {"recipe": "seed", "kl": 0.4, "top1": 0.7, "at_seed_bytes": True},
@@ -165,6 +172,7 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     for k in (1, 2, 3):
         run = mtp[f"k{k}"]
         assert run["equals_plain_greedy"] and 0 <= run["acceptance_rate"] <= 1 and run["verify_steps"] >= 2
+        assert run["first_difference"] == [None, None]  # float32 on the CPU: exact
         assert 1 <= run["tokens_per_step"] <= k + 1
     summary = record["summary"]
     assert summary["seed_method"] == "seed" and rows[summary["best"]]["at_seed_bytes"]
