@@ -48,6 +48,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
@@ -336,7 +337,7 @@ def weight_error_by_role(
     return {role: sum(v) / len(v) for role, v in sorted(errors.items())}
 
 
-def first_difference(tokens: list[int], reference: list[int]) -> int | None:
+def first_difference(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
     """Index of the first token where `tokens` and `reference` differ (a length difference counts), else None."""
     diff = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
     return diff if diff is not None or len(tokens) == len(reference) else min(len(tokens), len(reference))
