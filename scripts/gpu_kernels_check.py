@@ -39,7 +39,7 @@ from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
-from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
+from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack, one_row_gemv
 from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe
 
 LINEAR_BOUND = 2e-5  # tensor-core core: fp16 hi + lo activation planes, fp32 sums
@@ -157,7 +157,7 @@ def check_moe(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int) ->
             ids = torch.stack([torch.randperm(experts, generator=gen, device=dev)[:n] for _ in range(tokens)])
             weights = torch.rand(tokens, n, generator=gen, device=dev)
             want, clamped = moe_reference(x, ids, weights, wg, wu, wd)
-            for rows in (1, 2, 16, None):  # GEMV one-row and two-row jobs (at K2), tensor-core jobs, choose_moe_config
+            for rows in (1, 2, 16, None):  # GEMV 1-, 2-row jobs (K2, K4), tensor-core jobs, choose_moe_config
                 cfg = choose_moe_config(tokens, ids.numel(), w) if rows is None else MoEConfig(rows)
                 out = torch.full((tokens, hidden), float("nan"), device=dev)
                 poison_allocator(dev)
@@ -225,9 +225,9 @@ def resource_usage(usage: str) -> list[str]:
 
 def compile_reports() -> dict:
     """Per core (tensor-core rows, GEMV) and target (sm_90, sm_121): registers, spills, shared memory, the K-loop
-    SASS instruction mix (K2 MCG; default config, and the one-row-job GEMV config; Triton's nvdisasm cannot decode
-    sm_121a, so that mix is empty) and the PTX ops that only Hopper has (wgmma, TMA bulk tensor copies,
-    setmaxnreg). Needs triton only, no GPU."""
+    SASS instruction mix (K2 MCG, and K4 MCG through the GEMV core; default config, and the one-row-job GEMV
+    configs; Triton's nvdisasm cannot decode sm_121a, so that mix is empty) and the PTX ops that only Hopper has
+    (wgmma, TMA bulk tensor copies, setmaxnreg). Needs triton only, no GPU."""
     from glmquant.runtime.kernels.exl3_gemm import _exl3_rows_kernel
     from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel
     from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, _exl3_row_kernel
@@ -265,6 +265,13 @@ def compile_reports() -> dict:
             {"JOB_ROWS_MAX": 1, "PACKED": True, "CB": 0},
         ),
         "gemv_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, default, {"JOB_ROWS_MAX": 2, "PACKED": True}),
+        "gemv_k4_one_row_jobs": (
+            _exl3_gemv_kernel,
+            gemv_sig,
+            one_row_gemv(4),
+            {"K": 4, "JOB_ROWS_MAX": 1, "PACKED": True},
+        ),
+        "gemv_k4_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, default, {"K": 4, "JOB_ROWS_MAX": 2, "PACKED": True}),
         "row_kbit_k4": (_exl3_row_kernel, rows_sig, ONE_ROW_KBIT, {"K": 4, "ROWS": 1}),
         "row_kbit_k4_two_rows": (_exl3_row_kernel, rows_sig, SMALL_JOB_KBIT, {"K": 4, "ROWS": 2}),
     }

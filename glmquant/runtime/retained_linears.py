@@ -5,8 +5,8 @@ Each such linear (attention projections, shared experts, dense MLPs) replaces it
 - "decode" (the torch backend, the CPU reference): the weight is decoded once at load (`decode_weight`, the same
   decode the torch expert backend uses) and applied with `F.linear`;
 - "kernel" (the Triton backends, a CUDA device or the CPU under TRITON_INTERPRET=1): `exl3_linear` decodes the
-  trellis inside the matrix product on every call (GEMV for one or two rows at K2, the tensor-core GEMM else), so
-  only the packed codes stay in memory.
+  trellis inside the matrix product on every call (the GEMV core for one or two rows at K2 and K4, the small-job
+  core for other K and up to four rows, the tensor-core GEMM else), so only the packed codes stay in memory.
 """
 
 from __future__ import annotations

@@ -14,10 +14,11 @@ from kernel_helpers import exact_weight, kernel_device, random_exl3, rel_err
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from glmquant.exl3 import decode_inner
+from glmquant.runtime.kernels import exl3_gemm
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config, linear_job_rows
-from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
+from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, packed_gemv, uses_gemv
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT
-from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack
+from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack, one_row_gemv
 
 BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo planes, Hadamards as fp32 butterflies
 
@@ -36,10 +37,14 @@ BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo pl
         ("mul1", 2, 1, GemmConfig(ti=1, tj=16, split_tiles=4)),  # GEMV core, 4 K splits
         ("3inst", 3, 19, GemmConfig(ti=1, tj=8, split_tiles=4)),  # 4 K splits, two jobs (16 + 3 rows), B = 4 windows
         ("mul1", 7, 5, GemmConfig(ti=4, tj=8)),  # one K split, B = 2 windows
-        ("3inst", 4, 1, GemmConfig(ti=2, tj=4, split_tiles=4)),  # the one-row core (K != 2), 4 K splits, B = 4
-        ("mcg", 3, 1, ONE_ROW_KBIT),  # the one-row core, one K split, B = 4 windows across chunks
+        ("3inst", 4, 1, GemmConfig(ti=2, tj=4, split_tiles=4)),  # GEMV core at K4 (B = 4 windows), 4 K splits
+        ("mcg", 4, 1, None),  # GEMV core at K4's one-row steps (`one_row_gemv`), one K split
+        ("mul1", 4, 1, GemmConfig(ti=1, tj=8, split_tiles=4)),  # GEMV core at K4, MUL1, 4 K splits
+        ("mcg", 4, 2, None),  # K4 at 2 rows (an MTP verify of one draft): one two-row GEMV job
+        ("mcg", 3, 1, ONE_ROW_KBIT),  # the one-row core (K3), one K split, B = 4 windows across chunks
         ("mul1", 6, 1, None),  # the one-row core at `linear_config`'s launch, B = 2 windows
-        ("mcg", 4, 2, None),  # the small-job core: one job of 2 rows (an MTP verify of one draft)
+        ("mcg", 5, 2, None),  # the small-job core: one job of 2 rows at K5
+        ("3inst", 4, 4, None),  # K4 beyond the GEMV core's 2 rows: the small-job core, one job of 4 rows
         ("3inst", 3, 3, SMALL_JOB_KBIT),  # a job of 3 rows in a 4-row accumulator (the 4th masked)
         ("mul1", 2, 4, GemmConfig(ti=2, tj=4, split_tiles=4)),  # K2 beyond the GEMV core's 2 rows, 4 K splits
         ("mcg", 2, 2, None),  # K2 at 2 rows: one two-row GEMV job
@@ -86,11 +91,12 @@ def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
 @pytest.mark.parametrize(
     ("shape", "bits", "rows", "want"),
     [
-        # batch 1, K4, 4096 x 4096 (the one-row core's 4 x 4 steps): 64 column blocks x 16 K splits = 1,024 programs;
-        # the expert-sized default made 128
-        ((4096, 4096), 4, 1, replace(ONE_ROW_KBIT, split_tiles=32)),  # 128 blocks x 8 splits
-        # batch 1, K4, 4096 -> 16,384: 256 blocks x 4 splits reach 1,024 at the coarsest split
-        ((4096, 16384), 4, 1, replace(ONE_ROW_KBIT, split_tiles=64)),
+        # batch 1, K4, 4096 x 4096 (the GEMV core's K4 one-row steps, 8 x 2 tiles): 128 column blocks x 8 K splits
+        # = 1,024 programs; the expert-sized default made 128
+        ((4096, 4096), 4, 1, replace(one_row_gemv(4), split_tiles=32)),
+        # batch 1, K4, 4096 -> 16,384: 512 blocks x 4 splits pass 1,024 at the coarsest split
+        ((4096, 16384), 4, 1, replace(one_row_gemv(4), split_tiles=64)),
+        ((4096, 4096), 3, 1, replace(ONE_ROW_KBIT, split_tiles=32)),  # K3: the one-row core, 128 blocks x 8 splits
         # batch 1 at K2 takes the GEMV core's one-row steps (8 x 4 tiles); 16 blocks x 32 splits = 512 programs
         # short of 1,024: the finest split
         ((4096, 1024), 2, 1, replace(ONE_ROW_GEMV, split_tiles=8)),
@@ -101,6 +107,7 @@ def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
         # an MTP verify's 2-4 rows are one job of the small-job core, at its own steps
         ((4096, 4096), 4, 3, replace(SMALL_JOB_KBIT, split_tiles=16)),
         ((4096, 4096), 2, 2, GemmConfig(split_tiles=8)),  # K2, 2 rows: one GEMV job, 32 blocks x 32 splits
+        ((4096, 4096), 4, 2, GemmConfig(split_tiles=8)),  # K4, 2 rows: the same
         # a small linear stops at the finest split that is whole steps
         ((256, 128), 5, 1, replace(ONE_ROW_KBIT, split_tiles=8)),
     ],
@@ -116,13 +123,14 @@ def test_linear_config_fills_the_gpu_with_fixed_splits(shape, bits, rows, want):
 @pytest.mark.slow
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
 @pytest.mark.parametrize("job_rows", [1, 2])
-def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook, job_rows):
-    """Unit-vector activations through the GEMV core (K2, one- or two-row jobs).
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook, job_rows, bits):
+    """Unit-vector activations through the GEMV core (K2 and K4, one- or two-row jobs).
 
-    Each output row is a row of Q exactly.
+    Each output row is a row of Q exactly: on CUDA (3INST, MCG) through the packed fp16-pair path.
     """
     device = kernel_device()
-    t = random_exl3(torch.Generator().manual_seed(3), 128, 128, 2, codebook, scale=1.0)
+    t = random_exl3(torch.Generator().manual_seed(3), 128, 128, bits, codebook, scale=1.0)
     stack = WeightStack.from_tensors([[t]], device)
     assert uses_gemv(stack, 1) and uses_gemv(stack, 2) and not uses_gemv(stack, 16)
     picks = torch.tensor(
@@ -136,6 +144,29 @@ def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook, job_rows):
     )
     assert part.shape == (2, 1, 16, 128)  # 8 tile rows in K splits of 4
     assert torch.equal(part.sum(0)[0].cpu(), decode_inner(t.trellis, t.codebook).float()[picks])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed path is inline PTX: needs a CUDA GPU")
+@pytest.mark.parametrize("codebook", ["3inst", "mcg"])
+@pytest.mark.parametrize("job_rows", [1, 2])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_packed_gemv_core_matches_its_unpacked_path(codebook, job_rows, bits, monkeypatch):
+    """The GEMV core's fp16-pair products (PTX window hashes, fp16x2 FMAs, fp16 step sums) against its fp32 products
+    of decoded weights on the same GPU, random activations at the launch shapes the runtime uses."""
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(5)
+    t = random_exl3(gen, 1024, 512, bits, codebook)
+    stack = WeightStack.from_tensors([[t]], device)
+    x = fp16_pairs(torch.randn(1, 4, 1024, generator=gen)).to(device)  # [P, R, in]
+    starts = torch.arange(0, 4, 2, dtype=torch.int32, device=device)
+    jobs = None if job_rows == 1 else Jobs(starts, torch.full_like(starts, 2), 2)
+    experts = torch.zeros(4, dtype=torch.int32, device=device)
+    cfg = one_row_gemv(bits) if job_rows == 1 else GemmConfig()
+    assert packed_gemv(x, stack)
+    packed = exl3_rows(x, stack, experts, jobs, cfg).sum(0)
+    monkeypatch.setattr(exl3_gemm, "packed_gemv", lambda xr, stack: False)
+    unpacked = exl3_rows(x, stack, experts, jobs, cfg).sum(0)
+    assert unpacked.abs().max() > 1 and rel_err(packed, unpacked) < GEMV_ERROR_BOUND
 
 
 def test_core_rejects_activations_of_the_other_format_and_one_row_job_tables():

@@ -104,42 +104,52 @@ def window_values(win, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
     return codebook_value(block_state(win, pos, K, B), CB, mask, flip)
 
 
-def _k2_window_hash_ptx(hash_op: str) -> str:
-    """PTX for `k2_window_hashes`: the 8 states of a K2 window (shifts 14, 12, .., 0) as 2 shifts' byte pairs.
+@triton.constexpr_function
+def window_hash_ptx(K: int, CB: int) -> str:
+    """PTX for `window_hashes`: the B = 16 / K states of a window (K2: shifts 14, 12, .., 0; K4: 12, 8, 4, 0) as
+    byte pairs of the window shifted by under 8 bits, hashed by codebook CB (0 = 3INST, 1 = MCG).
 
-    State p is bits [14 - 2p, 30 - 2p) of the window: bytes 1-2 (p < 4) or 0-1 (p >= 4) of the window shifted by
-    6, 4, 2 or 0 bits, so one byte permute (with zeros) per state replaces a shift and a mask.
+    State p is bits [s, s + 16) of the window, s = (B - 1 - p) K: bytes 1-2 (s >= 8) or 0-1 (s < 8) of the window
+    shifted by s mod 8 bits (K2: 6, 4, 2 or 0; K4: 4 or 0), so one byte permute (with zeros) per state replaces a
+    shift and a mask.
     """
-    shifted = ["t6", "t4", "t2", "$8"] * 2
-    lines = [
-        ".reg .b32 t2, t4, t6, z;",
-        "mov.b32 z, 0;",
-        "shr.b32 t2, $8, 2;",
-        "shr.b32 t4, $8, 4;",
-        "shr.b32 t6, $8, 6;",
-    ]
-    lines += [f"prmt.b32 ${p}, {shifted[p]}, z, {'0x4421' if p < 4 else '0x4410'};" for p in range(8)]
-    lines += [hash_op.format(p=p) for p in range(8)]
-    lines += [f"lop3.b32 ${p}, ${p}, $9, $10, 0x6A;" for p in range(8)]  # (x & mask) ^ flip
+    if K not in (2, 4):
+        raise ValueError(f"window hashes are for K2 and K4 (blocks of 16 stream bits), not K{K}")
+    B = 16 // K
+    starts = [(B - 1 - p) * K for p in range(B)]
+    shifts = sorted({s % 8 for s in starts} - {0})
+    win, mask, flip = f"${B}", f"${B + 1}", f"${B + 2}"
+    source = {0: win, **{k: f"t{k}" for k in shifts}}
+    lines = [f".reg .b32 {''.join(f't{k}, ' for k in shifts)}z;", "mov.b32 z, 0;"]
+    lines += [f"shr.b32 t{k}, {win}, {k};" for k in shifts]
+    lines += [f"prmt.b32 ${p}, {source[s % 8]}, z, {'0x4421' if s >= 8 else '0x4410'};" for p, s in enumerate(starts)]
+    hash_op = "mad.lo.u32 ${p}, ${p}, 89226354, 64248484;" if CB == 0 else "mul.lo.u32 ${p}, ${p}, 0xCBAC1FED;"
+    lines += [hash_op.format(p=p) for p in range(B)]
+    lines += [f"lop3.b32 ${p}, ${p}, {mask}, {flip}, 0x6A;" for p in range(B)]  # (x & mask) ^ flip
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-K2_HASH_3INST_PTX = tl.constexpr(_k2_window_hash_ptx("mad.lo.u32 ${p}, ${p}, 89226354, 64248484;"))
-K2_HASH_MCG_PTX = tl.constexpr(_k2_window_hash_ptx("mul.lo.u32 ${p}, ${p}, 0xCBAC1FED;"))
+@triton.constexpr_function
+def _window_hash_constraints(K: int) -> str:
+    """Inline-asm constraints of `window_hash_ptx`: B = 16 / K outputs, then the window, mask and flip."""
+    return "=r," * (16 // K) + "r,r,r"
 
 
 @triton.jit
-def k2_window_hashes(win, CB: tl.constexpr, mask, flip):
-    """The 8 weights of a K2 block window (positions 0..7) as uint32 pairs of fp16 halves whose sum is the weight.
+def window_hashes(win, K: tl.constexpr, CB: tl.constexpr, mask, flip):
+    """The B = 16 / K weights of a block window (positions 0..B-1) at K2 or K4 as uint32 pairs of fp16 halves whose
+    sum is the weight.
 
-    3INST (CB 0) and MCG (CB 1) only, GPU only (inline PTX): a byte permute, multiply and 3-input logic op per
-    weight. MUL1 has no packed-halves form.
+    K2 and K4 only, where `load_window`'s block of B positions advances the stream by 16 bits (B K = 16). 3INST (CB 0)
+    and MCG (CB 1) only, GPU only (inline PTX): a byte permute, multiply and 3-input logic op per weight. MUL1 has
+    no packed-halves form.
     """
+    B: tl.constexpr = 16 // K
     return tl.inline_asm_elementwise(
-        K2_HASH_3INST_PTX if CB == 0 else K2_HASH_MCG_PTX,
-        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+        window_hash_ptx(K, CB),
+        _window_hash_constraints(K),
         [win, mask, flip],
-        dtype=(tl.uint32,) * 8,
+        dtype=(tl.uint32,) * B,
         is_pure=True,
         pack=1,
     )

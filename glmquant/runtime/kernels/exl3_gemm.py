@@ -3,10 +3,11 @@
 `y = (((x ∘ suh) P) Q) P ∘ svh` runs as three launches: `rotate_in` (activations only: scale by suh, 128-block
 Hadamard), `exl3_rows` (the decode-and-multiply core over the packed trellis, split along K into fp32
 partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router weights). The core works on
-jobs (`exl3_jobs`): rows that share one weight, decoded once per job. Jobs of one or two rows at K2 take the
-GEMV core (`exl3_gemv`: fp16 activations, fp16x2 CUDA-core products, nothing through shared memory); other jobs of up
-to four rows the small-job core (`exl3_gemv_kbit`: fp32 CUDA-core products in the decode layout); larger jobs the
-tensor-core core here (fp16 hi/lo activation planes, mma.sync).
+jobs (`exl3_jobs`): rows that share one weight, decoded once per job. Jobs of one or two rows at K2 or K4 (K2
+experts, the speed tier's K4 retained linears and K4 expert tiers at batch 1) take the GEMV core (`exl3_gemv`: fp16
+activations, fp16x2 CUDA-core products, nothing through shared memory); other jobs of up to four rows (other K, an
+MTP verify's 3-4 rows) the small-job core (`exl3_gemv_kbit`: fp32 CUDA-core products in the decode layout); larger
+jobs the tensor-core core here (fp16 hi/lo activation planes, mma.sync).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from glmquant.runtime.kernels.exl3_jobs import (
     JOB_ROWS,
     LARGE_JOB_ROWS,
     LARGE_JOBS,
-    ONE_ROW_GEMV,
     GemmConfig,
     Jobs,
     WeightStack,
     job_program,
     job_rows,
+    one_row_gemv,
     tile_rows,
 )
 
@@ -316,8 +317,8 @@ def linear_config(
     at the expert-sized default a 4096 x 4096 linear is 128 programs at batch 1, under one per SM of an H200.
     K is cut finer until the launch reaches `programs`, a fixed count so every GPU sums alike (Triton's CPU
     interpreter runs programs one after another: `exl3_linear` asks it for the fewest); one-row
-    products take the one-row cores' steps (`ONE_ROW_GEMV` at K2, `ONE_ROW_KBIT` otherwise), the small-job core's
-    jobs of 2-4 rows `SMALL_JOB_KBIT`; two-row GEMV jobs take the default steps, as the fused MoE runs them.
+    products take the one-row cores' steps (`one_row_gemv` at K2 and K4, `ONE_ROW_KBIT` otherwise), the small-job
+    core's jobs of 2-4 rows `SMALL_JOB_KBIT`; two-row GEMV jobs take the default steps, as the fused MoE runs them.
     `base` overrides the steps (a launch-shape sweep, `scripts/bench_exl3_linear.py`).
     """
     _, _, kt, nt, _ = stack.trellis.shape
@@ -339,7 +340,7 @@ def _linear_steps(job: int, stack: WeightStack) -> GemmConfig:
     if job == LARGE_JOB_ROWS:
         return LARGE_JOBS
     if uses_gemv(stack, job):
-        return ONE_ROW_GEMV if job == 1 else GemmConfig()
+        return one_row_gemv(stack.bits) if job == 1 else GemmConfig()
     if job == 1:
         return ONE_ROW_KBIT
     return SMALL_JOB_KBIT if job <= SMALL_JOB_ROWS else GemmConfig()

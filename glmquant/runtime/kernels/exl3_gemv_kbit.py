@@ -1,8 +1,9 @@
 """The small-job core at any K: EXL3 products for jobs of 1 to 4 activation rows on CUDA cores, decoding in
 registers.
 
-A batch-1 product at K != 2 (the speed tier's K4 retained linears, K3/K4 expert tiers) and the 2-4 rows of an MTP
-verify step would otherwise take the tensor-core core, whose 16-row tile is mostly empty for so few rows and which
+A batch-1 product at a K the GEMV core does not take (K3 expert tiers, retained linears at K3 or K5 and up) and the
+2-4 rows of an MTP verify step (3-4 at K2 and K4, whose 1-2 rows take the GEMV core) would otherwise take the
+tensor-core core, whose 16-row tile is mostly empty for so few rows and which
 permutes every decoded block through shared memory into (k, n) order for `tl.dot`. Here each decoded weight is
 multiplied where it is decoded by the activation of each row of the job: products accumulate in fp32 registers in
 the decode layout across the K split (one accumulator per row), and the rows of the split are summed once at
@@ -19,8 +20,8 @@ from glmquant.runtime.kernels.exl3_decode import load_window, window_values
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 
 # Steps of 2 x 2 tiles (one row) and 2 x 4 (2-4 rows) at 2 warps: the fastest of 18 shapes on the speed tier's
-# K4 retained linears on an H200, 1.60x and 1.42x the 4 x 4 at 4 warps they replace
-# (bench/results/exl3_linear_sweep_h200.json, scripts/bench_exl3_linear.py)
+# K4 retained linears on an H200 (before their 1-2 rows moved to the GEMV core), 1.60x and 1.42x the 4 x 4 at
+# 4 warps they replace (bench/results/exl3_linear_sweep_h200.json, scripts/bench_exl3_linear.py)
 ONE_ROW_KBIT = GemmConfig(ti=2, tj=2, num_warps=2)
 SMALL_JOB_KBIT = GemmConfig(ti=2, tj=4, num_warps=2)
 SMALL_JOB_ROWS = 4  # the most rows of a job this core takes (an MTP verify of 3 drafts + 1)

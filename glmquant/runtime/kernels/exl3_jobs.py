@@ -8,7 +8,7 @@ of V experts; a single linear is P = V = 1.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -28,8 +28,8 @@ class GemmConfig:
     ti = 4, tj = 8 decodes a 64 x 128 weight block per step (64 codes per thread at 4 warps) into a
     16 x 128 fp32 accumulator in the tensor-core core, small enough in registers and shared memory (decoded block
     + pipelined activations) for 4 programs per SM on a GB10; the GEMV core takes the same blocks without shared
-    memory in its loop, and one-row GEMV jobs run ti = 8, tj = 4 (`ONE_ROW_GEMV`). Resources per
-    config: docs/kernels.md.
+    memory in its loop, and one-row GEMV jobs run ti = 8, tj = 4 at K2 (`ONE_ROW_GEMV`), tj = 2 at K4
+    (`one_row_gemv`). Resources per config: docs/kernels.md.
     K is cut into splits of gcd(k_tiles, split_tiles) tile rows: the same on every GPU (deterministic
     sums), and at most a few trip counts to compile. 1024 rows per split gives a 4096 x 2048 expert
     64 programs per route at tj = 8, 128 at tj = 4.
@@ -57,6 +57,16 @@ class GemmConfig:
 # which a batch-1 launch needs to fill the GPU; the fastest of the swept configs at batches 1, 4 and 16
 # (figures: docs/kernels.md, "Per kernel")
 ONE_ROW_GEMV = GemmConfig(ti=8, tj=4)
+
+
+def one_row_gemv(bits: int) -> GemmConfig:
+    """One-row GEMV jobs' steps at K = bits (2 or 4): `ONE_ROW_GEMV`'s 8 tile rows and words per thread.
+
+    A tile is 8 K uint32 words, one tensor element each, so K4 takes 2 tile columns where K2 takes 4: at 8 x 4 tiles
+    a K4 thread holds twice the elements (127 registers on sm_90, MCG, Triton 3.9; 8 x 2 tiles 64, K2 at 8 x 4 56).
+    K4's steps are not yet timed on a GPU.
+    """
+    return replace(ONE_ROW_GEMV, tj=ONE_ROW_GEMV.tj * 2 // bits)
 
 
 # 64-row jobs: 4 x 4-tile steps keep the 64 x 64 fp32 accumulator at 32 registers per thread (4 warps), as the

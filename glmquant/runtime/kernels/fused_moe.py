@@ -31,11 +31,11 @@ from glmquant.runtime.kernels.exl3_jobs import (
     JOB_ROWS,
     LARGE_JOB_ROWS,
     LARGE_JOBS,
-    ONE_ROW_GEMV,
     GemmConfig,
     Jobs,
     WeightStack,
     job_rows,
+    one_row_gemv,
 )
 
 
@@ -193,10 +193,10 @@ class MoEConfig:
 
 
 def choose_moe_config(tokens: int, routes: int, w: MoEWeights) -> MoEConfig:
-    """Jobs sized to how many routes an expert gets on average. With the GEMV core (K2, both stacks): one row
-    per route under 1/2 and for one token, whose routes never share an expert (at `ONE_ROW_GEMV`), GEMV jobs of
+    """Jobs sized to how many routes an expert gets on average. With the GEMV core (K2 or K4, both stacks): one row
+    per route under 1/2 and for one token, whose routes never share an expert (at `one_row_gemv`), GEMV jobs of
     two rows (one decode, an FMA per row) under 4, tensor-core jobs of 16 rows beyond (prefill): the measurements
-    behind these thresholds are in docs/kernels.md (the switch at 4 is an estimate). Other K: one token's routes
+    behind these thresholds (K2) are in docs/kernels.md (the switch at 4 is an estimate). Other K: one token's routes
     take the one-row core (`exl3_gemv_kbit`), two tokens or more 16-row tensor-core jobs. Any K: from
     LARGE_JOBS_FROM routes per expert (a prefill chunk: 4,096 tokens give 114 at 288 experts) 64-row jobs, each
     weight block decoded once for four tiles (an estimate, not measured)."""
@@ -206,7 +206,7 @@ def choose_moe_config(tokens: int, routes: int, w: MoEWeights) -> MoEConfig:
     if not (uses_gemv(w.gate_up, GEMV_JOB_ROWS) and uses_gemv(w.down, GEMV_JOB_ROWS)):
         return MoEConfig(1, ONE_ROW_KBIT, ONE_ROW_KBIT) if tokens == 1 else MoEConfig(JOB_ROWS.value)
     if tokens == 1 or per_expert < 0.5:
-        return MoEConfig(1, ONE_ROW_GEMV, ONE_ROW_GEMV)
+        return MoEConfig(1, one_row_gemv(w.gate_up.bits), one_row_gemv(w.down.bits))
     return MoEConfig(GEMV_JOB_ROWS if per_expert < 4 else JOB_ROWS.value)
 
 
