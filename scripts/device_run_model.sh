@@ -15,8 +15,9 @@
 #   bash scripts/device_run_model.sh "$OUT" COMMIT mtp       # MTP speculation at batch 1, 1k: draft, verify and
 #                                                            # rollback ms per k = 1..3, measured tok/s (MTP resident)
 #   bash scripts/device_run_model.sh "$OUT" COMMIT tier      # the speed tier (--retained-bits $TIER_BITS, default 4;
-#                                                            # --head-bits $TIER_HEAD_BITS when set): graphs check,
-#                                                            # decode 1k, classes, MTP; fills the report's speed_tier
+#                                                            # --head-bits $TIER_HEAD_BITS when set; --compile-decode
+#                                                            # when TIER_COMPILE is set): graphs check, decode 1k,
+#                                                            # classes, MTP; fills the report's speed_tier
 #   bash scripts/device_run_model.sh "$OUT" COMMIT serve     # `glmquant serve --load-format dummy` answers OpenAI
 #                                                            # requests (scripts/serve_probe.py)
 # then, here: python scripts/bench_model.py --merge model_h200_decode.json model_h200_prefill.json \
@@ -50,7 +51,7 @@ for MODE in "${MODES[@]}"; do
     compiled) args=(--quick --parts graphs,decode,classes,kernels --compile-decode) ;;
     mtp) args=(--quick --parts mtp) ;;
     tier) args=(--quick --retained-bits "${TIER_BITS:-4}" ${TIER_HEAD_BITS:+--head-bits "$TIER_HEAD_BITS"}
-                --parts graphs,decode,classes,mtp) ;;  # mtp: the tier's mtp_speedup
+                ${TIER_COMPILE:+--compile-decode} --parts graphs,decode,classes,mtp) ;;  # mtp: the tier's mtp_speedup
     *) echo "mode must be checks, serve, quick, decode, prefill, compiled, mtp or tier, not $MODE" >>"$LOG"; continue ;;
   esac
   stamp "bench_model.py ${args[*]}"
