@@ -19,9 +19,10 @@ from glmquant.observe.run import observe
 
 QUIET = Console(quiet=True)
 SMALL = TinyModelConfig(n_routed_experts=2, num_experts_per_tok=1)
-# the speed tier's source: two layers (a dense KDA layer, then an MLA/DSA MoE layer with a shared expert) hold every
-# kind of retained linear that SMALL's three do (23 linears of its 35); its experts stay 512 wide, so tr3's rank
-# slices are whole 128-wide EXL3 tensors (128-wide experts would pad each slice: 8 stored bits per weight at K2)
+# the speed tier's source, and any test that one MoE layer serves: two layers (a dense KDA layer, then an MLA/DSA MoE
+# layer with a shared expert) hold every kind of retained linear that SMALL's three do (23 linears of its 35); its
+# experts stay 512 wide, so tr3's rank slices are whole 128-wide EXL3 tensors (128-wide experts would pad each slice:
+# 8 stored bits per weight at K2)
 ONE_MOE = replace(SMALL, num_hidden_layers=2)
 EPOCH = "1767225600"  # SOURCE_DATE_EPOCH of the encodes compared byte for byte: 2026-01-01T00:00:00Z
 

@@ -254,14 +254,14 @@ def test_truncated_source_shard_fails_before_any_work(small_source: Path, tmp_pa
     assert not (tmp_path / "artifact").exists()
 
 
-def test_expert_without_tokens_uses_the_all_token_fallback(small_source: Path, tmp_path: Path) -> None:
-    """A correction bias that keeps expert 0 of the last MoE layer from ever being selected: natural routing
+def test_expert_without_tokens_uses_the_all_token_fallback(one_moe_source: Path, tmp_path: Path) -> None:
+    """A correction bias that keeps expert 0 of the (one) MoE layer from ever being selected: natural routing
     gives it no tokens, so it is encoded with the all-token Hessians and reported as such."""
     from safetensors.torch import load_file, save_file
 
     from glmquant.observe.hessians import HessianMode
 
-    source = _copy_source(small_source, tmp_path / "src")
+    source = _copy_source(one_moe_source, tmp_path / "src")
     spec = load_model_spec(source)
     layer = spec.moe_layers[-1]
     bias = f"{table_for(spec).layer_prefix(layer)}mlp.gate.e_score_correction_bias"

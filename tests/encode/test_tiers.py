@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from encode_fixtures import QUIET
+from encode_fixtures import QUIET, tiny_source
 
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import plan_artifact
@@ -20,6 +20,7 @@ from glmquant.checkpoint.tiers import tier_bitmap_sha256
 from glmquant.checkpoint.verify import verify_artifact
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.errors import UsageError
+from glmquant.fixtures import TinyModelConfig
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.run import observe
@@ -29,21 +30,29 @@ from glmquant.observe.tiers import TierSpec
 pytestmark = pytest.mark.slow
 
 SPEC = "reap:K3=1,K2=rest,K1=1"
+# the tiny model with one MoE layer (a dense KDA layer, then an MLA/DSA MoE layer) of its four 512-wide experts: SPEC's
+# three tiers, with half the expert encodes of the three-layer tiny source's two MoE layers
+ONE_MOE_FOUR_EXPERTS = TinyModelConfig(num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
-def observed(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_source(tmp_path_factory, "tiers-src", ONE_MOE_FOUR_EXPERTS)
+
+
+@pytest.fixture(scope="module")
+def observed(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiers-obs")
-    observe(ObserveConfig(source=tiny_source, out=out, rows=4, tokens=64, hessians=HessianMode.BOTH, tiers=SPEC))  # type: ignore[arg-type]  # the config parses option text
+    observe(ObserveConfig(source=source, out=out, rows=4, tokens=64, hessians=HessianMode.BOTH, tiers=SPEC))  # type: ignore[arg-type]  # the config parses option text
     return out
 
 
 @pytest.fixture(scope="module")
-def tiered(tiny_source: Path, observed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiered(source: Path, observed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiers") / "artifact"
     encode_artifact(
         EncodeConfig(
-            source=tiny_source,
+            source=source,
             out=out,
             observations=observed,
             tiers=SPEC,  # type: ignore[arg-type]  # the config parses option text
@@ -67,8 +76,8 @@ def test_spec_parsing_and_assignment() -> None:
         TierSpec.parse("reap:K3=9,K2=rest").counts(8)
 
 
-def test_experts_get_the_k_of_their_reap_rank(tiered: Path, observed: Path, tiny_source: Path) -> None:
-    spec = load_model_spec(tiny_source)
+def test_experts_get_the_k_of_their_reap_rank(tiered: Path, observed: Path, source: Path) -> None:
+    spec = load_model_spec(source)
     plan = json.loads((observed / "tier_plan.json").read_text())
     with SourceCheckpoint.open(tiered) as art:
         for layer, path in stats_files(observed).items():
@@ -81,7 +90,7 @@ def test_experts_get_the_k_of_their_reap_rank(tiered: Path, observed: Path, tiny
                 assert art.spec(name).shape[-1] == 16 * k
 
 
-def test_manifest_config_and_plan_agree(tiered: Path, tiny_source: Path, observed: Path) -> None:
+def test_manifest_config_and_plan_agree(tiered: Path, source: Path, observed: Path) -> None:
     assert verify_artifact(tiered, fast=False).ok
     manifest = json.loads((tiered / MANIFEST_NAME).read_text())
     bits = {int(k): tuple(v) for k, v in json.loads((observed / "tier_plan.json").read_text())["layers"].items()}
@@ -97,9 +106,9 @@ def test_manifest_config_and_plan_agree(tiered: Path, tiny_source: Path, observe
     assert manifest["calibration"]["routing"] == "blend:0.5"
     qc = json.loads((tiered / "config.json").read_text())["quantization_config"]
     assert (qc["k1_experts_per_layer"], qc["k2_experts_per_layer"], qc["k3_experts_per_layer"]) == (1, 2, 1)
-    with SourceCheckpoint.open(tiny_source) as src:
+    with SourceCheckpoint.open(source) as src:
         shards = {n: src.shard_of(n) for n in src.names()}
-    plan = plan_artifact(load_model_spec(tiny_source), "tr3", 2, "mcg", shards, expert_bits=bits)
+    plan = plan_artifact(load_model_spec(source), "tr3", 2, "mcg", shards, expert_bits=bits)
     assert {f.path: f.size for f in plan.files} == {e["path"]: e["bytes"] for e in manifest["files"]}
 
 
@@ -128,12 +137,12 @@ def test_runtime_serves_each_expert_at_its_k(tiered: Path) -> None:
     assert widths == {1, 2, 3} and torch.isfinite(logits).all()
 
 
-def test_serve_check_fidelity_gate_on_the_tiered_artifact(tiered: Path, tiny_source: Path, tmp_path: Path) -> None:
+def test_serve_check_fidelity_gate_on_the_tiered_artifact(tiered: Path, source: Path, tmp_path: Path) -> None:
     from glmquant.servecheck import ServeCheckConfig, serve_check
 
     report = serve_check(
         ServeCheckConfig(
-            artifact=tiered, bf16_source=tiny_source, gates=("fidelity",), out=tmp_path, panel_rows=1, panel_tokens=16
+            artifact=tiered, bf16_source=source, gates=("fidelity",), out=tmp_path, panel_rows=1, panel_tokens=16
         )
     )
     metrics = report.gates[0].cases[0].metrics
@@ -141,11 +150,11 @@ def test_serve_check_fidelity_gate_on_the_tiered_artifact(tiered: Path, tiny_sou
     assert "mean KL <=" in json.loads((tmp_path / "serve-check.json").read_text())["thresholds"]["fidelity"]
 
 
-def test_exllamav3_layout_with_tiers(tiny_source: Path, observed: Path, tmp_path: Path) -> None:
+def test_exllamav3_layout_with_tiers(source: Path, observed: Path, tmp_path: Path) -> None:
     out = tmp_path / "plain"
     encode_artifact(
         EncodeConfig(
-            source=tiny_source,
+            source=source,
             out=out,
             observations=observed,
             layout="exllamav3",
@@ -167,7 +176,7 @@ def test_tier_options_are_checked() -> None:
         EncodeConfig(source=Path("s"), out=Path("o"), observations=Path("x"), hessians="all", blend=0.5)  # type: ignore[arg-type]  # the config parses option text
 
 
-def test_plan_cli_predicts_the_tiered_files(tiny_source: Path, observed: Path, tiered: Path) -> None:
+def test_plan_cli_predicts_the_tiered_files(source: Path, observed: Path, tiered: Path) -> None:
     from typer.testing import CliRunner
 
     from glmquant.cli import app
@@ -176,9 +185,9 @@ def test_plan_cli_predicts_the_tiered_files(tiny_source: Path, observed: Path, t
         app,
         [
             "plan",
-            str(tiny_source),
+            str(source),
             "--source-index",
-            str(tiny_source / "model.safetensors.index.json"),
+            str(source / "model.safetensors.index.json"),
             "--tier-plan",
             str(observed / "tier_plan.json"),
             "--json",
