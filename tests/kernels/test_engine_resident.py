@@ -11,6 +11,7 @@ import torch
 from kernel_helpers import kernel_device
 
 from glmquant.exl3.tensor import EXL3Tensor
+from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
 from glmquant.runtime.engine.linears import Exl3Proj
@@ -22,6 +23,7 @@ from glmquant.runtime.options import RuntimeOptions
 # GEMV jobs; the prompt is one prefill chunk at either length (PREFILL_CHUNK). An EXL3 linear's rows now fit one
 # 16-row job (20 made 16 + 4: test_exl3_gemm covers such splits). Measured on a CPU, 20 -> 12 tokens: the speed tier's
 # steps 57 -> 51 s, largest |logit difference| / scale 1.4e-3 -> 1.0e-3 (7.6e-4 -> 7.5e-4 without EXL3 linears)
+# (the speed tier's test on the two-layer `one_moe_source`: 1.1e-3, measured on a CPU)
 PROMPT_TOKENS = 12
 
 
@@ -48,14 +50,22 @@ def test_resident_triton_experts_decode_like_the_torch_backend(tiny_source: Path
     _assert_same_greedy_steps(triton, torch_, device)
 
 
+@pytest.fixture(scope="module")
+def one_moe_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with two layers, a dense KDA layer and an MLA/DSA MoE layer of its four experts: every kind of
+    EXL3 retained linear the engine runs, in fewer interpreted kernels than the three-layer tiny source's (whose two
+    MoE layers' resident experts the test above runs)."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("one-moe-src"), TinyModelConfig(num_hidden_layers=2))
+
+
 @pytest.mark.slow
-def test_engine_runs_the_speed_tier_through_exl3_linear_like_the_torch_backend(tiny_source: Path) -> None:
+def test_engine_runs_the_speed_tier_through_exl3_linear_like_the_torch_backend(one_moe_source: Path) -> None:
     """A dummy `--retained-bits 4 --head-bits 6` artifact: with the Triton backend each projection holding an EXL3
     retained linear, and lm_head, is an `Exl3Proj` (run by `exl3_linear`, its stored bytes counted: the profile's
     lm_head class reads the head's EXL3 bytes), with the torch backend decoded once; the same greedy tokens, logits
     within the kernels' fp16 error."""
     device = kernel_device()
-    artifact = dummy_artifact(tiny_source, device=device, retained_bits=4, head_bits=6)
+    artifact = dummy_artifact(one_moe_source, device=device, retained_bits=4, head_bits=6)
     triton = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32", backend="triton"), max_len=32)
     torch_ = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32"), max_len=32)
     projections = [triton.weights.layers[0].attention.in_proj, triton.weights.layers[0].attention.o_proj]
