@@ -15,7 +15,6 @@ import pytest
 from proxy_helpers import SMOKE_ROWS, BenchRun
 
 ROOT = Path(__file__).resolve().parents[2]
-# one MoE layer of 8 experts, 128-wide: the exllamav3 layout keeps every EXL3 tensor one 128 x 128 block
 
 
 def _bench_module():
