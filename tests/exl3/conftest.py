@@ -1,8 +1,10 @@
-"""Golden vectors produced by exllamav3 1.6.5 on an H200 (copied into tests/data so the suite runs anywhere)."""
+"""Golden vectors produced by exllamav3 1.6.5 on an H200 (copied into tests/data so the suite runs anywhere), and
+torch on one thread for the step-by-step Viterbi references."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,3 +22,16 @@ def golden() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="session")
 def golden_meta() -> dict:
     return json.loads((DATA / "exl3_golden.json").read_text())
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread during the test: the step-by-step Viterbi references run thousands of tiny ops,
+    which more threads only slow with spin-waiting on a busy machine (the CUDA kernel's reference beside two busy
+    processes, measured: 6.5 s on two threads, 2.7 s on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -19,14 +19,11 @@ def native():
 
 
 @pytest.mark.parametrize(("bits", "codebook"), [(1, "mcg"), (2, "3inst"), (3, "mul1"), (5, "mcg"), (8, "3inst")])
-def test_native_kernel_matches_torch_reference_bit_for_bit(native, bits: int, codebook: str) -> None:
+def test_native_kernel_matches_torch_reference_bit_for_bit(
+    native, one_torch_thread: None, bits: int, codebook: str
+) -> None:
     x = tiles(3, seed=bits)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny per-step ops: intra-op threads only add spin-waiting on a busy machine
-    try:
-        reference = select_backend("cpu", "torch")(x, bits, Codebook(codebook))
-    finally:
-        torch.set_num_threads(threads)
+    reference = select_backend("cpu", "torch")(x, bits, Codebook(codebook))
     assert torch.equal(native(x, bits, Codebook(codebook)), reference)
 
 

@@ -43,7 +43,7 @@ def test_codebook_pairs_put_state_pairs_in_one_word() -> None:
 
 
 @pytest.mark.slow
-def test_kernel_arithmetic_closes_rings_at_exact_search_quality() -> None:
+def test_kernel_arithmetic_closes_rings_at_exact_search_quality(one_torch_thread: None) -> None:
     x = tiles(2, seed=11)
     states = viterbi_cuda_reference(x, codebook_values("mcg"), 2)
     assert closed(states, 2)
