@@ -339,8 +339,10 @@ def weight_error_by_role(
 
 def first_difference(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
     """Index of the first token where `tokens` and `reference` differ (a length difference counts), else None."""
-    diff = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
-    return diff if diff is not None or len(tokens) == len(reference) else min(len(tokens), len(reference))
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
 def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, device: str) -> dict[str, Any]:
