@@ -665,13 +665,16 @@ def speed_tier(report: dict[str, Any], fidelity: dict[str, Any] | None) -> dict[
             f"the proxy fidelity run merged with --fidelity: its {recipe} row, the retained linears' KL alone "
             f"(experts BF16, {head}) over the seed row's (the experts') KL"
         )
+    bytes_per_token = sum(c["bytes_per_token"] for c in per_class.values()) if per_class else None
     return {
         "retained_bits": bits,
         "head_bits": head_bits,
-        "bytes_per_token": sum(c["bytes_per_token"] for c in per_class.values()) if per_class else None,
+        "bytes_per_token": bytes_per_token,
         "bytes_per_token_is": "batch-1 decode at the classes part's context, summed over its classes (the EXL3 "
         "retained linears and head at their stored bytes)",
         "gb10_tok_s_218": classes.get("projection", {}).get("gb10_tok_s_218"),
+        # what no kernel can pass at these bytes: every class at the Spark's measured copy bandwidth, nothing else
+        "gb10_bandwidth_bound_tok_s_218": round(218e9 / bytes_per_token, 2) if bytes_per_token else None,
         "mtp_speedup": (report.get("mtp_at_proxy_acceptance") or {}).get("speedup"),
         "mtp_speedup_from": "the mtp part (--parts mtp with --retained-bits) merged with --fidelity (the "
         "trained proxy's MTP acceptance): mtp_at_proxy_acceptance",

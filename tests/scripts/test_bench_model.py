@@ -111,6 +111,8 @@ def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     assert (tier["retained_bits"], tier["head_bits"]) == (4, 6)
     assert tier["bytes_per_token"] == sum(c["bytes_per_token"] for c in classes["classes"].values()) > 0
     assert tier["gb10_tok_s_218"] == classes["projection"]["gb10_tok_s_218"] > 0
+    assert tier["gb10_bandwidth_bound_tok_s_218"] == pytest.approx(218e9 / tier["bytes_per_token"], abs=0.01)
+    assert tier["gb10_bandwidth_bound_tok_s_218"] >= tier["gb10_tok_s_218"]
     assert tier["mtp_speedup"] is None and "mtp part" in tier["mtp_speedup_from"]
     assert tier["kl_cost_ratio"] is None and "retained-k4-head6 row" in tier["kl_cost_ratio_from"]
 
