@@ -107,7 +107,8 @@ def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
         # an MTP verify's 2-4 rows are one job of the small-job core, at its own steps
         ((4096, 4096), 4, 3, replace(SMALL_JOB_KBIT, split_tiles=16)),
         ((4096, 4096), 2, 2, GemmConfig(split_tiles=8)),  # K2, 2 rows: one GEMV job, 32 blocks x 32 splits
-        ((4096, 4096), 4, 2, GemmConfig(split_tiles=8)),  # K4, 2 rows: the same
+        # K4, 2 rows: one GEMV job at the one-row steps (the same splits: its first row is a one-row job's)
+        ((4096, 4096), 4, 2, replace(one_row_gemv(4), split_tiles=32)),
         # a small linear stops at the finest split that is whole steps
         ((256, 128), 5, 1, replace(ONE_ROW_KBIT, split_tiles=8)),
     ],
@@ -118,6 +119,20 @@ def test_linear_config_fills_the_gpu_with_fixed_splits(shape, bits, rows, want):
     assert cfg == want
     kt = shape[0] // 16
     assert cfg.tiles_per_split(kt) % cfg.ti == 0  # whole steps
+
+
+@pytest.mark.parametrize("codebook", ["3inst", "mcg"])
+def test_k4_linear_rows_do_not_depend_on_the_row_count(codebook):
+    """A K4 linear's row is the same bits in a one- or a two-row product (a one-draft verify's first row equals the
+    plain step's): both are GEMV jobs at the one-row steps with the same K splits."""
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(4)
+    stack = WeightStack.from_tensors([[random_exl3(gen, 512, 256, 4, codebook, scale=0.1)]], device)
+    x = torch.randn(2, 512, generator=gen).to(device)
+    assert linear_config(1, stack) == linear_config(2, stack)
+    one, two = exl3_linear(x[:1], stack), exl3_linear(x, stack)
+    assert torch.equal(two[:1], one)
+    assert not torch.equal(two[1:], one)  # the second row is its own product
 
 
 @pytest.mark.slow

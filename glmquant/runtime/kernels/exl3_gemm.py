@@ -318,7 +318,8 @@ def linear_config(
     K is cut finer until the launch reaches `programs`, a fixed count so every GPU sums alike (Triton's CPU
     interpreter runs programs one after another: `exl3_linear` asks it for the fewest); one-row
     products take the one-row cores' steps (`one_row_gemv` at K2 and K4, `ONE_ROW_KBIT` otherwise), the small-job
-    core's jobs of 2-4 rows `SMALL_JOB_KBIT`; two-row GEMV jobs take the default steps, as the fused MoE runs them.
+    core's jobs of 2-4 rows `SMALL_JOB_KBIT`; two-row GEMV jobs take the default steps at K2, as the fused MoE runs
+    them, and K4's one-row steps.
     `base` overrides the steps (a launch-shape sweep, `scripts/bench_exl3_linear.py`).
     """
     _, _, kt, nt, _ = stack.trellis.shape
@@ -340,7 +341,10 @@ def _linear_steps(job: int, stack: WeightStack) -> GemmConfig:
     if job == LARGE_JOB_ROWS:
         return LARGE_JOBS
     if uses_gemv(stack, job):
-        return one_row_gemv(stack.bits) if job == 1 else GemmConfig()
+        # K4 two-row jobs (a one-draft verify of the speed tier's linears) keep the one-row steps: the 4 x 8 default
+        # made that verify 3.3 ms slower than the small-job core on the H200 (41.8 against 38.4 ms, 67737f4), and
+        # one step shape makes the first row of a two-row job equal a one-row job's, bit for bit
+        return one_row_gemv(stack.bits) if job == 1 or stack.bits == 4 else GemmConfig()
     if job == 1:
         return ONE_ROW_KBIT
     return SMALL_JOB_KBIT if job <= SMALL_JOB_ROWS else GemmConfig()
