@@ -44,9 +44,11 @@ BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo pl
         ("mcg", 3, 1, ONE_ROW_KBIT),  # the one-row core (K3), one K split, B = 4 windows across chunks
         ("mul1", 6, 1, None),  # the one-row core at `linear_config`'s launch, B = 2 windows
         ("mcg", 5, 2, None),  # the small-job core: one job of 2 rows at K5
-        ("3inst", 4, 4, None),  # K4 beyond the GEMV core's 2 rows: the small-job core, one job of 4 rows
+        ("3inst", 4, 4, None),  # K4 at 4 rows (a verify of 3 drafts): two two-row GEMV jobs
+        ("mcg", 4, 3, None),  # K4 at 3 rows: GEMV jobs of 2 and 1 rows
+        ("mcg", 5, 4, None),  # K5 at 4 rows: the small-job core, one job of 4 rows
         ("3inst", 3, 3, SMALL_JOB_KBIT),  # a job of 3 rows in a 4-row accumulator (the 4th masked)
-        ("mul1", 2, 4, GemmConfig(ti=2, tj=4, split_tiles=4)),  # K2 beyond the GEMV core's 2 rows, 4 K splits
+        ("mul1", 2, 4, GemmConfig(ti=2, tj=4, split_tiles=4)),  # K2 at 4 rows: two GEMV jobs, 4 K splits
         ("mcg", 2, 2, None),  # K2 at 2 rows: one two-row GEMV job
         ("mcg", 2, 70, None),  # 64-row jobs (64 + 6 rows) at `linear_config`'s launch
         ("3inst", 4, 64, GemmConfig(ti=2, tj=4, split_tiles=4)),  # one full 64-row job, 4 K splits
@@ -61,7 +63,7 @@ def test_linear_matches_exact_weight(codebook, bits, rows, cfg):
     stack = WeightStack.from_tensors([[t]], device)
     got = exl3_linear(x.to(device), stack, cfg)
     assert got.shape == (rows, 136) and got.dtype == torch.float32
-    assert rel_err(got, want) < (GEMV_ERROR_BOUND if uses_gemv(stack, linear_job_rows(rows)) else BOUND)
+    assert rel_err(got, want) < (GEMV_ERROR_BOUND if uses_gemv(stack, linear_job_rows(rows, stack)) else BOUND)
 
 
 def test_output_keeps_input_dtype_and_default_config():
@@ -104,9 +106,13 @@ def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
         # a prefill chunk of 4,096 rows is 64 jobs of 64 rows: the large jobs' steps already fill the GPU
         ((4096, 4096), 4, 4096, LARGE_JOBS),
         ((4096, 4096), 4, 32, GemmConfig(split_tiles=16)),  # 32 rows: 2 jobs of 16 x 32 blocks x 16 splits
-        # an MTP verify's 2-4 rows are one job of the small-job core, at its own steps
-        ((4096, 4096), 4, 3, replace(SMALL_JOB_KBIT, split_tiles=16)),
+        # an MTP verify's 2-4 rows at K4: GEMV jobs of two rows at the one-row steps and splits
+        ((4096, 4096), 4, 3, replace(one_row_gemv(4), split_tiles=32)),
+        ((4096, 4096), 4, 4, replace(one_row_gemv(4), split_tiles=32)),
+        # at K5 one job of the small-job core, at its own steps
+        ((4096, 4096), 5, 3, replace(SMALL_JOB_KBIT, split_tiles=16)),
         ((4096, 4096), 2, 2, GemmConfig(split_tiles=8)),  # K2, 2 rows: one GEMV job, 32 blocks x 32 splits
+        ((4096, 4096), 2, 4, GemmConfig(split_tiles=8)),  # K2, 4 rows: two GEMV jobs, split as for one
         # K4, 2 rows: one GEMV job at the one-row steps (the same splits: its first row is a one-row job's)
         ((4096, 4096), 4, 2, replace(one_row_gemv(4), split_tiles=32)),
         # a small linear stops at the finest split that is whole steps
@@ -123,16 +129,17 @@ def test_linear_config_fills_the_gpu_with_fixed_splits(shape, bits, rows, want):
 
 @pytest.mark.parametrize("codebook", ["3inst", "mcg"])
 def test_k4_linear_rows_do_not_depend_on_the_row_count(codebook):
-    """A K4 linear's row is the same bits in a one- or a two-row product (a one-draft verify's first row equals the
-    plain step's): both are GEMV jobs at the one-row steps with the same K splits."""
+    """A K4 linear's rows are the same bits in products of one to four rows (a verify's rows equal plain steps'):
+    all are GEMV jobs of one or two rows at the one-row steps with the same K splits."""
     device = kernel_device()
     gen = torch.Generator().manual_seed(4)
     stack = WeightStack.from_tensors([[random_exl3(gen, 512, 256, 4, codebook, scale=0.1)]], device)
-    x = torch.randn(2, 512, generator=gen).to(device)
-    assert linear_config(1, stack) == linear_config(2, stack)
-    one, two = exl3_linear(x[:1], stack), exl3_linear(x, stack)
-    assert torch.equal(two[:1], one)
-    assert not torch.equal(two[1:], one)  # the second row is its own product
+    x = torch.randn(4, 512, generator=gen).to(device)
+    alone = torch.cat([exl3_linear(x[i : i + 1], stack) for i in range(4)])
+    for rows in (2, 3, 4):
+        assert linear_config(rows, stack) == linear_config(1, stack)
+        assert torch.equal(exl3_linear(x[:rows], stack), alone[:rows]), rows
+    assert not torch.equal(alone[0], alone[1])  # each row is its own product
 
 
 @pytest.mark.slow

@@ -4,10 +4,10 @@
 Hadamard), `exl3_rows` (the decode-and-multiply core over the packed trellis, split along K into fp32
 partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router weights). The core works on
 jobs (`exl3_jobs`): rows that share one weight, decoded once per job. Jobs of one or two rows at K2 or K4 (K2
-experts, the speed tier's K4 retained linears and K4 expert tiers at batch 1) take the GEMV core (`exl3_gemv`: fp16
-activations, fp16x2 CUDA-core products, nothing through shared memory); other jobs of up to four rows (other K, an
-MTP verify's 3-4 rows) the small-job core (`exl3_gemv_kbit`: fp32 CUDA-core products in the decode layout); larger
-jobs the tensor-core core here (fp16 hi/lo activation planes, mma.sync).
+experts, the speed tier's K4 retained linears and K4 expert tiers at batch 1, an MTP verify's 2-4 rows as one or
+two jobs) take the GEMV core (`exl3_gemv`: fp16 activations, fp16x2 CUDA-core products, nothing through shared
+memory); jobs of up to four rows at other K the small-job core (`exl3_gemv_kbit`: fp32 CUDA-core products in the
+decode layout); larger jobs the tensor-core core here (fp16 hi/lo activation planes, mma.sync).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton.language as tl
 
 from glmquant.exl3 import EXL3Tensor
 from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, load_window, window_values
-from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel, packed_gemv, uses_gemv
+from glmquant.runtime.kernels.exl3_gemv import GEMV_BITS, GEMV_JOB_ROWS, _exl3_gemv_kernel, packed_gemv, uses_gemv
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, SMALL_JOB_ROWS, _exl3_row_kernel
 from glmquant.runtime.kernels.exl3_jobs import (
     JOB_ROWS,
@@ -299,12 +299,14 @@ LINEAR_PROGRAMS = 1024  # programs a single linear's core launch aims for (~8 pe
 LINEAR_SPLIT_TILES = (64, 32, 16, 8)  # K splits tried for a single linear, coarsest (fewest partial sums) first
 
 
-def linear_job_rows(rows: int) -> int:
-    """Rows per job of one linear's `rows` activation rows: all of them up to `SMALL_JOB_ROWS` (batch 1 and an MTP
-    verify step: one decode of the weights, CUDA cores), then 16, or 64 from 64 rows (a prefill chunk: one decode
-    of each weight block for four tensor-core tiles)."""
+def linear_job_rows(rows: int, stack: WeightStack) -> int:
+    """Rows per job of one linear's `rows` activation rows. Up to `SMALL_JOB_ROWS` (batch 1 and an MTP verify step,
+    CUDA cores): at K2 and K4 GEMV jobs of at most `GEMV_JOB_ROWS` (a verify of 2-3 drafts is two jobs, whose
+    programs are adjacent in the grid and decode each weight block while the other's read holds it in L2), at other
+    K all of them in one small-job core job; then 16, or 64 from 64 rows (a prefill chunk: one decode of each weight
+    block for four tensor-core tiles)."""
     if rows <= SMALL_JOB_ROWS:
-        return rows
+        return min(rows, GEMV_JOB_ROWS) if stack.bits in GEMV_BITS else rows
     return JOB_ROWS.value if rows < LARGE_JOB_ROWS else LARGE_JOB_ROWS
 
 
@@ -315,17 +317,18 @@ def linear_config(
 
     A linear has one job per 16 rows (one per row at one row), so only column blocks and K splits make programs:
     at the expert-sized default a 4096 x 4096 linear is 128 programs at batch 1, under one per SM of an H200.
-    K is cut finer until the launch reaches `programs`, a fixed count so every GPU sums alike (Triton's CPU
-    interpreter runs programs one after another: `exl3_linear` asks it for the fewest); one-row
+    K is cut finer until one job's launch reaches `programs`, a fixed count so every GPU sums alike (Triton's CPU
+    interpreter runs programs one after another: `exl3_linear` asks it for the fewest), and up to `SMALL_JOB_ROWS`
+    rows as finely as for one row (at K4 a verify's rows then equal one-row products bit for bit); one-row
     products take the one-row cores' steps (`one_row_gemv` at K2 and K4, `ONE_ROW_KBIT` otherwise), the small-job
     core's jobs of 2-4 rows `SMALL_JOB_KBIT`; two-row GEMV jobs take the default steps at K2, as the fused MoE runs
     them, and K4's one-row steps.
     `base` overrides the steps (a launch-shape sweep, `scripts/bench_exl3_linear.py`).
     """
     _, _, kt, nt, _ = stack.trellis.shape
-    job = linear_job_rows(rows)
+    job = linear_job_rows(rows, stack)
     base = base or _linear_steps(job, stack)
-    jobs = -(-rows // job)
+    jobs = 1 if rows <= SMALL_JOB_ROWS else -(-rows // job)  # a verify's jobs split K as one row does
     cfg = base
     for split_tiles in LINEAR_SPLIT_TILES:
         if math.gcd(kt, split_tiles) % base.ti:  # splits must be whole steps
@@ -367,7 +370,7 @@ def exl3_linear(
     cfg = cfg or linear_config(M, stack, LINEAR_PROGRAMS if x.is_cuda else 1)
     rows = torch.arange(M, dtype=torch.int32, device=x.device)
     zero = torch.zeros(M, dtype=torch.int32, device=x.device)
-    size = linear_job_rows(M)
+    size = linear_job_rows(M, stack)
     starts = torch.arange(0, M, size, dtype=torch.int32, device=x.device)
     jobs = Jobs(starts, (M - starts).clamp(max=size).to(torch.int32), size) if M > 1 else None
     xr = rotate_in(x, rows, stack, zero, uses_gemv(stack, job_rows(jobs)))
