@@ -1,9 +1,10 @@
 """Launch shapes of the few-row cores on the speed tier's retained linears: time one EXL3 linear (rotations + core
 + output) per config at 1, 2 and 4 rows, for the shapes GLM-5.3-Flash's K4 retained linears have, and report GB/s
-of trellis read. At K4 the 1 and 2 rows take the GEMV core (`one_row_gemv(4)` and the default steps: their sweep is
-next) and 4 rows the small-job core (`exl3_gemv_kbit`); at K3 and K5 up all three take the small-job core, whose
-`ONE_ROW_KBIT` and `SMALL_JOB_KBIT` this picked before K4 moved to the GEMV core (docs/kernels.md; the report's
-"defaults" are those two).
+of trellis read. At K4 every row count up to 4 takes the GEMV core at `one_row_gemv(4)`'s steps, in jobs of at most
+two rows (the H200 sweep at 2 rows, ef53d2a: those steps at 2 warps were 3.8 % faster than at the default 4, which
+stays, since a verify's rows then equal one-row products bit for bit); at K3 and K5 up all three take the small-job
+core (`exl3_gemv_kbit`), whose `ONE_ROW_KBIT` and `SMALL_JOB_KBIT` this picked before K4 moved to the GEMV core
+(docs/kernels.md; the report's "defaults" are those two, and each row count's `is_default` row is `linear_config`'s).
 
 Each measurement replays a CUDA graph of `--copies` linears of one shape, each its own weights (more bytes than the
 L2 holds, as in a decode step), and takes the median of `--reps` replays. Configs whose accumulators would pass
