@@ -3,6 +3,8 @@
 PY ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# pytest-xdist workers for `make test`: the project's machines have two cores
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 # pytest puts each test folder on sys.path (helpers import by bare name), so every folder's conftest.py is a
 # module named `conftest`: mypy checks one test folder per run
@@ -21,8 +23,10 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/glmquant demo out/tiny
 
+# the whole suite on TEST_WORKERS pytest-xdist processes (each torch on its share of the cores: tests/conftest.py);
+# loadgroup keeps the tests that share an expensive fixture (`xdist_group` marks) on one worker, which builds it once
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadgroup
 
 # the edit-test loop: every test not marked slow, under a minute on two idle cores
 test-fast: setup

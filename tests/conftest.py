@@ -20,6 +20,14 @@ import torch
 if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs two workers) each worker gets its share of the cores, unless OMP_NUM_THREADS says
+# otherwise: torch's intra-op threads (and the native Viterbi's, as many) would spin-wait against the other worker's.
+# Set in the environment too, for the processes a test starts (the scripts' end-to-end runs, `glmquant serve`).
+if "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.writer import Provided
 from glmquant.fixtures import build_tiny_checkpoint

@@ -21,6 +21,7 @@ def test_units_are_dealt_round_robin() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("small-artifact")  # pytest-xdist: on the worker that encodes `small_artifact`
 def test_two_processes_write_the_same_artifact_as_one(
     small_source: Path, small_observations: Path, small_artifact: Path, tmp_path: Path
 ) -> None:

@@ -24,7 +24,9 @@ from glmquant.observe.hessian_reader import load_layer_hessians
 from glmquant.observe.run import observe
 from glmquant.observe.summary import ObservationSummary
 
-pytestmark = pytest.mark.slow
+# under pytest-xdist (`make test`) these tests and test_distributed.py's run on one worker, which encodes
+# `small_artifact` (the encode tests' slowest step) once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("small-artifact")]
 
 
 def test_experts_decode_back_at_k2_quality(small_artifact: Path, small_source: Path) -> None:

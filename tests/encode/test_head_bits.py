@@ -47,7 +47,10 @@ from glmquant.runtime.mtp import load_mtp
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.retained_linears import Exl3Linear
 
-pytestmark = pytest.mark.slow  # one encode of the micro model: its routed experts and its head
+pytestmark = [
+    pytest.mark.slow,  # one encode of the micro model: its routed experts and its head
+    pytest.mark.xdist_group("head-bits"),  # under pytest-xdist (`make test`) one worker builds the module fixtures
+]
 
 MICRO = TinyModelConfig(num_hidden_layers=2, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=128)
 HEAD_K = 4

@@ -26,7 +26,10 @@ from glmquant.runtime.loader import LoadedModel, load_model
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.retained_linears import Exl3Linear
 
-pytestmark = pytest.mark.slow  # two encodes of the ONE_MOE model with K4 retained linears: minutes on two CPU cores
+pytestmark = [
+    pytest.mark.slow,  # two encodes of the ONE_MOE model with K4 retained linears: minutes on two CPU cores
+    pytest.mark.xdist_group("speed-tier"),  # under pytest-xdist (`make test`) one worker encodes `speed_tier` once
+]
 
 K = 4
 HEAD_K = 5  # another K than the retained linears': each linear is encoded, stored and checked at its own

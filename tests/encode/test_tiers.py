@@ -27,7 +27,7 @@ from glmquant.observe.run import observe
 from glmquant.observe.stats import LayerStats, stats_files
 from glmquant.observe.tiers import TierSpec
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiers")]  # pytest-xdist: one worker builds the module fixtures
 
 SPEC = "reap:K3=1,K2=rest,K1=1"
 # the tiny model with one MoE layer (a dense KDA layer, then an MLA/DSA MoE layer) of its four 512-wide experts: SPEC's

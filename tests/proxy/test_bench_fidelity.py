@@ -131,6 +131,7 @@ def test_scheduler_waits_for_the_hessian_rows_records_failures_and_keeps_the_can
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("fidelity-bench")  # pytest-xdist: on the worker that runs `bench_run`, once
 def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     argv, env, results = bench_run.argv, bench_run.env, bench_run.results
     record = json.loads(results.read_text())

@@ -32,6 +32,7 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smoke-proxy")  # pytest-xdist: on the worker that trains `smoke_proxy`, once
 def test_record_and_checkpoint(smoke_proxy: Path) -> None:
     record = json.loads((smoke_proxy / "proxy.json").read_text())
     assert record["steps_done"] == 3 and record["resumed_at"] == [] and record["heldout_ppl"] > 1
@@ -56,6 +57,7 @@ def test_record_and_checkpoint(smoke_proxy: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smoke-proxy")  # pytest-xdist: on the worker that trains `smoke_proxy`, once
 def test_mtp_layer_is_trained_and_drafts_in_the_runtime(smoke_proxy: Path, tmp_path: Path) -> None:
     """The checkpoint's MTP layer (release names, shapes, dtypes) moved from its initial weights, fills the
     runtime's MTP layer from an artifact, and speculative greedy decoding with it equals plain greedy."""

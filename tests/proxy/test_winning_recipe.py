@@ -19,7 +19,7 @@ from proxy_helpers import BenchRun
 
 from glmquant.cli import app
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fidelity-bench")]  # pytest-xdist: `bench_run` built once
 
 
 def _run(args: list[str]) -> str:

@@ -28,7 +28,7 @@ from glmquant.runtime.speculative import SpeculativeConfig
 from glmquant.servecheck import ServeCheckConfig, ServeCheckReport, serve_check
 from glmquant.servecheck.tokens import PromptTokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("servecheck-end-to-end")]  # pytest-xdist: module fixtures once
 
 MAX_TOKENS = 6
 SERVE_MAIN = "from glmquant.cli import main; main()"
