@@ -21,7 +21,7 @@ import torch
 
 from glmquant.arch.spec import ModelSpec
 from glmquant.arch.table import table_for
-from glmquant.errors import CheckpointFormatError
+from glmquant.errors import CheckpointFormatError, NumericalError
 
 # transformers' glm5_next WeightRenaming entries (checkpoint name -> module name), applied in order.
 RENAMES = (
@@ -111,6 +111,21 @@ class TensorSource(Protocol):
 
     def read_tensor(self, name: str) -> torch.Tensor: ...
 
+    def shard_of(self, name: str) -> str: ...
+
+
+def check_finite(ckpt: TensorSource, name: str, tensor: torch.Tensor) -> None:
+    """A NumericalError naming the file and the tensor when a floating tensor read from `ckpt` holds NaN or Inf
+    (where it was placed: on the device when there is one)."""
+    if not tensor.is_floating_point():
+        return
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        raise NumericalError(
+            f"{ckpt.directory / ckpt.shard_of(name)}: tensor {name} has {int((~finite).sum())} non-finite value(s) "
+            f"(NaN/Inf) of {tensor.numel()}"
+        )
+
 
 def read_layer_state(
     ckpt: TensorSource,
@@ -121,7 +136,8 @@ def read_layer_state(
 ) -> dict[str, torch.Tensor]:
     """The module state `plan` fills from `ckpt`: each tensor allocated once (fp32 where `keep_fp32` matches,
     else the dtype of `meta`'s entry) and filled from the source tensors placed into it; every entry of
-    `meta` must be filled exactly."""
+    `meta` must be filled exactly, and with finite values (a NaN or Inf weight is named here, not later as
+    non-finite activations or a router that disagrees with itself)."""
     targets = {p.target for p in plan.placements}
     if targets != set(meta):
         raise CheckpointFormatError(
@@ -144,6 +160,7 @@ def read_layer_state(
                 f"expected {list(view.shape)} for {p.target}"
             )
         view.copy_(value)
+        check_finite(ckpt, p.source, view)
         filled[p.target] += value.numel()
     short = [n for n, count in filled.items() if count != state[n].numel()]
     if short:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 from glmquant.errors import ConfigError
+
+T = TypeVar("T")
 
 _MLA_LAYER_TYPES = {"deepseek_sparse_attention", "indexed_attention", "full_attention", "mla"}
 
@@ -76,6 +78,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: no such config file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level is not a JSON object")
     return data
@@ -105,35 +109,52 @@ def load_model_spec(config: str | Path | Mapping[str, Any]) -> ModelSpec:
         else str(Path(config) / "config.json" if Path(config).is_dir() else config)
     )
     family = _family(raw, text, where)
+    prefix = "text_config." if text is not raw else ""
+
+    def required(key: str, convert: Callable[[Any], T]) -> T:
+        """A required key of the text config, converted, or a ConfigError naming the file and the key."""
+        if text.get(key) is None:
+            raise ConfigError(f"{where}: missing required key '{prefix}{key}'")
+        return _converted(text, key, convert, where, prefix)
+
+    def optional(key: str, convert: Callable[[Any], T], default: T) -> T:
+        return default if text.get(key) is None else _converted(text, key, convert, where, prefix)
+
+    n_layers = required("num_hidden_layers", int)
+    return ModelSpec(
+        family=family,
+        architecture=str((raw.get("architectures") or ["?"])[0]),
+        hidden_size=required("hidden_size", int),
+        vocab_size=required("vocab_size", int),
+        num_hidden_layers=n_layers,
+        n_routed_experts=required("n_routed_experts", int),
+        num_experts_per_tok=required("num_experts_per_tok", int),
+        moe_intermediate_size=required("moe_intermediate_size", int),
+        intermediate_size=required("intermediate_size", int),
+        n_shared_experts=optional("n_shared_experts", int, 0),
+        num_mtp_layers=optional("num_nextn_predict_layers", int, 0),
+        routed_scaling_factor=optional("routed_scaling_factor", float, 1.0),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        n_group=optional("n_group", int, 1) or 1,
+        topk_group=optional("topk_group", int, 1) or 1,
+        swiglu_limit=text.get("swiglu_limit"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        mlp_layer_types=_mlp_layer_types(text, n_layers, where, prefix),
+        attention_types=_attention_types(family, text, n_layers, where, prefix),
+        text=text,
+        vision=raw.get("vision_config"),
+        raw=raw,
+    )
+
+
+def _converted(text: Mapping[str, Any], key: str, convert: Callable[[Any], T], where: str, prefix: str) -> T:
+    value = text[key]
     try:
-        n_layers = int(text["num_hidden_layers"])
-        mlp_types = _mlp_layer_types(text, n_layers)
-        return ModelSpec(
-            family=family,
-            architecture=str((raw.get("architectures") or ["?"])[0]),
-            hidden_size=int(text["hidden_size"]),
-            vocab_size=int(text["vocab_size"]),
-            num_hidden_layers=n_layers,
-            n_routed_experts=int(text["n_routed_experts"]),
-            num_experts_per_tok=int(text["num_experts_per_tok"]),
-            moe_intermediate_size=int(text["moe_intermediate_size"]),
-            intermediate_size=int(text["intermediate_size"]),
-            n_shared_experts=int(text.get("n_shared_experts") or 0),
-            num_mtp_layers=int(text.get("num_nextn_predict_layers") or 0),
-            routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            n_group=int(text.get("n_group") or 1),
-            topk_group=int(text.get("topk_group") or 1),
-            swiglu_limit=text.get("swiglu_limit"),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            mlp_layer_types=mlp_types,
-            attention_types=_attention_types(family, text, n_layers),
-            text=text,
-            vision=raw.get("vision_config"),
-            raw=raw,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"config is missing or has a bad value for {exc}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError
+        return convert(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: '{prefix}{key}' has a bad value {value!r} (expected a number)") from None
 
 
 def _family(raw: Mapping[str, Any], text: Mapping[str, Any], where: str) -> str:
@@ -166,22 +187,26 @@ def _family(raw: Mapping[str, Any], text: Mapping[str, Any], where: str) -> str:
     return family
 
 
-def _mlp_layer_types(text: Mapping[str, Any], n_layers: int) -> tuple[str, ...]:
+def _mlp_layer_types(text: Mapping[str, Any], n_layers: int, where: str, prefix: str) -> tuple[str, ...]:
     types = text.get("mlp_layer_types")
     if types is None:
-        first_dense = int(text.get("first_k_dense_replace", 0))
+        first_dense = (
+            0
+            if text.get("first_k_dense_replace") is None
+            else _converted(text, "first_k_dense_replace", int, where, prefix)
+        )
         types = ["dense"] * first_dense + ["sparse"] * (n_layers - first_dense)
-    if len(types) != n_layers or set(types) - {"dense", "sparse"}:
-        raise ConfigError(f"mlp_layer_types must list 'dense'/'sparse' for each of {n_layers} layers")
+    if not isinstance(types, (list, tuple)) or len(types) != n_layers or set(map(str, types)) - {"dense", "sparse"}:
+        raise ConfigError(f"{where}: {prefix}mlp_layer_types must list 'dense'/'sparse' for each of {n_layers} layers")
     return tuple(types)
 
 
-def _attention_types(family: str, text: Mapping[str, Any], n_layers: int) -> tuple[str, ...]:
+def _attention_types(family: str, text: Mapping[str, Any], n_layers: int, where: str, prefix: str) -> tuple[str, ...]:
     if family != "glm5_next":
         return ("attention",) * n_layers
     types = text.get("layer_types") or ["linear_attention" if i % 4 != 3 else "mla" for i in range(n_layers)]
-    if len(types) != n_layers:
-        raise ConfigError(f"layer_types has {len(types)} entries for {n_layers} layers")
+    if not isinstance(types, (list, tuple)) or len(types) != n_layers:
+        raise ConfigError(f"{where}: {prefix}layer_types must list one type for each of {n_layers} layers")
     out = []
     for t in types:
         if t == "linear_attention":
@@ -189,5 +214,5 @@ def _attention_types(family: str, text: Mapping[str, Any], n_layers: int) -> tup
         elif t in _MLA_LAYER_TYPES:
             out.append("mla")
         else:
-            raise ConfigError(f"unknown layer type {t!r} in layer_types")
+            raise ConfigError(f"{where}: unknown layer type {t!r} in {prefix}layer_types")
     return tuple(out)

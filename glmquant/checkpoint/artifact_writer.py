@@ -80,7 +80,8 @@ def write_planned_file(
 
 
 def _retained_bytes(source: SourceCheckpoint, t: OutputTensor) -> Provided:
-    """A streamer copying the source tensor's stored bytes (only the kept rows when the plan pruned it)."""
+    """A streamer copying the source tensor's stored bytes (only the kept rows when the plan pruned it); a NaN or Inf
+    in them stops the copy, naming the source file and tensor (the artifact must not carry it on, silently)."""
     name, rows = t.source_name, t.rows
     if name not in source:
         raise CheckpointFormatError(f"{source.directory}: retained tensor {name} is not in the source checkpoint")
@@ -90,9 +91,9 @@ def _retained_bytes(source: SourceCheckpoint, t: OutputTensor) -> Provided:
             f"source tensor {name} is {src.dtype} {list(src.shape)}, the plan expects {t.dtype} {list(t.shape)}"
         )
     if rows is None:
-        return lambda f: source.copy_raw_into(name, f)
+        return lambda f: source.copy_raw_into(name, f, finite=True)
     row_bytes = src.nbytes // src.shape[0]
-    return lambda f: sum(source.copy_raw_into(name, f, r * row_bytes, row_bytes) for r in rows)
+    return lambda f: sum(source.copy_raw_into(name, f, r * row_bytes, row_bytes, finite=True) for r in rows)
 
 
 def write_retained_shards(

@@ -40,10 +40,12 @@ class DummyCheckpoint:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     reads: set[str] = field(default_factory=set, repr=False)  # every name read so far (tests check the load)
     tensors: dict[str, OutputTensor] = field(init=False, repr=False)
+    _files: dict[str, str] = field(init=False, repr=False)  # tensor name -> its planned file
     directory: Path = field(init=False)  # names the dummy in messages, as a checkpoint's directory does
 
     def __post_init__(self) -> None:
         self.tensors = {t.name: t for f in self.plan.files for t in f.tensors}
+        self._files = {t.name: f.path for f in self.plan.files for t in f.tensors}
         self.directory = Path(f"<dummy {self.plan.spec.architecture} {self.plan.layout} K{self.plan.bits}>")
 
     def names(self) -> list[str]:
@@ -54,6 +56,11 @@ class DummyCheckpoint:
 
     def spec(self, name: str) -> TensorSpec:
         return self._known(name).spec
+
+    def shard_of(self, name: str) -> str:
+        """The planned file the tensor belongs to (it names the tensor's place in messages, as a shard does)."""
+        self._known(name)
+        return self._files[name]
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """The tensor in its planned dtype and shape, on `device`."""

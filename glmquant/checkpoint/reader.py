@@ -14,12 +14,14 @@ from typing import BinaryIO
 
 import torch
 
+from glmquant.arch.table import DTYPE_BYTES
 from glmquant.checkpoint.index import INDEX_NAME, SafetensorsIndex, read_index
 from glmquant.checkpoint.safetensors_format import ParsedHeader, TensorSpec, parse_header
 from glmquant.checkpoint.tensor_bytes import tensor_from_bytes
 from glmquant.errors import CheckpointFormatError, NumericalError, UsageError
 
-COPY_CHUNK = 16 << 20  # bytes per read when streaming a tensor into another file
+COPY_CHUNK = 16 << 20  # bytes per read when streaming a tensor into another file (a multiple of every dtype's size)
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})  # the stored dtypes NaN/Inf can be in
 
 
 @dataclass
@@ -101,18 +103,32 @@ class SourceCheckpoint:
         self._read_into(name, memoryview(buf), self.headers[self.shard_of(name)].span(name)[0] + start * row_bytes)
         return tensor_from_bytes(buf, spec.dtype, (stop - start, *spec.shape[1:]))
 
-    def copy_raw_into(self, name: str, out: BinaryIO, start: int = 0, length: int | None = None) -> int:
-        """Stream the tensor's stored bytes (or `length` of them from `start`) into `out` in bounded chunks."""
+    def copy_raw_into(
+        self, name: str, out: BinaryIO, start: int = 0, length: int | None = None, finite: bool = False
+    ) -> int:
+        """Stream the tensor's stored bytes (or `length` of them from `start`) into `out` in bounded chunks; with
+        `finite`, a floating tensor holding NaN or Inf is a NumericalError naming the file and the tensor."""
         begin, end = self.headers[self.shard_of(name)].span(name)
         length = end - begin - start if length is None else length
         if start < 0 or length < 0 or begin + start + length > end:
             raise ValueError(f"byte range {start}+{length} is outside tensor {name} ({end - begin} bytes)")
+        dtype, whole = self.spec(name).dtype, length == end - begin
+        check = finite and dtype in FLOAT_DTYPES and not (start % DTYPE_BYTES[dtype] or length % DTYPE_BYTES[dtype])
         begin, end = begin + start, begin + start + length
-        buf = bytearray(min(COPY_CHUNK, length))
+        buf, bad = bytearray(min(COPY_CHUNK, length)), 0
         for offset in range(begin, end, COPY_CHUNK):
             chunk = memoryview(buf)[: min(COPY_CHUNK, end - offset)]
             self._read_into(name, chunk, offset)
+            if check:  # chunks hold whole elements: COPY_CHUNK is a multiple of every dtype's size
+                values = tensor_from_bytes(chunk, dtype, (len(chunk) // DTYPE_BYTES[dtype],))
+                bad += int((~torch.isfinite(values if values.itemsize > 1 else values.float())).sum())
             out.write(chunk)
+        if bad:  # raised inside the writer's atomic file: what was written goes with it
+            count = length // DTYPE_BYTES[dtype]
+            raise NumericalError(
+                f"{self.directory / self.shard_of(name)}: tensor {name} has {bad} non-finite value(s) (NaN/Inf) "
+                + (f"of {count}" if whole else f"in the {count} copied")
+            )
         return length
 
     def close(self) -> None:

@@ -236,13 +236,15 @@ def _is_count(x: object) -> bool:
 
 def _check_layout(path: str, placed: Sequence[PlacedTensor], data_bytes: int) -> None:
     """Tensors must tile the data section exactly: no overlap, no gap, nothing past the end or after it."""
-    cursor, previous = 0, None
+    # past the end first: a tensor whose offsets were pushed past it is named, not the gap it leaves behind
     for p in placed:
         if p.end > data_bytes:
             raise CheckpointFormatError(
                 f"{path}: tensor {p.spec.name!r} data_offsets [{p.begin}, {p.end}] run past the end of the data "
                 f"({data_bytes} bytes; file truncated?)"
             )
+    cursor, previous = 0, None
+    for p in placed:
         if p.begin < cursor:
             raise CheckpointFormatError(f"{path}: tensors {previous!r} and {p.spec.name!r} have overlapping data")
         if p.begin > cursor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from glmquant.arch import ModelSpec, load_model_spec, table_for
 from glmquant.arch.hf_glm5_next import modeling
-from glmquant.arch.module_map import LayerPlan, layer_plan
+from glmquant.arch.module_map import LayerPlan, check_finite, layer_plan
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import ConfigError, UsageError
 from glmquant.observe.layer_loader import load_decoder_layer, model_dtype, text_config
@@ -64,7 +64,10 @@ class TextModel:
         return load_decoder_layer(self.ckpt, self.spec, self.cfg, layer, self.device)
 
     def _tensor(self, suffix: str) -> torch.Tensor:
-        return self.ckpt.read_tensor(table_for(self.spec).text_prefix + suffix).to(self.device, self.dtype)
+        name = table_for(self.spec).text_prefix + suffix
+        tensor = self.ckpt.read_tensor(name).to(self.device, self.dtype)
+        check_finite(self.ckpt, name, tensor)
+        return tensor
 
     def embed(self, batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
         """Token ids [B,T] -> hyper-connection streams [B,T,hc,H], reading the embedding once."""

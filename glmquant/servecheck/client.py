@@ -31,19 +31,26 @@ class ChatClient:
         """The id of the first model the server lists (servers of one model list just that one)."""
         try:
             models = list(self._client.models.list())
+            first = models[0].id if models else None
         except openai.APIError as exc:
             raise UsageError(f"{self.base_url}: cannot list the served models ({exc})") from None
+        except _MALFORMED as exc:
+            raise UsageError(f"{self.base_url}: {_not_openai('GET /models', exc)}") from None
         if not models:
             raise UsageError(f"{self.base_url}: the server lists no models; name one with --model")
-        return models[0].id
+        if not isinstance(first, str):
+            raise UsageError(f"{self.base_url}: {_not_openai('GET /models', TypeError(f'model id {first!r}'))}")
+        return first
 
     def max_model_len(self, model: str) -> int | None:
         """The context length the server states for `model` in its listing (vLLM's `max_model_len`), if any."""
         try:
             entry = next((m for m in self._client.models.list() if m.id == model), None)
+            value = (entry.model_extra or {}).get("max_model_len") if entry is not None else None
         except openai.APIError:
             return None
-        value = (entry.model_extra or {}).get("max_model_len") if entry is not None else None
+        except _MALFORMED:  # a listing of another shape states no context length
+            return None
         return value if isinstance(value, int) and value > 0 else None
 
     def complete(self, model: str, request: ChatRequest) -> ChatResult:
@@ -68,6 +75,8 @@ class ChatClient:
                 collected.add(chunk, time.perf_counter())
         except _STREAM_ERRORS as exc:
             return collected.result(time.perf_counter(), error=f"{type(exc).__name__}: {exc}")
+        except _MALFORMED as exc:
+            return collected.result(time.perf_counter(), error=_not_openai("the chat completion stream", exc))
         return collected.result(time.perf_counter())
 
 
@@ -83,6 +92,14 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
 # the server's errors, and transport failures mid-stream
 _STREAM_ERRORS: tuple[type[BaseException], ...] = (openai.APIError, *_transport_errors())
+# what an endpoint answering something else than the OpenAI API makes the client raise: text that is not JSON
+# (JSONDecodeError is a ValueError), or JSON of another shape (the client builds its models without validating them,
+# so a wrong shape surfaces as a TypeError or AttributeError where it is read)
+_MALFORMED: tuple[type[Exception], ...] = (ValueError, TypeError, AttributeError, KeyError)
+
+
+def _not_openai(what: str, exc: Exception) -> str:
+    return f"{what} is not an OpenAI API answer ({type(exc).__name__}: {exc})"
 
 
 class _Collector:

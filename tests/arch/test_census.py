@@ -101,6 +101,37 @@ def test_bad_configs_are_rejected(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "edit,message",
     [
+        ({"hidden_size": None}, "missing required key 'text_config.hidden_size'"),
+        ({"n_routed_experts": None}, "missing required key 'text_config.n_routed_experts'"),
+        ({"num_hidden_layers": "three"}, "'text_config.num_hidden_layers' has a bad value 'three' (expected a number)"),
+        ({"moe_intermediate_size": [512]}, "'text_config.moe_intermediate_size' has a bad value [512]"),
+        ({"mlp_layer_types": ["dense"]}, "text_config.mlp_layer_types must list 'dense'/'sparse' for each of 3 layers"),
+        ({"layer_types": ["mla"]}, "text_config.layer_types must list one type for each of 3 layers"),
+    ],
+)
+def test_a_missing_or_bad_key_names_the_config_file_and_the_key(
+    tiny_source: Path, tmp_path: Path, edit: dict, message: str
+) -> None:
+    """A config.json without a required key, or with a value of the wrong kind, is refused naming the file and the
+    key (it said "config is missing or has a bad value for invalid literal for int() ...", naming neither)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    config = json.loads((tiny_source / "config.json").read_text())
+    for key, value in edit.items():
+        if value is None:
+            del config["text_config"][key]
+        else:
+            config["text_config"][key] = value
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=re.escape(f"{source / 'config.json'}: {message}")):
+        load_model_spec(source)
+    result = CliRunner().invoke(app, ["plan", str(source)])
+    assert result.exit_code == 2 and f"{source / 'config.json'}: {message}" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
         (
             {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
             "model_type 'llama', text_config.model_type 'glm5_next_text': unsupported model_type 'llama'",

@@ -48,6 +48,31 @@ def test_copy_raw_streams_in_chunks(tiny_source: Path, monkeypatch: pytest.Monke
             ckpt.copy_raw_into(name, part, start=1, length=ckpt.spec(name).nbytes)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_copy_raw_refuses_non_finite_values_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """With finite=True a copy stops at a NaN/Inf, naming the file and the tensor (counted over every chunk); the
+    rows it does not copy, integer tensors, and a copy that does not ask are not checked."""
+    monkeypatch.setattr(reader_module, "COPY_CHUNK", 64)  # several chunks per tensor
+    w = torch.ones(8, 16)
+    w[5, 3] = float("nan")
+    w[7, 0] = float("inf") if dtype != torch.float8_e4m3fn else float("nan")  # e4m3fn has no Inf
+    save_file({"w": w.to(dtype), "ids": torch.arange(8)}, str(tmp_path / "model.safetensors"))
+    row = 16 * w.to(dtype).element_size()
+    with SourceCheckpoint.open(tmp_path) as ckpt:
+        with pytest.raises(NumericalError) as err:
+            ckpt.copy_raw_into("w", io.BytesIO(), finite=True)
+        assert (
+            str(err.value) == f"{tmp_path / 'model.safetensors'}: tensor w has 2 non-finite value(s) (NaN/Inf) of 128"
+        )
+        with pytest.raises(NumericalError, match="tensor w has 1 non-finite value.* in the 16 copied"):
+            ckpt.copy_raw_into("w", io.BytesIO(), 5 * row, row, finite=True)
+        assert ckpt.copy_raw_into("w", io.BytesIO(), 0, 5 * row, finite=True) == 5 * row
+        assert ckpt.copy_raw_into("w", io.BytesIO()) == 8 * row
+        assert ckpt.copy_raw_into("ids", io.BytesIO(), finite=True) == 64
+
+
 def test_single_file_forms(tmp_path: Path) -> None:
     tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
     save_file(tensors, str(tmp_path / "model.safetensors"))

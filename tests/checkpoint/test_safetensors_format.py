@@ -57,6 +57,12 @@ GOOD = {"a": _entry("F32", [2], 0, 8), "b": _entry("I16", [2], 8, 12)}
         ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), "needs 12 bytes but data_offsets"),
         ({"a": _entry("F32", [2], 0, 8), "b": _entry("F32", [2], 4, 12)}, bytes(12), "overlapping data"),
         (GOOD, bytes(10), "run past the end of the data"),
+        # a tensor whose offsets point past the end is named, not the gap its bytes leave before the next one
+        (
+            {"a": _entry("F32", [2], 1000, 1008), "b": _entry("I16", [2], 8, 12)},
+            bytes(12),
+            r"tensor 'a' data_offsets \[1000, 1008\] run past the end of the data \(12 bytes",
+        ),
         (GOOD, bytes(16), "4 bytes after the last tensor"),
         ({"a": _entry("F32", [2], 4, 12)}, bytes(12), "4 unaccounted bytes before tensor 'a'"),
         ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), "invalid shape"),

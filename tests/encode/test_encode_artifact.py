@@ -239,6 +239,50 @@ def test_nan_weight_is_named_and_nothing_is_left_half_written(small_source: Path
     assert not (out / "EXL3_MANIFEST.json").exists() and not list(out.glob("*.tmp*"))
 
 
+def test_nan_in_a_retained_tensor_is_named_and_the_fixed_source_resumes(
+    small_source: Path, small_observations: Path, small_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NaN in a tensor the artifact copies byte for byte (an attention weight, the embedding) stops the encode with
+    an error naming the source file and tensor, leaving no file that holds it; once the source is mended the same
+    command resumes (the expert layers stay done) to small_artifact's bytes. The copy used to carry the NaN into a
+    verified artifact, exit 0."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from glmquant.cli import app
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)  # small_artifact's
+    source = _copy_source(small_source, tmp_path / "src")
+    out = tmp_path / "artifact"
+    out.mkdir()
+    for expert_file in small_artifact.glob("layer-*.safetensors"):  # the expert layers, as a finished earlier run
+        shutil.copy(expert_file, out / expert_file.name)
+    (tmp_path / "artifact.work").mkdir()
+    shutil.copy(small_artifact.with_name("artifact.work") / "encode-state.json", tmp_path / "artifact.work")
+    spec = load_model_spec(source)
+    name = f"{table_for(spec).layer_prefix(0)}self_attn.o_proj.weight"
+    with SourceCheckpoint.open(source) as ckpt:
+        shard = source / ckpt.shard_of(name)
+        begin, _ = ckpt.headers[ckpt.shard_of(name)].span(name)
+        assert ckpt.spec(name).dtype == "BF16"
+    good = shard.read_bytes()
+    shard.write_bytes(good[: begin + 6] + b"\xc0\x7f" + good[begin + 8 :])  # element 3: a BF16 NaN
+
+    command = ["encode", str(source), "--observations", str(small_observations), "--out", str(out)]
+    experts = {f: f.stat().st_mtime_ns for f in out.glob("layer-*")}
+    failed = CliRunner().invoke(app, command)
+    output = " ".join(failed.output.split())
+    assert failed.exit_code == 1 and f"error: {shard}: tensor {name} has 1 non-finite value(s) (NaN/Inf)" in output
+    assert {f: f.stat().st_mtime_ns for f in out.glob("layer-*")} == experts  # the expert layers were not redone
+    assert not (out / shard.name.replace("model-", "retained-")).exists()  # the shard that would carry the NaN
+    assert not list(out.glob(".*")) and not (out / "EXL3_MANIFEST.json").exists()  # nor a temporary file of it
+
+    shard.write_bytes(good)
+    assert CliRunner().invoke(app, command).exit_code == 0
+    assert digests(out) == digests(small_artifact)
+
+
 def test_truncated_source_shard_fails_before_any_work(small_source: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

@@ -55,6 +55,9 @@ class _Missing:
     def read_tensor(self, name: str) -> torch.Tensor:
         return self.ckpt.read_tensor(name)
 
+    def shard_of(self, name: str) -> str:
+        return self.ckpt.shard_of(name)
+
 
 def test_missing_tensor_is_named(tiny_source: Path) -> None:
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextDecoderLayer

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -265,3 +269,76 @@ def test_max_model_len_and_the_servers_tokenizer(scripted, tmp_path: Path) -> No
     assert [c.name for c in speed.cases] == ["600 in x1"]
     assert speed.notes[0].startswith("3000-token prompt skipped: the endpoint's max_model_len is 2000")
     assert "- 3000-token prompt skipped" in (tmp_path / "serve-check.md").read_text()
+
+
+MODELS = {"object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "x"}]}
+# what a server that is not an OpenAI endpoint answers: (content type, body) of GET /models and of the chat route
+GARBAGE = {
+    "html everywhere": (("text/html", b"<html>hello</html>"), None),
+    "models not JSON": (("application/json", b"not json{"), None),
+    "models of another shape": (("application/json", b'{"data": 5}'), None),
+    "model without an id": (("application/json", b'{"data": [7]}'), None),
+    "chat stream not JSON": (None, ("text/event-stream", b"data: {garbage\n\ndata: [DONE]\n\n")),
+    "chat chunks of another shape": (None, ("text/event-stream", b'data: {"choices": 7}\n\ndata: [DONE]\n\n')),
+    "chat answers HTML": (None, ("text/html", b"<html>busy</html>")),
+}
+
+
+@pytest.fixture
+def garbage() -> Iterator[tuple[str, dict[str, Any]]]:
+    """An HTTP server answering what `routes` says: {"models": (type, body) or None, "chat": ...}; None: the real
+    OpenAI answer for models, an empty stream for chat."""
+    routes: dict[str, Any] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            models = ("application/json", json.dumps(MODELS).encode())
+            kind, body = (
+                routes.get("models") or models
+                if self.path.endswith("/models")
+                else routes.get("chat") or ("text/event-stream", b"data: [DONE]\n\n")
+            )
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", routes
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.mark.parametrize("case", list(GARBAGE))
+def test_an_endpoint_answering_garbage_is_a_clear_error_not_a_traceback(garbage, case: str, tmp_path: Path) -> None:
+    """An endpoint that answers something else than the OpenAI API: a listing that is not one is a usage error (exit
+    2) naming the endpoint; a chat answer that is not one fails the gate with the reason. Each used to end in a
+    Python traceback (JSONDecodeError, TypeError, AttributeError from inside the openai client)."""
+    url, routes = garbage
+    routes["models"], routes["chat"] = GARBAGE[case]
+    client = ChatClient(f"{url}/v1", timeout_s=10)
+    result = cli(["--endpoint", url, "--gates", "text", "--out", str(tmp_path)])
+    output = " ".join(result.output.split())
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), output
+    if routes["models"] is not None:
+        with pytest.raises(UsageError, match="GET /models is not an OpenAI API answer"):
+            client.first_model()
+        assert client.max_model_len("m") is None
+        assert result.exit_code == 2 and f"error: {url}/v1: GET /models is not an OpenAI API answer" in output
+    else:
+        assert client.first_model() == "m"
+        answer = client.complete("m", ChatRequest(({"role": "user", "content": "hi"},)))
+        assert answer.content == "" and answer.finish_reason is None
+        if case != "chat answers HTML":  # no event in it: an empty stream, which the gate fails as such
+            assert answer.error is not None and answer.error.startswith("the chat completion stream is not an OpenAI")
+        assert result.exit_code == 1 and "FAIL" in output
+        assert json.loads((tmp_path / "serve-check.json").read_text())  # the reports are written
