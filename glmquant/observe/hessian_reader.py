@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from glmquant.checkpoint.reader import SourceCheckpoint
-from glmquant.errors import UsageError
+from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
+from glmquant.errors import NumericalError, UsageError
 from glmquant.observe.hessians import FORMAT, HessianAccumulator, HessianMode
 from glmquant.observe.tensor_file import read_rows
 
@@ -53,12 +53,25 @@ class LayerHessians:
         name = f"{self.mode.value}.gate_up.sum"
         if self.mode is HessianMode.ALL:
             with SourceCheckpoint.open(self.path) as f:
-                return Hessian(f.read_tensor(name), int(self.gate_up_counts[expert]))
-        return Hessian(read_rows(self.path, name, expert, expert + 1)[0], int(self.gate_up_counts[expert]))
+                return Hessian(_finite(self.path, name, f.read_tensor(name)), int(self.gate_up_counts[expert]))
+        hessian = _finite(self.path, f"{name}[{expert}]", read_rows(self.path, name, expert, expert + 1)[0])
+        return Hessian(hessian, int(self.gate_up_counts[expert]))
 
     def down(self, expert: int) -> Hessian:
         name = f"{self.mode.value}.down.sum"
-        return Hessian(read_rows(self.path, name, expert, expert + 1)[0], int(self.down_counts[expert]))
+        hessian = _finite(self.path, f"{name}[{expert}]", read_rows(self.path, name, expert, expert + 1)[0])
+        return Hessian(hessian, int(self.down_counts[expert]))
+
+
+def _finite(path: Path, name: str, hessian: torch.Tensor) -> torch.Tensor:
+    """`hessian` as read from `path`, or a NumericalError naming the file and tensor when it holds NaN or Inf: a
+    damaged observation is refused, not encoded uncalibrated with a warning (Σ x xᵀ of finite activations, which
+    observe checks, is finite)."""
+    try:
+        assert_finite(name, hessian)
+    except NumericalError as exc:
+        raise NumericalError(f"{path}: {exc}; observe again into a new directory to replace it") from None
+    return hessian
 
 
 def load_layer_hessians(obs_dir: str | Path, layer: int, mode: str | HessianMode) -> LayerHessians:
@@ -89,7 +102,8 @@ def load_dense_hessian(obs_dir: str | Path, layer: int | None, weight_name: str)
     with SourceCheckpoint.open(path) as f:
         if f"dense.{weight_name}.sum" not in f:
             raise UsageError(f"{path}: no dense Hessian for {weight_name} (observe with --dense-hessians)")
-        return Hessian(f.read_tensor(f"dense.{weight_name}.sum"), int(f.read_tensor(f"dense.{weight_name}.count")))
+        hessian = _finite(path, f"dense.{weight_name}.sum", f.read_tensor(f"dense.{weight_name}.sum"))
+        return Hessian(hessian, int(f.read_tensor(f"dense.{weight_name}.count")))
 
 
 class HeldHessians:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -40,6 +41,51 @@ def test_reader_errors(observed: Path, tmp_path: Path) -> None:
     shutil.copy(observed / "layer-01.stats.safetensors", hessians_path(tmp_path, 2))
     with pytest.raises(UsageError, match="not a glmquant.hessians.v1"):
         load_layer_hessians(tmp_path, 2, "natural")
+
+
+def _poisoned(observed: Path, obs_dir: Path, name: str, row: int, value: float) -> Path:
+    """A copy of layer 1's Hessians with element [row, 0, 1] (or [0, 1] of an unstacked matrix) of `name` set."""
+    from glmquant.checkpoint.reader import SourceCheckpoint
+
+    obs_dir.mkdir()
+    path = Path(shutil.copy(hessians_path(observed, 1), hessians_path(obs_dir, 1)))
+    with SourceCheckpoint.open(path) as f:
+        begin, _ = f.headers[path.name].span(name)
+        shape = f.spec(name).shape
+    offset = begin + 4 * ((row * shape[-2] * shape[-1] if len(shape) == 3 else 0) + 1)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(torch.tensor([value], dtype=torch.float32).numpy().tobytes())
+    return path
+
+
+def test_a_non_finite_hessian_is_named_with_its_file(observed: Path, tmp_path: Path) -> None:
+    """A NaN or Inf in a Hessian file is a NumericalError naming the file, the tensor and the expert (it used to be
+    encoded uncalibrated with a warning naming only the weight, and the encode exited 0); the other experts read."""
+    from glmquant.errors import NumericalError
+
+    path = _poisoned(observed, tmp_path / "a", "natural.gate_up.sum", 2, float("nan"))
+    natural = load_layer_hessians(path.parent, 1, "natural")
+    with pytest.raises(NumericalError, match=re.escape(f"{path}: tensor natural.gate_up.sum[2] has 1 non-finite")):
+        natural.gate_up(2)
+    assert natural.gate_up(1).sum.isfinite().all() and natural.down(2).sum.isfinite().all()
+    path = _poisoned(observed, tmp_path / "b", "all.down.sum", 3, float("-inf"))
+    with pytest.raises(NumericalError, match=re.escape(f"{path}: tensor all.down.sum[3] has 1 non-finite")):
+        load_layer_hessians(path.parent, 1, "all").down(3)
+    path = _poisoned(observed, tmp_path / "c", "all.gate_up.sum", 0, float("inf"))  # one matrix shared by all
+    with pytest.raises(NumericalError, match=re.escape(f"{path}: tensor all.gate_up.sum has 1 non-finite")):
+        load_layer_hessians(path.parent, 1, "all").gate_up(0)
+    dense = next(n for n in _tensor_names(hessians_path(observed, 1)) if n.startswith("dense.") and n.endswith(".sum"))
+    path = _poisoned(observed, tmp_path / "d", dense, 0, float("nan"))
+    with pytest.raises(NumericalError, match=re.escape(f"{path}: tensor {dense} has 1 non-finite")):
+        load_dense_hessian(path.parent, 1, dense.removeprefix("dense.").removesuffix(".sum"))
+
+
+def _tensor_names(path: Path) -> list[str]:
+    from glmquant.checkpoint.reader import SourceCheckpoint
+
+    with SourceCheckpoint.open(path) as f:
+        return f.names()
 
 
 def test_accumulator_sums_in_float32() -> None:
