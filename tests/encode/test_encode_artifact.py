@@ -253,7 +253,7 @@ def test_nan_in_a_retained_tensor_is_named_and_the_fixed_source_resumes(
     from glmquant.cli import app
 
     monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)  # small_artifact's
-    source = _copy_source(small_source, tmp_path / "src")
+    source = _copy_source(small_source, tmp_path / small_source.name)  # the folder's name is the card's repo_id
     out = tmp_path / "artifact"
     out.mkdir()
     for expert_file in small_artifact.glob("layer-*.safetensors"):  # the expert layers, as a finished earlier run
