@@ -8,7 +8,8 @@ mean KL(BF16 || recipe) in nats, top-1 agreement (a fraction) and the recipe's p
 routed bytes (the EXL3 tensors of the routed experts), their ratio to the seed method's and whether it is at most
 the seed's (1 % slack): pruning leaves a few % of scale vectors unspent, so those rows compete with fewer bytes.
 
-Rows: the seed method (natural-routing Hessians, uniform K2 MCG); gate-weighted natural Hessians (each routed
+Rows: the seed method (natural-routing Hessians, uniform K2 MCG); the seed method with each expert's stored scales
+tuned on its calibration tokens (`encode --tune-scales`, the same bytes); gate-weighted natural Hessians (each routed
 token's rows weighted by its routing weight, observe --hessian-weighting gate), alone and with MUL1; all-token
 Hessians; a 50/50 blend; the speed tier's retained linears at K4-K6 (issue 18); REAP tiers
 at the seed's bytes (K3 or K4 for the most salient experts, K1 for the least, K2 for the rest); REAP pruning with
@@ -78,6 +79,7 @@ PRUNED_BIAS = -1e4  # router correction bias of a pruned expert: never among the
 EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.trellis$")
 HESSIAN_ROWS = ("seed", "all-token", "blend-0.5")
 ROUTED_KEY = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.")
+TUNE_STEPS = 100  # `encode --tune-scales` of the tuned rows
 MTP_PROMPT_TOKENS = 128  # held-out prompt length of the MTP acceptance run (at most half a held-out row)
 
 
@@ -95,6 +97,7 @@ class Recipe:
     reference: bool = False  # above the seed's bytes on purpose
     retained_bits: int | None = None  # the speed tier: retained linears EXL3 at this K (issue 18's KL cost)
     head_bits: int | None = None  # and lm_head EXL3 at this K (`encode --head-bits`)
+    tune_scales: int = 0  # Adam steps of `encode --tune-scales` on the full observation's token sample
 
 
 def recipes(experts: int) -> list[Recipe]:
@@ -102,6 +105,12 @@ def recipes(experts: int) -> list[Recipe]:
     e4, e8 = experts // 4, experts // 8
     return [
         Recipe("seed", "seed method: natural-routing Hessians, uniform K2 MCG"),
+        Recipe(
+            "seed-tuned",
+            f"the seed method, then each expert's stored scales tuned on its calibration tokens (encode "
+            f"--tune-scales {TUNE_STEPS}, codes fixed): the same bytes",
+            tune_scales=TUNE_STEPS,
+        ),
         Recipe(
             "gate-weighted",
             "natural Hessians with each routed token weighted by its gate (Σ ĝ² x xᵀ), uniform K2",
@@ -520,6 +529,7 @@ class Evaluator:
             tiers=recipe.tiers,  # type: ignore[arg-type]  # parsed by EncodeConfig too
             retained_bits=recipe.retained_bits,
             head_bits=recipe.head_bits,
+            tune_scales=recipe.tune_scales,
             device=self.args.device,
             verified_at="2026-01-01T00:00:00Z",
         )
@@ -696,7 +706,8 @@ class Bench:
         self.console.print(line, highlight=False)
 
     def observe(self, name: str) -> Path:
-        """The observation a recipe's `observations` names: full (with the dense Hessians the speed tier reads),
+        """The observation a recipe's `observations` names: full (with the dense Hessians the speed tier reads and
+        every calibration token kept for the tuned rows),
         small (a quarter of the rows) or gated (gate-weighted natural Hessians)."""
         rows = max(1, self.args.rows // 4) if name == "small" else self.args.rows
         weighting = HessianWeighting.GATE if name == "gated" else HessianWeighting.TOKEN
@@ -714,6 +725,7 @@ class Bench:
                 device=self.args.device,
                 batch_rows=self.args.batch_rows,
                 hessian_weighting=weighting,
+                tuning_tokens=rows * self.args.tokens if name == "full" else 0,  # every token: `--tune-scales` rows
             )
         )
         self.log(f"observed {name} ({rows} x {self.args.tokens} tokens) in {time.monotonic() - t0:.1f} s")

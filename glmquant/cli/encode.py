@@ -72,6 +72,13 @@ def encode(
             help="with --retained-bits or --head-bits: encode a linear that has no dense Hessian uncalibrated"
         ),
     ] = False,
+    tune_scales: Annotated[
+        int,
+        typer.Option(
+            help="tune each routed expert's stored scales on its sampled calibration tokens (observe --tuning-tokens) "
+            "for this many Adam steps, the codes fixed; 0: the encoder's own scales"
+        ),
+    ] = 0,
     revision: HubRevision = None,
 ) -> None:
     """EXL3-encode the routed experts (and with --retained-bits / --head-bits the retained linears / lm_head), copy
@@ -102,6 +109,7 @@ def encode(
         retained_bits=retained_bits,
         head_bits=head_bits,
         retained_fallback_identity=retained_uncalibrated_fallback,
+        tune_scales=tune_scales,
     )
     resolved = resolve_source(source, revision)
     cfg = replace(

@@ -45,6 +45,10 @@ def observe(
     report: Annotated[bool, typer.Option(help="print per-layer tables and write the REAP heat map")] = False,
     report_layer: Annotated[list[int] | None, typer.Option(help="with --report: every expert of this layer")] = None,
     revision: HubRevision = None,
+    tuning_tokens: Annotated[
+        int,
+        typer.Option(help="keep this many calibration tokens per MoE layer for `encode --tune-scales` (0: none)"),
+    ] = 0,
 ) -> None:
     """Stream calibration rows through the model layer by layer; save REAP statistics and Hessians."""
     resolved = resolve_source(source, revision)
@@ -65,6 +69,7 @@ def observe(
         tiers,  # type: ignore[arg-type]  # ObserveConfig parses the text; a bad value is a UsageError
         device_streams_every,
         hessian_weighting,
+        tuning_tokens,
     )
     summary = run_observe(config, progress=True)
     out.print(

@@ -6,7 +6,7 @@ Resuming a killed job (rerun the same command; the state lives in --work-dir, de
                  (torchrun's world size: units are assigned by rank, each computed the same way anywhere)
     must match:  the source's tensors (content hash of its structure), the observations' token rows and
                  recipe, the kept experts and their tiers, --bits --codebook --layout --hessians --blend --keep
-                 --tiers --seed --retained-bits --head-bits --retained-uncalibrated-fallback
+                 --tiers --seed --retained-bits --head-bits --retained-uncalibrated-fallback --tune-scales
                  --experts-per-unit (the batch a GPU computes together), --source-repo and --revision
                  (the commit a Hub source resolved to), the device type and the Viterbi backend (CPU and GPU
                  arithmetic differ)
@@ -66,6 +66,9 @@ class EncodeConfig:
     # a retained linear (or lm_head) without a dense Hessian is encoded uncalibrated instead of refused (asked for,
     # never a default)
     retained_fallback_identity: bool = False
+    # Adam steps tuning each routed expert's stored scales on its sampled tokens (`observe --tuning-tokens`), the
+    # codes fixed (scale_tuning.py); 0: the encoder's own scales
+    tune_scales: int = 0
 
     def __post_init__(self) -> None:
         if self.observations is None and not self.uncalibrated:
@@ -111,6 +114,10 @@ class EncodeConfig:
         for option, bits in (("--retained-bits", self.retained_bits), ("--head-bits", self.head_bits)):
             if bits is not None:
                 check_linear_bits(option, bits)
+        if self.tune_scales < 0:
+            raise UsageError(f"--tune-scales must be 0 or more Adam steps, got {self.tune_scales}")
+        if self.tune_scales and self.uncalibrated:
+            raise UsageError("--tune-scales tunes on the observations' sampled tokens: it needs --observations")
         if self.retained_fallback_identity and self.retained_bits is None and self.head_bits is None:
             raise UsageError("--retained-uncalibrated-fallback applies to --retained-bits and --head-bits only")
         device_type(self.device)
@@ -140,7 +147,12 @@ class EncodeConfig:
                 "verified_at",
             )
         }
-        for k, default in (("retained_bits", None), ("head_bits", None), ("retained_fallback_identity", False)):
+        for k, default in (
+            ("retained_bits", None),
+            ("head_bits", None),
+            ("retained_fallback_identity", False),
+            ("tune_scales", 0),
+        ):
             if getattr(self, k) == default:  # a job from before these options existed resumes unchanged
                 del shaping[k]
         shaping["device"] = torch.device(self.device).type

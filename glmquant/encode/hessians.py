@@ -19,6 +19,7 @@ import torch
 from glmquant.errors import UsageError
 from glmquant.observe.hessian_reader import HeldHessians, LayerHessians, load_layer_hessians
 from glmquant.observe.hessians import HessianMode
+from glmquant.observe.tuning_sample import RoutedSample
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class LayerHessiansView:
         self.backup = backup  # all-token Hessians, the fallback of natural mode (and the other half of a blend)
         self.blend = blend  # natural share of a blend; None: the primary mode alone
         self._shared: dict[str, tuple[torch.Tensor | None, int]] = {}
+        self._sample: dict[str, RoutedSample | None] = {}
 
     def expert(self, source_expert: int) -> ExpertHessians:
         if self.primary is None:
@@ -90,6 +92,14 @@ class LayerHessiansView:
         if all_tokens and all_down.count:
             return ExpertHessians(all_gate_up, backup_down, "no_tokens:all")
         return ExpertHessians(None, None, "no_tokens:identity")
+
+    def sample(self) -> RoutedSample | None:
+        """The layer's tuning sample (`observe --tuning-tokens`), read once; None when not observed."""
+        if self.primary is None:
+            return None
+        if "sample" not in self._sample:
+            self._sample["sample"] = self.primary.sample()
+        return self._sample["sample"]
 
     def _gate_up(
         self, which: str, hessians: LayerHessians | HeldHessians, expert: int

@@ -5,7 +5,7 @@ them, so the runner can read the next unit while the device encodes this one."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +14,10 @@ from glmquant.arch import table_for
 from glmquant.checkpoint.layouts import ArtifactPlan, ExpertSlice
 from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
 from glmquant.encode.hessians import ExpertHessians, LayerHessiansView
+from glmquant.encode.scale_tuning import ExpertPart, ExpertTokens, UnitTuning, tune_expert_scales
 from glmquant.encode.slices import slice_hessian, slice_weight
-from glmquant.errors import NumericalError
-from glmquant.exl3 import Codebook, encode_linears
+from glmquant.errors import NumericalError, UsageError
+from glmquant.exl3 import Codebook, decode_weight, encode_linears, proxy_error
 from glmquant.exl3.encode import EncodedLinear
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch
 
@@ -42,6 +43,8 @@ class UnitInputs:
     items: list[tuple[torch.Tensor, torch.Tensor | None]]  # (HF weight, Hessian) per EXL3 tensor
     fallbacks: list[str | None]
     bits: list[int] | None = None  # K per EXL3 tensor (its expert's tier); None: all at encode_unit's `bits`
+    slices: list[ExpertSlice] | None = None  # the routed-expert slice per EXL3 tensor (None: not routed experts)
+    tuning: UnitTuning | None = None  # `--tune-scales`: the experts' scales tuned on their tokens after encoding
 
 
 def layer_slices(plan: ArtifactPlan, layer: int) -> list[ExpertSlice]:
@@ -67,16 +70,34 @@ def layer_units(plan: ArtifactPlan, layer: int, experts_per_unit: int) -> list[l
 
 
 def read_unit(
-    plan: ArtifactPlan, layer: int, unit: list[ExpertSlice], source: SourceCheckpoint, hessians: LayerHessiansView
+    plan: ArtifactPlan,
+    layer: int,
+    unit: list[ExpertSlice],
+    source: SourceCheckpoint,
+    hessians: LayerHessiansView,
+    tune_steps: int = 0,
 ) -> UnitInputs:
-    """Each slice's (finite) source weight and input Hessian; each expert's weights and Hessians read once."""
+    """Each slice's (finite) source weight and input Hessian; each expert's weights and Hessians read once. With
+    `tune_steps`, also each expert's sampled tokens (UsageError when the observations hold none)."""
     prefix = table_for(plan.spec).layer_prefix(layer)
     names, items, fallbacks = [], [], []
+    weights: dict[int, dict[str, torch.Tensor]] = {}
     for s, weight, h in _slice_inputs(unit, source, plan, layer, hessians):
         items.append((slice_weight(weight, s), slice_hessian(h.gate_up if s.proj != "down_proj" else h.down, s)))
         names.append(prefix + s.key)
         fallbacks.append(h.fallback)
-    return UnitInputs(names, items, fallbacks, [plan.bits_of(layer, s.expert) for s in unit])
+        weights.setdefault(s.source_expert, {})[s.proj] = weight
+    tuning = None
+    if tune_steps:
+        sample = hessians.sample()
+        if sample is None:
+            raise UsageError(
+                f"--tune-scales: the observations hold no tuning sample for layer {layer} "
+                "(observe with --tuning-tokens N)"
+            )
+        experts = {e: ExpertTokens(w, *sample.for_expert(e)) for e, w in weights.items()}
+        tuning = UnitTuning(tune_steps, plan.spec.swiglu_limit, experts)
+    return UnitInputs(names, items, fallbacks, [plan.bits_of(layer, s.expert) for s in unit], list(unit), tuning)
 
 
 def encode_unit(
@@ -110,12 +131,38 @@ def encode_unit(
             encode_linears([items[i] for i in batch], k, Codebook(codebook), seed, device=device, scale_search=search),
         ):
             encoded[i] = enc
+    if inputs.tuning is not None:
+        assert inputs.slices is not None  # read_unit gives routed experts' slices with their tuning
+        encoded.update(_tuned(inputs.tuning, inputs.slices, items, encoded, dev))
     tensors: dict[str, torch.Tensor] = {}
     reports: list[TensorReport] = []
     for name, enc, fallback in zip(inputs.names, (encoded[i] for i in range(len(items))), inputs.fallbacks):
         tensors.update(enc.tensor.tensors(name))
         reports.append(TensorReport(name, enc.proxy_error, fallback or enc.fallback))
     return EncodedLayer(tensors, reports)
+
+
+def _tuned(
+    tuning: UnitTuning,
+    slices: list[ExpertSlice],
+    items: list[tuple[torch.Tensor, torch.Tensor | None]],
+    encoded: dict[int, EncodedLinear],
+    device: torch.device,
+) -> dict[int, EncodedLinear]:
+    """The unit's tensors whose expert's scale tuning beat the encoded scales (scale_tuning.py), with their proxy
+    errors measured again."""
+    members: dict[int, list[int]] = {}
+    for i, s in enumerate(slices):
+        members.setdefault(s.source_expert, []).append(i)
+    out = {}
+    for expert, idx in members.items():
+        parts = [ExpertPart(slices[i].proj, slices[i].rank, encoded[i].tensor) for i in idx]
+        outcome = tune_expert_scales(parts, tuning.experts[expert], tuning.swiglu_limit, tuning.steps, device)
+        for i, tensor in zip(idx, outcome.tensors or []):
+            weight, hessian = items[i]
+            error = proxy_error(weight, decode_weight(tensor, torch.float32).to(weight.device), hessian)
+            out[i] = EncodedLinear(tensor, error, encoded[i].fallback)
+    return out
 
 
 def encode_units(
@@ -125,18 +172,22 @@ def encode_units(
     hessians: Callable[[int], LayerHessiansView],
     seed: int,
     device: str,
+    tune_steps: int = 0,
 ) -> Iterator[EncodedLayer]:
     """Encode (layer, unit) pairs in order; one reader thread reads unit i + 1 while unit i encodes (the source
-    reader is safe from several threads)."""
+    reader is safe from several threads). `tune_steps`: `--tune-scales`."""
     if not units:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-read") as reader:
-        pending = reader.submit(read_unit, plan, units[0][0], units[0][1], source, hessians(units[0][0]))
+
+        def read(layer: int, unit: list[ExpertSlice]) -> Future[UnitInputs]:
+            return reader.submit(read_unit, plan, layer, unit, source, hessians(layer), tune_steps)
+
+        pending = read(*units[0])
         for i in range(len(units)):
             inputs = pending.result()
             if i + 1 < len(units):
-                nxt_layer, nxt = units[i + 1]
-                pending = reader.submit(read_unit, plan, nxt_layer, nxt, source, hessians(nxt_layer))
+                pending = read(*units[i + 1])
             yield encode_unit(inputs, plan.bits, plan.codebook, seed, device)
 
 

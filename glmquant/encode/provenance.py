@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from glmquant.checkpoint.provenance import CalibrationInfo, Provenance
+from glmquant.checkpoint.provenance import CalibrationInfo, MethodInfo, Provenance
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.tiers import tier_bitmap_sha256
 from glmquant.encode.config import EncodeConfig
@@ -41,8 +41,21 @@ def build_provenance(
         source_manifest="model.safetensors.index.json",
         source_manifest_sha256=source_manifest_sha256(source),
         calibration=calibration,
+        method=method_info(cfg),
         selection_sha256=selection_sha256(keep),
         tier_bitmap_sha256=tier_bitmap_sha256(tiers) if tiers else None,
+    )
+
+
+def method_info(cfg: EncodeConfig) -> MethodInfo:
+    """The method the manifest states; `--tune-scales` is named in its claim."""
+    if not cfg.tune_scales:
+        return MethodInfo()
+    return MethodInfo(
+        claim=(
+            "EXL3 trellis quantization of routed experts, each expert's stored scales then tuned on its sampled "
+            f"calibration tokens ({cfg.tune_scales} Adam steps, codes fixed); all other tensors retained byte-for-byte"
+        )
     )
 
 

@@ -178,7 +178,13 @@ class EncodeJob:
             task = bar.add_task(label, total=sum(len(s) for _, _, s in units), rate="")
             started = t0 = time.monotonic()
             encoded_units = encode_units(
-                self.plan, [(layer, s) for layer, _, s in units], self.source, views, self.cfg.seed, self.device
+                self.plan,
+                [(layer, s) for layer, _, s in units],
+                self.source,
+                views,
+                self.cfg.seed,
+                self.device,
+                self.cfg.tune_scales,
             )
             for layer, u, _ in units:
                 try:

@@ -72,6 +72,8 @@ class LayerCapture:
         check_same_routing(routing, output[2], output[1], self.plan.layer)
         if t.stats is not None:
             t.stats.update_router(routing)
+        if t.hessians is not None and t.hessians.sampler is not None:
+            t.hessians.sampler.add(x, routing.indices, routing.weights)
         mlp: Any = self.module.mlp
         experts = mlp.experts  # transformers' stacked experts: gate_up_proj, down_proj, _apply_gate
         if t.hessians is not None and t.hessians.mode.all_tokens:

@@ -7,7 +7,8 @@ must match, see checkpointing.py):
                  stream_budget_gb (chunk outputs
                  are the same whichever pass writes them), progress display
     must match:  source model, token rows (recipe, rows, tokens, tokenizer), hessians, hessian_weighting,
-                 dense_hessians, whether lm_head's Hessian is captured (runs from before it was are refused:
+                 dense_hessians, tuning_tokens,
+                 whether lm_head's Hessian is captured (runs from before it was are refused:
                  they would resume as done without it),
                  device type, batch_rows, model dtype, torch and transformers versions, where the streams
                  live (disk or device; the checkpoint interval of device streams may change)
@@ -51,6 +52,9 @@ class ObserveConfig:
     device_streams_every: int | None = None
     # natural Hessians with each routed token counted once ("token") or weighted by its gate ("gate": hessians.py)
     hessian_weighting: HessianWeighting = HessianWeighting.TOKEN
+    # keep this many calibration tokens' MoE inputs and routing per MoE layer, in its Hessians file, for
+    # `encode --tune-scales` (tuning_sample.py); 0: none
+    tuning_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name, kind in (("hessians", HessianMode), ("hessian_weighting", HessianWeighting)):
@@ -72,6 +76,13 @@ class ObserveConfig:
             raise UsageError(f"--batch-rows must be a positive integer, got {self.batch_rows}")
         if self.device_streams_every is not None and self.device_streams_every < 0:
             raise UsageError(f"--device-streams-every must be 0 or more layers, got {self.device_streams_every}")
+        if self.tuning_tokens < 0:
+            raise UsageError(f"--tuning-tokens must be 0 or more, got {self.tuning_tokens}")
+        if self.tuning_tokens and not self.hessians.natural:
+            raise UsageError(
+                "--tuning-tokens keeps tokens beside the natural Hessians (the experts they are routed to): use it "
+                f"with --hessians natural or both, not {self.hessians.value}"
+            )
         if self.keep is not None and self.keep < 1:
             raise UsageError(f"--keep must be a positive integer, got {self.keep}")
         if isinstance(self.tiers, str):
@@ -95,6 +106,8 @@ def fingerprint(
         where["streams"] = "device"
     if config.hessian_weighting is not HessianWeighting.TOKEN:
         where["hessian_weighting"] = config.hessian_weighting.value
+    if config.tuning_tokens:
+        where["tuning_tokens"] = config.tuning_tokens
     if head_hessian:  # a run from before the head was captured is refused here instead of resuming as done
         where["head_hessian"] = True
     return {

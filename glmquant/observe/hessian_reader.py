@@ -15,6 +15,7 @@ from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
 from glmquant.errors import NumericalError, UsageError
 from glmquant.observe.hessians import FORMAT, HessianAccumulator, HessianMode
 from glmquant.observe.tensor_file import read_rows
+from glmquant.observe.tuning_sample import TENSORS, RoutedSample
 
 
 def hessians_path(obs_dir: str | Path, layer: int | None) -> Path:
@@ -56,6 +57,16 @@ class LayerHessians:
                 return Hessian(_finite(self.path, name, f.read_tensor(name)), int(self.gate_up_counts[expert]))
         hessian = _finite(self.path, f"{name}[{expert}]", read_rows(self.path, name, expert, expert + 1)[0])
         return Hessian(hessian, int(self.gate_up_counts[expert]))
+
+    def sample(self) -> RoutedSample | None:
+        """The layer's tuning sample (`observe --tuning-tokens`), None when the file holds none."""
+        with SourceCheckpoint.open(self.path) as f:
+            if TENSORS[0] not in f:
+                return None
+            found = [f.read_tensor(name) for name in TENSORS]
+        for name, value in zip(TENSORS, found):
+            _finite(self.path, name, value)
+        return RoutedSample(*found)
 
     def down(self, expert: int) -> Hessian:
         name = f"{self.mode.value}.down.sum"
@@ -118,6 +129,7 @@ class HeldHessians:
         self.mode = mode
         self._gate_up, self._down = acc.sums[f"{mode.value}.gate_up"], acc.sums[f"{mode.value}.down"]
         self._gate_up_counts, self._down_counts = self._gate_up.count.tolist(), self._down.count.tolist()
+        self._sample = None if acc.sampler is None else acc.sampler.result()
 
     def gate_up(self, expert: int) -> Hessian:
         if self.mode is HessianMode.ALL:
@@ -126,3 +138,6 @@ class HeldHessians:
 
     def down(self, expert: int) -> Hessian:
         return Hessian(self._down.sum[expert], self._down_counts[expert])
+
+    def sample(self) -> RoutedSample | None:
+        return self._sample

@@ -23,6 +23,7 @@ On disk, `layer-LL.hessians.safetensors` (metadata format=glmquant.hessians.v1) 
   all.gate_up.sum     F32 [H,H]     all.gate_up.count     I64 []
   all.down.sum        F32 [E,I,I]   all.down.count        I64 [E]
   dense.<checkpoint weight name>.sum F32 [in,in]   dense.<name>.count I64 []
+  tuning.*  a sample of the layer's tokens for `encode --tune-scales` (`observe --tuning-tokens`: tuning_sample.py)
 The encoder takes the mean E[xxᵀ] = sum / count.
 
 Accumulation is float32: the inputs are BF16 (8-bit mantissa), so f32's 24 bits add no visible error per
@@ -40,8 +41,10 @@ from pathlib import Path
 import torch
 
 from glmquant.checkpoint.safetensors_format import TensorSpec
+from glmquant.checkpoint.tensor_bytes import dtype_name
 from glmquant.checkpoint.writer import write_safetensors
 from glmquant.observe.tensor_file import chunk_streamer
+from glmquant.observe.tuning_sample import TuningSampler
 
 FORMAT = "glmquant.hessians.v1"
 
@@ -111,6 +114,7 @@ class HessianAccumulator:
         self.weighting = weighting
         self.device = device
         self.sums: dict[str, _Sum] = {}
+        self.sampler: TuningSampler | None = None  # the tokens kept for `encode --tune-scales`, when asked
         if mode.natural:
             self.sums["natural.gate_up"] = _Sum(n_experts, hidden, device)
             self.sums["natural.down"] = _Sum(n_experts, intermediate, device)
@@ -162,6 +166,10 @@ class HessianAccumulator:
                 spec = TensorSpec(f"{key}.{part}", "F32" if part == "sum" else "I64", tuple(value.shape))
                 specs.append(spec)
                 providers[spec.name] = chunk_streamer(acc.chunks()) if part == "sum" else value
+        sample = None if self.sampler is None else self.sampler.result()
+        for name, value in (sample.tensors() if sample is not None else {}).items():
+            specs.append(TensorSpec(name, dtype_name(value), tuple(value.shape)))
+            providers[name] = value.cpu()
         write_safetensors(
             path,
             specs,
@@ -176,4 +184,4 @@ class HessianAccumulator:
 
     @property
     def empty(self) -> bool:
-        return not self.sums
+        return not self.sums and (self.sampler is None or self.sampler.result() is None)

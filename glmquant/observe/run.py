@@ -42,6 +42,7 @@ from glmquant.observe.streaming import TextModel, run_layer
 from glmquant.observe.streams import Chunk, DeviceStreamStore, StreamStore
 from glmquant.observe.summary import HeadSummary, LaneSummary, LayerCost, LayerSummary, ObservationSummary
 from glmquant.observe.tiers import write_tier_plan
+from glmquant.observe.tuning_sample import TuningSampler
 
 Advance = Callable[[int], None]
 T = TypeVar("T")
@@ -241,6 +242,9 @@ def _observe_pass(
             device,
             config.hessian_weighting,
         )
+        if moe and config.tuning_tokens:
+            tokens = sum(lane.ids.numel() for lane in rows.lanes if "hessians" in lane.use)
+            hessians.sampler = TuningSampler.over(config.tuning_tokens, tokens)
     if stats is None and hessians is None:
         return None, None
     module = _load(model, layer, cost, "observe")

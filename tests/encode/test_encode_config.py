@@ -44,6 +44,8 @@ def test_observations_or_an_explicit_uncalibrated_flag(tmp_path: Path) -> None:
         (["--bits", "9"], "--bits must be 1..8, got 9"),
         (["--keep", "0"], "--keep must be a positive integer, got 0"),
         (["--device", "tpu"], "--device must be cpu or cuda"),
+        (["--tune-scales", "-1"], "--tune-scales must be 0 or more Adam steps, got -1"),
+        (["--tune-scales", "5"], "--tune-scales tunes on the observations' sampled tokens: it needs --observations"),
     ],
 )
 def test_bad_options_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
@@ -112,12 +114,14 @@ def test_retained_bits_shape_the_fingerprint_and_leave_older_jobs_resumable(tmp_
     )
     head = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, head_bits=4)
     both = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_bits=4, head_bits=4)
+    tuned = EncodeConfig(source=tmp_path, out=tmp_path / "a", observations=tmp_path, tune_scales=50)
+    untuned = EncodeConfig(source=tmp_path, out=tmp_path / "a", observations=tmp_path)
     prints = {c.fingerprint({}) for c in (base, k4, k5, fallback, head, both)}
-    assert len(prints) == 6
+    assert len(prints) == 6 and tuned.fingerprint({}) != untuned.fingerprint({})
     assert k4.retained_bits == 4 and base.retained_bits is None
     # the fingerprint of the default options hashes no retained_* key: the pre-option recipe
     skipped = {"out", "work_dir", "verify", "source", "observations", "prune_plan", "tier_plan", "uncalibrated"}
-    skipped |= {"verified_at", "retained_bits", "head_bits", "retained_fallback_identity"}
+    skipped |= {"verified_at", "retained_bits", "head_bits", "retained_fallback_identity", "tune_scales"}
     old = {k: v.value if hasattr(v, "value") else str(v) for k, v in asdict(base).items() if k not in skipped}
     old["device"] = torch.device(base.device).type
     old["backend"] = exl3_backend() or "auto"
