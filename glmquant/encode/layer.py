@@ -14,7 +14,7 @@ from glmquant.arch import table_for
 from glmquant.checkpoint.layouts import ArtifactPlan, ExpertSlice
 from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
 from glmquant.encode.hessians import ExpertHessians, LayerHessiansView
-from glmquant.encode.scale_tuning import ExpertPart, ExpertTokens, UnitTuning, tune_expert_scales
+from glmquant.encode.scale_tuning import ExpertPart, ExpertTokens, UnitTuning, tune_experts_scales
 from glmquant.encode.slices import slice_hessian, slice_weight
 from glmquant.errors import NumericalError, UsageError
 from glmquant.exl3 import Codebook, decode_weight, encode_linears, proxy_error
@@ -154,10 +154,13 @@ def _tuned(
     members: dict[int, list[int]] = {}
     for i, s in enumerate(slices):
         members.setdefault(s.source_expert, []).append(i)
+    cases = [
+        ([ExpertPart(slices[i].proj, slices[i].rank, encoded[i].tensor) for i in idx], tuning.experts[expert])
+        for expert, idx in members.items()
+    ]
+    outcomes = tune_experts_scales(cases, tuning.swiglu_limit, tuning.steps, device)
     out = {}
-    for expert, idx in members.items():
-        parts = [ExpertPart(slices[i].proj, slices[i].rank, encoded[i].tensor) for i in idx]
-        outcome = tune_expert_scales(parts, tuning.experts[expert], tuning.swiglu_limit, tuning.steps, device)
+    for idx, outcome in zip(members.values(), outcomes):
         for i, tensor in zip(idx, outcome.tensors or []):
             weight, hessian = items[i]
             error = proxy_error(weight, decode_weight(tensor, torch.float32).to(weight.device), hessian)

@@ -68,82 +68,142 @@ class TuningOutcome:
 def tune_expert_scales(
     parts: list[ExpertPart], tokens: ExpertTokens, swiglu_limit: float | None, steps: int, device: torch.device
 ) -> TuningOutcome:
-    """The expert's EXL3 tensors `parts` with scales tuned on `tokens`, computed on `device`."""
-    inputs, gates, weights = tokens.inputs.to(device), tokens.gates.to(device), tokens.weights
-    n = inputs.shape[0]
-    if n < MIN_TOKENS or steps < 1:
-        return TuningOutcome(None, float("nan"), float("nan"))
-    held = torch.arange(n, device=device) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
-    x = inputs.float()
-    w2 = gates.float().square()
-    with torch.no_grad():
-        reference = expert_output({p: weights[p].to(device).float() for p in PROJECTIONS}, x, swiglu_limit)
-        norm = (w2[:, None] * reference.square()).sum(1)
-    fit_norm, held_norm = norm[~held].sum().clamp_min(1e-30), norm[held].sum().clamp_min(1e-30)
+    """One expert's EXL3 tensors `parts` with scales tuned on `tokens`, computed on `device`."""
+    return tune_experts_scales([(parts, tokens)], swiglu_limit, steps, device)[0]
 
-    cores = [_core(p.tensor).to(device) for p in parts]
-    suh0 = [p.tensor.suh[: p.tensor.in_features].to(device).float() for p in parts]
-    svh0 = [p.tensor.svh[: p.tensor.out_features].to(device).float() for p in parts]
+
+def tune_experts_scales(
+    experts: list[tuple[list[ExpertPart], ExpertTokens]], swiglu_limit: float | None, steps: int, device: torch.device
+) -> list[TuningOutcome]:
+    """Several experts' tensors tuned at once, one batched computation (the experts share their parts' layout, as a
+    unit's do); each expert's result is what tuning it alone gives (Adam is elementwise, the losses are separate),
+    up to the rounding of batched matmuls."""
+    skipped = TuningOutcome(None, float("nan"), float("nan"))
+    todo = [i for i, (_, t) in enumerate(experts) if t.inputs.shape[0] >= MIN_TOKENS and steps >= 1]
+    outcomes = [skipped] * len(experts)
+    if not todo:
+        return outcomes
+    layout = [(p.proj, p.rank, p.tensor.in_features, p.tensor.out_features) for p in experts[todo[0]][0]]
+    for i in todo:
+        if [(p.proj, p.rank, p.tensor.in_features, p.tensor.out_features) for p in experts[i][0]] != layout:
+            raise ValueError("tune_experts_scales: the experts' EXL3 parts differ in layout")
+    parts = [experts[i][0] for i in todo]
+    tokens = [experts[i][1] for i in todo]
+    counts = torch.tensor([t.inputs.shape[0] for t in tokens], device=device)
+    width = int(counts.max())
+    x = torch.stack([_pad(t.inputs.to(device).float(), width) for t in tokens])  # [E, n, H]
+    w2 = torch.stack([_pad(t.gates.to(device).float().square(), width) for t in tokens])  # [E, n], 0 past the tokens
+    position = torch.arange(width, device=device)[None, :]
+    valid = position < counts[:, None]
+    held = valid & (position % HELD_OUT_EVERY == HELD_OUT_EVERY - 1)
+    fit = valid & ~held
+    with torch.no_grad():
+        weights = {p: torch.stack([t.weights[p].to(device).float() for t in tokens]) for p in PROJECTIONS}
+        reference = expert_output(weights, x, swiglu_limit)
+        norm = (w2[..., None] * reference.square()).sum(-1)  # [E, n]
+        del weights
+    fit_norm = (norm * fit).sum(1).clamp_min(1e-30)
+    held_norm = (norm * held).sum(1).clamp_min(1e-30)
+
+    cores = [torch.stack([_core(ps[k].tensor, device) for ps in parts]) for k in range(len(layout))]
+    suh0 = [
+        torch.stack([ps[k].tensor.suh[:n_in].to(device).float() for ps in parts])
+        for k, (*_, n_in, _) in enumerate(layout)
+    ]
+    svh0 = [
+        torch.stack([ps[k].tensor.svh[:n_out].to(device).float() for ps in parts])
+        for k, (*_, n_out) in enumerate(layout)
+    ]
     du = [torch.zeros_like(s, requires_grad=True) for s in suh0]
     dv = [torch.zeros_like(s, requires_grad=True) for s in svh0]
+    best_du, best_dv = [d.detach().clone() for d in du], [d.detach().clone() for d in dv]
 
     def errors() -> torch.Tensor:
-        dense = _assemble(
-            parts, cores, [s * (1 + d) for s, d in zip(suh0, du)], [s * (1 + d) for s, d in zip(svh0, dv)]
-        )
-        return (w2[:, None] * (expert_output(dense, x, swiglu_limit) - reference).square()).sum(1)
+        su = [s * (1 + d) for s, d in zip(suh0, du)]
+        sv = [s * (1 + d) for s, d in zip(svh0, dv)]
+        dense = _assemble(layout, cores, su, sv)
+        return (w2[..., None] * (expert_output(dense, x, swiglu_limit) - reference).square()).sum(-1)  # [E, n]
 
     optimizer = torch.optim.Adam([*du, *dv], lr=LEARNING_RATE, foreach=False)
-    before = best = float("inf")
-    best_state = None
+    before = best = torch.full((len(parts),), float("inf"), device=device)
     for step in range(steps + 1):  # one forward per step: it scores the last step's scales and fits the next ones
         optimizer.zero_grad(set_to_none=True)
         err = errors()
-        score = float(err[held].detach().sum() / held_norm)
-        if step == 0:
-            before = best = score
-        elif score < best:
-            best, best_state = score, ([d.detach().clone() for d in du], [d.detach().clone() for d in dv])
+        with torch.no_grad():
+            score = (err * held).sum(1) / held_norm
+            if step == 0:
+                before, best = score.clone(), score.clone()
+            else:
+                better = score < best
+                best = torch.where(better, score, best)
+                for kept, now in zip([*best_du, *best_dv], [*du, *dv]):
+                    kept.copy_(torch.where(better[:, None], now, kept))
         if step == steps:
             break
-        (err[~held].sum() / fit_norm).backward()
+        ((err * fit).sum(1) / fit_norm).sum().backward()
         optimizer.step()
-    if best_state is None:
+    for e, i in enumerate(todo):
+        outcomes[i] = _stored(parts[e], e, suh0, svh0, best_du, best_dv, float(before[e]), float(best[e]))
+    return outcomes
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` with zero rows appended up to `width` rows."""
+    return torch.cat((t, t.new_zeros((width - t.shape[0], *t.shape[1:]))))
+
+
+def _stored(
+    parts: list[ExpertPart],
+    e: int,
+    suh0: list[torch.Tensor],
+    svh0: list[torch.Tensor],
+    du: list[torch.Tensor],
+    dv: list[torch.Tensor],
+    before: float,
+    after: float,
+) -> TuningOutcome:
+    """Expert `e`'s tensors with its best scales stored as float16; the encoded ones when no step beat them or a
+    corrected scale leaves float16's range."""
+    if not after < before:
         return TuningOutcome(None, before, before)
     tuned = []
-    for part, su, sv, a, b in zip(parts, suh0, svh0, *best_state):
+    for k, part in enumerate(parts):
         t = part.tensor
-        su_full, sv_full = t.suh.to(device).float().clone(), t.svh.to(device).float().clone()
-        su_full[: t.in_features], sv_full[: t.out_features] = su * (1 + a), sv * (1 + b)
-        su_full, sv_full = balance_scales(su_full, sv_full)
-        su_half, sv_half = su_full.half().cpu(), sv_full.half().cpu()
+        su, sv = t.suh.float().clone(), t.svh.float().clone()
+        su[: t.in_features] = (suh0[k][e] * (1 + du[k][e])).cpu()
+        sv[: t.out_features] = (svh0[k][e] * (1 + dv[k][e])).cpu()
+        su, sv = balance_scales(su, sv)
+        su_half, sv_half = su.half(), sv.half()
         if not (torch.isfinite(su_half).all() and torch.isfinite(sv_half).all()):
-            return TuningOutcome(None, before, before)  # a correction past float16's range: keep the encoded scales
+            return TuningOutcome(None, before, before)
         tuned.append(EXL3Tensor(t.trellis, su_half, sv_half, t.codebook, t.in_features, t.out_features))
-    return TuningOutcome(tuned, before, best)
+    return TuningOutcome(tuned, before, after)
 
 
-def _core(t: EXL3Tensor) -> torch.Tensor:
+def _core(t: EXL3Tensor, device: torch.device) -> torch.Tensor:
     """B = had(Q) had, the fixed factor of W = diag(suh) B diag(svh) (EXL3 orientation [in, out], padding cut)."""
-    b = had_right(had_left(decode_inner(t.trellis, t.codebook)).float())
+    b = had_right(had_left(decode_inner(t.trellis.to(device), t.codebook)).float())
     return b[: t.in_features, : t.out_features]
 
 
 def _assemble(
-    parts: list[ExpertPart], cores: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor]
+    layout: list[tuple[str, int | None, int, int]],
+    cores: list[torch.Tensor],
+    suh: list[torch.Tensor],
+    svh: list[torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """Each projection's HF (out, in) weight from its parts at the given scales (rank slices in rank order)."""
+    """Each projection's HF [E, out, in] weights from its parts at the given scales (rank slices in rank order)."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for part, core, su, sv in zip(parts, cores, suh, svh):
-        pieces.setdefault(part.proj, []).append((part.rank or 0, (su[:, None] * core * sv[None, :]).T))
-    dense = {}
-    for proj, found in pieces.items():
-        ordered = [w for _, w in sorted(found, key=lambda item: item[0])]
-        dense[proj] = torch.cat(ordered, dim=1 if proj == "down_proj" else 0)
-    return dense
+    for (proj, rank, _, _), core, su, sv in zip(layout, cores, suh, svh):
+        pieces.setdefault(proj, []).append((rank or 0, (su[..., :, None] * core * sv[..., None, :]).mT))
+    return {
+        proj: torch.cat([w for _, w in sorted(found, key=lambda item: item[0])], dim=-1 if proj == "down_proj" else -2)
+        for proj, found in pieces.items()
+    }
 
 
 def expert_output(w: dict[str, torch.Tensor], x: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
-    """The expert's output [n, H]: down(swiglu(gate x, up x)), GLM's clamped SwiGLU."""
-    gate_up = torch.cat((x @ w["gate_proj"].T, x @ w["up_proj"].T), dim=-1)
-    return swiglu(gate_up, swiglu_limit) @ w["down_proj"].T
+    """The expert's output [.., n, H]: down(swiglu(gate x, up x)), GLM's clamped SwiGLU; weights HF [.., out, in]
+    (a leading expert dimension batches experts)."""
+    gate_up = torch.cat((x @ w["gate_proj"].mT, x @ w["up_proj"].mT), dim=-1)
+    return swiglu(gate_up, swiglu_limit) @ w["down_proj"].mT

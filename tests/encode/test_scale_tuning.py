@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from glmquant.arch.table import PROJECTIONS
-from glmquant.encode.scale_tuning import MIN_TOKENS, ExpertPart, ExpertTokens, expert_output, tune_expert_scales
+from glmquant.encode.scale_tuning import (
+    MIN_TOKENS,
+    ExpertPart,
+    ExpertTokens,
+    expert_output,
+    tune_expert_scales,
+    tune_experts_scales,
+)
 from glmquant.exl3 import decode_weight, encode_linears
 
 H, I = 128, 256  # noqa: E741  # hidden and intermediate width of the test expert
@@ -86,3 +94,24 @@ def test_tuning_is_deterministic_and_skips_experts_with_too_few_tokens() -> None
     assert all(torch.equal(s.suh, t.suh) and torch.equal(s.svh, t.svh) for s, t in zip(a.tensors, b.tensors))
     few = tune_expert_scales(parts, ExpertTokens(weights, x[: MIN_TOKENS - 1], gates[: MIN_TOKENS - 1]), None, 10, cpu)
     assert few.tensors is None
+
+
+def test_experts_tuned_together_match_each_tuned_alone() -> None:
+    """A unit's experts are tuned in one batched computation (padded to the most tokens): each comes out as tuned
+    alone, up to the rounding of batched matmuls; an expert with too few tokens in the batch keeps its scales."""
+    cpu = torch.device("cpu")
+    cases = []
+    for seed, n in ((3, 200), (4, 120), (5, MIN_TOKENS - 1)):
+        weights, x, gates = _expert_case(n, seed=seed)
+        cases.append((_encoded(weights, None), ExpertTokens(weights, x, gates)))
+    together = tune_experts_scales(cases, None, 12, cpu)
+    assert together[2].tensors is None
+    for (parts, tokens), joint in zip(cases[:2], together):
+        alone = tune_expert_scales(parts, tokens, None, 12, cpu)
+        assert alone.tensors is not None and joint.tensors is not None
+        assert abs(joint.heldout_after - alone.heldout_after) <= 1e-4 * alone.heldout_before
+        for a, b in zip(alone.tensors, joint.tensors):
+            torch.testing.assert_close(a.suh.float(), b.suh.float(), rtol=2e-3, atol=0)
+            torch.testing.assert_close(a.svh.float(), b.svh.float(), rtol=2e-3, atol=0)
+    with pytest.raises(ValueError, match="differ in layout"):
+        tune_experts_scales([cases[0], (cases[1][0][:2], cases[1][1])], None, 2, cpu)
