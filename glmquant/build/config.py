@@ -38,5 +38,7 @@ class BuildConfig:
                 f"encoding with {wanted.value!r} Hessians needs them observed (--hessians "
                 f"{o.hessians.value} does not give them)"
             )
+        if e.tune_scales and not o.tuning_tokens:
+            raise UsageError("--tune-scales tunes on the tokens the observation keeps: give --tuning-tokens N too")
         if e.blend is not None and o.hessians is not HessianMode.BOTH:
             raise UsageError("--blend mixes natural and all-token Hessians: observe them with --hessians both")

@@ -43,6 +43,12 @@ def build(
     work_dir: Annotated[Path | None, typer.Option(help="resumable encode state (default: ARTIFACT.work)")] = None,
     seed: Annotated[int, typer.Option(help="base seed of the EXL3 sign flips")] = 0,
     source_repo: Annotated[str | None, typer.Option(help="source repo id recorded in the provenance")] = None,
+    tuning_tokens: Annotated[
+        int, typer.Option(help="calibration tokens kept per MoE layer for --tune-scales (as observe's)")
+    ] = 0,
+    tune_scales: Annotated[
+        int, typer.Option(help="Adam steps tuning each routed expert's stored scales on those tokens (as encode's)")
+    ] = 0,
 ) -> None:
     """Observe and encode layer by layer: the same artifact as observe + encode, without Hessians on disk."""
     config = BuildConfig(
@@ -60,6 +66,7 @@ def build(
             stream_budget_gb,
             device_streams_every=device_streams_every,
             hessian_weighting=hessian_weighting,
+            tuning_tokens=tuning_tokens,
         ),
         EncodeConfig(
             source=source,
@@ -74,6 +81,7 @@ def build(
             work_dir=work_dir,
             seed=seed,
             source_repo=source_repo,
+            tune_scales=tune_scales,
         ),
     )
     result = build_artifact(config, console, progress=True)

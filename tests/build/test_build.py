@@ -122,6 +122,31 @@ def test_build_refuses_what_it_cannot_do(source: Path, tmp_path: Path) -> None:
         )
 
 
+def test_build_tunes_scales_on_the_tokens_it_holds_as_encode_does(source: Path, two_step: Path, tmp_path: Path) -> None:
+    """`--tuning-tokens` + `--tune-scales`: the fused build tunes on the sample still in memory and writes the bytes
+    of observe + encode with the same options (scales tuned: not the untuned artifact's); without a sample it is
+    refused up front."""
+    steps = 5
+    observe(_observe_config(source, tmp_path / "two" / "obs", tuning_tokens=64))
+    tuned_two_step = tmp_path / "two" / "artifact"
+    obs = tmp_path / "two" / "obs"
+    encode_artifact(EncodeConfig(source=source, out=tuned_two_step, observations=obs, tune_scales=steps), QUIET)
+    fused = tmp_path / "fused"
+    config = BuildConfig(
+        _observe_config(source, fused / "obs", tuning_tokens=64),
+        EncodeConfig(source=source, out=fused / "artifact", observations=fused / "obs", tune_scales=steps),
+    )
+    build_artifact(config, QUIET)
+    assert _digests(fused / "artifact") == _digests(tuned_two_step)
+    untuned = _digests(two_step / "artifact")
+    assert [n for n, d in _digests(fused / "artifact").items() if n.startswith("layer-") and untuned[n] != d]
+    with pytest.raises(UsageError, match="give --tuning-tokens N too"):
+        BuildConfig(
+            _observe_config(source, fused / "obs"),
+            EncodeConfig(source=source, out=fused / "artifact", observations=fused / "obs", tune_scales=steps),
+        )
+
+
 def test_build_with_device_streams_gives_the_same_bytes(source: Path, two_step: Path, tmp_path: Path) -> None:
     build_artifact(_build_config(source, tmp_path, device_streams_every=2), QUIET)
     assert _digests(tmp_path / "artifact") == _digests(two_step / "artifact")
