@@ -17,7 +17,7 @@ from glmquant.encode.hessians import ExpertHessians, LayerHessiansView
 from glmquant.encode.scale_tuning import ExpertPart, ExpertTokens, UnitTuning, tune_experts_scales
 from glmquant.encode.slices import slice_hessian, slice_weight
 from glmquant.errors import NumericalError, UsageError
-from glmquant.exl3 import Codebook, decode_weight, encode_linears, proxy_error
+from glmquant.exl3 import Codebook, encode_linears
 from glmquant.exl3.encode import EncodedLinear
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch
 
@@ -150,7 +150,7 @@ def _tuned(
     device: torch.device,
 ) -> dict[int, EncodedLinear]:
     """The unit's tensors whose expert's scale tuning beat the encoded scales (scale_tuning.py), with their proxy
-    errors measured again."""
+    errors measured again; an expert any of whose tuned tensors decodes to non-finite values keeps its encoded ones."""
     members: dict[int, list[int]] = {}
     for i, s in enumerate(slices):
         members.setdefault(s.source_expert, []).append(i)
@@ -159,12 +159,11 @@ def _tuned(
         for expert, idx in members.items()
     ]
     outcomes = tune_experts_scales(cases, tuning.swiglu_limit, tuning.steps, device)
-    out = {}
+    out: dict[int, EncodedLinear] = {}
     for idx, outcome in zip(members.values(), outcomes):
-        for i, tensor in zip(idx, outcome.tensors or []):
-            weight, hessian = items[i]
-            error = proxy_error(weight, decode_weight(tensor, torch.float32).to(weight.device), hessian)
-            out[i] = EncodedLinear(tensor, error, encoded[i].fallback)
+        tuned = {i: encoded[i].with_tensor(t, *items[i], device) for i, t in zip(idx, outcome.tensors or [])}
+        if all(enc is not None for enc in tuned.values()):
+            out.update({i: enc for i, enc in tuned.items() if enc is not None})
     return out
 
 

@@ -27,12 +27,24 @@ FP16_SMALLEST_RMS = 2.0**-17  # a weight this small keeps ~1 % precision in floa
 
 @dataclass(frozen=True)
 class EncodedLinear:
-    """An encoded linear with its proxy error tr(E H E^T)/tr(W H W^T) (H = identity on a fallback)."""
+    """An encoded linear with its proxy error tr(E H E^T)/tr(W H W^T) (H = identity on an uncalibrated fallback)."""
 
     tensor: EXL3Tensor
     proxy_error: float
     # None, "no_hessian", "nonfinite_hessian", "negative_hessian", "zero_hessian", "cholesky_retry:N", "cholesky_failed"
     fallback: str | None
+    calibrated: bool = True  # encoded with its Hessian (the proxy error is in its metric), not uncalibrated
+
+    def with_tensor(
+        self, tensor: EXL3Tensor, weight_hf: torch.Tensor, hessian: torch.Tensor | None, device: torch.device
+    ) -> EncodedLinear | None:
+        """This encode with `tensor` stored instead (the same codes, other scales), its proxy error measured as the
+        encoder measures it, decoded on `device`; None when `tensor` decodes to non-finite values in float16."""
+        decoded = decode_weight(tensor.to(device), torch.float32)
+        if not torch.isfinite(decoded).all():
+            return None
+        error = proxy_error(weight_hf, decoded, hessian if self.calibrated else None)
+        return EncodedLinear(tensor, error, self.fallback, self.calibrated)
 
 
 @dataclass
@@ -131,9 +143,9 @@ def _finish(job: _Job, q: torch.Tensor, states: torch.Tensor, bits: int, codeboo
     decoded = decode_weight(on_device, torch.float32)  # decoded where it was encoded
     if not torch.isfinite(decoded).all():
         raise NumericalError(f"weight {tuple(job.weight.shape)} decodes to non-finite values in float16")
-    used = job.hessian if job.prep.ldl is not None else None
-    tensor = EXL3Tensor(on_device.trellis.cpu(), on_device.suh.cpu(), on_device.svh.cpu(), codebook, in_f, out_f)
-    return EncodedLinear(tensor, proxy_error(job.weight, decoded, used), job.prep.fallback)
+    calibrated = job.prep.ldl is not None
+    error = proxy_error(job.weight, decoded, job.hessian if calibrated else None)
+    return EncodedLinear(on_device.to("cpu"), error, job.prep.fallback, calibrated)
 
 
 def encode_linears(

@@ -33,6 +33,17 @@ class EXL3Tensor:
     def bits(self) -> int:
         return self.trellis.shape[-1] // 16
 
+    def to(self, device: torch.device | str) -> EXL3Tensor:
+        """The same tensor with its parts on `device`."""
+        return EXL3Tensor(
+            self.trellis.to(device),
+            self.suh.to(device),
+            self.svh.to(device),
+            self.codebook,
+            self.in_features,
+            self.out_features,
+        )
+
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint tensors under `prefix` (e.g. 'model.layers.0.mlp.down_proj')."""
         out = {f"{prefix}.trellis": self.trellis, f"{prefix}.suh": self.suh, f"{prefix}.svh": self.svh}

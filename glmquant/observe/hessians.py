@@ -184,4 +184,4 @@ class HessianAccumulator:
 
     @property
     def empty(self) -> bool:
-        return not self.sums and (self.sampler is None or self.sampler.result() is None)
+        return not self.sums and (self.sampler is None or not self.sampler.kept)

@@ -62,6 +62,11 @@ class TuningSampler:
         self._parts.append((x[picked], expert_ids[picked].long(), expert_weights[picked].float()))
         self._kept += picked.numel()
 
+    @property
+    def kept(self) -> int:
+        """Tokens kept so far."""
+        return self._kept
+
     def result(self) -> RoutedSample | None:
         if not self._parts:
             return None
