@@ -8,15 +8,15 @@ mean KL(BF16 || recipe) in nats, top-1 agreement (a fraction) and the recipe's p
 routed bytes (the EXL3 tensors of the routed experts), their ratio to the seed method's and whether it is at most
 the seed's (1 % slack): pruning leaves a few % of scale vectors unspent, so those rows compete with fewer bytes.
 
-Rows: the seed method (natural-routing Hessians, uniform K2 MCG); the seed method with each expert's stored scales
-tuned on its calibration tokens (`encode --tune-scales`, the same bytes); gate-weighted natural Hessians (each routed
-token's rows weighted by its routing weight, observe --hessian-weighting gate), alone and with MUL1; all-token
-Hessians; a 50/50 blend; the speed tier's retained linears at K4-K6 (issue 18); REAP tiers
-at the seed's bytes (K3 or K4 for the most salient experts, K1 for the least, K2 for the rest); REAP pruning with
-the freed bytes on K3; codebooks 3INST and MUL1; a quarter of the calibration rows; uniform K3 and K4 as
-references above the seed's bytes; and ExLlamaV3 1.6.5's own converter on the same proxy when `exllamav3` imports
-(its routed-expert tensors evaluated the same way; attention, shared experts and head stay BF16 here too). The
-rows from codebook-mul1 on use the Hessians (natural, all-token or blend) that gave the lowest KL among the seed,
+Rows: the seed method (natural-routing Hessians, uniform K2 MCG); the seed method with the experts' stored scales
+tuned together on their share of the calibration tokens' MoE output (`encode --tune-scales`, the same bytes);
+gate-weighted natural Hessians (each routed token's rows weighted by its routing weight, observe --hessian-weighting
+gate), alone and with MUL1; all-token Hessians; a 50/50 blend; the speed tier's retained linears at K4-K6 (issue
+18); REAP tiers at the seed's bytes (K3 or K4 for the most salient experts, K1 for the least, K2 for the rest); REAP
+pruning with the freed bytes on K3; codebooks 3INST and MUL1; a quarter of the calibration rows; uniform K3 and K4
+as references above the seed's bytes; and ExLlamaV3 1.6.5's own converter on the same proxy when `exllamav3` imports
+(its routed-expert tensors evaluated the same way; attention, shared experts and head stay BF16 here too). The rows
+from codebook-mul1 on use the Hessians (natural, all-token or blend) that gave the lowest KL among the seed,
 all-token and blend rows. The rows are listed (and measured) in this order: the ones issues 17 and 18 wait on first.
 
     # H200, after scripts/train_proxy.py --out /tmp/proxy --device cuda:
@@ -107,8 +107,8 @@ def recipes(experts: int) -> list[Recipe]:
         Recipe("seed", "seed method: natural-routing Hessians, uniform K2 MCG"),
         Recipe(
             "seed-tuned",
-            f"the seed method, then each expert's stored scales tuned on its calibration tokens (encode "
-            f"--tune-scales {TUNE_STEPS}, codes fixed): the same bytes",
+            f"the seed method, then the stored scales of each unit's experts tuned together on their share of the "
+            f"calibration tokens' MoE output (encode --tune-scales {TUNE_STEPS}, codes fixed): the same bytes",
             tune_scales=TUNE_STEPS,
         ),
         Recipe(

@@ -47,7 +47,8 @@ def build(
         int, typer.Option(help="calibration tokens kept per MoE layer for --tune-scales (as observe's)")
     ] = 0,
     tune_scales: Annotated[
-        int, typer.Option(help="Adam steps tuning each routed expert's stored scales on those tokens (as encode's)")
+        int,
+        typer.Option(help="Adam steps tuning each unit's routed experts' stored scales on those tokens (as encode's)"),
     ] = 0,
 ) -> None:
     """Observe and encode layer by layer: the same artifact as observe + encode, without Hessians on disk."""

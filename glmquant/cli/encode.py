@@ -75,8 +75,9 @@ def encode(
     tune_scales: Annotated[
         int,
         typer.Option(
-            help="tune each routed expert's stored scales on its sampled calibration tokens (observe --tuning-tokens) "
-            "for this many Adam steps, the codes fixed; 0: the encoder's own scales"
+            help="tune the stored scales of each unit's routed experts together on their share of the sampled "
+            "calibration tokens' MoE output (observe --tuning-tokens) for this many Adam steps, the codes fixed; "
+            "0: the encoder's own scales"
         ),
     ] = 0,
     revision: HubRevision = None,

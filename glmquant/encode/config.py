@@ -66,8 +66,8 @@ class EncodeConfig:
     # a retained linear (or lm_head) without a dense Hessian is encoded uncalibrated instead of refused (asked for,
     # never a default)
     retained_fallback_identity: bool = False
-    # Adam steps tuning each routed expert's stored scales on its sampled tokens (`observe --tuning-tokens`), the
-    # codes fixed (scale_tuning.py); 0: the encoder's own scales
+    # Adam steps tuning the stored scales of each unit's routed experts together on their share of the sampled tokens'
+    # MoE output (`observe --tuning-tokens`), the codes fixed (scale_tuning.py); 0: the encoder's own scales
     tune_scales: int = 0
 
     def __post_init__(self) -> None:
@@ -155,6 +155,8 @@ class EncodeConfig:
         ):
             if getattr(self, k) == default:  # a job from before these options existed resumes unchanged
                 del shaping[k]
+        if self.tune_scales:  # a job begun when each expert was tuned alone is not resumed with the unit's loss
+            shaping["tune_scales_loss"] = "unit-output"
         shaping["device"] = torch.device(self.device).type
         shaping["backend"] = exl3_backend() or "auto"
         return hashlib.sha256(json.dumps({**shaping, **inputs}, sort_keys=True).encode()).hexdigest()

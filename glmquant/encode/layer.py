@@ -14,7 +14,7 @@ from glmquant.arch import table_for
 from glmquant.checkpoint.layouts import ArtifactPlan, ExpertSlice
 from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
 from glmquant.encode.hessians import ExpertHessians, LayerHessiansView
-from glmquant.encode.scale_tuning import ExpertPart, ExpertTokens, UnitTuning, tune_experts_scales
+from glmquant.encode.scale_tuning import ExpertPart, UnitTuning, tune_unit_scales
 from glmquant.encode.slices import slice_hessian, slice_weight
 from glmquant.errors import NumericalError, UsageError
 from glmquant.exl3 import Codebook, encode_linears
@@ -95,8 +95,7 @@ def read_unit(
                 f"--tune-scales: the observations hold no tuning sample for layer {layer} "
                 "(observe with --tuning-tokens N)"
             )
-        experts = {e: ExpertTokens(w, *sample.for_expert(e)) for e, w in weights.items()}
-        tuning = UnitTuning(tune_steps, plan.spec.swiglu_limit, experts)
+        tuning = UnitTuning(tune_steps, plan.spec.swiglu_limit, weights, sample.routed_to(list(weights)))
     return UnitInputs(names, items, fallbacks, [plan.bits_of(layer, s.expert) for s in unit], list(unit), tuning)
 
 
@@ -149,19 +148,18 @@ def _tuned(
     encoded: dict[int, EncodedLinear],
     device: torch.device,
 ) -> dict[int, EncodedLinear]:
-    """The unit's tensors whose expert's scale tuning beat the encoded scales (scale_tuning.py), with their proxy
+    """The unit's tensors whose experts' scale tuning beat the encoded scales (scale_tuning.py), with their proxy
     errors measured again; an expert any of whose tuned tensors decodes to non-finite values keeps its encoded ones."""
     members: dict[int, list[int]] = {}
     for i, s in enumerate(slices):
         members.setdefault(s.source_expert, []).append(i)
-    cases = [
-        ([ExpertPart(slices[i].proj, slices[i].rank, encoded[i].tensor) for i in idx], tuning.experts[expert])
+    experts = {
+        expert: [ExpertPart(slices[i].proj, slices[i].rank, encoded[i].tensor) for i in idx]
         for expert, idx in members.items()
-    ]
-    outcomes = tune_experts_scales(cases, tuning.swiglu_limit, tuning.steps, device)
+    }
     out: dict[int, EncodedLinear] = {}
-    for idx, outcome in zip(members.values(), outcomes):
-        tuned = {i: encoded[i].with_tensor(t, *items[i], device) for i, t in zip(idx, outcome.tensors or [])}
+    for expert, tensors in tune_unit_scales(experts, tuning, device).tensors.items():
+        tuned = {i: encoded[i].with_tensor(t, *items[i], device) for i, t in zip(members[expert], tensors)}
         if all(enc is not None for enc in tuned.values()):
             out.update({i: enc for i, enc in tuned.items() if enc is not None})
     return out

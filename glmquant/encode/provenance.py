@@ -53,8 +53,9 @@ def method_info(cfg: EncodeConfig) -> MethodInfo:
         return MethodInfo()
     return MethodInfo(
         claim=(
-            "EXL3 trellis quantization of routed experts, each expert's stored scales then tuned on its sampled "
-            f"calibration tokens ({cfg.tune_scales} Adam steps, codes fixed); all other tensors retained byte-for-byte"
+            "EXL3 trellis quantization of routed experts, the stored scales of each unit's experts then tuned together "
+            f"on their share of the sampled calibration tokens' MoE output ({cfg.tune_scales} Adam steps, codes "
+            "fixed); all other tensors retained byte-for-byte"
         )
     )
 

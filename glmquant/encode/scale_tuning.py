@@ -1,17 +1,21 @@
-"""Tune a routed expert's stored EXL3 scales on its calibration tokens, the trellis codes held fixed.
+"""Tune the stored EXL3 scales of a unit's routed experts on their calibration tokens, the trellis codes held fixed.
 
 EXL3 decodes a linear as W = diag(suh) · B · diag(svh), B = had(Q) fixed by the codes, so the scales are free at
 inference. The per-linear refit (exl3/refit.py) fits them in each linear's own Hessian metric, one linear at a
-time; this fits all of an expert's scales together on what the layer computes: the expert's SwiGLU output on the
-tokens routed to it, each token weighted by its routing weight squared (its share of the MoE output), against the
-BF16 expert. Adam on multiplicative corrections; every fourth token is held out, the step with the lowest held-out
-error is kept, and the encoded scales stay as they were when no step beats them. The same inputs give the same
-bits on a device type (a fixed step count, no data-dependent branching but the held-out choice).
+time; this fits all the scales of a unit's experts together on what the layer computes: the unit's share of the
+MoE output, Σ_k g_k f_k(x) over each sampled token's routed experts k in the unit (g the routing weights, f the
+clamped-SwiGLU expert), against the BF16 experts'. The experts' errors meet in that sum, so they are fitted to
+cancel where they can, which fitting each expert alone cannot (on a trained proxy: 0.71x the seed's KL where each
+expert alone gives 0.76x; docs/fidelity.md). With `--experts-per-unit` at the layer's expert count the sum is the
+layer's whole routed output. Adam on multiplicative corrections; every fourth token is held out, the step with the
+lowest held-out error is kept, and the encoded scales stay when no step beats them. The same inputs give the same
+bits on a device type (a fixed step count, sums in a fixed order, no data-dependent branching but the held-out
+choice).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,10 +25,11 @@ from glmquant.exl3.decode import decode_inner
 from glmquant.exl3.hadamard import had_left, had_right
 from glmquant.exl3.regularize import balance_scales
 from glmquant.exl3.tensor import EXL3Tensor
+from glmquant.observe.tuning_sample import RoutedSample
 
 LEARNING_RATE = 2e-3  # Adam step on the relative scale corrections
-MIN_TOKENS = 8  # an expert routed fewer calibration tokens keeps its encoded scales
-HELD_OUT_EVERY = 4  # every fourth of an expert's tokens measures the steps, the rest fit them
+MIN_TOKENS = 8  # an expert routed fewer sampled tokens keeps its encoded scales (its output still counts)
+HELD_OUT_EVERY = 4  # every fourth sampled token measures the steps, the rest fit them
 
 
 @dataclass(frozen=True)
@@ -37,147 +42,135 @@ class ExpertPart:
 
 
 @dataclass(frozen=True)
-class ExpertTokens:
-    """What tuning one expert needs besides its EXL3 tensors: its BF16 weights by projection (HF (out, in)), the
-    sampled MoE inputs routed to it [n, H] and their routing weights [n]."""
-
-    weights: dict[str, torch.Tensor]
-    inputs: torch.Tensor
-    gates: torch.Tensor
-
-
-@dataclass(frozen=True)
 class UnitTuning:
-    """`encode --tune-scales` for one work unit: Adam steps, the model's SwiGLU clamp, and each source expert's
-    tokens."""
+    """`encode --tune-scales` for one work unit: Adam steps, the model's SwiGLU clamp, each source expert's BF16
+    weights by projection (HF (out, in)), and the layer's sampled tokens routed to the unit's experts
+    (`RoutedSample.routed_to`)."""
 
     steps: int
     swiglu_limit: float | None
-    experts: dict[int, ExpertTokens]
+    weights: dict[int, dict[str, torch.Tensor]]
+    sample: RoutedSample
 
 
 @dataclass(frozen=True)
 class TuningOutcome:
-    """The tuned tensors (None: the encoded ones were kept) and the held-out error before and after."""
+    """The tuned experts' tensors by source expert (an expert left out keeps its encoded ones), and the unit's
+    held-out error before and after."""
 
-    tensors: list[EXL3Tensor] | None
     heldout_before: float
     heldout_after: float
+    tensors: dict[int, list[EXL3Tensor]] = field(default_factory=dict)
 
 
-def tune_expert_scales(
-    parts: list[ExpertPart], tokens: ExpertTokens, swiglu_limit: float | None, steps: int, device: torch.device
-) -> TuningOutcome:
-    """One expert's EXL3 tensors `parts` with scales tuned on `tokens`, computed on `device`."""
-    return tune_experts_scales([(parts, tokens)], swiglu_limit, steps, device)[0]
+def tune_unit_scales(experts: dict[int, list[ExpertPart]], tuning: UnitTuning, device: torch.device) -> TuningOutcome:
+    """The scales of `experts` (source expert -> its EXL3 parts, all in one layout) tuned together on their share of
+    the sampled tokens' MoE output, computed on `device`."""
+    order = list(experts)
+    layout = [(p.proj, p.rank, p.tensor.in_features, p.tensor.out_features) for p in experts[order[0]]]
+    for e in order:
+        if [(p.proj, p.rank, p.tensor.in_features, p.tensor.out_features) for p in experts[e]] != layout:
+            raise ValueError("tune_unit_scales: the experts' EXL3 parts differ in layout")
+    sample = tuning.sample
+    routed = [(sample.expert_ids == e).nonzero(as_tuple=True) for e in order]  # (token, slot) of each expert
+    counts = torch.tensor([len(token) for token, _ in routed])
+    tunable = counts >= MIN_TOKENS
+    if tuning.steps < 1 or not bool(tunable.any()):
+        return TuningOutcome(float("nan"), float("nan"))
 
+    # expert-major slots [E, width] (padding: weight 0), and each token's slots as rows of their flattening, the
+    # row past the end a zero one: a token's output is a fixed-order sum of its slots (no scatter-add)
+    n, width = sample.inputs.shape[0], max(1, int(counts.max()))
+    slot_row = torch.full(sample.expert_ids.shape, len(order) * width, dtype=torch.long)
+    token_of = torch.zeros(len(order), width, dtype=torch.long)
+    gates = torch.zeros(len(order), width)
+    for j, (token, slot) in enumerate(routed):
+        slot_row[token, slot] = j * width + torch.arange(len(token))
+        token_of[j, : len(token)] = token
+        gates[j, : len(token)] = sample.expert_weights[token, slot].float()
+    x = sample.inputs.to(device).float()[token_of.to(device)]  # [E, width, H]
+    gates, slot_row = gates.to(device)[..., None], slot_row.to(device)
 
-def tune_experts_scales(
-    experts: list[tuple[list[ExpertPart], ExpertTokens]], swiglu_limit: float | None, steps: int, device: torch.device
-) -> list[TuningOutcome]:
-    """Several experts' tensors tuned at once, one batched computation (the experts share their parts' layout, as a
-    unit's do); each expert's result is what tuning it alone gives (Adam is elementwise, the losses are separate),
-    up to the rounding of batched matmuls."""
-    skipped = TuningOutcome(None, float("nan"), float("nan"))
-    todo = [i for i, (_, t) in enumerate(experts) if t.inputs.shape[0] >= MIN_TOKENS and steps >= 1]
-    outcomes = [skipped] * len(experts)
-    if not todo:
-        return outcomes
-    layout = [(p.proj, p.rank, p.tensor.in_features, p.tensor.out_features) for p in experts[todo[0]][0]]
-    for i in todo:
-        if [(p.proj, p.rank, p.tensor.in_features, p.tensor.out_features) for p in experts[i][0]] != layout:
-            raise ValueError("tune_experts_scales: the experts' EXL3 parts differ in layout")
-    parts = [experts[i][0] for i in todo]
-    tokens = [experts[i][1] for i in todo]
-    counts = torch.tensor([t.inputs.shape[0] for t in tokens], device=device)
-    width = int(counts.max())
-    x = torch.stack([_pad(t.inputs.to(device).float(), width) for t in tokens])  # [E, n, H]
-    w2 = torch.stack([_pad(t.gates.to(device).float().square(), width) for t in tokens])  # [E, n], 0 past the tokens
-    position = torch.arange(width, device=device)[None, :]
-    valid = position < counts[:, None]
-    held = valid & (position % HELD_OUT_EVERY == HELD_OUT_EVERY - 1)
-    fit = valid & ~held
+    def unit_output(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        slots = (gates * expert_output(weights, x, tuning.swiglu_limit)).flatten(0, 1)
+        return torch.cat((slots, slots.new_zeros(1, slots.shape[-1])))[slot_row].sum(1)  # [n, H]
+
     with torch.no_grad():
-        weights = {p: torch.stack([t.weights[p].to(device).float() for t in tokens]) for p in PROJECTIONS}
-        reference = expert_output(weights, x, swiglu_limit)
-        norm = (w2[..., None] * reference.square()).sum(-1)  # [E, n]
-        del weights
-    fit_norm = (norm * fit).sum(1).clamp_min(1e-30)
-    held_norm = (norm * held).sum(1).clamp_min(1e-30)
+        reference = unit_output(
+            {p: torch.stack([tuning.weights[e][p].to(device).float() for e in order]) for p in PROJECTIONS}
+        )
+        norm = reference.square().sum(-1)
+    held = torch.arange(n, device=device) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
+    fit_norm, held_norm = norm[~held].sum().clamp_min(1e-30), norm[held].sum().clamp_min(1e-30)
 
-    cores = [torch.stack([_core(ps[k].tensor, device) for ps in parts]) for k in range(len(layout))]
+    cores = [torch.stack([_core(experts[e][k].tensor, device) for e in order]) for k in range(len(layout))]
     suh0 = [
-        torch.stack([ps[k].tensor.suh[:n_in].to(device).float() for ps in parts])
+        torch.stack([experts[e][k].tensor.suh[:n_in].to(device).float() for e in order])
         for k, (*_, n_in, _) in enumerate(layout)
     ]
     svh0 = [
-        torch.stack([ps[k].tensor.svh[:n_out].to(device).float() for ps in parts])
+        torch.stack([experts[e][k].tensor.svh[:n_out].to(device).float() for e in order])
         for k, (*_, n_out) in enumerate(layout)
     ]
+    free = tunable.to(device).float()[:, None]  # an expert with too few tokens keeps its scales
     du = [torch.zeros_like(s, requires_grad=True) for s in suh0]
     dv = [torch.zeros_like(s, requires_grad=True) for s in svh0]
     best_du, best_dv = [d.detach().clone() for d in du], [d.detach().clone() for d in dv]
 
     def errors() -> torch.Tensor:
-        su = [s * (1 + d) for s, d in zip(suh0, du)]
-        sv = [s * (1 + d) for s, d in zip(svh0, dv)]
-        dense = _assemble(layout, cores, su, sv)
-        return (w2[..., None] * (expert_output(dense, x, swiglu_limit) - reference).square()).sum(-1)  # [E, n]
+        su = [s * (1 + free * d) for s, d in zip(suh0, du)]
+        sv = [s * (1 + free * d) for s, d in zip(svh0, dv)]
+        return (unit_output(_assemble(layout, cores, su, sv)) - reference).square().sum(-1)  # [n]
 
     optimizer = torch.optim.Adam([*du, *dv], lr=LEARNING_RATE, foreach=False)
-    before = best = torch.full((len(parts),), float("inf"), device=device)
-    for step in range(steps + 1):  # one forward per step: it scores the last step's scales and fits the next ones
+    before = best = float("inf")
+    for step in range(tuning.steps + 1):  # one forward per step: it scores the last step's scales, fits the next
         optimizer.zero_grad(set_to_none=True)
         err = errors()
-        with torch.no_grad():
-            score = (err * held).sum(1) / held_norm
-            if step == 0:
-                before, best = score.clone(), score.clone()
-            else:
-                better = score < best
-                best = torch.where(better, score, best)
-                for kept, now in zip([*best_du, *best_dv], [*du, *dv]):
-                    kept.copy_(torch.where(better[:, None], now, kept))
-        if step == steps:
+        score = float(err.detach()[held].sum() / held_norm)
+        if step == 0:
+            before = best = score
+        elif score < best:
+            best = score
+            for kept, now in zip([*best_du, *best_dv], [*du, *dv]):
+                kept.copy_(now.detach())
+        if step == tuning.steps:
             break
-        ((err * fit).sum(1) / fit_norm).sum().backward()
+        (err[~held].sum() / fit_norm).backward()
         optimizer.step()
-    for e, i in enumerate(todo):
-        outcomes[i] = _stored(parts[e], e, suh0, svh0, best_du, best_dv, float(before[e]), float(best[e]))
-    return outcomes
-
-
-def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """`t` with zero rows appended up to `width` rows."""
-    return torch.cat((t, t.new_zeros((width - t.shape[0], *t.shape[1:]))))
+    if not best < before:
+        return TuningOutcome(before, before)
+    tensors = {}
+    for j, e in enumerate(order):
+        if bool(tunable[j]):
+            stored = _stored(experts[e], j, suh0, svh0, best_du, best_dv)
+            if stored is not None:
+                tensors[e] = stored
+    return TuningOutcome(before, best, tensors)
 
 
 def _stored(
     parts: list[ExpertPart],
-    e: int,
+    j: int,
     suh0: list[torch.Tensor],
     svh0: list[torch.Tensor],
     du: list[torch.Tensor],
     dv: list[torch.Tensor],
-    before: float,
-    after: float,
-) -> TuningOutcome:
-    """Expert `e`'s tensors with its best scales stored as float16; the encoded ones when no step beat them or a
-    corrected scale leaves float16's range."""
-    if not after < before:
-        return TuningOutcome(None, before, before)
+) -> list[EXL3Tensor] | None:
+    """Expert `j`'s tensors with its tuned scales stored as float16; None when a corrected scale leaves float16's
+    range (the expert keeps its encoded ones)."""
     tuned = []
     for k, part in enumerate(parts):
         t = part.tensor
         su, sv = t.suh.float().clone(), t.svh.float().clone()
-        su[: t.in_features] = (suh0[k][e] * (1 + du[k][e])).cpu()
-        sv[: t.out_features] = (svh0[k][e] * (1 + dv[k][e])).cpu()
+        su[: t.in_features] = (suh0[k][j] * (1 + du[k][j])).cpu()
+        sv[: t.out_features] = (svh0[k][j] * (1 + dv[k][j])).cpu()
         su, sv = balance_scales(su, sv)
         su_half, sv_half = su.half(), sv.half()
         if not (torch.isfinite(su_half).all() and torch.isfinite(sv_half).all()):
-            return TuningOutcome(None, before, before)
+            return None
         tuned.append(EXL3Tensor(t.trellis, su_half, sv_half, t.codebook, t.in_features, t.out_features))
-    return TuningOutcome(tuned, before, after)
+    return tuned
 
 
 def _core(t: EXL3Tensor, device: torch.device) -> torch.Tensor:

@@ -24,11 +24,16 @@ class RoutedSample:
     expert_ids: torch.Tensor
     expert_weights: torch.Tensor
 
-    def for_expert(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs [m, H], routing weights [m]) of the sampled tokens routed to source expert `expert`, in token
-        order."""
-        token, slot = (self.expert_ids == expert).nonzero(as_tuple=True)
-        return self.inputs[token], self.expert_weights[token, slot]
+    def routed_to(self, experts: list[int]) -> RoutedSample:
+        """The tokens routed to any of `experts` (source experts), in token order; their slots routed elsewhere get
+        expert id -1 and weight 0, so the sample describes those experts' share of the MoE output."""
+        mine = torch.isin(self.expert_ids, torch.tensor(experts, dtype=self.expert_ids.dtype))
+        token = mine.any(1)
+        return RoutedSample(
+            self.inputs[token],
+            torch.where(mine, self.expert_ids, -1)[token],
+            torch.where(mine, self.expert_weights, 0.0)[token],
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return dict(zip(TENSORS, (self.inputs, self.expert_ids, self.expert_weights)))

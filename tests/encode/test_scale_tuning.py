@@ -1,4 +1,5 @@
-"""Scale tuning (`encode --tune-scales`): an expert's stored scales fitted on its routed tokens, codes fixed."""
+"""Scale tuning (`encode --tune-scales`): a unit's experts' stored scales fitted together on their share of the
+sampled tokens' MoE output, codes fixed."""
 
 from __future__ import annotations
 
@@ -6,112 +7,118 @@ import pytest
 import torch
 
 from glmquant.arch.table import PROJECTIONS
-from glmquant.encode.scale_tuning import (
-    MIN_TOKENS,
-    ExpertPart,
-    ExpertTokens,
-    expert_output,
-    tune_expert_scales,
-    tune_experts_scales,
-)
+from glmquant.encode.scale_tuning import MIN_TOKENS, ExpertPart, UnitTuning, expert_output, tune_unit_scales
 from glmquant.exl3 import decode_weight, encode_linears
+from glmquant.observe.tuning_sample import RoutedSample
 
-H, I = 128, 256  # noqa: E741  # hidden and intermediate width of the test expert
+H, I = 128, 256  # noqa: E741  # hidden and intermediate width of the test experts
+CPU = torch.device("cpu")
+Weights = dict[str, torch.Tensor]
 
 
-def _expert_case(tokens: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """A random expert, correlated inputs (a few strong directions, as real activations have) and routing weights."""
+def _expert(seed: int) -> Weights:
     g = torch.Generator().manual_seed(seed)
-    weights = {
+    return {
         "gate_proj": torch.randn(I, H, generator=g) / H**0.5,
         "up_proj": torch.randn(I, H, generator=g) / H**0.5,
         "down_proj": torch.randn(H, I, generator=g) / I**0.5,
     }
+
+
+def _sample(tokens: int, experts: int, seed: int = 0) -> RoutedSample:
+    """Correlated inputs (a few strong directions, as real activations have), each routed to two of `experts`
+    source experts with sigmoid-like weights."""
+    g = torch.Generator().manual_seed(seed)
     mix = torch.randn(H, H, generator=g) * torch.logspace(0, -2, H)[None, :]
     x = torch.randn(tokens, H, generator=g) @ mix.T
-    gates = torch.rand(tokens, generator=g) * 0.5 + 0.05
-    return weights, x, gates
+    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    return RoutedSample(x, ids, torch.rand(tokens, 2, generator=g) * 0.5 + 0.05)
 
 
-def _encoded(weights: dict[str, torch.Tensor], x: torch.Tensor | None) -> list[ExpertPart]:
-    """The expert at K2 with the Hessians of inputs `x` (None: uncalibrated), the encoder's own refit included."""
-    items: list[tuple[torch.Tensor, torch.Tensor | None]] = [(weights[p], None) for p in PROJECTIONS]
-    if x is not None:
-        h_in = x.T @ x / x.shape[0]
-        act = torch.nn.functional.silu(x @ weights["gate_proj"].T) * (x @ weights["up_proj"].T)
-        items = [(weights["gate_proj"], h_in), (weights["up_proj"], h_in), (weights["down_proj"], act.T @ act / len(x))]
-    return [ExpertPart(p, None, e.tensor) for p, e in zip(PROJECTIONS, encode_linears(items, 2))]
+def _encoded(weights: Weights) -> list[ExpertPart]:
+    """The expert at K2 without Hessians (tuning's usual case: Hessians that do not describe its routed tokens)."""
+    return [
+        ExpertPart(p, None, e.tensor)
+        for p, e in zip(PROJECTIONS, encode_linears([(weights[p], None) for p in PROJECTIONS], 2))
+    ]
 
 
-def _output_error(parts: list[ExpertPart], weights: dict[str, torch.Tensor], x: torch.Tensor, g: torch.Tensor) -> float:
-    decoded = {p.proj: decode_weight(p.tensor, torch.float32) for p in parts}
-    ref, got = expert_output(weights, x, None), expert_output(decoded, x, None)
-    return float((g[:, None] ** 2 * (got - ref).square()).sum() / (g[:, None] ** 2 * ref.square()).sum())
+def _unit_error(parts: dict[int, list[ExpertPart]], weights: dict[int, Weights], sample: RoutedSample) -> float:
+    """|Σ_k g_k (f̂_k - f_k)|² / |Σ_k g_k f_k|² over the tokens, k over each token's experts in `parts`."""
+    got = torch.zeros_like(sample.inputs)
+    ref = torch.zeros_like(sample.inputs)
+    for e, ps in parts.items():
+        token, slot = (sample.expert_ids == e).nonzero(as_tuple=True)
+        g = sample.expert_weights[token, slot][:, None]
+        decoded = {p.proj: decode_weight(p.tensor, torch.float32) for p in ps}
+        got.index_add_(0, token, g * expert_output(decoded, sample.inputs[token], None))
+        ref.index_add_(0, token, g * expert_output(weights[e], sample.inputs[token], None))
+    return float((got - ref).square().sum() / ref.square().sum())
 
 
-def test_tuned_scales_lower_the_expert_output_error_on_unseen_tokens() -> None:
-    """An expert encoded with Hessians that do not describe its routed tokens (here none; all-token ones are the
-    usual case): tuned on 512 of its tokens, the stored (float16) scales give a lower routing-weighted output error on
-    512 other tokens than the encoder's own; the trellis codes are the encoder's, untouched."""
-    weights, x, gates = _expert_case(1024)
-    parts = _encoded(weights, None)
-    outcome = tune_expert_scales(parts, ExpertTokens(weights, x[:512], gates[:512]), None, 60, torch.device("cpu"))
-    assert outcome.tensors is not None and outcome.heldout_after < outcome.heldout_before
-    tuned = [ExpertPart(p.proj, None, t) for p, t in zip(parts, outcome.tensors)]
-    before, after = (
-        _output_error(parts, weights, x[512:], gates[512:]),
-        _output_error(tuned, weights, x[512:], gates[512:]),
+@pytest.fixture(scope="module")
+def unit() -> tuple[dict[int, Weights], dict[int, list[ExpertPart]]]:
+    """Source experts 3 and 5 of a layer of 6 (a unit of two), BF16 weights and K2 encodes."""
+    weights = {3: _expert(3), 5: _expert(5)}
+    return weights, {e: _encoded(w) for e, w in weights.items()}
+
+
+def test_tuned_scales_lower_the_units_output_error_on_unseen_tokens(unit) -> None:
+    """Tuned on 1,024 sampled tokens, the stored (float16) scales give the unit's experts a lower share-of-output
+    error on 1,024 other tokens than the encoder's own; the trellis codes are the encoder's, untouched; tokens and
+    slots of experts outside the unit do not count."""
+    weights, parts = unit
+    sample = _sample(2048, 6)
+    seen = RoutedSample(*(t[:1024] for t in (sample.inputs, sample.expert_ids, sample.expert_weights))).routed_to(
+        [3, 5]
     )
-    assert after < 0.98 * before, (before, after)
-    for p, t in zip(parts, outcome.tensors):
-        assert torch.equal(t.trellis, p.tensor.trellis) and t.suh.dtype == torch.float16
-        assert not torch.equal(t.suh, p.tensor.suh)
+    unseen = RoutedSample(*(t[1024:] for t in (sample.inputs, sample.expert_ids, sample.expert_weights)))
+    assert 0 < seen.inputs.shape[0] < 1024 and (seen.expert_ids == -1).any()
+    outcome = tune_unit_scales(parts, UnitTuning(60, None, weights, seen), CPU)
+    assert set(outcome.tensors) == {3, 5} and outcome.heldout_after < outcome.heldout_before
+    tuned = {e: [ExpertPart(p.proj, None, t) for p, t in zip(parts[e], outcome.tensors[e])] for e in parts}
+    before, after = _unit_error(parts, weights, unseen), _unit_error(tuned, weights, unseen)
+    assert after < 0.99 * before, (before, after)
+    for e in parts:
+        for p, t in zip(parts[e], outcome.tensors[e]):
+            assert torch.equal(t.trellis, p.tensor.trellis) and t.suh.dtype == torch.float16
+            assert not torch.equal(t.suh, p.tensor.suh)
 
 
-def test_tuning_keeps_scales_no_step_improves() -> None:
-    """Encoded with the Hessians of the very tokens it is tuned on, an expert's refit scales are already near the best
-    its held-out tokens allow: whatever the tuning keeps is never worse there than the encoder's own."""
-    weights, x, gates = _expert_case(512, seed=2)
-    parts = _encoded(weights, x)
-    outcome = tune_expert_scales(parts, ExpertTokens(weights, x, gates), None, 20, torch.device("cpu"))
+def test_the_kept_step_is_never_worse_on_the_held_out_tokens(unit) -> None:
+    """Whatever the tuning keeps is no worse on its held-out quarter than the encoder's own scales (the step-0
+    score), and measured there from the stored float16 scales it agrees."""
+    weights, parts = unit
+    sample = _sample(256, 2, seed=2)
+    sample = RoutedSample(sample.inputs, torch.tensor([[3, 5]]).expand(256, 2), sample.expert_weights)
+    outcome = tune_unit_scales(parts, UnitTuning(20, None, weights, sample), CPU)
     assert outcome.heldout_after <= outcome.heldout_before
-    if outcome.tensors is None:
-        assert outcome.heldout_after == outcome.heldout_before
-    else:
-        held = torch.arange(512) % 4 == 3
-        tuned = [ExpertPart(p.proj, None, t) for p, t in zip(parts, outcome.tensors)]
-        before = _output_error(parts, weights, x[held], gates[held])
-        assert _output_error(tuned, weights, x[held], gates[held]) <= before * 1.001  # float16 rounding of the scales
+    held = torch.arange(256) % 4 == 3
+    quarter = RoutedSample(sample.inputs[held], sample.expert_ids[held], sample.expert_weights[held])
+    assert _unit_error(parts, weights, quarter) == pytest.approx(outcome.heldout_before, rel=1e-4)
+    if outcome.tensors:
+        tuned = {e: [ExpertPart(p.proj, None, t) for p, t in zip(parts[e], outcome.tensors[e])] for e in parts}
+        assert _unit_error(tuned, weights, quarter) <= outcome.heldout_before * 1.001  # float16 rounding
 
 
-def test_tuning_is_deterministic_and_skips_experts_with_too_few_tokens() -> None:
-    weights, x, gates = _expert_case(256, seed=1)
-    parts = _encoded(weights, None)
-    cpu = torch.device("cpu")
-    a = tune_expert_scales(parts, ExpertTokens(weights, x, gates), None, 10, cpu)
-    b = tune_expert_scales(parts, ExpertTokens(weights, x, gates), None, 10, cpu)
-    assert a.tensors is not None and b.tensors is not None
-    assert all(torch.equal(s.suh, t.suh) and torch.equal(s.svh, t.svh) for s, t in zip(a.tensors, b.tensors))
-    few = tune_expert_scales(parts, ExpertTokens(weights, x[: MIN_TOKENS - 1], gates[: MIN_TOKENS - 1]), None, 10, cpu)
-    assert few.tensors is None
+def test_tuning_is_deterministic_and_an_expert_with_too_few_tokens_keeps_its_scales(unit) -> None:
+    weights, parts = unit
+    sample = _sample(200, 2, seed=1)
+    ids = torch.where(sample.expert_ids == 0, 3, 5)
+    ids[MIN_TOKENS - 1 :, :] = 5  # expert 3 keeps MIN_TOKENS - 1 of its slots at most
+    ids[MIN_TOKENS - 1 :, 1] = -1
+    sample = RoutedSample(sample.inputs, ids, sample.expert_weights)
+    assert 0 < int((ids == 3).sum()) < MIN_TOKENS
+    a = tune_unit_scales(parts, UnitTuning(10, None, weights, sample), CPU)
+    b = tune_unit_scales(parts, UnitTuning(10, None, weights, sample), CPU)
+    assert set(a.tensors) == {5} and set(b.tensors) == {5}
+    assert all(torch.equal(s.suh, t.suh) and torch.equal(s.svh, t.svh) for s, t in zip(a.tensors[5], b.tensors[5]))
+    few = RoutedSample(sample.inputs[: MIN_TOKENS - 1], ids[: MIN_TOKENS - 1], sample.expert_weights[: MIN_TOKENS - 1])
+    assert tune_unit_scales(parts, UnitTuning(10, None, weights, few), CPU).tensors == {}
+    assert tune_unit_scales(parts, UnitTuning(0, None, weights, sample), CPU).tensors == {}
 
 
-def test_experts_tuned_together_match_each_tuned_alone() -> None:
-    """A unit's experts are tuned in one batched computation (padded to the most tokens): each comes out as tuned
-    alone, up to the rounding of batched matmuls; an expert with too few tokens in the batch keeps its scales."""
-    cpu = torch.device("cpu")
-    cases = []
-    for seed, n in ((3, 200), (4, 120), (5, MIN_TOKENS - 1)):
-        weights, x, gates = _expert_case(n, seed=seed)
-        cases.append((_encoded(weights, None), ExpertTokens(weights, x, gates)))
-    together = tune_experts_scales(cases, None, 12, cpu)
-    assert together[2].tensors is None
-    for (parts, tokens), joint in zip(cases[:2], together):
-        alone = tune_expert_scales(parts, tokens, None, 12, cpu)
-        assert alone.tensors is not None and joint.tensors is not None
-        assert abs(joint.heldout_after - alone.heldout_after) <= 1e-4 * alone.heldout_before
-        for a, b in zip(alone.tensors, joint.tensors):
-            torch.testing.assert_close(a.suh.float(), b.suh.float(), rtol=2e-3, atol=0)
-            torch.testing.assert_close(a.svh.float(), b.svh.float(), rtol=2e-3, atol=0)
+def test_experts_of_one_unit_share_a_layout(unit) -> None:
+    weights, parts = unit
     with pytest.raises(ValueError, match="differ in layout"):
-        tune_experts_scales([cases[0], (cases[1][0][:2], cases[1][1])], None, 2, cpu)
+        tune_unit_scales({3: parts[3], 5: parts[5][:2]}, UnitTuning(2, None, weights, _sample(64, 6)), CPU)

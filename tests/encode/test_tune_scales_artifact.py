@@ -53,8 +53,8 @@ def artifacts(
 
 
 def _routed_error(artifact: Path, source: Path, observations: Path) -> float:
-    """Over the sampled tokens of every MoE layer and their routed experts: Σ g² |f̂ - f|² / Σ g² |f|² (f the BF16
-    expert, f̂ the artifact's)."""
+    """Over the sampled tokens of every MoE layer: |Σ_k g_k (f̂_k - f_k)|² / |Σ_k g_k f_k|², k over each token's
+    routed experts (f the BF16 expert, f̂ the artifact's): the routed output's error, which tuning lowers."""
     spec = load_model_spec(source)
     table = table_for(spec)
     art = open_artifact(artifact)
@@ -63,14 +63,17 @@ def _routed_error(artifact: Path, source: Path, observations: Path) -> float:
         for layer in spec.moe_layers:
             sample = load_layer_hessians(observations, layer, "natural").sample()
             assert sample is not None
+            x = sample.inputs.float()
+            got, ref = torch.zeros_like(x), torch.zeros_like(x)
             for expert in range(spec.n_routed_experts):
-                x, g = sample.for_expert(expert)
-                x, w2 = x.float(), g[:, None].square()
-                ref = {p: ckpt.read_tensor(table.expert_name(layer, expert, p)).float() for p in PROJECTIONS}
-                got = {p: art.decode_expert(layer, expert, p) for p in PROJECTIONS}
-                f = expert_output(ref, x, spec.swiglu_limit)
-                num += float((w2 * (expert_output(got, x, spec.swiglu_limit) - f).square()).sum())
-                den += float((w2 * f.square()).sum())
+                token, slot = (sample.expert_ids == expert).nonzero(as_tuple=True)
+                g = sample.expert_weights[token, slot][:, None]
+                bf16 = {p: ckpt.read_tensor(table.expert_name(layer, expert, p)).float() for p in PROJECTIONS}
+                decoded = {p: art.decode_expert(layer, expert, p) for p in PROJECTIONS}
+                ref.index_add_(0, token, g * expert_output(bf16, x[token], spec.swiglu_limit))
+                got.index_add_(0, token, g * expert_output(decoded, x[token], spec.swiglu_limit))
+            num += float((got - ref).square().sum())
+            den += float(ref.square().sum())
     art.checkpoint.close()
     return num / den
 

@@ -30,7 +30,7 @@ def test_sampler_keeps_every_stride_th_token_across_batches_up_to_its_limit() ->
     assert TuningSampler.over(limit=10, tokens=95).stride == 9 and TuningSampler.over(10, 5).stride == 1
 
 
-def test_sample_for_an_expert_gives_its_tokens_and_their_weights() -> None:
+def test_sample_routed_to_experts_keeps_their_tokens_and_slots() -> None:
     sampler = TuningSampler(limit=4, stride=1)
     sampler.add(
         torch.eye(4),
@@ -39,9 +39,11 @@ def test_sample_for_an_expert_gives_its_tokens_and_their_weights() -> None:
     )
     sample = sampler.result()
     assert sample is not None
-    x, g = sample.for_expert(0)
-    assert torch.equal(x, torch.eye(4)[[0, 1]]) and torch.allclose(g, torch.tensor([0.1, 0.4]))
-    assert sample.for_expert(5)[0].shape == (0, 4)
+    mine = sample.routed_to([0, 1])
+    assert torch.equal(mine.inputs, torch.eye(4)[[0, 1, 3]])
+    assert torch.equal(mine.expert_ids, torch.tensor([[0, -1], [1, 0], [-1, 1]]))
+    assert torch.equal(mine.expert_weights, torch.tensor([[0.1, 0.0], [0.3, 0.4], [0.0, 0.8]]))
+    assert sample.routed_to([5]).inputs.shape == (0, 4)
 
 
 def test_tuning_tokens_are_checked_and_leave_older_fingerprints_alone(tmp_path: Path) -> None:
