@@ -97,7 +97,7 @@ class Recipe:
     reference: bool = False  # above the seed's bytes on purpose
     retained_bits: int | None = None  # the speed tier: retained linears EXL3 at this K (issue 18's KL cost)
     head_bits: int | None = None  # and lm_head EXL3 at this K (`encode --head-bits`)
-    tune_scales: int = 0  # Adam steps of `encode --tune-scales` on the full observation's token sample
+    tune_scales: int = 0  # Adam steps of `encode --tune-scales` on its observation's token sample
 
 
 def recipes(experts: int) -> list[Recipe]:
@@ -123,6 +123,14 @@ def recipes(experts: int) -> list[Recipe]:
             "gate-weighted natural Hessians, uniform K2, MUL1 codebook",
             codebook="mul1",
             observations="gated",
+        ),
+        Recipe(
+            "gate-weighted-mul1-tuned",
+            f"gate-weighted-mul1, then its scales tuned as seed-tuned's (encode --tune-scales {TUNE_STEPS}): the "
+            "same bytes",
+            codebook="mul1",
+            observations="gated",
+            tune_scales=TUNE_STEPS,
         ),
         *(
             Recipe(
@@ -707,8 +715,8 @@ class Bench:
 
     def observe(self, name: str) -> Path:
         """The observation a recipe's `observations` names: full (with the dense Hessians the speed tier reads and
-        every calibration token kept for the tuned rows),
-        small (a quarter of the rows) or gated (gate-weighted natural Hessians)."""
+        every calibration token kept for the tuned rows), small (a quarter of the rows) or gated (gate-weighted
+        natural Hessians, every token kept too)."""
         rows = max(1, self.args.rows // 4) if name == "small" else self.args.rows
         weighting = HessianWeighting.GATE if name == "gated" else HessianWeighting.TOKEN
         out = self.work / f"obs-{name}"
@@ -725,7 +733,7 @@ class Bench:
                 device=self.args.device,
                 batch_rows=self.args.batch_rows,
                 hessian_weighting=weighting,
-                tuning_tokens=rows * self.args.tokens if name == "full" else 0,  # every token: `--tune-scales` rows
+                tuning_tokens=rows * self.args.tokens if name != "small" else 0,  # every token: the tuned rows
             )
         )
         self.log(f"observed {name} ({rows} x {self.args.tokens} tokens) in {time.monotonic() - t0:.1f} s")
