@@ -1,7 +1,7 @@
-"""scripts/bench_fidelity.py end to end on the CPU at smoke size: a tiny trained proxy, recipes of every kind
-(Hessian blend, gate-weighted Hessians with MUL1, pruning, a reference width) encoded, verified and measured
-against the BF16 proxy on held-out text, the results file with its summary; and every row's recipe spends the
-seed's trellis bytes (the CPU encodes the rest too slowly for the suite: the GPU run measures all rows)."""
+"""scripts/bench_fidelity.py end to end on the CPU at smoke size: a tiny trained proxy, recipes of every kind (Hessian
+blend, gate-weighted Hessians with MUL1 and tuned scales, pruning, a reference width) encoded, verified and measured
+against the BF16 proxy on held-out text, the results file with its summary; and every row's recipe spends the seed's
+trellis bytes (the CPU encodes the rest too slowly for the suite: the GPU run measures all rows)."""
 
 from __future__ import annotations
 
@@ -142,9 +142,9 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
         isinstance(r["routed_bytes"], int) and r["kl"] >= 0 and 0 <= r["top1"] <= 1 and r["ppl"] > 1 for r in measured
     )
     assert rows["blend-0.5"]["routed_bytes"] == rows["seed"]["routed_bytes"] and rows["blend-0.5"]["blend"] == 0.5
-    gated = rows["gate-weighted-mul1"]  # the same bytes from other Hessians and codebook: another artifact
+    gated = rows["gate-weighted-mul1-tuned"]  # the same bytes from other Hessians, codebook and scales
     assert gated["routed_bytes"] == rows["seed"]["routed_bytes"] and gated["observations"] == "gated"
-    assert gated["codebook"] == "mul1"
+    assert gated["codebook"] == "mul1" and gated["tune_scales"] > 0
     assert gated["manifest_sha256"] != rows["seed"]["manifest_sha256"]
     assert rows["prune25-k3"]["at_seed_bytes"] and rows["prune25-k3"]["routed_bytes"] < rows["seed"]["routed_bytes"]
     assert rows["uniform-k4"]["kl"] < rows["seed"]["kl"] and not rows["uniform-k4"]["at_seed_bytes"]

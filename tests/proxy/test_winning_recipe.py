@@ -1,6 +1,7 @@
-"""Issue 17's best recipe on the trained proxy, end to end: the fidelity benchmark's gate-weighted-mul1 artifact
-(gate-weighted natural Hessians, MUL1 codebook) passes verify-manifest, then serve-check's fidelity gate against
-the BF16 proxy and its speed gate with the proxy's own MTP layer drafting, through the CLI as a user runs them."""
+"""Issue 17's best recipe on the trained proxy, end to end: the fidelity benchmark's gate-weighted-mul1-tuned artifact
+(gate-weighted natural Hessians, MUL1 codebook, scales tuned on the unit's output) passes verify-manifest, then
+serve-check's fidelity gate against the BF16 proxy and its speed gate with the proxy's own MTP layer drafting,
+through the CLI as a user runs them."""
 
 from __future__ import annotations
 
@@ -28,15 +29,15 @@ def _run(args: list[str]) -> str:
     return result.output
 
 
-def test_gate_weighted_mul1_verifies_and_passes_serve_check(
+def test_gate_weighted_mul1_tuned_verifies_and_passes_serve_check(
     small_proxy: Path, bench_run: BenchRun, tmp_path: Path
 ) -> None:
-    art = bench_run.work / "artifact-gate-weighted-mul1"  # the benchmark's row: observe --hessian-weighting gate,
-    # encode --codebook mul1 (the options a user passes; tests/observe covers their parsing)
+    art = bench_run.work / "artifact-gate-weighted-mul1-tuned"  # the benchmark's row: observe --hessian-weighting
+    # gate --tuning-tokens N, encode --codebook mul1 --tune-scales 100 (the options a user passes)
     _run(["verify-manifest", str(art)])
     manifest = json.loads((art / "EXL3_MANIFEST.json").read_text())
     assert manifest["calibration"]["routing"] == "natural+gate-weighted"
-    assert "mul1" in json.dumps(manifest)
+    assert "mul1" in json.dumps(manifest) and "100 Adam steps" in json.dumps(manifest)
 
     model = small_proxy / "model"
     _run(
