@@ -67,9 +67,9 @@ def tune_unit_scales(experts: dict[int, list[ExpertPart]], tuning: UnitTuning, d
     """The scales of `experts` (source expert -> its EXL3 parts, all in one layout) tuned together on their share of
     the sampled tokens' MoE output, computed on `device`."""
     order = list(experts)
-    layout = [(p.proj, p.rank, p.tensor.in_features, p.tensor.out_features) for p in experts[order[0]]]
+    layout = _layout(experts[order[0]])
     for e in order:
-        if [(p.proj, p.rank, p.tensor.in_features, p.tensor.out_features) for p in experts[e]] != layout:
+        if _layout(experts[e]) != layout:
             raise ValueError("tune_unit_scales: the experts' EXL3 parts differ in layout")
     sample = tuning.sample
     routed = [(sample.expert_ids == e).nonzero(as_tuple=True) for e in order]  # (token, slot) of each expert
@@ -147,6 +147,11 @@ def tune_unit_scales(experts: dict[int, list[ExpertPart]], tuning: UnitTuning, d
             if stored is not None:
                 tensors[e] = stored
     return TuningOutcome(before, best, tensors)
+
+
+def _layout(parts: list[ExpertPart]) -> list[tuple[str, int | None, int, int]]:
+    """(projection, rank, in, out) of each part: what a unit's experts must share to be stacked."""
+    return [(p.proj, p.rank, p.tensor.in_features, p.tensor.out_features) for p in parts]
 
 
 def _stored(

@@ -103,34 +103,33 @@ class MtpDecoder:
 
 
 def _save_recurrent(cache: DynamicCache) -> dict[int, list[torch.Tensor]]:
-    """Copies of each linear-attention (KDA) layer's conv and recurrent state, and of its token count where the
-    layer keeps one (`cumulative_length_linear`, transformers >= 5.25: the cache's length, hence the positions of
-    the next tokens, is read from the first layer, a KDA layer)."""
+    """Copies of each linear-attention (KDA) layer's live state tensors (`_kda_state`)."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-    saved = {}
-    for i, layer in enumerate(cache.layers):
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
-            assert conv is not None and recurrent is not None, "KDA states exist after the prefill"
-            saved[i] = [state.clone() for state in (conv, recurrent, *_token_count(layer))]
-    return saved
+    return {
+        i: [state.clone() for state in _kda_state(layer)]
+        for i, layer in enumerate(cache.layers)
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+    }
 
 
 def _restore(cache: DynamicCache, saved: dict[int, list[torch.Tensor]], tokens: int) -> None:
-    """The cache as before the last `tokens` tokens: KDA states and counts put back (in place: the cache's tensors
-    keep their addresses), attention caches cut."""
+    """The cache as before the last `tokens` tokens: KDA states put back (in place: the cache's tensors keep their
+    addresses), attention caches cut."""
     layers: list[Any] = list(cache.layers)
     for i, layer in enumerate(layers):
         if i in saved:
-            live = [layer.conv_states[0], layer.recurrent_states[0], *_token_count(layer)]
-            for state, copy in zip(live, saved[i], strict=True):
+            for state, copy in zip(_kda_state(layer), saved[i], strict=True):
                 state.copy_(copy)
         else:
             layer.crop(-tokens)
 
 
-def _token_count(layer: Any) -> list[torch.Tensor]:
-    """The KDA layer's running token count as a one-element list, or none before transformers 5.25."""
+def _kda_state(layer: Any) -> list[torch.Tensor]:
+    """A KDA cache layer's conv and recurrent state, and its token count where the layer keeps one
+    (`cumulative_length_linear`, transformers >= 5.25: the cache's length, hence the positions of the next tokens, is
+    read from the first layer, a KDA layer)."""
+    conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
+    assert conv is not None and recurrent is not None, "KDA states exist after the prefill"
     count = getattr(layer, "cumulative_length_linear", None)
-    return [count] if isinstance(count, torch.Tensor) else []
+    return [conv, recurrent, *([count] if isinstance(count, torch.Tensor) else [])]
