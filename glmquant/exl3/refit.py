@@ -1,7 +1,10 @@
 """Post-LDLQ refit of the stored per-channel scales in the Hessian metric, the trellis held fixed.
 
 Per output column the best scale is closed-form; the input scales solve ((Q Q^T) o H) r = rowsum(Q o H W).
-Two alternating rounds, as in ExLlamaV3 1.6.5; free at inference since suh/svh are stored anyway.
+Two alternating rounds, as in ExLlamaV3 1.6.5; free at inference since suh/svh are stored anyway. The system is
+symmetric positive definite (a Schur product of the PSD Q Q^T, whose diagonal the damping keeps positive, and the
+damped H), so it is solved by Cholesky: half the flops of the LU solve ExLlamaV3 uses, the same solution to float32
+rounding.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ def refit_scales(
         sv = sv * c
         a = (q @ q.T) * h
         a.diagonal().add_(1e-6 * a.diagonal().mean())
-        r, info = torch.linalg.solve_ex(a, (q * hw).sum(1))
-        ok = torch.isfinite(r) & (r > 0) & (info == 0)  # a singular system (e.g. all-zero rows) keeps the scales
+        factor, info = torch.linalg.cholesky_ex(a)
+        r = torch.cholesky_solve((q * hw).sum(1)[:, None], factor)[:, 0]
+        ok = torch.isfinite(r) & (r > 0) & (info == 0)  # a system not positive definite in float32 keeps the scales
         r = torch.where(ok, r, torch.ones_like(r))
         q = q * r[:, None]
         su = su * r

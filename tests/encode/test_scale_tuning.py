@@ -122,3 +122,18 @@ def test_experts_of_one_unit_share_a_layout(unit) -> None:
     weights, parts = unit
     with pytest.raises(ValueError, match="differ in layout"):
         tune_unit_scales({3: parts[3], 5: parts[5][:2]}, UnitTuning(2, None, weights, _sample(64, 6)), CPU)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tuning_on_cuda_repeats_its_bytes_and_lowers_the_error(unit) -> None:
+    """On the encode device: two runs store the same scales (the fixed-order sum has no atomics), and the unit's
+    held-out error falls as on the CPU."""
+    weights, parts = unit
+    sample = _sample(1024, 6, seed=3).routed_to([3, 5])
+    cuda = torch.device("cuda")
+    a = tune_unit_scales(parts, UnitTuning(30, None, weights, sample), cuda)
+    b = tune_unit_scales(parts, UnitTuning(30, None, weights, sample), cuda)
+    assert set(a.tensors) == {3, 5} and a.heldout_after < a.heldout_before
+    for e in a.tensors:
+        for s, t in zip(a.tensors[e], b.tensors[e]):
+            assert s.suh.device.type == "cpu" and torch.equal(s.suh, t.suh) and torch.equal(s.svh, t.svh)

@@ -1,0 +1,50 @@
+"""The post-LDLQ refit of suh/svh: it lowers the Hessian-weighted error and keeps scales it cannot fit."""
+
+from __future__ import annotations
+
+import torch
+
+from glmquant.exl3.refit import refit_scales
+
+
+def _problem(k: int = 256, n: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4 * k, k, generator=g) * torch.rand(k, generator=g).pow(2)
+    h = x.T @ x / x.shape[0]
+    h.diagonal().add_(0.01 * h.diagonal().mean())
+    w = torch.randn(k, n, generator=g)
+    return w, h, g
+
+
+def _error(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor) -> float:
+    e = w - wq
+    return (e * (h @ e)).sum().item()
+
+
+def test_refit_lowers_the_hessian_weighted_error() -> None:
+    w, h, g = _problem()
+    # a "quantized" weight off by per-row and per-column scale errors and noise, as the trellis leaves it
+    row, col = 1 + 0.1 * torch.randn(w.shape[0], 1, generator=g), 1 + 0.1 * torch.randn(1, w.shape[1], generator=g)
+    wq = (w + 0.2 * torch.randn(w.shape, generator=g)) * row * col
+    su, sv = torch.ones(w.shape[0]), torch.ones(w.shape[1])
+    su2, sv2 = refit_scales(w, wq, h, su, sv)
+    refitted = wq * su2[:, None] * sv2[None, :]
+    assert _error(w, refitted, h) < 0.8 * _error(w, wq, h)
+    assert torch.isfinite(su2).all() and torch.isfinite(sv2).all()
+
+
+def test_refit_keeps_the_scale_of_an_all_zero_row() -> None:
+    w, h, g = _problem(seed=1)
+    wq = w + 0.1 * torch.randn(w.shape, generator=g)
+    wq[7] = 0.0  # the trellis decoded a whole input row to zero: no scale can fit it
+    su, sv = torch.full((w.shape[0],), 0.5), torch.ones(w.shape[1])
+    su2, _ = refit_scales(w, wq, h, su, sv)
+    assert su2[7].item() == 0.5
+    assert not torch.equal(su2, su)  # the other rows were refitted
+
+
+def test_refit_of_an_all_zero_weight_keeps_every_scale() -> None:
+    w, h, _ = _problem(seed=2)
+    su, sv = torch.full((w.shape[0],), 0.5), torch.full((w.shape[1],), 2.0)
+    su2, sv2 = refit_scales(w, torch.zeros_like(w), h, su, sv)
+    assert torch.equal(su2, su) and torch.equal(sv2, sv)
