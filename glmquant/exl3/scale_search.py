@@ -2,7 +2,7 @@
 
 The sampled error curve is flat near its optimum but not unimodal, so ExLlamaV3 1.6.5 uses a coarse
 grid, then a fine grid around the coarse minimum refined by a parabola; so do we. All tensors of a
-batch are evaluated in one Viterbi call per stage.
+batch are evaluated in one Viterbi call per stage (per round of the coarse walk).
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ import torch
 
 COARSE = [0.1 + 0.2 * i for i in range(10)]
 FINE_STEP = 0.075
+# The coarse walk starts at 0.7, 0.9, 1.1: regularized tiles put the coarse minimum at 0.7-1.1 for every tensor
+# measured (96 routed-expert linears of the CPU-trained proxy at K1-K4 MCG and K2 MUL1, each with the full grid's
+# scale, bit for bit), so the walk usually stops after three to five points where the full grid quantizes ten.
+WALK_START = 4  # COARSE[4] = 0.9
 
 
 @dataclass(frozen=True)
@@ -24,13 +28,17 @@ class ScaleSearch:
     band_width: int = 3
     coarse_stride: int = 3
     fine_stride: int = 1
+    # Walk the coarse grid from WALK_START towards lower errors and stop at the first local minimum (the full grid's
+    # minimum wherever the coarse curve has one minimum) instead of quantizing all ten points.
+    coarse_walk: bool = False
 
 
 EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
 # Ours: a band one tile wide. For tr3 rank slices (4096 x 512) ExLlamaV3's band makes the search cost 88 % of the
 # LDLQ's own Viterbi work; one tile wide cuts that to a third at the same proxy error (+0.002 % on an H200 run
 # over 4 real-shape experts, bench/results/encode_layer_tr3_h200.json).
-DEFAULT_SEARCH = ScaleSearch(band_width=1)
+# The coarse walk quantizes 3-5 of the 10 coarse points: 40 % of the search's tiles were the coarse grid's.
+DEFAULT_SEARCH = ScaleSearch(band_width=1, coarse_walk=True)
 
 
 def _errors(
@@ -50,6 +58,31 @@ def _errors(
     return (sums / torch.tensor(counts, dtype=sums.dtype, device=sums.device)).tolist()
 
 
+def _coarse_minima(
+    samples: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor], walk: bool
+) -> list[int]:
+    """Index into COARSE of each tensor's coarse minimum (ties: the lower scale)."""
+    errors: list[dict[int, float]] = [{} for _ in samples]
+    start = [WALK_START - 1, WALK_START, WALK_START + 1] if walk else list(range(len(COARSE)))
+    todo = [(t, i) for t in range(len(samples)) for i in start]
+    while todo:
+        for (t, i), value in zip(todo, _errors([(t, COARSE[i]) for t, i in todo], samples, quantize)):
+            errors[t][i] = value
+        todo = []
+        for t, seen in enumerate(errors):  # extend the walk where its lowest point is at an end of what it has seen
+            best = _lowest(seen)
+            if best == min(seen) and best > 0:
+                todo.append((t, best - 1))
+            elif best == max(seen) and best < len(COARSE) - 1:
+                todo.append((t, best + 1))
+    return [_lowest(seen) for seen in errors]
+
+
+def _lowest(errors: dict[int, float]) -> int:
+    """The grid index of the lowest error (ties: the lower index, as a scan of the grid finds it)."""
+    return min(errors, key=lambda i: (errors[i], i))
+
+
 def _parabola(fine: list[float], err: list[float]) -> float:
     best = min(range(len(fine)), key=err.__getitem__)
     offset = 0.0
@@ -66,9 +99,8 @@ def search_scales(
     search: ScaleSearch = EXLLAMAV3_SEARCH,
 ) -> list[float]:
     """One global scale per tensor from its sample tiles; quantize maps tiles to quantized values."""
-    subs = [s[:: search.coarse_stride] for s in samples]
-    coarse = _errors([(t, s) for t in range(len(samples)) for s in COARSE], subs, quantize)
-    centers = [COARSE[min(range(len(COARSE)), key=lambda i: coarse[t * len(COARSE) + i])] for t in range(len(samples))]
+    minima = _coarse_minima([s[:: search.coarse_stride] for s in samples], quantize, search.coarse_walk)
+    centers = [COARSE[i] for i in minima]
     fines = [[c + FINE_STEP * (i - 2) for i in range(5)] for c in centers]
     err = _errors(
         [(t, s) for t in range(len(samples)) for s in fines[t]], [s[:: search.fine_stride] for s in samples], quantize
