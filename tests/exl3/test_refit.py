@@ -7,7 +7,7 @@ import torch
 from glmquant.exl3.refit import refit_scales
 
 
-def _problem(k: int = 256, n: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _problem(k: int = 256, n: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(4 * k, k, generator=g) * torch.rand(k, generator=g).pow(2)
     h = x.T @ x / x.shape[0]
@@ -25,7 +25,7 @@ def test_refit_lowers_the_hessian_weighted_error() -> None:
     w, h, g = _problem()
     # a "quantized" weight off by per-row and per-column scale errors and noise, as the trellis leaves it
     row, col = 1 + 0.1 * torch.randn(w.shape[0], 1, generator=g), 1 + 0.1 * torch.randn(1, w.shape[1], generator=g)
-    wq = (w + 0.2 * torch.randn(w.shape, generator=g)) * row * col
+    wq = (w + 0.2 * torch.randn(tuple(w.shape), generator=g)) * row * col
     su, sv = torch.ones(w.shape[0]), torch.ones(w.shape[1])
     su2, sv2 = refit_scales(w, wq, h, su, sv)
     refitted = wq * su2[:, None] * sv2[None, :]
@@ -35,7 +35,7 @@ def test_refit_lowers_the_hessian_weighted_error() -> None:
 
 def test_refit_keeps_the_scale_of_an_all_zero_row() -> None:
     w, h, g = _problem(seed=1)
-    wq = w + 0.1 * torch.randn(w.shape, generator=g)
+    wq = w + 0.1 * torch.randn(tuple(w.shape), generator=g)
     wq[7] = 0.0  # the trellis decoded a whole input row to zero: no scale can fit it
     su, sv = torch.full((w.shape[0],), 0.5), torch.ones(w.shape[1])
     su2, _ = refit_scales(w, wq, h, su, sv)
