@@ -91,14 +91,14 @@ def tune_unit_scales(experts: dict[int, list[ExpertPart]], tuning: UnitTuning, d
     x = sample.inputs.to(device).float()[token_of.to(device)]  # [E, width, H]
     gates, slot_row = gates.to(device)[..., None], slot_row.to(device)
 
-    def unit_output(weights: dict[str, torch.Tensor]) -> torch.Tensor:
-        slots = (gates * expert_output(weights, x, tuning.swiglu_limit)).flatten(0, 1)
-        return torch.cat((slots, slots.new_zeros(1, slots.shape[-1])))[slot_row].sum(1)  # [n, H]
+    def unit_output(outputs: torch.Tensor) -> torch.Tensor:  # the experts' outputs [E, width, H] -> [n, H]
+        slots = (gates * outputs).flatten(0, 1)
+        return torch.cat((slots, slots.new_zeros(1, slots.shape[-1])))[slot_row].sum(1)
 
     with torch.no_grad():
-        reference = unit_output(
-            {p: torch.stack([tuning.weights[e][p].to(device).float() for e in order]) for p in PROJECTIONS}
-        )
+        bf16 = {p: torch.stack([tuning.weights[e][p].to(device).float() for e in order]) for p in PROJECTIONS}
+        reference = unit_output(expert_output(bf16, x, tuning.swiglu_limit))
+        del bf16
         norm = reference.square().sum(-1)
     held = torch.arange(n, device=device) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
     fit_norm, held_norm = norm[~held].sum().clamp_min(1e-30), norm[held].sum().clamp_min(1e-30)
@@ -120,7 +120,8 @@ def tune_unit_scales(experts: dict[int, list[ExpertPart]], tuning: UnitTuning, d
     def errors() -> torch.Tensor:
         su = [s * (1 + free * d) for s, d in zip(suh0, du)]
         sv = [s * (1 + free * d) for s, d in zip(svh0, dv)]
-        return (unit_output(_assemble(layout, cores, su, sv)) - reference).square().sum(-1)  # [n]
+        outputs = _scaled_expert_output(layout, cores, su, sv, x, tuning.swiglu_limit)
+        return (unit_output(outputs) - reference).square().sum(-1)  # [n]
 
     optimizer = torch.optim.Adam([*du, *dv], lr=LEARNING_RATE, foreach=False)
     before = best = float("inf")
@@ -184,20 +185,33 @@ def _core(t: EXL3Tensor, device: torch.device) -> torch.Tensor:
     return b[: t.in_features, : t.out_features]
 
 
-def _assemble(
+def _scaled_expert_output(
     layout: list[tuple[str, int | None, int, int]],
     cores: list[torch.Tensor],
     suh: list[torch.Tensor],
     svh: list[torch.Tensor],
-) -> dict[str, torch.Tensor]:
-    """Each projection's HF [E, out, in] weights from its parts at the given scales (rank slices in rank order)."""
-    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for (proj, rank, _, _), core, su, sv in zip(layout, cores, suh, svh):
-        pieces.setdefault(proj, []).append((rank or 0, (su[..., :, None] * core * sv[..., None, :]).mT))
-    return {
-        proj: torch.cat([w for _, w in sorted(found, key=lambda item: item[0])], dim=-1 if proj == "down_proj" else -2)
-        for proj, found in pieces.items()
-    }
+    x: torch.Tensor,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """expert_output [E, width, H] of the experts at scales (suh, svh), from their parts: each part computes
+    ((x * suh) @ B) * svh, so a step scales activations instead of re-assembling weight-sized tensors (the cores
+    [E, in, out] stay fixed). Rank slices of gate/up are output columns, concatenated in rank order; those of down are
+    input columns, summed in rank order."""
+    parts = sorted(zip(layout, cores, suh, svh), key=lambda part: (PROJECTIONS.index(part[0][0]), part[0][1] or 0))
+
+    def project(proj: str, inputs: torch.Tensor) -> torch.Tensor:
+        mine = [(core, su[:, None, :], sv[:, None, :]) for (name, *_), core, su, sv in parts if name == proj]
+        if proj != "down_proj":
+            return torch.cat([((inputs * su) @ core) * sv for core, su, sv in mine], dim=-1)
+        out, start = None, 0
+        for core, su, sv in mine:
+            y = ((inputs[..., start : start + core.shape[-2]] * su) @ core) * sv
+            out, start = y if out is None else out + y, start + core.shape[-2]
+        assert out is not None, "an expert has down_proj parts"
+        return out
+
+    gate_up = torch.cat((project("gate_proj", x), project("up_proj", x)), dim=-1)
+    return project("down_proj", swiglu(gate_up, swiglu_limit))
 
 
 def expert_output(w: dict[str, torch.Tensor], x: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:

@@ -137,3 +137,31 @@ def test_tuning_on_cuda_repeats_its_bytes_and_lowers_the_error(unit) -> None:
     for e in a.tensors:
         for s, t in zip(a.tensors[e], b.tensors[e]):
             assert s.suh.device.type == "cpu" and torch.equal(s.suh, t.suh) and torch.equal(s.svh, t.svh)
+
+
+def test_scaled_parts_compute_the_expert_of_their_assembled_weights() -> None:
+    """Tuning scales activations, part by part; with rank slices (rows of gate/up, columns of down, listed out of
+    order) that equals the expert whose HF weights are the parts' diag(suh) B diag(svh), put back in rank order."""
+    from glmquant.encode.scale_tuning import _scaled_expert_output
+
+    g = torch.Generator().manual_seed(4)
+    experts, ranks, width = 3, 2, I // 2
+    layout: list[tuple[str, int | None, int, int]] = []
+    cores: list[torch.Tensor] = []
+    suh: list[torch.Tensor] = []
+    svh: list[torch.Tensor] = []
+    full: dict[str, list[torch.Tensor]] = {p: [] for p in PROJECTIONS}
+    for rank in reversed(range(ranks)):
+        for proj in PROJECTIONS:
+            n_in, n_out = (width, H) if proj == "down_proj" else (H, width)
+            core = torch.randn(experts, n_in, n_out, generator=g) / n_in**0.5
+            su, sv = 1 + 0.2 * torch.rand(experts, n_in, generator=g), 1 + 0.2 * torch.rand(experts, n_out, generator=g)
+            layout.append((proj, rank, n_in, n_out))
+            cores.append(core)
+            suh.append(su)
+            svh.append(sv)
+            full[proj].insert(0, (su[..., :, None] * core * sv[..., None, :]).mT)  # HF [E, out, in], rank order
+    weights = {p: torch.cat(full[p], dim=-1 if p == "down_proj" else -2) for p in PROJECTIONS}
+    x = torch.randn(experts, 5, H, generator=g)
+    got = _scaled_expert_output(layout, cores, suh, svh, x, 10.0)
+    assert torch.allclose(got, expert_output(weights, x, 10.0), rtol=1e-4, atol=1e-5)
