@@ -2,8 +2,9 @@
 
 Tuning fits the stored scales of a unit's routed experts (`glmquant.encode.scale_tuning`); its cost depends on the
 shapes and the number of sampled tokens routed to the unit, not on the codes' values. So this builds one unit of
-real-shape experts (hidden 4096, intermediate 2048, plain layout: gate, up, down per expert) with random K2 codes and
-random BF16 weights, a sample of `--tuning-tokens` tokens routed top-8 over the layer's 288 experts (the unit's share
+real-shape experts (GLM-5.3-Flash's config, tests/data: hidden 4096, intermediate 2048, plain layout: gate, up, down
+per expert) with random K2 codes and random BF16 weights, a sample of `--tuning-tokens` tokens routed top-k over the
+layer's experts (the unit's share
 taken with `RoutedSample.routed_to`, as encode does), and times `tune_unit_scales` for `--steps` steps. The layer and
 model figures are projections (formula in the JSON): units per layer x the unit's time, x the MoE layers. Writes
 bench/results/tuning_<gpu>.json.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from glmquant.arch import ModelSpec, load_model_spec
 from glmquant.arch.table import PROJECTIONS
 from glmquant.encode.scale_tuning import ExpertPart, UnitTuning, tune_unit_scales
 from glmquant.exl3.codebooks import Codebook
@@ -31,34 +33,34 @@ from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.observe.tuning_sample import RoutedSample
 
 ROOT = Path(__file__).resolve().parents[1]
-HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, MOE_LAYERS = 4096, 2048, 288, 8, 42  # GLM-5.3-Flash (tests/data config)
-SWIGLU_LIMIT = 10.0
+CONFIG = ROOT / "tests/data/glm-5.3-flash/config.json"
 
 
-def random_part(proj: str, gen: torch.Generator, bits: int) -> ExpertPart:
+def hf_shape(spec: ModelSpec, proj: str) -> tuple[int, int]:
+    """A routed expert's projection as HF (out, in)."""
+    hidden, inter = spec.hidden_size, spec.moe_intermediate_size
+    return (hidden, inter) if proj == "down_proj" else (inter, hidden)
+
+
+def random_part(spec: ModelSpec, proj: str, gen: torch.Generator, bits: int) -> ExpertPart:
     """A real-shape K-bit EXL3 tensor with random codes and scales that decode to weights of RMS ~0.02."""
-    out_f, in_f = (HIDDEN, INTERMEDIATE) if proj == "down_proj" else (INTERMEDIATE, HIDDEN)
+    out_f, in_f = hf_shape(spec, proj)
     trellis = torch.randint(-(2**15), 2**15, (in_f // 16, out_f // 16, 16 * bits), generator=gen, dtype=torch.int32)
     suh = (0.02 * (1 + 0.1 * torch.rand(in_f, generator=gen))).half()
     svh = (1 + 0.1 * torch.rand(out_f, generator=gen)).half()
     return ExpertPart(proj, None, EXL3Tensor(trellis.to(torch.int16), suh, svh, Codebook.MCG, in_f, out_f))
 
 
-def random_weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
-    shapes = {
-        "gate_proj": (INTERMEDIATE, HIDDEN),
-        "up_proj": (INTERMEDIATE, HIDDEN),
-        "down_proj": (HIDDEN, INTERMEDIATE),
-    }
-    return {p: (0.02 * torch.randn(shapes[p], generator=gen)).bfloat16() for p in PROJECTIONS}
+def random_weights(spec: ModelSpec, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {p: (0.02 * torch.randn(hf_shape(spec, p), generator=gen)).bfloat16() for p in PROJECTIONS}
 
 
-def random_sample(tokens: int, gen: torch.Generator) -> RoutedSample:
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
-    weights = torch.rand(tokens, TOP_K, generator=gen)
-    return RoutedSample(
-        torch.randn(tokens, HIDDEN, generator=gen).bfloat16(), ids, weights / weights.sum(1, keepdim=True)
-    )
+def random_sample(spec: ModelSpec, tokens: int, gen: torch.Generator) -> RoutedSample:
+    top_k = spec.num_experts_per_tok
+    ids = torch.stack([torch.randperm(spec.n_routed_experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    inputs = torch.randn(tokens, spec.hidden_size, generator=gen).bfloat16()
+    return RoutedSample(inputs, ids, weights / weights.sum(1, keepdim=True))
 
 
 def main() -> None:
@@ -72,13 +74,14 @@ def main() -> None:
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
     args = ap.parse_args()
     device = torch.device(args.device)
+    spec = load_model_spec(CONFIG)
     gen = torch.Generator().manual_seed(0)
     unit = list(range(args.experts_per_unit))
-    parts = {e: [random_part(p, gen, args.bits) for p in PROJECTIONS] for e in unit}
-    weights = {e: random_weights(gen) for e in unit}
-    sample = random_sample(args.tuning_tokens, gen).routed_to(unit)
+    parts = {e: [random_part(spec, p, gen, args.bits) for p in PROJECTIONS] for e in unit}
+    weights = {e: random_weights(spec, gen) for e in unit}
+    sample = random_sample(spec, args.tuning_tokens, gen).routed_to(unit)
     pairs = int((sample.expert_ids >= 0).sum())
-    tuning = UnitTuning(args.steps, SWIGLU_LIMIT, weights, sample)
+    tuning = UnitTuning(args.steps, spec.swiglu_limit, weights, sample)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
@@ -87,7 +90,8 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     unit_s = time.perf_counter() - start
-    units_per_layer = -(-EXPERTS // args.experts_per_unit)
+    units_per_layer = -(-spec.n_routed_experts // args.experts_per_unit)
+    moe_layers = len(spec.moe_layers)
     layer_s = unit_s * units_per_layer
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     commit = (
@@ -101,10 +105,10 @@ def main() -> None:
         "commit": commit.strip() or "unknown",
         "date": datetime.date.today().isoformat(),
         "shape": {
-            "hidden": HIDDEN,
-            "intermediate": INTERMEDIATE,
-            "experts": EXPERTS,
-            "top_k": TOP_K,
+            "hidden": spec.hidden_size,
+            "intermediate": spec.moe_intermediate_size,
+            "experts": spec.n_routed_experts,
+            "top_k": spec.num_experts_per_tok,
             "bits": args.bits,
         },
         "experts_per_unit": args.experts_per_unit,
@@ -117,8 +121,9 @@ def main() -> None:
         "heldout_after": outcome.heldout_after,
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "projected_layer_s": round(layer_s, 1),
-        "projected_model_min": round(layer_s * MOE_LAYERS / 60, 1),
-        "projection_formula": f"unit_s x ceil({EXPERTS} / experts_per_unit) per layer, x {MOE_LAYERS} MoE layers",
+        "projected_model_min": round(layer_s * moe_layers / 60, 1),
+        "projection_formula": f"unit_s x ceil({spec.n_routed_experts} / experts_per_unit) per layer, "
+        f"x {moe_layers} MoE layers",
     }
     out = args.out or ROOT / "bench" / "results" / f"tuning_{gpu.split()[-1].lower()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
