@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from glmquant.exl3.scale_search import COARSE, DEFAULT_SEARCH, ScaleSearch, sear
 FULL_GRID = ScaleSearch(band_width=DEFAULT_SEARCH.band_width, coarse_walk=False)
 
 
-def _counting_quantizer(bits: int) -> tuple[list[int], object]:
+def _counting_quantizer(bits: int) -> tuple[list[int], Callable[[torch.Tensor], torch.Tensor]]:
     search, seen = select_backend("cpu", None), [0]
 
     def quantize(tiles: torch.Tensor) -> torch.Tensor:
@@ -32,8 +34,8 @@ def test_the_coarse_walk_finds_the_full_grids_scale(spread: float) -> None:
     samples = [torch.randn(48, 256, generator=g) * spread for _ in range(3)]
     full_seen, full_q = _counting_quantizer(2)
     walk_seen, walk_q = _counting_quantizer(2)
-    full = search_scales(samples, full_q, FULL_GRID)  # type: ignore[arg-type]
-    walk = search_scales(samples, walk_q, DEFAULT_SEARCH)  # type: ignore[arg-type]
+    full = search_scales(samples, full_q, FULL_GRID)
+    walk = search_scales(samples, walk_q, DEFAULT_SEARCH)
     assert walk == full
     assert walk_seen[0] < full_seen[0]
     if spread == 1.3:  # the usual case: three coarse points of ten
