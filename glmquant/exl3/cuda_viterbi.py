@@ -2,8 +2,8 @@
 
 Compiled once per GPU architecture with nvcc into the same cache folder as the CPU kernel (seconds: the
 source includes no torch headers). The search keeps ExLlamaV3's two passes; its arithmetic differs from the
-CPU kernel's in the last bits (fp16 targets, FFMA, argmin packed into the costs), so paths may differ on near
-ties: same format, same quality (checked against the CPU reference in the tests and the benchmark).
+CPU kernel's (fp16 targets, argmin packed into the costs; at K <= 2 16-bit fixed-point costs), so paths may
+differ on near ties: same format, same quality (checked against the CPU reference in the tests and the benchmark).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ _SOURCE = Path(__file__).with_name("viterbi_cuda.cu")
 PASS1_BEFORE = PASS1_AFTER = 128  # ExLlamaV3's seam search: the ring rotated by 128
 MAX_TARGET = 6.0e4  # targets are searched in fp16 (max 65,504); regularized weights are O(1)
 HIST_BYTES_PER_TILE = 256 * 1024 * 4
+FIXED_MAX_BITS = 2  # K <= 2 runs the 16-bit fixed-point (DPX) search
+FIXED_SCALE = 16.0  # its codebook values are stored scaled by this (exact in fp16)
 
 
 class CudaViterbiUnavailable(RuntimeError):
@@ -63,10 +65,10 @@ def load_kernel(arch: str) -> ctypes.CDLL:
         ctypes.c_void_p,
         ctypes.c_int64,
         ctypes.c_void_p,
+        ctypes.c_float,
         ctypes.c_int,
         ctypes.c_int,
         ctypes.c_int,
-        ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_void_p,
@@ -103,6 +105,18 @@ def codebook_pairs(codebook: Codebook, bits: int, device: torch.device) -> torch
         raise ValueError(f"bits must be 1..8, got {bits}")
     pairs = values.view(1 << (bits - 1), 2, 1 << (16 - bits)).transpose(1, 2).contiguous()
     return pairs.view(torch.int32).squeeze(-1).to(device)
+
+
+@lru_cache(maxsize=8)
+def fixed_pairs(codebook: Codebook, device: torch.device) -> torch.Tensor:
+    """The fp16 codebook x 16 as int32 words holding the values of states 2w and 2w + 1 (the fixed-point search)."""
+    return (codebook_values(codebook) * FIXED_SCALE).view(torch.int32).to(device)
+
+
+@lru_cache(maxsize=8)
+def codebook_peak(codebook: Codebook) -> float:
+    """The codebook's largest |value|."""
+    return codebook_values(codebook).float().abs().max().item()
 
 
 class _Scratch:
@@ -148,21 +162,21 @@ def viterbi_cuda(
     batch = _batch_tiles(n, x.device)
     hist = _Scratch.get(x.device, "hist", batch * HIST_BYTES_PER_TILE)
     edges = _Scratch.get(x.device, "edges", batch * 4)
-    costs = _Scratch.get(x.device, "costs", batch * 2 * 32768 * 4 if bits == 1 else 0)
-    pairs = codebook_pairs(Codebook(codebook), bits, x.device)
+    book = Codebook(codebook)
+    table = fixed_pairs(book, x.device) if bits <= FIXED_MAX_BITS else codebook_pairs(book, bits, x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
         rc = lib.exl3_viterbi_cuda(
             x.data_ptr(),
             n,
-            pairs.data_ptr(),
+            table.data_ptr(),
+            codebook_peak(book),
             bits,
             before,
             after,
             states.data_ptr(),
             hist.data_ptr(),
             edges.data_ptr(),
-            costs.data_ptr(),
             batch,
             stream,
         )

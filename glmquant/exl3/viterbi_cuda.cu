@@ -7,8 +7,16 @@
 // integer min. Costs are non-negative floats compared as unsigned integers with the candidate's K-bit index
 // packed into their low mantissa bits: the min gives the cost and the argmin at once (ties and costs closer
 // than 2^K ulp resolve to the lowest index). The two cost arrays (previous and next step) live in shared
-// memory (global memory at K = 1, whose 2 x 128 KB do not fit); the chosen indices go to a traceback history in
-// global memory, one 32-bit word per thread and step, and one thread per tile walks it back in a second kernel.
+// memory; the chosen indices go to a traceback history in global memory, one 32-bit word per thread and step,
+// and one thread per tile walks it back in a second kernel. This search runs at K >= 3.
+//
+// At K <= 2 a second search does the same in 16-bit fixed point with Hopper's DPX SIMD instructions, two edges
+// per register: targets and codebook values are scaled by 16 (exact), a candidate's squared difference is one
+// HSUB2 and one HFMA2 that adds 2^10, whose fp16 bits above 0x6400 are then the error in units of 1/256 (larger
+// errors compress monotonically), and one IMAD scales it past the K index bits and adds the predecessor's cost,
+// which carries that predecessor's index in its own low K bits. A 16-bit min then gives cost and argmin at once.
+// Costs are renormalized every step by the block's lowest cost and clamped to a cap well above any competitive
+// path, so the keys never wrap. Half the instructions per candidate; quality within noise of the fp32 search.
 //
 // Passes as ExLlamaV3 1.6.5 runs them: pass 1 searches the ring rotated so that it starts `before` positions
 // ahead of position 0 and ends `after` positions past it, from free start states; the traceback of its best path
@@ -37,7 +45,6 @@ struct Layout {
     static constexpr int EDGES_PER_THREAD = JT * LT;
     static constexpr int CHUNK = CT < 8 ? CT : 8;             // predecessor costs held in registers at once
     static constexpr uint32_t CMASK = NC - 1;
-    static constexpr bool GLOBAL_COSTS = K == 1;
     static_assert(JT * J_STRIDE == (1 << (16 - 2 * K)), "every group owned once");
     static_assert(EDGES_PER_THREAD * K <= 32, "one history word per thread and step");
 };
@@ -58,19 +65,17 @@ __device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret
 template <int K>
 __global__ void __launch_bounds__(THREADS, 1) forward_kernel(
     const float* __restrict__ targets,      // [n][256] ring-ordered
-    const uint32_t* __restrict__ pairs,     // [2^(K-1)][2^(16-K)] codebook values of states (2c << 16-K | e, +1 << 16-K)
+    const uint32_t* __restrict__ pairs,     // [2^(K-1)][2^(16-K)] values of states (2c << 16-K | e, +1 << 16-K)
     int roll, int steps, int store_below,   // positions (roll + i) & 255; history kept for positions < store_below
     const int32_t* __restrict__ start_edge, // [n] seam of each tile (pass 2) or null (pass 1: free start)
     uint32_t* __restrict__ hist,            // [n][256][THREADS]
-    int32_t* __restrict__ best_edge,        // [n] out: lowest-cost final edge (pass 1) or null
-    float* __restrict__ global_costs)       // [gridDim][2][EDGES] when Layout::GLOBAL_COSTS
+    int32_t* __restrict__ best_edge)        // [n] out: lowest-cost final edge (pass 1) or null
 {
     using L = Layout<K>;
     extern __shared__ __align__(16) unsigned char smem[];
     __half2* xs = reinterpret_cast<__half2*>(smem);                    // [256] target, twice
     unsigned long long* reduce = reinterpret_cast<unsigned long long*>(xs + 256);  // [32]
-    float* costs = L::GLOBAL_COSTS ? global_costs + (size_t) blockIdx.x * 2 * L::EDGES
-                                   : reinterpret_cast<float*>(reduce + 32);
+    float* costs = reinterpret_cast<float*>(reduce + 32);                // [2][EDGES]
 
     const int tile = blockIdx.x;
     const int t = threadIdx.x;
@@ -119,7 +124,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_kernel(
                 #pragma unroll
                 for (int cc = 0; cc < L::CHUNK; ++cc) {
                     const uint32_t at = ((cbase + c0 + cc) << (L::KR - K)) + j;  // + (not |): folds into the load
-                    pc[cc] = L::GLOBAL_COSTS ? __ldcg(prev + at) : prev[at];
+                    pc[cc] = prev[at];
                 }
                 #pragma unroll
                 for (int l = 0; l < L::LT; ++l) {
@@ -135,8 +140,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_kernel(
                         for (int off = 1; off < L::SPLIT; off <<= 1)
                             best[l] = min(best[l], __shfl_xor_sync(0xFFFFFFFFu, best[l], off));
                         const uint32_t e = (j << K) + elb * L::LT + l;
-                        if (L::GLOBAL_COSTS) __stcg(next + e, __uint_as_float(best[l]));
-                        else next[e] = __uint_as_float(best[l]);
+                        next[e] = __uint_as_float(best[l]);
                         word = __funnelshift_r(word, best[l], K);
                     }
                 }
@@ -151,7 +155,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_kernel(
         const float* final_costs = costs + (steps & 1) * L::EDGES;
         unsigned long long key = ~0ull;
         for (int e = t; e < L::EDGES; e += THREADS) {
-            const float c = L::GLOBAL_COSTS ? __ldcg(final_costs + e) : final_costs[e];
+            const float c = final_costs[e];
             key = min(key, ((unsigned long long) __float_as_uint(c) << 32) | (uint32_t) e);
         }
         #pragma unroll
@@ -167,24 +171,187 @@ __global__ void __launch_bounds__(THREADS, 1) forward_kernel(
     }
 }
 
+template <int K>
+struct Fixed {
+    static constexpr int KR = 16 - K;
+    static constexpr int EDGES = 1 << KR;
+    static constexpr int NC = 1 << K;
+    static constexpr int GROUPS = 1 << (16 - 2 * K);          // edges sharing their NC predecessors: j = e >> K
+    static constexpr int JT = GROUPS / THREADS;               // groups per thread (16 at K = 1, 4 at K = 2)
+    static constexpr int LP = NC / 2;                         // lane pairs (edges 2l, 2l + 1) per group
+    static constexpr int PAIRS = JT * LP;
+    static constexpr uint32_t LANES = 0x00010001u;
+    static constexpr uint32_t IMASK = (NC - 1) * LANES;       // the index bits of both lanes
+    static constexpr uint32_t MAGIC = 0x6400u;                // fp16 bits of 2^10
+    static constexpr uint32_t MAX_ERROR = 0x7C00u - MAGIC;    // +inf: the largest error a candidate can add
+    static constexpr uint32_t CAP = K == 1 ? 26000u : 10000u; // cost clamp (units of 1/256 of a squared error)
+    static constexpr uint32_t BIAS = 0u - (MAGIC << K) * LANES;
+    static_assert(JT * THREADS == GROUPS && K <= 2, "fixed-point layout covers K = 1, 2");
+    static_assert(((CAP + MAX_ERROR) << K) + NC - 1 < 65536u, "keys never wrap");
+    static_assert(PAIRS * K <= 16, "one history word per thread and step");
+};
+
+__device__ __forceinline__ uint32_t min_u16x2(uint32_t a, uint32_t b)
+{
+    uint32_t r;
+    asm("min.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+__device__ __forceinline__ uint32_t as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+
+// The tile's scale: 16, halved until its largest target and codebook value scaled stay within 256 (ordinary
+// tiles, |x| <= 12, keep 16), so that squared errors stay finite in fp16.
+__device__ float tile_scale(const float* __restrict__ x, float codebook_peak, uint32_t* scratch)
+{
+    const int t = threadIdx.x;
+    uint32_t peak = t < 256 ? __float_as_uint(fabsf(x[t])) : 0u;  // non-negative floats order as integers
+    peak = __reduce_max_sync(0xFFFFFFFFu, peak);
+    if ((t & 31) == 0) scratch[t >> 5] = peak;
+    __syncthreads();
+    peak = __reduce_max_sync(0xFFFFFFFFu, scratch[t & 31]);
+    float scale = 16.0f;
+    while ((__uint_as_float(peak) + codebook_peak) * scale > 256.0f) scale *= 0.5f;
+    return scale;
+}
+
+// The fixed-point search (K <= 2): same passes and arguments as forward_kernel; `pairs` holds the codebook values
+// scaled by 16 as fp16 words of edges (2w, 2w + 1): [2^K][2^(15-K)]; codebook_peak is their largest magnitude
+// (unscaled). Each position's HFMA2 adds 2^10 less a floor under its smallest squared error (non-zero for targets
+// beyond the codebook's range), which keeps every candidate's result at or above 2^10 and the competitive ones in
+// its linear binade.
+template <int K>
+__global__ void __launch_bounds__(THREADS, 1) forward_fixed_kernel(
+    const float* __restrict__ targets, const uint32_t* __restrict__ pairs, float codebook_peak, int roll,
+    int steps, int store_below, const int32_t* __restrict__ start_edge, uint32_t* __restrict__ hist,
+    int32_t* __restrict__ best_edge)
+{
+    using F = Fixed<K>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __half2* xs = reinterpret_cast<__half2*>(smem);                      // [256] scaled target, twice
+    __half2* adds = xs + 256;                                            // [256] 2^10 less the error floor, twice
+    uint32_t* lows = reinterpret_cast<uint32_t*>(adds + 256);           // [2][32] per-warp lowest costs
+    unsigned long long* reduce = reinterpret_cast<unsigned long long*>(lows + 64);  // [32]
+    uint16_t* costs = reinterpret_cast<uint16_t*>(reduce + 32);          // [2][EDGES]
+
+    const int tile = blockIdx.x;
+    const int t = threadIdx.x;
+    const float* x_tile = targets + (size_t) tile * 256;
+    const float scale = tile_scale(x_tile, codebook_peak, lows);
+    const __half2 rescale = __float2half2_rn(scale / 16.0f);
+    uint32_t values[F::JT][F::LP][F::NC];
+    #pragma unroll
+    for (int m = 0; m < F::JT; ++m)
+        #pragma unroll
+        for (int l = 0; l < F::LP; ++l)
+            #pragma unroll
+            for (int c = 0; c < F::NC; ++c)
+                values[m][l][c] = as_u32(
+                    __hmul2(as_half2(pairs[(c << (F::KR - 1)) | ((t + m * THREADS) << (K - 1)) | l]), rescale));
+
+    for (int i = t; i < 256; i += THREADS) {
+        const __half x = __float2half_rn(x_tile[i] * scale);
+        const float over = fmaxf(fabsf(__half2float(x)) - codebook_peak * scale, 0.0f);
+        const float floor_error = floorf(over * over * (1.0f - 1.0f / 512.0f));
+        xs[i] = __half2half2(x);
+        adds[i] = __half2half2(__float2half_ru(1024.0f - floor_error));
+    }
+    __syncthreads();  // tile_scale's scratch is reused below
+    const int seam = start_edge ? start_edge[tile] : -1;
+    for (int e = t; e < F::EDGES; e += THREADS)
+        costs[e] = (uint16_t) (((seam < 0 || e == seam ? 0u : F::CAP) << K) | (e >> (F::KR - K)));
+    if (t < 32) lows[t] = 0;  // the lowest start cost is 0 in both passes
+    __syncthreads();
+
+    uint32_t* tile_hist = hist + (size_t) tile * 256 * THREADS;
+    for (int i = 0; i < steps; ++i) {
+        const int ri = (roll + i) & 255;
+        const uint16_t* prev = costs + (i & 1) * F::EDGES;
+        uint16_t* next = costs + ((i + 1) & 1) * F::EDGES;
+        const __half2 x = xs[ri], add = adds[ri];
+        const uint32_t low = __reduce_min_sync(0xFFFFFFFFu, lows[(i & 1) * 32 + (t & 31)]) & ~(uint32_t) (F::NC - 1);
+        const uint32_t minus_low = ((0u - low) & 0xFFFFu) * F::LANES;
+        uint32_t word = 0, lowest = 0xFFFFFFFFu;
+        #pragma unroll
+        for (int m = 0; m < F::JT; ++m) {
+            const int j = t + m * THREADS;
+            uint32_t pred[F::NC];  // predecessor costs in both lanes, less the magic's bits past the index
+            #pragma unroll
+            for (int c = 0; c < F::NC; ++c) pred[c] = prev[(c << (16 - 2 * K)) + j] * F::LANES + F::BIAS;
+            uint32_t out[F::LP];
+            #pragma unroll
+            for (int l = 0; l < F::LP; ++l) {
+                uint32_t key[F::NC];
+                #pragma unroll
+                for (int c = 0; c < F::NC; ++c) {
+                    const __half2 d = __hsub2(as_half2(values[m][l][c]), x);
+                    key[c] = as_u32(__hfma2(d, d, add)) * (1u << K) + pred[c];
+                }
+                uint32_t best;
+                if constexpr (K == 1) best = min_u16x2(key[0], key[1]);
+                else best = min_u16x2(__vimin3_u16x2(key[0], key[1], key[2]), key[3]);
+                word = (word << K) + (best & F::IMASK);
+                // Renormalized, clamped, and relabelled with this edge's index as the next step's predecessor.
+                const uint32_t idx = ((uint32_t) j >> (16 - 3 * K)) * F::LANES;
+                const uint32_t kept = __viaddmin_u16x2(best, minus_low, ((F::CAP << K) | (F::NC - 1)) * F::LANES);
+                out[l] = (kept & ~F::IMASK) | idx;
+                lowest = min_u16x2(lowest, out[l]);
+            }
+            uint16_t* at = next + (j << K);
+            if constexpr (F::LP == 1) *reinterpret_cast<uint32_t*>(at) = out[0];
+            else *reinterpret_cast<uint2*>(at) = make_uint2(out[0], out[1]);
+        }
+        if (ri < store_below) tile_hist[(size_t) ri * THREADS + t] = word;
+        lowest = __reduce_min_sync(0xFFFFFFFFu, min(lowest & 0xFFFFu, lowest >> 16));
+        if ((t & 31) == 0) lows[((i + 1) & 1) * 32 + (t >> 5)] = lowest;
+        __syncthreads();
+    }
+
+    if (best_edge) {
+        const uint16_t* final_costs = costs + (steps & 1) * F::EDGES;
+        unsigned long long key = ~0ull;
+        for (int e = t; e < F::EDGES; e += THREADS)
+            key = min(key, ((unsigned long long) (final_costs[e] >> K) << 32) | (uint32_t) e);
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) key = min(key, __shfl_xor_sync(0xFFFFFFFFu, key, off));
+        if ((t & 31) == 0) reduce[t >> 5] = key;
+        __syncthreads();
+        if (t < 32) {
+            key = reduce[t];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) key = min(key, __shfl_xor_sync(0xFFFFFFFFu, key, off));
+            if (t == 0) best_edge[tile] = (int32_t) (key & 0xFFFFFFFFu);
+        }
+    }
+}
+
 // Walks one tile's history back from `edge` over positions last..first (one thread per tile). With `states`,
 // writes each position's state; always leaves the edge before position `first` in edges[tile].
-template <int K>
+template <int K, bool FIXED>
 __global__ void trace_kernel(const uint32_t* __restrict__ hist, int n, int first, int last,
                              int32_t* __restrict__ edges, int32_t* __restrict__ states)
 {
-    using L = Layout<K>;
+    constexpr uint32_t CMASK = (1u << K) - 1;
     const int tile = blockIdx.x * blockDim.x + threadIdx.x;
     if (tile >= n) return;
     const uint32_t* tile_hist = hist + (size_t) tile * 256 * THREADS;
     uint32_t edge = edges[tile];
     for (int ri = last; ri >= first; --ri) {
-        const uint32_t j = edge >> K, el = edge & L::CMASK;
-        const uint32_t m = j / L::J_STRIDE, owner = ((j % L::J_STRIDE) * L::EL_BLOCKS + el / L::LT) * L::SPLIT;
-        const uint32_t slot = m * L::LT + el % L::LT;
-        const uint32_t word = tile_hist[(size_t) ri * THREADS + owner];
-        const uint32_t c = (word >> (32 - (L::EDGES_PER_THREAD - slot) * K)) & L::CMASK;
-        const uint32_t state = (c << L::KR) | edge;
+        const uint32_t j = edge >> K, el = edge & CMASK;
+        uint32_t c;
+        if constexpr (FIXED) {  // pair q of thread j % THREADS; its edges' bits at 16 l + K (PAIRS - 1 - q)
+            using F = Fixed<K>;
+            const uint32_t q = (j / THREADS) * F::LP + el / 2;
+            const uint32_t word = tile_hist[(size_t) ri * THREADS + j % THREADS];
+            c = (word >> ((el & 1) * 16 + K * (F::PAIRS - 1 - q))) & CMASK;
+        } else {
+            using L = Layout<K>;
+            const uint32_t m = j / L::J_STRIDE, owner = ((j % L::J_STRIDE) * L::EL_BLOCKS + el / L::LT) * L::SPLIT;
+            const uint32_t slot = m * L::LT + el % L::LT;
+            const uint32_t word = tile_hist[(size_t) ri * THREADS + owner];
+            c = (word >> (32 - (L::EDGES_PER_THREAD - slot) * K)) & CMASK;
+        }
+        const uint32_t state = (c << (16 - K)) | edge;
         if (states) states[(size_t) tile * 256 + ri] = (int32_t) state;
         edge = state >> K;
     }
@@ -192,24 +359,39 @@ __global__ void trace_kernel(const uint32_t* __restrict__ hist, int n, int first
 }
 
 template <int K>
-size_t shared_bytes() { return 256 * sizeof(__half2) + 32 * 8 + (Layout<K>::GLOBAL_COSTS ? 0 : 2 * Layout<K>::EDGES * 4); }
+size_t shared_bytes()
+{
+    if constexpr (K <= 2) return 512 * sizeof(__half2) + 64 * 4 + 32 * 8 + 2 * Fixed<K>::EDGES * sizeof(uint16_t);
+    else return 256 * sizeof(__half2) + 32 * 8 + 2 * Layout<K>::EDGES * sizeof(float);
+}
 
 template <int K>
-cudaError_t search(const float* targets, int64_t n, const uint32_t* lut, int before, int after, int32_t* states,
-                   uint32_t* hist, int32_t* edges, float* global_costs, int64_t batch, cudaStream_t stream)
+cudaError_t search(const float* targets, int64_t n, const uint32_t* lut, float peak, int before, int after,
+                   int32_t* states, uint32_t* hist, int32_t* edges, int64_t batch, cudaStream_t stream)
 {
+    constexpr bool fixed = K <= 2;
     const size_t smem = shared_bytes<K>();
-    cudaError_t err = cudaFuncSetAttribute(forward_kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
+    cudaError_t err;
+    constexpr cudaFuncAttribute attribute = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    if constexpr (fixed) err = cudaFuncSetAttribute(forward_fixed_kernel<K>, attribute, (int) smem);
+    else err = cudaFuncSetAttribute(forward_kernel<K>, attribute, (int) smem);
     if (err != cudaSuccess) return err;
+    const auto forward = [&](const float* x, int count, int roll, int steps, int store_below, const int32_t* start,
+                             int32_t* best) {
+        if constexpr (fixed)
+            forward_fixed_kernel<K><<<count, THREADS, smem, stream>>>(x, lut, peak, roll, steps, store_below, start,
+                                                                      hist, best);
+        else
+            forward_kernel<K><<<count, THREADS, smem, stream>>>(x, lut, roll, steps, store_below, start, hist, best);
+    };
     for (int64_t start = 0; start < n; start += batch) {
         const int count = (int) (n - start < batch ? n - start : batch);
         const float* x = targets + start * 256;
         const int trace_blocks = (count + 127) / 128;
-        forward_kernel<K><<<count, THREADS, smem, stream>>>(x, lut, 256 - before, before + after, after, nullptr,
-                                                            hist, edges, global_costs);
-        trace_kernel<K><<<trace_blocks, 128, 0, stream>>>(hist, count, 0, after - 1, edges, nullptr);
-        forward_kernel<K><<<count, THREADS, smem, stream>>>(x, lut, 0, 256, 256, edges, hist, nullptr, global_costs);
-        trace_kernel<K><<<trace_blocks, 128, 0, stream>>>(hist, count, 0, 255, edges, states + start * 256);
+        forward(x, count, 256 - before, before + after, after, nullptr, edges);
+        trace_kernel<K, fixed><<<trace_blocks, 128, 0, stream>>>(hist, count, 0, after - 1, edges, nullptr);
+        forward(x, count, 0, 256, 256, edges, nullptr);
+        trace_kernel<K, fixed><<<trace_blocks, 128, 0, stream>>>(hist, count, 0, 255, edges, states + start * 256);
         err = cudaGetLastError();
         if (err != cudaSuccess) return err;
     }
@@ -218,26 +400,26 @@ cudaError_t search(const float* targets, int64_t n, const uint32_t* lut, int bef
 
 }  // namespace
 
-// targets: [n][256] fp32 ring-ordered (device); lut: the codebook's fp16 values in pairs for this K (see
-// forward_kernel), device; states: [n][256] int32 out; scratch for `batch` tiles at a time: hist
-// [batch][256][1024] words, edges [batch] int32, global_costs [batch][2][32768] floats (K = 1 only).
-// 0 on success, else a cudaError_t (or -1 for bad arguments).
-extern "C" int exl3_viterbi_cuda(const float* targets, int64_t n, const void* lut, int K, int before, int after,
-                                 int32_t* states, uint32_t* hist, int32_t* edges, float* global_costs, int64_t batch,
+// targets: [n][256] fp32 ring-ordered (device); lut: the codebook table for this K (device): at K <= 2 its fp16
+// values x 16 as words of edges (2w, 2w + 1), else its fp16 values in pairs of candidates (see forward_kernel);
+// peak: the codebook's largest |value|; states: [n][256] int32 out; scratch for `batch` tiles at a time: hist
+// [batch][256][1024] words, edges [batch] int32. 0 on success, else a cudaError_t (or -1 for bad arguments).
+extern "C" int exl3_viterbi_cuda(const float* targets, int64_t n, const void* lut, float peak, int K, int before,
+                                 int after, int32_t* states, uint32_t* hist, int32_t* edges, int64_t batch,
                                  void* stream)
 {
     if (K < 1 || K > 8 || before < 0 || after < 1 || before + after > 256 || batch < 1) return -1;
     const uint32_t* table = static_cast<const uint32_t*>(lut);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     switch (K) {
-        case 1: return search<1>(targets, n, table, before, after, states, hist, edges, global_costs, batch, s);
-        case 2: return search<2>(targets, n, table, before, after, states, hist, edges, global_costs, batch, s);
-        case 3: return search<3>(targets, n, table, before, after, states, hist, edges, global_costs, batch, s);
-        case 4: return search<4>(targets, n, table, before, after, states, hist, edges, global_costs, batch, s);
-        case 5: return search<5>(targets, n, table, before, after, states, hist, edges, global_costs, batch, s);
-        case 6: return search<6>(targets, n, table, before, after, states, hist, edges, global_costs, batch, s);
-        case 7: return search<7>(targets, n, table, before, after, states, hist, edges, global_costs, batch, s);
-        default: return search<8>(targets, n, table, before, after, states, hist, edges, global_costs, batch, s);
+        case 1: return search<1>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
+        case 2: return search<2>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
+        case 3: return search<3>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
+        case 4: return search<4>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
+        case 5: return search<5>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
+        case 6: return search<6>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
+        case 7: return search<7>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
+        default: return search<8>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
     }
 }
 
