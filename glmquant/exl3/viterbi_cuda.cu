@@ -11,12 +11,12 @@
 // and one thread per tile walks it back in a second kernel. This search runs at K >= 3.
 //
 // At K <= 2 a second search does the same in 16-bit fixed point with Hopper's DPX SIMD instructions, two edges
-// per register: targets and codebook values are scaled by 16 (exact), a candidate's squared difference is one
-// HSUB2 and one HFMA2 that adds 2^10, whose fp16 bits above 0x6400 are then the error in units of 1/256 (larger
-// errors compress monotonically), and one IMAD scales it past the K index bits and adds the predecessor's cost,
+// per register: targets and codebook values are scaled per tile (by its RMS), a candidate's squared difference is
+// one HSUB2 and one HFMA2 that adds 2^10, whose fp16 bits above 0x6400 are then the error in integer units
+// (larger errors compress monotonically), and one IMAD scales it past the K index bits and adds the predecessor's cost,
 // which carries that predecessor's index in its own low K bits. A 16-bit min then gives cost and argmin at once.
 // Costs are renormalized every step by the block's lowest cost and clamped to a cap well above any competitive
-// path, so the keys never wrap. Half the instructions per candidate; quality within noise of the fp32 search.
+// path, so the keys never wrap. Fewer instructions per candidate; quality within noise of the fp32 search.
 //
 // Passes as ExLlamaV3 1.6.5 runs them: pass 1 searches the ring rotated so that it starts `before` positions
 // ahead of position 0 and ends `after` positions past it, from free start states; the traceback of its best path
@@ -184,7 +184,8 @@ struct Fixed {
     static constexpr uint32_t IMASK = (NC - 1) * LANES;       // the index bits of both lanes
     static constexpr uint32_t MAGIC = 0x6400u;                // fp16 bits of 2^10
     static constexpr uint32_t MAX_ERROR = 0x7C00u - MAGIC;    // +inf: the largest error a candidate can add
-    static constexpr uint32_t CAP = K == 1 ? 26000u : 10000u; // cost clamp (units of 1/256 of a squared error)
+    static constexpr uint32_t CAP = K == 1 ? 26000u : 10000u; // cost clamp (units of the HFMA2's ulp)
+    static constexpr float PER_RMS = K == 1 ? 5.0f : 20.0f;    // tile scale x RMS (calibrated in docs/encode.md)
     static constexpr uint32_t BIAS = 0u - (MAGIC << K) * LANES;
     static_assert(JT * THREADS == GROUPS && K <= 2, "fixed-point layout covers K = 1, 2");
     static_assert(((CAP + MAX_ERROR) << K) + NC - 1 < 65536u, "keys never wrap");
@@ -200,24 +201,35 @@ __device__ __forceinline__ uint32_t min_u16x2(uint32_t a, uint32_t b)
 
 __device__ __forceinline__ uint32_t as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
-// The tile's scale: 16, halved until its largest target and codebook value scaled stay within 256 (ordinary
-// tiles, |x| <= 12, keep 16), so that squared errors stay finite in fp16.
-__device__ float tile_scale(const float* __restrict__ x, float codebook_peak, uint32_t* scratch)
+// The tile's scale: `per_rms` over the RMS of its fp16-rounded targets (summed in order by one thread, so that the
+// torch model repeats it bit for bit) as an fp16 multiple of 16, at most 64, halved until its largest target and
+// codebook value scaled stay within 256 (finite fp16 squared errors). The RMS sets the resolution: competitive
+// squared errors land in the 2^10 units of the HFMA2's linear binade, neither rounded away nor compressed.
+__device__ float tile_scale(const float* __restrict__ x, float codebook_peak, float per_rms, uint32_t* scratch)
 {
     const int t = threadIdx.x;
     uint32_t peak = t < 256 ? __float_as_uint(fabsf(x[t])) : 0u;  // non-negative floats order as integers
     peak = __reduce_max_sync(0xFFFFFFFFu, peak);
     if ((t & 31) == 0) scratch[t >> 5] = peak;
+    if (t == 0) {
+        float total = 0.0f;
+        for (int i = 0; i < 256; ++i) {
+            const float h = __half2float(__float2half_rn(x[i]));
+            total = __fadd_rn(total, __fmul_rn(h, h));
+        }
+        scratch[32] = __float_as_uint(total);
+    }
     __syncthreads();
     peak = __reduce_max_sync(0xFFFFFFFFu, scratch[t & 31]);
-    float scale = 16.0f;
+    const float rms = sqrtf(__uint_as_float(scratch[32]) / 256.0f);
+    float scale = __half2float(__float2half_rn(fminf(per_rms / rms, 64.0f) / 16.0f)) * 16.0f;
     while ((__uint_as_float(peak) + codebook_peak) * scale > 256.0f) scale *= 0.5f;
     return scale;
 }
 
 // The fixed-point search (K <= 2): same passes and arguments as forward_kernel; `pairs` holds the codebook values
-// scaled by 16 as fp16 words of edges (2w, 2w + 1): [2^K][2^(15-K)]; codebook_peak is their largest magnitude
-// (unscaled). Each position's HFMA2 adds 2^10 less a floor under its smallest squared error (non-zero for targets
+// scaled by 16 as fp16 words of edges (2w, 2w + 1): [2^K][2^(15-K)] (rescaled to the tile's scale on loading);
+// codebook_peak is their largest magnitude (unscaled). Each position's HFMA2 adds 2^10 less a floor under its smallest squared error (non-zero for targets
 // beyond the codebook's range), which keeps every candidate's result at or above 2^10 and the competitive ones in
 // its linear binade.
 template <int K>
@@ -237,7 +249,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_fixed_kernel(
     const int tile = blockIdx.x;
     const int t = threadIdx.x;
     const float* x_tile = targets + (size_t) tile * 256;
-    const float scale = tile_scale(x_tile, codebook_peak, lows);
+    const float scale = tile_scale(x_tile, codebook_peak, F::PER_RMS, lows);
     const __half2 rescale = __float2half2_rn(scale / 16.0f);
     uint32_t values[F::JT][F::LP][F::NC];
     #pragma unroll

@@ -2,8 +2,8 @@
 
 K >= 3: fp16 targets and fp16 differences, an FFMA (emulated in float64, then rounded once to float32) and each
 cost stored with the chosen predecessor index in its low K bits, compared as an unsigned integer.
-K <= 2: the 16-bit fixed-point search: per-tile scale, fp16 difference (HSUB2), fp16 square plus the position's
-addend (HFMA2), its bits above 2^10's as the error, integer keys with the index in the low K bits, costs
+K <= 2: the 16-bit fixed-point search: per-tile scale (from its RMS), fp16 difference (HSUB2), fp16 square plus
+the position's addend (HFMA2), its bits above 2^10's as the error, integer keys with the index in the low K bits, costs
 renormalized by the lowest and clamped every step.
 """
 
@@ -15,6 +15,7 @@ import torch
 
 UNREACHABLE = 1e30
 FIXED_CAPS = {1: 26000, 2: 10000}
+FIXED_PER_RMS = {1: 5.0, 2: 20.0}
 MAGIC_BITS = 0x6400  # fp16 2^10
 
 
@@ -45,13 +46,21 @@ def _fp16_bits(h: torch.Tensor) -> torch.Tensor:
 def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> the smallest fp16 at or above it (__float2half_ru)."""
     h = x.half()
-    return torch.where(h.float() < x, torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.float16)), h)
+    up = torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.float16, device=h.device))
+    return torch.where(h.float() < x, up, h)
 
 
-def tile_scales(targets: torch.Tensor, peak: float) -> torch.Tensor:
-    """16, halved until (max |x| + codebook peak) x scale <= 256, per tile (fp32 arithmetic as in the kernel)."""
+def tile_scales(targets: torch.Tensor, peak: float, bits: int) -> torch.Tensor:
+    """PER_RMS / RMS of the fp16-rounded targets (summed in order, in fp32) as an fp16 multiple of 16, at most 64,
+    halved until (max |x| + codebook peak) x scale <= 256; per tile, fp32 arithmetic as in the kernel."""
+    x16 = targets.half().float()
+    total = torch.zeros(targets.shape[0], dtype=torch.float32, device=targets.device)
+    for i in range(256):
+        total = total + x16[:, i] * x16[:, i]
+    rms = torch.sqrt(total / 256)
+    scale = (torch.tensor(FIXED_PER_RMS[bits], dtype=torch.float32, device=targets.device) / rms).clamp(max=64.0)
+    scale = (scale / 16).half().float() * 16
     top = targets.float().abs().amax(dim=1) + torch.tensor(peak, dtype=torch.float32)
-    scale = torch.full_like(top, 16.0)
     while bool(((top * scale) > 256).any()):
         scale = torch.where(top * scale > 256, scale * 0.5, scale)
     return scale
@@ -62,7 +71,7 @@ class _Fixed:
 
     def __init__(self, targets: torch.Tensor, lut16: torch.Tensor, bits: int) -> None:
         peak = lut16.float().abs().max().item()
-        scale = tile_scales(targets, peak)
+        scale = tile_scales(targets, peak, bits)
         self.bits, self.cap = bits, FIXED_CAPS[bits]
         self.x16 = (targets.float() * scale[:, None]).half()  # [N, 256]
         values = ((lut16.float() * 16).half().float() * (scale[:, None] / 16)).half()  # [N, 65536], as HMUL2

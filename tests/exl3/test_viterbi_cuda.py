@@ -43,14 +43,25 @@ def test_codebook_pairs_put_state_pairs_in_one_word() -> None:
 
 
 @pytest.mark.slow
-def test_kernel_arithmetic_closes_rings_at_exact_search_quality(one_torch_thread: None) -> None:
-    x = tiles(2, seed=11)
-    states = viterbi_cuda_reference(x, codebook_values("mcg"), 2)
-    assert closed(states, 2)
+@pytest.mark.parametrize(
+    ("bits", "std", "tails"),
+    [(2, 1.2, False), (2, 2.0, False), (2, 0.6, False), (2, 1.2, True), (1, 1.2, False), (3, 1.2, False)],
+)
+def test_kernel_arithmetic_closes_rings_at_exact_search_quality(
+    one_torch_thread: None, bits: int, std: float, tails: bool
+) -> None:
+    """The fixed-point search (K <= 2) keeps the exact search's quality whatever the tiles' scale, and with targets
+    far beyond the codebook's range (heavy tails); so does the float search packing its argmin (K = 3)."""
+    x = tiles(2, seed=11, std=std)
+    if tails:
+        chi2 = torch.randn(2, 256, 5, generator=torch.Generator().manual_seed(5)).square().sum(-1)
+        x = x * (chi2 / 5).rsqrt()  # Student-t with 5 degrees of freedom
+    states = viterbi_cuda_reference(x, codebook_values("mcg"), bits)
+    assert closed(states, bits)
     lut = codebook_values("mcg").float()
-    exact = select_backend("cpu", "torch")(x, 2, Codebook.MCG)
+    exact = select_backend("cpu", "native")(x, bits, Codebook.MCG)
     mse, mse_exact = ((lut[states.long()] - x) ** 2).mean(), ((lut[exact.long()] - x) ** 2).mean()
-    assert mse <= mse_exact * 1.003  # packing the argmin into the costs gives up next to nothing
+    assert mse <= mse_exact * 1.003
 
 
 @pytest.mark.slow
