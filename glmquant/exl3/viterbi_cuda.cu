@@ -189,7 +189,7 @@ struct Fixed {
     static constexpr uint32_t BIAS = 0u - (MAGIC << K) * LANES;
     static_assert(JT * THREADS == GROUPS && K <= 2, "fixed-point layout covers K = 1, 2");
     static_assert(((CAP + MAX_ERROR) << K) + NC - 1 < 65536u, "keys never wrap");
-    static_assert(PAIRS * K <= 16, "one history word per thread and step");
+    static_assert(PAIRS % 2 == 0 && PAIRS / 2 * K <= 8, "one history word per thread and step");
 };
 
 __device__ __forceinline__ uint32_t min_u16x2(uint32_t a, uint32_t b)
@@ -229,9 +229,9 @@ __device__ float tile_scale(const float* __restrict__ x, float codebook_peak, fl
 
 // The fixed-point search (K <= 2): same passes and arguments as forward_kernel; `pairs` holds the codebook values
 // scaled by 16 as fp16 words of edges (2w, 2w + 1): [2^K][2^(15-K)] (rescaled to the tile's scale on loading);
-// codebook_peak is their largest magnitude (unscaled). Each position's HFMA2 adds 2^10 less a floor under its smallest squared error (non-zero for targets
-// beyond the codebook's range), which keeps every candidate's result at or above 2^10 and the competitive ones in
-// its linear binade.
+// codebook_peak is their largest magnitude (unscaled). Each position's HFMA2 adds 2^10 less a floor under its
+// smallest squared error (non-zero for targets beyond the codebook's range), which keeps every candidate's result at
+// or above 2^10 and the competitive ones in its linear binade.
 template <int K>
 __global__ void __launch_bounds__(THREADS, 1) forward_fixed_kernel(
     const float* __restrict__ targets, const uint32_t* __restrict__ pairs, float codebook_peak, int roll,
@@ -283,10 +283,12 @@ __global__ void __launch_bounds__(THREADS, 1) forward_fixed_kernel(
         const __half2 x = xs[ri], add = adds[ri];
         const uint32_t low = __reduce_min_sync(0xFFFFFFFFu, lows[(i & 1) * 32 + (t & 31)]) & ~(uint32_t) (F::NC - 1);
         const uint32_t minus_low = ((0u - low) & 0xFFFFu) * F::LANES;
-        uint32_t word = 0, lowest = 0xFFFFFFFFu;
+        // History: lane pairs r = 2p, 2p + 1 put their 4 edges' indices in the 4 bytes of the word, at bit K p.
+        uint32_t word = 0, lowest = 0xFFFFFFFFu, held_best = 0, held_out = 0;
         #pragma unroll
         for (int m = 0; m < F::JT; ++m) {
             const int j = t + m * THREADS;
+            const uint32_t idx = ((uint32_t) (m * THREADS) >> (16 - 3 * K)) * F::LANES;  // j's top bits (t < THREADS)
             uint32_t pred[F::NC];  // predecessor costs in both lanes, less the magic's bits past the index
             #pragma unroll
             for (int c = 0; c < F::NC; ++c) pred[c] = prev[(c << (16 - 2 * K)) + j] * F::LANES + F::BIAS;
@@ -302,12 +304,18 @@ __global__ void __launch_bounds__(THREADS, 1) forward_fixed_kernel(
                 uint32_t best;
                 if constexpr (K == 1) best = min_u16x2(key[0], key[1]);
                 else best = min_u16x2(__vimin3_u16x2(key[0], key[1], key[2]), key[3]);
-                word = (word << K) + (best & F::IMASK);
                 // Renormalized, clamped, and relabelled with this edge's index as the next step's predecessor.
-                const uint32_t idx = ((uint32_t) j >> (16 - 3 * K)) * F::LANES;
                 const uint32_t kept = __viaddmin_u16x2(best, minus_low, ((F::CAP << K) | (F::NC - 1)) * F::LANES);
                 out[l] = (kept & ~F::IMASK) | idx;
-                lowest = min_u16x2(lowest, out[l]);
+                const int r = m * F::LP + l;
+                if (r % 2 == 0) {
+                    held_best = best;
+                    held_out = out[l];
+                } else {
+                    const uint32_t bytes = __byte_perm(held_best, best, 0x6420);  // low bytes of the 4 lanes
+                    word += (bytes & ((F::NC - 1) * 0x01010101u)) << (K * (r / 2));
+                    lowest = __vimin3_u16x2(lowest, held_out, out[l]);
+                }
             }
             uint16_t* at = next + (j << K);
             if constexpr (F::LP == 1) *reinterpret_cast<uint32_t*>(at) = out[0];
@@ -351,11 +359,11 @@ __global__ void trace_kernel(const uint32_t* __restrict__ hist, int n, int first
     for (int ri = last; ri >= first; --ri) {
         const uint32_t j = edge >> K, el = edge & CMASK;
         uint32_t c;
-        if constexpr (FIXED) {  // pair q of thread j % THREADS; its edges' bits at 16 l + K (PAIRS - 1 - q)
+        if constexpr (FIXED) {  // lane pair r of thread j % THREADS: byte 2 (r % 2) + lane, bit K (r / 2)
             using F = Fixed<K>;
-            const uint32_t q = (j / THREADS) * F::LP + el / 2;
+            const uint32_t r = (j / THREADS) * F::LP + el / 2, byte = 2 * (r % 2) + (el & 1);
             const uint32_t word = tile_hist[(size_t) ri * THREADS + j % THREADS];
-            c = (word >> ((el & 1) * 16 + K * (F::PAIRS - 1 - q))) & CMASK;
+            c = (word >> (8 * byte + K * (r / 2))) & CMASK;
         } else {
             using L = Layout<K>;
             const uint32_t m = j / L::J_STRIDE, owner = ((j % L::J_STRIDE) * L::EL_BLOCKS + el / L::LT) * L::SPLIT;
