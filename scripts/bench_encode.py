@@ -29,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import git_commit
+
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import expert_slices
 from glmquant.encode.layer import EncodedLayer, UnitInputs, encode_unit
@@ -166,13 +168,6 @@ def disk_read_gbps(directory: Path, nbytes: int = 2 << 30) -> float:
     seconds = time.perf_counter() - t0
     path.unlink()
     return nbytes / seconds / 1e9
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def kernel_rates(backend: str, count: int) -> dict[str, int]:

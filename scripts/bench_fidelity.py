@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_common import git_commit
 from rich.console import Console
 
 from glmquant.arch import PROJECTIONS, load_model_spec
@@ -692,7 +693,7 @@ class Bench:
         self.best_hessians: tuple[str, float | None] | None = None
         self.record: dict[str, Any] = {
             "format": "glmquant.bench_fidelity.v1",
-            "commit": args.commit or _commit(),
+            "commit": args.commit or git_commit(),
             "device": _device_name(args.device),
             "layout": args.layout,
             "calibration": {"rows": args.rows, "tokens": args.tokens},
@@ -915,11 +916,6 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
-
-
-def _commit() -> str | None:
-    run = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return run.stdout.strip() or None
 
 
 def main() -> None:

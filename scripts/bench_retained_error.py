@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+from bench_common import git_commit
 from rich.console import Console
 
 from glmquant.checkpoint.reader import SourceCheckpoint
@@ -80,12 +80,11 @@ def main() -> None:
         }
         for a, b in zip(bits, bits[1:])
     }
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     report = {
         "what": "EXL3 retained-linear encode error per role and K on the small random model (observe rows 4 x "
         "tokens 64, dense Hessians; encode --retained-bits K, MCG): tr(E H E^T)/tr(W H W^T) and |E|^2/|W|^2",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit.stdout.strip() or None,
+        "commit": git_commit(),
         "torch": torch.__version__,
         "device": "cpu",
         "by_bits": {f"K{k}": v for k, v in by_k.items()},

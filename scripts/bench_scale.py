@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_common import git_commit
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("fixture", "build", "verify", "runtime")
 
@@ -415,10 +417,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         except md.PackageNotFoundError:
             return None
 
-    commit = args.commit
-    if commit is None:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        commit = git.stdout.strip() if git.returncode == 0 else "unknown"
+    commit = args.commit or git_commit()
     return {
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "host": platform.node(),

@@ -19,11 +19,11 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from bench_common import git_commit
 
 from glmquant.arch import ModelSpec, load_model_spec
 from glmquant.arch.table import PROJECTIONS
@@ -94,9 +94,7 @@ def main() -> None:
     moe_layers = len(spec.moe_layers)
     layer_s = unit_s * units_per_layer
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    commit = (
-        args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-    )
+    commit = args.commit or git_commit()
     result = {
         "bench": "tuning",
         "device": device.type,

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench_module():
+    sys.path.insert(0, str(ROOT / "scripts"))  # its helpers (bench_common), as when run as a script
     spec = importlib.util.spec_from_file_location("bench_fidelity", ROOT / "scripts" / "bench_fidelity.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses resolve their module by name
