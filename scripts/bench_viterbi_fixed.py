@@ -26,7 +26,7 @@ from glmquant.exl3.codebooks import codebook_values
 from glmquant.exl3.viterbi import viterbi_torch
 
 sys.path.insert(0, str(ROOT / "tests" / "exl3"))
-from cuda_viterbi_reference import viterbi_cuda_reference  # noqa: E402
+from cuda_viterbi_reference import viterbi_cuda_reference
 
 CASES = [(2, "0.6"), (2, "1.0"), (2, "1.25"), (2, "1.6"), (2, "2.0"), (2, "3.0"), (2, "t5"), (1, "0.7"), (1, "1.25")]
 CASES += [(1, "2.0"), (1, "t5")]
@@ -46,7 +46,6 @@ def main() -> None:
     ap.add_argument("--tiles", type=int, default=24)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/viterbi_fixed_quality_cpu.json")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     lut = codebook_values("mcg")
     rows = []
     for bits, dist in CASES:
