@@ -14,6 +14,7 @@ import torch
 
 COARSE = [0.1 + 0.2 * i for i in range(10)]
 FINE_STEP = 0.075
+FINE_POINTS = 5  # the fine grid: the coarse minimum and two steps either side
 # The coarse walk starts at 0.7, 0.9, 1.1: regularized tiles put the coarse minimum at 0.7-1.1 for every tensor
 # measured (96 routed-expert linears of the CPU-trained proxy at K1-K4 MCG and K2 MUL1, each with the full grid's
 # scale, bit for bit), so the walk usually stops after three to five points where the full grid quantizes ten.
@@ -31,6 +32,8 @@ class ScaleSearch:
     # Walk the coarse grid from WALK_START towards lower errors and stop at the first local minimum (the full grid's
     # minimum wherever the coarse curve has one minimum) instead of quantizing all ten points.
     coarse_walk: bool = False
+    # The same on the fine grid, from its three middle points: the parabola needs the minimum's two neighbours only.
+    fine_walk: bool = False
 
 
 EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
@@ -38,7 +41,7 @@ EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
 # LDLQ's own Viterbi work; one tile wide cuts that to a third at the same proxy error (+0.002 % on an H200 run
 # over 4 real-shape experts, bench/results/encode_layer_tr3_h200.json).
 # The coarse walk quantizes 3-5 of the 10 coarse points: 40 % of the search's tiles were the coarse grid's.
-DEFAULT_SEARCH = ScaleSearch(band_width=1, coarse_walk=True)
+DEFAULT_SEARCH = ScaleSearch(band_width=1, coarse_walk=True, fine_walk=True)
 
 
 def _errors(
@@ -58,24 +61,25 @@ def _errors(
     return (sums / torch.tensor(counts, dtype=sums.dtype, device=sums.device)).tolist()
 
 
-def _coarse_minima(
-    samples: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor], walk: bool
-) -> list[int]:
-    """Index into COARSE of each tensor's coarse minimum (ties: the lower scale)."""
-    errors: list[dict[int, float]] = [{} for _ in samples]
-    start = [WALK_START - 1, WALK_START, WALK_START + 1] if walk else list(range(len(COARSE)))
-    todo = [(t, i) for t in range(len(samples)) for i in start]
+def _walk(
+    start: list[int], size: int, count: int, evaluate: Callable[[list[tuple[int, int]]], list[float]]
+) -> list[dict[int, float]]:
+    """Per tensor (count of them), the errors at grid indices `start`, extended one point at a time towards lower
+    errors until the lowest point seen has both neighbours seen or lies at the grid's end. evaluate maps
+    (tensor, grid index) pairs to errors; one call per round for all tensors."""
+    errors: list[dict[int, float]] = [{} for _ in range(count)]
+    todo = [(t, i) for t in range(count) for i in start]
     while todo:
-        for (t, i), value in zip(todo, _errors([(t, COARSE[i]) for t, i in todo], samples, quantize)):
+        for (t, i), value in zip(todo, evaluate(todo)):
             errors[t][i] = value
         todo = []
-        for t, seen in enumerate(errors):  # extend the walk where its lowest point is at an end of what it has seen
+        for t, seen in enumerate(errors):
             best = _lowest(seen)
             if best == min(seen) and best > 0:
                 todo.append((t, best - 1))
-            elif best == max(seen) and best < len(COARSE) - 1:
+            elif best == max(seen) and best < size - 1:
                 todo.append((t, best + 1))
-    return [_lowest(seen) for seen in errors]
+    return errors
 
 
 def _lowest(errors: dict[int, float]) -> int:
@@ -83,11 +87,12 @@ def _lowest(errors: dict[int, float]) -> int:
     return min(errors, key=lambda i: (errors[i], i))
 
 
-def _parabola(fine: list[float], err: list[float]) -> float:
-    best = min(range(len(fine)), key=err.__getitem__)
+def _parabola(fine: list[float], errors: dict[int, float]) -> float:
+    """The fine grid's lowest point, moved to the vertex of the parabola through it and its neighbours."""
+    best = _lowest(errors)
     offset = 0.0
-    if 0 < best < len(fine) - 1:
-        y0, y1, y2 = err[best - 1], err[best], err[best + 1]
+    if best - 1 in errors and best + 1 in errors:
+        y0, y1, y2 = errors[best - 1], errors[best], errors[best + 1]
         denom = y0 - 2.0 * y1 + y2
         offset = max(-0.5, min(0.5, 0.5 * (y0 - y2) / denom)) if denom > 0 else 0.0
     return max(fine[best] + offset * FINE_STEP, 0.01)
@@ -99,10 +104,19 @@ def search_scales(
     search: ScaleSearch = EXLLAMAV3_SEARCH,
 ) -> list[float]:
     """One global scale per tensor from its sample tiles; quantize maps tiles to quantized values."""
-    minima = _coarse_minima([s[:: search.coarse_stride] for s in samples], quantize, search.coarse_walk)
-    centers = [COARSE[i] for i in minima]
-    fines = [[c + FINE_STEP * (i - 2) for i in range(5)] for c in centers]
-    err = _errors(
-        [(t, s) for t in range(len(samples)) for s in fines[t]], [s[:: search.fine_stride] for s in samples], quantize
+    count = len(samples)
+    coarse_tiles = [s[:: search.coarse_stride] for s in samples]
+    coarse_start = [WALK_START - 1, WALK_START, WALK_START + 1] if search.coarse_walk else list(range(len(COARSE)))
+    coarse = _walk(
+        coarse_start,
+        len(COARSE),
+        count,
+        lambda todo: _errors([(t, COARSE[i]) for t, i in todo], coarse_tiles, quantize),
     )
-    return [_parabola(fines[t], err[5 * t : 5 * t + 5]) for t in range(len(samples))]
+    fines = [[COARSE[_lowest(seen)] + FINE_STEP * (i - 2) for i in range(FINE_POINTS)] for seen in coarse]
+    fine_tiles = [s[:: search.fine_stride] for s in samples]
+    fine_start = [1, 2, 3] if search.fine_walk else list(range(FINE_POINTS))
+    fine = _walk(
+        fine_start, FINE_POINTS, count, lambda todo: _errors([(t, fines[t][i]) for t, i in todo], fine_tiles, quantize)
+    )
+    return [_parabola(fines[t], fine[t]) for t in range(count)]

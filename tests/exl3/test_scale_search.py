@@ -1,4 +1,4 @@
-"""The global scale search: the coarse walk finds the full coarse grid's minimum with fewer quantized tiles."""
+"""The global scale search: the coarse and fine walks find the full grids' scale with fewer quantized tiles."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 
 from glmquant.exl3.backends import quantize_tiles, select_backend
 from glmquant.exl3.codebooks import Codebook
-from glmquant.exl3.scale_search import COARSE, DEFAULT_SEARCH, ScaleSearch, search_scales
+from glmquant.exl3.scale_search import COARSE, DEFAULT_SEARCH, FINE_POINTS, ScaleSearch, search_scales
 
-FULL_GRID = ScaleSearch(band_width=DEFAULT_SEARCH.band_width, coarse_walk=False)
+FULL_GRID = ScaleSearch(band_width=DEFAULT_SEARCH.band_width, coarse_walk=False, fine_walk=False)
 
 
 def _counting_quantizer(bits: int) -> tuple[list[int], Callable[[torch.Tensor], torch.Tensor]]:
@@ -25,11 +25,11 @@ def _counting_quantizer(bits: int) -> tuple[list[int], Callable[[torch.Tensor], 
 
 
 @pytest.mark.parametrize("spread", [1.3, 4.0, 0.6])
-def test_the_coarse_walk_finds_the_full_grids_scale(spread: float) -> None:
+def test_the_walks_find_the_full_grids_scale(spread: float) -> None:
     """Gaussian tiles (what regularized weights look like; K2 MCG's best scale for them is ~1.235 / spread) at the
     spread of a real model's regularized tiles put the coarse minimum at 0.9, where the walk starts; three times
     wider put it near 0.3, and narrower near the grid's top: the walk goes there too, and the search ends on the
-    same scale as with the whole grid, bit for bit."""
+    same scale as with the whole grids, bit for bit."""
     g = torch.Generator().manual_seed(int(spread * 10))
     samples = [torch.randn(48, 256, generator=g) * spread for _ in range(3)]
     full_seen, full_q = _counting_quantizer(2)
@@ -38,8 +38,8 @@ def test_the_coarse_walk_finds_the_full_grids_scale(spread: float) -> None:
     walk = search_scales(samples, walk_q, DEFAULT_SEARCH)
     assert walk == full
     assert walk_seen[0] < full_seen[0]
-    if spread == 1.3:  # the usual case: three coarse points of ten
-        coarse_full = len(COARSE) * 3 * 16  # 3 tensors, every third of 48 tiles
-        assert full_seen[0] - walk_seen[0] == coarse_full - 3 * 3 * 16
+    assert full_seen[0] == 3 * (len(COARSE) * 16 + FINE_POINTS * 48)  # 3 tensors: every third tile, then all 48
+    if spread == 1.3:  # the usual case: three coarse points of ten, three or four fine points of five
+        assert walk_seen[0] <= 3 * (3 * 16 + 4 * 48)
     else:
         assert abs(full[0] - 1.235 / spread) < 0.1 * (1.235 / spread)
