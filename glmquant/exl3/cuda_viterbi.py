@@ -120,7 +120,7 @@ def codebook_peak(codebook: Codebook) -> float:
 
 
 class _Scratch:
-    """Per-device history and cost buffers, grown on demand and reused across calls."""
+    """Per-device history and seam buffers, grown on demand and reused across calls."""
 
     buffers: dict[tuple[torch.device, str], torch.Tensor] = {}
 

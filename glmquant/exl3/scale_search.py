@@ -2,7 +2,7 @@
 
 The sampled error curve is flat near its optimum but not unimodal, so ExLlamaV3 1.6.5 uses a coarse
 grid, then a fine grid around the coarse minimum refined by a parabola; so do we. All tensors of a
-batch are evaluated in one Viterbi call per stage (per round of the coarse walk).
+batch are evaluated in one Viterbi call per round of a grid's walk (or per grid).
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
 # Ours: a band one tile wide. For tr3 rank slices (4096 x 512) ExLlamaV3's band makes the search cost 88 % of the
 # LDLQ's own Viterbi work; one tile wide cuts that to a third at the same proxy error (+0.002 % on an H200 run
 # over 4 real-shape experts, bench/results/encode_layer_tr3_h200.json).
-# The coarse walk quantizes 3-5 of the 10 coarse points: 40 % of the search's tiles were the coarse grid's.
+# The coarse walk quantizes 3-5 of the 10 coarse points (40 % of the search's tiles were the coarse grid's), the fine
+# walk 3-4 of the 5 fine points, each of which quantizes every band tile: the search went from 12.8 to 8.5 s for
+# 96 real-shape experts on an H200 (bench/results/encode_layer_tr3_h200_walk96_*.json; same scales on the proxy).
 DEFAULT_SEARCH = ScaleSearch(band_width=1, coarse_walk=True, fine_walk=True)
 
 

@@ -13,7 +13,14 @@ import torch
 from glmquant.exl3 import Codebook
 from glmquant.exl3.backends import select_backend
 from glmquant.exl3.codebooks import codebook_values
-from glmquant.exl3.cuda_viterbi import build, codebook_pairs, cuda_viterbi_available, viterbi_cuda
+from glmquant.exl3.cuda_viterbi import (
+    build,
+    codebook_pairs,
+    codebook_peak,
+    cuda_viterbi_available,
+    fixed_pairs,
+    viterbi_cuda,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_viterbi_reference import viterbi_cuda_reference
@@ -40,6 +47,15 @@ def test_codebook_pairs_put_state_pairs_in_one_word() -> None:
         cp, e = 1 if bits > 1 else 0, 5
         lo, hi = pairs[cp, e : e + 1].view(torch.int16)
         assert lo == values[((2 * cp) << kr) | e] and hi == values[((2 * cp + 1) << kr) | e]
+
+
+def test_fixed_pairs_hold_two_adjacent_states_scaled_by_16() -> None:
+    values = codebook_values("mul1")
+    pairs = fixed_pairs(Codebook.MUL1, torch.device("cpu"))
+    assert pairs.shape == (32768,) and pairs.dtype == torch.int32
+    lo, hi = pairs[4321:4322].view(torch.float16)
+    assert lo == values[8642] * 16 and hi == values[8643] * 16
+    assert codebook_peak(Codebook.MUL1) == values.float().abs().max().item()
 
 
 @pytest.mark.slow
