@@ -62,6 +62,23 @@ __device__ __forceinline__ uint32_t pack(float cost, uint32_t index)
 
 __device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<__half2*>(&bits); }
 
+// The block's lowest (cost << 32 | edge) key over every thread's `key`; thread 0 writes its edge to *out (the lowest
+// cost, then the lowest edge). Every thread of the block calls it.
+__device__ void write_lowest_edge(unsigned long long key, unsigned long long* reduce, int32_t* out)
+{
+    const int t = threadIdx.x;
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) key = min(key, __shfl_xor_sync(0xFFFFFFFFu, key, off));
+    if ((t & 31) == 0) reduce[t >> 5] = key;
+    __syncthreads();
+    if (t < 32) {
+        key = reduce[t];
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) key = min(key, __shfl_xor_sync(0xFFFFFFFFu, key, off));
+        if (t == 0) *out = (int32_t) (key & 0xFFFFFFFFu);
+    }
+}
+
 template <int K>
 __global__ void __launch_bounds__(THREADS, 1) forward_kernel(
     const float* __restrict__ targets,      // [n][256] ring-ordered
@@ -158,16 +175,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_kernel(
             const float c = final_costs[e];
             key = min(key, ((unsigned long long) __float_as_uint(c) << 32) | (uint32_t) e);
         }
-        #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) key = min(key, __shfl_xor_sync(0xFFFFFFFFu, key, off));
-        if ((t & 31) == 0) reduce[t >> 5] = key;
-        __syncthreads();
-        if (t < 32) {
-            key = reduce[t];
-            #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) key = min(key, __shfl_xor_sync(0xFFFFFFFFu, key, off));
-            if (t == 0) best_edge[tile] = (int32_t) (key & 0xFFFFFFFFu);
-        }
+        write_lowest_edge(key, reduce, best_edge + tile);
     }
 }
 
@@ -332,16 +340,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_fixed_kernel(
         unsigned long long key = ~0ull;
         for (int e = t; e < F::EDGES; e += THREADS)
             key = min(key, ((unsigned long long) (final_costs[e] >> K) << 32) | (uint32_t) e);
-        #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) key = min(key, __shfl_xor_sync(0xFFFFFFFFu, key, off));
-        if ((t & 31) == 0) reduce[t >> 5] = key;
-        __syncthreads();
-        if (t < 32) {
-            key = reduce[t];
-            #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) key = min(key, __shfl_xor_sync(0xFFFFFFFFu, key, off));
-            if (t == 0) best_edge[tile] = (int32_t) (key & 0xFFFFFFFFu);
-        }
+        write_lowest_edge(key, reduce, best_edge + tile);
     }
 }
 
