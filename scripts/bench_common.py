@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
+import platform
 import subprocess
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,3 +22,14 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return run.stdout.strip() or "unknown"
+
+
+def provenance(device: str) -> dict[str, str]:
+    """Commit, date, torch and Python versions and the device of a run, for a results file."""
+    return {
+        "commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device,
+    }

@@ -9,14 +9,12 @@ its two). Writes bench/results/refit_rounds_cpu.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
-from bench_common import ROOT, git_commit
+from bench_common import ROOT, provenance
 from bench_encode import CONFIG, make_unit
 
 import glmquant.exl3.encode as encoder
@@ -54,11 +52,7 @@ def main() -> None:
         "bench": "refit_rounds",
         "what": "mean over rank slices of tr(E H E^T) / tr(W H W^T) after each number of refit rounds, same LDLQ "
         "result; tr3 slices of real-shape experts, bench_encode.py's synthetic natural Hessians, K2 MCG",
-        "commit": git_commit(),
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": "cpu",
+        **provenance("cpu"),
         "experts": args.experts,
         "slices": len(slices),
         "mean_error_by_rounds": mean,

@@ -12,15 +12,13 @@ bench/results/viterbi_fixed_quality_cpu.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
-from bench_common import ROOT, git_commit
+from bench_common import ROOT, provenance
 
 from glmquant.exl3.codebooks import codebook_values
 from glmquant.exl3.viterbi import viterbi_torch
@@ -70,11 +68,7 @@ def main() -> None:
         "bench": "viterbi_fixed_quality",
         "what": "MSE of the CUDA fixed-point search's arithmetic (torch model, bit-exact to the kernel) over the exact "
         "two-pass search's, MCG codebook, same tiles",
-        "commit": git_commit(),
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": "cpu",
+        **provenance("cpu"),
         "rows": rows,
         "worst_ratio": max(r["ratio"] for r in rows),
     }
