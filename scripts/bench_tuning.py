@@ -16,14 +16,13 @@ bench/results/tuning_<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import time
 from pathlib import Path
 
 import torch
-from bench_common import git_commit
+from bench_common import ROOT, provenance
 
 from glmquant.arch import ModelSpec, load_model_spec
 from glmquant.arch.table import PROJECTIONS
@@ -32,7 +31,6 @@ from glmquant.exl3.codebooks import Codebook
 from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.observe.tuning_sample import RoutedSample
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests/data/glm-5.3-flash/config.json"
 
 
@@ -94,14 +92,10 @@ def main() -> None:
     moe_layers = len(spec.moe_layers)
     layer_s = unit_s * units_per_layer
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    commit = args.commit or git_commit()
     result = {
         "bench": "tuning",
-        "device": device.type,
+        **provenance(device.type),
         "gpu": gpu,
-        "torch": torch.__version__,
-        "commit": commit.strip() or "unknown",
-        "date": datetime.date.today().isoformat(),
         "shape": {
             "hidden": spec.hidden_size,
             "intermediate": spec.moe_intermediate_size,
@@ -123,6 +117,8 @@ def main() -> None:
         "projection_formula": f"unit_s x ceil({spec.n_routed_experts} / experts_per_unit) per layer, "
         f"x {moe_layers} MoE layers",
     }
+    if args.commit:
+        result["commit"] = args.commit
     out = args.out or ROOT / "bench" / "results" / f"tuning_{gpu.split()[-1].lower()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -104,11 +104,11 @@ def viterbi_cuda_reference(
     n, kr, dev = targets.shape[0], 16 - bits, targets.device
     lut16 = lut16.to(dev)
     edges = 1 << kr
+    free = torch.zeros((n, edges), dtype=torch.int64, device=dev)
     step: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
     if bits <= 2:
         fixed = _Fixed(targets, lut16, bits)
         step = fixed.step
-        free = torch.zeros((n, edges), dtype=torch.int64, device=dev)
         unreachable = fixed.cap
     else:
         x16 = targets.half()
@@ -117,7 +117,6 @@ def viterbi_cuda_reference(
             keys = _float_step(keys, x16[:, ri], lut16, bits)
             return keys, keys & ((1 << bits) - 1)
 
-        free = torch.zeros((n, edges), dtype=torch.int64, device=dev)
         unreachable = int(torch.tensor([UNREACHABLE], dtype=torch.float32).view(torch.int32).item())
 
     def forward(costs: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
