@@ -38,6 +38,7 @@ from glmquant.encode.slices import slice_hessian, slice_weight
 from glmquant.encode.units import UnitStore
 from glmquant.exl3 import Codebook
 from glmquant.exl3.backends import ENV_VAR, exllamav3_available, select_backend
+from glmquant.exl3.refit import REFIT_ROUNDS
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, EXLLAMAV3_SEARCH, ScaleSearch
 from glmquant.exl3.timing import record_stages
 
@@ -103,6 +104,7 @@ def encode_layer(
     store: UnitStore,
     search: ScaleSearch = DEFAULT_SEARCH,
     progress: Path | None = None,
+    refit_rounds: int = REFIT_ROUNDS,
 ) -> tuple[float, list[float], int, dict[str, float]]:
     """Wall time, proxy errors, LDLQ tiles and seconds per encoder stage of `experts` experts in units of
     `per_unit`, reading ahead."""
@@ -117,7 +119,7 @@ def encode_layer(
             if i + 1 < len(starts):
                 nxt = starts[i + 1]
                 pending = reader.submit(make_unit, spec, layout, range(nxt, min(nxt + per_unit, experts)), device)
-            encoded: EncodedLayer = encode_unit(unit, 2, "mcg", 0, device, search)
+            encoded: EncodedLayer = encode_unit(unit, 2, "mcg", 0, device, search, refit_rounds)
             store.write(3, i, encoded, 0.0)
             errors += [r.proxy_error for r in encoded.reports]
             tiles += tiles_of(unit)
@@ -214,6 +216,7 @@ def main() -> None:
         "to the JSON the layer run wrote",
     )
     ap.add_argument("--kernel-tiles", type=int, default=65536)
+    ap.add_argument("--refit-rounds", type=int, default=REFIT_ROUNDS, help="post-LDLQ refit rounds (ExLlamaV3: 2)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
     args = ap.parse_args()
@@ -246,6 +249,7 @@ def main() -> None:
         "bits": 2,
         "codebook": "mcg",
         "scale_search": DEFAULT_SEARCH.__dict__,
+        "refit_rounds": args.refit_rounds,
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -265,6 +269,7 @@ def main() -> None:
             "cuda",
             store,
             progress=path.with_suffix(".progress.json"),
+            refit_rounds=args.refit_rounds,
         )
         record["disk_read_gbps"] = round(disk_read_gbps(Path(tmp)), 2)
         layer_s = wall * 288 / args.experts

@@ -19,6 +19,7 @@ from glmquant.encode.slices import slice_hessian, slice_weight
 from glmquant.errors import NumericalError, UsageError
 from glmquant.exl3 import Codebook, encode_linears
 from glmquant.exl3.encode import EncodedLinear
+from glmquant.exl3.refit import REFIT_ROUNDS
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch
 
 
@@ -100,7 +101,13 @@ def read_unit(
 
 
 def encode_unit(
-    inputs: UnitInputs, bits: int | None, codebook: str, seed: int, device: str, search: ScaleSearch = DEFAULT_SEARCH
+    inputs: UnitInputs,
+    bits: int | None,
+    codebook: str,
+    seed: int,
+    device: str,
+    search: ScaleSearch = DEFAULT_SEARCH,
+    refit_rounds: int = REFIT_ROUNDS,
 ) -> EncodedLayer:
     """Encode every tensor of a unit on `device`: one batched call per bit width (tiers), results in unit order.
     `bits` is the K of tensors whose inputs carry none; None when every tensor's K is in the inputs (ValueError
@@ -127,7 +134,15 @@ def encode_unit(
         batch = [i for i, w in enumerate(widths) if w == k]
         for i, enc in zip(
             batch,
-            encode_linears([items[i] for i in batch], k, Codebook(codebook), seed, device=device, scale_search=search),
+            encode_linears(
+                [items[i] for i in batch],
+                k,
+                Codebook(codebook),
+                seed,
+                device=device,
+                scale_search=search,
+                refit_rounds=refit_rounds,
+            ),
         ):
             encoded[i] = enc
     if inputs.tuning is not None:

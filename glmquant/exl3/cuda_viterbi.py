@@ -108,9 +108,9 @@ def codebook_pairs(codebook: Codebook, bits: int, device: torch.device) -> torch
 
 
 @lru_cache(maxsize=8)
-def fixed_pairs(codebook: Codebook, device: torch.device) -> torch.Tensor:
-    """The fp16 codebook x 16 as int32 words holding the values of states 2w and 2w + 1 (the fixed-point search)."""
-    return (codebook_values(codebook) * FIXED_SCALE).view(torch.int32).to(device)
+def fixed_values(codebook: Codebook, device: torch.device) -> torch.Tensor:
+    """The fp16 codebook x 16, one value per state (the fixed-point search's table)."""
+    return (codebook_values(codebook) * FIXED_SCALE).to(device)
 
 
 @lru_cache(maxsize=8)
@@ -163,7 +163,7 @@ def viterbi_cuda(
     hist = _Scratch.get(x.device, "hist", batch * HIST_BYTES_PER_TILE)
     edges = _Scratch.get(x.device, "edges", batch * 4)
     book = Codebook(codebook)
-    table = fixed_pairs(book, x.device) if bits <= FIXED_MAX_BITS else codebook_pairs(book, bits, x.device)
+    table = fixed_values(book, x.device) if bits <= FIXED_MAX_BITS else codebook_pairs(book, bits, x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
         rc = lib.exl3_viterbi_cuda(

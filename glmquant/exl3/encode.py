@@ -14,7 +14,7 @@ from glmquant.exl3.decode import decode_weight
 from glmquant.exl3.hadamard import had_left, had_right
 from glmquant.exl3.hessian import PreparedHessian, pad_hessian, prepare_hessian
 from glmquant.exl3.ldlq import ldlq
-from glmquant.exl3.refit import refit_scales
+from glmquant.exl3.refit import REFIT_ROUNDS, refit_scales
 from glmquant.exl3.regularize import LDLQ_DRIFT, balance_scales, regularize, sample_tiles
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch, search_scales
 from glmquant.exl3.tensor import EXL3Tensor, padded
@@ -131,12 +131,14 @@ def _check_fp16_range(weight: torch.Tensor) -> None:
         )
 
 
-def _finish(job: _Job, q: torch.Tensor, states: torch.Tensor, bits: int, codebook: Codebook) -> EncodedLinear:
+def _finish(
+    job: _Job, q: torch.Tensor, states: torch.Tensor, bits: int, codebook: Codebook, refit_rounds: int
+) -> EncodedLinear:
     su, sv = job.su, job.sv
-    if job.prep.hessian is not None:
+    if job.prep.hessian is not None and refit_rounds > 0:
         with stage("finish.refit", job.w.device):
             wq = had_right(had_left(q) * su[:, None]) * sv[None, :]
-            su, sv = refit_scales(job.w, wq, job.prep.hessian, su, sv)
+            su, sv = refit_scales(job.w, wq, job.prep.hessian, su, sv, refit_rounds)
     su, sv = balance_scales(su, sv)
     out_f, in_f = job.weight.shape
     on_device = EXL3Tensor(pack_trellis(states, bits), su.half(), sv.half(), codebook, in_f, out_f)
@@ -157,14 +159,17 @@ def encode_linears(
     device: str | torch.device = "cpu",
     backend: str | None = None,
     scale_search: ScaleSearch = DEFAULT_SEARCH,
+    refit_rounds: int = REFIT_ROUNDS,
 ) -> list[EncodedLinear]:
     """Encode several (HF weight, Hessian or None) pairs; their Viterbi searches share backend calls.
 
     Each result equals encode_linear on that pair alone. backend: None (best for device), "native",
-    "torch", "cuda" or "exllamav3".
+    "torch", "cuda" or "exllamav3". refit_rounds: rounds of the post-LDLQ scale refit (0: none).
     """
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be 1..8, got {bits}")
+    if refit_rounds < 0:
+        raise ValueError(f"refit_rounds must be >= 0, got {refit_rounds}")
     if not items:
         return []
     codebook, dev = Codebook(codebook), torch.device(device)
@@ -188,7 +193,7 @@ def encode_linears(
     with stage("ldlq", dev):
         results = _ldlq_jobs(jobs, values)
     with stage("finish", dev):
-        return [_finish(j, q, s, bits, codebook) for j, (q, s) in zip(jobs, results)]
+        return [_finish(j, q, s, bits, codebook, refit_rounds) for j, (q, s) in zip(jobs, results)]
 
 
 def _ldlq_jobs(

@@ -1,7 +1,8 @@
 """Post-LDLQ refit of the stored per-channel scales in the Hessian metric, the trellis held fixed.
 
 Per output column the best scale is closed-form; the input scales solve ((Q Q^T) o H) r = rowsum(Q o H W).
-Two alternating rounds, as in ExLlamaV3 1.6.5; free at inference since suh/svh are stored anyway. The system is
+Alternating rounds (ExLlamaV3 1.6.5 runs two; we run one, see REFIT_ROUNDS); free at inference since suh/svh are
+stored anyway. The system is
 symmetric positive definite (a Schur product of the PSD Q Q^T, whose diagonal the damping keeps positive, and the
 damped H), so it is solved by Cholesky: half the flops of the LU solve ExLlamaV3 uses, the same solution to float32
 rounding.
@@ -11,9 +12,14 @@ from __future__ import annotations
 
 import torch
 
+# The second round buys 0.007 % of the refit's objective (bench/results/refit_rounds_cpu.json: 12 real-shape rank
+# slices) for half the refit's time, about 9 s of an H200's 200 s per MoE layer; one round is the default.
+REFIT_ROUNDS = 1
+EXLLAMAV3_REFIT_ROUNDS = 2
+
 
 def refit_scales(
-    w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, su: torch.Tensor, sv: torch.Tensor, rounds: int = 2
+    w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, su: torch.Tensor, sv: torch.Tensor, rounds: int = REFIT_ROUNDS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w, wq: original and quantized weight [k, n] (original basis, wq built with su, sv); h: damped H [k, k].
 

@@ -13,10 +13,11 @@
 // At K <= 2 a second search does the same in 16-bit fixed point with Hopper's DPX SIMD instructions, two edges
 // per register: targets and codebook values are scaled per tile (by its RMS), a candidate's squared difference is
 // one HSUB2 and one HFMA2 that adds 2^10, whose fp16 bits above 0x6400 are then the error in integer units
-// (larger errors compress monotonically), and one IMAD scales it past the K index bits and adds the predecessor's cost,
-// which carries that predecessor's index in its own low K bits. A 16-bit min then gives cost and argmin at once.
-// Costs are renormalized every step by the block's lowest cost and clamped to a cap well above any competitive
-// path, so the keys never wrap. Fewer instructions per candidate; quality within noise of the fp32 search.
+// (larger errors compress monotonically), and one IMAD scales it past the K index bits and adds the predecessor's cost
+// with that predecessor's index in its low K bits. A 16-bit min then gives cost and argmin at once. Costs are
+// renormalized every step by the block's lowest cost and clamped to a cap well above any competitive path (a clamped
+// edge records index 2^K - 1), so the keys never wrap. Fewer instructions per candidate; quality within noise of the
+// fp32 search.
 //
 // Passes as ExLlamaV3 1.6.5 runs them: pass 1 searches the ring rotated so that it starts `before` positions
 // ahead of position 0 and ends `after` positions past it, from free start states; the traceback of its best path
@@ -185,27 +186,20 @@ struct Fixed {
     static constexpr int EDGES = 1 << KR;
     static constexpr int NC = 1 << K;
     static constexpr int GROUPS = 1 << (16 - 2 * K);          // edges sharing their NC predecessors: j = e >> K
-    static constexpr int JT = GROUPS / THREADS;               // groups per thread (16 at K = 1, 4 at K = 2)
-    static constexpr int LP = NC / 2;                         // lane pairs (edges 2l, 2l + 1) per group
-    static constexpr int PAIRS = JT * LP;
+    static constexpr int PAIRS = GROUPS / 2 / THREADS;        // group pairs (2g, 2g + 1) per thread: 8 at K = 1, 2 at K = 2
+    static constexpr int WORDS = PAIRS * NC;                  // edge pairs (one per lane pair) per thread
     static constexpr uint32_t LANES = 0x00010001u;
     static constexpr uint32_t IMASK = (NC - 1) * LANES;       // the index bits of both lanes
     static constexpr uint32_t MAGIC = 0x6400u;                // fp16 bits of 2^10
     static constexpr uint32_t MAX_ERROR = 0x7C00u - MAGIC;    // +inf: the largest error a candidate can add
     static constexpr uint32_t CAP = K == 1 ? 26000u : 10000u; // cost clamp (units of the HFMA2's ulp)
+    static constexpr uint32_t CAPS = ((CAP << K) | (NC - 1)) * LANES;  // the clamp in both lanes
     static constexpr float PER_RMS = K == 1 ? 5.0f : 20.0f;    // tile scale x RMS (calibrated in docs/encode.md)
     static constexpr uint32_t BIAS = 0u - (MAGIC << K) * LANES;
-    static_assert(JT * THREADS == GROUPS && K <= 2, "fixed-point layout covers K = 1, 2");
+    static_assert(PAIRS * 2 * THREADS == GROUPS && K <= 2, "fixed-point layout covers K = 1, 2");
     static_assert(((CAP + MAX_ERROR) << K) + NC - 1 < 65536u, "keys never wrap");
-    static_assert(PAIRS % 2 == 0 && PAIRS / 2 * K <= 8, "one history word per thread and step");
+    static_assert(WORDS % 2 == 0 && WORDS / 2 * K == 8, "one history word per thread and step");
 };
-
-__device__ __forceinline__ uint32_t min_u16x2(uint32_t a, uint32_t b)
-{
-    uint32_t r;
-    asm("min.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
 
 __device__ __forceinline__ uint32_t as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
@@ -235,22 +229,27 @@ __device__ float tile_scale(const float* __restrict__ x, float codebook_peak, fl
     return scale;
 }
 
-// The fixed-point search (K <= 2): same passes and arguments as forward_kernel; `pairs` holds the codebook values
-// scaled by 16 as fp16 words of edges (2w, 2w + 1): [2^K][2^(15-K)] (rescaled to the tile's scale on loading);
-// codebook_peak is their largest magnitude (unscaled). Each position's HFMA2 adds 2^10 less a floor under its
-// smallest squared error (non-zero for targets beyond the codebook's range), which keeps every candidate's result at
-// or above 2^10 and the competitive ones in its linear binade.
+// The fixed-point search (K <= 2): same passes and arguments as forward_kernel; `values` holds the codebook's values
+// scaled by 16 as fp16, one per state (rescaled to the tile's scale on loading); codebook_peak is their largest
+// magnitude (unscaled). Each position's HFMA2 adds 2^10 less a floor under its smallest squared error (non-zero for
+// targets beyond the codebook's range), which keeps every candidate's result at or above 2^10 and the competitive ones
+// in its linear binade.
+//
+// Thread t owns the group pairs g = t + q THREADS, groups 2g and 2g + 1 in the low and high lanes: the two groups'
+// costs of one predecessor candidate are one 32-bit shared load, and their 2 NC edges one contiguous store. Costs are
+// stored without labels: the predecessor bias adds each candidate's index c (its slot), removes the magic's bits past
+// the index and renormalizes by the previous step's lowest cost, all in one IADD3 per candidate and group pair; the
+// edge's min over its candidates and the clamp are one or two 3-way 16-bit mins.
 template <int K>
 __global__ void __launch_bounds__(THREADS, 1) forward_fixed_kernel(
-    const float* __restrict__ targets, const uint32_t* __restrict__ pairs, float codebook_peak, int roll,
+    const float* __restrict__ targets, const uint16_t* __restrict__ values, float codebook_peak, int roll,
     int steps, int store_below, const int32_t* __restrict__ start_edge, uint32_t* __restrict__ hist,
     int32_t* __restrict__ best_edge)
 {
     using F = Fixed<K>;
     extern __shared__ __align__(16) unsigned char smem[];
-    __half2* xs = reinterpret_cast<__half2*>(smem);                      // [256] scaled target, twice
-    __half2* adds = xs + 256;                                            // [256] 2^10 less the error floor, twice
-    uint32_t* lows = reinterpret_cast<uint32_t*>(adds + 256);           // [2][32] per-warp lowest costs
+    uint2* xa = reinterpret_cast<uint2*>(smem);                          // [256] (scaled target, addend), each twice
+    uint32_t* lows = reinterpret_cast<uint32_t*>(xa + 256);             // [2][32] per-warp lowest costs
     unsigned long long* reduce = reinterpret_cast<unsigned long long*>(lows + 64);  // [32]
     uint16_t* costs = reinterpret_cast<uint16_t*>(reduce + 32);          // [2][EDGES]
 
@@ -259,77 +258,82 @@ __global__ void __launch_bounds__(THREADS, 1) forward_fixed_kernel(
     const float* x_tile = targets + (size_t) tile * 256;
     const float scale = tile_scale(x_tile, codebook_peak, F::PER_RMS, lows);
     const __half2 rescale = __float2half2_rn(scale / 16.0f);
-    uint32_t values[F::JT][F::LP][F::NC];
+    uint32_t pair_values[F::PAIRS][F::NC][F::NC];  // [q][el][c]: states (c, 2g, el) and (c, 2g + 1, el)
     #pragma unroll
-    for (int m = 0; m < F::JT; ++m)
+    for (int q = 0; q < F::PAIRS; ++q)
         #pragma unroll
-        for (int l = 0; l < F::LP; ++l)
+        for (int el = 0; el < F::NC; ++el)
             #pragma unroll
-            for (int c = 0; c < F::NC; ++c)
-                values[m][l][c] = as_u32(
-                    __hmul2(as_half2(pairs[(c << (F::KR - 1)) | ((t + m * THREADS) << (K - 1)) | l]), rescale));
+            for (int c = 0; c < F::NC; ++c) {
+                const uint32_t state = (c << F::KR) | ((2 * (t + q * THREADS)) << K) | el;
+                const uint32_t word = values[state] | ((uint32_t) values[state + F::NC] << 16);
+                pair_values[q][el][c] = as_u32(__hmul2(as_half2(word), rescale));
+            }
 
     for (int i = t; i < 256; i += THREADS) {
         const __half x = __float2half_rn(x_tile[i] * scale);
         const float over = fmaxf(fabsf(__half2float(x)) - codebook_peak * scale, 0.0f);
         const float floor_error = floorf(over * over * (1.0f - 1.0f / 512.0f));
-        xs[i] = __half2half2(x);
-        adds[i] = __half2half2(__float2half_ru(1024.0f - floor_error));
+        xa[i] = make_uint2(as_u32(__half2half2(x)), as_u32(__half2half2(__float2half_ru(1024.0f - floor_error))));
     }
     __syncthreads();  // tile_scale's scratch is reused below
     const int seam = start_edge ? start_edge[tile] : -1;
-    for (int e = t; e < F::EDGES; e += THREADS)
-        costs[e] = (uint16_t) (((seam < 0 || e == seam ? 0u : F::CAP) << K) | (e >> (F::KR - K)));
+    for (int e = t; e < F::EDGES; e += THREADS) costs[e] = (uint16_t) ((seam < 0 || e == seam ? 0u : F::CAP) << K);
     if (t < 32) lows[t] = 0;  // the lowest start cost is 0 in both passes
     __syncthreads();
 
-    uint32_t* tile_hist = hist + (size_t) tile * 256 * THREADS;
+    uint32_t* thread_hist = hist + (size_t) tile * 256 * THREADS + t;
     for (int i = 0; i < steps; ++i) {
         const int ri = (roll + i) & 255;
-        const uint16_t* prev = costs + (i & 1) * F::EDGES;
+        const uint32_t* prev = reinterpret_cast<const uint32_t*>(costs + (i & 1) * F::EDGES);
         uint16_t* next = costs + ((i + 1) & 1) * F::EDGES;
-        const __half2 x = xs[ri], add = adds[ri];
+        const uint2 here = xa[ri];
+        const __half2 x = as_half2(here.x), add = as_half2(here.y);
         const uint32_t low = __reduce_min_sync(0xFFFFFFFFu, lows[(i & 1) * 32 + (t & 31)]) & ~(uint32_t) (F::NC - 1);
-        const uint32_t minus_low = ((0u - low) & 0xFFFFu) * F::LANES;
-        // History: lane pairs r = 2p, 2p + 1 put their 4 edges' indices in the 4 bytes of the word, at bit K p.
-        uint32_t word = 0, lowest = 0xFFFFFFFFu, held_best = 0, held_out = 0;
+        const uint32_t bias = F::BIAS - low * F::LANES;
+        // History: the kept words w = 2p, 2p + 1 put their 4 lanes' indices in the 4 bytes of the word, at bit K p.
+        uint32_t word = 0, lowest = 0xFFFFFFFFu, held = 0;
         #pragma unroll
-        for (int m = 0; m < F::JT; ++m) {
-            const int j = t + m * THREADS;
-            const uint32_t idx = ((uint32_t) (m * THREADS) >> (16 - 3 * K)) * F::LANES;  // j's top bits (t < THREADS)
-            uint32_t pred[F::NC];  // predecessor costs in both lanes, less the magic's bits past the index
+        for (int q = 0; q < F::PAIRS; ++q) {
+            const int g = t + q * THREADS;
+            uint32_t pred[F::NC];  // both groups' cost of predecessor c, biased
             #pragma unroll
-            for (int c = 0; c < F::NC; ++c) pred[c] = prev[(c << (16 - 2 * K)) + j] * F::LANES + F::BIAS;
-            uint32_t out[F::LP];
+            for (int c = 0; c < F::NC; ++c) pred[c] = prev[c * (F::GROUPS / 2) + g] + bias + c * F::LANES;
+            uint32_t out[F::NC];
             #pragma unroll
-            for (int l = 0; l < F::LP; ++l) {
+            for (int el = 0; el < F::NC; ++el) {
                 uint32_t key[F::NC];
                 #pragma unroll
                 for (int c = 0; c < F::NC; ++c) {
-                    const __half2 d = __hsub2(as_half2(values[m][l][c]), x);
+                    const __half2 d = __hsub2(as_half2(pair_values[q][el][c]), x);
                     key[c] = as_u32(__hfma2(d, d, add)) * (1u << K) + pred[c];
                 }
-                uint32_t best;
-                if constexpr (K == 1) best = min_u16x2(key[0], key[1]);
-                else best = min_u16x2(__vimin3_u16x2(key[0], key[1], key[2]), key[3]);
-                // Renormalized, clamped, and relabelled with this edge's index as the next step's predecessor.
-                const uint32_t kept = __viaddmin_u16x2(best, minus_low, ((F::CAP << K) | (F::NC - 1)) * F::LANES);
-                out[l] = (kept & ~F::IMASK) | idx;
-                const int r = m * F::LP + l;
-                if (r % 2 == 0) {
-                    held_best = best;
-                    held_out = out[l];
+                // The lowest key, clamped: the next step's cost with the chosen index in its low bits.
+                uint32_t kept;
+                if constexpr (K == 1) kept = __vimin3_u16x2(key[0], key[1], F::CAPS);
+                else kept = __vimin3_u16x2(__vimin3_u16x2(key[0], key[1], key[2]), key[3], F::CAPS);
+                out[el] = kept & ~F::IMASK;
+                const int w = q * F::NC + el;
+                if (w % 2 == 0) {
+                    held = kept;
                 } else {
-                    const uint32_t bytes = __byte_perm(held_best, best, 0x6420);  // low bytes of the 4 lanes
-                    word += (bytes & ((F::NC - 1) * 0x01010101u)) << (K * (r / 2));
-                    lowest = __vimin3_u16x2(lowest, held_out, out[l]);
+                    const uint32_t bytes = __byte_perm(held, kept, 0x6420);  // low bytes of the 4 lanes
+                    const uint32_t field = ((F::NC - 1) << (K * (w / 2))) * 0x01010101u;
+                    // bits K (w / 2) .. of every byte from `bytes`, the rest from `word` (filled from the bottom)
+                    word = w == 1 ? bytes : (((bytes << (K * (w / 2))) & field) | (word & ~field));
+                    lowest = __vimin3_u16x2(lowest, held, kept);
                 }
             }
-            uint16_t* at = next + (j << K);
-            if constexpr (F::LP == 1) *reinterpret_cast<uint32_t*>(at) = out[0];
-            else *reinterpret_cast<uint2*>(at) = make_uint2(out[0], out[1]);
+            if constexpr (K == 1) {
+                *reinterpret_cast<uint2*>(next + (g << 2)) =
+                    make_uint2(__byte_perm(out[0], out[1], 0x5410), __byte_perm(out[0], out[1], 0x7632));
+            } else {
+                *reinterpret_cast<uint4*>(next + (g << 3)) =
+                    make_uint4(__byte_perm(out[0], out[1], 0x5410), __byte_perm(out[2], out[3], 0x5410),
+                               __byte_perm(out[0], out[1], 0x7632), __byte_perm(out[2], out[3], 0x7632));
+            }
         }
-        if (ri < store_below) tile_hist[(size_t) ri * THREADS + t] = word;
+        if (ri < store_below) thread_hist[ri * THREADS] = word;
         lowest = __reduce_min_sync(0xFFFFFFFFu, min(lowest & 0xFFFFu, lowest >> 16));
         if ((t & 31) == 0) lows[((i + 1) & 1) * 32 + (t >> 5)] = lowest;
         __syncthreads();
@@ -358,11 +362,11 @@ __global__ void trace_kernel(const uint32_t* __restrict__ hist, int n, int first
     for (int ri = last; ri >= first; --ri) {
         const uint32_t j = edge >> K, el = edge & CMASK;
         uint32_t c;
-        if constexpr (FIXED) {  // lane pair r of thread j % THREADS: byte 2 (r % 2) + lane, bit K (r / 2)
+        if constexpr (FIXED) {  // group pair g = j / 2 (lane j % 2) of thread g % THREADS, word w: byte 2 (w % 2) + lane
             using F = Fixed<K>;
-            const uint32_t r = (j / THREADS) * F::LP + el / 2, byte = 2 * (r % 2) + (el & 1);
-            const uint32_t word = tile_hist[(size_t) ri * THREADS + j % THREADS];
-            c = (word >> (8 * byte + K * (r / 2))) & CMASK;
+            const uint32_t g = j / 2, w = (g / THREADS) * F::NC + el, byte = 2 * (w % 2) + (j & 1);
+            const uint32_t word = tile_hist[(size_t) ri * THREADS + g % THREADS];
+            c = (word >> (8 * byte + K * (w / 2))) & CMASK;
         } else {
             using L = Layout<K>;
             const uint32_t m = j / L::J_STRIDE, owner = ((j % L::J_STRIDE) * L::EL_BLOCKS + el / L::LT) * L::SPLIT;
@@ -380,12 +384,12 @@ __global__ void trace_kernel(const uint32_t* __restrict__ hist, int n, int first
 template <int K>
 size_t shared_bytes()
 {
-    if constexpr (K <= 2) return 512 * sizeof(__half2) + 64 * 4 + 32 * 8 + 2 * Fixed<K>::EDGES * sizeof(uint16_t);
+    if constexpr (K <= 2) return 256 * sizeof(uint2) + 64 * 4 + 32 * 8 + 2 * Fixed<K>::EDGES * sizeof(uint16_t);
     else return 256 * sizeof(__half2) + 32 * 8 + 2 * Layout<K>::EDGES * sizeof(float);
 }
 
 template <int K>
-cudaError_t search(const float* targets, int64_t n, const uint32_t* lut, float peak, int before, int after,
+cudaError_t search(const float* targets, int64_t n, const void* lut, float peak, int before, int after,
                    int32_t* states, uint32_t* hist, int32_t* edges, int64_t batch, cudaStream_t stream)
 {
     constexpr bool fixed = K <= 2;
@@ -398,10 +402,11 @@ cudaError_t search(const float* targets, int64_t n, const uint32_t* lut, float p
     const auto forward = [&](const float* x, int count, int roll, int steps, int store_below, const int32_t* start,
                              int32_t* best) {
         if constexpr (fixed)
-            forward_fixed_kernel<K><<<count, THREADS, smem, stream>>>(x, lut, peak, roll, steps, store_below, start,
-                                                                      hist, best);
+            forward_fixed_kernel<K><<<count, THREADS, smem, stream>>>(x, static_cast<const uint16_t*>(lut), peak,
+                                                                      roll, steps, store_below, start, hist, best);
         else
-            forward_kernel<K><<<count, THREADS, smem, stream>>>(x, lut, roll, steps, store_below, start, hist, best);
+            forward_kernel<K><<<count, THREADS, smem, stream>>>(x, static_cast<const uint32_t*>(lut), roll, steps,
+                                                                store_below, start, hist, best);
     };
     for (int64_t start = 0; start < n; start += batch) {
         const int count = (int) (n - start < batch ? n - start : batch);
@@ -419,8 +424,8 @@ cudaError_t search(const float* targets, int64_t n, const uint32_t* lut, float p
 
 }  // namespace
 
-// targets: [n][256] fp32 ring-ordered (device); lut: the codebook table for this K (device): at K <= 2 its fp16
-// values x 16 as words of edges (2w, 2w + 1), else its fp16 values in pairs of candidates (see forward_kernel);
+// targets: [n][256] fp32 ring-ordered (device); lut: the codebook table for this K (device): at K <= 2 its 65,536
+// fp16 values x 16, else its fp16 values in pairs of candidates (see forward_kernel);
 // peak: the codebook's largest |value|; states: [n][256] int32 out; scratch for `batch` tiles at a time: hist
 // [batch][256][1024] words, edges [batch] int32. 0 on success, else a cudaError_t (or -1 for bad arguments).
 extern "C" int exl3_viterbi_cuda(const float* targets, int64_t n, const void* lut, float peak, int K, int before,
@@ -428,17 +433,16 @@ extern "C" int exl3_viterbi_cuda(const float* targets, int64_t n, const void* lu
                                  void* stream)
 {
     if (K < 1 || K > 8 || before < 0 || after < 1 || before + after > 256 || batch < 1) return -1;
-    const uint32_t* table = static_cast<const uint32_t*>(lut);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     switch (K) {
-        case 1: return search<1>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
-        case 2: return search<2>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
-        case 3: return search<3>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
-        case 4: return search<4>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
-        case 5: return search<5>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
-        case 6: return search<6>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
-        case 7: return search<7>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
-        default: return search<8>(targets, n, table, peak, before, after, states, hist, edges, batch, s);
+        case 1: return search<1>(targets, n, lut, peak, before, after, states, hist, edges, batch, s);
+        case 2: return search<2>(targets, n, lut, peak, before, after, states, hist, edges, batch, s);
+        case 3: return search<3>(targets, n, lut, peak, before, after, states, hist, edges, batch, s);
+        case 4: return search<4>(targets, n, lut, peak, before, after, states, hist, edges, batch, s);
+        case 5: return search<5>(targets, n, lut, peak, before, after, states, hist, edges, batch, s);
+        case 6: return search<6>(targets, n, lut, peak, before, after, states, hist, edges, batch, s);
+        case 7: return search<7>(targets, n, lut, peak, before, after, states, hist, edges, batch, s);
+        default: return search<8>(targets, n, lut, peak, before, after, states, hist, edges, batch, s);
     }
 }
 

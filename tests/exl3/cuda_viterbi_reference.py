@@ -4,7 +4,7 @@ K >= 3: fp16 targets and fp16 differences, an FFMA (emulated in float64, then ro
 cost stored with the chosen predecessor index in its low K bits, compared as an unsigned integer.
 K <= 2: the 16-bit fixed-point search: per-tile scale (from its RMS), fp16 difference (HSUB2), fp16 square plus
 the position's addend (HFMA2), its bits above 2^10's as the error, integer keys with the index in the low K bits, costs
-renormalized by the lowest and clamped every step.
+renormalized by the lowest and clamped every step (a clamped edge's index reads 2^K - 1).
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ class _Fixed:
         keys = (error << k) + packed[:, self.pred]
         assert int(error.min()) >= 0 and int(keys.max()) < 65536
         best = keys.min(dim=1).values
-        low = costs.min(dim=1, keepdim=True).values
-        return ((best >> k) - low).clamp(max=self.cap), best & ((1 << k) - 1)
+        cost = (best >> k) - costs.min(dim=1, keepdim=True).values
+        clamped = cost > self.cap  # the kernel's clamp replaces the whole key: its index bits read 2^K - 1
+        return cost.clamp(max=self.cap), torch.where(clamped, (1 << k) - 1, best & ((1 << k) - 1))
 
 
 def viterbi_cuda_reference(

@@ -18,7 +18,7 @@ from glmquant.exl3.cuda_viterbi import (
     codebook_pairs,
     codebook_peak,
     cuda_viterbi_available,
-    fixed_pairs,
+    fixed_values,
     viterbi_cuda,
 )
 
@@ -49,12 +49,11 @@ def test_codebook_pairs_put_state_pairs_in_one_word() -> None:
         assert lo == values[((2 * cp) << kr) | e] and hi == values[((2 * cp + 1) << kr) | e]
 
 
-def test_fixed_pairs_hold_two_adjacent_states_scaled_by_16() -> None:
+def test_fixed_values_are_the_codebook_scaled_by_16() -> None:
     values = codebook_values("mul1")
-    pairs = fixed_pairs(Codebook.MUL1, torch.device("cpu"))
-    assert pairs.shape == (32768,) and pairs.dtype == torch.int32
-    lo, hi = pairs[4321:4322].view(torch.float16)
-    assert lo == values[8642] * 16 and hi == values[8643] * 16
+    table = fixed_values(Codebook.MUL1, torch.device("cpu"))
+    assert table.shape == (65536,) and table.dtype == torch.float16
+    assert table[8643] == values[8643] * 16 and torch.equal(table.float() / 16, values.float())
     assert codebook_peak(Codebook.MUL1) == values.float().abs().max().item()
 
 
