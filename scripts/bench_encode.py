@@ -15,6 +15,7 @@ written file. JSON goes to --out (default bench/results/).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -154,6 +155,12 @@ def kernel_rate(backend: str, bits: int, codebook: str, count: int) -> float:
     return count / (time.perf_counter() - t0)
 
 
+def unit_chunks(errors: list[float], experts: int, per_unit: int) -> list[list[float]]:
+    """The proxy errors split by unit (every expert gives the same number of tensors), to compare partial runs."""
+    per_expert = len(errors) // experts
+    return [errors[i : i + per_unit * per_expert] for i in range(0, len(errors), per_unit * per_expert)]
+
+
 def disk_read_gbps(directory: Path, nbytes: int = 2 << 30) -> float:
     """Sequential read rate of a fresh file, cache dropped where the OS lets us."""
     path = directory / "read-probe.bin"
@@ -217,10 +224,14 @@ def main() -> None:
     )
     ap.add_argument("--kernel-tiles", type=int, default=65536)
     ap.add_argument("--refit-rounds", type=int, default=REFIT_ROUNDS, help="post-LDLQ refit rounds (ExLlamaV3: 2)")
+    ap.add_argument(
+        "--fine-stride", type=int, default=DEFAULT_SEARCH.fine_stride, help="scale search: fine grid's tile stride"
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
     args = ap.parse_args()
     commit = args.commit or git_commit()
+    search = dataclasses.replace(DEFAULT_SEARCH, fine_stride=args.fine_stride)
     spec = load_model_spec(CONFIG)
     path = args.out / f"encode_layer_{'plain' if args.layout == 'exllamav3' else args.layout}_h200.json"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -248,7 +259,7 @@ def main() -> None:
         "hessians": "natural",
         "bits": 2,
         "codebook": "mcg",
-        "scale_search": DEFAULT_SEARCH.__dict__,
+        "scale_search": dataclasses.asdict(search),
         "refit_rounds": args.refit_rounds,
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -268,6 +279,7 @@ def main() -> None:
             args.experts_per_unit,
             "cuda",
             store,
+            search,
             progress=path.with_suffix(".progress.json"),
             refit_rounds=args.refit_rounds,
         )
@@ -279,6 +291,9 @@ def main() -> None:
             "ldlq_tiles": tiles,
             "stage_s": {k: round(v, 1) for k, v in stages.items()},
             "mean_proxy_error": sum(errors) / len(errors),
+            "unit_mean_proxy_errors": [
+                sum(u) / len(u) for u in unit_chunks(errors, args.experts, args.experts_per_unit)
+            ],
             "tensors": len(errors),
             "end_to_end_ldlq_tiles_per_s": round(tiles / wall),
             "projected_42_layers_h": round(layer_s * MOE_LAYERS / 3600, 2),

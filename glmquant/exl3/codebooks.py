@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from functools import cache
+from functools import cache, lru_cache
 
 import numpy as np
 import torch
@@ -56,3 +56,10 @@ def _lut(codebook: Codebook) -> np.ndarray:
 def codebook_values(codebook: Codebook | str) -> torch.Tensor:
     """fp16 value of every 16-bit state, shape (65536,); a fresh tensor the caller may keep."""
     return torch.from_numpy(_lut(Codebook(codebook)).copy())
+
+
+@lru_cache(maxsize=16)
+def device_codebook(codebook: Codebook, device: torch.device) -> torch.Tensor:
+    """codebook_values on `device`, copied once and shared read-only (a copy per call would synchronize the host
+    with the GPU each time)."""
+    return codebook_values(codebook).to(device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from glmquant.exl3.codebooks import Codebook, codebook_values
+from glmquant.exl3.codebooks import Codebook, device_codebook
 from glmquant.exl3.hadamard import had_left, had_right
 from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.exl3.trellis import from_ring, unpack_trellis
@@ -15,7 +15,7 @@ def decode_inner(trellis: torch.Tensor, codebook: Codebook | str) -> torch.Tenso
     if trellis.dtype != torch.int16 or trellis.dim() != 3 or trellis.shape[-1] % 16:
         raise ValueError(f"trellis must be int16 (tk, tn, 16*K), got {trellis.dtype} {tuple(trellis.shape)}")
     states = unpack_trellis(trellis, trellis.shape[-1] // 16)
-    values = codebook_values(codebook).to(trellis.device)[states.long()]
+    values = device_codebook(Codebook(codebook), trellis.device)[states.long()]
     return from_ring(values)
 
 

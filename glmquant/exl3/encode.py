@@ -62,18 +62,62 @@ class _Job:
 
 def proxy_error(weight_hf: torch.Tensor, decoded_hf: torch.Tensor, hessian: torch.Tensor | None) -> float:
     """tr(E H E^T) / tr(W H W^T) for HF-orientation weights; the relative squared error without H."""
+    return proxy_error_on_device(weight_hf, decoded_hf, hessian).item()
+
+
+def proxy_error_on_device(
+    weight_hf: torch.Tensor, decoded_hf: torch.Tensor, hessian: torch.Tensor | None
+) -> torch.Tensor:
+    """proxy_error as a 0-d float64 tensor on the weight's device (no host sync)."""
     w = weight_hf.float()
     e = w - decoded_hf.to(w.device).float()
     if hessian is None:
-        return (e.double().square().sum() / w.double().square().sum().clamp(min=1e-30)).item()
+        return e.double().square().sum() / w.double().square().sum().clamp(min=1e-30)
     h = hessian.to(w.device).float()
     num = ((e @ h) * e).double().sum()
     den = ((w @ h) * w).double().sum()
-    return (num / den.clamp(min=1e-30)).item()
+    return num / den.clamp(min=1e-30)
 
 
 def _signs(count: int, generator: torch.Generator) -> torch.Tensor:
     return (torch.randn(count, generator=generator).sign() + 1e-5).sign()
+
+
+def _check_weights(weights: Sequence[torch.Tensor]) -> None:
+    """Every weight is a non-empty finite 2-D float matrix that float16 (which EXL3 decodes in) can hold; the
+    statistics of all of them are read back in one transfer per device."""
+    for weight in weights:
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError(
+                f"weight must be a 2-D float tensor (out_features, in_features), got {weight.dtype} "
+                f"{tuple(weight.shape)}"
+            )
+        if weight.numel() == 0:
+            raise ValueError(f"weight {tuple(weight.shape)} has no elements; EXL3 encodes a non-empty matrix")
+    by_device: dict[torch.device, list[int]] = {}
+    for i, weight in enumerate(weights):
+        by_device.setdefault(weight.device, []).append(i)
+    stats: dict[int, list[float]] = {}
+    for members in by_device.values():
+        rows = []
+        for i in members:
+            w = weights[i].detach().float()
+            rows.append(torch.stack((torch.isfinite(w).all().float(), w.abs().max(), w.square().mean().sqrt())))
+        stats.update(zip(members, torch.stack(rows).tolist()))
+    for i, weight in enumerate(weights):
+        finite, peak, rms = stats[i]
+        if not finite:
+            raise ValueError(f"weight {tuple(weight.shape)} contains NaN or Inf values; EXL3 cannot encode it")
+        if peak >= FP16_MAX:
+            raise NumericalError(
+                f"weight {tuple(weight.shape)} reaches |w| = {peak:.4g}, beyond the float16 range "
+                f"(65,504) that EXL3 decodes in; rescale the model's weights before encoding"
+            )
+        if 0 < rms < FP16_SMALLEST_RMS:
+            raise NumericalError(
+                f"weight {tuple(weight.shape)} has RMS {rms:.3g}, below what float16 (which EXL3 decodes "
+                f"in) resolves: it would decode to mostly zeros"
+            )
 
 
 def _prepare(
@@ -83,15 +127,7 @@ def _prepare(
     device: torch.device,
     shared: dict[int, PreparedHessian],
 ) -> _Job:
-    if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(
-            f"weight must be a 2-D float tensor (out_features, in_features), got {weight.dtype} {tuple(weight.shape)}"
-        )
-    if weight.numel() == 0:
-        raise ValueError(f"weight {tuple(weight.shape)} has no elements; EXL3 encodes a non-empty matrix")
-    if not torch.isfinite(weight).all():
-        raise ValueError(f"weight {tuple(weight.shape)} contains NaN or Inf values; EXL3 cannot encode it")
-    _check_fp16_range(weight)
+    """One checked weight (_check_weights) padded, regularized, with its Hessian factored (or shared)."""
     out_f, in_f = weight.shape
     if hessian is not None and tuple(hessian.shape) != (in_f, in_f):
         raise ValueError(
@@ -102,7 +138,10 @@ def _prepare(
     w = torch.zeros((k, n), dtype=torch.float32, device=device)
     w[:in_f, :out_f] = weight.to(device=device, dtype=torch.float32).T
     gen = torch.Generator().manual_seed(seed)  # CPU draws: identical signs on every device
-    su_signs, sv_signs = _signs(k, gen).to(device), _signs(n, gen).to(device)
+    signs = torch.cat((_signs(k, gen), _signs(n, gen)))
+    if device.type == "cuda":  # from pinned memory the copy does not wait for the GPU
+        signs = signs.pin_memory().to(device, non_blocking=True)
+    su_signs, sv_signs = signs[:k], signs[k:]
     # Tensors passing the same Hessian object (gate/up of all experts) share its factorization:
     # the seed fixes the signs, so it would come out identical anyway.
     if hessian is None:
@@ -115,25 +154,21 @@ def _prepare(
     return _Job(weight, hessian, w, prep, w_reg, su, sv)
 
 
-def _check_fp16_range(weight: torch.Tensor) -> None:
-    """EXL3 decodes in float16: a weight beyond its range, or below what it resolves, cannot be stored."""
-    w = weight.detach().float()
-    peak, rms = w.abs().max().item(), w.square().mean().sqrt().item()
-    if peak >= FP16_MAX:
-        raise NumericalError(
-            f"weight {tuple(weight.shape)} reaches |w| = {peak:.4g}, beyond the float16 range "
-            f"(65,504) that EXL3 decodes in; rescale the model's weights before encoding"
-        )
-    if 0 < rms < FP16_SMALLEST_RMS:
-        raise NumericalError(
-            f"weight {tuple(weight.shape)} has RMS {rms:.3g}, below what float16 (which EXL3 decodes "
-            f"in) resolves: it would decode to mostly zeros"
-        )
+@dataclass
+class _Finished:
+    """One encode still on the device: its proxy error and whether it decodes finite, read back for all at once."""
+
+    tensor: EXL3Tensor
+    error: torch.Tensor  # 0-d
+    finite: torch.Tensor  # 0-d bool
+    fallback: str | None
+    calibrated: bool
 
 
 def _finish(
     job: _Job, q: torch.Tensor, states: torch.Tensor, bits: int, codebook: Codebook, refit_rounds: int
-) -> EncodedLinear:
+) -> _Finished:
+    """Refit, pack, decode and measure one tensor, queueing GPU work only (no host sync)."""
     su, sv = job.su, job.sv
     if job.prep.hessian is not None and refit_rounds > 0:
         with stage("finish.refit", job.w.device):
@@ -143,11 +178,20 @@ def _finish(
     out_f, in_f = job.weight.shape
     on_device = EXL3Tensor(pack_trellis(states, bits), su.half(), sv.half(), codebook, in_f, out_f)
     decoded = decode_weight(on_device, torch.float32)  # decoded where it was encoded
-    if not torch.isfinite(decoded).all():
-        raise NumericalError(f"weight {tuple(job.weight.shape)} decodes to non-finite values in float16")
     calibrated = job.prep.ldl is not None
-    error = proxy_error(job.weight, decoded, job.hessian if calibrated else None)
-    return EncodedLinear(on_device.to("cpu"), error, job.prep.fallback, calibrated)
+    error = proxy_error_on_device(job.weight, decoded, job.hessian if calibrated else None)
+    return _Finished(on_device, error, torch.isfinite(decoded).all(), job.prep.fallback, calibrated)
+
+
+def _collect(finished: list[_Finished]) -> list[EncodedLinear]:
+    """Read every proxy error and finiteness flag back in one transfer; then the tensors, to the CPU."""
+    errors = torch.stack([f.error.double() for f in finished]).tolist()
+    finite = torch.stack([f.finite for f in finished]).tolist()
+    for f, ok in zip(finished, finite):
+        if not ok:
+            shape = (f.tensor.out_features, f.tensor.in_features)
+            raise NumericalError(f"weight {shape} decodes to non-finite values in float16")
+    return [EncodedLinear(f.tensor.to("cpu"), e, f.fallback, f.calibrated) for f, e in zip(finished, errors)]
 
 
 def encode_linears(
@@ -181,6 +225,7 @@ def encode_linears(
 
     shared: dict[int, PreparedHessian] = {}
     with stage("prepare", dev):
+        _check_weights([w for w, _ in items])
         jobs = [_prepare(w, h, seed, dev, shared) for w, h in items]
     drift = LDLQ_DRIFT.get(bits, 1.0)
     with stage("scale_search", dev):
@@ -193,7 +238,7 @@ def encode_linears(
     with stage("ldlq", dev):
         results = _ldlq_jobs(jobs, values)
     with stage("finish", dev):
-        return [_finish(j, q, s, bits, codebook, refit_rounds) for j, (q, s) in zip(jobs, results)]
+        return _collect([_finish(j, q, s, bits, codebook, refit_rounds) for j, (q, s) in zip(jobs, results)])
 
 
 def _ldlq_jobs(

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from glmquant.exl3.codebooks import CODEBOOK_SCALE
 from glmquant.exl3.hadamard import had_left, had_right
-from glmquant.exl3.trellis import RING_ORDER
+from glmquant.exl3.trellis import ring_order
 
 # LDLQ feedback inflates the tiles the quantizer sees; the scale search anticipates it (ExLlamaV3 1.6.5).
 LDLQ_DRIFT = {1: 1.08, 2: 1.018, 3: 1.004}
@@ -49,14 +47,13 @@ def balance_scales(su: torch.Tensor, sv: torch.Tensor) -> tuple[torch.Tensor, to
 
     su carries the whole weight scale, so a weight of RMS 1e4 (or 1e-5) puts su, and the decoder's intermediate
     had(Q) * su, past fp16's range (or into its subnormals). A power of two leaves every product su_i * sv_j, and so
-    the decoded weight, exactly as it was.
+    the decoded weight, exactly as it was. Computed on the scales' device without a host sync.
     """
-    rms_u, rms_v = _rms(su, 0).item(), _rms(sv, 0).item()
+    rms_u, rms_v = _rms(su, 0).double(), _rms(sv, 0).double()
     low, high = BALANCED_SCALE_RANGE
-    if rms_u == 0 or rms_v == 0 or low <= rms_u <= high:
-        return su, sv
-    shift = round(math.log2(rms_u / rms_v) / 2)
-    return su * 2.0**-shift, sv * 2.0**shift
+    keep = (rms_u == 0) | (rms_v == 0) | ((rms_u >= low) & (rms_u <= high))
+    shift = torch.where(keep, 0.0, torch.round(torch.log2(rms_u / rms_v) / 2))  # round half to even, as round()
+    return su * torch.exp2(-shift).to(su.dtype), sv * torch.exp2(shift).to(sv.dtype)
 
 
 def sample_tiles(w: torch.Tensor, width: int = 3) -> torch.Tensor:
@@ -72,4 +69,4 @@ def sample_tiles(w: torch.Tensor, width: int = 3) -> torch.Tensor:
     extremes = min(max(8, diag * width // 16), (tile_ms.shape[0] + 1) // 2)
     flat = torch.cat((torch.topk(tile_ms, extremes).indices, torch.topk(tile_ms, extremes, largest=False).indices))
     rows, cols = torch.cat((rows, flat // tn)), torch.cat((cols, flat % tn))
-    return w4[rows, :, cols, :].reshape(-1, 256)[:, RING_ORDER.to(w.device)].contiguous()
+    return w4[rows, :, cols, :].reshape(-1, 256)[:, ring_order(w.device)].contiguous()

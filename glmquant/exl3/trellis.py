@@ -6,6 +6,8 @@ and whose high 16-K bits repeat the previous state. Only the new bits are stored
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 
@@ -22,17 +24,28 @@ RING_ORDER = _ring_order()
 TILE_ORDER = torch.argsort(RING_ORDER)  # ring position of each row-major tile element
 
 
+@lru_cache(maxsize=16)
+def ring_order(device: torch.device) -> torch.Tensor:
+    """RING_ORDER on `device`, copied once (a copy per call would synchronize the host with the GPU each time)."""
+    return RING_ORDER.to(device)
+
+
+@lru_cache(maxsize=16)
+def _tile_order(device: torch.device) -> torch.Tensor:
+    return TILE_ORDER.to(device)
+
+
 def to_ring(x: torch.Tensor) -> torch.Tensor:
     """(..., k, n) matrix -> (..., k/16, n/16, 256) tiles, each in ring order."""
     *lead, k, n = x.shape
     tiles = x.reshape(*lead, k // 16, 16, n // 16, 16).transpose(-3, -2)
-    return tiles.reshape(*lead, k // 16, n // 16, 256)[..., RING_ORDER.to(x.device)]
+    return tiles.reshape(*lead, k // 16, n // 16, 256)[..., ring_order(x.device)]
 
 
 def from_ring(tiles: torch.Tensor) -> torch.Tensor:
     """Inverse of to_ring: (..., tk, tn, 256) ring-ordered tiles -> (..., 16 tk, 16 tn) matrix."""
     *lead, tk, tn, _ = tiles.shape
-    x = tiles[..., TILE_ORDER.to(tiles.device)].reshape(*lead, tk, tn, 16, 16).transpose(-3, -2)
+    x = tiles[..., _tile_order(tiles.device)].reshape(*lead, tk, tn, 16, 16).transpose(-3, -2)
     return x.reshape(*lead, tk * 16, tn * 16)
 
 
