@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -9,9 +10,9 @@ import torch
 
 from glmquant.exl3.backends import quantize_tiles, select_backend
 from glmquant.exl3.codebooks import Codebook
-from glmquant.exl3.scale_search import COARSE, DEFAULT_SEARCH, FINE_POINTS, ScaleSearch, search_scales
+from glmquant.exl3.scale_search import COARSE, DEFAULT_SEARCH, FINE_POINTS, search_scales
 
-FULL_GRID = ScaleSearch(band_width=DEFAULT_SEARCH.band_width, coarse_walk=False, fine_walk=False)
+FULL_GRID = dataclasses.replace(DEFAULT_SEARCH, coarse_walk=False, fine_walk=False)
 
 
 def _counting_quantizer(bits: int) -> tuple[list[int], Callable[[torch.Tensor], torch.Tensor]]:
@@ -38,8 +39,9 @@ def test_the_walks_find_the_full_grids_scale(spread: float) -> None:
     walk = search_scales(samples, walk_q, DEFAULT_SEARCH)
     assert walk == full
     assert walk_seen[0] < full_seen[0]
-    assert full_seen[0] == 3 * (len(COARSE) * 16 + FINE_POINTS * 48)  # 3 tensors: every third tile, then all 48
+    coarse, fine = 48 // DEFAULT_SEARCH.coarse_stride, 48 // DEFAULT_SEARCH.fine_stride  # tiles per point
+    assert full_seen[0] == 3 * (len(COARSE) * coarse + FINE_POINTS * fine)  # 3 tensors
     if spread == 1.3:  # the usual case: three coarse points of ten, three or four fine points of five
-        assert walk_seen[0] <= 3 * (3 * 16 + 4 * 48)
+        assert walk_seen[0] <= 3 * (3 * coarse + 4 * fine)
     else:
         assert abs(full[0] - 1.235 / spread) < 0.1 * (1.235 / spread)
