@@ -49,9 +49,9 @@ def prepare_hessian(hessian: torch.Tensor | None, su_signs: torch.Tensor) -> Pre
     """
     if hessian is None:
         return PreparedHessian(None, None, "no_hessian")
-    if not torch.isfinite(hessian).all():
+    finite, diag_mean = torch.stack((torch.isfinite(hessian).all().float(), hessian.diagonal().mean())).tolist()
+    if not finite:
         return PreparedHessian(None, None, "nonfinite_hessian")
-    diag_mean = hessian.diagonal().mean().item()
     if diag_mean < 0:  # E[x x^T] has a nonnegative diagonal: this is no input Hessian (a sign or data error)
         return PreparedHessian(None, None, "negative_hessian")
     if diag_mean < 1e-20:

@@ -30,8 +30,7 @@ def regularize(
     """
     col = _rms(w, 0)
     mean = col.mean()
-    if mean > 1e-30:
-        col = col / mean
+    col = torch.where(mean > 1e-30, col / mean, col)  # on the device: no host sync
     zero_cols = col.abs() < 1e-30
     sv = sv_signs * torch.where(zero_cols, torch.full_like(col, 0.1), col) + 1e-10
     w = had_right(w / sv[None, :])

@@ -34,6 +34,13 @@ class ScaleSearch:
     coarse_walk: bool = False
     # The same on the fine grid, from its three middle points: the parabola needs the minimum's two neighbours only.
     fine_walk: bool = False
+    # fine_stride applies where it leaves at least this many tiles per fine point; smaller samples use every tile.
+    fine_min_tiles: int = 0
+
+    def fine_tiles(self, sample: torch.Tensor) -> torch.Tensor:
+        """The tiles of one tensor's sample that each fine point quantizes."""
+        stride = self.fine_stride if sample.shape[0] // self.fine_stride >= self.fine_min_tiles else 1
+        return sample[::stride]
 
 
 EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
@@ -43,10 +50,11 @@ EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
 # The coarse walk quantizes 3-5 of the 10 coarse points (40 % of the search's tiles were the coarse grid's), the fine
 # walk 3-4 of the 5 fine points, each of which quantizes every band tile: the search went from 12.8 to 8.5 s for
 # 96 real-shape experts on an H200 (bench/results/encode_layer_tr3_h200_walk96_*.json; same scales on the proxy).
-# The fine points quantize every second band tile: on an H200, 96 real-shape experts' mean proxy error 0.0120760
-# against 0.0120768 with every tile (noise), the search 5.2 s instead of 8.3 s
-# (bench/results/encode_layer_tr3_h200_fine2_d15e410.json).
-DEFAULT_SEARCH = ScaleSearch(band_width=1, fine_stride=2, coarse_walk=True, fine_walk=True)
+# The fine points quantize every second band tile where that leaves 128 or more: on an H200, 96 real-shape experts'
+# mean proxy error 0.0120760 against 0.0120768 with every tile (noise), the search 5.2 s instead of 8.3 s
+# (bench/results/encode_layer_tr3_h200_fine2_d15e410.json: 288 sample tiles per rank slice). On small tensors
+# (ExLlamaV3's golden 256 x 128 linears: 32 sample tiles) half the tiles made the scale noisier (MUL1 K2 +2 %).
+DEFAULT_SEARCH = ScaleSearch(band_width=1, fine_stride=2, fine_min_tiles=128, coarse_walk=True, fine_walk=True)
 
 
 def _errors(
@@ -119,7 +127,7 @@ def search_scales(
         lambda todo: _errors([(t, COARSE[i]) for t, i in todo], coarse_tiles, quantize),
     )
     fines = [[COARSE[_lowest(seen)] + FINE_STEP * (i - 2) for i in range(FINE_POINTS)] for seen in coarse]
-    fine_tiles = [s[:: search.fine_stride] for s in samples]
+    fine_tiles = [search.fine_tiles(s) for s in samples]
     fine_start = [1, 2, 3] if search.fine_walk else list(range(FINE_POINTS))
     fine = _walk(
         fine_start, FINE_POINTS, count, lambda todo: _errors([(t, fines[t][i]) for t, i in todo], fine_tiles, quantize)

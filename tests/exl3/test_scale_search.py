@@ -39,9 +39,16 @@ def test_the_walks_find_the_full_grids_scale(spread: float) -> None:
     walk = search_scales(samples, walk_q, DEFAULT_SEARCH)
     assert walk == full
     assert walk_seen[0] < full_seen[0]
-    coarse, fine = 48 // DEFAULT_SEARCH.coarse_stride, 48 // DEFAULT_SEARCH.fine_stride  # tiles per point
+    coarse, fine = 48 // DEFAULT_SEARCH.coarse_stride, DEFAULT_SEARCH.fine_tiles(samples[0]).shape[0]  # per point
     assert full_seen[0] == 3 * (len(COARSE) * coarse + FINE_POINTS * fine)  # 3 tensors
     if spread == 1.3:  # the usual case: three coarse points of ten, three or four fine points of five
         assert walk_seen[0] <= 3 * (3 * coarse + 4 * fine)
     else:
         assert abs(full[0] - 1.235 / spread) < 0.1 * (1.235 / spread)
+
+
+def test_the_fine_grid_subsamples_large_samples_only() -> None:
+    """A real rank slice's 288 sample tiles: every second one per fine point; a small tensor's 32: all of them."""
+    large, small = torch.randn(288, 256), torch.randn(32, 256)
+    assert torch.equal(DEFAULT_SEARCH.fine_tiles(large), large[::2])
+    assert torch.equal(DEFAULT_SEARCH.fine_tiles(small), small)
