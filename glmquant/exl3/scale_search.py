@@ -60,7 +60,9 @@ DEFAULT_SEARCH = ScaleSearch(band_width=1, fine_stride=2, fine_min_tiles=128, co
 def _errors(
     pairs: list[tuple[int, float]], tiles: list[torch.Tensor], quantize: Callable[[torch.Tensor], torch.Tensor]
 ) -> list[float]:
-    """MSE of each (tensor index, scale) pair, measured back at the tiles' own scale (one host sync in all)."""
+    """MSE of each (tensor index, scale) pair, measured back at the tiles' own scale (one host sync in all).
+    Each pair's tiles are averaged in a fixed order (not with atomics, whose float sums vary from run to run on a
+    GPU), so the chosen scales, and the artifact, repeat bit for bit."""
     scales = [s for _, s in pairs]
     counts = [tiles[t].shape[0] for t, _ in pairs]
     batch = torch.cat([tiles[t] for t, _ in pairs])
@@ -69,9 +71,11 @@ def _errors(
     )
     q = quantize(batch * per_tile[:, None])
     tile_mse = (q / per_tile[:, None] - batch).square().mean(dim=1)
-    owner = torch.arange(len(pairs), device=batch.device).repeat_interleave(torch.tensor(counts, device=batch.device))
-    sums = torch.zeros(len(pairs), dtype=tile_mse.dtype, device=batch.device).index_add_(0, owner, tile_mse)
-    return (sums / torch.tensor(counts, dtype=sums.dtype, device=sums.device)).tolist()
+    if len(set(counts)) == 1:  # the usual round: every tensor's sample has the same size
+        means = tile_mse.view(len(pairs), counts[0]).mean(dim=1)
+    else:
+        means = torch.stack([part.mean() for part in tile_mse.split(counts)])
+    return means.tolist()
 
 
 def _walk(

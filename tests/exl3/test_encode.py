@@ -137,6 +137,18 @@ def test_cuda_encoder_matches_cpu_quality() -> None:
     assert gpu.proxy_error == pytest.approx(cpu.proxy_error, rel=0.03)
 
 
+@pytest.mark.gpu
+def test_cuda_encoder_repeats_its_bytes() -> None:
+    """On a GPU too the same inputs give the same bytes (the scale search averages without atomics)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    items = [correlated(128, 256, seed=s) for s in (9, 10, 11)]
+    first, second = (encode_linears(items, 2, "mcg", 3, device="cuda") for _ in range(2))
+    for a, b in zip(first, second):
+        for x, y in zip(a.tensor.tensors("p").values(), b.tensor.tensors("p").values()):
+            assert torch.equal(x, y)
+
+
 @pytest.mark.slow
 def test_weights_beyond_float16_are_refused_or_rebalanced() -> None:
     """EXL3 decodes in float16: scales are rebalanced by a power of two so weights of RMS 1e-5..1e4 keep their

@@ -10,7 +10,7 @@ import torch
 
 from glmquant.exl3.backends import quantize_tiles, select_backend
 from glmquant.exl3.codebooks import Codebook
-from glmquant.exl3.scale_search import COARSE, DEFAULT_SEARCH, FINE_POINTS, search_scales
+from glmquant.exl3.scale_search import COARSE, DEFAULT_SEARCH, FINE_POINTS, _errors, search_scales
 
 FULL_GRID = dataclasses.replace(DEFAULT_SEARCH, coarse_walk=False, fine_walk=False)
 
@@ -52,3 +52,17 @@ def test_the_fine_grid_subsamples_large_samples_only() -> None:
     large, small = torch.randn(288, 256), torch.randn(32, 256)
     assert torch.equal(DEFAULT_SEARCH.fine_tiles(large), large[::2])
     assert torch.equal(DEFAULT_SEARCH.fine_tiles(small), small)
+
+
+def test_errors_are_each_pairs_own_mean_whatever_the_sizes() -> None:
+    """_errors averages each (tensor, scale) pair's tiles in a fixed order: equal sizes (one reshape) and unequal
+    sizes (one mean per pair) give each pair's own mean squared error."""
+    g = torch.Generator().manual_seed(3)
+    tiles = [torch.randn(n, 256, generator=g) for n in (6, 6, 9)]
+
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x * 4) / 4  # a stand-in quantizer: the grid of quarters
+
+    for pairs in ([(0, 0.7), (1, 1.1)], [(0, 0.7), (2, 0.9), (1, 1.3)]):
+        expected = [((quantize(tiles[t] * s) / s - tiles[t]) ** 2).mean().item() for t, s in pairs]
+        assert _errors(pairs, tiles, quantize) == pytest.approx(expected, rel=1e-6)
