@@ -239,11 +239,17 @@ def main() -> None:
     ap.add_argument(
         "--fine-stride", type=int, default=DEFAULT_SEARCH.fine_stride, help="scale search: fine grid's tile stride"
     )
+    ap.add_argument(
+        "--fine-min-tiles",
+        type=int,
+        default=DEFAULT_SEARCH.fine_min_tiles,
+        help="scale search: the fine stride applies where it leaves this many tiles per point (0: always)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
     args = ap.parse_args()
     commit = args.commit or git_commit()
-    search = dataclasses.replace(DEFAULT_SEARCH, fine_stride=args.fine_stride)
+    search = dataclasses.replace(DEFAULT_SEARCH, fine_stride=args.fine_stride, fine_min_tiles=args.fine_min_tiles)
     spec = load_model_spec(CONFIG)
     path = args.out / f"encode_layer_{'plain' if args.layout == 'exllamav3' else args.layout}_h200.json"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -101,8 +101,16 @@ def _check_weights(weights: Sequence[torch.Tensor]) -> None:
     for members in by_device.values():
         rows = []
         for i in members:
-            w = weights[i].detach().float()
-            rows.append(torch.stack((torch.isfinite(w).all().float(), w.abs().max(), w.square().mean().sqrt())))
+            w = weights[i].detach()  # finiteness and peak in the weight's own dtype: float32 overflows a huge float64
+            rows.append(
+                torch.stack(
+                    (
+                        torch.isfinite(w).all().double(),
+                        w.abs().max().double(),
+                        w.float().square().mean().sqrt().double(),
+                    )
+                )
+            )
         stats.update(zip(members, torch.stack(rows).tolist()))
     for i, weight in enumerate(weights):
         finite, peak, rms = stats[i]
@@ -179,7 +187,8 @@ def _finish(
     on_device = EXL3Tensor(pack_trellis(states, bits), su.half(), sv.half(), codebook, in_f, out_f)
     decoded = decode_weight(on_device, torch.float32)  # decoded where it was encoded
     calibrated = job.prep.ldl is not None
-    error = proxy_error_on_device(job.weight, decoded, job.hessian if calibrated else None)
+    weight = job.w[:in_f, :out_f].T  # the given weight in float32, on the encoding device like every result
+    error = proxy_error_on_device(weight, decoded, job.hessian if calibrated else None)
     return _Finished(on_device, error, torch.isfinite(decoded).all(), job.prep.fallback, calibrated)
 
 

@@ -83,9 +83,13 @@ class ChatResult:
 
     @property
     def decode_tps(self) -> float | None:
-        """completion_tokens / (last token time - first token time), as the gates doc defines it."""
+        """completion_tokens / (last token time - first token time), as the gates doc defines it. When that span is
+        empty (the whole completion came in one chunk, as speculative decoding of a short answer can send it, or as
+        text that only the last chunk carried), the stream's wall time takes its place: a lower bound of the rate,
+        so a slow server still fails and a fast one is not failed for lack of a measurement."""
         t, u = self.timings, self.usage
-        if t is None or u is None or t.first_token is None or t.last_token is None:
+        if t is None or u is None or u.completion_tokens == 0:
             return None
-        span = t.last_token - t.first_token
-        return u.completion_tokens / span if span > 0 else None
+        if t.first_token is not None and t.last_token is not None and t.last_token > t.first_token:
+            return u.completion_tokens / (t.last_token - t.first_token)
+        return u.completion_tokens / t.wall_s if t.wall_s > 0 else None

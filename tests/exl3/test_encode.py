@@ -180,3 +180,9 @@ def test_degenerate_inputs_are_named() -> None:
     parts["x.suh"][5] = float("nan")
     with pytest.raises(ValueError, match="x.suh contains NaN or Inf"):
         EXL3Tensor.from_tensors(parts, "x", 128, 128)
+    if torch.cuda.is_available():  # a checkpoint loaded straight onto a GPU is checked as well
+        on_gpu = {name: part.cuda() for name, part in parts.items()}
+        with pytest.raises(ValueError, match="x.suh contains NaN or Inf"):
+            EXL3Tensor.from_tensors(on_gpu, "x", 128, 128)
+    with pytest.raises(NumericalError, match="reaches \\|w\\| = 1e\\+300, beyond the float16 range"):
+        encode_linear(torch.full((128, 256), 1e300, dtype=torch.float64), None, 2)

@@ -117,6 +117,11 @@ def test_speed_requests_and_cell_scoring(bpe_tokenizer: PromptTokenizer) -> None
     assert metrics.ttft_s == pytest.approx(0.5) and metrics.decode_tps == pytest.approx(32 / 1.6)
     assert metrics.aggregate_tps == pytest.approx(96 / 2.2) and metrics.completion_tokens == 96
     assert metrics.acceptance_rate is None and metrics.tokens_per_step is None  # a server without speculation
+    # all 8 tokens in one chunk (or as no text at all): no span to time, so the stream's wall bounds the rate
+    burst = ChatResult("1. Fact.", "", (), "length", Usage(1500, 8), Timings(0.0, 0.2, 0.2, 0.25))
+    silent = ChatResult("", "", (), "length", Usage(1500, 8), Timings(0.0, None, None, 0.4))
+    assert burst.decode_tps == pytest.approx(8 / 0.25) and silent.decode_tps == pytest.approx(8 / 0.4)
+    assert ChatResult("", "", (), "length", Usage(1500, 0), Timings(0.0, None, None, 0.4)).decode_tps is None
     drafts = (Speculation(10, 20, 11), Speculation(12, 24, 9), None)  # the third stream reports none
     speculated = [
         ChatResult("1. Fact.", "", (), "length", Usage(r.prompt_tokens, 32, None, s), Timings(0.0, 0.5, 2.1, 2.1))
