@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from glmquant.exl3.codebooks import Codebook, codebook_values
+from glmquant.exl3.codebooks import Codebook, device_codebook
 from glmquant.exl3.cuda_viterbi import cuda_viterbi_available, viterbi_cuda
 from glmquant.exl3.native import load_kernel, viterbi_native
 from glmquant.exl3.viterbi import viterbi_torch
@@ -38,8 +38,8 @@ class TileSearch:
 
 @lru_cache(maxsize=16)
 def _lut(codebook: Codebook, device: torch.device) -> torch.Tensor:
-    """fp32 codebook on a device, shared read-only by every call."""
-    return codebook_values(codebook).float().to(device)
+    """fp32 codebook on a device, shared read-only by every call (cast there from the cached fp16 copy)."""
+    return device_codebook(codebook, device).float()
 
 
 def _native(tiles: torch.Tensor, bits: int, codebook: Codebook) -> torch.Tensor:

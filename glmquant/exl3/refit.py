@@ -15,7 +15,6 @@ import torch
 # The second round buys 0.007 % of the refit's objective (bench/results/refit_rounds_cpu.json: 12 real-shape rank
 # slices) for half the refit's time, about 9 s of an H200's 200 s per MoE layer; one round is the default.
 REFIT_ROUNDS = 1
-EXLLAMAV3_REFIT_ROUNDS = 2
 
 
 def refit_scales(
