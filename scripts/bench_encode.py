@@ -5,8 +5,8 @@ The layer: 288 experts with gate/up (4096 -> 2048) and down (2048 -> 4096) weigh
 outlier channels, and natural-routing Hessians with realistic spectra: H = D (A A^T / r + 0.05 I) D with a
 rank-r random A and lognormal channel scales D with outlier channels. A reader thread generates unit i + 1 on the
 GPU (standing in for the disk read, whose rate is measured separately) while unit i encodes; every unit is written
-as a safetensors file (UnitStore), as the encoder does. Wall time runs from the first generated unit to the last
-written file. JSON goes to --out (default bench/results/).
+as a safetensors file (UnitStore) behind the next unit's encode (WriteBehind), as the encoder does. Wall time runs
+from the first generated unit to the last written file. JSON goes to --out (default bench/results/).
 
     python scripts/bench_encode.py --layout tr3 --experts 288      # the layer, our kernel
     python scripts/bench_encode.py --layout tr3 --compare          # + both kernels side by side, search variants
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -37,7 +38,7 @@ from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import expert_slices
 from glmquant.encode.layer import EncodedLayer, UnitInputs, encode_unit
 from glmquant.encode.slices import slice_hessian, slice_weight
-from glmquant.encode.units import UnitStore
+from glmquant.encode.units import UnitStore, WriteBehind
 from glmquant.exl3 import Codebook
 from glmquant.exl3.backends import ENV_VAR, exllamav3_available, select_backend
 from glmquant.exl3.refit import REFIT_ROUNDS
@@ -120,7 +121,7 @@ def encode_layer(
     timing: contextlib.AbstractContextManager[dict[str, float]] = (
         record_stages() if stage_times else contextlib.nullcontext(no_stages)
     )
-    with ThreadPoolExecutor(max_workers=1) as reader, timing as stages:
+    with ThreadPoolExecutor(max_workers=1) as reader, WriteBehind() as writer, timing as stages:
         pending = reader.submit(make_unit, spec, layout, range(min(per_unit, experts)), device)
         for i in range(len(starts)):
             unit = pending.result()
@@ -128,7 +129,7 @@ def encode_layer(
                 nxt = starts[i + 1]
                 pending = reader.submit(make_unit, spec, layout, range(nxt, min(nxt + per_unit, experts)), device)
             encoded: EncodedLayer = encode_unit(unit, 2, "mcg", 0, device, search, refit_rounds)
-            store.write(3, i, encoded, 0.0)
+            writer.submit(functools.partial(store.write, 3, i, encoded, 0.0))
             errors += [r.proxy_error for r in encoded.reports]
             tiles += tiles_of(unit)
             elapsed = time.perf_counter() - t0

@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import torch
@@ -43,7 +43,7 @@ from glmquant.encode.pruning import resolve_keep, resolve_tiers
 from glmquant.encode.retained import check_dense_hessians, retained_encoder
 from glmquant.encode.state import EncodeState
 from glmquant.encode.summary import LayerSummary, fallback_warnings, summarize_layer
-from glmquant.encode.units import UnitStore
+from glmquant.encode.units import UnitStore, WriteBehind
 from glmquant.errors import CheckpointFormatError, NumericalError, UsageError
 
 SUMMARY_NAME = "encode-summary.json"
@@ -186,20 +186,25 @@ class EncodeJob:
                 self.device,
                 self.cfg.tune_scales,
             )
-            for layer, u, _ in units:
-                try:
-                    encoded = next(encoded_units)
-                except NumericalError as exc:
-                    raise NumericalError(
-                        f"layer {layer}: {exc} (finished work units are kept; rerun to resume)"
-                    ) from None
-                now = time.monotonic()
-                self.store.write(layer, u, encoded, now - t0)
-                t0 = now
-                bar.advance(task, len(encoded.reports))
-                bar.update(task, rate=f"{bar.tasks[task].completed / max(now - started, 1e-9):.1f} tensors/s")
-                if ranks.is_main:
-                    self._assemble_ready()
+            with WriteBehind() as writer:  # a unit's file (and a completed layer's files) while the next encodes
+                for layer, u, _ in units:
+                    try:
+                        encoded = next(encoded_units)
+                    except NumericalError as exc:
+                        raise NumericalError(
+                            f"layer {layer}: {exc} (finished work units are kept; rerun to resume)"
+                        ) from None
+                    now = time.monotonic()
+                    writer.submit(partial(self._keep_unit, layer, u, encoded, now - t0))
+                    t0 = now
+                    bar.advance(task, len(encoded.reports))
+                    bar.update(task, rate=f"{bar.tasks[task].completed / max(now - started, 1e-9):.1f} tensors/s")
+
+    def _keep_unit(self, layer: int, unit: int, encoded: EncodedLayer, seconds: float) -> None:
+        """A finished unit's file; on rank 0 also the artifact files of layers it completes."""
+        self.store.write(layer, unit, encoded, seconds)
+        if self.ranks.is_main:
+            self._assemble_ready()
 
     def _assemble_ready(self) -> None:
         """Layers whose units are all on disk become artifact files, in layer order; an expert file is written as

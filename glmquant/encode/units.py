@@ -8,7 +8,10 @@ artifact files holding that layer are written.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import TracebackType
 
 from safetensors import safe_open
 from safetensors.torch import save
@@ -49,3 +52,36 @@ class UnitStore:
     def remove_layer(self, layer: int) -> None:
         for path in self.directory.glob(f"layer-{layer:03d}-unit-*.safetensors"):
             path.unlink(missing_ok=True)
+
+
+class WriteBehind:
+    """Runs each finished unit's write (and what follows it: assembling a completed layer's files) on one background
+    thread, so the GPU encodes the next unit instead of waiting for the disk. One write in flight at most: memory
+    holds one finished unit beyond the one encoding, and files appear in submission order. A failed write is raised
+    by the next `submit` or at exit; leaving the block (Ctrl-C included) first lets the write in flight finish, so
+    a unit already encoded is kept whole for the resumed job."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-write")
+        self._pending: Future[None] | None = None
+
+    def submit(self, write: Callable[[], None]) -> None:
+        self.wait()
+        self._pending = self._pool.submit(write)
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is done; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)

@@ -12,6 +12,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -119,18 +120,24 @@ def codebook_peak(codebook: Codebook) -> float:
     return codebook_values(codebook).float().abs().max().item()
 
 
-class _Scratch:
-    """Per-device history and seam buffers, grown on demand and reused across calls."""
+class _Scratch(threading.local):
+    """Per-thread, per-device history and seam buffers, grown on demand and reused across calls. Per thread: an
+    encode's write-behind thread may encode (retained linears) on the same stream while the main thread does, and
+    shared buffers would let one call's kernels overwrite the other's history between its forward and trace
+    launches. A thread's buffers are freed when it ends."""
 
-    buffers: dict[tuple[torch.device, str], torch.Tensor] = {}
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.device, str], torch.Tensor] = {}
 
-    @classmethod
-    def get(cls, device: torch.device, name: str, nbytes: int) -> torch.Tensor:
-        buf = cls.buffers.get((device, name))
+    def get(self, device: torch.device, name: str, nbytes: int) -> torch.Tensor:
+        buf = self.buffers.get((device, name))
         if buf is None or buf.numel() < nbytes:
-            cls.buffers.pop((device, name), None)
-            buf = cls.buffers[(device, name)] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            self.buffers.pop((device, name), None)
+            buf = self.buffers[(device, name)] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         return buf
+
+
+_SCRATCH = _Scratch()
 
 
 def _batch_tiles(n: int, device: torch.device) -> int:
@@ -160,8 +167,8 @@ def viterbi_cuda(
         raise ValueError(f"Viterbi targets must be finite and below {MAX_TARGET:g} in magnitude, got max |x| = {peak}")
     lib = load_kernel(device_arch(x.device))
     batch = _batch_tiles(n, x.device)
-    hist = _Scratch.get(x.device, "hist", batch * HIST_BYTES_PER_TILE)
-    edges = _Scratch.get(x.device, "edges", batch * 4)
+    hist = _SCRATCH.get(x.device, "hist", batch * HIST_BYTES_PER_TILE)
+    edges = _SCRATCH.get(x.device, "edges", batch * 4)
     book = Codebook(codebook)
     table = fixed_values(book, x.device) if bits <= FIXED_MAX_BITS else codebook_pairs(book, bits, x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream

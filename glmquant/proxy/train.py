@@ -75,7 +75,9 @@ PROXY_SHAPE = TinyModelConfig(
     kv_lora_rank=64,
     index_topk=128,
 )
-# The CPU smoke proxy: the same pattern at 4 layers (1 dense, DSA at 3) and 32 experts.
+# The CPU smoke proxy: the same pattern at 4 layers (1 dense, DSA at 3) and 32 experts. Its attention is the H200
+# proxy's (4 heads of 64, LoRA ranks 128/64): ExLlamaV3 pads a projection's output to 128 columns, and its KDA module
+# then fails on a fused q/k/v of 2 heads of 32 (192 columns), so narrower heads would leave the peer row unmeasurable.
 SMOKE_SHAPE = TinyModelConfig(
     hidden_size=128,
     num_hidden_layers=4,
@@ -86,6 +88,10 @@ SMOKE_SHAPE = TinyModelConfig(
     intermediate_size=256,
     vocab_size=512,
     shard_bytes=32 << 20,
+    attention_heads=PROXY_SHAPE.attention_heads,
+    head_dim=PROXY_SHAPE.head_dim,
+    q_lora_rank=PROXY_SHAPE.q_lora_rank,
+    kv_lora_rank=PROXY_SHAPE.kv_lora_rank,
     index_topk=32,
 )
 VOCAB_MULTIPLE = 64

@@ -122,3 +122,18 @@ def test_kernel_refuses_targets_beyond_fp16() -> None:
     x[1, 7] = float("nan")
     with pytest.raises(ValueError, match="finite"):
         viterbi_cuda(x, 2, Codebook.MCG)
+
+
+@gpu
+def test_threads_on_one_stream_keep_their_own_history() -> None:
+    """An encode's write-behind thread may search (retained linears) while the main thread does: interleaved
+    launches on the one stream must not share the history scratch between a forward pass and its trace."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(tiles(5000, seed=11).cuda(), 2), (tiles(3000, seed=12).cuda(), 1)]  # 5000: several launches
+    alone = [viterbi_cuda(x, bits, Codebook.MCG).cpu() for x, bits in jobs]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for _ in range(3):
+            together = [pool.submit(viterbi_cuda, x, bits, Codebook.MCG) for x, bits in jobs]
+            for want, got in zip(alone, together):
+                assert torch.equal(got.result().cpu(), want)
