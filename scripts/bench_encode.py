@@ -286,6 +286,7 @@ def main() -> None:
         "python": platform.python_version(),
         "commit": commit,
         "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python3", *sys.argv]),
         "experts_timed": args.experts,
         "experts_per_unit": args.experts_per_unit,
     }
