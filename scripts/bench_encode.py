@@ -246,11 +246,26 @@ def main() -> None:
         default=DEFAULT_SEARCH.fine_min_tiles,
         help="scale search: the fine stride applies where it leaves this many tiles per point (0: always)",
     )
+    ap.add_argument(
+        "--coarse-stride", type=int, default=DEFAULT_SEARCH.coarse_stride, help="scale search: coarse tile stride"
+    )
+    ap.add_argument(
+        "--coarse-min-tiles",
+        type=int,
+        default=DEFAULT_SEARCH.coarse_min_tiles,
+        help="scale search: the coarse stride applies where it leaves this many tiles per point (0: always)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
     args = ap.parse_args()
     commit = args.commit or git_commit()
-    search = dataclasses.replace(DEFAULT_SEARCH, fine_stride=args.fine_stride, fine_min_tiles=args.fine_min_tiles)
+    search = dataclasses.replace(
+        DEFAULT_SEARCH,
+        fine_stride=args.fine_stride,
+        fine_min_tiles=args.fine_min_tiles,
+        coarse_stride=args.coarse_stride,
+        coarse_min_tiles=args.coarse_min_tiles,
+    )
     spec = load_model_spec(CONFIG)
     path = args.out / f"encode_layer_{'plain' if args.layout == 'exllamav3' else args.layout}_h200.json"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ FINE_POINTS = 5  # the fine grid: the coarse minimum and two steps either side
 # measured (96 routed-expert linears of the CPU-trained proxy at K1-K4 MCG and K2 MUL1, each with the full grid's
 # scale, bit for bit), so the walk usually stops after three to five points where the full grid quantizes ten.
 WALK_START = 4  # COARSE[4] = 0.9
+EXLLAMAV3_COARSE_STRIDE = 3
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class ScaleSearch:
     subsamples the coarse and fine grids use."""
 
     band_width: int = 3
-    coarse_stride: int = 3
+    coarse_stride: int = EXLLAMAV3_COARSE_STRIDE
     fine_stride: int = 1
     # Walk the coarse grid from WALK_START towards lower errors and stop at the first local minimum (the full grid's
     # minimum wherever the coarse curve has one minimum) instead of quantizing all ten points.
@@ -36,11 +37,22 @@ class ScaleSearch:
     fine_walk: bool = False
     # fine_stride applies where it leaves at least this many tiles per fine point; smaller samples use every tile.
     fine_min_tiles: int = 0
+    # coarse_stride applies where it leaves at least this many tiles per coarse point; smaller samples use
+    # ExLlamaV3's stride of 3.
+    coarse_min_tiles: int = 0
+
+    def coarse_tiles(self, sample: torch.Tensor) -> torch.Tensor:
+        """The tiles of one tensor's sample that each coarse point quantizes."""
+        return _subsample(sample, self.coarse_stride, self.coarse_min_tiles, EXLLAMAV3_COARSE_STRIDE)
 
     def fine_tiles(self, sample: torch.Tensor) -> torch.Tensor:
         """The tiles of one tensor's sample that each fine point quantizes."""
-        stride = self.fine_stride if sample.shape[0] // self.fine_stride >= self.fine_min_tiles else 1
-        return sample[::stride]
+        return _subsample(sample, self.fine_stride, self.fine_min_tiles, 1)
+
+
+def _subsample(sample: torch.Tensor, stride: int, min_tiles: int, fallback: int) -> torch.Tensor:
+    """Every stride-th tile where that leaves min_tiles or more, else every fallback-th."""
+    return sample[:: stride if sample.shape[0] // stride >= min_tiles else fallback]
 
 
 EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
@@ -122,7 +134,7 @@ def search_scales(
 ) -> list[float]:
     """One global scale per tensor from its sample tiles; quantize maps tiles to quantized values."""
     count = len(samples)
-    coarse_tiles = [s[:: search.coarse_stride] for s in samples]
+    coarse_tiles = [search.coarse_tiles(s) for s in samples]
     coarse_start = [WALK_START - 1, WALK_START, WALK_START + 1] if search.coarse_walk else list(range(len(COARSE)))
     coarse = _walk(
         coarse_start,

@@ -54,6 +54,15 @@ def test_the_fine_grid_subsamples_large_samples_only() -> None:
     assert torch.equal(DEFAULT_SEARCH.fine_tiles(small), small)
 
 
+def test_a_coarser_coarse_stride_keeps_exllamav3s_on_small_samples() -> None:
+    """coarse_min_tiles: a stride of 6 on a real slice's 288 tiles (48 per point); a small tensor keeps stride 3."""
+    search = dataclasses.replace(DEFAULT_SEARCH, coarse_stride=6, coarse_min_tiles=48)
+    large, small = torch.randn(288, 256), torch.randn(32, 256)
+    assert torch.equal(search.coarse_tiles(large), large[::6])
+    assert torch.equal(search.coarse_tiles(small), small[::3])
+    assert torch.equal(DEFAULT_SEARCH.coarse_tiles(large), large[::3])  # the default: ExLlamaV3's stride everywhere
+
+
 def test_errors_are_each_pairs_own_mean_whatever_the_sizes() -> None:
     """_errors averages each (tensor, scale) pair's tiles in a fixed order: equal sizes (one reshape) and unequal
     sizes (one mean per pair) give each pair's own mean squared error."""
