@@ -36,6 +36,7 @@ from bench_common import git_commit
 
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import expert_slices
+from glmquant.encode.config import EncodeConfig
 from glmquant.encode.layer import EncodedLayer, UnitInputs, encode_unit
 from glmquant.encode.slices import slice_hessian, slice_weight
 from glmquant.encode.units import UnitStore, WriteBehind
@@ -217,7 +218,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layout", choices=["tr3", "exllamav3"], default="tr3")
     ap.add_argument("--experts", type=int, default=288, help="experts of the layer to encode (288: the whole layer)")
-    ap.add_argument("--experts-per-unit", type=int, default=32)
+    ap.add_argument("--experts-per-unit", type=int, default=EncodeConfig.experts_per_unit)
     ap.add_argument(
         "--compare-experts",
         type=int,

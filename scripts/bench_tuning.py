@@ -26,6 +26,7 @@ from bench_common import ROOT, provenance
 
 from glmquant.arch import ModelSpec, load_model_spec
 from glmquant.arch.table import PROJECTIONS
+from glmquant.encode.config import EncodeConfig
 from glmquant.encode.scale_tuning import ExpertPart, UnitTuning, tune_unit_scales
 from glmquant.exl3.codebooks import Codebook
 from glmquant.exl3.tensor import EXL3Tensor
@@ -64,7 +65,9 @@ def random_sample(spec: ModelSpec, tokens: int, gen: torch.Generator) -> RoutedS
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--experts-per-unit", type=int, default=32, help="encode's default work unit")
+    ap.add_argument(
+        "--experts-per-unit", type=int, default=EncodeConfig.experts_per_unit, help="encode's default work unit"
+    )
     ap.add_argument("--tuning-tokens", type=int, default=8192, help="observe --tuning-tokens (the recipe's value)")
     ap.add_argument("--steps", type=int, default=100, help="encode --tune-scales (the recipe's value)")
     ap.add_argument("--bits", type=int, default=2)

@@ -46,7 +46,9 @@ def encode(
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     work_dir: Annotated[Path | None, typer.Option(help="resumable job state (default: ARTIFACT.work)")] = None,
     seed: Annotated[int, typer.Option(help="base seed of the EXL3 sign flips")] = 0,
-    experts_per_unit: Annotated[int, typer.Option(help="experts encoded together in one work unit (GPU batch)")] = 32,
+    experts_per_unit: Annotated[
+        int, typer.Option(help="experts encoded together in one work unit (GPU batch)")
+    ] = EncodeConfig.experts_per_unit,
     source_repo: Annotated[
         str | None,
         typer.Option(help="source repo id recorded in the provenance (default: the Hub repo id given as SOURCE)"),

@@ -53,7 +53,10 @@ class EncodeConfig:
     device: str = "cpu"
     work_dir: Path | None = None
     seed: int = 0
-    experts_per_unit: int = 32  # work unit: this many experts' EXL3 tensors encoded in one batched call
+    # work unit: this many experts' EXL3 tensors encoded in one batched call. 33: a GLM-5.3-Flash expert adds 256
+    # Viterbi tiles per LDLQ step, and 33 x 256 fills exactly 64 waves of one block on 132 SMs (H100 SXM, H200),
+    # where 32 experts' 8,192 tiles leave a 63rd wave nearly empty: 1 % of a layer's time on an H200 (docs/encode.md)
+    experts_per_unit: int = 33
     source_repo: str | None = None
     source_revision: str | None = None  # the Hub commit a repo-id source resolved to
     verify: bool = True

@@ -66,7 +66,18 @@ EXLLAMAV3_SEARCH = ScaleSearch()  # ExLlamaV3 1.6.5's sampling
 # mean proxy error 0.0120760 against 0.0120768 with every tile (noise), the search 5.2 s instead of 8.3 s
 # (bench/results/encode_layer_tr3_h200_fine2_d15e410.json: 288 sample tiles per rank slice). On small tensors
 # (ExLlamaV3's golden 256 x 128 linears: 32 sample tiles) half the tiles made the scale noisier (MUL1 K2 +2 %).
-DEFAULT_SEARCH = ScaleSearch(band_width=1, fine_stride=2, fine_min_tiles=128, coarse_walk=True, fine_walk=True)
+# Every sixth band tile per coarse point and every third per fine point where that leaves 48 / 96 or more (a real
+# rank slice's 288 sample tiles): on an H200, 96 real-shape experts' mean proxy error 0.0120783 against 0.0120760
+# with strides 3 and 2, and 59.0 s against 60.8 s (bench/results/encode_search_h200_7d6a2f8.json).
+DEFAULT_SEARCH = ScaleSearch(
+    band_width=1,
+    coarse_stride=6,
+    coarse_min_tiles=48,
+    fine_stride=3,
+    fine_min_tiles=96,
+    coarse_walk=True,
+    fine_walk=True,
+)
 
 
 def _errors(
