@@ -10,7 +10,7 @@ import torch
 
 from glmquant.exl3.backends import quantize_tiles, select_backend
 from glmquant.exl3.codebooks import Codebook
-from glmquant.exl3.scale_search import COARSE, DEFAULT_SEARCH, FINE_POINTS, _errors, search_scales
+from glmquant.exl3.scale_search import COARSE, DEFAULT_SEARCH, EXLLAMAV3_SEARCH, FINE_POINTS, _errors, search_scales
 
 FULL_GRID = dataclasses.replace(DEFAULT_SEARCH, coarse_walk=False, fine_walk=False)
 
@@ -39,7 +39,7 @@ def test_the_walks_find_the_full_grids_scale(spread: float) -> None:
     walk = search_scales(samples, walk_q, DEFAULT_SEARCH)
     assert walk == full
     assert walk_seen[0] < full_seen[0]
-    coarse, fine = 48 // DEFAULT_SEARCH.coarse_stride, DEFAULT_SEARCH.fine_tiles(samples[0]).shape[0]  # per point
+    coarse, fine = (DEFAULT_SEARCH.coarse_tiles(samples[0]).shape[0], DEFAULT_SEARCH.fine_tiles(samples[0]).shape[0])
     assert full_seen[0] == 3 * (len(COARSE) * coarse + FINE_POINTS * fine)  # 3 tensors
     if spread == 1.3:  # the usual case: three coarse points of ten, three or four fine points of five
         assert walk_seen[0] <= 3 * (3 * coarse + 4 * fine)
@@ -48,19 +48,19 @@ def test_the_walks_find_the_full_grids_scale(spread: float) -> None:
 
 
 def test_the_fine_grid_subsamples_large_samples_only() -> None:
-    """A real rank slice's 288 sample tiles: every second one per fine point; a small tensor's 32: all of them."""
+    """A real rank slice's 288 sample tiles: every third one per fine point; a small tensor's 32: all of them."""
     large, small = torch.randn(288, 256), torch.randn(32, 256)
-    assert torch.equal(DEFAULT_SEARCH.fine_tiles(large), large[::2])
+    assert torch.equal(DEFAULT_SEARCH.fine_tiles(large), large[::3])
     assert torch.equal(DEFAULT_SEARCH.fine_tiles(small), small)
 
 
-def test_a_coarser_coarse_stride_keeps_exllamav3s_on_small_samples() -> None:
-    """coarse_min_tiles: a stride of 6 on a real slice's 288 tiles (48 per point); a small tensor keeps stride 3."""
-    search = dataclasses.replace(DEFAULT_SEARCH, coarse_stride=6, coarse_min_tiles=48)
+def test_the_coarse_grid_subsamples_large_samples_more() -> None:
+    """coarse_min_tiles: every sixth of a real slice's 288 tiles (48 per point); a small tensor keeps ExLlamaV3's
+    stride of 3, and so does a search without the threshold."""
     large, small = torch.randn(288, 256), torch.randn(32, 256)
-    assert torch.equal(search.coarse_tiles(large), large[::6])
-    assert torch.equal(search.coarse_tiles(small), small[::3])
-    assert torch.equal(DEFAULT_SEARCH.coarse_tiles(large), large[::3])  # the default: ExLlamaV3's stride everywhere
+    assert torch.equal(DEFAULT_SEARCH.coarse_tiles(large), large[::6])
+    assert torch.equal(DEFAULT_SEARCH.coarse_tiles(small), small[::3])
+    assert torch.equal(EXLLAMAV3_SEARCH.coarse_tiles(large), large[::3])
 
 
 def test_errors_are_each_pairs_own_mean_whatever_the_sizes() -> None:
