@@ -614,15 +614,17 @@ class Evaluator:
         out, work = self.work / "exllamav3-out", self.work / "exllamav3-work"
         for d in (out, work):
             shutil.rmtree(d, ignore_errors=True)
+        tokens = self.args.exllamav3_tokens or self.args.tokens
+        rows = self.args.rows * self.args.tokens // tokens  # as many calibration tokens as ours
         row: dict[str, Any] = {
             "recipe": name,
-            "description": "ExLlamaV3's own converter (-b 2.0 -hb 16 -cb mcg, its "
-            "calibration data at our rows x tokens); its routed-expert tensors in the BF16 proxy",
+            "description": f"ExLlamaV3's own converter (-b 2.0 -hb 16 -cb mcg, its calibration data at {rows} rows "
+            f"x {tokens} tokens); its routed-expert tensors in the BF16 proxy",
         }
         try:
             t0 = time.monotonic()
             log = self.work / "exllamav3-convert.log"
-            convert_with_exllamav3(self.model_dir, out, work, self.args.rows, self.args.tokens, log)
+            convert_with_exllamav3(self.model_dir, out, work, rows, tokens, log)
             experts, nbytes, widths = exllamav3_experts(out)
             row.update(
                 {
@@ -932,6 +934,13 @@ def main() -> None:
     ap.add_argument("--heldout-tokens", type=int, default=512)
     ap.add_argument("--recipes", default=None, help="comma-separated subset of the rows (default: all)")
     ap.add_argument("--no-exllamav3", dest="exllamav3", action="store_false", help="skip ExLlamaV3's converter")
+    ap.add_argument(
+        "--exllamav3-tokens",
+        type=_positive,
+        default=None,
+        help="tokens per row of ExLlamaV3's calibration, with rows scaled to the same token count (default: "
+        "--tokens); at most the proxy's index_topk keeps its DSA layers on their dense path (docs/fidelity.md)",
+    )
     ap.add_argument("--keep-artifacts", action="store_true")
     ap.add_argument(
         "--mtp-prompts",

@@ -13,6 +13,8 @@
 #   bash scripts/device_fidelity.sh "$OUT" COMMIT checks bench # the GPU kernel checks in the background (pytest -v
 #                                                              # to checks.log), beside the benchmark
 #   RECIPES=seed,retained-k4 bash ... bench                 # only these rows (bench_fidelity --recipes)
+#   EXL_TOKENS=32 bash ... bench                               # ExLlamaV3's calibration rows of 32 tokens
+#   bash ... unpack bench                                      # first add the carried .proxy-parts/NN to /tmp/proxy
 #   ... cache                                                  # return Triton's kernel cache (compiled and autotuned
 #                                                              # kernels, ~6 minutes of a cold machine's first
 #                                                              # training step) as $OUT/triton-cache.tgz.NN parts;
@@ -56,6 +58,7 @@ for MODE in "${MODES[@]}"; do
       extra=()
       [[ -e /tmp/exl-built ]] || extra=(--no-exllamav3)  # still building
       [[ -n ${RECIPES:-} ]] && extra+=(--recipes "$RECIPES")
+      [[ -n ${EXL_TOKENS:-} ]] && extra+=(--exllamav3-tokens "$EXL_TOKENS")
       # a torch extension lock left behind makes every later import of exllamav3 wait: show what the build left
       [[ -e /tmp/exl-built ]] && find /tmp/tex -maxdepth 2 \( -name lock -o -name '*.so' \) -printf '%p %s B\n' >>"$LOG"
       # the results file lives in $OUT while the benchmark runs: a call killed at the device's limit (which may be
@@ -66,13 +69,19 @@ for MODE in "${MODES[@]}"; do
         | tee -a /tmp/fid/bench.log >>"$LOG"
       echo "bench exit ${PIPESTATUS[0]} (${extra[*]:-with exllamav3})" >>"$LOG"
       cp "$OUT/fidelity_proxy.json" /tmp/fid/ 2>/dev/null ;;
+    unpack)
+      # a proxy trained elsewhere, packed by scripts/pack_proxy.sh into parts that one call's carry may not hold
+      # together: each call carries some .proxy-parts/NN (carry them by name) and this adds them to /tmp/proxy
+      for part in .proxy-parts/*/part.tar.xz; do
+        [[ -e $part ]] && tar xJf "$part" -C /tmp/proxy && echo "unpacked $part" >>"$LOG"
+      done ;;
     cache)
       # it must travel back (4 parts of 15 MiB) and out again beside the wheels and the tree (64 MiB a call)
       tar czf /tmp/triton-cache.tgz -C "$TRITON_CACHE_DIR" .
       size=$(du -b /tmp/triton-cache.tgz | cut -f1)
       if (( size < 36 << 20 )); then split -b 15M -d /tmp/triton-cache.tgz "$OUT/triton-cache.tgz."; fi
       echo "Triton cache: $size bytes, $(ls "$OUT" | grep -c triton-cache) parts returned" >>"$LOG" ;;
-    *) echo "mode must be train, checks, bench or cache, not $MODE" >>"$LOG" ;;
+    *) echo "mode must be train, checks, bench, unpack or cache, not $MODE" >>"$LOG" ;;
   esac
 done
 [[ -n $checks ]] && { wait "$checks"; echo "checks exit $?" >>"$LOG"; }  # not the extension build: it may
