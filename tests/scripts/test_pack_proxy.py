@@ -34,7 +34,10 @@ def test_parts_unpack_to_the_same_proxy(tmp_path: Path) -> None:
     subprocess.run(["bash", str(work / "scripts" / "pack_proxy.sh"), str(proxy)], check=True, capture_output=True)
 
     parts = sorted((work / ".proxy-parts").glob("*/part.tar.xz"))
-    members = [sorted(tarfile.open(p).getnames()) for p in parts]
+    members = []
+    for part in parts:
+        with tarfile.open(part) as tar:
+            members.append(sorted(tar.getnames()))
     assert [p.parent.name for p in parts] == ["00", "01", "02"]
     assert "model/config.json" in members[0] and not any(m.endswith("-of-00002.safetensors") for m in members[0])
     assert members[1:] == [["model/model-00001-of-00002.safetensors"], ["model/model-00002-of-00002.safetensors"]]
