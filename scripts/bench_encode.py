@@ -238,24 +238,19 @@ def main() -> None:
         action="store_true",
         help="wall time only: no GPU synchronization at stage boundaries (the encoder as it runs in production)",
     )
-    ap.add_argument(
-        "--fine-stride", type=int, default=DEFAULT_SEARCH.fine_stride, help="scale search: fine grid's tile stride"
-    )
-    ap.add_argument(
-        "--fine-min-tiles",
-        type=int,
-        default=DEFAULT_SEARCH.fine_min_tiles,
-        help="scale search: the fine stride applies where it leaves this many tiles per point (0: always)",
-    )
-    ap.add_argument(
-        "--coarse-stride", type=int, default=DEFAULT_SEARCH.coarse_stride, help="scale search: coarse tile stride"
-    )
-    ap.add_argument(
-        "--coarse-min-tiles",
-        type=int,
-        default=DEFAULT_SEARCH.coarse_min_tiles,
-        help="scale search: the coarse stride applies where it leaves this many tiles per point (0: always)",
-    )
+    for grid in ("coarse", "fine"):  # the scale search's sample per grid point (ScaleSearch)
+        ap.add_argument(
+            f"--{grid}-stride",
+            type=int,
+            default=getattr(DEFAULT_SEARCH, f"{grid}_stride"),
+            help=f"scale search: a {grid} point quantizes every Nth band tile",
+        )
+        ap.add_argument(
+            f"--{grid}-min-tiles",
+            type=int,
+            default=getattr(DEFAULT_SEARCH, f"{grid}_min_tiles"),
+            help=f"scale search: the {grid} stride applies where it leaves this many tiles per point (0: always)",
+        )
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
     args = ap.parse_args()
