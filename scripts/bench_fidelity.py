@@ -958,7 +958,12 @@ def main() -> None:
         help="rows measured at once, each worker process with its own proxy (the GPU is idle in much of a row)",
     )
     os.environ.setdefault("SOURCE_DATE_EPOCH", "1767225600")
-    Bench(ap.parse_args()).run()
+    args = ap.parse_args()
+    if args.exllamav3_tokens and (args.rows * args.tokens) % args.exllamav3_tokens:
+        ap.error(
+            f"--exllamav3-tokens {args.exllamav3_tokens} must divide --rows x --tokens ({args.rows * args.tokens})"
+        )
+    Bench(args).run()
 
 
 if __name__ == "__main__":

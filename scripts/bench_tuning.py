@@ -91,7 +91,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     unit_s = time.perf_counter() - start
-    units_per_layer = -(-spec.n_routed_experts // args.experts_per_unit)
+    units_per_layer = spec.n_routed_experts / args.experts_per_unit  # a last, smaller unit costs its share
     moe_layers = len(spec.moe_layers)
     layer_s = unit_s * units_per_layer
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -117,7 +117,7 @@ def main() -> None:
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "projected_layer_s": round(layer_s, 1),
         "projected_model_min": round(layer_s * moe_layers / 60, 1),
-        "projection_formula": f"unit_s x ceil({spec.n_routed_experts} / experts_per_unit) per layer, "
+        "projection_formula": f"unit_s x {spec.n_routed_experts} / experts_per_unit per layer, "
         f"x {moe_layers} MoE layers",
     }
     if args.commit:

@@ -37,6 +37,12 @@ if [[ -e .triton-cache/cache.tgz && ! -e $TRITON_CACHE_DIR ]]; then  # a carried
   echo "Triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files carried in" >>"$LOG"
 fi
 mkdir -p /tmp/proxy /tmp/fid
+missing_shards() {  # the weight shards /tmp/proxy's index names that are not there (nothing when complete)
+  python3 -c 'import json, pathlib; d = pathlib.Path("/tmp/proxy/model"); idx = d / "model.safetensors.index.json"
+names = set(json.loads(idx.read_text())["weight_map"].values()) if idx.is_file() else set()
+missing = sorted(n for n in names if not (d / n).is_file())
+print("proxy shards missing: " + ", ".join(missing) if missing else "", end="")'
+}
 checks=
 for MODE in "${MODES[@]}"; do
   echo "== $MODE at +$(( $(date +%s) - t0 ))s, $(left) s left" >>"$LOG"
@@ -55,6 +61,9 @@ for MODE in "${MODES[@]}"; do
       checks=$! ;;
     bench)
       [[ -e /tmp/proxy/proxy.json ]] || { echo "bench skipped: the proxy is not trained yet" >>"$LOG"; continue; }
+      if [[ -n $(missing_shards) ]]; then
+        echo "bench skipped: $(missing_shards) (carry the other .proxy-parts, then unpack)" >>"$LOG"; continue
+      fi
       extra=()
       [[ -e /tmp/exl-built ]] || extra=(--no-exllamav3)  # still building
       [[ -n ${RECIPES:-} ]] && extra+=(--recipes "$RECIPES")
@@ -72,9 +81,14 @@ for MODE in "${MODES[@]}"; do
     unpack)
       # a proxy trained elsewhere, packed by scripts/pack_proxy.sh into parts that one call's carry may not hold
       # together: each call carries some .proxy-parts/NN (carry them by name) and this adds them to /tmp/proxy
+      found=0
       for part in .proxy-parts/*/part.tar.xz; do
-        [[ -e $part ]] && tar xJf "$part" -C /tmp/proxy && echo "unpacked $part" >>"$LOG"
-      done ;;
+        [[ -e $part ]] || continue
+        found=1
+        if tar xJf "$part" -C /tmp/proxy; then echo "unpacked $part" >>"$LOG"; else echo "unpack of $part FAILED" >>"$LOG"; fi
+      done
+      (( found )) || echo "unpack: no .proxy-parts/*/part.tar.xz carried" >>"$LOG"
+      missing_shards >>"$LOG" ;;
     cache)
       # it must travel back (4 parts of 15 MiB) and out again beside the wheels and the tree (64 MiB a call)
       tar czf /tmp/triton-cache.tgz -C "$TRITON_CACHE_DIR" .

@@ -7,16 +7,19 @@
 set -euo pipefail
 PROXY=${1:?proxy directory}
 [[ -e $PROXY/proxy.json && -d $PROXY/model ]] || { echo "$PROXY: not a trained proxy (no proxy.json or model/)" >&2; exit 2; }
+shopt -s nullglob
+shards=("$PROXY"/model/*.safetensors)
+(( ${#shards[@]} )) || { echo "$PROXY/model: no weight shards (*.safetensors)" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)/.proxy-parts
 rm -rf "$root"
 mkdir -p "$root/00"
 (cd "$PROXY" && find . -type f ! -path './model/*.safetensors' ! -name 'train_state.pt*' -printf '%P\n' | sort \
   | tar cf - -T - | xz -T0 -6 >"$root/00/part.tar.xz")
 n=1
-for shard in $(cd "$PROXY" && ls model/*.safetensors | sort); do
+for shard in "${shards[@]}"; do  # the glob sorts them
   dir=$(printf '%s/%02d' "$root" "$n")
   mkdir -p "$dir"
-  (cd "$PROXY" && tar cf - "$shard" | xz -T0 -6 >"$dir/part.tar.xz")
+  (cd "$PROXY" && tar cf - "model/${shard##*/}" | xz -T0 -6 >"$dir/part.tar.xz")
   n=$((n + 1))
 done
 du -b "$root"/*/part.tar.xz

@@ -29,6 +29,8 @@ from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS, check_linear_bits
 from glmquant.devices import device_type
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
+from glmquant.exl3.refit import REFIT_ROUNDS
+from glmquant.exl3.scale_search import DEFAULT_SEARCH
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.tiers import TierSpec
 
@@ -162,4 +164,7 @@ class EncodeConfig:
             shaping["tune_scales_loss"] = "unit-output"
         shaping["device"] = torch.device(self.device).type
         shaping["backend"] = exl3_backend() or "auto"
+        # the encoder's own defaults: units encoded before a change of them must not be mixed with units after it
+        shaping["scale_search"] = json.dumps(asdict(DEFAULT_SEARCH), sort_keys=True)
+        shaping["refit_rounds"] = str(REFIT_ROUNDS)
         return hashlib.sha256(json.dumps({**shaping, **inputs}, sort_keys=True).encode()).hexdigest()

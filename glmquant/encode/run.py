@@ -186,8 +186,12 @@ class EncodeJob:
                 self.device,
                 self.cfg.tune_scales,
             )
-            with WriteBehind() as writer:  # a unit's file (and a completed layer's files) while the next encodes
+            announce = partial(self.console.print, highlight=False)
+            with WriteBehind(
+                announce
+            ) as writer:  # a unit's file (and a completed layer's files) while the next encodes
                 for layer, u, _ in units:
+                    writer.check()  # a failed write stops the job before another unit is encoded
                     try:
                         encoded = next(encoded_units)
                     except NumericalError as exc:

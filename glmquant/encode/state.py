@@ -37,8 +37,9 @@ class EncodeState:
             raise UsageError(f"{path}: unreadable job state ({exc}); delete the work dir to start over") from None
         if not isinstance(data, dict) or data.get("fingerprint") != fingerprint:
             raise UsageError(
-                f"{path} belongs to a job with other inputs or options; rerun the same command, "
-                f"or give another --work-dir (or delete it) to start over"
+                f"{path} belongs to a job with other inputs or options (or one begun by a glmquant whose encoder "
+                f"defaults differ); rerun the same command with that version, or give another --work-dir (or delete "
+                f"it) to start over"
             )
         return cls(path, fingerprint, data.get("layers", {}), data.get("retained_done", False))
 

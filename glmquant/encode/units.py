@@ -58,16 +58,23 @@ class WriteBehind:
     """Runs each finished unit's write (and what follows it: assembling a completed layer's files) on one background
     thread, so the GPU encodes the next unit instead of waiting for the disk. One write in flight at most: memory
     holds one finished unit beyond the one encoding, and files appear in submission order. A failed write is raised
-    by the next `submit` or at exit; leaving the block (Ctrl-C included) first lets the write in flight finish, so
-    a unit already encoded is kept whole for the resumed job."""
+    by `check` (before the next unit starts), the next `submit` or at exit; leaving the block (Ctrl-C included)
+    first lets the write in flight finish, so a unit already encoded is kept whole for the resumed job.
+    `announce` says so when an interrupt has to wait for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, announce: Callable[[str], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-write")
         self._pending: Future[None] | None = None
+        self._announce = announce
 
     def submit(self, write: Callable[[], None]) -> None:
         self.wait()
         self._pending = self._pool.submit(write)
+
+    def check(self) -> None:
+        """Raise the error of a write that has already failed; never blocks."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is done; raise its error."""
@@ -82,6 +89,14 @@ class WriteBehind:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
-            self.wait()
+            if exc is None:
+                self.wait()
+                return
+            if self._announce is not None and self._pending is not None and not self._pending.done():
+                self._announce("finishing the unit file being written (its encode is kept)...")
+            try:
+                self.wait()
+            except Exception as write_error:  # noqa: BLE001 - the error already propagating stays the one raised
+                exc.add_note(f"the unit write in flight failed too: {write_error!r}")
         finally:
             self._pool.shutdown(wait=True)

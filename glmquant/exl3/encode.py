@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -226,7 +228,35 @@ def encode_linears(
     if not items:
         return []
     codebook, dev = Codebook(codebook), torch.device(device)
-    search: TileSearch = select_backend(dev, backend)
+    search = select_backend(dev, backend)
+    with _device_lock(dev):
+        return _encode_linears(items, bits, codebook, seed, dev, search, scale_search, refit_rounds)
+
+
+_GPU_LOCKS: dict[torch.device, threading.Lock] = {}
+
+
+def _device_lock(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """One encode at a time per GPU: an encode's write-behind thread encodes retained linears while it assembles a
+    layer's files (the ExLlamaV3 layout), and beside the main thread's unit that would hold two encodes' buffers at
+    once. The CPU runs them side by side."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _GPU_LOCKS.setdefault(torch.device("cuda", index), threading.Lock())
+
+
+def _encode_linears(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    bits: int,
+    codebook: Codebook,
+    seed: int,
+    dev: torch.device,
+    search: TileSearch,
+    scale_search: ScaleSearch,
+    refit_rounds: int,
+) -> list[EncodedLinear]:
+    """encode_linears' work, holding the device's lock."""
 
     def values(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with stage("viterbi", dev):

@@ -26,7 +26,7 @@ def test_two_processes_write_the_same_artifact_as_one(
     small_source: Path, small_observations: Path, small_artifact: Path, tmp_path: Path
 ) -> None:
     """Each rank encodes its units of one expert (--experts-per-unit 1: two ranks get work in every layer); the
-    result is byte for byte the one-process artifact (`small_artifact`, encoded with the default 32 experts per unit
+    result is byte for byte the one-process artifact (`small_artifact`, encoded with the default experts per unit
     at the same SOURCE_DATE_EPOCH), so neither the ranks nor the units' size change a byte."""
     two = tmp_path / "two"
     env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, "OMP_NUM_THREADS": "1"}

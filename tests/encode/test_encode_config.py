@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,8 @@ from glmquant.cli import app
 from glmquant.encode import EncodeConfig
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
+from glmquant.exl3.refit import REFIT_ROUNDS
+from glmquant.exl3.scale_search import DEFAULT_SEARCH
 from glmquant.observe.hessians import HessianMode
 
 
@@ -125,4 +127,19 @@ def test_retained_bits_shape_the_fingerprint_and_leave_older_jobs_resumable(tmp_
     old = {k: v.value if hasattr(v, "value") else str(v) for k, v in asdict(base).items() if k not in skipped}
     old["device"] = torch.device(base.device).type
     old["backend"] = exl3_backend() or "auto"
+    old["scale_search"] = json.dumps(asdict(DEFAULT_SEARCH), sort_keys=True)
+    old["refit_rounds"] = str(REFIT_ROUNDS)
     assert base.fingerprint({}) == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()
+
+
+def test_the_encoders_own_defaults_shape_the_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Units encoded with another scale-search sample or refit must not be resumed into one artifact with these."""
+    import glmquant.encode.config as config
+
+    cfg = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True)
+    now = cfg.fingerprint({})
+    monkeypatch.setattr(config, "DEFAULT_SEARCH", replace(DEFAULT_SEARCH, coarse_stride=3, coarse_min_tiles=0))
+    assert cfg.fingerprint({}) != now
+    monkeypatch.undo()
+    monkeypatch.setattr(config, "REFIT_ROUNDS", REFIT_ROUNDS + 1)
+    assert cfg.fingerprint({}) != now

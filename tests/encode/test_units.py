@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import functools
 import threading
+import time
 
 import pytest
 
@@ -47,16 +48,51 @@ def test_the_last_write_failing_is_raised_at_exit() -> None:
         writer.submit(lambda: (_ for _ in ()).throw(OSError(errno.EROFS, "read-only file system")))
 
 
-def test_an_interrupt_lets_the_write_in_flight_finish() -> None:
-    """Ctrl-C in the encode (the main thread) leaves the unit already encoded on disk for the resumed job."""
-    release, finished = threading.Event(), []
+def test_an_interrupt_lets_the_write_in_flight_finish_and_says_so() -> None:
+    """Ctrl-C in the encode (the main thread) leaves the unit already encoded on disk for the resumed job: the write
+    is still blocked when the interrupt arrives and is released only afterwards."""
+    release = threading.Event()
+    finished: list[str] = []
+    said: list[str] = []
 
     def slow_write() -> None:
         release.wait(timeout=30)
         finished.append("unit 0")
 
-    with pytest.raises(KeyboardInterrupt), WriteBehind() as writer:
+    with pytest.raises(KeyboardInterrupt), WriteBehind(said.append) as writer:
         writer.submit(slow_write)
-        release.set()
+        threading.Timer(0.2, release.set).start()  # after the interrupt below
         raise KeyboardInterrupt
     assert finished == ["unit 0"]
+    assert said and "finishing the unit file" in said[0]
+
+
+def test_check_raises_a_failed_write_without_waiting_for_one_in_flight() -> None:
+    release = threading.Event()
+
+    def held_write() -> None:
+        release.wait(timeout=30)
+
+    with WriteBehind() as writer:
+        writer.submit(held_write)
+        writer.check()  # still writing: returns at once
+        release.set()
+    with pytest.raises(OSError, match="No space"), WriteBehind() as writer:
+        writer.submit(lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the next unit's encode would start here; a failed write stops it
+            writer.check()
+            time.sleep(0.01)
+
+
+def test_an_error_already_raised_stays_the_one_raised() -> None:
+    """A NumericalError in the encode while the write in flight fails too: the encode's error is raised, with the
+    write's failure noted on it."""
+
+    def full_disk() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(ArithmeticError) as caught, WriteBehind() as writer:
+        writer.submit(full_disk)
+        raise ArithmeticError("layer 3: weight is not finite")
+    assert any("No space left" in note for note in caught.value.__notes__)

@@ -149,6 +149,24 @@ def test_cuda_encoder_repeats_its_bytes() -> None:
             assert torch.equal(x, y)
 
 
+@pytest.mark.gpu
+def test_cuda_encodes_from_two_threads_equal_sequential_ones() -> None:
+    """An encode's write-behind thread may encode (retained linears) while the main thread encodes a unit: the
+    device lock runs them one at a time, and each gives the bytes it gives alone."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from concurrent.futures import ThreadPoolExecutor
+
+    batches = [[correlated(128, 256, seed=s) for s in (9, 10)], [correlated(256, 128, seed=s) for s in (12, 13)]]
+    alone = [encode_linears(b, 2, "mcg", 3, device="cuda") for b in batches]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        together = [f.result() for f in [pool.submit(encode_linears, b, 2, "mcg", 3, device="cuda") for b in batches]]
+    for want, got in zip(alone, together):
+        for a, b in zip(want, got):
+            for x, y in zip(a.tensor.tensors("p").values(), b.tensor.tensors("p").values()):
+                assert torch.equal(x, y)
+
+
 @pytest.mark.slow
 def test_weights_beyond_float16_are_refused_or_rebalanced() -> None:
     """EXL3 decodes in float16: scales are rebalanced by a power of two so weights of RMS 1e-5..1e4 keep their

@@ -10,7 +10,15 @@ import torch
 
 from glmquant.exl3.backends import quantize_tiles, select_backend
 from glmquant.exl3.codebooks import Codebook
-from glmquant.exl3.scale_search import COARSE, DEFAULT_SEARCH, EXLLAMAV3_SEARCH, FINE_POINTS, _errors, search_scales
+from glmquant.exl3.scale_search import (
+    COARSE,
+    DEFAULT_SEARCH,
+    EXLLAMAV3_SEARCH,
+    FINE_POINTS,
+    ScaleSearch,
+    _errors,
+    search_scales,
+)
 
 FULL_GRID = dataclasses.replace(DEFAULT_SEARCH, coarse_walk=False, fine_walk=False)
 
@@ -61,6 +69,17 @@ def test_the_coarse_grid_subsamples_large_samples_more() -> None:
     assert torch.equal(DEFAULT_SEARCH.coarse_tiles(large), large[::6])
     assert torch.equal(DEFAULT_SEARCH.coarse_tiles(small), small[::3])
     assert torch.equal(EXLLAMAV3_SEARCH.coarse_tiles(large), large[::3])
+    denser = dataclasses.replace(DEFAULT_SEARCH, coarse_stride=2)  # a stride below ExLlamaV3's stays on small samples
+    assert torch.equal(denser.coarse_tiles(small), small[::2])
+    bad_searches: dict[str, Callable[[], ScaleSearch]] = {
+        "coarse_stride": lambda: ScaleSearch(coarse_stride=0),
+        "fine_stride": lambda: ScaleSearch(fine_stride=-1),
+        "band_width": lambda: ScaleSearch(band_width=0),
+        "fine_min_tiles": lambda: ScaleSearch(fine_min_tiles=-1),
+    }
+    for field, make in bad_searches.items():
+        with pytest.raises(ValueError, match=f"ScaleSearch.{field}"):
+            make()
 
 
 def test_errors_are_each_pairs_own_mean_whatever_the_sizes() -> None:
