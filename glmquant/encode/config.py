@@ -34,6 +34,13 @@ from glmquant.exl3.scale_search import DEFAULT_SEARCH
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.tiers import TierSpec
 
+# the scale search and refit rounds that jobs begun at 95a428e (the first with these defaults) were encoded with
+UNRECORDED_SEARCH = (
+    '{"band_width": 1, "coarse_min_tiles": 48, "coarse_stride": 6, "coarse_walk": true, "fine_min_tiles": 96, '
+    '"fine_stride": 3, "fine_walk": true}'
+)
+UNRECORDED_REFIT_ROUNDS = 1
+
 HESSIAN_MODES = (HessianMode.NATURAL, HessianMode.ALL)
 
 
@@ -164,7 +171,11 @@ class EncodeConfig:
             shaping["tune_scales_loss"] = "unit-output"
         shaping["device"] = torch.device(self.device).type
         shaping["backend"] = exl3_backend() or "auto"
-        # the encoder's own defaults: units encoded before a change of them must not be mixed with units after it
-        shaping["scale_search"] = json.dumps(asdict(DEFAULT_SEARCH), sort_keys=True)
-        shaping["refit_rounds"] = str(REFIT_ROUNDS)
+        # the encoder's own defaults: units encoded before a change of them must not be mixed with units after it;
+        # recorded once they differ from those of 95a428e, whose jobs were fingerprinted without them
+        search = json.dumps(asdict(DEFAULT_SEARCH), sort_keys=True)
+        if search != UNRECORDED_SEARCH:
+            shaping["scale_search"] = search
+        if REFIT_ROUNDS != UNRECORDED_REFIT_ROUNDS:
+            shaping["refit_rounds"] = str(REFIT_ROUNDS)
         return hashlib.sha256(json.dumps({**shaping, **inputs}, sort_keys=True).encode()).hexdigest()

@@ -186,12 +186,9 @@ class EncodeJob:
                 self.device,
                 self.cfg.tune_scales,
             )
-            announce = partial(self.console.print, highlight=False)
-            with WriteBehind(
-                announce
-            ) as writer:  # a unit's file (and a completed layer's files) while the next encodes
+            # a unit's file (and a completed layer's files) written while the next unit encodes
+            with WriteBehind(partial(self.console.print, highlight=False)) as writer:
                 for layer, u, _ in units:
-                    writer.check()  # a failed write stops the job before another unit is encoded
                     try:
                         encoded = next(encoded_units)
                     except NumericalError as exc:

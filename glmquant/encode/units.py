@@ -58,9 +58,8 @@ class WriteBehind:
     """Runs each finished unit's write (and what follows it: assembling a completed layer's files) on one background
     thread, so the GPU encodes the next unit instead of waiting for the disk. One write in flight at most: memory
     holds one finished unit beyond the one encoding, and files appear in submission order. A failed write is raised
-    by `check` (before the next unit starts), the next `submit` or at exit; leaving the block (Ctrl-C included)
-    first lets the write in flight finish, so a unit already encoded is kept whole for the resumed job.
-    `announce` says so when an interrupt has to wait for it."""
+    by the next `submit` or at exit; leaving the block (Ctrl-C included) first lets the write in flight finish, so
+    a unit already encoded is kept whole for the resumed job. `announce` says so when an interrupt has to wait."""
 
     def __init__(self, announce: Callable[[str], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-write")
@@ -70,11 +69,6 @@ class WriteBehind:
     def submit(self, write: Callable[[], None]) -> None:
         self.wait()
         self._pending = self._pool.submit(write)
-
-    def check(self) -> None:
-        """Raise the error of a write that has already failed; never blocks."""
-        if self._pending is not None and self._pending.done():
-            self.wait()
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is done; raise its error."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import functools
 import threading
-import time
 
 import pytest
 
@@ -65,24 +64,6 @@ def test_an_interrupt_lets_the_write_in_flight_finish_and_says_so() -> None:
         raise KeyboardInterrupt
     assert finished == ["unit 0"]
     assert said and "finishing the unit file" in said[0]
-
-
-def test_check_raises_a_failed_write_without_waiting_for_one_in_flight() -> None:
-    release = threading.Event()
-
-    def held_write() -> None:
-        release.wait(timeout=30)
-
-    with WriteBehind() as writer:
-        writer.submit(held_write)
-        writer.check()  # still writing: returns at once
-        release.set()
-    with pytest.raises(OSError, match="No space"), WriteBehind() as writer:
-        writer.submit(lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # the next unit's encode would start here; a failed write stops it
-            writer.check()
-            time.sleep(0.01)
 
 
 def test_an_error_already_raised_stays_the_one_raised() -> None:

@@ -167,6 +167,49 @@ def test_cuda_encodes_from_two_threads_equal_sequential_ones() -> None:
                 assert torch.equal(x, y)
 
 
+def test_gpu_encodes_take_turns_on_one_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device lock, without a GPU: 'cuda' and 'cuda:<current>' share one lock, so two threads' encodes on one
+    GPU never overlap, while two GPUs' encodes do."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import glmquant.exl3.encode as encode
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(encode, "select_backend", lambda dev, backend: None)
+    assert encode._device_lock(torch.device("cuda")) is encode._device_lock(torch.device("cuda:0"))
+    assert encode._device_lock(torch.device("cuda:1")) is not encode._device_lock(torch.device("cuda:0"))
+    running: dict[str, int] = {}
+    most: dict[str, int] = {}
+    guard = threading.Lock()
+
+    def slow_encode(
+        items: object, bits: int, codebook: object, seed: int, dev: torch.device, *rest: object
+    ) -> list[None]:
+        key = str(torch.device("cuda", dev.index if dev.index is not None else 0))
+        with guard:
+            running[key] = running.get(key, 0) + 1
+            most[key] = max(most.get(key, 0), running[key])
+        time.sleep(0.2)
+        with guard:
+            running[key] -= 1
+        return []
+
+    monkeypatch.setattr(encode, "_encode_linears", slow_encode)
+    item = [(torch.zeros(128, 256), None)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for f in [pool.submit(encode_linears, item, 2, device=d) for d in ("cuda", "cuda:0", "cuda:1", "cuda:1")]:
+            f.result()
+    assert most == {"cuda:0": 1, "cuda:1": 1}
+    meet = threading.Barrier(2, timeout=30)  # passes only if both encodes are inside at once
+    monkeypatch.setattr(encode, "_encode_linears", lambda *args: (meet.wait(), [])[1])
+    for devices in (("cuda:0", "cuda:1"), ("cpu", "cpu")):  # other GPUs, and the CPU, take no common lock
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for f in [pool.submit(encode_linears, item, 2, device=d) for d in devices]:
+                f.result()
+
+
 @pytest.mark.slow
 def test_weights_beyond_float16_are_refused_or_rebalanced() -> None:
     """EXL3 decodes in float16: scales are rebalanced by a power of two so weights of RMS 1e-5..1e4 keep their
