@@ -39,7 +39,10 @@ fi
 mkdir -p /tmp/proxy /tmp/fid
 missing_shards() {  # the weight shards /tmp/proxy's index names that are not there (nothing when complete)
   python3 -c 'import json, pathlib; d = pathlib.Path("/tmp/proxy/model"); idx = d / "model.safetensors.index.json"
-names = set(json.loads(idx.read_text())["weight_map"].values()) if idx.is_file() else set()
+try:
+    names = set(json.loads(idx.read_text())["weight_map"].values()) if idx.is_file() else set()
+except (OSError, ValueError, KeyError, AttributeError) as exc:
+    print(f"proxy shard index unreadable: {idx}: {exc!r}", end=""); raise SystemExit
 missing = sorted(n for n in names if not (d / n).is_file())
 print("proxy shards missing: " + ", ".join(missing) if missing else "", end="")'
 }
