@@ -64,8 +64,9 @@ for MODE in "${MODES[@]}"; do
       checks=$! ;;
     bench)
       [[ -e /tmp/proxy/proxy.json ]] || { echo "bench skipped: the proxy is not trained yet" >>"$LOG"; continue; }
-      if [[ -n $(missing_shards) ]]; then
-        echo "bench skipped: $(missing_shards) (carry the other .proxy-parts, then unpack)" >>"$LOG"; continue
+      missing=$(missing_shards)
+      if [[ -n $missing ]]; then
+        echo "bench skipped: $missing (carry the other .proxy-parts, then unpack)" >>"$LOG"; continue
       fi
       extra=()
       [[ -e /tmp/exl-built ]] || extra=(--no-exllamav3)  # still building

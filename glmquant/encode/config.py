@@ -30,14 +30,19 @@ from glmquant.devices import device_type
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
 from glmquant.exl3.refit import REFIT_ROUNDS
-from glmquant.exl3.scale_search import DEFAULT_SEARCH
+from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.tiers import TierSpec
 
 # the scale search and refit rounds that jobs begun at 95a428e (the first with these defaults) were encoded with
-UNRECORDED_SEARCH = (
-    '{"band_width": 1, "coarse_min_tiles": 48, "coarse_stride": 6, "coarse_walk": true, "fine_min_tiles": 96, '
-    '"fine_stride": 3, "fine_walk": true}'
+UNRECORDED_SEARCH = ScaleSearch(
+    band_width=1,
+    coarse_stride=6,
+    coarse_min_tiles=48,
+    fine_stride=3,
+    fine_min_tiles=96,
+    coarse_walk=True,
+    fine_walk=True,
 )
 UNRECORDED_REFIT_ROUNDS = 1
 
@@ -173,9 +178,8 @@ class EncodeConfig:
         shaping["backend"] = exl3_backend() or "auto"
         # the encoder's own defaults: units encoded before a change of them must not be mixed with units after it;
         # recorded once they differ from those of 95a428e, whose jobs were fingerprinted without them
-        search = json.dumps(asdict(DEFAULT_SEARCH), sort_keys=True)
-        if search != UNRECORDED_SEARCH:
-            shaping["scale_search"] = search
+        if DEFAULT_SEARCH != UNRECORDED_SEARCH:
+            shaping["scale_search"] = json.dumps(asdict(DEFAULT_SEARCH), sort_keys=True)
         if REFIT_ROUNDS != UNRECORDED_REFIT_ROUNDS:
             shaping["refit_rounds"] = str(REFIT_ROUNDS)
         return hashlib.sha256(json.dumps({**shaping, **inputs}, sort_keys=True).encode()).hexdigest()
