@@ -49,7 +49,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
@@ -420,10 +420,14 @@ def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, devic
     return out
 
 
-def exllamav3_experts(out_dir: Path) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], int, list[int]]:
-    """Decoded routed experts of an ExLlamaV3-converted model by (layer, expert), their EXL3 bytes and widths."""
+def exllamav3_experts(
+    out_dir: Path, layers: Collection[int]
+) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], int, list[int], int]:
+    """Decoded routed experts of an ExLlamaV3-converted model by (layer, expert) for the given `layers`, their EXL3
+    bytes and widths, and the bytes of experts in other layers: ExLlamaV3 quantizes the MTP layer's experts too
+    (layer num_hidden_layers), which the proxy's forward never runs and our rows leave out of their bytes."""
     found: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    nbytes, widths = 0, set()
+    nbytes, other_bytes, widths = 0, 0, set()
     with SourceCheckpoint.open(out_dir) as ckpt:
         names = ckpt.names()
         for name in names:
@@ -432,14 +436,20 @@ def exllamav3_experts(out_dir: Path) -> tuple[dict[tuple[int, int], dict[str, to
                 continue
             key = name.removesuffix(".trellis")
             parts = {n: ckpt.read_tensor(n) for n in names if n.rpartition(".")[0] == key}
+            size = sum(v.numel() * v.element_size() for v in parts.values())
+            if int(m[1]) not in layers:
+                other_bytes += size
+                continue
             t = parts[name]
             tensor = EXL3Tensor.from_tensors(parts, key, t.shape[0] * 16, t.shape[1] * 16)
             found.setdefault((int(m[1]), int(m[2])), {})[m[3]] = decode_weight(tensor, torch.float32)
-            nbytes += sum(v.numel() * v.element_size() for v in parts.values())
+            nbytes += size
             widths.add(tensor.bits)
     if not found:
-        raise RuntimeError(f"{out_dir}: no per-expert EXL3 tensors (…layers.L.mlp.experts.E.PROJ.trellis) found")
-    return found, nbytes, sorted(widths)
+        raise RuntimeError(
+            f"{out_dir}: no per-expert EXL3 tensors (…layers.L.mlp.experts.E.PROJ.trellis) of layers {sorted(layers)}"
+        )
+    return found, nbytes, sorted(widths), other_bytes
 
 
 def convert_with_exllamav3(model_dir: Path, out_dir: Path, work_dir: Path, rows: int, tokens: int, log: Path) -> None:
@@ -625,10 +635,11 @@ class Evaluator:
             t0 = time.monotonic()
             log = self.work / "exllamav3-convert.log"
             convert_with_exllamav3(self.model_dir, out, work, rows, tokens, log)
-            experts, nbytes, widths = exllamav3_experts(out)
+            experts, nbytes, widths, other_bytes = exllamav3_experts(out, self.proxy.layers.keys())
             row.update(
                 {
                     "routed_bytes": nbytes,
+                    "other_layers_routed_bytes": other_bytes,  # its MTP layer's experts: not in routed_bytes
                     "bits_seen": widths,
                     "encode_seconds": round(time.monotonic() - t0, 1),
                     **self.measure(experts, {}),

@@ -14,6 +14,10 @@
 #                                                              # to checks.log), beside the benchmark
 #   RECIPES=seed,retained-k4 bash ... bench                 # only these rows (bench_fidelity --recipes)
 #   EXL_TOKENS=32 bash ... bench                               # ExLlamaV3's calibration rows of 32 tokens
+#   BENCH_ARGS="--rows 32 --tokens 256" bash ... bench         # more bench_fidelity options (a CPU-trained proxy's
+#                                                              # sizes: docs/fidelity.md)
+#   EXL_BUILD_JOBS=16 bash ... unpack build                    # the extension build on that many cores (default
+#                                                              # 4, beside training); `build` waits for it
 #   bash ... unpack bench                                      # first add the carried .proxy-parts/NN to /tmp/proxy
 #   ... cache                                                  # return Triton's kernel cache (compiled and autotuned
 #                                                              # kernels, ~6 minutes of a cold machine's first
@@ -28,7 +32,7 @@ LOG="$OUT/run.log"; t0=$(date +%s)
 left() { echo $(( ${LIMIT_S:-585} - ($(date +%s) - t0) )); }
 source scripts/device_env.sh
 if [[ ! -e /tmp/exl-build.log ]]; then  # once per machine, on a few cores so the corpus and kernels keep theirs
-  MAX_JOBS=4 setsid nice -n 10 bash -c "python3 -c 'import exllamav3.ext' && touch /tmp/exl-built" \
+  MAX_JOBS=${EXL_BUILD_JOBS:-4} setsid nice -n 10 bash -c "python3 -c 'import exllamav3.ext' && touch /tmp/exl-built" \
     >/tmp/exl-build.log 2>&1 < /dev/null &
 fi
 export TRITON_CACHE_DIR=/tmp/triton-cache
@@ -72,6 +76,7 @@ for MODE in "${MODES[@]}"; do
       [[ -e /tmp/exl-built ]] || extra=(--no-exllamav3)  # still building
       [[ -n ${RECIPES:-} ]] && extra+=(--recipes "$RECIPES")
       [[ -n ${EXL_TOKENS:-} ]] && extra+=(--exllamav3-tokens "$EXL_TOKENS")
+      if [[ -n ${BENCH_ARGS:-} ]]; then read -ra more <<<"$BENCH_ARGS"; extra+=("${more[@]}"); fi
       # a torch extension lock left behind makes every later import of exllamav3 wait: show what the build left
       [[ -e /tmp/exl-built ]] && find /tmp/tex -maxdepth 2 \( -name lock -o -name '*.so' \) -printf '%p %s B\n' >>"$LOG"
       # the results file lives in $OUT while the benchmark runs: a call killed at the device's limit (which may be
@@ -82,6 +87,10 @@ for MODE in "${MODES[@]}"; do
         | tee -a /tmp/fid/bench.log >>"$LOG"
       echo "bench exit ${PIPESTATUS[0]} (${extra[*]:-with exllamav3})" >>"$LOG"
       cp "$OUT/fidelity_proxy.json" /tmp/fid/ 2>/dev/null ;;
+    build)
+      while [[ ! -e /tmp/exl-built ]] && (( $(left) > 5 )) && pgrep -f "import exllamav3.ext" >/dev/null; do sleep 5; done
+      echo "exllamav3 extension: $([[ -e /tmp/exl-built ]] && echo built || echo "not built (tail of its log below)")" >>"$LOG"
+      [[ -e /tmp/exl-built ]] || tail -5 /tmp/exl-build.log >>"$LOG" ;;
     unpack)
       # a proxy trained elsewhere, packed by scripts/pack_proxy.sh into parts that one call's carry may not hold
       # together: each call carries some .proxy-parts/NN (carry them by name) and this adds them to /tmp/proxy
@@ -99,7 +108,7 @@ for MODE in "${MODES[@]}"; do
       size=$(du -b /tmp/triton-cache.tgz | cut -f1)
       if (( size < 36 << 20 )); then split -b 15M -d /tmp/triton-cache.tgz "$OUT/triton-cache.tgz."; fi
       echo "Triton cache: $size bytes, $(ls "$OUT" | grep -c triton-cache) parts returned" >>"$LOG" ;;
-    *) echo "mode must be train, checks, bench, unpack or cache, not $MODE" >>"$LOG" ;;
+    *) echo "mode must be train, checks, bench, build, unpack or cache, not $MODE" >>"$LOG" ;;
   esac
 done
 [[ -n $checks ]] && { wait "$checks"; echo "checks exit $?" >>"$LOG"; }  # not the extension build: it may

@@ -190,3 +190,33 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     resumed = json.loads(results.read_text())
     assert resumed["rows"] == record["rows"]
     assert resumed["mtp_acceptance"] == record["mtp_acceptance"]
+
+
+def test_exllamav3_experts_keep_the_evaluated_layers_and_count_the_mtp_layer_apart(tmp_path: Path) -> None:
+    """ExLlamaV3 quantizes the MTP layer's experts too (layer num_hidden_layers, which the proxy's forward never
+    runs): they are left out of the row's experts and bytes and counted apart; the rest decode as written."""
+    import torch
+    from safetensors.torch import save_file
+
+    from glmquant.exl3 import decode_weight
+    from glmquant.fixtures.random_artifact import random_exl3
+
+    gen = torch.Generator().manual_seed(0)
+    written, tensors = {}, {}
+    for layer in (1, 4):  # a MoE layer of the model, and the MTP layer after its 4 layers
+        for proj, (inf, outf) in {"gate_proj": (128, 256), "down_proj": (256, 128)}.items():
+            t = random_exl3(inf, outf, gen)
+            prefix = f"model.language_model.layers.{layer}.mlp.experts.3.{proj}"
+            parts = t.tensors(prefix)
+            tensors.update(parts)
+            written[(layer, proj)] = (t, sum(v.numel() * v.element_size() for v in parts.values()))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+
+    experts, nbytes, widths, other = _bench_module().exllamav3_experts(tmp_path, {1, 2, 3})
+    assert list(experts) == [(1, 3)] and sorted(experts[(1, 3)]) == ["down_proj", "gate_proj"]
+    assert nbytes == written[(1, "gate_proj")][1] + written[(1, "down_proj")][1]
+    assert other == written[(4, "gate_proj")][1] + written[(4, "down_proj")][1]
+    assert widths == [2]
+    assert torch.equal(experts[(1, 3)]["gate_proj"], decode_weight(written[(1, "gate_proj")][0], torch.float32))
+    with pytest.raises(RuntimeError, match=r"layers \[2\]"):
+        _bench_module().exllamav3_experts(tmp_path, {2})
