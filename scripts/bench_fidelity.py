@@ -421,11 +421,12 @@ def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, devic
 
 
 def exllamav3_experts(
-    out_dir: Path, layers: Collection[int]
+    out_dir: Path, layers: Collection[int], experts: int
 ) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], int, list[int], int]:
     """Decoded routed experts of an ExLlamaV3-converted model by (layer, expert) for the given `layers`, their EXL3
     bytes and widths, and the bytes of experts in other layers: ExLlamaV3 quantizes the MTP layer's experts too
-    (layer num_hidden_layers), which the proxy's forward never runs and our rows leave out of their bytes."""
+    (layer num_hidden_layers), which the proxy's forward never runs and our rows leave out of their bytes. Every
+    projection of the `experts` routed experts of each of `layers` must be there: one left BF16 would flatter it."""
     found: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     nbytes, other_bytes, widths = 0, 0, set()
     with SourceCheckpoint.open(out_dir) as ckpt:
@@ -435,19 +436,27 @@ def exllamav3_experts(
             if m is None:
                 continue
             key = name.removesuffix(".trellis")
-            parts = {n: ckpt.read_tensor(n) for n in names if n.rpartition(".")[0] == key}
-            size = sum(v.numel() * v.element_size() for v in parts.values())
+            group = [n for n in names if n.rpartition(".")[0] == key]
+            size = sum(ckpt.spec(n).nbytes for n in group)
             if int(m[1]) not in layers:
                 other_bytes += size
                 continue
+            parts = {n: ckpt.read_tensor(n) for n in group}
             t = parts[name]
             tensor = EXL3Tensor.from_tensors(parts, key, t.shape[0] * 16, t.shape[1] * 16)
             found.setdefault((int(m[1]), int(m[2])), {})[m[3]] = decode_weight(tensor, torch.float32)
             nbytes += size
             widths.add(tensor.bits)
-    if not found:
+    missing = [
+        f"layers.{layer}.mlp.experts.{e}.{proj}"
+        for layer in sorted(layers)
+        for e in range(experts)
+        for proj in PROJECTIONS
+        if proj not in found.get((layer, e), {})
+    ]
+    if missing:
         raise RuntimeError(
-            f"{out_dir}: no per-expert EXL3 tensors (…layers.L.mlp.experts.E.PROJ.trellis) of layers {sorted(layers)}"
+            f"{out_dir}: {len(missing)} routed expert projections have no EXL3 tensors (…trellis), e.g. {missing[0]}"
         )
     return found, nbytes, sorted(widths), other_bytes
 
@@ -635,7 +644,9 @@ class Evaluator:
             t0 = time.monotonic()
             log = self.work / "exllamav3-convert.log"
             convert_with_exllamav3(self.model_dir, out, work, rows, tokens, log)
-            experts, nbytes, widths, other_bytes = exllamav3_experts(out, self.proxy.layers.keys())
+            experts, nbytes, widths, other_bytes = exllamav3_experts(
+                out, self.proxy.layers.keys(), self.spec.n_routed_experts
+            )
             row.update(
                 {
                     "routed_bytes": nbytes,

@@ -14,8 +14,8 @@
 #                                                              # to checks.log), beside the benchmark
 #   RECIPES=seed,retained-k4 bash ... bench                 # only these rows (bench_fidelity --recipes)
 #   EXL_TOKENS=32 bash ... bench                               # ExLlamaV3's calibration rows of 32 tokens
-#   BENCH_ARGS="--rows 32 --tokens 256" bash ... bench         # more bench_fidelity options (a CPU-trained proxy's
-#                                                              # sizes: docs/fidelity.md)
+#   BENCH_ARGS="--rows 32 --tokens 256" bash ... bench         # more bench_fidelity options, one line split at
+#                                                              # spaces (a CPU-trained proxy's sizes: docs/fidelity.md)
 #   EXL_BUILD_JOBS=16 bash ... unpack build                    # the extension build on that many cores (default
 #                                                              # 4, beside training); `build` waits for it
 #   bash ... unpack bench                                      # first add the carried .proxy-parts/NN to /tmp/proxy
@@ -32,8 +32,12 @@ LOG="$OUT/run.log"; t0=$(date +%s)
 left() { echo $(( ${LIMIT_S:-585} - ($(date +%s) - t0) )); }
 source scripts/device_env.sh
 if [[ ! -e /tmp/exl-build.log ]]; then  # once per machine, on a few cores so the corpus and kernels keep theirs
-  MAX_JOBS=${EXL_BUILD_JOBS:-4} setsid nice -n 10 bash -c "python3 -c 'import exllamav3.ext' && touch /tmp/exl-built" \
+  # its exit status lands in /tmp/exl-build.rc, which `build` waits for
+  MAX_JOBS=${EXL_BUILD_JOBS:-4} setsid nice -n 10 bash -c \
+    "python3 -c 'import exllamav3.ext'; rc=\$?; [[ \$rc == 0 ]] && touch /tmp/exl-built; echo \$rc >/tmp/exl-build.rc" \
     >/tmp/exl-build.log 2>&1 < /dev/null &
+elif [[ -n ${EXL_BUILD_JOBS:-} ]]; then
+  echo "EXL_BUILD_JOBS ignored: the extension build began in an earlier call" >>"$LOG"
 fi
 export TRITON_CACHE_DIR=/tmp/triton-cache
 if [[ -e .triton-cache/cache.tgz && ! -e $TRITON_CACHE_DIR ]]; then  # a carried cache of an earlier session
@@ -85,12 +89,15 @@ for MODE in "${MODES[@]}"; do
       timeout "$(left)" python3 scripts/bench_fidelity.py --proxy /tmp/proxy --device cuda --work /tmp/fid \
         --results "$OUT/fidelity_proxy.json" --commit "$COMMIT" --resume --jobs "${JOBS:-4}" "${extra[@]}" 2>&1 \
         | tee -a /tmp/fid/bench.log >>"$LOG"
-      echo "bench exit ${PIPESTATUS[0]} (${extra[*]:-with exllamav3})" >>"$LOG"
+      echo "bench exit ${PIPESTATUS[0]} ($([[ -e /tmp/exl-built ]] && echo "with" || echo "without") exllamav3; ${extra[*]:-})" >>"$LOG"
       cp "$OUT/fidelity_proxy.json" /tmp/fid/ 2>/dev/null ;;
     build)
-      while [[ ! -e /tmp/exl-built ]] && (( $(left) > 5 )) && pgrep -f "import exllamav3.ext" >/dev/null; do sleep 5; done
-      echo "exllamav3 extension: $([[ -e /tmp/exl-built ]] && echo built || echo "not built (tail of its log below)")" >>"$LOG"
-      [[ -e /tmp/exl-built ]] || tail -5 /tmp/exl-build.log >>"$LOG" ;;
+      until [[ -e /tmp/exl-build.rc ]] || (( $(left) <= 5 )); do sleep 5; done
+      if [[ -e /tmp/exl-built ]]; then echo "exllamav3 extension: built" >>"$LOG"
+      else
+        echo "exllamav3 extension: not built ($(cat /tmp/exl-build.rc 2>/dev/null || echo "still building"))" >>"$LOG"
+        tail -5 /tmp/exl-build.log >>"$LOG"
+      fi ;;
     unpack)
       # a proxy trained elsewhere, packed by scripts/pack_proxy.sh into parts that one call's carry may not hold
       # together: each call carries some .proxy-parts/NN (carry them by name) and this adds them to /tmp/proxy

@@ -148,7 +148,7 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     assert gated["codebook"] == "mul1" and gated["tune_scales"] > 0
     assert gated["manifest_sha256"] != rows["seed"]["manifest_sha256"]
     assert rows["prune25-k3"]["at_seed_bytes"] and rows["prune25-k3"]["routed_bytes"] < rows["seed"]["routed_bytes"]
-    assert rows["uniform-k4"]["kl"] < rows["seed"]["kl"] and not rows["uniform-k4"]["at_seed_bytes"]
+    assert rows["uniform-k3"]["kl"] < rows["seed"]["kl"] and not rows["uniform-k3"]["at_seed_bytes"]
     tier = rows["retained-k4-head5"]  # the seed's experts, the retained linears at K4, lm_head K5 (issue 18)
     assert tier["routed_bytes"] == rows["seed"]["routed_bytes"] and (tier["retained_bits"], tier["head_bits"]) == (4, 5)
     assert tier["retained_linears"] > 0 and 0 < tier["retained_exl3_bytes"] < tier["retained_bf16_bytes"]
@@ -194,29 +194,36 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
 
 def test_exllamav3_experts_keep_the_evaluated_layers_and_count_the_mtp_layer_apart(tmp_path: Path) -> None:
     """ExLlamaV3 quantizes the MTP layer's experts too (layer num_hidden_layers, which the proxy's forward never
-    runs): they are left out of the row's experts and bytes and counted apart; the rest decode as written."""
+    runs; at K4 in the H200 run): they are left out of the row's experts, bytes and widths and counted apart; the
+    rest decode as written, expert 1's tensors not mixed with expert 10's; a projection missing is refused."""
     import torch
     from safetensors.torch import save_file
 
+    from glmquant.arch import PROJECTIONS
     from glmquant.exl3 import decode_weight
     from glmquant.fixtures.random_artifact import random_exl3
 
     gen = torch.Generator().manual_seed(0)
+    shapes = {"gate_proj": (128, 256), "up_proj": (128, 256), "down_proj": (256, 128)}
     written, tensors = {}, {}
-    for layer in (1, 4):  # a MoE layer of the model, and the MTP layer after its 4 layers
-        for proj, (inf, outf) in {"gate_proj": (128, 256), "down_proj": (256, 128)}.items():
-            t = random_exl3(inf, outf, gen)
-            prefix = f"model.language_model.layers.{layer}.mlp.experts.3.{proj}"
-            parts = t.tensors(prefix)
+    for layer, expert, bits in ((1, 0, 2), (1, 1, 2), (1, 10, 2), (4, 1, 4)):  # layer 1's; the MTP layer's at K4
+        for proj, (inf, outf) in shapes.items():
+            t = random_exl3(inf, outf, gen, bits)
+            parts = t.tensors(f"model.language_model.layers.{layer}.mlp.experts.{expert}.{proj}")
             tensors.update(parts)
-            written[(layer, proj)] = (t, sum(v.numel() * v.element_size() for v in parts.values()))
+            written[(layer, expert, proj)] = (t, sum(v.numel() * v.element_size() for v in parts.values()))
     save_file(tensors, str(tmp_path / "model.safetensors"))
 
-    experts, nbytes, widths, other = _bench_module().exllamav3_experts(tmp_path, {1, 2, 3})
-    assert list(experts) == [(1, 3)] and sorted(experts[(1, 3)]) == ["down_proj", "gate_proj"]
-    assert nbytes == written[(1, "gate_proj")][1] + written[(1, "down_proj")][1]
-    assert other == written[(4, "gate_proj")][1] + written[(4, "down_proj")][1]
-    assert widths == [2]
-    assert torch.equal(experts[(1, 3)]["gate_proj"], decode_weight(written[(1, "gate_proj")][0], torch.float32))
-    with pytest.raises(RuntimeError, match=r"layers \[2\]"):
-        _bench_module().exllamav3_experts(tmp_path, {2})
+    read = _bench_module().exllamav3_experts
+    with pytest.raises(RuntimeError, match=r"6 routed expert projections .* layers\.2\.mlp\.experts\.0\.gate_proj"):
+        read(tmp_path, {1, 2}, 2)  # layer 2 has no experts there: the first missing one is named
+    experts, nbytes, widths, other = read(tmp_path, {1}, 2)
+    assert sorted(experts) == [(1, 0), (1, 1), (1, 10)] and all(
+        sorted(e) == sorted(PROJECTIONS) for e in experts.values()
+    )
+    assert nbytes == sum(size for (layer, _, _), (_, size) in written.items() if layer == 1)
+    assert other == sum(size for (layer, _, _), (_, size) in written.items() if layer == 4)
+    assert widths == [2]  # the MTP layer's K4 stays out
+    for (layer, expert, proj), (t, _) in written.items():
+        if layer == 1:
+            assert torch.equal(experts[(layer, expert)][proj], decode_weight(t, torch.float32)), (expert, proj)
