@@ -16,6 +16,8 @@
 #   EXL_TOKENS=32 bash ... bench                               # ExLlamaV3's calibration rows of 32 tokens
 #   BENCH_ARGS="--rows 32 --tokens 256" bash ... bench         # more bench_fidelity options, one line split at
 #                                                              # spaces (a CPU-trained proxy's sizes: docs/fidelity.md)
+#   BENCH_WORK=/tmp/fid96 bash ... bench                     # another work dir (default /tmp/fid): a run at other
+#                                                              # --rows or --tokens must not meet the first's files
 #   EXL_BUILD_JOBS=16 bash ... unpack build                    # the extension build on that many cores (default
 #                                                              # 4, beside training); `build` waits for it
 #   bash ... unpack bench                                      # first add the carried .proxy-parts/NN to /tmp/proxy
@@ -44,7 +46,8 @@ if [[ -e .triton-cache/cache.tgz && ! -e $TRITON_CACHE_DIR ]]; then  # a carried
   mkdir -p "$TRITON_CACHE_DIR" && tar xzf .triton-cache/cache.tgz -C "$TRITON_CACHE_DIR"
   echo "Triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files carried in" >>"$LOG"
 fi
-mkdir -p /tmp/proxy /tmp/fid
+FID=${BENCH_WORK:-/tmp/fid}  # the benchmark's work and results; another one for other --rows or --tokens
+mkdir -p /tmp/proxy "$FID"
 missing_shards() {  # the weight shards /tmp/proxy's index names that are not there (nothing when complete)
   python3 -c 'import json, pathlib; d = pathlib.Path("/tmp/proxy/model"); idx = d / "model.safetensors.index.json"
 try:
@@ -85,12 +88,12 @@ for MODE in "${MODES[@]}"; do
       [[ -e /tmp/exl-built ]] && find /tmp/tex -maxdepth 2 \( -name lock -o -name '*.so' \) -printf '%p %s B\n' >>"$LOG"
       # the results file lives in $OUT while the benchmark runs: a call killed at the device's limit (which may be
       # below LIMIT_S when little device time is left) still returns every row measured
-      cp /tmp/fid/fidelity_proxy.json "$OUT/" 2>/dev/null
-      timeout "$(left)" python3 scripts/bench_fidelity.py --proxy /tmp/proxy --device cuda --work /tmp/fid \
+      cp "$FID/fidelity_proxy.json" "$OUT/" 2>/dev/null
+      timeout "$(left)" python3 scripts/bench_fidelity.py --proxy /tmp/proxy --device cuda --work "$FID" \
         --results "$OUT/fidelity_proxy.json" --commit "$COMMIT" --resume --jobs "${JOBS:-4}" "${extra[@]}" 2>&1 \
-        | tee -a /tmp/fid/bench.log >>"$LOG"
+        | tee -a "$FID/bench.log" >>"$LOG"
       echo "bench exit ${PIPESTATUS[0]} ($([[ -e /tmp/exl-built ]] && echo "with" || echo "without") exllamav3; ${extra[*]:-})" >>"$LOG"
-      cp "$OUT/fidelity_proxy.json" /tmp/fid/ 2>/dev/null ;;
+      cp "$OUT/fidelity_proxy.json" "$FID/" 2>/dev/null ;;
     build)
       until [[ -e /tmp/exl-build.rc ]] || (( $(left) <= 5 )); do sleep 5; done
       if [[ -e /tmp/exl-built ]]; then echo "exllamav3 extension: built" >>"$LOG"
@@ -122,6 +125,6 @@ done
                                                                             # outlive the call
 cp /tmp/proxy/proxy.json "$OUT/" 2>/dev/null
 # at most 8 files come back: run.log, proxy.json, fidelity_proxy.json, logs.tgz and up to 4 cache parts
-tar czf "$OUT/logs.tgz" --ignore-failed-read -C /tmp proxy/train.log fid/bench.log fid/exllamav3-convert.log exl-build.log \
+tar czf "$OUT/logs.tgz" --ignore-failed-read -C /tmp proxy/train.log "${FID#/tmp/}/bench.log" "${FID#/tmp/}/exllamav3-convert.log" exl-build.log \
   checks.log 2>/dev/null
 echo "== collected at +$(( $(date +%s) - t0 ))s" >>"$LOG"
