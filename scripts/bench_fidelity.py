@@ -77,7 +77,7 @@ from glmquant.runtime.artifact import open_artifact
 ROOT = Path(__file__).resolve().parents[1]
 AT_SEED_BYTES = 1.01  # rows with at most this times the seed's routed bytes compete with it
 PRUNED_BIAS = -1e4  # router correction bias of a pruned expert: never among the top-k
-EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.trellis$")
+EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")  # an EXL3 group's key
 HESSIAN_ROWS = ("seed", "all-token", "blend-0.5")
 ROUTED_KEY = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.")
 TUNE_STEPS = 100  # `encode --tune-scales` of the tuned rows
@@ -430,19 +430,17 @@ def exllamav3_experts(
     found: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     nbytes, other_bytes, widths = 0, 0, set()
     with SourceCheckpoint.open(out_dir) as ckpt:
-        names = ckpt.names()
-        for name in names:
-            m = EXPERT_KEY.search(name)
-            if m is None:
+        # grouped and sized from the headers as `routed_bytes` sizes our rows' experts
+        for key, group in exl3_groups(ckpt.spec(n) for n in ckpt.names()).items():
+            m = EXPERT_KEY.search(key)
+            if m is None or "trellis" not in group.parts:
                 continue
-            key = name.removesuffix(".trellis")
-            group = [n for n in names if n.rpartition(".")[0] == key]
-            size = sum(ckpt.spec(n).nbytes for n in group)
+            size = sum(spec.nbytes for spec in group.parts.values())
             if int(m[1]) not in layers:
                 other_bytes += size
                 continue
-            parts = {n: ckpt.read_tensor(n) for n in group}
-            t = parts[name]
+            parts = {spec.name: ckpt.read_tensor(spec.name) for spec in group.parts.values()}
+            t = parts[f"{key}.trellis"]
             tensor = EXL3Tensor.from_tensors(parts, key, t.shape[0] * 16, t.shape[1] * 16)
             found.setdefault((int(m[1]), int(m[2])), {})[m[3]] = decode_weight(tensor, torch.float32)
             nbytes += size
