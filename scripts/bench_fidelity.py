@@ -81,6 +81,7 @@ EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj
 HESSIAN_ROWS = ("seed", "all-token", "blend-0.5")
 ROUTED_KEY = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.")
 TUNE_STEPS = 100  # `encode --tune-scales` of the tuned rows
+LONG_TUNE_STEPS = 400  # the row that asks whether TUNE_STEPS is enough
 MTP_PROMPT_TOKENS = 128  # held-out prompt length of the MTP acceptance run (at most half a held-out row)
 
 
@@ -111,6 +112,12 @@ def recipes(experts: int) -> list[Recipe]:
             f"the seed method, then the stored scales of each unit's experts tuned together on their share of the "
             f"calibration tokens' MoE output (encode --tune-scales {TUNE_STEPS}, codes fixed): the same bytes",
             tune_scales=TUNE_STEPS,
+        ),
+        Recipe(
+            f"seed-tuned-{LONG_TUNE_STEPS}",
+            f"seed-tuned with {LONG_TUNE_STEPS} Adam steps instead of {TUNE_STEPS} (the held-out sample still picks "
+            "the step kept): whether the tuning has converged",
+            tune_scales=LONG_TUNE_STEPS,
         ),
         Recipe(
             "gate-weighted",
