@@ -525,7 +525,17 @@ class Evaluator:
         tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.ids = split_rows(args.proxy / "corpus", "heldout", args.heldout_rows, args.heldout_tokens, tokenizer)
         self.proxy = PatchedProxy(self.model_dir, args.device)
-        self.reference = self.proxy.logprobs(self.ids)
+        bf16_logprobs = self.proxy.logprobs(self.ids)
+        self.bf16_compute: dict[str, float] | None = None
+        if args.compute_dtype == "float32":
+            # the same weights computed in float32: the checkpoint's function without BF16 rounding, whose own
+            # distance from it (bf16_compute) is noise any change of weights reshuffles (docs/fidelity.md)
+            self.proxy.model.float()
+            self.reference = self.proxy.logprobs(self.ids)
+            floor = compare(self.reference, bf16_logprobs, self.ids)
+            self.bf16_compute = {k: v for k, v in floor.items() if k != "ppl"}
+        else:
+            self.reference = bf16_logprobs
         targets = self.ids[:, 1:].to(self.reference.device).unsqueeze(-1)
         self.bf16_ppl = math.exp(float(-self.reference[:, :-1].gather(-1, targets).mean()))
         # the floor of every row's figures: the unchanged proxy measured again (nonzero where kernels are not
@@ -534,7 +544,11 @@ class Evaluator:
 
     def run(self, task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the row, extras for the record: the BF16 perplexity, and the seed row's MTP acceptance)."""
-        extras: dict[str, Any] = {"bf16_ppl": self.bf16_ppl, "bf16_repeat": self.bf16_repeat}
+        extras: dict[str, Any] = {
+            "bf16_ppl": self.bf16_ppl,
+            "bf16_repeat": self.bf16_repeat,
+            "bf16_compute": self.bf16_compute,
+        }
         if task.recipe is None:
             return self.exllamav3_row(), extras
         return self.row(task.recipe, task.hessians, task.blend, extras), extras
@@ -725,6 +739,7 @@ class Bench:
             "commit": args.commit or git_commit(),
             "device": _device_name(args.device),
             "layout": args.layout,
+            "compute_dtype": args.compute_dtype,
             "calibration": {"rows": args.rows, "tokens": args.tokens},
             "heldout": {"rows": args.heldout_rows, "tokens": args.heldout_tokens},
             "proxy": _proxy_facts(args.proxy),
@@ -732,10 +747,11 @@ class Bench:
         }
         if args.resume and args.results.is_file():
             earlier = json.loads(args.results.read_text())
-            if all(earlier.get(k) == self.record[k] for k in ("layout", "calibration", "heldout", "proxy")):
+            same = ("layout", "compute_dtype", "calibration", "heldout", "proxy")
+            if all(earlier.get(k) == self.record[k] for k in same):
                 self.rows += [r for r in earlier["rows"] if "error" not in r]  # failed rows are measured again
                 self.record["hessians_chosen"] = earlier.get("hessians_chosen")
-                for key in ("mtp_acceptance", "bf16_ppl", "bf16_repeat"):
+                for key in ("mtp_acceptance", "bf16_ppl", "bf16_repeat", "bf16_compute"):
                     if earlier.get(key):
                         self.record[key] = earlier[key]
                 self.log(f"resuming: {len(self.rows)} rows already measured in {args.results}")
@@ -954,6 +970,13 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "fidelity_proxy.json")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layout", choices=["tr3", "exllamav3"], default="tr3")
+    ap.add_argument(
+        "--compute-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the proxy's arithmetic for the reference and every row (float32: the BF16 weights' values computed "
+        "without BF16 rounding, whose noise would otherwise floor small KLs; bfloat16: as before 2026-12-04)",
+    )
     ap.add_argument("--rows", type=int, default=128, help="calibration rows (the small observation: a quarter)")
     ap.add_argument("--tokens", type=int, default=512, help="tokens per calibration row")
     ap.add_argument("--batch-rows", type=int, default=8, help="calibration rows per observe step")

@@ -180,6 +180,8 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     assert {"kl_at_most_0.7x_seed", "top1_at_least_seed_plus_3_points"} <= set(summary["goal"])
     assert record["hessians_chosen"]["from"] in ("seed", "all-token", "blend-0.5") and record["bf16_ppl"] > 1
     assert record["bf16_repeat"]["top1"] == 1.0 and record["bf16_repeat"]["kl"] < 1e-6  # the CPU repeats itself
+    # rows are measured in float32 arithmetic; BF16 arithmetic of the same weights is its own, nonzero distance
+    assert record["compute_dtype"] == "float32" and 0 < record["bf16_compute"]["kl"] < rows["seed"]["kl"]
     exl = next(r for r in record["rows"] if r["recipe"].startswith("exllamav3"))
     assert exl.get("error") or exl["kl"] is not None  # measured where exllamav3 imports, else why not
     # the canonical order whatever order the two workers finished in: the peer's row right after the seed's
