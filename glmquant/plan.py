@@ -107,6 +107,8 @@ def plan_to_json(plan: ArtifactPlan, summary: PlanSummary, with_tensors: bool = 
     )
     if plan.retained_bits is not None:
         tiers["retained_bits"] = plan.retained_bits
+    if plan.retained_exact_layers:
+        tiers["retained_exact_layers"] = plan.retained_exact_layers
     if plan.head_bits is not None:
         tiers["head_bits"] = plan.head_bits
     return {

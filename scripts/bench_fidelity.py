@@ -98,13 +98,15 @@ class Recipe:
     observations: str = "full"  # full | small (a quarter of the calibration rows) | gated (gate-weighted natural)
     reference: bool = False  # above the seed's bytes on purpose
     retained_bits: int | None = None  # the speed tier: retained linears EXL3 at this K (issue 18's KL cost)
+    retained_exact_layers: int = 0  # but the first layers' retained linears exact (`encode --retained-exact-layers`)
     head_bits: int | None = None  # and lm_head EXL3 at this K (`encode --head-bits`)
     tune_scales: int = 0  # Adam steps of `encode --tune-scales` on its observation's token sample
 
 
-def recipes(experts: int) -> list[Recipe]:
-    """The benchmark's rows for a layer of `experts` routed experts."""
+def recipes(experts: int, layers: int) -> list[Recipe]:
+    """The benchmark's rows for a model of `layers` decoder layers with `experts` routed experts per MoE layer."""
     e4, e8 = experts // 4, experts // 8
+    exact = layers // 2  # the speed tier's exact first layers: on the proxy its layers 0-1 carry most of the K4 cost
     return [
         Recipe("seed", "seed method: natural-routing Hessians, uniform K2 MCG"),
         Recipe(
@@ -155,6 +157,14 @@ def recipes(experts: int) -> list[Recipe]:
             "Hessian; kl_cost_ratio = KL of the retained linears and the head alone over the seed's KL",
             retained_bits=4,
             head_bits=5,
+        ),
+        Recipe(
+            f"retained-k4-head5-exact{exact}",
+            f"retained-k4-head5 with the retained linears of the first {exact} decoder layers exact (encode "
+            "--retained-exact-layers), where the proxy's K4 cost sits (docs/fidelity.md)",
+            retained_bits=4,
+            head_bits=5,
+            retained_exact_layers=exact,
         ),
         Recipe(
             "codebook-mul1",
@@ -575,6 +585,7 @@ class Evaluator:
             prune_plan=plan,
             tiers=recipe.tiers,  # type: ignore[arg-type]  # parsed by EncodeConfig too
             retained_bits=recipe.retained_bits,
+            retained_exact_layers=recipe.retained_exact_layers,
             head_bits=recipe.head_bits,
             tune_scales=recipe.tune_scales,
             device=self.args.device,
@@ -791,7 +802,7 @@ class Bench:
         wanted = set(args.recipes.split(",")) if args.recipes else None
         done = {r["recipe"] for r in self.rows}
         queue: list[Recipe | None] = []
-        for recipe in recipes(self.spec.n_routed_experts):
+        for recipe in recipes(self.spec.n_routed_experts, self.spec.num_hidden_layers):
             if (wanted is None or recipe.name in wanted) and recipe.name not in done:
                 queue.append(recipe)
             if recipe.name == "seed" and self.wants_peer():  # right after the seed method, should a call end early
@@ -888,7 +899,7 @@ class Bench:
     def save(self) -> None:
         """The rows in the canonical order (the peer's right after the seed's), with what compares each to the
         seed's row: bytes ratio, whether at its bytes, and a speed-tier row's KL cost ratio."""
-        order = [r.name for r in recipes(self.spec.n_routed_experts)]
+        order = [r.name for r in recipes(self.spec.n_routed_experts, self.spec.num_hidden_layers)]
         rank = {name: i for i, name in enumerate(order)}
         self.rows.sort(
             key=lambda r: (

@@ -23,6 +23,7 @@ Parts (each saved to --out as soon as it is done, so a run cut short keeps what 
     python scripts/bench_model.py --retained-bits 4 ...       # the speed tier: `model` records it, and `speed_tier`
                                                               # holds bytes/token and the GB10 projection
     python scripts/bench_model.py --retained-bits 4 --head-bits 6 ...   # lm_head EXL3 too (or --head-bits alone)
+    python scripts/bench_model.py --retained-bits 4 --retained-exact-layers 2 ...  # the first 2 layers' exact
     python scripts/bench_model.py --merge A.json B.json --out FILE
 """
 
@@ -101,7 +102,13 @@ def main() -> None:
     }
     t0 = time.perf_counter()
     artifact = dummy_artifact(
-        config, args.layout, args.bits, device=device, retained_bits=args.retained_bits, head_bits=args.head_bits
+        config,
+        args.layout,
+        args.bits,
+        device=device,
+        retained_bits=args.retained_bits,
+        head_bits=args.head_bits,
+        retained_exact_layers=args.retained_exact_layers,
     )
     engine = Engine.load(
         artifact,
@@ -159,6 +166,13 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=None,
         help="the speed tier: retained linears EXL3 at this K (encode --retained-bits); fills the report's speed_tier",
+    )
+    p.add_argument(
+        "--retained-exact-layers",
+        type=int,
+        default=0,
+        help="with --retained-bits: the first N decoder layers' retained linears stay exact "
+        "(encode --retained-exact-layers)",
     )
     p.add_argument(
         "--head-bits",
@@ -570,6 +584,7 @@ def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> 
         "layout": artifact.layout,
         "bits": ckpt.plan.bits,
         "retained_bits": ckpt.plan.retained_bits,
+        "retained_exact_layers": ckpt.plan.retained_exact_layers,
         "head_bits": ckpt.plan.head_bits,
         "retained_linears": sum(1 for lin in artifact.retained_linears.values() if lin.layer is not None),
         "head_exl3": any(lin.layer is None for lin in artifact.retained_linears.values()),  # --head-bits
@@ -653,21 +668,29 @@ def speed_tier(report: dict[str, Any], fidelity: dict[str, Any] | None) -> dict[
     classes = report["parts"].get("classes", {})
     per_class = classes.get("classes", {})
     bits, head_bits = report["model"]["retained_bits"], report["model"].get("head_bits")
+    exact = report["model"].get("retained_exact_layers", 0)  # reports from before the option have none
     kl_cost_ratio = None
     if bits is None:
         kl_from = f"not measured: the proxy fidelity bench has no row with an EXL3 head alone (head_bits {head_bits})"
     else:
         recipe = f"retained-k{bits}" + (f"-head{head_bits}" if head_bits is not None else "")
+        recipe += f"-exact{exact}" if exact else ""
         rows = (fidelity or {}).get("rows", [])
         kl_cost_ratio = next((r.get("kl_cost_ratio") for r in rows if r["recipe"] == recipe), None)
         head = "lm_head exact" if head_bits is None else f"lm_head EXL3 K{head_bits}"
         kl_from = (
             f"the proxy fidelity run merged with --fidelity: its {recipe} row, the retained linears' KL alone "
             f"(experts BF16, {head}) over the seed row's (the experts') KL"
+            + (
+                f"; the proxy's first {exact} of its own layers exact, not the same share of this model's"
+                if exact
+                else ""
+            )
         )
     bytes_per_token = sum(c["bytes_per_token"] for c in per_class.values()) if per_class else None
     return {
         "retained_bits": bits,
+        "retained_exact_layers": exact,
         "head_bits": head_bits,
         "bytes_per_token": bytes_per_token,
         "bytes_per_token_is": "batch-1 decode at the classes part's context, summed over its classes (the EXL3 "

@@ -192,6 +192,36 @@ def test_retained_bits_plan(tiny_source: Path, tmp_path: Path) -> None:
         plan_artifact(spec, "tr3", source_shards=shards, retained_bits=9)
 
 
+def test_retained_exact_layers_plan(tiny_source: Path) -> None:
+    """--retained-exact-layers N: the retained linears of the first N decoder layers stay exact, byte-for-byte copies
+    in the same files; the later layers' are EXL3 as with --retained-bits alone; `plan --json` states N; N must
+    come with --retained-bits and leave a layer encoded."""
+    spec = load_model_spec(tiny_source)
+    shards = load_source_shards(tiny_source / "model.safetensors.index.json")
+    exact = plan_artifact(spec, "tr3", source_shards=shards)
+    fast = plan_artifact(spec, "tr3", source_shards=shards, retained_bits=4)
+    first = plan_artifact(spec, "tr3", source_shards=shards, retained_bits=4, retained_exact_layers=1)
+    layer = {t.name.removesuffix(".weight"): t.layer for t in quantizable_retained(spec)}
+    encoded = {t.linear.key for f in first.files for t in f.tensors if t.linear is not None}
+    assert encoded == {k for k, n in layer.items() if n is not None and n >= 1} and 0 < len(encoded) < len(layer)
+    before = {t.name: t for f in exact.files for t in f.tensors}
+    after = {t.name: t for f in first.files for t in f.tensors}
+    layer0 = [k + ".weight" for k, n in layer.items() if n == 0]
+    assert layer0 and all(after[n] == before[n] for n in layer0)  # the exact copies the faithful layout has
+    assert [f.path for f in first.files] == [f.path for f in fast.files] and first.retained_exact_layers == 1
+    assert sum(f.size for f in exact.files) > sum(f.size for f in first.files) > sum(f.size for f in fast.files)
+    argv = ["plan", str(tiny_source), "--json", "--retained-bits", "4", "--retained-exact-layers", "1"]
+    result = CliRunner().invoke(app, [*argv, "--source-index", str(tiny_source / "model.safetensors.index.json")])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["retained_bits"], data["retained_exact_layers"]) == (4, 1)
+    assert [(f["path"], f["bytes"]) for f in data["files"]] == [(f.path, f.size) for f in first.files]
+    with pytest.raises(UsageError, match="it needs --retained-bits"):
+        plan_artifact(spec, "tr3", source_shards=shards, retained_exact_layers=1)
+    with pytest.raises(UsageError, match=f"must be 0..{spec.num_hidden_layers - 1}"):
+        plan_artifact(spec, "tr3", source_shards=shards, retained_bits=4, retained_exact_layers=spec.num_hidden_layers)
+
+
 @pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
 def test_head_bits_plan(tiny_source: Path, tmp_path: Path, layout: str) -> None:
     """--head-bits K: lm_head becomes one EXL3 tensor at K where lm_head.weight was (same files, same grouping), with

@@ -31,6 +31,9 @@ TR3_TIER_KEYS = {1: K1_TIER_KEY, **RELEASE_TIER_KEYS}
 RETAINED_BITS_KEY = (
     "retained_bits"  # glmquant's, written only with `encode --retained-bits`: K of the EXL3 retained linears
 )
+# glmquant's, written only with `encode --retained-exact-layers`: the first decoder layers whose retained linears stay
+# exact beside the EXL3 ones
+RETAINED_EXACT_LAYERS_KEY = "retained_exact_layers"
 # K of an EXL3 lm_head (`encode --head-bits`): ExLlamaV3's own key, in its block always (UNQUANTIZED_BITS for an exact
 # head); in the tr3 block glmquant's, written only with --head-bits
 HEAD_BITS_KEY = "head_bits"
@@ -154,18 +157,21 @@ def _tr3_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
     )
     if plan.retained_bits is not None:
         block[RETAINED_BITS_KEY] = plan.retained_bits
+    if plan.retained_exact_layers:
+        block[RETAINED_EXACT_LAYERS_KEY] = plan.retained_exact_layers
     if plan.head_bits is not None:
         block[HEAD_BITS_KEY] = plan.head_bits
     return block
 
 
-def declared_linear_bits(block: Mapping[str, Any]) -> tuple[int | None, int | None]:
-    """(retained_bits, head_bits) a quantization block declares; None for linears it keeps exact (an ExLlamaV3
-    block's head_bits of UNQUANTIZED_BITS included)."""
+def declared_linear_bits(block: Mapping[str, Any]) -> tuple[int | None, int | None, int]:
+    """(retained_bits, head_bits, retained_exact_layers) a quantization block declares; None for linears it keeps
+    exact (an ExLlamaV3 block's head_bits of UNQUANTIZED_BITS included)."""
     retained, head = block.get(RETAINED_BITS_KEY), block.get(HEAD_BITS_KEY)
     return (
         None if retained is None else int(retained),
         None if head is None or int(head) == UNQUANTIZED_BITS else int(head),
+        int(block.get(RETAINED_EXACT_LAYERS_KEY, 0)),
     )
 
 

@@ -135,18 +135,43 @@ def quantizable_head(spec: ModelSpec) -> TensorInfo:
     return found[0]
 
 
-def exl3_linears(spec: ModelSpec, retained_bits: int | None, head_bits: int | None) -> dict[str, RetainedLinear]:
+def exl3_linears(
+    spec: ModelSpec, retained_bits: int | None, head_bits: int | None, exact_layers: int = 0
+) -> dict[str, RetainedLinear]:
     """The linears outside the routed experts stored as EXL3, by source weight name: the retained linears at
-    `retained_bits` and lm_head at `head_bits` (None: those stay exact)."""
+    `retained_bits` but those of the first `exact_layers` decoder layers, and lm_head at `head_bits` (None: those
+    stay exact)."""
     found: dict[str, RetainedLinear] = {}
+    check_exact_layers(spec, retained_bits, exact_layers)
     if retained_bits is not None:
         check_linear_bits("--retained-bits", retained_bits)
-        found.update((t.name, RetainedLinear.of(t, retained_bits)) for t in quantizable_retained(spec))
+        found.update(
+            (t.name, RetainedLinear.of(t, retained_bits))
+            for t in quantizable_retained(spec)
+            if t.layer is not None and t.layer >= exact_layers
+        )
     if head_bits is not None:
         check_linear_bits("--head-bits", head_bits)
         head = quantizable_head(spec)
         found[head.name] = RetainedLinear.of(head, head_bits)
     return found
+
+
+def check_exact_layers(spec: ModelSpec, retained_bits: int | None, exact_layers: int) -> None:
+    """`--retained-exact-layers`: how many first decoder layers keep their retained linears exact while the rest
+    are EXL3 (the first layers carry most of the speed tier's KL cost: docs/fidelity.md). UsageError unless it
+    comes with --retained-bits and leaves at least one layer encoded."""
+    if exact_layers == 0:
+        return
+    if retained_bits is None:
+        raise UsageError(
+            "--retained-exact-layers keeps some of the --retained-bits linears exact: it needs --retained-bits"
+        )
+    if not 0 < exact_layers < spec.num_hidden_layers:
+        raise UsageError(
+            f"--retained-exact-layers must be 0..{spec.num_hidden_layers - 1} ({spec.architecture} has "
+            f"{spec.num_hidden_layers} decoder layers), got {exact_layers}"
+        )
 
 
 def check_linear_bits(option: str, bits: int) -> None:
@@ -231,6 +256,7 @@ class ArtifactPlan:
     expert_bits: Mapping[int, tuple[int, ...]] | None = field(default=None)
     retained_bits: int | None = None  # K of the retained linears stored as EXL3 (None: all retained exact)
     head_bits: int | None = None  # K of lm_head stored as EXL3 (None: exact)
+    retained_exact_layers: int = 0  # first decoder layers whose retained linears stay exact despite retained_bits
 
     @property
     def quantized_layers(self) -> list[int]:
@@ -304,13 +330,14 @@ def plan_artifact(
     expert_bits: Mapping[int, Sequence[int]] | None = None,
     retained_bits: int | None = None,
     head_bits: int | None = None,
+    retained_exact_layers: int = 0,
 ) -> ArtifactPlan:
     """Every output file with its tensors. `source_shards` maps source tensor names to their shard file
     (default: `predicted_source_shards` with `shard_bytes`, tr3 only); `keep` maps a MoE layer (MTP included)
     to the source experts it keeps, in output order; `shard_bytes` caps an exllamav3 shard; `expert_bits` maps
     each quantized layer to the bits of its output experts (tiers; default `bits` for all); `retained_bits` stores the
-    retained linears (`quantizable_retained`) and `head_bits` lm_head as EXL3 tensors of that K, in the files that
-    would hold them exact."""
+    retained linears (`quantizable_retained`) but those of the first `retained_exact_layers` decoder layers, and
+    `head_bits` lm_head, as EXL3 tensors of that K, in the files that would hold them exact."""
     if layout not in LAYOUTS:
         raise UsageError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if codebook not in MARKER_PARTS or not 1 <= bits <= 8:
@@ -323,7 +350,8 @@ def plan_artifact(
         layer: _expert_parts(spec, layer, kept, tiers[layer] if tiers else (bits,) * len(kept[layer]), codebook, ranks)
         for layer in spec.moe_layers
     }
-    retained = _encode_retained(retained, exl3_linears(spec, retained_bits, head_bits), codebook)
+    linears = exl3_linears(spec, retained_bits, head_bits, retained_exact_layers)
+    retained = _encode_retained(retained, linears, codebook)
     if layout == "tr3":
         shards = source_shards or predicted_source_shards(spec, shard_bytes or SOURCE_SHARD_BYTES)
         files = _tr3_expert_files(experts) + _retained_files(retained, shards)
@@ -339,6 +367,7 @@ def plan_artifact(
         tiers,
         retained_bits,
         head_bits,
+        retained_exact_layers,
     )
 
 

@@ -17,6 +17,7 @@ from glmquant.arch import ModelSpec
 from glmquant.checkpoint.artifact_config import (
     HEAD_BITS_KEY,
     RETAINED_BITS_KEY,
+    RETAINED_EXACT_LAYERS_KEY,
     experts_per_layer,
     plan_tier_counts,
     routed_tier_bpw,
@@ -139,6 +140,8 @@ def _layout(plan: ArtifactPlan, n: int) -> dict[str, Any]:
     }
     if plan.retained_bits is not None:
         layout[RETAINED_BITS_KEY] = plan.retained_bits
+    if plan.retained_exact_layers:
+        layout[RETAINED_EXACT_LAYERS_KEY] = plan.retained_exact_layers
     if plan.head_bits is not None:
         layout[HEAD_BITS_KEY] = plan.head_bits
     if plan.expert_bits is not None:

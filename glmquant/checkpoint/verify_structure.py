@@ -15,6 +15,7 @@ from glmquant.checkpoint.artifact_config import (
     HEAD_BITS_KEY,
     K1_TIER_KEY,
     RETAINED_BITS_KEY,
+    RETAINED_EXACT_LAYERS_KEY,
     TR3_KEYS,
     TR3_TIER_KEYS,
     UNQUANTIZED_BITS,
@@ -69,7 +70,8 @@ class Structure:
 
     def linear_bits(self, key: str) -> int | None:
         """K of the linears outside the routed experts the manifest's layout records under `key` (`retained_bits`,
-        `head_bits`); None where it records none (they are exact)."""
+        `head_bits`; or `retained_exact_layers`, the first layers whose retained linears are exact); None where it
+        records none (they are exact)."""
         value = self.layout.get(key)
         return None if value is None else int(value)
 
@@ -171,10 +173,11 @@ def expected_exl3(
     expert_bits: Mapping[int, Sequence[int]] | None = None,
     retained_bits: int | None = None,
     head_bits: int | None = None,
+    retained_exact_layers: int = 0,
 ) -> dict[str, TensorSpec]:
     """Every EXL3 part the config implies: quantized layers x routed experts x projections (x rank slices), each
-    expert at its tier's K when `expert_bits` gives them; with `retained_bits`, also every retained linear, and with
-    `head_bits` lm_head."""
+    expert at its tier's K when `expert_bits` gives them; with `retained_bits`, also every retained linear after the
+    first `retained_exact_layers` decoder layers, and with `head_bits` lm_head."""
     ranks = TR3_RANKS if layout_type == "tr3" else None
     table = table_for(spec)
     expected = {
@@ -184,7 +187,7 @@ def expected_exl3(
         for sl in expert_slices(spec, layer, e, e, ranks)
         for t in exl3_parts(sl, table.layer_prefix(layer), expert_bits[layer][e] if expert_bits else bits, codebook)
     }
-    for linear in exl3_linears(spec, retained_bits, head_bits).values():
+    for linear in exl3_linears(spec, retained_bits, head_bits, retained_exact_layers).values():
         expected.update((t.name, t.spec) for t in retained_linear_parts(linear, codebook))
     return expected
 
@@ -236,6 +239,7 @@ def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
             expert_bits,
             s.linear_bits(RETAINED_BITS_KEY),
             s.linear_bits(HEAD_BITS_KEY),
+            s.linear_bits(RETAINED_EXACT_LAYERS_KEY) or 0,
         )
     except (GlmquantError, KeyError, ValueError, TypeError) as exc:
         return problems + [f"cannot derive the expected EXL3 tensors: {exc}"]
@@ -308,7 +312,11 @@ def _tr3_block_problems(
         counts = tier_counts(expert_bits)
     except UsageError as exc:
         return [f"routed experts: {exc} (the tr3 block states one count per tier)"]
-    linear_bits = {k: v for k in (RETAINED_BITS_KEY, HEAD_BITS_KEY) if (v := s.linear_bits(k)) is not None}
+    linear_bits = {
+        k: v
+        for k in (RETAINED_BITS_KEY, RETAINED_EXACT_LAYERS_KEY, HEAD_BITS_KEY)
+        if (v := s.linear_bits(k)) is not None
+    }
     keys = TR3_KEYS | ({K1_TIER_KEY} if 1 in counts else set()) | set(linear_bits)
     if set(qc) != keys:
         problems.append(

@@ -61,6 +61,13 @@ def encode(
             "tensors and the MTP layer stay exact, lm_head unless --head-bits"
         ),
     ] = None,
+    retained_exact_layers: Annotated[
+        int,
+        typer.Option(
+            help="with --retained-bits: keep the retained linears of the first N decoder layers exact (where the "
+            "speed tier costs most KL)"
+        ),
+    ] = 0,
     head_bits: Annotated[
         int | None,
         typer.Option(
@@ -110,6 +117,7 @@ def encode(
         source_repo=source_repo,
         experts_per_unit=experts_per_unit,
         retained_bits=retained_bits,
+        retained_exact_layers=retained_exact_layers,
         head_bits=head_bits,
         retained_fallback_identity=retained_uncalibrated_fallback,
         tune_scales=tune_scales,

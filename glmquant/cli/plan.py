@@ -37,6 +37,9 @@ def plan(
     retained_bits: Annotated[
         int | None, typer.Option(help="as encode --retained-bits: the retained linears stored as EXL3 at this K")
     ] = None,
+    retained_exact_layers: Annotated[
+        int, typer.Option(help="as encode --retained-exact-layers: the first N layers' retained linears stay exact")
+    ] = 0,
     head_bits: Annotated[
         int | None, typer.Option(help="as encode --head-bits: lm_head stored as EXL3 at this K")
     ] = None,
@@ -61,6 +64,7 @@ def plan(
         expert_bits=tiers.expert_bits if tiers else None,
         retained_bits=retained_bits,
         head_bits=head_bits,
+        retained_exact_layers=retained_exact_layers,
     )
     summary = summarize(result)
     if as_json:

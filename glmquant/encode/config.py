@@ -6,7 +6,8 @@ Resuming a killed job (rerun the same command; the state lives in --work-dir, de
                  (torchrun's world size: units are assigned by rank, each computed the same way anywhere)
     must match:  the source's tensors (content hash of its structure), the observations' token rows and
                  recipe, the kept experts and their tiers, --bits --codebook --layout --hessians --blend --keep
-                 --tiers --seed --retained-bits --head-bits --retained-uncalibrated-fallback --tune-scales
+                 --tiers --seed --retained-bits --retained-exact-layers --head-bits
+                 --retained-uncalibrated-fallback --tune-scales
                  --experts-per-unit (the batch a GPU computes together), --source-repo and --revision
                  (the commit a Hub source resolved to), the device type and the Viterbi backend (CPU and GPU
                  arithmetic differ)
@@ -78,6 +79,9 @@ class EncodeConfig:
     # the speed tier: the retained linears (attention, shared experts, dense MLPs) EXL3-encoded at this K with their
     # dense Hessians (`observe --dense-hessians`); None keeps every retained tensor exact
     retained_bits: int | None = None
+    # the first decoder layers whose retained linears stay exact beside the --retained-bits ones (where the speed tier
+    # costs most KL: docs/fidelity.md)
+    retained_exact_layers: int = 0
     # lm_head EXL3-encoded at this K with the Hessian of its input (observe --dense-hessians); None keeps it exact
     head_bits: int | None = None
     # a retained linear (or lm_head) without a dense Hessian is encoded uncalibrated instead of refused (asked for,
@@ -131,6 +135,12 @@ class EncodeConfig:
         for option, bits in (("--retained-bits", self.retained_bits), ("--head-bits", self.head_bits)):
             if bits is not None:
                 check_linear_bits(option, bits)
+        if self.retained_exact_layers < 0:
+            raise UsageError(f"--retained-exact-layers must be 0 or more layers, got {self.retained_exact_layers}")
+        if self.retained_exact_layers and self.retained_bits is None:
+            raise UsageError(
+                "--retained-exact-layers keeps some of the --retained-bits linears exact: it needs --retained-bits"
+            )
         if self.tune_scales < 0:
             raise UsageError(f"--tune-scales must be 0 or more Adam steps, got {self.tune_scales}")
         if self.tune_scales and self.uncalibrated:
@@ -166,6 +176,7 @@ class EncodeConfig:
         }
         for k, default in (
             ("retained_bits", None),
+            ("retained_exact_layers", 0),
             ("head_bits", None),
             ("retained_fallback_identity", False),
             ("tune_scales", 0),

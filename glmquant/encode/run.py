@@ -102,6 +102,7 @@ class EncodeJob:
             expert_bits=self.tiers,
             retained_bits=cfg.retained_bits,
             head_bits=cfg.head_bits,
+            retained_exact_layers=cfg.retained_exact_layers,
         )
         if ranks.is_main:  # refuse a missing Hessian of an EXL3 retained linear or head before any work
             check_dense_hessians(self.plan, cfg.observations, cfg.retained_fallback_identity)

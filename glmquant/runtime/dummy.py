@@ -30,9 +30,11 @@ def dummy_artifact(
     seed: int = 0,
     retained_bits: int | None = None,
     head_bits: int | None = None,
+    retained_exact_layers: int | None = None,
 ) -> Artifact:
     """The artifact `plan` predicts for `config` (a config.json or a directory holding one), values on `device`.
-    Layout, bits, codebook, retained_bits and head_bits (the speed tier's EXL3 retained linears and lm_head) default
+    Layout, bits, codebook, retained_bits, head_bits and retained_exact_layers (the speed tier's EXL3 retained
+    linears and lm_head, and the first layers whose retained linears stay exact) default
     to what the config's quantization block declares, else tr3 K2 MCG with exact retained linears and head."""
     path = Path(config)
     raw = read_config(path)
@@ -42,7 +44,7 @@ def dummy_artifact(
     declared = raw.get("quantization_config") or {}
     layout = layout or ("exllamav3" if declared and "rank_stacked_tp" not in declared else "tr3")
     bits = bits or int(declared.get("bits", 2))
-    declared_retained, declared_head = declared_linear_bits(declared)
+    declared_retained, declared_head, declared_exact = declared_linear_bits(declared)
     plan = plan_artifact(
         spec,
         layout,
@@ -50,6 +52,7 @@ def dummy_artifact(
         codebook or declared.get("codebook", "mcg"),
         retained_bits=declared_retained if retained_bits is None else retained_bits,
         head_bits=declared_head if head_bits is None else head_bits,
+        retained_exact_layers=declared_exact if retained_exact_layers is None else retained_exact_layers,
     )
     block = quantization_block(plan, Provenance(source_repo="dummy", runtime_status="dummy"))
     checkpoint = DummyCheckpoint(plan, seed, torch.device(device))

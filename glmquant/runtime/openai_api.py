@@ -140,6 +140,7 @@ class SamplingFields(OpenAIModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
+    ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence ids (benchmarks, fixed-length runs)
 
     @property
     def include_usage(self) -> bool:

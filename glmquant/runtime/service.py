@@ -340,7 +340,7 @@ class ModelService:
             top_p=d.top_p if request.top_p is None else request.top_p,
             seed=request.seed,
             stop=request.stop_strings,
-            stop_token_ids=d.stop_token_ids,
+            stop_token_ids=() if request.ignore_eos else d.stop_token_ids,
         )
 
 

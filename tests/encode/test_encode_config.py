@@ -97,6 +97,8 @@ def test_hessian_mode_is_typed_and_the_fingerprint_stable(tmp_path: Path) -> Non
             ["--retained-uncalibrated-fallback"],
             "--retained-uncalibrated-fallback applies to --retained-bits and --head-bits only",
         ),
+        (["--retained-exact-layers", "1"], "--retained-exact-layers keeps some of the --retained-bits linears exact"),
+        (["--retained-bits", "4", "--retained-exact-layers", "-1"], "--retained-exact-layers must be 0 or more"),
     ],
 )
 def test_bad_retained_bits_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
@@ -106,8 +108,9 @@ def test_bad_retained_bits_are_usage_errors(tmp_path: Path, args: list[str], mes
 
 
 def test_retained_bits_shape_the_fingerprint_and_leave_older_jobs_resumable(tmp_path: Path) -> None:
-    """--retained-bits, --head-bits and their fallback change the job's fingerprint (a resume notices); without them
-    the fingerprint is the one a job written before these options existed has (no new keys hashed)."""
+    """--retained-bits, --retained-exact-layers, --head-bits and their fallback change the job's fingerprint (a resume
+    notices); without them the fingerprint is the one a job written before these options existed has (no new keys
+    hashed)."""
     base = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True)
     k4 = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_bits=4)
     k5 = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_bits=5)
@@ -116,14 +119,18 @@ def test_retained_bits_shape_the_fingerprint_and_leave_older_jobs_resumable(tmp_
     )
     head = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, head_bits=4)
     both = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_bits=4, head_bits=4)
+    first_exact = EncodeConfig(
+        source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_bits=4, retained_exact_layers=1
+    )
     tuned = EncodeConfig(source=tmp_path, out=tmp_path / "a", observations=tmp_path, tune_scales=50)
     untuned = EncodeConfig(source=tmp_path, out=tmp_path / "a", observations=tmp_path)
-    prints = {c.fingerprint({}) for c in (base, k4, k5, fallback, head, both)}
-    assert len(prints) == 6 and tuned.fingerprint({}) != untuned.fingerprint({})
+    prints = {c.fingerprint({}) for c in (base, k4, k5, fallback, head, both, first_exact)}
+    assert len(prints) == 7 and tuned.fingerprint({}) != untuned.fingerprint({})
     assert k4.retained_bits == 4 and base.retained_bits is None
     # the fingerprint of the default options hashes no retained_* key: the pre-option recipe
     skipped = {"out", "work_dir", "verify", "source", "observations", "prune_plan", "tier_plan", "uncalibrated"}
-    skipped |= {"verified_at", "retained_bits", "head_bits", "retained_fallback_identity", "tune_scales"}
+    skipped |= {"verified_at", "retained_bits", "retained_exact_layers", "head_bits", "retained_fallback_identity"}
+    skipped |= {"tune_scales"}
     old = {k: v.value if hasattr(v, "value") else str(v) for k, v in asdict(base).items() if k not in skipped}
     old["device"] = torch.device(base.device).type
     old["backend"] = exl3_backend() or "auto"

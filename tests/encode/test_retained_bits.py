@@ -1,7 +1,8 @@
-"""The speed tier end to end on the ONE_MOE model: `encode --retained-bits 4 --head-bits 5` EXL3-encodes the retained
-linears and lm_head with their dense Hessians, writes exactly what `plan` predicts, verifies, encodes the same bytes
-again, and the runtime (the torch reference path and the Triton kernels, interpreted on a CPU) generates from it close
-to the artifact whose retained linears and head are exact. `--head-bits` alone: test_head_bits.py."""
+"""The speed tier end to end on the ONE_MOE model: `encode --retained-bits 4 --retained-exact-layers 1 --head-bits 5`
+EXL3-encodes layer 1's retained linears and lm_head with their dense Hessians (layer 0's stay exact), writes exactly
+what `plan` predicts, verifies, encodes the same bytes again, and the runtime (the torch reference path and the Triton
+kernels, interpreted on a CPU) generates from it close to the artifact whose retained linears and head are exact.
+`--head-bits` alone: test_head_bits.py; every retained linear at K4: the smoke fidelity bench's retained-k4-head5."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from encode_fixtures import QUIET, assert_verify_manifest_cli
 from indexer_ties import indexer_ties_to_earlier_pool
 
-from glmquant.arch import TensorRole, load_model_spec, source_tensors
+from glmquant.arch import ModelSpec, TensorRole, load_model_spec, source_tensors
 from glmquant.checkpoint.layouts import ArtifactPlan, plan_artifact, quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode import EncodeConfig, encode_artifact
@@ -32,6 +33,7 @@ pytestmark = [
 ]
 
 K = 4
+EXACT = 1  # layer 0's retained linears stay exact: both kinds of retained linear in one model
 HEAD_K = 5  # another K than the retained linears': each linear is encoded, stored and checked at its own
 HEAD = "lm_head.weight"
 PROMPT = torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]])
@@ -47,6 +49,7 @@ def speed_tier(
         out=out,
         observations=one_moe_dense_observations,
         retained_bits=K,
+        retained_exact_layers=EXACT,
         head_bits=HEAD_K,
         verified_at="2026-01-01T00:00:00Z",
     )
@@ -55,23 +58,30 @@ def speed_tier(
     return result
 
 
+def _encoded(spec: ModelSpec) -> set[str]:
+    """The retained linears the fixture stores as EXL3: those after the first EXACT layers."""
+    return {t.name for t in quantizable_retained(spec) if t.layer is not None and t.layer >= EXACT}
+
+
 def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     with SourceCheckpoint.open(path) as ckpt:
         return {n: (ckpt.spec(n).dtype, tuple(ckpt.spec(n).shape)) for n in ckpt.names()}
 
 
-def _plan(source_dir: Path, retained_bits: int | None, head_bits: int | None = None) -> ArtifactPlan:
+def _plan(source_dir: Path, retained_bits: int | None, head_bits: int | None = None, exact: int = 0) -> ArtifactPlan:
     """The tr3 K2 plan of a source, over its own sharding."""
     with SourceCheckpoint.open(source_dir) as source:
         shards = {n: source.shard_of(n) for n in source.names()}
     spec = load_model_spec(source_dir)
-    return plan_artifact(spec, "tr3", 2, "mcg", shards, retained_bits=retained_bits, head_bits=head_bits)
+    return plan_artifact(
+        spec, "tr3", 2, "mcg", shards, retained_bits=retained_bits, head_bits=head_bits, retained_exact_layers=exact
+    )
 
 
 def test_written_artifact_is_the_plan(one_moe_source: Path, speed_tier: EncodeResult) -> None:
     art = speed_tier.artifact.directory
     spec = load_model_spec(one_moe_source)
-    plan = _plan(one_moe_source, retained_bits=K, head_bits=HEAD_K)
+    plan = _plan(one_moe_source, retained_bits=K, head_bits=HEAD_K, exact=EXACT)
     weight_files = sorted(p.name for p in art.glob("*.safetensors"))
     assert weight_files == sorted(f.path for f in plan.files)
     for f in plan.files:
@@ -80,9 +90,11 @@ def test_written_artifact_is_the_plan(one_moe_source: Path, speed_tier: EncodeRe
             assert {n: (ckpt.spec(n).dtype, tuple(ckpt.spec(n).shape)) for n in ckpt.names()} == {
                 t.name: (t.dtype, t.shape) for t in f.tensors
             }
-    linears = {t.name for t in quantizable_retained(spec)}
+    linears = _encoded(spec)
     stored = _headers(art)
     assert not (linears | {HEAD}) & set(stored)  # no exact copy of an encoded linear is left
+    layer0 = {t.name for t in quantizable_retained(spec)} - linears
+    assert layer0 and all(".layers.0." in n and stored[n][0] == "BF16" for n in layer0)  # kept exact, below
     assert all(stored[n.removesuffix(".weight") + ".trellis"][1][-1] == 16 * K for n in linears)
     assert stored["lm_head.trellis"] == ("I16", (128 // 16, 384 // 16, 16 * HEAD_K))  # 128 -> 320, padded to 384
     # everything else retained is the source's bytes: norms, routers and their biases, embeddings, F32 tensors
@@ -93,9 +105,15 @@ def test_written_artifact_is_the_plan(one_moe_source: Path, speed_tier: EncodeRe
             assert torch.equal(ckpt.read_tensor(t.name), source.read_tensor(t.name)), t.name
     manifest = json.loads((art / "EXL3_MANIFEST.json").read_text())
     layout = manifest["layout"]
-    assert (layout["retained_bits"], layout["head_bits"], manifest["effective_routed_tier_bpw"]) == (K, HEAD_K, 2.0)
+    facts = (layout["retained_bits"], layout["retained_exact_layers"], layout["head_bits"])
+    assert facts + (manifest["effective_routed_tier_bpw"],) == (K, EXACT, HEAD_K, 2.0)
     block = json.loads((art / "config.json").read_text())["quantization_config"]
-    assert (block["retained_bits"], block["head_bits"], block["bits"]) == (K, HEAD_K, 2)
+    assert (block["retained_bits"], block["retained_exact_layers"], block["head_bits"], block["bits"]) == (
+        K,
+        EXACT,
+        HEAD_K,
+        2,
+    )
     counts = [e.get("exl3_linear_count", 0) for e in manifest["files"] if e["kind"] == "retained"]
     assert sum(counts) == len(linears) + 1
 
@@ -110,7 +128,7 @@ def test_retained_linears_encode_to_the_same_bytes_again(
     """Encoding a file's retained linears (or its head) again (alone, in another call) gives the bytes already on
     disk."""
     art = speed_tier.artifact.directory
-    plan = _plan(one_moe_source, retained_bits=K, head_bits=HEAD_K)
+    plan = _plan(one_moe_source, retained_bits=K, head_bits=HEAD_K, exact=EXACT)
     with SourceCheckpoint.open(one_moe_source) as source, SourceCheckpoint.open(art) as ckpt:
         encoded = sorted((f for f in plan.files if retained_linears(f)), key=lambda f: len(retained_linears(f)))
         head = next(f for f in encoded if any(lin.source == HEAD for lin in retained_linears(f)))
@@ -138,6 +156,7 @@ def test_exllamav3_layout_holds_the_same_retained_linears(
         observations=one_moe_dense_observations,
         layout="exllamav3",
         retained_bits=K,
+        retained_exact_layers=EXACT,
         head_bits=HEAD_K,
     )
     result = encode_artifact(cfg, QUIET)
@@ -145,13 +164,17 @@ def test_exllamav3_layout_holds_the_same_retained_linears(
     tr3 = speed_tier.artifact.directory
     with SourceCheckpoint.open(tr3) as a, SourceCheckpoint.open(result.artifact.directory) as x:
         linears = [n for n in a.names() if n.endswith((".trellis", ".suh", ".svh", ".mcg")) and ".experts." not in n]
-        assert len(linears) == 4 * (len(quantizable_retained(load_model_spec(one_moe_source))) + 1)
+        assert len(linears) == 4 * (len(_encoded(load_model_spec(one_moe_source))) + 1)
         for name in linears:
             assert torch.equal(a.read_tensor(name), x.read_tensor(name)), name
     qc = json.loads((result.artifact.directory / "quantization_config.json").read_text())
     storage = qc["tensor_storage"]
-    q = storage["model.language_model.layers.0.self_attn.q_proj"]
+    q = storage["model.language_model.layers.1.self_attn.q_a_proj"]
     assert q["quant_format"] == "exl3" and q["bits_per_weight"] == K
+    exact_q = storage["model.language_model.layers.0.self_attn.q_proj"]  # an exact linear ExLlamaV3 loads as it is
+    assert "quant_format" not in exact_q and list(exact_q["stored_tensors"]) == [
+        "model.language_model.layers.0.self_attn.q_proj.weight"
+    ]
     assert storage["lm_head"]["quant_format"] == "exl3" and storage["lm_head"]["bits_per_weight"] == HEAD_K
     assert qc["head_bits"] == HEAD_K
     loaded = load_model(result.artifact.directory, RuntimeOptions(dtype="float32"))
@@ -196,7 +219,7 @@ def test_runtime_generates_close_to_the_exact_retained_model(one_moe_source: Pat
     options = RuntimeOptions(dtype="float32")
     fast = load_model(art, options)
     modules = [m for m in fast.model.modules() if isinstance(m, Exl3Linear)]
-    assert {m.source for m in modules} == {t.name for t in quantizable_retained(fast.artifact.spec)} | {HEAD}
+    assert {m.source for m in modules} == _encoded(fast.artifact.spec) | {HEAD}
     assert all(m.mode == "decode" and m.bits == (HEAD_K if m.source == HEAD else K) for m in modules)
     assert fast.model.get_submodule("lm_head").source == HEAD
     result = generate(fast.model, PromptInputs(PROMPT), SamplingParams(max_tokens=6), lambda ids: "")

@@ -31,7 +31,7 @@ def test_rows_spend_the_seeds_trellis_bytes() -> None:
     from glmquant.observe.tiers import TierSpec
 
     for experts in (8, 64, 288):
-        for r in _bench_module().recipes(experts):
+        for r in _bench_module().recipes(experts, 4):
             kept = r.keep or experts
             widths = TierSpec.parse(r.tiers).counts(kept) if r.tiers else [(r.bits, kept)]
             assert (sum(b * n for b, n in widths) == 2 * experts) != r.reference, (experts, r.name)
@@ -72,7 +72,7 @@ def test_scheduler_waits_for_the_hessian_rows_records_failures_and_keeps_the_can
 
     bench_module = _bench_module()
     names = ["seed", "all-token", "blend-0.5", "codebook-mul1", "retained-k4"]
-    queue = [r for r in bench_module.recipes(8) if r.name in names]
+    queue = [r for r in bench_module.recipes(8, 4) if r.name in names]
     started: list[tuple[str, str]] = []
     finish_order = ["codebook-mul1", "retained-k4", "blend-0.5", "all-token", "seed"]  # not the queue's order
 
@@ -86,7 +86,7 @@ def test_scheduler_waits_for_the_hessian_rows_records_failures_and_keeps_the_can
     bench = object.__new__(bench_module.Bench)
     bench.args = type("Args", (), {"jobs": 3, "results": tmp_path / "fid.json"})()
     bench.console = bench_module.Console(quiet=True)
-    bench.spec = type("Spec", (), {"n_routed_experts": 8})()
+    bench.spec = type("Spec", (), {"n_routed_experts": 8, "num_hidden_layers": 4})()
     bench.rows, bench.best_hessians = [], None
     bench.record = {"rows": bench.rows}
 
@@ -149,24 +149,21 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     assert gated["manifest_sha256"] != rows["seed"]["manifest_sha256"]
     assert rows["prune25-k3"]["at_seed_bytes"] and rows["prune25-k3"]["routed_bytes"] < rows["seed"]["routed_bytes"]
     assert rows["uniform-k3"]["kl"] < rows["seed"]["kl"] and not rows["uniform-k3"]["at_seed_bytes"]
-    tier = rows["retained-k4-head5"]  # the seed's experts, the retained linears at K4, lm_head K5 (issue 18)
+    # the seed's experts, the retained linears at K4 but layer 0's (KDA, dense MLP) exact, lm_head K5 (issue 18)
+    tier = rows["retained-k4-head5-exact1"]
     assert tier["routed_bytes"] == rows["seed"]["routed_bytes"] and (tier["retained_bits"], tier["head_bits"]) == (4, 5)
+    assert tier["retained_exact_layers"] == 1
     assert tier["retained_linears"] > 0 and 0 < tier["retained_exl3_bytes"] < tier["retained_bf16_bytes"]
     assert tier["kl"] > 0 and tier["retained_only_kl"] > 0
-    by_role = tier["retained_only_kl_by_role"]  # each role's linears alone: the smoke proxy has every kind
-    assert set(by_role) == {
-        "dense_mlp",
-        "dsa_indexer",
-        "kda_linear_attention",
-        "lm_head",
-        "mla_attention",
-        "shared_expert",
-    }
+    by_role = tier["retained_only_kl_by_role"]  # each role's linears alone: layer 1's kinds and the head
+    assert set(by_role) == {"dsa_indexer", "lm_head", "mla_attention", "shared_expert"}
     assert all(kl >= 0 for kl in by_role.values()) and max(by_role.values()) <= 2 * tier["retained_only_kl"]
     errors = tier["retained_weight_error_by_role"]  # what the encoder minimises, per role: small at K4
     assert set(errors) == set(by_role) and all(0 < e < 0.05 for e in errors.values()), errors
     assert tier["kl_cost_ratio"] == pytest.approx(tier["retained_only_kl"] / rows["seed"]["kl"], rel=1e-3)
-    assert record["summary"]["best"] != "retained-k4-head5"  # another question than the recipes at the seed's bytes
+    assert (
+        record["summary"]["best"] != "retained-k4-head5-exact1"
+    )  # another question than the recipes at the seed's bytes
     mtp = record["mtp_acceptance"]  # the seed artifact's own MTP layer drafting for its quantized model
     assert "error" not in mtp, mtp.get("traceback")
     assert (mtp["prompts"], mtp["prompt_tokens"], mtp["new_tokens"]) == (2, 16, 5)
@@ -180,8 +177,10 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     assert {"kl_at_most_0.7x_seed", "top1_at_least_seed_plus_3_points"} <= set(summary["goal"])
     assert record["hessians_chosen"]["from"] in ("seed", "all-token", "blend-0.5") and record["bf16_ppl"] > 1
     assert record["bf16_repeat"]["top1"] == 1.0 and record["bf16_repeat"]["kl"] < 1e-6  # the CPU repeats itself
-    # rows are measured in float32 arithmetic; BF16 arithmetic of the same weights is its own, nonzero distance
-    assert record["compute_dtype"] == "float32" and 0 < record["bf16_compute"]["kl"] < rows["seed"]["kl"]
+    # rows are measured in float32 arithmetic, which repeats itself; BF16 arithmetic of the same weights is its own,
+    # nonzero distance (below the seed's on the trained proxy, not necessarily on this barely trained one)
+    assert record["compute_dtype"] == "float32" and record["bf16_compute"]["kl"] > 100 * record["bf16_repeat"]["kl"]
+    assert 0 < record["bf16_compute"]["top1"] <= 1
     exl = next(r for r in record["rows"] if r["recipe"].startswith("exllamav3"))
     assert exl.get("error") or exl["kl"] is not None  # measured where exllamav3 imports, else why not
     # the canonical order whatever order the two workers finished in: the peer's row right after the seed's

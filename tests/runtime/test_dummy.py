@@ -131,6 +131,13 @@ def test_dummy_speed_tier_holds_the_planned_tensors_and_decodes_finite_logits(
     config = tmp_path / "config.json"
     config.write_text(json.dumps(artifact.config))
     assert _checkpoint(dummy_artifact(config)).plan.retained_bits == 4
+    # --retained-exact-layers 1, declared in the block the same way: layer 0's linears exact, the rest EXL3
+    first_exact = dummy_artifact(tiny_source / "config.json", "tr3", retained_bits=4, retained_exact_layers=1)
+    assert {lin.layer for lin in first_exact.retained_linears.values()} == set(
+        range(1, artifact.spec.num_hidden_layers)
+    )
+    config.write_text(json.dumps(first_exact.config))
+    assert _checkpoint(dummy_artifact(config)).plan.retained_exact_layers == 1
     loaded = load_model(artifact, RuntimeOptions(dtype="float32"))
     assert sum(isinstance(m, Exl3Linear) for m in loaded.model.modules()) == len(artifact.retained_linears)
     with torch.no_grad():

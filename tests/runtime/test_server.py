@@ -111,6 +111,18 @@ def test_plain_completion_and_usage(server, client, script):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, script_tokens)
 
 
+def test_ignore_eos_generates_past_the_end_of_sequence(server, script):
+    """vLLM's `ignore_eos`: the scripted EOS does not end the completion, max_tokens does ("length")."""
+    said = len(script.tokenizer.encode("OK", add_special_tokens=False))
+    body = {"messages": HELLO, "temperature": 0, "max_tokens": said + 3}
+    script.say("OK")
+    ended = _post(server, "/v1/chat/completions", body)[1]
+    assert ended["choices"][0]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] == said
+    script.say("OK")
+    went_on = _post(server, "/v1/chat/completions", {**body, "ignore_eos": True})[1]
+    assert went_on["choices"][0]["finish_reason"] == "length" and went_on["usage"]["completion_tokens"] == said + 3
+
+
 @pytest.mark.slow
 def test_streaming_with_usage_matches_non_streaming(client, script):
     text = "<think>hmm</think>Witaj, świecie 你好，世界 مرحبا بالعالم"
@@ -528,7 +540,8 @@ def test_process_exits_cleanly_after_serving(artifacts, tmp_path) -> None:
 
 def test_stop_ends_running_and_queued_streams_with_a_final_chunk(artifacts):
     """Shutdown with one stream generating and one waiting for the only slot: both end with a final chunk
-    (finish reason "abort"), their usage and `[DONE]`; the waiting one generated nothing."""
+    (finish reason "abort"), their usage and `[DONE]`; the waiting one generated nothing. vLLM's `ignore_eos` keeps
+    the running one from sampling an end-of-sequence id of the random model first."""
     running = serve_in_background(artifacts["tr3"], expert_cache=16, max_model_len=4096)
     body = {
         "messages": HELLO,
@@ -536,6 +549,7 @@ def test_stop_ends_running_and_queued_streams_with_a_final_chunk(artifacts):
         "stream_options": {"include_usage": True},
         "max_tokens": 4000,
         "temperature": 1.0,
+        "ignore_eos": True,
     }
     streams = []
     try:

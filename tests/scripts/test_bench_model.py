@@ -130,6 +130,7 @@ FIDELITY_ROWS = [
     {"recipe": "retained-k5", "kl_cost_ratio": 0.62},
     {"recipe": "retained-k4", "kl_cost_ratio": 1.04},
     {"recipe": "retained-k4-head6", "kl_cost_ratio": 0.71},
+    {"recipe": "retained-k4-head6-exact2", "kl_cost_ratio": 0.09},
 ]
 
 
@@ -146,12 +147,13 @@ def bench_model() -> ModuleType:
 
 def test_kl_cost_is_the_fidelity_row_with_the_same_retained_and_head_k(bench_model: ModuleType) -> None:
     """Merged with a proxy fidelity run, a speed-tier report takes the KL cost of the row with its retained K and
-    head K (`retained-k4`, `retained-k4-head6`), not another's; with an EXL3 head alone it stays null with a note
-    (the bench has no such row)."""
+    head K and exact first layers (`retained-k4`, `retained-k4-head6`, `retained-k4-head6-exact2`), not another's;
+    with an EXL3 head alone it stays null with a note (the bench has no such row)."""
     fidelity = {"rows": FIDELITY_ROWS}
     for model, want, row in (
         ({"retained_bits": 4, "head_bits": None}, 1.04, "retained-k4 row"),
         ({"retained_bits": 4, "head_bits": 6}, 0.71, "retained-k4-head6 row"),
+        ({"retained_bits": 4, "head_bits": 6, "retained_exact_layers": 2}, 0.09, "retained-k4-head6-exact2 row"),
         ({"retained_bits": 5, "head_bits": 6}, None, "retained-k5-head6 row"),  # not measured: not retained-k5's
     ):
         tier = bench_model.merge([{"model": model, "parts": {}}], fidelity)["speed_tier"]
