@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,10 @@ from indexer_ties import indexer_ties_to_earlier_pool
 
 from glmquant.arch import ModelSpec, TensorRole, load_model_spec, source_tensors
 from glmquant.checkpoint.layouts import ArtifactPlan, plan_artifact, quantizable_retained
+from glmquant.checkpoint.manifest import MANIFEST_NAME, manifest_text
 from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.checkpoint.verify import verify_artifact
+from glmquant.checkpoint.verify_report import MAX_SHOWN
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.retained import dense_hessian, encode_retained_file, retained_linears
 from glmquant.encode.run import EncodeResult
@@ -120,6 +124,22 @@ def test_written_artifact_is_the_plan(one_moe_source: Path, speed_tier: EncodeRe
 
 def test_verify_manifest_passes(speed_tier: EncodeResult) -> None:
     assert_verify_manifest_cli(speed_tier)
+
+
+def test_verify_catches_exact_layers_the_manifest_does_not_state(speed_tier: EncodeResult, tmp_path: Path) -> None:
+    """A manifest whose layout drops `retained_exact_layers` calls for EXL3 tensors of layer 0's linears, which the
+    files hold exact: verify-manifest names them missing, and the config's block stating the key the manifest lacks."""
+    copy = shutil.copytree(speed_tier.artifact.directory, tmp_path / "copy")
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    del manifest["layout"]["retained_exact_layers"]
+    (copy / MANIFEST_NAME).write_text(manifest_text(manifest))
+    report = verify_artifact(copy, fast=True)
+    spec = load_model_spec(copy)
+    layer0 = len(quantizable_retained(spec)) - len(_encoded(spec))
+    # every part (trellis, suh, svh, mcg) of each of layer 0's linears, and the block's extra key
+    detail = next(c.detail for c in report.checks if c.name == "config geometry")
+    assert report.failed == ["config geometry"] and f"(+{4 * layer0 + 1 - MAX_SHOWN} more)" in detail
+    assert "model.language_model.layers.0.mlp.down_proj.mcg: expected by the config, missing from the files" in detail
 
 
 def test_retained_linears_encode_to_the_same_bytes_again(
