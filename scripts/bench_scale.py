@@ -322,7 +322,9 @@ def preflight(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from glmquant.checkpoint.layouts import plan_artifact
+    from glmquant.errors import UsageError
     from glmquant.fixtures.synthetic import SyntheticOptions, synthetic_layout
+    from glmquant.observe.prune import check_keep
     from glmquant.observe.streaming import kda_implementation
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -335,11 +337,10 @@ def preflight(args: argparse.Namespace) -> dict[str, Any]:
             "reference loop; pass --allow-torch-kda to measure that anyway"
         )
     layout = synthetic_layout(SyntheticOptions(args.layers, args.config, args.experts, device="cpu"))
-    if not layout.spec.num_experts_per_tok <= args.encode_experts <= layout.spec.n_routed_experts:
-        raise SystemExit(
-            f"--encode-experts {args.encode_experts} must be between the router's top-k "
-            f"{layout.spec.num_experts_per_tok} and the {layout.spec.n_routed_experts} experts per layer"
-        )
+    try:
+        check_keep(layout.spec, args.encode_experts, "--encode-experts")
+    except UsageError as exc:
+        raise SystemExit(str(exc)) from None
     artifact = sum(f.size for f in plan_artifact(layout.spec, "tr3", source_shards=layout.weight_map).files)
     streams = stream_bytes(args.recipe, args.rows, args.tokens, layout.spec)
     need = layout.tensor_bytes + artifact + args.stream_budget_factor * streams

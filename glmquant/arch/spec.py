@@ -51,6 +51,13 @@ class ModelSpec:
     def mtp_layers(self) -> list[int]:
         return list(range(self.num_hidden_layers, self.num_hidden_layers + self.num_mtp_layers))
 
+    @property
+    def min_kept_experts(self) -> int:
+        """The fewest routed experts a pruned MoE layer can route over: the router's top-k, and two per group (each of
+        the n_group groups is scored by the sum of its two best experts), in whole groups."""
+        per_group = max(2, -(-self.num_experts_per_tok // self.n_group))
+        return per_group * self.n_group
+
     def dim(self, key: str, default: Any = None) -> Any:
         value = self.text.get(key, default)
         if value is None:

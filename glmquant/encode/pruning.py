@@ -17,6 +17,7 @@ from glmquant.arch import ModelSpec
 from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
 from glmquant.encode.config import EncodeConfig
 from glmquant.errors import UsageError
+from glmquant.observe.prune import check_keep
 from glmquant.observe.tiers import TierPlan, load_tier_plan
 
 PRUNE_PLAN_NAME = "prune_plan.json"
@@ -48,6 +49,8 @@ def load_prune_plan(path: Path, spec: ModelSpec, expect_keep: int | None = None)
         raise UsageError(f"{path}: no kept experts for MoE layer(s) {missing}")
     if expect_keep is not None and any(len(v) != expect_keep for v in layers.values()):
         raise UsageError(f"{path}: plan does not keep {expect_keep} experts in every layer")
+    for kept in {len(v) for v in layers.values()}:
+        check_keep(spec, kept, str(path))
     last = spec.moe_layers[-1]
     for mtp in spec.mtp_layers:
         layers.setdefault(mtp, layers[last])

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from glmquant.arch import ModelSpec
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.errors import UsageError
 from glmquant.observe.stats import LayerStats
@@ -59,6 +60,16 @@ class PrunePlan:
     def save(self, path: Path) -> Path:
         atomic_write_text(path, self.to_json())
         return path
+
+
+def check_keep(spec: ModelSpec, keep: int, where: str) -> None:
+    """A pruned layer the model's router can route over (UsageError naming `where`: the option or the plan file)."""
+    if not spec.min_kept_experts <= keep <= spec.n_routed_experts:
+        raise UsageError(
+            f"{where}: {keep} kept experts per layer; the router needs {spec.min_kept_experts} to "
+            f"{spec.n_routed_experts} (top-{spec.num_experts_per_tok} of {spec.n_group} group(s), each group scored "
+            "by its two best experts)"
+        )
 
 
 def plan_pruning(stats: Mapping[int, LayerStats], keep: int, token_rows_sha256: str) -> PrunePlan:

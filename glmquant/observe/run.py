@@ -27,6 +27,7 @@ from typing import Protocol, TypeVar
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from glmquant.arch import load_model_spec
 from glmquant.calibration import TokenRows, load_recipe, reuse_or_build
 from glmquant.checkpoint.layouts import quantizable_head
 from glmquant.checkpoint.reader import assert_finite
@@ -35,7 +36,7 @@ from glmquant.observe.checkpointing import RunState, clean_stale, resume_point, 
 from glmquant.observe.config import ObserveConfig, fingerprint
 from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.hessians import HessianAccumulator, HessianMode
-from glmquant.observe.prune import write_prune_plan
+from glmquant.observe.prune import check_keep, write_prune_plan
 from glmquant.observe.routing import RoutingParams
 from glmquant.observe.stats import ExpertStats, LayerStats, stats_path
 from glmquant.observe.streaming import TextModel, run_layer
@@ -86,6 +87,8 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     from transformers import AutoTokenizer
 
     started = time.monotonic()
+    if config.keep is not None:  # before the hours of observing, not after
+        check_keep(load_model_spec(Path(config.source) / "config.json"), config.keep, "--keep")
     results = results or ObservationFiles(config.out)
     config.out.mkdir(parents=True, exist_ok=True)
     model = TextModel.open(config.source, config.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,29 @@ def test_bad_keep_is_a_usage_error() -> None:
         plan_pruning({1: _stats([1, 1], [1.0, 1.0])}, 9, "abc")
     with pytest.raises(UsageError, match="no MoE layer"):
         plan_pruning({}, 1, "abc")
+
+
+def test_fewer_experts_than_the_router_needs_are_refused(tiny_source: Path, tmp_path: Path) -> None:
+    """The tiny model's router takes its top 2 of one group scored by its two best experts: a plan keeping one
+    expert is refused naming the file (the encode would write an artifact no runtime can route), and `observe
+    --keep 1` before it observes anything."""
+    from glmquant.arch import load_model_spec
+    from glmquant.encode.pruning import load_prune_plan
+    from glmquant.observe.config import ObserveConfig
+    from glmquant.observe.run import observe
+
+    spec = load_model_spec(tiny_source)
+    assert spec.min_kept_experts == 2
+    # DeepSeek-V3's routing (8 groups, top-8): two in each group, 16 in all
+    assert replace(spec, n_group=8, num_experts_per_tok=8, n_routed_experts=256).min_kept_experts == 16
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"keep": 1, "layers": {str(layer): [0] for layer in spec.moe_layers}}))
+    with pytest.raises(UsageError, match=r"plan\.json: 1 kept experts per layer; the router needs 2 to 4"):
+        load_prune_plan(path, spec)
+    out = tmp_path / "obs"
+    with pytest.raises(UsageError, match="--keep: 1 kept experts per layer"):
+        observe(ObserveConfig(source=tiny_source, out=out, rows=2, tokens=16, keep=1))
+    assert not out.exists()
 
 
 def test_written_plan_is_what_the_encoder_loads(observed: Path, tmp_path: Path, tiny_source: Path) -> None:

@@ -18,14 +18,14 @@ SCRIPT = ROOT / "scripts" / "bench_scale.py"
 pytestmark = pytest.mark.slow
 
 
-def _run(tiny_source: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+def _run(source: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     argv = [
         sys.executable,
         str(SCRIPT),
         "--device",
         "cpu",
         "--config",
-        str(tiny_source / "config.json"),
+        str(source / "config.json"),
         "--layers",
         "3",
         "--experts",
@@ -73,3 +73,11 @@ def test_a_stage_past_the_time_limit_fails_loudly(tiny_source: Path, tmp_path: P
     run = _run(tiny_source, tmp_path, "--time-limit-s", "2")
     assert run.returncode != 0 and re.search(r"stage '\w+' (did not finish within|no time left)", run.stderr)
     assert json.loads((tmp_path / "scale.json").read_text())["failed"]["stage"] in ("fixture", "build")
+
+
+def test_fewer_experts_than_the_router_needs_are_refused_before_any_stage(tiny_source: Path, tmp_path: Path) -> None:
+    """One expert per layer: the router scores its group by its two best experts, so the runtime stage would crash
+    after the whole build; the preflight refuses it, naming the option and the least it takes."""
+    run = _run(tiny_source, tmp_path, "--encode-experts", "1")
+    assert run.returncode != 0 and "--encode-experts: 1 kept experts per layer; the router needs 2 to 4" in run.stderr
+    assert not (tmp_path / "work").exists()
