@@ -36,7 +36,9 @@ def _pinned_time(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _observe_config(source: Path, obs: Path, **changes) -> ObserveConfig:
-    base = dict(rows=ROWS, tokens=TOKENS, batch_rows=BATCH, hessians=HessianMode.BOTH, keep=1)
+    base = dict(
+        rows=ROWS, tokens=TOKENS, batch_rows=BATCH, hessians=HessianMode.BOTH, keep=2
+    )  # all: the router's least
     return ObserveConfig(source, obs, **{**base, **changes})
 
 

@@ -180,35 +180,40 @@ def test_changed_options_do_not_resume(small_source: Path, small_artifact: Path,
         encode_artifact(EncodeConfig(source=small_source, out=tmp_path / "a", work_dir=work, uncalibrated=True), QUIET)
 
 
-def test_exllamav3_layout_with_pruning(small_source: Path, tmp_path: Path) -> None:
-    """One EXL3 tensor per projection, modules packed into model-* shards, REAP-style pruning to 1 expert."""
-    spec = load_model_spec(small_source)
+def test_exllamav3_layout_with_pruning(tiny_source: Path, tmp_path: Path) -> None:
+    """One EXL3 tensor per projection, modules packed into model-* shards, REAP-style pruning of the tiny model's four
+    experts to 1 and 3 (two: the fewest its router can route over), renumbered 0 and 1."""
+    spec = load_model_spec(tiny_source)
     plan_file = tmp_path / "prune_plan.json"
-    plan_file.write_text(json.dumps({"keep": 1, "layers": {str(layer): [1] for layer in spec.moe_layers}}))
+    plan_file.write_text(json.dumps({"keep": 2, "layers": {str(layer): [1, 3] for layer in spec.moe_layers}}))
     out = tmp_path / "artifact"
     encode_artifact(
-        EncodeConfig(source=small_source, out=out, layout="exllamav3", prune_plan=plan_file, uncalibrated=True), QUIET
+        EncodeConfig(source=tiny_source, out=out, layout="exllamav3", prune_plan=plan_file, uncalibrated=True), QUIET
     )
     config = json.loads((out / "config.json").read_text())
-    assert config["text_config"]["n_routed_experts"] == 1
+    assert config["text_config"]["n_routed_experts"] == 2
     table = table_for(spec)
-    with SourceCheckpoint.open(small_source) as src, SourceCheckpoint.open(out) as art:
+    h = spec.hidden_size
+    with SourceCheckpoint.open(tiny_source) as src, SourceCheckpoint.open(out) as art:
         names = set(art.names())
         for layer in spec.moe_layers:
-            key = f"{table.layer_prefix(layer)}mlp.experts.0.gate_proj"
-            assert {f"{key}.trellis", f"{key}.suh", f"{key}.svh", f"{key}.mcg"} <= names
-            assert not any(f"{table.layer_prefix(layer)}mlp.experts.1." in n for n in names)
-            parts = {n: art.read_tensor(n) for n in names if n.startswith(key + ".")}
-            decoded = decode_weight(
-                EXL3Tensor.from_tensors(parts, key, spec.hidden_size, spec.moe_intermediate_size), torch.float32
-            )
-            source = src.read_tensor(f"{table.layer_prefix(layer)}mlp.experts.1.gate_proj.weight").float()
-            assert ((decoded - source).norm() / source.norm()).item() < 0.45
-            router = f"{table.layer_prefix(layer)}mlp.gate.weight"
-            assert art.read_raw(router) == src.read_raw(router)[spec.hidden_size * 2 : spec.hidden_size * 4]
+            prefix = table.layer_prefix(layer)
+            assert not any(f"{prefix}mlp.experts.2." in n for n in names)
+            for new_id, source_id in ((0, 1), (1, 3)):
+                key = f"{prefix}mlp.experts.{new_id}.gate_proj"
+                assert {f"{key}.trellis", f"{key}.suh", f"{key}.svh", f"{key}.mcg"} <= names
+                parts = {n: art.read_tensor(n) for n in names if n.startswith(key + ".")}
+                decoded = decode_weight(
+                    EXL3Tensor.from_tensors(parts, key, spec.hidden_size, spec.moe_intermediate_size), torch.float32
+                )
+                source = src.read_tensor(f"{prefix}mlp.experts.{source_id}.gate_proj.weight").float()
+                assert ((decoded - source).norm() / source.norm()).item() < 0.45
+            router = src.read_raw(f"{prefix}mlp.gate.weight")  # rows 1 and 3 of the BF16 router
+            kept_rows = router[h * 2 : h * 4] + router[h * 6 : h * 8]
+            assert art.read_raw(f"{prefix}mlp.gate.weight") == kept_rows
         mtp = spec.mtp_layers[0]  # no statistics for the MTP layer: it keeps the last MoE layer's experts
-        assert art.read_raw(f"{table.layer_prefix(mtp)}mlp.experts.0.up_proj.weight") == src.read_raw(
-            f"{table.layer_prefix(mtp)}mlp.experts.1.up_proj.weight"
+        assert art.read_raw(f"{table.layer_prefix(mtp)}mlp.experts.1.up_proj.weight") == src.read_raw(
+            f"{table.layer_prefix(mtp)}mlp.experts.3.up_proj.weight"
         )
     assert verify_artifact(out, fast=False, show_progress=False).ok
 
