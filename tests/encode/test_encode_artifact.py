@@ -19,6 +19,7 @@ from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.verify import verify_artifact
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.exl3 import EXL3Tensor, decode_weight
+from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessian_reader import load_layer_hessians
 from glmquant.observe.run import observe
@@ -180,9 +181,10 @@ def test_changed_options_do_not_resume(small_source: Path, small_artifact: Path,
         encode_artifact(EncodeConfig(source=small_source, out=tmp_path / "a", work_dir=work, uncalibrated=True), QUIET)
 
 
-def test_exllamav3_layout_with_pruning(tiny_source: Path, tmp_path: Path) -> None:
-    """One EXL3 tensor per projection, modules packed into model-* shards, REAP-style pruning of the tiny model's four
+def test_exllamav3_layout_with_pruning(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """One EXL3 tensor per projection, modules packed into model-* shards, REAP-style pruning of one MoE layer's four
     experts to 1 and 3 (two: the fewest its router can route over), renumbered 0 and 1."""
+    tiny_source = build_tiny_checkpoint(tmp_path_factory.mktemp("prune-src"), TinyModelConfig(num_hidden_layers=2))
     spec = load_model_spec(tiny_source)
     plan_file = tmp_path / "prune_plan.json"
     plan_file.write_text(json.dumps({"keep": 2, "layers": {str(layer): [1, 3] for layer in spec.moe_layers}}))
