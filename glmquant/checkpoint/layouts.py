@@ -142,7 +142,7 @@ def exl3_linears(
     `retained_bits` but those of the first `exact_layers` decoder layers, and lm_head at `head_bits` (None: those
     stay exact)."""
     found: dict[str, RetainedLinear] = {}
-    check_exact_layers(spec, retained_bits, exact_layers)
+    check_exact_layers(retained_bits, exact_layers, spec)
     if retained_bits is not None:
         check_linear_bits("--retained-bits", retained_bits)
         found.update(
@@ -157,17 +157,19 @@ def exl3_linears(
     return found
 
 
-def check_exact_layers(spec: ModelSpec, retained_bits: int | None, exact_layers: int) -> None:
+def check_exact_layers(retained_bits: int | None, exact_layers: int, spec: ModelSpec | None = None) -> None:
     """`--retained-exact-layers`: how many first decoder layers keep their retained linears exact while the rest
-    are EXL3 (the first layers carry most of the speed tier's KL cost: docs/fidelity.md). UsageError unless it
-    comes with --retained-bits and leaves at least one layer encoded."""
+    are EXL3 (the first layers carry most of the speed tier's KL cost: docs/fidelity.md). UsageError unless it is
+    0 or more, comes with --retained-bits and, given the model's `spec`, leaves at least one layer encoded."""
+    if exact_layers < 0:
+        raise UsageError(f"--retained-exact-layers must be 0 or more layers, got {exact_layers}")
     if exact_layers == 0:
         return
     if retained_bits is None:
         raise UsageError(
             "--retained-exact-layers keeps some of the --retained-bits linears exact: it needs --retained-bits"
         )
-    if not 0 < exact_layers < spec.num_hidden_layers:
+    if spec is not None and exact_layers >= spec.num_hidden_layers:
         raise UsageError(
             f"--retained-exact-layers must be 0..{spec.num_hidden_layers - 1} ({spec.architecture} has "
             f"{spec.num_hidden_layers} decoder layers), got {exact_layers}"

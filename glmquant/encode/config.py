@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
-from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS, check_linear_bits
+from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS, check_exact_layers, check_linear_bits
 from glmquant.devices import device_type
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
@@ -135,12 +135,7 @@ class EncodeConfig:
         for option, bits in (("--retained-bits", self.retained_bits), ("--head-bits", self.head_bits)):
             if bits is not None:
                 check_linear_bits(option, bits)
-        if self.retained_exact_layers < 0:
-            raise UsageError(f"--retained-exact-layers must be 0 or more layers, got {self.retained_exact_layers}")
-        if self.retained_exact_layers and self.retained_bits is None:
-            raise UsageError(
-                "--retained-exact-layers keeps some of the --retained-bits linears exact: it needs --retained-bits"
-            )
+        check_exact_layers(self.retained_bits, self.retained_exact_layers)  # the layer count: at planning
         if self.tune_scales < 0:
             raise UsageError(f"--tune-scales must be 0 or more Adam steps, got {self.tune_scales}")
         if self.tune_scales and self.uncalibrated:
