@@ -167,6 +167,14 @@ def recipes(experts: int, layers: int) -> list[Recipe]:
             retained_exact_layers=exact,
         ),
         Recipe(
+            f"retained-k5-head6-exact{exact}",
+            f"retained-k4-head5-exact{exact} one bit wider (retained linears K5, lm_head K6): what the goal of a KL "
+            "cost <= 0.1 costs in bytes",
+            retained_bits=5,
+            head_bits=6,
+            retained_exact_layers=exact,
+        ),
+        Recipe(
             "codebook-mul1",
             "the best Hessians, uniform K2, MUL1 codebook (ExLlamaV3's default)",
             "best",

@@ -15,9 +15,11 @@
 #   bash scripts/device_run_model.sh "$OUT" COMMIT mtp       # MTP speculation at batch 1, 1k: draft, verify and
 #                                                            # rollback ms per k = 1..3, measured tok/s (MTP resident)
 #   bash scripts/device_run_model.sh "$OUT" COMMIT tier      # the speed tier (--retained-bits $TIER_BITS, default 4;
-#                                                            # --head-bits $TIER_HEAD_BITS when set; --compile-decode
-#                                                            # when TIER_COMPILE is set): graphs check, decode 1k,
-#                                                            # classes, MTP; fills the report's speed_tier
+#                                                            # --head-bits $TIER_HEAD_BITS, --retained-exact-layers
+#                                                            # $TIER_EXACT when set; --compile-decode when TIER_COMPILE
+#                                                            # is set): graphs check, decode 1k, classes, MTP (or
+#                                                            # $TIER_PARTS); fills the report's speed_tier, written to
+#                                                            # model_h200_tier_k{bits}_head{K}_exact{N}[_compiled].json
 #   bash scripts/device_run_model.sh "$OUT" COMMIT serve     # `glmquant serve --load-format dummy` answers OpenAI
 #                                                            # requests (scripts/serve_probe.py)
 # then, here: python scripts/bench_model.py --merge model_h200_decode.json model_h200_prefill.json \
@@ -51,7 +53,9 @@ for MODE in "${MODES[@]}"; do
     compiled) args=(--quick --parts graphs,decode,classes,kernels --compile-decode) ;;
     mtp) args=(--quick --parts mtp) ;;
     tier) args=(--quick --retained-bits "${TIER_BITS:-4}" ${TIER_HEAD_BITS:+--head-bits "$TIER_HEAD_BITS"}
-                ${TIER_COMPILE:+--compile-decode} --parts graphs,decode,classes,mtp) ;;  # mtp: the tier's mtp_speedup
+                ${TIER_EXACT:+--retained-exact-layers "$TIER_EXACT"} ${TIER_COMPILE:+--compile-decode}
+                --parts "${TIER_PARTS:-graphs,decode,classes,mtp}")  # mtp: the tier's mtp_speedup
+          MODE=tier_k${TIER_BITS:-4}_head${TIER_HEAD_BITS:-16}_exact${TIER_EXACT:-0}${TIER_COMPILE:+_compiled} ;;
     *) echo "mode must be checks, serve, quick, decode, prefill, compiled, mtp or tier, not $MODE" >>"$LOG"; continue ;;
   esac
   stamp "bench_model.py ${args[*]}"
