@@ -35,11 +35,20 @@ class Ops:
     sparse_mla: Callable[..., torch.Tensor]
 
 
+# Graphs torch.compile may keep per function. A function is called with several ranks and dtypes (rms_norm: the
+# hidden state, the q/kv latents, KDA and MTP inputs; 2-D in a decode step, 3-D in a verify step), and each such
+# signature (once its sizes are dynamic) is one graph. Past dynamo's default of 8 the function silently runs eager:
+# on the H200 (f817dfe) rms_norm hit it in the MTP verify steps, after the plain decode's graphs.
+RECOMPILE_LIMIT = 64
+
+
 def ops_for(device: torch.device, compiled: bool = False) -> Ops:
-    """The functions for `device`: compiled (torch.compile, shapes dynamic after their first change) if asked;
-    mHC's weights from the fused Triton kernel on CUDA."""
+    """The functions for `device`: compiled (torch.compile, shapes dynamic after their first change, dynamo's
+    recompile limit raised to `RECOMPILE_LIMIT`) if asked; mHC's weights from the fused Triton kernel on CUDA."""
     funcs = {f.name: getattr(math, f.name) for f in fields(Ops)}
     if compiled:
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         funcs = {name: torch.compile(fn, dynamic=None) for name, fn in funcs.items()}
     if device.type == "cuda":
         from glmquant.runtime.kernels.mhc import hyper_weights
