@@ -15,9 +15,9 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from glmquant.exl3 import decode_inner
 from glmquant.runtime.kernels import exl3_gemm
-from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config, linear_job_rows
+from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config, linear_job_rows, linear_tables
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, packed_gemv, uses_gemv
-from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, SMALL_JOB_ROWS
 from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack, one_row_gemv
 
 BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo planes, Hadamards as fp32 butterflies
@@ -73,6 +73,19 @@ def test_output_keeps_input_dtype_and_default_config():
     got = exl3_linear(x.to(device, torch.bfloat16), t)
     assert got.dtype == torch.bfloat16
     assert rel_err(got, x.bfloat16().double() @ exact_weight(t).T) < 1e-2  # bf16 output rounding
+
+
+def test_small_linears_share_their_job_tables():
+    """Decode and verify steps' linears (up to SMALL_JOB_ROWS rows) reuse one set of job tables per row count;
+    larger products build theirs per call."""
+    device = torch.device(kernel_device())
+    assert linear_tables(2, 2, device) is linear_tables(2, 2, device)
+    rows, zero, ones, jobs = linear_tables(3, 2, device)
+    assert (rows.tolist(), zero.tolist(), ones.flatten().tolist()) == ([0, 1, 2], [0, 0, 0], [1.0, 1.0, 1.0])
+    assert jobs is not None and (jobs.starts.tolist(), jobs.counts.tolist(), jobs.max_rows) == ([0, 2], [2, 1], 2)
+    assert linear_tables(1, 1, device)[3] is None  # one row: a one-row job, no job table
+    big = SMALL_JOB_ROWS + 1
+    assert linear_tables(big, 16, device) is not linear_tables(big, 16, device)
 
 
 def test_config_splits_k_into_whole_steps():

@@ -368,13 +368,33 @@ def exl3_linear(
     if M == 0:
         return x.new_zeros((*lead, stack.out_features))
     cfg = cfg or linear_config(M, stack, LINEAR_PROGRAMS if x.is_cuda else 1)
-    rows = torch.arange(M, dtype=torch.int32, device=x.device)
-    zero = torch.zeros(M, dtype=torch.int32, device=x.device)
-    size = linear_job_rows(M, stack)
-    starts = torch.arange(0, M, size, dtype=torch.int32, device=x.device)
-    jobs = Jobs(starts, (M - starts).clamp(max=size).to(torch.int32), size) if M > 1 else None
+    rows, zero, ones, jobs = linear_tables(M, linear_job_rows(M, stack), x.device)
     xr = rotate_in(x, rows, stack, zero, uses_gemv(stack, job_rows(jobs)))
     part = exl3_rows(xr, stack, zero, jobs, cfg)
-    ones = torch.ones((M, 1), dtype=torch.float32, device=x.device)
     out = torch.empty((M, stack.out_features), dtype=x.dtype, device=x.device) if out is None else out
     return rotate_out(part, rows, ones, zero, stack, out).view(*lead, stack.out_features)
+
+
+LinearTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Jobs | None]
+_SMALL_TABLES: dict[tuple[int, int, torch.device], LinearTables] = {}
+
+
+def linear_tables(M: int, size: int, device: torch.device) -> LinearTables:
+    """One linear's job tables for M rows in jobs of `size`: rows 0..M-1, expert 0 and weight 1 per row, the jobs.
+
+    Read-only, so those of decode and verify steps (M <= SMALL_JOB_ROWS) are made once per device and shared:
+    built per call they were four fill/arange launches per linear, a third of a speed-tier decode step's 6,479
+    launches on the H200 (62e2343). Tables first asked for while a CUDA graph is captured are built for that
+    call only, since the graph's memory pool would own them."""
+    key = (M, size, device)
+    if key in _SMALL_TABLES:
+        return _SMALL_TABLES[key]
+    rows = torch.arange(M, dtype=torch.int32, device=device)
+    zero = torch.zeros(M, dtype=torch.int32, device=device)
+    ones = torch.ones((M, 1), dtype=torch.float32, device=device)
+    starts = torch.arange(0, M, size, dtype=torch.int32, device=device)
+    jobs = Jobs(starts, (M - starts).clamp(max=size).to(torch.int32), size) if M > 1 else None
+    tables = (rows, zero, ones, jobs)
+    if M <= SMALL_JOB_ROWS and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _SMALL_TABLES[key] = tables
+    return tables
