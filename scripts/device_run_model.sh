@@ -54,7 +54,7 @@ for MODE in "${MODES[@]}"; do
     mtp) args=(--quick --parts mtp) ;;
     tier) args=(--quick --retained-bits "${TIER_BITS:-4}" ${TIER_HEAD_BITS:+--head-bits "$TIER_HEAD_BITS"}
                 ${TIER_EXACT:+--retained-exact-layers "$TIER_EXACT"} ${TIER_COMPILE:+--compile-decode}
-                --parts "${TIER_PARTS:-graphs,decode,classes,mtp}")  # mtp: the tier's mtp_speedup
+                --parts "${TIER_PARTS:-graphs,decode,classes,mtp}")  # the mtp part: the tier's mtp_speedup
           MODE=tier_k${TIER_BITS:-4}_head${TIER_HEAD_BITS:-16}_exact${TIER_EXACT:-0}${TIER_COMPILE:+_compiled} ;;
     *) echo "mode must be checks, serve, quick, decode, prefill, compiled, mtp or tier, not $MODE" >>"$LOG"; continue ;;
   esac

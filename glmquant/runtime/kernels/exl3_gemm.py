@@ -382,19 +382,31 @@ _SMALL_TABLES: dict[tuple[int, int, torch.device], LinearTables] = {}
 def linear_tables(M: int, size: int, device: torch.device) -> LinearTables:
     """One linear's job tables for M rows in jobs of `size`: rows 0..M-1, expert 0 and weight 1 per row, the jobs.
 
-    Read-only, so those of decode and verify steps (M <= SMALL_JOB_ROWS) are made once per device and shared:
-    built per call they were four fill/arange launches per linear, a third of a speed-tier decode step's 6,479
-    launches on the H200 (62e2343). Tables first asked for while a CUDA graph is captured are built for that
-    call only, since the graph's memory pool would own them."""
+    Read-only, so those of decode and verify steps (M <= SMALL_JOB_ROWS) are made once per (M, size, device) and
+    shared: built per call they were four launches per one-row linear (seven from two rows), about 2,100 of a
+    speed-tier decode step's 6,479 launches on the H200 (62e2343). Tables first asked for while a CUDA graph is
+    captured are built for that call only, since the graph's memory pool would own them."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (M, size, device)
     if key in _SMALL_TABLES:
         return _SMALL_TABLES[key]
     rows = torch.arange(M, dtype=torch.int32, device=device)
     zero = torch.zeros(M, dtype=torch.int32, device=device)
     ones = torch.ones((M, 1), dtype=torch.float32, device=device)
-    starts = torch.arange(0, M, size, dtype=torch.int32, device=device)
-    jobs = Jobs(starts, (M - starts).clamp(max=size).to(torch.int32), size) if M > 1 else None
+    jobs = None
+    if M > 1:
+        starts = torch.arange(0, M, size, dtype=torch.int32, device=device)
+        jobs = Jobs(starts, (M - starts).clamp(max=size).to(torch.int32), size)
     tables = (rows, zero, ones, jobs)
-    if M <= SMALL_JOB_ROWS and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if M <= SMALL_JOB_ROWS and not _capturing(device):
         _SMALL_TABLES[key] = tables
     return tables
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether `device`'s current stream is capturing a CUDA graph."""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
