@@ -50,7 +50,7 @@ from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
 from glmquant.runtime.engine.profile import CLASSES, block_input, class_bytes, class_steps, unique_experts
-from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.options import DENSE_LINEAR_MAX_WEIGHTS, RuntimeOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_CONFIG = ROOT / "tests" / "data" / "glm-5.3-flash" / "config.json"
@@ -98,6 +98,7 @@ def main() -> None:
         "environment": environment(device),
         "sizes": sizes.__dict__,
         "compile_decode": args.compile_decode,
+        "dense_linear_max_weights": args.dense_linear_max_weights,
         "parts": {},
     }
     t0 = time.perf_counter()
@@ -117,6 +118,7 @@ def main() -> None:
             backend="torch" if args.smoke else "triton",
             model_impl="glmquant",
             compile_decode=args.compile_decode,
+            dense_linear_max_weights=args.dense_linear_max_weights,
         ),
         max_batch=1,
         max_len=sizes.chunk,
@@ -181,6 +183,12 @@ def parse_args() -> argparse.Namespace:
         help="the speed tier: lm_head EXL3 at this K (encode --head-bits); fills the report's speed_tier",
     )
     p.add_argument("--compile-decode", action="store_true", help="decode steps' math through torch.compile")
+    p.add_argument(
+        "--dense-linear-max-weights",
+        type=int,
+        default=DENSE_LINEAR_MAX_WEIGHTS,
+        help="EXL3 retained linears of at most this many weights run decoded at load (RuntimeOptions; 0: none)",
+    )
     p.add_argument("--quick", action="store_true", help="about 6 minutes of an H200: 1k decode, 8k prefill")
     p.add_argument("--smoke", action="store_true", help="the tiny config on the CPU, every part at tiny sizes")
     p.add_argument("--parts", type=lambda s: tuple(s.split(",")), default=PARTS)

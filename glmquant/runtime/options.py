@@ -22,6 +22,10 @@ DTYPES = {
 DTYPE_CHOICES = ("auto", *DTYPES)
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: "auto" reads the artifact's weight files
 MODEL_IMPLS = ("transformers", "glmquant")  # vLLM's --model-impl: whose modules run the model
+# The engine's EXL3 retained linears of at most this many weights run dense: 192 of GLM-5.3-Flash's 529 (KDA's
+# f_a/f_b/g_a/g_b/b, the indexer's wk and weights_proj; 118.7 M weights, +178 MB read per token in BF16), each
+# otherwise three launches whatever its size (~9 us on the H200, 62e2343's profile)
+DENSE_LINEAR_MAX_WEIGHTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,10 @@ class RuntimeOptions:
     `load_format` "dummy" makes the weights from the config (`runtime.dummy`) instead of reading files;
     `model_impl` "glmquant" runs the runtime's own forward (`runtime.engine`) instead of transformers' modules;
     `speculative_config` (vLLM's `--speculative-config`) drafts tokens with the model's MTP layer;
-    `compile_decode` runs the engine's decode-step math through torch.compile (fewer, fused kernels per step)."""
+    `compile_decode` runs the engine's decode-step math through torch.compile (fewer, fused kernels per step);
+    `dense_linear_max_weights`: with the Triton backends the engine decodes EXL3 retained linears of at most this
+    many weights to dense weights at load (adjacent dense blocks of a projection become one matrix product)
+    instead of running the EXL3 kernels on them (0: none)."""
 
     device: str = "cpu"
     dtype: str = "bfloat16"
@@ -41,8 +48,11 @@ class RuntimeOptions:
     model_impl: str = "transformers"
     speculative_config: SpeculativeConfig | None = None
     compile_decode: bool = False
+    dense_linear_max_weights: int = DENSE_LINEAR_MAX_WEIGHTS
 
     def __post_init__(self) -> None:
+        if self.dense_linear_max_weights < 0:
+            raise UsageError(f"--dense-linear-max-weights must be >= 0, got {self.dense_linear_max_weights}")
         if self.compile_decode and self.model_impl != "glmquant":
             raise UsageError("--compile-decode compiles the runtime's own forward: it needs --model-impl glmquant")
         if self.dtype not in DTYPE_CHOICES:

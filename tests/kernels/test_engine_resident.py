@@ -16,6 +16,7 @@ from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
 from glmquant.runtime.engine.linears import Exl3Proj
 from glmquant.runtime.engine.profile import class_bytes
+from glmquant.runtime.engine.weights import KDAWeights
 from glmquant.runtime.options import RuntimeOptions
 
 # 12 prompt tokens x top-2 routes over the tiny model's 4 experts: 6 routes per expert, so the prefill's MoE steps
@@ -61,15 +62,26 @@ def one_moe_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 def test_engine_runs_the_speed_tier_through_exl3_linear_like_the_torch_backend(one_moe_source: Path) -> None:
     """A dummy `--retained-bits 4 --head-bits 6` artifact: with the Triton backend each projection holding an EXL3
-    retained linear, and lm_head, is an `Exl3Proj` (run by `exl3_linear`, its stored bytes counted: the profile's
-    lm_head class reads the head's EXL3 bytes), with the torch backend decoded once; the same greedy tokens, logits
-    within the kernels' fp16 error."""
+    retained linear of over `dense_linear_max_weights` weights, and lm_head, is an `Exl3Proj` (run by `exl3_linear`,
+    its stored bytes counted: the profile's lm_head class reads the head's EXL3 bytes), the smaller ones decoded at
+    load (adjacent ones one weight), with the torch backend all decoded once; the same greedy tokens, logits within
+    the kernels' fp16 error."""
     device = kernel_device()
     artifact = dummy_artifact(one_moe_source, device=device, retained_bits=4, head_bits=6)
-    triton = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32", backend="triton"), max_len=32)
+    # KDA's in_proj: q, k, v of 64 x 128 weights through exl3_linear, then f_a, g_a (32 x 128) and b (2 x 128) dense
+    options = RuntimeOptions(device=device, dtype="float32", backend="triton", dense_linear_max_weights=32 * 128)
+    triton = Engine.load(artifact, options, max_len=32)
     torch_ = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32"), max_len=32)
-    projections = [triton.weights.layers[0].attention.in_proj, triton.weights.layers[0].attention.o_proj]
-    assert all(isinstance(p, Exl3Proj) for p in [*projections, triton.weights.lm_head])
+    kda = triton.weights.layers[0].attention
+    assert isinstance(kda, KDAWeights)
+    assert all(isinstance(p, Exl3Proj) for p in [kda.in_proj, kda.o_proj, triton.weights.lm_head])
+    assert isinstance(kda.in_proj, Exl3Proj) and [type(b).__name__ for b in kda.in_proj.blocks] == [
+        "WeightStack",
+        "WeightStack",
+        "WeightStack",
+        "Tensor",
+    ]
+    assert kda.in_proj.blocks[3].shape == (32 + 32 + 2, 128) and isinstance(kda.f_b, torch.Tensor)
     assert isinstance(torch_.weights.layers[0].attention.in_proj, torch.Tensor)
     assert isinstance(torch_.weights.lm_head, torch.Tensor)
     cfg, norm = triton.cfg, triton.weights.norm.nbytes

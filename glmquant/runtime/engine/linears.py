@@ -1,7 +1,8 @@
 """The engine's projections: a dense weight applied with `F.linear`, or, for the speed tier (`encode --retained-bits`)
 on the Triton backends, an `Exl3Proj`: the row blocks of one fused projection (q/k/v, gate/up, ...), each an EXL3
-retained linear run through `exl3_linear` (the trellis decoded inside the matrix product) or a dense block, their
-outputs concatenated in order. With the torch backend an EXL3 retained linear is decoded once at load instead and
+retained linear run through `exl3_linear` (the trellis decoded inside the matrix product) or a dense block (exact, or
+an EXL3 linear small enough to run faster decoded: `RuntimeOptions.dense_linear_max_weights`), their outputs
+concatenated in order. With the torch backend an EXL3 retained linear is decoded once at load instead and
 the projection stays one dense tensor (`weights.py`).
 """
 
@@ -26,16 +27,20 @@ class Exl3Proj:
 
     @classmethod
     def build(cls, blocks: list[EXL3Tensor | torch.Tensor], device: torch.device) -> Exl3Proj:
+        """Adjacent dense blocks become one weight (one matrix product)."""
         from glmquant.runtime.kernels.exl3_jobs import WeightStack  # imports triton: only on this path
 
-        nbytes, prepared = 0, list[Any]()
-        for b in blocks:
+        nbytes, prepared, dense = 0, list[Any](), list[torch.Tensor]()
+        for b in [*blocks, None]:
+            if not isinstance(b, torch.Tensor) and dense:
+                prepared.append(dense[0] if len(dense) == 1 else torch.cat(dense))
+                nbytes += prepared[-1].nbytes
+                dense = []
             if isinstance(b, EXL3Tensor):
                 prepared.append(WeightStack.single(b, device))
                 nbytes += EXL3Tensor.storage_bytes(b.in_features, b.out_features, b.bits, b.codebook)
-            else:
-                prepared.append(b)
-                nbytes += b.nbytes
+            elif b is not None:
+                dense.append(b)
         return cls(tuple(prepared), nbytes)
 
 

@@ -66,7 +66,8 @@ class Engine:
         options = options.resolved_for(artifact.config)
         device, dtype = torch.device(options.device), options.torch_dtype
         cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())
-        weights = load_weights(artifact, cfg, dtype, device, retained_linear_mode(options.backend) == "kernel")
+        kernels = retained_linear_mode(options.backend) == "kernel"
+        weights = load_weights(artifact, cfg, dtype, device, kernels, options.dense_linear_max_weights)
         experts = engine_experts(artifact, options)
         cuda_graphs = cuda_graphs and options.backend == "triton"  # the torch backend syncs with the host
         prefill_run, decode_run = (

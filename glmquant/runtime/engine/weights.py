@@ -102,10 +102,12 @@ class _LayerReader:
         dtype: torch.dtype,
         device: torch.device,
         kernels: bool = False,
+        dense_max_weights: int = 0,
     ) -> None:
         self.artifact, self.prefix, self.dtype, self.device = artifact, prefix, dtype, device
         self.left = set(names)
         self.kernels = kernels  # EXL3 retained linears run by `exl3_linear` (the Triton backends), else decoded
+        self.dense_max_weights = dense_max_weights  # but those of at most this many weights decoded too
 
     def __call__(self, suffix: str, fp32: bool = False) -> torch.Tensor:
         name = self.prefix + suffix
@@ -125,7 +127,13 @@ class _LayerReader:
         """The row blocks of one projection: concatenated dense, or an `Exl3Proj` where one is an EXL3 linear
         that the kernels run."""
         keys = [(self.prefix + s).removesuffix(".weight") for s in suffixes]
-        exl3 = [s.endswith(".weight") and k in self.artifact.retained_linears for s, k in zip(suffixes, keys)]
+        linears = self.artifact.retained_linears
+        exl3 = [
+            s.endswith(".weight")
+            and k in linears
+            and linears[k].in_features * linears[k].out_features > self.dense_max_weights
+            for s, k in zip(suffixes, keys)
+        ]
         if not self.kernels or not any(exl3):
             return self.cat(*suffixes)
         blocks: list[EXL3Tensor | torch.Tensor] = []
@@ -146,20 +154,25 @@ class _LayerReader:
 
 
 def load_weights(
-    artifact: Artifact, cfg: EngineConfig, dtype: torch.dtype, device: torch.device, kernels: bool = False
+    artifact: Artifact,
+    cfg: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: bool = False,
+    dense_max_weights: int = 0,
 ) -> ModelWeights:
     """Every non-expert tensor of the text model (the MTP layer and vision tower are not read); `kernels`: EXL3
-    retained linears run through `exl3_linear` (the Triton backends), else decoded once."""
+    retained linears of more than `dense_max_weights` weights run through `exl3_linear` (the Triton backends),
+    the others are decoded once."""
     spec, table = artifact.spec, table_for(artifact.spec)
     layers = []
     for layer in track(range(cfg.layers), description="text layers to device", transient=True):
         names = [t.name for t in table.layer_tensors(spec, layer) if t.role is not TensorRole.ROUTED_EXPERT]
-        read = _LayerReader(artifact, table.layer_prefix(layer), names, dtype, device, kernels)
+        read = _LayerReader(artifact, table.layer_prefix(layer), names, dtype, device, kernels, dense_max_weights)
         layers.append(_layer(read, cfg, layer))
         read.finish()
-    top = _LayerReader(
-        artifact, "", [t.name for t in table.top_level(spec) if t.role is not TensorRole.VISION], dtype, device, kernels
-    )
+    top_names = [t.name for t in table.top_level(spec) if t.role is not TensorRole.VISION]
+    top = _LayerReader(artifact, "", top_names, dtype, device, kernels, dense_max_weights)
     p = table.text_prefix
     embed = top(p + "embed_tokens.weight")
     weights = ModelWeights(
