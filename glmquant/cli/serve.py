@@ -10,7 +10,7 @@ import typer
 from rich.logging import RichHandler
 
 from glmquant.cli.common import console, guarded, out
-from glmquant.runtime.options import DTYPE_CHOICES, RuntimeOptions
+from glmquant.runtime.options import DENSE_LINEAR_MAX_WEIGHTS, DTYPE_CHOICES, RuntimeOptions
 from glmquant.runtime.server import run_server
 from glmquant.runtime.service import ModelService, ServiceOptions
 from glmquant.runtime.speculative import SpeculativeConfig
@@ -93,6 +93,15 @@ def serve(
             )
         ),
     ] = False,
+    dense_linear_max_weights: Annotated[
+        int,
+        typer.Option(
+            help=(
+                "with --model-impl glmquant and a Triton backend: EXL3 retained linears (the speed tier) of at most "
+                "this many weights run decoded at load instead of through the EXL3 kernels (0: none)"
+            )
+        ),
+    ] = DENSE_LINEAR_MAX_WEIGHTS,
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /version and
     /metrics until Ctrl-C, which ends open streams cleanly before exiting."""
@@ -105,6 +114,7 @@ def serve(
         model_impl=model_impl,
         speculative_config=SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None,
         compile_decode=compile_decode,
+        dense_linear_max_weights=dense_linear_max_weights,
     )
     options = ServiceOptions(
         served_model_name=served_model_name, max_num_seqs=max_num_seqs, max_model_len=max_model_len

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmquant.errors import CheckpointFormatError, UsageError
+from glmquant.errors import CheckpointFormatError
 from glmquant.runtime.artifact import open_artifact
 from glmquant.runtime.loader import load_model
 from glmquant.runtime.options import RuntimeOptions
@@ -60,8 +60,3 @@ def test_incomplete_artifact_is_refused(artifacts, tmp_path):
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointFormatError, match=victim.rsplit(".", 1)[0]):  # the reader names the tensor
         open_artifact(broken)
-
-
-def test_runtime_options_refuse_a_negative_dense_linear_bound():
-    with pytest.raises(UsageError, match="--dense-linear-max-weights must be >= 0, got -1"):
-        RuntimeOptions(dense_linear_max_weights=-1)

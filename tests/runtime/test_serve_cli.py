@@ -121,6 +121,7 @@ def test_speculative_config_is_vllms_json(monkeypatch, tmp_path):
         (["--load-format", "safetensors"], "--load-format must be one of auto, dummy"),
         (["--model-impl", "vllm"], "--model-impl must be one of transformers, glmquant"),
         (["--compile-decode"], "--compile-decode compiles the runtime's own forward: it needs --model-impl glmquant"),
+        (["--dense-linear-max-weights", "-1"], "--dense-linear-max-weights must be >= 0, got -1"),
     ],
 )
 def test_bad_option_is_one_line_and_exit_2(monkeypatch, tmp_path, args, message):
@@ -230,3 +231,7 @@ def test_compile_decode_reaches_the_engine(monkeypatch, tmp_path):
     result = CliRunner().invoke(_app(), ["serve", str(tmp_path), "--model-impl", "glmquant", "--compile-decode"])
     assert result.exit_code == 0, result.output
     assert calls[0][3] == RuntimeOptions(dtype="auto", model_impl="glmquant", compile_decode=True)
+    calls.clear()
+    result = CliRunner().invoke(_app(), ["serve", str(tmp_path), "--dense-linear-max-weights", "0"])
+    assert result.exit_code == 0, result.output
+    assert calls[0][3].dense_linear_max_weights == 0
