@@ -17,9 +17,10 @@
 #   bash scripts/device_run_model.sh "$OUT" COMMIT tier      # the speed tier (--retained-bits $TIER_BITS, default 4;
 #                                                            # --head-bits $TIER_HEAD_BITS, --retained-exact-layers
 #                                                            # $TIER_EXACT when set; --compile-decode when TIER_COMPILE
-#                                                            # is set): graphs check, decode 1k, classes, MTP (or
+#                                                            # is set; --dense-linear-max-weights $TIER_DENSE when
+#                                                            # set): graphs check, decode 1k, classes, MTP (or
 #                                                            # $TIER_PARTS); fills the report's speed_tier, written to
-#                                                            # model_h200_tier_k{bits}_head{K}_exact{N}[_compiled].json
+#                                                            # model_h200_tier_k{bits}_head{K}_exact{N}[_compiled][_denseN].json
 #   bash scripts/device_run_model.sh "$OUT" COMMIT serve     # `glmquant serve --load-format dummy` answers OpenAI
 #                                                            # requests (scripts/serve_probe.py)
 # then, here: python scripts/bench_model.py --merge model_h200_decode.json model_h200_prefill.json \
@@ -54,8 +55,9 @@ for MODE in "${MODES[@]}"; do
     mtp) args=(--quick --parts mtp) ;;
     tier) args=(--quick --retained-bits "${TIER_BITS:-4}" ${TIER_HEAD_BITS:+--head-bits "$TIER_HEAD_BITS"}
                 ${TIER_EXACT:+--retained-exact-layers "$TIER_EXACT"} ${TIER_COMPILE:+--compile-decode}
+                ${TIER_DENSE:+--dense-linear-max-weights "$TIER_DENSE"}
                 --parts "${TIER_PARTS:-graphs,decode,classes,mtp}")  # the mtp part: the tier's mtp_speedup
-          MODE=tier_k${TIER_BITS:-4}_head${TIER_HEAD_BITS:-16}_exact${TIER_EXACT:-0}${TIER_COMPILE:+_compiled} ;;
+          MODE=tier_k${TIER_BITS:-4}_head${TIER_HEAD_BITS:-16}_exact${TIER_EXACT:-0}${TIER_COMPILE:+_compiled}${TIER_DENSE:+_dense$TIER_DENSE} ;;
     *) echo "mode must be checks, serve, quick, decode, prefill, compiled, mtp or tier, not $MODE" >>"$LOG"; continue ;;
   esac
   stamp "bench_model.py ${args[*]}"
