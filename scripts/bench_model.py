@@ -702,7 +702,8 @@ def speed_tier(report: dict[str, Any], fidelity: dict[str, Any] | None) -> dict[
         "head_bits": head_bits,
         "bytes_per_token": bytes_per_token,
         "bytes_per_token_is": "batch-1 decode at the classes part's context, summed over its classes (the EXL3 "
-        "retained linears and head at their stored bytes)",
+        "retained linears and head at their stored bytes, those the run decodes at load, "
+        "dense_linear_max_weights, at their dense bytes)",
         "gb10_tok_s_218": classes.get("projection", {}).get("gb10_tok_s_218"),
         # what no kernel can pass at these bytes: every class at the Spark's measured copy bandwidth, nothing else
         "gb10_bandwidth_bound_tok_s_218": round(218e9 / bytes_per_token, 2) if bytes_per_token else None,

@@ -97,7 +97,7 @@ def serve(
         int,
         typer.Option(
             help=(
-                "with --model-impl glmquant and a Triton backend: EXL3 retained linears (the speed tier) of at most "
+                "with a Triton backend: EXL3 retained linears (the speed tier) of at most "
                 "this many weights run decoded at load instead of through the EXL3 kernels (0: none)"
             )
         ),

@@ -162,14 +162,17 @@ def _place_retained_linears(
     model: PreTrainedModel, artifact: Artifact, options: RuntimeOptions, dtype: torch.dtype
 ) -> None:
     """Replace the `nn.Linear` of every retained linear stored as EXL3 (the speed tier), lm_head included, by an
-    `Exl3Linear` (the MTP layer reads the head through the model's `lm_head`, so it gets the same one)."""
+    `Exl3Linear` (the MTP layer reads the head through the model's `lm_head`, so it gets the same one); with the
+    Triton backends those of at most `options.dense_linear_max_weights` weights are decoded once, as the engine's."""
     if not artifact.retained_linears:
         return
-    device, mode = torch.device(options.device), retained_linear_mode(options.backend)
+    device, backend_mode = torch.device(options.device), retained_linear_mode(options.backend)
     for name, linear in artifact.retained_linear_modules().items():
         old = model.get_submodule(name)
         if not isinstance(old, nn.Linear) or old.bias is not None:
             raise CheckpointFormatError(f"{artifact.path}: {name} is not a bias-free linear; cannot hold {linear.key}")
+        small = linear.in_features * linear.out_features <= options.dense_linear_max_weights
+        mode = "decode" if small else backend_mode
         model.set_submodule(name, Exl3Linear(artifact.read_linear(linear, device), mode, dtype, linear.source))
 
 

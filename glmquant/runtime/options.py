@@ -22,9 +22,9 @@ DTYPES = {
 DTYPE_CHOICES = ("auto", *DTYPES)
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: "auto" reads the artifact's weight files
 MODEL_IMPLS = ("transformers", "glmquant")  # vLLM's --model-impl: whose modules run the model
-# The engine's EXL3 retained linears of at most this many weights run dense: 192 of GLM-5.3-Flash's 529 (KDA's
-# f_a/f_b/g_a/g_b/b, the indexer's wk and weights_proj; 118.7 M weights, +178 MB read per token in BF16), each
-# otherwise three launches whatever its size (~9 us on the H200, 62e2343's profile)
+# EXL3 retained linears of at most this many weights run decoded: 192 of GLM-5.3-Flash's 529 (KDA's f_a/f_b/g_a/
+# g_b/b, the indexer's wk and weights_proj; 123.1 M weights, +175.8 MB read per token in BF16), each otherwise
+# three launches whatever its size (~9 us on the H200, 62e2343's profile)
 DENSE_LINEAR_MAX_WEIGHTS = 1 << 20
 
 
@@ -36,9 +36,9 @@ class RuntimeOptions:
     `model_impl` "glmquant" runs the runtime's own forward (`runtime.engine`) instead of transformers' modules;
     `speculative_config` (vLLM's `--speculative-config`) drafts tokens with the model's MTP layer;
     `compile_decode` runs the engine's decode-step math through torch.compile (fewer, fused kernels per step);
-    `dense_linear_max_weights`: with the Triton backends the engine decodes EXL3 retained linears of at most this
-    many weights to dense weights at load (adjacent dense blocks of a projection become one matrix product)
-    instead of running the EXL3 kernels on them (0: none)."""
+    `dense_linear_max_weights`: with the Triton backends, EXL3 retained linears of at most this many weights are
+    decoded to dense weights at load (in the engine adjacent dense blocks of a projection become one matrix
+    product) instead of running the EXL3 kernels on them (0: none)."""
 
     device: str = "cpu"
     dtype: str = "bfloat16"

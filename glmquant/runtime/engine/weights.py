@@ -8,8 +8,10 @@ base and scale), the model dtype otherwise. Every tensor of a layer must be used
 A retained linear stored as EXL3 (the speed tier, `encode --retained-bits`; lm_head with `--head-bits`) is decoded
 once at load to its dense weight in the model dtype (`decode_weight`, as the transformers-module runtime's torch path
 does) and then concatenated and applied like an exact one with the torch backend; with the Triton backends a
-projection holding one becomes an `Exl3Proj` (`linears.py`): its row blocks run separately (`exl3_linear` for the
-EXL3 ones) and their outputs are concatenated. kv_b, which attention absorbs as a matrix, is always decoded.
+projection holding one of over `RuntimeOptions.dense_linear_max_weights` weights becomes an `Exl3Proj`
+(`linears.py`): its EXL3 blocks run through `exl3_linear`, the others (exact, or EXL3 decoded for being that small)
+as one dense weight per run of adjacent blocks, their outputs concatenated. kv_b, which attention absorbs as a
+matrix, is always decoded.
 """
 
 from __future__ import annotations
