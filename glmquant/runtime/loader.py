@@ -31,7 +31,7 @@ from glmquant.errors import CheckpointFormatError, ConfigError, UsageError
 from glmquant.runtime import torch_backend  # noqa: F401  (registers the "torch" backend)
 from glmquant.runtime.artifact import Artifact, open_artifact
 from glmquant.runtime.generate import Decoder
-from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.options import RuntimeOptions, decoded_at_load
 from glmquant.runtime.quantized_experts import BACKENDS, ExpertBackend, QuantizedExperts
 from glmquant.runtime.retained_linears import Exl3Linear
 
@@ -171,8 +171,7 @@ def _place_retained_linears(
         old = model.get_submodule(name)
         if not isinstance(old, nn.Linear) or old.bias is not None:
             raise CheckpointFormatError(f"{artifact.path}: {name} is not a bias-free linear; cannot hold {linear.key}")
-        small = linear.in_features * linear.out_features <= options.dense_linear_max_weights
-        mode = "decode" if small else backend_mode
+        mode = "decode" if decoded_at_load(linear, options.dense_linear_max_weights) else backend_mode
         model.set_submodule(name, Exl3Linear(artifact.read_linear(linear, device), mode, dtype, linear.source))
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from glmquant.errors import UsageError
 from glmquant.runtime.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from glmquant.checkpoint.layouts import RetainedLinear
 
 # vLLM's --dtype names; "auto" is the checkpoint's own 16-bit dtype (BF16 for a float32 config)
 DTYPES = {
@@ -26,6 +29,12 @@ MODEL_IMPLS = ("transformers", "glmquant")  # vLLM's --model-impl: whose modules
 # g_b/b, the indexer's wk and weights_proj; 123.1 M weights, +175.8 MB read per token in BF16), each otherwise
 # three launches whatever its size (~9 us on the H200, 62e2343's profile)
 DENSE_LINEAR_MAX_WEIGHTS = 1 << 20
+
+
+def decoded_at_load(linear: RetainedLinear, max_weights: int) -> bool:
+    """Whether the Triton backends run this EXL3 retained linear decoded (`dense_linear_max_weights`), in the engine
+    and in transformers' modules alike."""
+    return linear.in_features * linear.out_features <= max_weights
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.engine.config import EngineConfig
 from glmquant.runtime.engine.linears import Exl3Proj, Proj
+from glmquant.runtime.options import decoded_at_load
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,7 @@ class _LayerReader:
         keys = [(self.prefix + s).removesuffix(".weight") for s in suffixes]
         linears = self.artifact.retained_linears
         exl3 = [
-            s.endswith(".weight")
-            and k in linears
-            and linears[k].in_features * linears[k].out_features > self.dense_max_weights
+            s.endswith(".weight") and k in linears and not decoded_at_load(linears[k], self.dense_max_weights)
             for s, k in zip(suffixes, keys)
         ]
         if not self.kernels or not any(exl3):
