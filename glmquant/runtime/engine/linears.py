@@ -9,7 +9,8 @@ the projection stays one dense tensor (`weights.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from itertools import groupby
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,17 +31,16 @@ class Exl3Proj:
         """Adjacent dense blocks become one weight (one matrix product)."""
         from glmquant.runtime.kernels.exl3_jobs import WeightStack  # imports triton: only on this path
 
-        nbytes, prepared, dense = 0, list[Any](), list[torch.Tensor]()
-        for b in [*blocks, None]:
-            if not isinstance(b, torch.Tensor) and dense:
-                prepared.append(dense[0] if len(dense) == 1 else torch.cat(dense))
+        nbytes, prepared = 0, list[Any]()
+        for dense, run in groupby(blocks, key=lambda b: isinstance(b, torch.Tensor)):
+            if dense:
+                weights = cast(list[torch.Tensor], list(run))
+                prepared.append(weights[0] if len(weights) == 1 else torch.cat(weights))
                 nbytes += prepared[-1].nbytes
-                dense = []
-            if isinstance(b, EXL3Tensor):
+                continue
+            for b in cast(list[EXL3Tensor], list(run)):
                 prepared.append(WeightStack.single(b, device))
                 nbytes += EXL3Tensor.storage_bytes(b.in_features, b.out_features, b.bits, b.codebook)
-            elif b is not None:
-                dense.append(b)
         return cls(tuple(prepared), nbytes)
 
 
