@@ -68,7 +68,8 @@ def test_engine_runs_the_speed_tier_through_exl3_linear_like_the_torch_backend(o
     the kernels' fp16 error."""
     device = kernel_device()
     artifact = dummy_artifact(one_moe_source, device=device, retained_bits=4, head_bits=6)
-    # KDA's in_proj: q, k, v of 64 x 128 weights through exl3_linear, then f_a, g_a (32 x 128) and b (2 x 128) dense
+    # KDA's in_proj: q, k, v of 64 x 128 weights through exl3_linear as one stack, then f_a, g_a (32 x 128) and b
+    # (2 x 128) dense
     options = RuntimeOptions(device=device, dtype="float32", backend="triton", dense_linear_max_weights=32 * 128)
     triton = Engine.load(artifact, options, max_len=32)
     torch_ = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32"), max_len=32)
@@ -77,11 +78,12 @@ def test_engine_runs_the_speed_tier_through_exl3_linear_like_the_torch_backend(o
     assert all(isinstance(p, Exl3Proj) for p in [kda.in_proj, kda.o_proj, triton.weights.lm_head])
     assert isinstance(kda.in_proj, Exl3Proj) and [type(b).__name__ for b in kda.in_proj.blocks] == [
         "WeightStack",
-        "WeightStack",
-        "WeightStack",
         "Tensor",
     ]
-    assert kda.in_proj.blocks[3].shape == (32 + 32 + 2, 128) and isinstance(kda.f_b, torch.Tensor)
+    assert kda.in_proj.blocks[0].trellis.shape[:2] == (3, 1)  # q, k, v: one set of launches
+    q_bytes = EXL3Tensor.storage_bytes(128, 64, 4, "mcg")
+    assert kda.in_proj.nbytes == 3 * q_bytes + kda.in_proj.blocks[1].nbytes  # what a step reads
+    assert kda.in_proj.blocks[1].shape == (32 + 32 + 2, 128) and isinstance(kda.f_b, torch.Tensor)
     assert isinstance(torch_.weights.layers[0].attention.in_proj, torch.Tensor)
     assert isinstance(torch_.weights.lm_head, torch.Tensor)
     cfg, norm = triton.cfg, triton.weights.norm.nbytes

@@ -79,13 +79,44 @@ def test_small_linears_share_their_job_tables():
     """Decode and verify steps' linears (up to SMALL_JOB_ROWS rows) reuse one set of job tables per row count;
     larger products build theirs per call."""
     device = torch.device(kernel_device())
-    assert linear_tables(2, 2, device) is linear_tables(2, 2, device)
-    rows, zero, ones, jobs = linear_tables(3, 2, device)
-    assert (rows.tolist(), zero.tolist(), ones.flatten().tolist()) == ([0, 1, 2], [0, 0, 0], [1.0, 1.0, 1.0])
+    assert linear_tables(2, 1, 2, device) is linear_tables(2, 1, 2, device)
+    tokens, proj, ones, jobs = linear_tables(3, 1, 2, device)
+    assert (tokens.tolist(), proj.tolist(), ones.flatten().tolist()) == ([0, 1, 2], [0, 0, 0], [1.0, 1.0, 1.0])
     assert jobs is not None and (jobs.starts.tolist(), jobs.counts.tolist(), jobs.max_rows) == ([0, 2], [2, 1], 2)
-    assert linear_tables(1, 1, device)[3] is None  # one row: a one-row job, no job table
+    assert linear_tables(1, 1, 1, device)[3] is None  # one row: a one-row job, no job table
+    # two stacked linears at 2 rows: tokens 0-1 are projection 0's rows, 2-3 projection 1's
+    tokens, proj, ones, _ = linear_tables(2, 2, 2, device)
+    assert (tokens.tolist(), proj.tolist(), ones.shape) == ([0, 1, 2, 3], [0, 0, 1, 1], (4, 1))
     big = SMALL_JOB_ROWS + 1
-    assert linear_tables(big, 16, device) is not linear_tables(big, 16, device)
+    assert linear_tables(big, 1, 16, device) is not linear_tables(big, 1, 16, device)
+
+
+@pytest.mark.parametrize(
+    ("codebook", "bits", "rows"),
+    [
+        ("mcg", 4, 1),  # the GEMV core, one row (the speed tier's decode step)
+        ("3inst", 4, 3),  # GEMV jobs of 2 and 1 rows (an MTP verify)
+        ("mcg", 5, 2),  # the small-job core
+        ("mul1", 3, 20),  # the tensor-core core, two jobs
+    ],
+)
+def test_stacked_linears_equal_their_concatenated_weights(codebook, bits, rows):
+    """Linears of one shape that share their input run as one stack (one set of launches): y = x @ [W0; W1; W2].T,
+    each projection's columns in order, at every core."""
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(10 + bits)
+    linears = [random_exl3(gen, 200, 136, bits, codebook, scale=0.1) for _ in range(3)]
+    x = torch.randn(rows, 200, generator=gen)
+    want = x.double() @ torch.cat([exact_weight(t) for t in linears]).T
+    stack = WeightStack.from_tensors([[t] for t in linears], device)
+    got = exl3_linear(x.to(device), stack)
+    assert got.shape == (rows, 3 * 136)
+    bound = GEMV_ERROR_BOUND if uses_gemv(stack, linear_job_rows(rows, stack)) else BOUND
+    for p in range(3):  # each projection alone, so that a swapped or shifted block cannot hide in the whole's error
+        cols = slice(136 * p, 136 * (p + 1))
+        assert rel_err(got[:, cols], want[:, cols]) < bound
+    with pytest.raises(ValueError, match="not a stack of 2 experts"):
+        exl3_linear(x.to(device), WeightStack.from_tensors([linears[:2]], device))
 
 
 def test_config_splits_k_into_whole_steps():
@@ -95,11 +126,11 @@ def test_config_splits_k_into_whole_steps():
         GemmConfig(ti=8, split_tiles=4).tiles_per_split(32)
 
 
-def _stack(in_features: int, out_features: int, bits: int) -> WeightStack:
-    """A stack of the given shape whose codes are never read (launch shapes only)."""
+def _stack(in_features: int, out_features: int, bits: int, n_proj: int = 1) -> WeightStack:
+    """n_proj linears of the given shape whose codes are never read (launch shapes only)."""
     kt, nt = in_features // 16, out_features // 16
-    trellis = torch.zeros((1, 1, kt, nt, 16 * bits), dtype=torch.int16)
-    suh, svh = torch.ones((1, 1, in_features)), torch.ones((1, 1, out_features))
+    trellis = torch.zeros((n_proj, 1, kt, nt, 16 * bits), dtype=torch.int16)
+    suh, svh = torch.ones((n_proj, 1, in_features)), torch.ones((n_proj, 1, out_features))
     return WeightStack(trellis, suh.half(), svh.half(), 1, in_features, out_features)
 
 
@@ -138,6 +169,13 @@ def test_linear_config_fills_the_gpu_with_fixed_splits(shape, bits, rows, want):
     assert cfg == want
     kt = shape[0] // 16
     assert cfg.tiles_per_split(kt) % cfg.ti == 0  # whole steps
+
+
+def test_stacked_linears_count_every_projection_s_programs():
+    """Three stacked 4096 x 4096 K4 linears (KDA's q, k, v) at batch 1: 3 x 128 column blocks pass 1,024 programs
+    at 4 K splits, where one linear alone needs 8."""
+    assert linear_config(1, _stack(4096, 4096, 4)) == replace(one_row_gemv(4), split_tiles=32)
+    assert linear_config(1, _stack(4096, 4096, 4, n_proj=3)) == replace(one_row_gemv(4), split_tiles=64)
 
 
 @pytest.mark.parametrize("codebook", ["3inst", "mcg"])

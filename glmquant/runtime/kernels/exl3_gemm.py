@@ -1,6 +1,7 @@
 """EXL3 matrix products that decode trellis codes in registers (no dequantized weight in memory).
 
-`y = (((x ∘ suh) P) Q) P ∘ svh` runs as three launches: `rotate_in` (activations only: scale by suh, 128-block
+`y = (((x ∘ suh) P) Q) P ∘ svh` runs as three launches (for one linear, or for a stack of linears of one shape that
+share their input, `exl3_linear`): `rotate_in` (activations only: scale by suh, 128-block
 Hadamard), `exl3_rows` (the decode-and-multiply core over the packed trellis, split along K into fp32
 partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router weights). The core works on
 jobs (`exl3_jobs`): rows that share one weight, decoded once per job. Jobs of one or two rows at K2 or K4 (K2
@@ -181,10 +182,12 @@ def _rotate_out_kernel(
     Np,
     n_cols,
     out_stride,
+    proj_tokens,
     SPLITS: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """out[t, blk] = sum_j w[t, j] * had(sum_s part[s, pos[t, j], blk]) ∘ svh[expert[pos[t, j]], blk]."""
+    """out[t % proj_tokens, (t // proj_tokens) n_cols + blk] = sum_j w[t, j] * had(sum_s part[s, pos[t, j], blk]) ∘
+    svh[expert[pos[t, j]], blk]: tokens t of projection t // proj_tokens fill that projection's columns."""
     t = tl.program_id(0)
     j = tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)[None, :]
@@ -198,7 +201,8 @@ def _rotate_out_kernel(
     w = tl.load(w_ptr + t * n_routes + j, mask=live, other=0.0).to(tl.float32)
     y = tl.sum(had128_rows(acc) * sv * w, axis=0)
     out_cols = tl.program_id(1) * 128 + tl.arange(0, 128)
-    tl.store(out_ptr + t * out_stride + out_cols, y, mask=out_cols < n_cols)
+    dst = out_ptr + (t % proj_tokens).to(tl.int64) * out_stride + (t // proj_tokens) * n_cols + out_cols
+    tl.store(dst, y, mask=out_cols < n_cols)
 
 
 def activation_buffer(P: int, R: int, kp: int, gemv: bool, device: torch.device) -> torch.Tensor:
@@ -273,8 +277,12 @@ def rotate_out(
     experts: torch.Tensor,
     stack: WeightStack,
     out: torch.Tensor,
+    proj_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Fill out [T, out_features] with sum_j weights[t, j] * (had(sum_s part[s, 0, pos[t, j]]) ∘ svh[expert])."""
+    """Fill out [T, out_features] with sum_j weights[t, j] * (had(sum_s part[s, 0, pos[t, j]]) ∘ svh[expert]).
+
+    `proj_tokens` (a stack of P linears: T = P x proj_tokens): out is [proj_tokens, P x out_features] instead,
+    token t filling projection t // proj_tokens's columns of row t % proj_tokens."""
     splits, P, R, np_ = part.shape
     T, n = weights.shape
     _rotate_out_kernel[(T, np_ // 128)](
@@ -289,6 +297,7 @@ def rotate_out(
         np_,
         stack.out_features,
         out.stride(0),
+        proj_tokens or T,
         SPLITS=splits,
         ROWS=max(16, triton.next_power_of_2(n)),
     )
@@ -323,9 +332,10 @@ def linear_config(
     products take the one-row cores' steps (`one_row_gemv` at K2 and K4, `ONE_ROW_KBIT` otherwise), the small-job
     core's jobs of 2-4 rows `SMALL_JOB_KBIT`; two-row GEMV jobs take the default steps at K2, as the fused MoE runs
     them, and K4's one-row steps.
+    A stack of P linears (one launch for projections that share their input) counts P times the programs.
     `base` overrides the steps (a launch-shape sweep, `scripts/bench_exl3_linear.py`).
     """
-    _, _, kt, nt, _ = stack.trellis.shape
+    n_proj, _, kt, nt, _ = stack.trellis.shape
     job = linear_job_rows(rows, stack)
     base = base or _linear_steps(job, stack)
     jobs = 1 if rows <= SMALL_JOB_ROWS else -(-rows // job)  # a verify's jobs split K as one row does
@@ -334,7 +344,7 @@ def linear_config(
         if math.gcd(kt, split_tiles) % base.ti:  # splits must be whole steps
             continue
         cfg = replace(base, split_tiles=split_tiles)
-        if jobs * (nt // base.tj) * cfg.splits(kt) >= programs:
+        if jobs * n_proj * (nt // base.tj) * cfg.splits(kt) >= programs:
             break
     return cfg
 
@@ -356,49 +366,55 @@ def _linear_steps(job: int, stack: WeightStack) -> GemmConfig:
 def exl3_linear(
     x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConfig | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """y = x @ W.T for one EXL3 linear.
+    """y = x @ W.T for one EXL3 linear, or for a stack of P linears of one shape (`WeightStack` with V = 1) that
+    share their input: y = x @ [W_0; ...; W_P-1].T, three launches for all of them.
 
-    x is [..., in_features] of any float dtype; y is [..., out_features] in x's dtype, or out's ([M, out_features]
-    for a 2-D x) when given. `cfg` defaults to `linear_config`'s.
+    x is [..., in_features] of any float dtype; y is [..., P x out_features] in x's dtype, or out's
+    ([M, P x out_features] for a 2-D x) when given. `cfg` defaults to `linear_config`'s.
     """
     stack = tensor if isinstance(tensor, WeightStack) else WeightStack.single(tensor, x.device)
-    lead = x.shape[:-1]
+    n_proj, experts = stack.trellis.shape[:2]
+    if experts != 1:
+        raise ValueError(f"exl3_linear takes linears (one weight per projection), not a stack of {experts} experts")
+    lead, width = x.shape[:-1], n_proj * stack.out_features
     x = x.reshape(-1, x.shape[-1])
     M = x.shape[0]
     if M == 0:
-        return x.new_zeros((*lead, stack.out_features))
+        return x.new_zeros((*lead, width))
     cfg = cfg or linear_config(M, stack, LINEAR_PROGRAMS if x.is_cuda else 1)
-    rows, zero, ones, jobs = linear_tables(M, linear_job_rows(M, stack), x.device)
-    xr = rotate_in(x, rows, stack, zero, uses_gemv(stack, job_rows(jobs)))
-    part = exl3_rows(xr, stack, zero, jobs, cfg)
-    out = torch.empty((M, stack.out_features), dtype=x.dtype, device=x.device) if out is None else out
-    return rotate_out(part, rows, ones, zero, stack, out).view(*lead, stack.out_features)
+    tokens, proj, ones, jobs = linear_tables(M, n_proj, linear_job_rows(M, stack), x.device)
+    xr = rotate_in(x, tokens[:M], stack, proj[:M], uses_gemv(stack, job_rows(jobs)))
+    part = exl3_rows(xr, stack, proj[:M], jobs, cfg)
+    out = torch.empty((M, width), dtype=x.dtype, device=x.device) if out is None else out
+    return rotate_out(part, tokens, ones, proj, stack, out, M).view(*lead, width)
 
 
 LinearTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Jobs | None]
-_SMALL_TABLES: dict[tuple[int, int, torch.device], LinearTables] = {}
+_SMALL_TABLES: dict[tuple[int, int, int, torch.device], LinearTables] = {}
 
 
-def linear_tables(M: int, size: int, device: torch.device) -> LinearTables:
-    """One linear's job tables for M rows in jobs of `size`: rows 0..M-1, expert 0 and weight 1 per row, the jobs.
+def linear_tables(M: int, n_proj: int, size: int, device: torch.device) -> LinearTables:
+    """The job tables of n_proj stacked linears for M rows in jobs of `size`: tokens 0..n_proj M - 1 (row
+    t % M of projection t // M, the first M also the rows), each token's projection (0 for the first M: expert 0
+    of every row), weight 1 per token, the jobs.
 
-    Read-only, so those of decode and verify steps (M <= SMALL_JOB_ROWS) are made once per (M, size, device) and
-    shared: built per call they were four launches per one-row linear (seven from two rows), about 2,100 of a
-    speed-tier decode step's 6,479 launches on the H200 (62e2343). Tables first asked for while a CUDA graph is
-    captured are built for that call only, since the graph's memory pool would own them."""
+    Read-only, so those of decode and verify steps (M <= SMALL_JOB_ROWS) are made once per (M, n_proj, size,
+    device) and shared: built per call they were four launches per one-row linear (seven from two rows), about
+    2,100 of a speed-tier decode step's 6,479 launches on the H200 (62e2343). Tables first asked for while a CUDA
+    graph is captured are built for that call only, since the graph's memory pool would own them."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (M, size, device)
+    key = (M, n_proj, size, device)
     if key in _SMALL_TABLES:
         return _SMALL_TABLES[key]
-    rows = torch.arange(M, dtype=torch.int32, device=device)
-    zero = torch.zeros(M, dtype=torch.int32, device=device)
-    ones = torch.ones((M, 1), dtype=torch.float32, device=device)
+    tokens = torch.arange(n_proj * M, dtype=torch.int32, device=device)
+    proj = torch.div(tokens, M, rounding_mode="floor")
+    ones = torch.ones((n_proj * M, 1), dtype=torch.float32, device=device)
     jobs = None
     if M > 1:
         starts = torch.arange(0, M, size, dtype=torch.int32, device=device)
         jobs = Jobs(starts, (M - starts).clamp(max=size).to(torch.int32), size)
-    tables = (rows, zero, ones, jobs)
+    tables = (tokens, proj, ones, jobs)
     if M <= SMALL_JOB_ROWS and not _capturing(device):
         _SMALL_TABLES[key] = tables
     return tables
