@@ -3,7 +3,8 @@
 For every codebook and K in {2, 3, 4}, with fresh random inputs each time:
   - decode: unit-vector activations through the production core return the inner weight Q bit for bit;
   - linear: real expert shapes (4096 x 2048, 2048 x 4096) at 1 and 33 rows (one-row and 16-row jobs) against an
-    exact float64 W (relative Frobenius error < LINEAR_BOUND, GEMV_ERROR_BOUND through the GEMV core), outputs
+    exact float64 W (relative Frobenius error < LINEAR_BOUND, GEMV_ERROR_BOUND through the GEMV core), and three
+    4096 x 2048 linears as one stack at 1, 3 and 33 rows written into columns of a wider output; outputs
     pre-filled with NaN and the allocator's free blocks poisoned with NaN, so any element a kernel fails to write
     shows up;
   - moe: the fused step, plain (16 experts of 4096 x 2048, top-8) and rank-stacked (64 virtual experts of
@@ -37,7 +38,7 @@ import triton
 
 from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
-from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows
+from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_job_rows
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, uses_gemv
 from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack, one_row_gemv
 from glmquant.runtime.kernels.fused_moe import MoEConfig, MoEWeights, choose_moe_config, fused_moe
@@ -124,6 +125,20 @@ def check_linear(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int)
             exl3_linear(x, stack, out=out)
             bound = GEMV_ERROR_BOUND if uses_gemv(stack, 1 if rows == 1 else 16) else LINEAR_BOUND
             result[f"{inf}x{outf}.rows{rows}"] = {"rel_err": rel_err(out, x.double() @ w), "bound": bound}
+    # three linears sharing their input as one stack, written into columns of a wider output as `project` does
+    # (rows 3: an MTP verify's GEMV jobs of 2 and 1 rows); a column outside the stack's written fails the case
+    linears = [random_exl3(gen, hidden, inter, k, cb, 0.02) for _ in range(3)]
+    stack = WeightStack.from_tensors([[t] for t in linears], dev)
+    w = torch.cat([exact_w(t) for t in linears], dim=1)
+    for rows in (1, 3, 33):
+        x = torch.randn(rows, hidden, generator=gen, device=dev)
+        wide = torch.full((rows, 3 * inter + 16), float("nan"), device=dev)
+        poison_allocator(dev)
+        exl3_linear(x, stack, out=wide[:, 8 : 8 + 3 * inter])
+        untouched = bool(wide[:, :8].isnan().all() and wide[:, -8:].isnan().all())
+        err = rel_err(wide[:, 8 : 8 + 3 * inter], x.double() @ w) if untouched else float("inf")
+        bound = GEMV_ERROR_BOUND if uses_gemv(stack, linear_job_rows(rows, stack)) else LINEAR_BOUND
+        result[f"stack3.{hidden}x{inter}.rows{rows}"] = {"rel_err": err, "bound": bound}
     return result
 
 
@@ -354,6 +369,7 @@ def hadamard_kernel_reports() -> dict:
                 "Np": "i32",
                 "n_cols": "i32",
                 "out_stride": "i32",
+                "proj_tokens": "i32",
             },
             {"SPLITS": 2, "ROWS": 16},
         ),

@@ -97,12 +97,13 @@ def test_small_linears_share_their_job_tables():
         ("mcg", 4, 1),  # the GEMV core, one row (the speed tier's decode step)
         ("3inst", 4, 3),  # GEMV jobs of 2 and 1 rows (an MTP verify)
         ("mcg", 5, 2),  # the small-job core
-        ("mul1", 3, 20),  # the tensor-core core, two jobs
+        ("mul1", 3, 20),  # a prefill's rows: one projection after another, the tensor-core core's two jobs
     ],
 )
 def test_stacked_linears_equal_their_concatenated_weights(codebook, bits, rows):
-    """Linears of one shape that share their input run as one stack (one set of launches): y = x @ [W0; W1; W2].T,
-    each projection's columns in order, at every core."""
+    """Linears of one shape that share their input run as one stack (one set of launches up to SMALL_JOB_ROWS
+    rows): y = x @ [W0; W1; W2].T, each projection's columns in order, at every core; an `out` of another shape is
+    refused."""
     device = kernel_device()
     gen = torch.Generator().manual_seed(10 + bits)
     linears = [random_exl3(gen, 200, 136, bits, codebook, scale=0.1) for _ in range(3)]
@@ -115,6 +116,8 @@ def test_stacked_linears_equal_their_concatenated_weights(codebook, bits, rows):
     for p in range(3):  # each projection alone, so that a swapped or shifted block cannot hide in the whole's error
         cols = slice(136 * p, 136 * (p + 1))
         assert rel_err(got[:, cols], want[:, cols]) < bound
+    with pytest.raises(ValueError, match=rf"is not \[{rows}, 408\]"):
+        exl3_linear(x.to(device), stack, out=torch.empty(rows, 136, device=device))
     with pytest.raises(ValueError, match="not a stack of 2 experts"):
         exl3_linear(x.to(device), WeightStack.from_tensors([linears[:2]], device))
 

@@ -2,7 +2,7 @@
 on the Triton backends, an `Exl3Proj`: the row blocks of one fused projection (q/k/v, gate/up, ...), each a stack of
 adjacent EXL3 retained linears of one shape run through `exl3_linear` (the trellis decoded inside the matrix product,
 one set of launches per stack) or a dense block (exact, or an EXL3 linear small enough to run faster decoded:
-`RuntimeOptions.dense_linear_max_weights`), their outputs concatenated in order. With the torch backend an EXL3
+`RuntimeOptions.dense_linear_max_weights`), each writing its columns of the one output. With the torch backend an EXL3
 retained linear is decoded once at load instead and the projection stays one dense tensor (`weights.py`).
 """
 
@@ -66,8 +66,8 @@ Proj = torch.Tensor | Exl3Proj
 def project(x: torch.Tensor, w: Proj) -> torch.Tensor:
     """x [..., in] @ wᵀ -> [..., out].
 
-    An `Exl3Proj`'s blocks write their columns of one output (no concatenation: one launch fewer per projection
-    in a decode step, where a dense block's columns of the one row are contiguous)."""
+    An `Exl3Proj`'s blocks write their columns of one output (strided `out=`), not outputs of their own
+    concatenated afterwards: one launch fewer per projection."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
     from glmquant.runtime.kernels.exl3_gemm import exl3_linear

@@ -279,7 +279,8 @@ def rotate_out(
     out: torch.Tensor,
     proj_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Fill out [T, out_features] with sum_j weights[t, j] * (had(sum_s part[s, 0, pos[t, j]]) ∘ svh[expert]).
+    """Fill out [T, out_features] with sum_j weights[t, j] * (had(sum_s part[s, pos[t, j]]) ∘ svh[expert[pos[t, j]]]),
+    pos indexing part's P x R rows and expert the stack's P x V weights.
 
     `proj_tokens` (a stack of P linears: T = P x proj_tokens): out is [proj_tokens, P x out_features] instead,
     token t filling projection t // proj_tokens's columns of row t % proj_tokens."""
@@ -367,7 +368,8 @@ def exl3_linear(
     x: torch.Tensor, tensor: EXL3Tensor | WeightStack, cfg: GemmConfig | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """y = x @ W.T for one EXL3 linear, or for a stack of P linears of one shape (`WeightStack` with V = 1) that
-    share their input: y = x @ [W_0; ...; W_P-1].T, three launches for all of them.
+    share their input: y = x @ [W_0; ...; W_P-1].T, three launches for all of them in decode and verify steps (up
+    to SMALL_JOB_ROWS rows), one linear after another for more rows.
 
     x is [..., in_features] of any float dtype; y is [..., P x out_features] in x's dtype, or out's
     ([M, P x out_features] for a 2-D x) when given. `cfg` defaults to `linear_config`'s.
@@ -379,13 +381,20 @@ def exl3_linear(
     lead, width = x.shape[:-1], n_proj * stack.out_features
     x = x.reshape(-1, x.shape[-1])
     M = x.shape[0]
+    if out is not None and (out.shape != (M, width) or out.stride(-1) != 1 or out.device != x.device):
+        raise ValueError(f"out {tuple(out.shape)} on {out.device} is not [{M}, {width}] with unit column stride")
     if M == 0:
-        return x.new_zeros((*lead, width))
+        return x.new_zeros((*lead, width)) if out is None else out
+    out = torch.empty((M, width), dtype=x.dtype, device=x.device) if out is None else out
+    if n_proj > 1 and M > SMALL_JOB_ROWS:  # a prefill chunk: one projection at a time, whose partial sums (up to
+        # splits x M x out fp32: 512 MiB for 4,096 rows of 4096 -> 8192) are one linear's, not the stack's
+        for p in range(n_proj):
+            exl3_linear(x, stack.projection(p), cfg, out[:, p * stack.out_features : (p + 1) * stack.out_features])
+        return out.view(*lead, width)
     cfg = cfg or linear_config(M, stack, LINEAR_PROGRAMS if x.is_cuda else 1)
     tokens, proj, ones, jobs = linear_tables(M, n_proj, linear_job_rows(M, stack), x.device)
     xr = rotate_in(x, tokens[:M], stack, proj[:M], uses_gemv(stack, job_rows(jobs)))
     part = exl3_rows(xr, stack, proj[:M], jobs, cfg)
-    out = torch.empty((M, width), dtype=x.dtype, device=x.device) if out is None else out
     return rotate_out(part, tokens, ones, proj, stack, out, M).view(*lead, width)
 
 

@@ -110,6 +110,11 @@ class WeightStack:
         parts = (t.trellis.to(device)[None, None], t.suh.to(device)[None, None], t.svh.to(device)[None, None])
         return cls(*parts, codebook_id(t.codebook), t.in_features, t.out_features)
 
+    def projection(self, p: int) -> WeightStack:
+        """Projection p alone (views)."""
+        one = slice(p, p + 1)
+        return replace(self, trellis=self.trellis[one], suh=self.suh[one], svh=self.svh[one])
+
     @classmethod
     def from_tensors(cls, groups: list[list[EXL3Tensor]], device: torch.device | str) -> WeightStack:
         """Stack groups[p][v]; every tensor must share shape, bits and codebook (ValueError naming the first misfit)."""
