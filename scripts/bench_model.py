@@ -49,7 +49,14 @@ from glmquant.arch import PROJECTIONS, TensorRole, table_for
 from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
-from glmquant.runtime.engine.profile import CLASSES, block_input, class_bytes, class_steps, unique_experts
+from glmquant.runtime.engine.profile import (
+    CLASSES,
+    block_input,
+    class_bytes,
+    class_steps,
+    exl3_stacks,
+    unique_experts,
+)
 from glmquant.runtime.options import DENSE_LINEAR_MAX_WEIGHTS, RuntimeOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -596,6 +603,7 @@ def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> 
         "head_bits": ckpt.plan.head_bits,
         "retained_linears": sum(1 for lin in artifact.retained_linears.values() if lin.layer is not None),
         "head_exl3": any(lin.layer is None for lin in artifact.retained_linears.values()),  # --head-bits
+        "exl3_stacks": exl3_stacks(engine),  # of those, what `exl3_linear` runs per step: three launches per stack
         "codebook": ckpt.plan.codebook,
         "planned_tensors": len(ckpt.names()),
         "load_s": round(load_s, 1),

@@ -15,7 +15,7 @@ from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
 from glmquant.runtime.engine.linears import Exl3Proj
-from glmquant.runtime.engine.profile import class_bytes
+from glmquant.runtime.engine.profile import class_bytes, exl3_stacks
 from glmquant.runtime.engine.weights import KDAWeights
 from glmquant.runtime.options import RuntimeOptions
 
@@ -83,6 +83,15 @@ def test_engine_runs_the_speed_tier_through_exl3_linear_like_the_torch_backend(o
     assert kda.in_proj.blocks[0].trellis.shape[:2] == (3, 1)  # q, k, v: one set of launches
     q_bytes = EXL3Tensor.storage_bytes(128, 64, 4, "mcg")
     assert kda.in_proj.nbytes == 3 * q_bytes + kda.in_proj.blocks[1].nbytes  # what a step reads
+    # every EXL3 linear over the bound runs through the kernels but kv_b (attention absorbs it as a matrix)
+    kernels = [
+        name
+        for name, lin in artifact.retained_linears.items()
+        if lin.in_features * lin.out_features > 32 * 128 and not name.endswith("kv_b_proj")
+    ]
+    stacks = exl3_stacks(triton)
+    assert stacks["linears"] == len(kernels) and stacks["stacks"] < len(kernels)  # q/k/v and gate/up stacked
+    assert exl3_stacks(torch_) == {"stacks": 0, "linears": 0}
     assert kda.in_proj.blocks[1].shape == (32 + 32 + 2, 128) and isinstance(kda.f_b, torch.Tensor)
     assert isinstance(torch_.weights.layers[0].attention.in_proj, torch.Tensor)
     assert isinstance(torch_.weights.lm_head, torch.Tensor)

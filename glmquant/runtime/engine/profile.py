@@ -109,6 +109,17 @@ def class_bytes(engine: Engine, batch: int, context: int, experts_routed: int, e
     }
 
 
+def exl3_stacks(engine: Engine) -> dict[str, int]:
+    """The EXL3 stacks a plain decode step runs through `exl3_linear` (three launches each at batch 1) and the
+    retained linears they hold (several in a stack: KDA's q, k, v; gate with up), over the text layers and the head."""
+    layers = engine.weights.layers
+    parts: list[DataclassInstance] = [lw.attention for lw in layers]
+    parts += [lw.mlp if isinstance(lw.mlp, MLP) else lw.mlp.shared for lw in layers]
+    projs = [engine.weights.lm_head, *(getattr(part, f.name) for part in parts for f in fields(part))]
+    stacks = [b for p in projs if isinstance(p, Exl3Proj) for b in p.blocks if not isinstance(b, torch.Tensor)]
+    return {"stacks": len(stacks), "linears": sum(int(b.trellis.shape[0]) for b in stacks)}
+
+
 def _nbytes(obj: DataclassInstance) -> int:
     """Bytes of every tensor field of a weights or cache dataclass (an EXL3 projection's: its stored bytes)."""
     values = [getattr(obj, f.name) for f in fields(obj)]
