@@ -123,7 +123,7 @@ def check_linear(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int)
             out = torch.full((rows, outf), float("nan"), device=dev)
             poison_allocator(dev)
             exl3_linear(x, stack, out=out)
-            bound = GEMV_ERROR_BOUND if uses_gemv(stack, 1 if rows == 1 else 16) else LINEAR_BOUND
+            bound = GEMV_ERROR_BOUND if uses_gemv(stack, linear_job_rows(rows, stack)) else LINEAR_BOUND
             result[f"{inf}x{outf}.rows{rows}"] = {"rel_err": rel_err(out, x.double() @ w), "bound": bound}
     # three linears sharing their input as one stack, written into columns of a wider output as `project` does
     # (rows 3: an MTP verify's GEMV jobs of 2 and 1 rows); a column outside the stack's written fails the case
@@ -133,10 +133,11 @@ def check_linear(gen: torch.Generator, cb: str, k: int, hidden: int, inter: int)
     for rows in (1, 3, 33):
         x = torch.randn(rows, hidden, generator=gen, device=dev)
         wide = torch.full((rows, 3 * inter + 16), float("nan"), device=dev)
+        cols = slice(8, 8 + 3 * inter)
         poison_allocator(dev)
-        exl3_linear(x, stack, out=wide[:, 8 : 8 + 3 * inter])
+        exl3_linear(x, stack, out=wide[:, cols])
         untouched = bool(wide[:, :8].isnan().all() and wide[:, -8:].isnan().all())
-        err = rel_err(wide[:, 8 : 8 + 3 * inter], x.double() @ w) if untouched else float("inf")
+        err = rel_err(wide[:, cols], x.double() @ w) if untouched else float("inf")
         bound = GEMV_ERROR_BOUND if uses_gemv(stack, linear_job_rows(rows, stack)) else LINEAR_BOUND
         result[f"stack3.{hidden}x{inter}.rows{rows}"] = {"rel_err": err, "bound": bound}
     return result

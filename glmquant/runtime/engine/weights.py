@@ -9,9 +9,9 @@ A retained linear stored as EXL3 (the speed tier, `encode --retained-bits`; lm_h
 once at load to its dense weight in the model dtype (`decode_weight`, as the transformers-module runtime's torch path
 does) and then concatenated and applied like an exact one with the torch backend; with the Triton backends a
 projection holding one of over `RuntimeOptions.dense_linear_max_weights` weights becomes an `Exl3Proj`
-(`linears.py`): its EXL3 blocks run through `exl3_linear`, the others (exact, or EXL3 decoded for being that small)
-as one dense weight per run of adjacent blocks, their outputs concatenated. kv_b, which attention absorbs as a
-matrix, is always decoded.
+(`linears.py`): its EXL3 blocks run through `exl3_linear` (adjacent ones of one shape as one stack), the others
+(exact, or EXL3 decoded for being that small) as one dense weight per run of adjacent blocks, each writing its
+columns of the projection's output. kv_b, which attention absorbs as a matrix, is always decoded.
 """
 
 from __future__ import annotations
