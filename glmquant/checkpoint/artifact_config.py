@@ -20,13 +20,16 @@ from glmquant.checkpoint.layouts import ArtifactPlan
 from glmquant.checkpoint.provenance import Provenance
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.tensor_bytes import TORCH_DTYPES
-from glmquant.checkpoint.tiers import mean_bits, tier_counts
+from glmquant.checkpoint.tiers import mean_bits, tier_counts, tiers_by_layer, tiers_differ_by_layer
 from glmquant.checkpoint.writer import atomic_file
 from glmquant.errors import UsageError
 
 TR3_FORMAT = "glm53-brandon-style-k2-k3-tail-k4-retained-v1"
 RELEASE_TIER_KEYS = {2: "k2_experts_per_layer", 3: "k3_experts_per_layer", 4: "k4_retained_experts_per_layer"}
 K1_TIER_KEY = "k1_experts_per_layer"  # glmquant's, written only when a K1 tier is used (the release has none)
+# glmquant's, written only when tiers differ by layer (`--tiers share:...`): {"<layer>": {"k<K>": experts}}; the
+# k<K>_experts_per_layer keys then hold null for a K whose count differs between layers
+LAYER_TIERS_KEY = "tier_experts_by_layer"
 TR3_TIER_KEYS = {1: K1_TIER_KEY, **RELEASE_TIER_KEYS}
 RETAINED_BITS_KEY = (
     "retained_bits"  # glmquant's, written only with `encode --retained-bits`: K of the EXL3 retained linears
@@ -87,8 +90,8 @@ def experts_per_layer(plan: ArtifactPlan) -> int:
     return len(next(iter(kept.values()))) if kept else plan.spec.n_routed_experts
 
 
-def plan_tier_counts(plan: ArtifactPlan) -> dict[int, int]:
-    """Experts per bit width in every quantized layer."""
+def plan_tier_counts(plan: ArtifactPlan) -> dict[int, int | None]:
+    """Experts per bit width in every quantized layer (None: the count differs between layers)."""
     return tier_counts(plan.expert_bits) if plan.expert_bits else {plan.bits: experts_per_layer(plan)}
 
 
@@ -97,10 +100,12 @@ def target_bits(plan: ArtifactPlan) -> float:
     return round(mean_bits(plan.expert_bits), 4) if plan.expert_bits else float(plan.bits)
 
 
-def selection_text(counts: Mapping[int, int]) -> str:
+def selection_text(counts: Mapping[int, int | None]) -> str:
     """The block's `selection`: how the experts of a layer are split over bit widths."""
     if len(counts) == 1:
         return f"all routed experts use K{next(iter(counts))}"
+    if None in counts.values():
+        return f"per-layer tiers ({LAYER_TIERS_KEY}): " + ", ".join(f"K{b}" for b in sorted(counts, reverse=True))
     return "per-expert tiers by REAP saliency: " + ", ".join(
         f"K{b} for {n}" for b, n in sorted(counts.items(), reverse=True)
     )
@@ -155,6 +160,8 @@ def _tr3_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
             "source_manifest_sha256": provenance.source_manifest_sha256,
         }
     )
+    if plan.expert_bits and tiers_differ_by_layer(plan.expert_bits):
+        block[LAYER_TIERS_KEY] = tiers_by_layer(plan.expert_bits)
     if plan.retained_bits is not None:
         block[RETAINED_BITS_KEY] = plan.retained_bits
     if plan.retained_exact_layers:

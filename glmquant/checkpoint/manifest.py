@@ -16,6 +16,7 @@ from typing import Any
 from glmquant.arch import ModelSpec
 from glmquant.checkpoint.artifact_config import (
     HEAD_BITS_KEY,
+    LAYER_TIERS_KEY,
     RETAINED_BITS_KEY,
     RETAINED_EXACT_LAYERS_KEY,
     experts_per_layer,
@@ -28,6 +29,7 @@ from glmquant.checkpoint.hashing import sha256_bytes, sha256_files
 from glmquant.checkpoint.layouts import TR3_RANKS, ArtifactPlan, PlannedFile
 from glmquant.checkpoint.provenance import Provenance
 from glmquant.checkpoint.safetensors_format import ParsedHeader, TensorSpec, parse_header
+from glmquant.checkpoint.tiers import tiers_by_layer, tiers_differ_by_layer
 from glmquant.checkpoint.writer import atomic_write_text
 
 MANIFEST_NAME = "EXL3_MANIFEST.json"
@@ -146,6 +148,8 @@ def _layout(plan: ArtifactPlan, n: int) -> dict[str, Any]:
         layout[HEAD_BITS_KEY] = plan.head_bits
     if plan.expert_bits is not None:
         layout["tier_experts_per_layer"] = {f"k{b}": c for b, c in sorted(plan_tier_counts(plan).items())}
+        if tiers_differ_by_layer(plan.expert_bits):
+            layout[LAYER_TIERS_KEY] = tiers_by_layer(plan.expert_bits)
     if plan.layout == "tr3":
         layout.update(
             {

@@ -14,6 +14,7 @@ from glmquant.arch import ModelSpec, load_model_spec, table_for
 from glmquant.checkpoint.artifact_config import (
     HEAD_BITS_KEY,
     K1_TIER_KEY,
+    LAYER_TIERS_KEY,
     RETAINED_BITS_KEY,
     RETAINED_EXACT_LAYERS_KEY,
     TR3_KEYS,
@@ -33,9 +34,9 @@ from glmquant.checkpoint.manifest import (
 )
 from glmquant.checkpoint.manifest_schema import entry_kind
 from glmquant.checkpoint.safetensors_format import TensorSpec
-from glmquant.checkpoint.tiers import tier_bitmap_sha256, tier_counts
+from glmquant.checkpoint.tiers import tier_bitmap_sha256, tier_counts, tiers_by_layer, tiers_differ_by_layer
 from glmquant.checkpoint.verify_report import ArtifactState, CheckResult, check
-from glmquant.errors import GlmquantError, UsageError
+from glmquant.errors import GlmquantError
 
 _ROUTED_WEIGHT = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 _EXPERT_KEY = ROUTED_EXPERT_KEY
@@ -308,16 +309,14 @@ def _tr3_block_problems(
     qc: Mapping[str, Any], qjson: Any, s: Structure, expert_bits: Mapping[int, Sequence[int]], bpw: float
 ) -> list[str]:
     problems = []
-    try:
-        counts = tier_counts(expert_bits)
-    except UsageError as exc:
-        return [f"routed experts: {exc} (the tr3 block states one count per tier)"]
+    counts = tier_counts(expert_bits)
+    by_layer = {LAYER_TIERS_KEY: tiers_by_layer(expert_bits)} if tiers_differ_by_layer(expert_bits) else {}
     linear_bits = {
         k: v
         for k in (RETAINED_BITS_KEY, RETAINED_EXACT_LAYERS_KEY, HEAD_BITS_KEY)
         if (v := s.linear_bits(k)) is not None
     }
-    keys = TR3_KEYS | ({K1_TIER_KEY} if 1 in counts else set()) | set(linear_bits)
+    keys = TR3_KEYS | ({K1_TIER_KEY} if 1 in counts else set()) | set(linear_bits) | set(by_layer)
     if set(qc) != keys:
         problems.append(
             f"quantization_config keys differ from the tr3 block: missing {sorted(keys - set(qc))}, "
@@ -331,6 +330,7 @@ def _tr3_block_problems(
         "effective_routed_tier_bpw": bpw,
         **{key: counts.get(b, 0) for b, key in TR3_TIER_KEYS.items() if key in keys},
         **linear_bits,
+        **by_layer,
     }
     problems += [
         f"quantization_config.{k} is {qc.get(k)!r}, files imply {v!r}" for k, v in expect.items() if qc.get(k) != v

@@ -63,7 +63,9 @@ class EncodeConfig:
     blend: float | None = None  # natural share s of the Hessians s·natural + (1 - s)·all-token (needs both)
     keep: int | None = None  # REAP pruning: experts kept per layer, ranked by the observations' saliency
     prune_plan: Path | None = None  # or an explicit plan file
-    tiers: TierSpec | None = None  # per-expert bit widths by REAP saliency (replaces `bits`)
+    tiers: TierSpec | None = (
+        None  # per-expert bit widths by REAP saliency or per layer by routed share (replaces `bits`)
+    )
     tier_plan: Path | None = None  # or an explicit tier_plan.json
     device: str = "cpu"
     work_dir: Path | None = None
@@ -121,7 +123,7 @@ class EncodeConfig:
         if self.tiers is not None and self.tier_plan is not None:
             raise UsageError("--tiers and --tier-plan exclude each other")
         if (self.tiers is not None or self.tier_plan is not None) and self.uncalibrated:
-            raise UsageError("--tiers ranks experts by the observations' REAP saliency: it needs --observations")
+            raise UsageError("--tiers ranks by the observations' statistics: it needs --observations")
         if self.tiers is not None and self.layout == "tr3" and max(self.tiers.bits) > max(TR3_TIER_BITS):
             raise UsageError(
                 f"the tr3 layout's tiers are K{min(TR3_TIER_BITS)}..K{max(TR3_TIER_BITS)}; "

@@ -38,11 +38,19 @@ class LayerCapture:
         self.module, self.plan, self.params = module, plan, params
         self.targets = CaptureTargets()
         self._handles: list = []
+        self._block_input: torch.Tensor | None = None  # the MoE block's input before its norm (the residual stream)
+        self._routed_output: torch.Tensor | None = None
 
     def __enter__(self) -> LayerCapture:
         mlp: Any = self.module.mlp  # transformers' MoE block (router `gate`, `experts`) or a dense MLP
         if hasattr(mlp, "experts"):
-            self._handles.append(mlp.gate.register_forward_hook(self._on_router))
+            norm: Any = self.module.post_attention_layernorm  # the MoE block's input norm
+            self._handles += [
+                mlp.gate.register_forward_hook(self._on_router),
+                norm.register_forward_pre_hook(self._on_block_input),
+                mlp.experts.register_forward_hook(self._on_routed_output),
+                mlp.register_forward_hook(self._on_block_output),
+            ]
         for name, sub in self.module.named_modules():
             if isinstance(sub, nn.Linear):
                 source = self.plan.source_of(f"{name}.weight")
@@ -62,6 +70,29 @@ class LayerCapture:
                 self.targets.hessians.add_dense(weight_name, args[0])
 
         return hook
+
+    def _on_block_input(self, _norm: nn.Module, args: tuple) -> None:
+        if self.targets.stats is not None:
+            self._block_input = args[0]
+
+    def _on_routed_output(self, _experts: nn.Module, _args: tuple, output: torch.Tensor) -> None:
+        if self.targets.stats is not None:
+            self._routed_output = output
+
+    def _on_block_output(self, _mlp: nn.Module, _args: tuple, output: torch.Tensor) -> None:
+        """The layer's routed-output and residual energies (stats.py), from the block's input, routed output and
+        output of the batch."""
+        stats, residual, routed = self.targets.stats, self._block_input, self._routed_output
+        self._block_input = self._routed_output = None
+        if stats is None:
+            return
+        if residual is None or routed is None:
+            raise CheckpointFormatError(
+                f"layer {self.plan.layer}: the MoE block ran without its norm's input or its experts' output "
+                "(transformers changed the decoder layer?)"
+            )
+        width = output.shape[-1]
+        stats.update_energies(routed.reshape(-1, width), (residual + output).reshape(-1, width))
 
     def _on_router(self, gate: Any, args: tuple, output: tuple) -> None:
         t = self.targets

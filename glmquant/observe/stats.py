@@ -9,6 +9,13 @@ f_j(x): the expert's output before gating):
     ean = sum_norm / count                    reap = sum_gate_norm / count  (REAP saliency, 0 if unrouted)
     selection_share = count / (tokens · top_k)
 
+and per layer, over all its tokens (r: the MoE block's input before its norm, the residual stream it adds to; y: the
+block's output, routed experts and shared expert; y_routed: the routed experts' share Σ_j g_j f_j):
+
+    routed_energy  Σ ‖y_routed‖²              residual_energy  Σ ‖r + y‖²
+    routed_share = routed_energy / residual_energy   (how large the routed output is against the stream it joins:
+                                                      an error of the experts perturbs the stream in that proportion)
+
 Sums are float64 on the accumulating device: per-expert sums over ~10⁶ tokens in float32 would lose
 digits, and the tensors are only [E] long.
 """
@@ -29,6 +36,7 @@ from glmquant.errors import CheckpointFormatError
 from glmquant.observe.routing import Routing
 
 SUMS = ("sum_norm", "sum_gate", "sum_gate_norm", "sum_score")
+ENERGIES = ("routed_energy", "residual_energy")  # per-layer scalars; absent from observations before 2026-12-05
 
 
 def stats_path(obs_dir: Path, layer: int) -> Path:
@@ -51,10 +59,16 @@ class ExpertStats:
         self.count = torch.zeros(n_experts, dtype=torch.int64, device=device)
         self.max_norm = torch.zeros(n_experts, dtype=torch.float64, device=device)
         self.sums = {name: torch.zeros(n_experts, dtype=torch.float64, device=device) for name in SUMS}
+        self.energies = {name: torch.zeros((), dtype=torch.float64, device=device) for name in ENERGIES}
 
     def update_router(self, routing: Routing) -> None:
         self.tokens += routing.scores.shape[0]
         self.sums["sum_score"] += routing.scores.double().sum(dim=0)
+
+    def update_energies(self, routed: torch.Tensor, residual_after: torch.Tensor) -> None:
+        """routed [N, H]: the routed experts' output of a batch's tokens; residual_after [N, H]: r + y of them."""
+        self.energies["routed_energy"] += routed.double().square().sum()
+        self.energies["residual_energy"] += residual_after.double().square().sum()
 
     def update_expert(self, expert: int, gates: torch.Tensor, norms: torch.Tensor) -> None:
         """gates, norms: [n] routing weights and output norms of the n tokens routed to `expert`."""
@@ -89,7 +103,12 @@ class ExpertStats:
 
     def result(self) -> LayerStats:
         return LayerStats(
-            self.tokens, self.top_k, self.count.cpu(), self.max_norm.cpu(), {k: v.cpu() for k, v in self.sums.items()}
+            self.tokens,
+            self.top_k,
+            self.count.cpu(),
+            self.max_norm.cpu(),
+            {k: v.cpu() for k, v in self.sums.items()},
+            {k: v.cpu() for k, v in self.energies.items()},
         )
 
 
@@ -102,6 +121,7 @@ class LayerStats:
     count: torch.Tensor  # [E] int64
     max_norm: torch.Tensor  # [E] float64
     sums: Mapping[str, torch.Tensor]  # SUMS -> [E] float64
+    energies: Mapping[str, torch.Tensor] | None = None  # ENERGIES -> float64 scalars (None: observed before them)
 
     def _per_token(self, total: torch.Tensor) -> torch.Tensor:
         return torch.where(self.count > 0, total / self.count.clamp(min=1), torch.zeros_like(total))
@@ -124,6 +144,14 @@ class LayerStats:
         mean = self.count.double().mean().item()
         return float(self.count.max().item() / mean) if mean > 0 else 0.0
 
+    @property
+    def routed_share(self) -> float | None:
+        """routed_energy / residual_energy (module docstring); None when the observation predates the energies."""
+        if self.energies is None:
+            return None
+        residual = float(self.energies["residual_energy"])
+        return float(self.energies["routed_energy"]) / residual if residual > 0 else 0.0
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
             "count": self.count,
@@ -134,6 +162,7 @@ class LayerStats:
             "selection_share": self.selection_share,
             "tokens": torch.tensor(self.tokens, dtype=torch.int64),
             "top_k": torch.tensor(self.top_k, dtype=torch.int64),
+            **(self.energies or {}),
         }
 
     def save(self, path: Path) -> None:
@@ -148,4 +177,5 @@ class LayerStats:
         missing = sorted({"tokens", "top_k", "count", "max_norm", *SUMS} - set(t))
         if missing:
             raise CheckpointFormatError(f"{path}: not an expert-statistics file (missing tensors {missing})")
-        return cls(int(t["tokens"]), int(t["top_k"]), t["count"], t["max_norm"], {k: t[k] for k in SUMS})
+        energies = {k: t[k] for k in ENERGIES} if all(k in t for k in ENERGIES) else None
+        return cls(int(t["tokens"]), int(t["top_k"]), t["count"], t["max_norm"], {k: t[k] for k in SUMS}, energies)

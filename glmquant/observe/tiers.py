@@ -1,10 +1,14 @@
-"""Per-expert bit widths (tiers) from REAP saliency, as data for the encoder.
+"""Per-expert bit widths (tiers) from REAP saliency or from each layer's routed share, as data for the encoder.
 
-A tier spec names the ranking and the tiers from the most salient experts down, e.g.
-`reap:K4=8,K3=16,K2=rest,K1=8`: in every MoE layer the 8 most salient experts get K4, the next 16 K3, the 8
-least salient K1 and every other K2. A count is a number of experts or a percentage of the layer's (kept)
-experts (`K3=25%`, rounded down); exactly one tier is `rest`. Ties in saliency rank the lower expert id first,
-as the prune plan does, so the assignment is deterministic.
+A tier spec names the ranking and the tiers from the most salient down. `reap` ranks the experts of each layer,
+e.g. `reap:K4=8,K3=16,K2=rest,K1=8`: in every MoE layer the 8 most salient experts get K4, the next 16 K3, the 8
+least salient K1 and every other K2. `share` ranks whole MoE layers by their routed share (stats.py: the routed
+experts' output energy against the residual stream it joins), e.g. `share:K3=1,K2=rest,K1=1`: every expert of the
+layer with the largest share gets K3, of the smallest K1 (the same bytes as K2 everywhere), the rest K2. Where an
+error of the experts perturbs the stream most, the bits go: on the trained proxy one of three MoE layers carried
+95 % of the K2 experts' KL (docs/fidelity.md). A count is a number of experts (layers) or a percentage of the
+layer's (kept) experts (of the MoE layers), `K3=25%` rounded down; exactly one tier is `rest`. Ties rank the lower
+expert id (layer) first, as the prune plan does, so the assignment is deterministic.
 
 `tier_plan.json` (written by `glmquant observe --tiers SPEC`, or by encode from the observations):
 
@@ -24,13 +28,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from glmquant.checkpoint.tiers import mean_bits, tier_bitmap_sha256, tier_counts
+from glmquant.checkpoint.tiers import mean_bits, tier_bitmap_sha256, tier_counts, tiers_by_layer, tiers_differ_by_layer
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.errors import UsageError
 
 TIER_PLAN_FILE = "tier_plan.json"
 FORMAT = "glmquant.tier_plan.v1"
-CRITERIA = ("reap",)
+CRITERIA = ("reap", "share")
 _TIER = re.compile(r"^K(\d)=(rest|\d+%?)$")
 
 
@@ -99,11 +103,17 @@ class TierSpec:
     def rest_bits(self) -> int:
         return next(t.bits for t in self.tiers if t.size(1) is None)
 
+    @property
+    def ranks_layers(self) -> bool:
+        """Whether the spec ranks whole MoE layers (`share`) rather than the experts of each layer (`reap`)."""
+        return self.criterion == "share"
+
     def counts(self, experts: int) -> list[tuple[int, int]]:
-        """(bits, experts) per tier in salience order for a layer of `experts` experts."""
+        """(bits, items) per tier in salience order for `experts` items (the experts of a layer, or the layers)."""
         fixed = sum(t.size(experts) or 0 for t in self.tiers)
         if fixed > experts:
-            raise UsageError(f"--tiers {self.text}: the counted tiers take {fixed} experts, the layer has {experts}")
+            what = "MoE layers, the model has" if self.ranks_layers else "experts, the layer has"
+            raise UsageError(f"--tiers {self.text}: the counted tiers take {fixed} {what} {experts}")
         counts = []
         for t in self.tiers:
             size = t.size(experts)
@@ -134,6 +144,16 @@ def plan_tiers(
     return out
 
 
+def plan_layer_tiers(
+    share: Mapping[int, float], spec: TierSpec, experts: Mapping[int, int]
+) -> dict[int, tuple[int, ...]]:
+    """Bits of each output expert per MoE layer when the spec ranks layers: `share[L]` the layer's routed share,
+    `experts[L]` its output experts, each of which gets the layer's K."""
+    layers = sorted(share)
+    widths = spec.assign([share[layer] for layer in layers])
+    return {layer: (k,) * experts[layer] for layer, k in zip(layers, widths)}
+
+
 def write_tier_plan(
     obs_dir: Path, spec: TierSpec, keep: Mapping[int, Sequence[int]] | None = None, path: Path | None = None
 ) -> Path:
@@ -141,17 +161,29 @@ def write_tier_plan(
     from glmquant.calibration.token_rows import TokenRows
     from glmquant.observe.stats import LayerStats, stats_files
 
-    saliency = {layer: LayerStats.load(f).reap.tolist() for layer, f in stats_files(Path(obs_dir)).items()}
-    if not saliency:
+    stats = {layer: LayerStats.load(f) for layer, f in stats_files(Path(obs_dir)).items()}
+    if not stats:
         raise UsageError(f"{obs_dir}: no MoE layer statistics to plan tiers from")
-    bits = plan_tiers(saliency, spec, keep)
+    if spec.ranks_layers:
+        shares = {layer: s.routed_share for layer, s in stats.items()}
+        missing = sorted(layer for layer, value in shares.items() if value is None)
+        if missing:
+            raise UsageError(
+                f"{obs_dir}: layer(s) {missing} have no routed-output energies (observed before glmquant recorded "
+                f"them); observe again to plan {spec.text}"
+            )
+        experts = {layer: len(keep[layer]) if keep is not None else s.count.numel() for layer, s in stats.items()}
+        bits = plan_layer_tiers({layer: float(v) for layer, v in shares.items() if v is not None}, spec, experts)
+    else:
+        bits = plan_tiers({layer: s.reap.tolist() for layer, s in stats.items()}, spec, keep)
     body = {
         "format": FORMAT,
         "spec": spec.text,
         "criterion": spec.criterion,
         "token_rows_sha256": TokenRows.load(Path(obs_dir)).sha256,
         "layers": {str(layer): list(b) for layer, b in bits.items()},
-        "counts": {str(b): n for b, n in sorted(tier_counts(bits).items())},
+        "counts": {str(b): n for b, n in sorted(tier_counts(bits).items())},  # per layer; null: differs by layer
+        **({"layer_counts": tiers_by_layer(bits)} if tiers_differ_by_layer(bits) else {}),
         "mean_bits": round(mean_bits(bits), 4),
         "bitmap_sha256": tier_bitmap_sha256(bits),
     }
@@ -179,5 +211,4 @@ def load_tier_plan(path: Path, moe_layers: Sequence[int], experts: int) -> TierP
     bad = [layer for layer, bits in layers.items() if len(bits) != experts or not all(1 <= b <= 8 for b in bits)]
     if bad:
         raise UsageError(f"{path}: layer(s) {bad} do not give 1..8 bits to each of {experts} experts")
-    tier_counts(layers)
     return TierPlan(layers, rest)

@@ -29,6 +29,9 @@ class MoECapture:
     weights: list[torch.Tensor] = field(default_factory=list)  # [n, k]
     indices: list[torch.Tensor] = field(default_factory=list)  # [n, k]
     q_proj_in: list[torch.Tensor] = field(default_factory=list)  # layer 1 only: KDA q_proj input
+    block_in: list[torch.Tensor] = field(default_factory=list)  # the MoE block's input before its norm
+    block_out: list[torch.Tensor] = field(default_factory=list)  # the MoE block's output (routed + shared)
+    routed_out: list[torch.Tensor] = field(default_factory=list)  # the routed experts' output
 
     def router(self, output: tuple) -> None:
         self.weights.append(output[1])
@@ -55,6 +58,9 @@ def reference(tiny_source: Path, observed: Path) -> Reference:
         cap = layers[i] = MoECapture()
         layer.mlp.register_forward_pre_hook(lambda m, a, cap=cap: cap.x.append(a[0].reshape(-1, a[0].shape[-1])))
         layer.mlp.gate.register_forward_hook(lambda m, a, out, cap=cap: cap.router(out))
+        layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a, cap=cap: cap.block_in.append(a[0]))
+        layer.mlp.register_forward_hook(lambda m, a, out, cap=cap: cap.block_out.append(out))
+        layer.mlp.experts.register_forward_hook(lambda m, a, out, cap=cap: cap.routed_out.append(out))
         if i == 1:
             layer.self_attn.q_proj.register_forward_pre_hook(
                 lambda m, a, cap=cap: cap.q_proj_in.append(a[0].reshape(-1, a[0].shape[-1]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -70,6 +71,20 @@ def test_reap_statistics_equal_brute_force(observed: Path, reference) -> None:
         _close(got.reap, gate_norm / count, 1e-2)
         _close(got.ean, total / count, 1e-2)
         torch.testing.assert_close(got.selection_share, count / (n_tokens * top_k))
+
+
+def test_routed_share_is_the_routed_output_against_the_residual_stream(observed: Path, reference) -> None:
+    """The layer's routed-output energy Σ‖y_routed‖² and residual energy Σ‖r + y‖² equal those of the full model's
+    own MoE blocks (float64 sums of the same BF16 tensors, in another order), and routed_share is their ratio."""
+    for layer, cap in reference.layers.items():
+        got = LayerStats.load(stats_path(observed, layer))
+        assert got.energies is not None
+        routed = sum(float(y.double().square().sum()) for y in cap.routed_out)
+        residual = sum(float((r + y).double().square().sum()) for r, y in zip(cap.block_in, cap.block_out))
+        assert routed > 0 and residual > 0
+        assert float(got.energies["routed_energy"]) == pytest.approx(routed, rel=1e-9)
+        assert float(got.energies["residual_energy"]) == pytest.approx(residual, rel=1e-9)
+        assert got.routed_share == pytest.approx(routed / residual, rel=1e-9)
 
 
 def test_routing_weights_are_the_models(observed: Path, reference) -> None:

@@ -1,0 +1,152 @@
+"""Tiers by layer (`--tiers share:...`) end to end on the tiny model's two MoE layers: the layer whose routed output is
+the larger share of its residual stream gets the upper K, the other the lower; the artifact states the per-layer
+counts in its config block and manifest, verify-manifest checks them, `plan` predicts the files and the runtime
+serves both widths."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from encode_fixtures import QUIET, tiny_source
+
+from glmquant.arch import load_model_spec
+from glmquant.checkpoint.artifact_config import LAYER_TIERS_KEY
+from glmquant.checkpoint.layouts import plan_artifact
+from glmquant.checkpoint.manifest import MANIFEST_NAME
+from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.checkpoint.verify import verify_artifact
+from glmquant.encode import EncodeConfig, encode_artifact
+from glmquant.errors import UsageError
+from glmquant.fixtures import TinyModelConfig
+from glmquant.observe.config import ObserveConfig
+from glmquant.observe.hessians import HessianMode
+from glmquant.observe.run import observe
+from glmquant.observe.stats import LayerStats, stats_files
+from glmquant.observe.tiers import TierSpec, write_tier_plan
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("layer-tiers")]
+
+SPEC = "share:K3=1,K2=rest,K1=1"  # two MoE layers: K3 for the larger share, K1 for the other (K2's bytes)
+# two MoE layers (no dense one) of two experts each: the least encoding that still ranks two layers
+TWO_MOE_TWO_EXPERTS = TinyModelConfig(num_hidden_layers=2, first_dense_layers=0, n_routed_experts=2)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_source(tmp_path_factory, "layer-tiers-src", TWO_MOE_TWO_EXPERTS)
+
+
+@pytest.fixture(scope="module")
+def observed(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("layer-tiers-obs")
+    observe(ObserveConfig(source=source, out=out, rows=4, tokens=64, hessians=HessianMode.NATURAL))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiered(source: Path, observed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("layer-tiers") / "artifact"
+    encode_artifact(
+        EncodeConfig(
+            source=source,
+            out=out,
+            observations=observed,
+            tiers=SPEC,  # type: ignore[arg-type]  # the config parses option text
+            verified_at="2026-01-01T00:00:00Z",
+        ),
+        QUIET,
+    )
+    return out
+
+
+def _shares(observed: Path) -> dict[int, float]:
+    shares = {layer: LayerStats.load(path).routed_share for layer, path in stats_files(observed).items()}
+    assert all(v is not None and v > 0 for v in shares.values()), shares
+    return {layer: float(v) for layer, v in shares.items() if v is not None}
+
+
+def test_spec_ranks_layers_by_routed_share() -> None:
+    spec = TierSpec.parse("share:K4=1,K3=25%,K2=rest,K1=2")
+    assert spec.ranks_layers and not TierSpec.parse("reap:K2=rest").ranks_layers
+    assert spec.assign([0.3, 0.9, 0.1, 0.5, 0.05, 0.2, 0.7, 0.4]) == (2, 4, 1, 3, 1, 2, 3, 2)
+    with pytest.raises(UsageError, match="take 5 MoE layers, the model has 4"):
+        TierSpec.parse("share:K3=3,K2=rest,K1=2").counts(4)
+
+
+def test_the_larger_share_gets_the_upper_k(tiered: Path, observed: Path, source: Path) -> None:
+    shares = _shares(observed)
+    assert len(shares) == 2 and len(set(shares.values())) == 2
+    upper = max(shares, key=lambda layer: shares[layer])
+    want = {layer: 3 if layer == upper else 1 for layer in shares}
+    experts = load_model_spec(source).n_routed_experts
+    with SourceCheckpoint.open(tiered) as art:
+        for layer, k in want.items():
+            for e in range(experts):
+                name = f"model.language_model.layers.{layer}.mlp.experts.{e}.up_proj.rank0.trellis"
+                assert art.spec(name).shape[-1] == 16 * k
+    plan = json.loads((tiered.with_name("artifact.work") / "tier_plan.json").read_text())
+    assert plan["layers"] == {str(layer): [k] * experts for layer, k in want.items()}
+    assert plan["layer_counts"] == {str(layer): {f"k{k}": experts} for layer, k in want.items()}
+    assert plan["mean_bits"] == 2.0
+
+
+def test_config_and_manifest_state_the_counts_of_each_layer(tiered: Path, source: Path, observed: Path) -> None:
+    assert verify_artifact(tiered, fast=False).ok
+    shares = _shares(observed)
+    upper = max(shares, key=lambda layer: shares[layer])
+    experts = load_model_spec(source).n_routed_experts
+    by_layer = {str(layer): {f"k{3 if layer == upper else 1}": experts} for layer in sorted(shares)}
+    qc = json.loads((tiered / "config.json").read_text())["quantization_config"]
+    assert qc[LAYER_TIERS_KEY] == by_layer
+    assert (qc["k1_experts_per_layer"], qc["k2_experts_per_layer"], qc["k3_experts_per_layer"]) == (None, 0, None)
+    assert qc["selection"].startswith("per-layer tiers") and qc["target_routed_tier_bpw"] == 2.0
+    manifest = json.loads((tiered / MANIFEST_NAME).read_text())
+    assert manifest["layout"][LAYER_TIERS_KEY] == by_layer
+    assert manifest["layout"]["tier_experts_per_layer"] == {"k1": None, "k3": None}
+    with SourceCheckpoint.open(source) as src:
+        shards = {n: src.shard_of(n) for n in src.names()}
+    bits = {layer: (3 if layer == upper else 1,) * experts for layer in shares}
+    plan = plan_artifact(load_model_spec(source), "tr3", 2, "mcg", shards, expert_bits=bits)
+    assert {f.path: f.size for f in plan.files} == {e["path"]: e["bytes"] for e in manifest["files"]}
+
+
+def test_verify_catches_a_wrong_layer_count(tiered: Path, tmp_path: Path) -> None:
+    copy = shutil.copytree(tiered, tmp_path / "copy")
+    config = json.loads((copy / "config.json").read_text())
+    block = config["quantization_config"][LAYER_TIERS_KEY]
+    first, second = sorted(block)
+    block[first], block[second] = block[second], block[first]
+    (copy / "config.json").write_text(json.dumps(config, indent=2))
+    report = verify_artifact(copy, fast=True)
+    assert not report.ok and LAYER_TIERS_KEY in report.failure_summary()
+
+
+def test_runtime_serves_each_layer_at_its_k(tiered: Path) -> None:
+    from glmquant.runtime.loader import load_model
+    from glmquant.runtime.options import RuntimeOptions
+
+    loaded = load_model(tiered, RuntimeOptions(dtype="float32"))
+    widths = {
+        layer: {loaded.artifact.read_expert(layer, v, "down_proj").bits for v in range(loaded.artifact.virtual_experts)}
+        for layer in loaded.artifact.quantized_layers
+    }
+    with torch.no_grad():
+        logits = loaded.model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
+    loaded.close()
+    assert sorted(widths.values(), key=str) == [{1}, {3}] and torch.isfinite(logits).all()
+
+
+def test_observations_without_energies_are_refused(observed: Path, tmp_path: Path) -> None:
+    """Observations written before the routed-output energies cannot rank layers: a clear error, not a guess."""
+    old = shutil.copytree(observed, tmp_path / "old")
+    for path in stats_files(old).values():
+        stats = LayerStats.load(path)
+        LayerStats(stats.tokens, stats.top_k, stats.count, stats.max_norm, stats.sums).save(path)
+    with pytest.raises(UsageError, match="no routed-output energies"):
+        write_tier_plan(old, TierSpec.parse(SPEC), path=tmp_path / "plan.json")
+    assert not (tmp_path / "plan.json").exists()
+    write_tier_plan(old, TierSpec.parse("reap:K2=rest"), path=tmp_path / "plan.json")  # REAP tiers still plan
