@@ -32,7 +32,8 @@ def build_report(obs_dir: Path) -> ObservationReport:
 
 
 def layer_table(report: ObservationReport, top: int = 5) -> Table:
-    """One row per MoE layer: tokens, coverage, balance, saliency range and the most salient experts."""
+    """One row per MoE layer: tokens, coverage, balance, routed share (what `--tiers share:...` ranks), saliency range
+    and the most salient experts."""
     summary = report.summary
     table = Table(title=f"REAP statistics (token rows {summary.token_rows_sha256[:12]}, hessians {summary.hessians})")
     for column in (
@@ -41,6 +42,7 @@ def layer_table(report: ObservationReport, top: int = 5) -> Table:
         "experts hit",
         "load imbalance",
         "max share",
+        "routed share",
         "REAP min",
         "REAP max",
         f"top {top} by REAP",
@@ -55,6 +57,7 @@ def layer_table(report: ObservationReport, top: int = 5) -> Table:
             f"{int((s.count > 0).sum())}/{s.count.numel()}",
             f"{s.load_imbalance:.2f}",
             f"{s.selection_share.max().item():.3f}",
+            "-" if s.routed_share is None else f"{s.routed_share:.4g}",
             f"{reap.min().item():.4g}",
             f"{reap.max().item():.4g}",
             " ".join(f"{e}:{reap[e].item():.3g}" for e in best),

@@ -418,6 +418,7 @@ def _layer_summary(model: TextModel, obs_dir: Path, layer: int) -> LayerSummary:
         s.tokens,
         int((s.count > 0).sum()),
         s.load_imbalance,
+        s.routed_share,
     )
 
 

@@ -25,6 +25,8 @@ class LayerSummary:
     tokens: int  # calibration tokens in the REAP statistics (0 for dense layers)
     experts_hit: int  # experts that received at least one token
     load_imbalance: float  # busiest expert's count / mean count
+    # routed-output energy / residual energy (stats.py), what `--tiers share:...` ranks; None: dense, or observed before
+    routed_share: float | None = None
     cost: LayerCost | None = None  # what this invocation spent on the layer (None: done by an earlier one)
 
 

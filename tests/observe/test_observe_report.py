@@ -22,3 +22,8 @@ def test_report_tables_and_heatmap(observed: Path) -> None:
     console.print(table)
     text = console.export_text()
     assert "REAP statistics" in text and str(report.stats[1].tokens) in text
+    for layer, stats in report.stats.items():  # each layer's routed share, in the table and in observations.json
+        share = stats.routed_share
+        assert share is not None and share > 0 and f"{share:.4g}" in text
+        summary = next(s for s in report.summary.layers if s.layer == layer)
+        assert summary.routed_share == share
