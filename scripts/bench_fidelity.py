@@ -10,8 +10,10 @@ the seed's (1 % slack): pruning leaves a few % of scale vectors unspent, so thos
 
 Rows: the seed method (natural-routing Hessians, uniform K2 MCG); the seed method with the experts' stored scales
 tuned together on their share of the calibration tokens' MoE output (`encode --tune-scales`, the same bytes);
-gate-weighted natural Hessians (each routed token's rows weighted by its routing weight, observe --hessian-weighting
-gate), alone and with MUL1; all-token Hessians; a 50/50 blend; the speed tier's retained linears at K4-K6 (issue
+tiers by layer at the seed's bytes (`encode --tiers share:...`: K3 for the MoE layers whose routed output is the
+largest share of their residual stream, K1 for the smallest, K2 for the rest), alone and tuned; gate-weighted
+natural Hessians (each routed token's rows weighted by its routing weight, observe --hessian-weighting gate), alone
+and with MUL1; all-token Hessians; a 50/50 blend; the speed tier's retained linears at K4-K6 (issue
 18); REAP tiers at the seed's bytes (K3 or K4 for the most salient experts, K1 for the least, K2 for the rest); REAP
 pruning with the freed bytes on K3; codebooks 3INST and MUL1; a quarter of the calibration rows; uniform K3 and K4
 as references above the seed's bytes; and ExLlamaV3 1.6.5's own converter on the same proxy when `exllamav3` imports
@@ -71,6 +73,7 @@ from glmquant.observe.hessian_reader import load_dense_hessian
 from glmquant.observe.hessians import HessianMode, HessianWeighting
 from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.run import observe
+from glmquant.observe.stats import LayerStats, stats_files
 from glmquant.proxy.train import split_rows
 from glmquant.runtime.artifact import open_artifact
 
@@ -103,9 +106,12 @@ class Recipe:
     tune_scales: int = 0  # Adam steps of `encode --tune-scales` on its observation's token sample
 
 
-def recipes(experts: int, layers: int) -> list[Recipe]:
-    """The benchmark's rows for a model of `layers` decoder layers with `experts` routed experts per MoE layer."""
+def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
+    """The benchmark's rows for a model of `layers` decoder layers, `moe_layers` of them MoE layers with `experts`
+    routed experts each."""
     e4, e8 = experts // 4, experts // 8
+    m3 = max(1, moe_layers // 3)  # layers moved to K3 (and as many to K1) by the tiers by layer
+    by_layer = f"share:K3={m3},K2=rest,K1={m3}"
     exact = layers // 2  # the speed tier's exact first layers: on the proxy its layers 0-1 carry most of the K4 cost
     return [
         Recipe("seed", "seed method: natural-routing Hessians, uniform K2 MCG"),
@@ -120,6 +126,18 @@ def recipes(experts: int, layers: int) -> list[Recipe]:
             f"seed-tuned with {LONG_TUNE_STEPS} Adam steps instead of {TUNE_STEPS} (the held-out sample still picks "
             "the step kept): whether the tuning has converged",
             tune_scales=LONG_TUNE_STEPS,
+        ),
+        Recipe(
+            "layer-tiers",
+            f"tiers by layer: K3 for the {m3} MoE layer(s) whose routed output is the largest share of their residual "
+            f"stream, K1 for the {m3} with the smallest, K2 for the rest (encode --tiers {by_layer}): the seed's bytes",
+            tiers=by_layer,
+        ),
+        Recipe(
+            "layer-tiers-tuned",
+            f"layer-tiers, then its experts' scales tuned as seed-tuned's (encode --tune-scales {TUNE_STEPS})",
+            tiers=by_layer,
+            tune_scales=TUNE_STEPS,
         ),
         Recipe(
             "gate-weighted",
@@ -620,6 +638,14 @@ class Evaluator:
             }
         decode_s = time.monotonic() - t0 - encode_s
         metrics = self.measure(experts, pruned, linears)
+        if recipe.name == "seed" or (recipe.tiers or "").startswith("share:"):
+            # each MoE layer's experts alone, the others BF16: where the row's KL comes from (what tiers by layer move)
+            tier["kl_by_layer"] = {
+                str(layer): self.measure(
+                    {k: w for k, w in experts.items() if k[0] == layer}, {k: v for k, v in pruned.items() if k == layer}
+                )["kl"]
+                for layer in sorted({layer for layer, _ in experts})
+            }
         if linears:  # the retained linears' own KL, the experts BF16: Bench.save divides it by the seed's KL
             tier |= {f"retained_only_{k}": v for k, v in self.measure({}, {}, linears).items()}
             # and each role's alone (attention, indexer, KDA, shared experts, dense MLPs): where that cost comes from
@@ -778,6 +804,9 @@ class Bench:
     def log(self, line: str) -> None:
         self.console.print(line, highlight=False)
 
+    def recipes(self) -> list[Recipe]:
+        return recipes(self.spec.n_routed_experts, self.spec.num_hidden_layers, len(self.spec.moe_layers))
+
     def observe(self, name: str) -> Path:
         """The observation a recipe's `observations` names: full (with the dense Hessians the speed tier reads and
         every calibration token kept for the tuned rows), small (a quarter of the rows) or gated (gate-weighted
@@ -802,6 +831,10 @@ class Bench:
             )
         )
         self.log(f"observed {name} ({rows} x {self.args.tokens} tokens) in {time.monotonic() - t0:.1f} s")
+        if name == "full":  # what `--tiers share:...` ranks: each MoE layer's routed output against its stream
+            self.record["routed_share_by_layer"] = {
+                str(layer): LayerStats.load(path).routed_share for layer, path in stats_files(out).items()
+            }
         return out
 
     def run(self) -> None:
@@ -810,7 +843,7 @@ class Bench:
         wanted = set(args.recipes.split(",")) if args.recipes else None
         done = {r["recipe"] for r in self.rows}
         queue: list[Recipe | None] = []
-        for recipe in recipes(self.spec.n_routed_experts, self.spec.num_hidden_layers):
+        for recipe in self.recipes():
             if (wanted is None or recipe.name in wanted) and recipe.name not in done:
                 queue.append(recipe)
             if recipe.name == "seed" and self.wants_peer():  # right after the seed method, should a call end early
@@ -907,7 +940,7 @@ class Bench:
     def save(self) -> None:
         """The rows in the canonical order (the peer's right after the seed's), with what compares each to the
         seed's row: bytes ratio, whether at its bytes, and a speed-tier row's KL cost ratio."""
-        order = [r.name for r in recipes(self.spec.n_routed_experts, self.spec.num_hidden_layers)]
+        order = [r.name for r in self.recipes()]
         rank = {name: i for i, name in enumerate(order)}
         self.rows.sort(
             key=lambda r: (

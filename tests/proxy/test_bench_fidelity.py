@@ -27,14 +27,19 @@ def _bench_module():
 
 
 def test_rows_spend_the_seeds_trellis_bytes() -> None:
-    """Per layer, sum over experts of K (the trellis bytes) equals the seed's 2 E, except the references."""
+    """Per layer, sum over experts of K (the trellis bytes) equals the seed's 2 E, except the references; tiers by
+    layer spend the seed's 2 E per layer summed over the MoE layers."""
     from glmquant.observe.tiers import TierSpec
 
-    for experts in (8, 64, 288):
-        for r in _bench_module().recipes(experts, 4):
+    for experts, moe_layers in ((8, 3), (64, 6), (288, 42)):
+        for r in _bench_module().recipes(experts, 4, moe_layers):
             kept = r.keep or experts
-            widths = TierSpec.parse(r.tiers).counts(kept) if r.tiers else [(r.bits, kept)]
-            assert (sum(b * n for b, n in widths) == 2 * experts) != r.reference, (experts, r.name)
+            spec = TierSpec.parse(r.tiers) if r.tiers else None
+            if spec is not None and spec.ranks_layers:
+                trellis = sum(b * n for b, n in spec.counts(moe_layers)) * kept
+            else:
+                trellis = moe_layers * sum(b * n for b, n in (spec.counts(kept) if spec else [(r.bits, kept)]))
+            assert (trellis == 2 * experts * moe_layers) != r.reference, (experts, r.name)
 
 
 def test_first_difference_names_where_speculative_output_leaves_plain_greedy() -> None:
@@ -72,7 +77,7 @@ def test_scheduler_waits_for_the_hessian_rows_records_failures_and_keeps_the_can
 
     bench_module = _bench_module()
     names = ["seed", "all-token", "blend-0.5", "codebook-mul1", "retained-k4"]
-    queue = [r for r in bench_module.recipes(8, 4) if r.name in names]
+    queue = [r for r in bench_module.recipes(8, 4, 3) if r.name in names]
     started: list[tuple[str, str]] = []
     finish_order = ["codebook-mul1", "retained-k4", "blend-0.5", "all-token", "seed"]  # not the queue's order
 
@@ -86,7 +91,7 @@ def test_scheduler_waits_for_the_hessian_rows_records_failures_and_keeps_the_can
     bench = object.__new__(bench_module.Bench)
     bench.args = type("Args", (), {"jobs": 3, "results": tmp_path / "fid.json"})()
     bench.console = bench_module.Console(quiet=True)
-    bench.spec = type("Spec", (), {"n_routed_experts": 8, "num_hidden_layers": 4})()
+    bench.spec = type("Spec", (), {"n_routed_experts": 8, "num_hidden_layers": 4, "moe_layers": [1, 2, 3]})()
     bench.rows, bench.best_hessians = [], None
     bench.record = {"rows": bench.rows}
 
@@ -143,6 +148,10 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
         isinstance(r["routed_bytes"], int) and r["kl"] >= 0 and 0 <= r["top1"] <= 1 and r["ppl"] > 1 for r in measured
     )
     assert rows["blend-0.5"]["routed_bytes"] == rows["seed"]["routed_bytes"] and rows["blend-0.5"]["blend"] == 0.5
+    # where the seed's KL sits, layer by layer, and what the tiers by layer rank the layers by
+    shares = record["routed_share_by_layer"]
+    assert set(rows["seed"]["kl_by_layer"]) == set(shares) and len(shares) == 3  # the smoke proxy's MoE layers
+    assert all(kl >= 0 for kl in rows["seed"]["kl_by_layer"].values()) and all(v > 0 for v in shares.values())
     gated = rows["gate-weighted-mul1-tuned"]  # the same bytes from other Hessians, codebook and scales
     assert gated["routed_bytes"] == rows["seed"]["routed_bytes"] and gated["observations"] == "gated"
     assert gated["codebook"] == "mul1" and gated["tune_scales"] > 0
