@@ -4,7 +4,7 @@
 # (~5 min) while our kernels are checked and benchmarked (ours and BF16, per-launch stages); then the
 # exllamav3-layout interop and ExLlamaV3's fused MoE kernel, one process per (layout, batch) so that a
 # device-side assert costs one row. The codec cross-check and encode benches have their own scripts.
-# Usage on the device: bash scripts/device_run.sh "$OUT"   (results: $OUT/results.tgz, refreshed after each
+# Usage on the device: [COMMIT=C] bash scripts/device_run.sh "$OUT"   (results: $OUT/results.tgz, refreshed after each
 # step, and $OUT/run.log)
 set -u
 OUT=${1:?output dir}
@@ -16,7 +16,7 @@ stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; tar czf "$OUT/resu
 setsid bash -c "python3 -c 'import exllamav3.ext; print(\"exllamav3 extension ready\")' >'$RES/build.log' 2>&1" &
 BUILD=$!
 stamp "kernels check (ours, while exllamav3 builds)"
-timeout 240 python3 scripts/gpu_kernels_check.py --out "$RES" >>"$LOG" 2>&1
+timeout 240 python3 scripts/gpu_kernels_check.py --out "$RES" ${COMMIT:+--commit "$COMMIT"} >>"$LOG" 2>&1
 stamp "per-launch stage times"
 timeout 100 python3 scripts/bench_moe_decode.py --stages --out "$RES/stages" >>"$LOG" 2>&1
 stamp "moe decode bench: ours and BF16"

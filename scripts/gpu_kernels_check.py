@@ -13,7 +13,7 @@ For every codebook and K in {2, 3, 4}, with fresh random inputs each time:
 Also: graph replay equals eager bit for bit, compile reports of the core for sm_90 and sm_121, and the tiny
 artifact decoded by the runtime on CUDA (triton backend with graphs) against the torch backend.
 
-    python scripts/gpu_kernels_check.py --out DIR
+    python scripts/gpu_kernels_check.py --out DIR [--commit C]   # C: the commit measured (default: HEAD)
     python scripts/gpu_kernels_check.py --out DIR --compile-only   # no GPU needed: kernels_compile.json
 """
 
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
+from bench_common import git_commit
 
 from glmquant.exl3 import Codebook, EXL3Tensor, decode_inner
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
@@ -457,6 +458,7 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=2048, help="expert intermediate width (GLM-5.3-Flash: 2048)")
     parser.add_argument("--device", default="cuda", help="cpu only for a dry run under TRITON_INTERPRET=1")
     parser.add_argument("--compile-only", action="store_true", help="only the sm_90/sm_121 compile reports (no GPU)")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: the checkout's HEAD)")
     args = parser.parse_args()
     if args.compile_only:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -475,6 +477,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
+        "commit": args.commit or git_commit(),
         "bounds": {
             "linear_rel_frobenius": LINEAR_BOUND,
             "moe_rel_frobenius": MOE_BOUND,
