@@ -1,17 +1,19 @@
-"""What the encode tests share: the sources' shapes, a quiet console, building and observing a source, a file-digest
-helper and the verify-manifest CLI check."""
+"""What the encode tests share: the sources' shapes, a quiet console, building, observing and tier-encoding a source,
+a file-digest helper and the verify-manifest CLI check."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
 from glmquant.cli import app
+from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.run import EncodeResult
 from glmquant.fixtures import TinyModelConfig, build_tiny_checkpoint
 from glmquant.observe.config import ObserveConfig
@@ -31,10 +33,26 @@ def tiny_source(factory: pytest.TempPathFactory, name: str, config: TinyModelCon
     return build_tiny_checkpoint(factory.mktemp(name), config)
 
 
-def observed(source: Path, factory: pytest.TempPathFactory, name: str, dense_hessians: bool = False) -> Path:
-    """Observations of `source` over 4 rows of 64 tokens (with the retained linears' and lm_head's dense Hessians)."""
+def observed(source: Path, factory: pytest.TempPathFactory, name: str, **options: Any) -> Path:
+    """Observations of `source` over 4 rows of 64 tokens; `options` more ObserveConfig fields (dense_hessians,
+    hessians, tiers)."""
     out = factory.mktemp(name)
-    observe(ObserveConfig(source=source, out=out, rows=4, tokens=64, dense_hessians=dense_hessians))
+    observe(ObserveConfig(source=source, out=out, rows=4, tokens=64, **options))
+    return out
+
+
+def encode_tiered(source: Path, observations: Path, out: Path, tiers: str, **options: Any) -> Path:
+    """The artifact of `source` in `out` with expert tiers (option text, as `encode --tiers` takes it) and a fixed
+    verification time; `options` more EncodeConfig fields."""
+    config = EncodeConfig(
+        source=source,
+        out=out,
+        observations=observations,
+        tiers=tiers,  # type: ignore[arg-type]  # the config parses option text
+        verified_at="2026-01-01T00:00:00Z",
+        **options,
+    )
+    encode_artifact(config, QUIET)
     return out
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from encode_fixtures import QUIET, tiny_source
+from encode_fixtures import encode_tiered, tiny_source
+from encode_fixtures import observed as observe_source
 
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.artifact_config import LAYER_TIERS_KEY
@@ -19,12 +20,9 @@ from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.manifest import MANIFEST_NAME
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.verify import verify_artifact
-from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.errors import UsageError
 from glmquant.fixtures import TinyModelConfig
-from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessians import HessianMode
-from glmquant.observe.run import observe
 from glmquant.observe.stats import LayerStats, stats_files
 from glmquant.observe.tiers import TierSpec, write_tier_plan
 
@@ -42,25 +40,12 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def observed(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("layer-tiers-obs")
-    observe(ObserveConfig(source=source, out=out, rows=4, tokens=64, hessians=HessianMode.NATURAL))
-    return out
+    return observe_source(source, tmp_path_factory, "layer-tiers-obs", hessians=HessianMode.NATURAL)
 
 
 @pytest.fixture(scope="module")
 def tiered(source: Path, observed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("layer-tiers") / "artifact"
-    encode_artifact(
-        EncodeConfig(
-            source=source,
-            out=out,
-            observations=observed,
-            tiers=SPEC,  # type: ignore[arg-type]  # the config parses option text
-            verified_at="2026-01-01T00:00:00Z",
-        ),
-        QUIET,
-    )
-    return out
+    return encode_tiered(source, observed, tmp_path_factory.mktemp("layer-tiers") / "artifact", SPEC)
 
 
 def _shares(observed: Path) -> dict[int, float]:
