@@ -10,8 +10,9 @@ the seed's (1 % slack): pruning leaves a few % of scale vectors unspent, so thos
 
 Rows: the seed method (natural-routing Hessians, uniform K2 MCG); the seed method with the experts' stored scales
 tuned together on their share of the calibration tokens' MoE output (`encode --tune-scales`, the same bytes);
-tiers by layer at the seed's bytes (`encode --tiers share:...`: K3 for the MoE layers whose routed output is the
-largest share of their residual stream, K1 for the smallest, K2 for the rest), alone and tuned; gate-weighted
+tiers by layer at the seed's bytes, alone and tuned: K3 for the first MoE layers, K1 for the last, K2 between
+(`encode --tiers depth:...`), or ranked by the share of the residual stream their routed output is (`share:...`);
+gate-weighted
 natural Hessians (each routed token's rows weighted by its routing weight, observe --hessian-weighting gate), alone
 and with MUL1; all-token Hessians; a 50/50 blend; the speed tier's retained linears at K4-K6 (issue
 18); REAP tiers at the seed's bytes (K3 or K4 for the most salient experts, K1 for the least, K2 for the rest); REAP
@@ -74,6 +75,7 @@ from glmquant.observe.hessians import HessianMode, HessianWeighting
 from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.run import observe
 from glmquant.observe.stats import LayerStats, stats_files
+from glmquant.observe.tiers import TierSpec
 from glmquant.proxy.train import split_rows
 from glmquant.runtime.artifact import open_artifact
 
@@ -111,7 +113,7 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
     routed experts each."""
     e4, e8 = experts // 4, experts // 8
     m3 = max(1, moe_layers // 3)  # layers moved to K3 (and as many to K1) by the tiers by layer
-    by_layer = f"share:K3={m3},K2=rest,K1={m3}"
+    by_depth, by_share = f"depth:K3={m3},K2=rest,K1={m3}", f"share:K3={m3},K2=rest,K1={m3}"
     exact = layers // 2  # the speed tier's exact first layers: on the proxy its layers 0-1 carry most of the K4 cost
     return [
         Recipe("seed", "seed method: natural-routing Hessians, uniform K2 MCG"),
@@ -128,15 +130,27 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
             tune_scales=LONG_TUNE_STEPS,
         ),
         Recipe(
+            "depth-tiers",
+            f"tiers by layer: K3 for the first {m3} MoE layer(s), K1 for the last {m3}, K2 between (encode --tiers "
+            f"{by_depth}): the seed's bytes",
+            tiers=by_depth,
+        ),
+        Recipe(
+            "depth-tiers-tuned",
+            f"depth-tiers, then its experts' scales tuned as seed-tuned's (encode --tune-scales {TUNE_STEPS})",
+            tiers=by_depth,
+            tune_scales=TUNE_STEPS,
+        ),
+        Recipe(
             "layer-tiers",
             f"tiers by layer: K3 for the {m3} MoE layer(s) whose routed output is the largest share of their residual "
-            f"stream, K1 for the {m3} with the smallest, K2 for the rest (encode --tiers {by_layer}): the seed's bytes",
-            tiers=by_layer,
+            f"stream, K1 for the {m3} with the smallest, K2 for the rest (encode --tiers {by_share}): the seed's bytes",
+            tiers=by_share,
         ),
         Recipe(
             "layer-tiers-tuned",
             f"layer-tiers, then its experts' scales tuned as seed-tuned's (encode --tune-scales {TUNE_STEPS})",
-            tiers=by_layer,
+            tiers=by_share,
             tune_scales=TUNE_STEPS,
         ),
         Recipe(
@@ -638,7 +652,7 @@ class Evaluator:
             }
         decode_s = time.monotonic() - t0 - encode_s
         metrics = self.measure(experts, pruned, linears)
-        if recipe.name == "seed" or (recipe.tiers or "").startswith("share:"):
+        if recipe.name == "seed" or (recipe.tiers is not None and TierSpec.parse(recipe.tiers).ranks_layers):
             # each MoE layer's experts alone, the others BF16: where the row's KL comes from (what tiers by layer move)
             tier["kl_by_layer"] = {
                 str(layer): self.measure(

@@ -23,12 +23,11 @@ class BuildConfig:
         o, e = self.observe, self.encode
         if e.source != o.source or e.observations != o.out:
             raise UsageError("a build encodes the source it observes, with the observations it writes")
-        if e.keep is not None or e.tiers is not None:
+        if e.keep is not None or (e.tiers is not None and e.tiers.criterion != "depth"):
             raise UsageError(
-                "a build encodes all experts or those of --prune-plan, at --bits or the tiers of "
-                "--tier-plan: the REAP statistics of the later layers do not exist yet when the first "
-                "is encoded (observe --keep N / --tiers SPEC write OBS/prune_plan.json / "
-                "OBS/tier_plan.json for another encode)"
+                "a build encodes all experts or those of --prune-plan, at --bits, the tiers of --tier-plan or "
+                "depth tiers: the statistics of the later layers do not exist yet when the first is encoded "
+                "(observe --keep N / --tiers SPEC write OBS/prune_plan.json / OBS/tier_plan.json for another encode)"
             )
         if o.dense_hessians:
             raise UsageError("--dense-hessians is for observe: a build keeps only the routed experts' Hessians")

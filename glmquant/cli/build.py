@@ -38,6 +38,10 @@ def build(
     stream_budget_gb: StreamBudgetGb = None,
     device_streams_every: DeviceStreamsEvery = None,
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
+    tiers: Annotated[
+        str | None,
+        typer.Option(help="per-layer K by depth (depth:K3=4,K2=rest,K1=4), as encode --tiers; replaces --bits"),
+    ] = None,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",
     work_dir: Annotated[Path | None, typer.Option(help="resumable encode state (default: ARTIFACT.work)")] = None,
@@ -74,6 +78,7 @@ def build(
             out=out_dir,
             observations=observations,
             bits=bits,
+            tiers=tiers,  # type: ignore[arg-type]  # EncodeConfig parses option text
             codebook=codebook,
             layout=layout,
             hessians=HessianMode.ALL if hessians is HessianMode.ALL else HessianMode.NATURAL,

@@ -28,8 +28,9 @@ def encode(
     tiers: Annotated[
         str | None,
         typer.Option(
-            help="per-expert K by REAP saliency (reap:K3=32,K2=rest) or per layer by routed share "
-            "(share:K3=4,K2=rest,K1=4); replaces --bits; needs --observations"
+            help="per-expert K by REAP saliency (reap:K3=32,K2=rest) or per layer, the first MoE layers first "
+            "(depth:K3=4,K2=rest,K1=4) or by routed share (share:K3=4,K2=rest,K1=4); replaces --bits; needs "
+            "--observations"
         ),
     ] = None,
     tier_plan: Annotated[Path | None, typer.Option(help="explicit tier_plan.json (observe --tiers)")] = None,

@@ -12,7 +12,8 @@ from glmquant.arch import load_model_spec
 from glmquant.checkpoint.hub import CONFIG_FILES, resolve_source
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.cli.common import HubRevision, JsonFlag, guarded, out, print_json
-from glmquant.observe.tiers import load_tier_plan
+from glmquant.errors import UsageError
+from glmquant.observe.tiers import TierSpec, load_tier_plan, plan_depth_tiers
 from glmquant.plan import load_source_shards, plan_to_json, summarize
 
 
@@ -32,6 +33,10 @@ def plan(
     tier_plan: Annotated[
         Path | None,
         typer.Option(help="per-expert K from an observation's tier_plan.json (observe --tiers; replaces --bits)"),
+    ] = None,
+    tiers: Annotated[
+        str | None,
+        typer.Option(help="per-layer K by depth (depth:K3=4,K2=rest,K1=4), as encode --tiers; replaces --bits"),
     ] = None,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     retained_bits: Annotated[
@@ -54,14 +59,23 @@ def plan(
         source_index = repo_index
     spec = load_model_spec(resolved.path)
     shards = load_source_shards(source_index) if source_index else None
-    tiers = load_tier_plan(tier_plan, spec.moe_layers, spec.n_routed_experts) if tier_plan else None
+    if tiers is not None and tier_plan is not None:
+        raise UsageError("give --tiers or --tier-plan, not both")
+    if tiers is not None:
+        depth = TierSpec.parse(tiers)
+        expert_bits, bits = plan_depth_tiers(depth, spec.moe_layers, spec.n_routed_experts), depth.rest_bits
+    elif tier_plan is not None:
+        plan_file = load_tier_plan(tier_plan, spec.moe_layers, spec.n_routed_experts)
+        expert_bits, bits = plan_file.expert_bits, plan_file.rest_bits
+    else:
+        expert_bits = None
     result = plan_artifact(
         spec,
         layout,
-        tiers.rest_bits if tiers else bits,
+        bits,
         codebook,
         shards,
-        expert_bits=tiers.expert_bits if tiers else None,
+        expert_bits=expert_bits,
         retained_bits=retained_bits,
         head_bits=head_bits,
         retained_exact_layers=retained_exact_layers,

@@ -18,7 +18,7 @@ from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
 from glmquant.encode.config import EncodeConfig
 from glmquant.errors import UsageError
 from glmquant.observe.prune import check_keep
-from glmquant.observe.tiers import TierPlan, load_tier_plan
+from glmquant.observe.tiers import TierPlan, load_tier_plan, plan_depth_tiers
 
 PRUNE_PLAN_NAME = "prune_plan.json"
 TIER_PLAN_NAME = "tier_plan.json"
@@ -58,11 +58,17 @@ def load_prune_plan(path: Path, spec: ModelSpec, expect_keep: int | None = None)
 
 
 def resolve_tiers(cfg: EncodeConfig, spec: ModelSpec, keep: Mapping[int, Sequence[int]] | None) -> TierPlan | None:
-    """Bits of each output expert per quantized layer (None: every expert at --bits)."""
+    """Bits of each output expert per quantized layer (None: every expert at --bits). Depth tiers follow from the
+    model's structure, so a build plans them before any layer is observed; the others read the observations."""
+    experts = len(next(iter(keep.values()))) if keep else spec.n_routed_experts
     if cfg.tier_plan is not None:
-        path = cfg.tier_plan
+        where = str(cfg.tier_plan)
+        plan = load_tier_plan(cfg.tier_plan, spec.moe_layers, experts)
     elif cfg.tiers is None:
         return None
+    elif cfg.tiers.criterion == "depth":
+        where = f"--tiers {cfg.tiers.text}"
+        plan = TierPlan(plan_depth_tiers(cfg.tiers, spec.moe_layers, experts), cfg.tiers.rest_bits)
     else:
         from glmquant.observe.tiers import write_tier_plan
 
@@ -70,9 +76,8 @@ def resolve_tiers(cfg: EncodeConfig, spec: ModelSpec, keep: Mapping[int, Sequenc
         quantized = {layer: experts for layer, experts in keep.items() if layer in spec.moe_layers} if keep else None
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         path = write_tier_plan(cfg.observations, cfg.tiers, quantized, cfg.state_dir / TIER_PLAN_NAME)
-    experts = len(next(iter(keep.values()))) if keep else spec.n_routed_experts
-    plan = load_tier_plan(path, spec.moe_layers, experts)
+        where, plan = str(path), load_tier_plan(path, spec.moe_layers, experts)
     widths = {b for bits in plan.expert_bits.values() for b in bits}
     if cfg.layout == "tr3" and not widths <= set(TR3_TIER_BITS):
-        raise UsageError(f"{path}: K{sorted(widths)} experts; the tr3 layout's tiers are K1 to K4")
+        raise UsageError(f"{where}: K{sorted(widths)} experts; the tr3 layout's tiers are K1 to K4")
     return plan

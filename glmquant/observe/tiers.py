@@ -1,14 +1,16 @@
-"""Per-expert bit widths (tiers) from REAP saliency or from each layer's routed share, as data for the encoder.
+"""Per-expert bit widths (tiers) from REAP saliency or by whole MoE layers, as data for the encoder.
 
 A tier spec names the ranking and the tiers from the most salient down. `reap` ranks the experts of each layer,
 e.g. `reap:K4=8,K3=16,K2=rest,K1=8`: in every MoE layer the 8 most salient experts get K4, the next 16 K3, the 8
-least salient K1 and every other K2. `share` ranks whole MoE layers by their routed share (stats.py: the routed
-experts' output energy against the residual stream it joins), e.g. `share:K3=1,K2=rest,K1=1`: every expert of the
-layer with the largest share gets K3, of the smallest K1 (the same bytes as K2 everywhere), the rest K2. Where an
-error of the experts perturbs the stream most, the bits go: on the trained proxy one of three MoE layers carried
-95 % of the K2 experts' KL (docs/fidelity.md). A count is a number of experts (layers) or a percentage of the
-layer's (kept) experts (of the MoE layers), `K3=25%` rounded down; exactly one tier is `rest`. Ties rank the lower
-expert id (layer) first, as the prune plan does, so the assignment is deterministic.
+least salient K1 and every other K2. Two criteria rank whole MoE layers, every expert of a layer getting its K:
+`depth` puts the first MoE layers first, e.g. `depth:K3=1,K2=rest,K1=1`: K3 for the first MoE layer, K1 for the
+last (the same bytes as K2 everywhere), K2 between; an error early in the stack passes through every later layer
+(and moves their routing), and on both trained proxies each MoE layer's K2 experts cost 8 to 120 times the KL of
+the next layer's (docs/fidelity.md). `share` ranks them by their routed share (stats.py: the routed experts'
+output energy against the residual stream it joins), which leaves that propagation out: on the second proxy it put
+a middle layer last. A count is a number of experts (layers) or a percentage of the layer's (kept) experts (of the
+MoE layers), `K3=25%` rounded down; exactly one tier is `rest`. Ties rank the lower expert id (layer) first, as the
+prune plan does, so the assignment is deterministic.
 
 `tier_plan.json` (written by `glmquant observe --tiers SPEC`, or by encode from the observations):
 
@@ -24,17 +26,22 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from glmquant.checkpoint.tiers import mean_bits, tier_bitmap_sha256, tier_counts, tiers_by_layer, tiers_differ_by_layer
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.errors import UsageError
 
+if TYPE_CHECKING:
+    from glmquant.observe.stats import LayerStats
+
 TIER_PLAN_FILE = "tier_plan.json"
 FORMAT = "glmquant.tier_plan.v1"
-CRITERIA = ("reap", "share")
+CRITERIA = ("reap", "depth", "share")
+LAYER_CRITERIA = ("depth", "share")  # those that rank whole MoE layers
 _TIER = re.compile(r"^K(\d)=(rest|\d+%?)$")
 
 
@@ -105,8 +112,8 @@ class TierSpec:
 
     @property
     def ranks_layers(self) -> bool:
-        """Whether the spec ranks whole MoE layers (`share`) rather than the experts of each layer (`reap`)."""
-        return self.criterion == "share"
+        """Whether the spec ranks whole MoE layers (`depth`, `share`) rather than the experts of each layer (`reap`)."""
+        return self.criterion in LAYER_CRITERIA
 
     def counts(self, experts: int) -> list[tuple[int, int]]:
         """(bits, items) per tier in salience order for `experts` items (the experts of a layer, or the layers)."""
@@ -145,13 +152,44 @@ def plan_tiers(
 
 
 def plan_layer_tiers(
-    share: Mapping[int, float], spec: TierSpec, experts: Mapping[int, int]
+    saliency: Mapping[int, float], spec: TierSpec, experts: Mapping[int, int]
 ) -> dict[int, tuple[int, ...]]:
-    """Bits of each output expert per MoE layer when the spec ranks layers: `share[L]` the layer's routed share,
-    `experts[L]` its output experts, each of which gets the layer's K."""
-    layers = sorted(share)
-    widths = spec.assign([share[layer] for layer in layers])
+    """Bits of each output expert per MoE layer when the spec ranks layers: `saliency[L]` the layer's rank value
+    (its routed share, or minus its index for `depth`), `experts[L]` its output experts, each of which gets the
+    layer's K."""
+    layers = sorted(saliency)
+    widths = spec.assign([saliency[layer] for layer in layers])
     return {layer: (k,) * experts[layer] for layer, k in zip(layers, widths)}
+
+
+def depth_saliency(layers: Iterable[int]) -> dict[int, float]:
+    """`depth`'s rank value of each MoE layer: minus its index, so the first layer ranks first."""
+    return {layer: -float(layer) for layer in layers}
+
+
+def plan_depth_tiers(spec: TierSpec, moe_layers: Sequence[int], experts: int) -> dict[int, tuple[int, ...]]:
+    """A `depth` spec's bits per expert of every MoE layer from the model's structure alone (`plan --tiers`)."""
+    if spec.criterion != "depth":
+        raise UsageError(
+            f"--tiers {spec.text}: only depth tiers follow from a config alone; {spec.criterion} tiers need "
+            "observations (observe --tiers, then --tier-plan)"
+        )
+    return plan_layer_tiers(depth_saliency(moe_layers), spec, dict.fromkeys(moe_layers, experts))
+
+
+def layer_saliency(stats: Mapping[int, LayerStats], spec: TierSpec, obs_dir: Path) -> dict[int, float]:
+    """Each MoE layer's rank value for a spec that ranks layers: minus its index (`depth`: the first layer first) or
+    its routed share (`share`; observations without routed-output energies are refused)."""
+    if spec.criterion == "depth":
+        return depth_saliency(stats)
+    shares = {layer: s.routed_share for layer, s in stats.items()}
+    missing = sorted(layer for layer, value in shares.items() if value is None)
+    if missing:
+        raise UsageError(
+            f"{obs_dir}: layer(s) {missing} have no routed-output energies (observed before glmquant recorded "
+            f"them); observe again to plan {spec.text}"
+        )
+    return {layer: float(v) for layer, v in shares.items() if v is not None}
 
 
 def write_tier_plan(
@@ -165,15 +203,8 @@ def write_tier_plan(
     if not stats:
         raise UsageError(f"{obs_dir}: no MoE layer statistics to plan tiers from")
     if spec.ranks_layers:
-        shares = {layer: s.routed_share for layer, s in stats.items()}
-        missing = sorted(layer for layer, value in shares.items() if value is None)
-        if missing:
-            raise UsageError(
-                f"{obs_dir}: layer(s) {missing} have no routed-output energies (observed before glmquant recorded "
-                f"them); observe again to plan {spec.text}"
-            )
         experts = {layer: len(keep[layer]) if keep is not None else s.count.numel() for layer, s in stats.items()}
-        bits = plan_layer_tiers({layer: float(v) for layer, v in shares.items() if v is not None}, spec, experts)
+        bits = plan_layer_tiers(layer_saliency(stats, spec, Path(obs_dir)), spec, experts)
     else:
         bits = plan_tiers({layer: s.reap.tolist() for layer, s in stats.items()}, spec, keep)
     body = {

@@ -124,6 +124,22 @@ def test_build_refuses_what_it_cannot_do(source: Path, tmp_path: Path) -> None:
         )
 
 
+def test_build_takes_depth_tiers_but_not_tiers_from_statistics(source: Path, tmp_path: Path) -> None:
+    """Depth tiers follow from the model's structure, so a build encodes its first MoE layer at K3 and its last at
+    K1 before it has observed the last; tiers ranked by statistics of later layers are refused up front."""
+    spec = "depth:K3=1,K2=rest,K1=1"
+    encode = EncodeConfig(source=source, out=tmp_path / "artifact", observations=tmp_path / "obs", tiers=spec)  # type: ignore[arg-type]  # the config parses option text
+    result = build_artifact(BuildConfig(_observe_config(source, tmp_path / "obs"), encode), QUIET)
+    assert result.encode.verification is not None and result.encode.verification.ok
+    layout = json.loads((tmp_path / "artifact" / "EXL3_MANIFEST.json").read_text())["layout"]
+    assert layout["tier_experts_by_layer"] == {"1": {"k3": 2}, "2": {"k1": 2}}  # the two MoE layers' two experts
+    with pytest.raises(UsageError, match="depth tiers"):
+        BuildConfig(
+            _observe_config(source, tmp_path / "obs2"),
+            EncodeConfig(source=source, out=tmp_path / "b", observations=tmp_path / "obs2", tiers="share:K2=rest"),  # type: ignore[arg-type]  # the config parses option text
+        )
+
+
 def test_build_tunes_scales_on_the_tokens_it_holds_as_encode_does(source: Path, two_step: Path, tmp_path: Path) -> None:
     """`--tuning-tokens` + `--tune-scales`: the fused build tunes on the sample still in memory and writes the bytes
     of observe + encode with the same options (scales tuned: not the untuned artifact's); without a sample it is

@@ -1,7 +1,7 @@
-"""Tiers by layer (`--tiers share:...`) end to end on the tiny model's two MoE layers: the layer whose routed output is
-the larger share of its residual stream gets the upper K, the other the lower; the artifact states the per-layer
-counts in its config block and manifest, verify-manifest checks them, `plan` predicts the files and the runtime
-serves both widths."""
+"""Tiers by layer (`--tiers share:...`, `depth:...`) end to end on the tiny model's two MoE layers: the layer whose
+routed output is the larger share of its residual stream gets the upper K, the other the lower (`depth`: the first
+layer the upper); the artifact states the per-layer counts in its config block and manifest, verify-manifest checks
+them, `plan` predicts the files and the runtime serves both widths."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 from encode_fixtures import encode_tiered, tiny_source
 from encode_fixtures import observed as observe_source
+from typer.testing import CliRunner
 
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.artifact_config import LAYER_TIERS_KEY
@@ -20,6 +21,7 @@ from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.manifest import MANIFEST_NAME
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.verify import verify_artifact
+from glmquant.cli import app
 from glmquant.errors import UsageError
 from glmquant.fixtures import TinyModelConfig
 from glmquant.observe.hessians import HessianMode
@@ -57,6 +59,7 @@ def _shares(observed: Path) -> dict[int, float]:
 def test_spec_ranks_layers_by_routed_share() -> None:
     spec = TierSpec.parse("share:K4=1,K3=25%,K2=rest,K1=2")
     assert spec.ranks_layers and not TierSpec.parse("reap:K2=rest").ranks_layers
+    assert TierSpec.parse("depth:K3=1,K2=rest,K1=1").ranks_layers
     assert spec.assign([0.3, 0.9, 0.1, 0.5, 0.05, 0.2, 0.7, 0.4]) == (2, 4, 1, 3, 1, 2, 3, 2)
     with pytest.raises(UsageError, match="take 5 MoE layers, the model has 4"):
         TierSpec.parse("share:K3=3,K2=rest,K1=2").counts(4)
@@ -125,8 +128,9 @@ def test_runtime_serves_each_layer_at_its_k(tiered: Path) -> None:
     assert sorted(widths.values(), key=str) == [{1}, {3}] and torch.isfinite(logits).all()
 
 
-def test_observations_without_energies_are_refused(observed: Path, tmp_path: Path) -> None:
-    """Observations written before the routed-output energies cannot rank layers: a clear error, not a guess."""
+def test_observations_without_energies_rank_by_depth_not_by_share(observed: Path, tmp_path: Path) -> None:
+    """Observations written before the routed-output energies cannot rank layers by share: a clear error, not a
+    guess; `depth` needs no statistics and puts the first MoE layer first."""
     old = shutil.copytree(observed, tmp_path / "old")
     for path in stats_files(old).values():
         stats = LayerStats.load(path)
@@ -135,3 +139,26 @@ def test_observations_without_energies_are_refused(observed: Path, tmp_path: Pat
         write_tier_plan(old, TierSpec.parse(SPEC), path=tmp_path / "plan.json")
     assert not (tmp_path / "plan.json").exists()
     write_tier_plan(old, TierSpec.parse("reap:K2=rest"), path=tmp_path / "plan.json")  # REAP tiers still plan
+    depth = json.loads(write_tier_plan(old, TierSpec.parse("depth:K3=1,K2=rest,K1=1"), path=tmp_path / "d").read_text())
+    first, last = sorted(depth["layers"], key=int)
+    assert (set(depth["layers"][first]), set(depth["layers"][last])) == ({3}, {1})
+    assert depth["criterion"] == "depth" and depth["mean_bits"] == 2.0
+
+
+def test_plan_predicts_depth_tiers_from_the_config_alone(source: Path, observed: Path, tmp_path: Path) -> None:
+    """`plan --tiers depth:...` needs no observations and predicts what the depth tier plan's artifact holds;
+    tiers that need observations are refused by name."""
+    spec = "depth:K3=1,K2=rest,K1=1"
+    written = write_tier_plan(observed, TierSpec.parse(spec), path=tmp_path / "depth.json")
+    common = ["plan", str(source), "--source-index", str(source / "model.safetensors.index.json"), "--json"]
+    runs = [CliRunner().invoke(app, [*common, *extra]) for extra in (["--tiers", spec], ["--tier-plan", str(written)])]
+    assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
+    from_config, from_plan = (json.loads(r.output) for r in runs)
+    assert from_config == from_plan
+    assert from_config["tier_bitmap_sha256"] == json.loads(written.read_text())["bitmap_sha256"]
+    trellises = [t for f in from_config["files"] for t in f["tensors"] if t["name"].endswith(".trellis")]
+    assert {t["shape"][-1] // 16 for t in trellises if ".experts." in t["name"]} == {1, 3}  # K1 and K3 experts
+    refused = CliRunner().invoke(app, [*common, "--tiers", SPEC])
+    assert refused.exit_code == 2 and "need observations" in refused.output
+    both = CliRunner().invoke(app, [*common, "--tiers", spec, "--tier-plan", str(written)])
+    assert both.exit_code == 2 and "not both" in both.output
