@@ -26,14 +26,14 @@ def smoke_proxy(corpus_recipe: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="session")
 def small_proxy(corpus_recipe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A smaller trained proxy for the tests that encode it for real: two layers, one MoE layer of 4 experts 128 wide
-    (in the smoke's exllamav3 layout each projection one 128 x 128 EXL3 block), a 128-wide dense MLP and a vocabulary
-    of 384 (lm_head three blocks; 448 took four): the speed tier's K4 linears and K5 head in as few blocks as the
-    architecture allows."""
+    """A smaller trained proxy for the tests that encode it for real: three layers, two MoE layers (KDA, then MLA/DSA:
+    the fewest that tiers by depth split at the seed's bytes) of 4 experts 128 wide (in the smoke's exllamav3 layout
+    each projection one 128 x 128 EXL3 block), a 128-wide dense MLP and a vocabulary of 384 (lm_head three blocks;
+    448 took four): the speed tier's K4 linears and K5 head in as few blocks as the architecture allows."""
     out = tmp_path_factory.mktemp("small-proxy")
     shape = replace(
         SMOKE_SHAPE,
-        num_hidden_layers=2,
+        num_hidden_layers=3,
         n_routed_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=128,

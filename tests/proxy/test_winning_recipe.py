@@ -1,7 +1,7 @@
-"""Issue 17's best recipe on the trained proxy, end to end: the fidelity benchmark's gate-weighted-mul1-tuned artifact
-(gate-weighted natural Hessians, MUL1 codebook, scales tuned on the unit's output) passes verify-manifest, then
-serve-check's fidelity gate against the BF16 proxy and its speed gate with the proxy's own MTP layer drafting,
-through the CLI as a user runs them."""
+"""Issue 17's best recipe on the trained proxy, end to end: the fidelity benchmark's depth-tiers-tuned artifact
+(K3 experts in the first MoE layer, K1 in the last, K2 between: the seed's bytes; scales tuned on the unit's output)
+passes verify-manifest, then serve-check's fidelity gate against the BF16 proxy and its speed gate with the proxy's
+own MTP layer drafting, through the CLI as a user runs them."""
 
 from __future__ import annotations
 
@@ -29,15 +29,16 @@ def _run(args: list[str]) -> str:
     return result.output
 
 
-def test_gate_weighted_mul1_tuned_verifies_and_passes_serve_check(
+def test_depth_tiers_tuned_verifies_and_passes_serve_check(
     small_proxy: Path, bench_run: BenchRun, tmp_path: Path
 ) -> None:
-    art = bench_run.work / "artifact-gate-weighted-mul1-tuned"  # the benchmark's row: observe --hessian-weighting
-    # gate --tuning-tokens N, encode --codebook mul1 --tune-scales 100 (the options a user passes)
+    art = bench_run.work / "artifact-depth-tiers-tuned"  # the benchmark's row: observe --tuning-tokens N, encode
+    # --tiers depth:K3=1,K2=rest,K1=1 --tune-scales 100 (the options a user passes)
     _run(["verify-manifest", str(art)])
     manifest = json.loads((art / "EXL3_MANIFEST.json").read_text())
-    assert manifest["calibration"]["routing"] == "natural+gate-weighted"
-    assert "mul1" in json.dumps(manifest) and "100 Adam steps" in json.dumps(manifest)
+    by_layer = manifest["layout"]["tier_experts_by_layer"]  # the small proxy's two MoE layers, first to last
+    assert [set(by_layer[layer]) for layer in sorted(by_layer, key=int)] == [{"k3"}, {"k1"}], by_layer
+    assert "100 Adam steps" in json.dumps(manifest)
 
     model = small_proxy / "model"
     _run(
