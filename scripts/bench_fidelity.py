@@ -12,15 +12,15 @@ Rows: the seed method (natural-routing Hessians, uniform K2 MCG); the seed metho
 tuned together on their share of the calibration tokens' MoE output (`encode --tune-scales`, the same bytes);
 tiers by layer at the seed's bytes, alone and tuned: K3 for the first MoE layers, K1 for the last, K2 between
 (`encode --tiers depth:...`), or ranked by the share of the residual stream their routed output is (`share:...`);
-gate-weighted
-natural Hessians (each routed token's rows weighted by its routing weight, observe --hessian-weighting gate), alone
-and with MUL1; all-token Hessians; a 50/50 blend; the speed tier's retained linears at K4-K6 (issue
-18); REAP tiers at the seed's bytes (K3 or K4 for the most salient experts, K1 for the least, K2 for the rest); REAP
-pruning with the freed bytes on K3; codebooks 3INST and MUL1; a quarter of the calibration rows; uniform K3 and K4
-as references above the seed's bytes; and ExLlamaV3 1.6.5's own converter on the same proxy when `exllamav3` imports
-(its routed-expert tensors evaluated the same way; attention, shared experts and head stay BF16 here too). The rows
-from codebook-mul1 on use the Hessians (natural, all-token or blend) that gave the lowest KL among the seed,
-all-token and blend rows. The rows are listed (and measured) in this order: the ones issues 17 and 18 wait on first.
+gate-weighted natural Hessians (each routed token's rows weighted by its routing weight, observe
+--hessian-weighting gate), alone and with MUL1; all-token Hessians; a 50/50 blend; the speed tier's retained
+linears at K4-K6 (issue 18); REAP tiers at the seed's bytes (K3 or K4 for the most salient experts, K1 for the
+least, K2 for the rest); REAP pruning with the freed bytes on K3; codebooks 3INST and MUL1; a quarter of the
+calibration rows; uniform K3 and K4 as references above the seed's bytes; and ExLlamaV3 1.6.5's own converter on
+the same proxy when `exllamav3` imports (its routed-expert tensors evaluated the same way; attention, shared experts
+and head stay BF16 here too). The rows from codebook-mul1 on use the Hessians (natural, all-token or blend) that
+gave the lowest KL among the seed, all-token and blend rows. The rows are listed (and measured) in this order:
+the ones issues 17 and 18 wait on first.
 
     # H200, after scripts/train_proxy.py --out /tmp/proxy --device cuda:
     python scripts/bench_fidelity.py --proxy /tmp/proxy --device cuda --work /tmp/fidelity \

@@ -63,9 +63,7 @@ class EncodeConfig:
     blend: float | None = None  # natural share s of the Hessians s·natural + (1 - s)·all-token (needs both)
     keep: int | None = None  # REAP pruning: experts kept per layer, ranked by the observations' saliency
     prune_plan: Path | None = None  # or an explicit plan file
-    tiers: TierSpec | None = (
-        None  # per-expert bit widths by REAP saliency or per layer by routed share (replaces `bits`)
-    )
+    tiers: TierSpec | None = None  # per-expert bit widths by REAP saliency, or per layer (replaces `bits`)
     tier_plan: Path | None = None  # or an explicit tier_plan.json
     device: str = "cpu"
     work_dir: Path | None = None
