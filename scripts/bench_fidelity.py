@@ -11,7 +11,8 @@ the seed's (1 % slack): pruning leaves a few % of scale vectors unspent, so thos
 Rows: the seed method (natural-routing Hessians, uniform K2 MCG); the seed method with the experts' stored scales
 tuned together on their share of the calibration tokens' MoE output (`encode --tune-scales`, the same bytes);
 tiers by layer at the seed's bytes, alone and tuned: K3 for the first MoE layers, K1 for the last, K2 between
-(`encode --tiers depth:...`), or ranked by the share of the residual stream their routed output is (`share:...`);
+(`encode --tiers depth:...`; tuned longer, on gate-weighted Hessians with MUL1, with 3INST), or ranked by the
+share of the residual stream their routed output is (`share:...`);
 gate-weighted natural Hessians (each routed token's rows weighted by its routing weight, observe
 --hessian-weighting gate), alone and with MUL1; all-token Hessians; a 50/50 blend; the speed tier's retained
 linears at K4-K6 (issue 18); REAP tiers at the seed's bytes (K3 or K4 for the most salient experts, K1 for the
@@ -138,6 +139,29 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
         Recipe(
             "depth-tiers-tuned",
             f"depth-tiers, then its experts' scales tuned as seed-tuned's (encode --tune-scales {TUNE_STEPS})",
+            tiers=by_depth,
+            tune_scales=TUNE_STEPS,
+        ),
+        Recipe(
+            f"depth-tiers-tuned-{LONG_TUNE_STEPS}",
+            f"depth-tiers-tuned with {LONG_TUNE_STEPS} Adam steps instead of {TUNE_STEPS}: whether its first MoE "
+            "layer's K3 experts, most of what is left of its KL, gain from a longer tuning",
+            tiers=by_depth,
+            tune_scales=LONG_TUNE_STEPS,
+        ),
+        Recipe(
+            "depth-tiers-gated-mul1-tuned",
+            "depth-tiers-tuned on gate-weighted natural Hessians with the MUL1 codebook (gate-weighted-mul1-tuned, "
+            "the best uniform-K2 row of the eighteenth session's table, by depth)",
+            codebook="mul1",
+            observations="gated",
+            tiers=by_depth,
+            tune_scales=TUNE_STEPS,
+        ),
+        Recipe(
+            "depth-tiers-3inst-tuned",
+            "depth-tiers-tuned with the 3INST codebook",
+            codebook="3inst",
             tiers=by_depth,
             tune_scales=TUNE_STEPS,
         ),
