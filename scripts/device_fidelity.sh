@@ -18,6 +18,10 @@
 #                                                              # spaces (a CPU-trained proxy's sizes: docs/fidelity.md)
 #   BENCH_WORK=/tmp/fid96 bash ... bench                     # another work dir (default /tmp/fid): a run at other
 #                                                              # --rows or --tokens must not meet the first's files
+#   EXL_BUILD=0 bash ... unpack                               # no ExLlamaV3 build this machine (its row already
+#                                                              # measured, or not wanted): bench runs without it
+#   RESUME_FROM=bench/results/F.json bash ... bench            # start the work dir's results from a committed
+#                                                              # file (same proxy and settings): its rows are kept
 #   EXL_BUILD_JOBS=16 bash ... unpack build                    # the extension build on that many cores (default
 #                                                              # 4, beside training); `build` waits for it
 #   bash ... unpack bench                                      # first add the carried .proxy-parts/NN to /tmp/proxy
@@ -33,7 +37,9 @@ OUT=${1:?output dir}; COMMIT=${2:?commit}; shift 2; MODES=("$@")
 LOG="$OUT/run.log"; t0=$(date +%s)
 left() { echo $(( ${LIMIT_S:-585} - ($(date +%s) - t0) )); }
 source scripts/device_env.sh
-if [[ ! -e /tmp/exl-build.log ]]; then  # once per machine, on a few cores so the corpus and kernels keep theirs
+if [[ ${EXL_BUILD:-1} == 0 ]]; then
+  [[ -e /tmp/exl-build.log ]] || echo "EXL_BUILD=0: no ExLlamaV3 extension build on this machine" >/tmp/exl-build.log
+elif [[ ! -e /tmp/exl-build.log ]]; then  # once per machine, on a few cores so the corpus and kernels keep theirs
   # its exit status lands in /tmp/exl-build.rc, which `build` waits for
   MAX_JOBS=${EXL_BUILD_JOBS:-4} setsid nice -n 10 bash -c \
     "python3 -c 'import exllamav3.ext'; rc=\$?; [[ \$rc == 0 ]] && touch /tmp/exl-built; echo \$rc >/tmp/exl-build.rc" \
@@ -48,6 +54,9 @@ if [[ -e .triton-cache/cache.tgz && ! -e $TRITON_CACHE_DIR ]]; then  # a carried
 fi
 FID=${BENCH_WORK:-/tmp/fid}  # the benchmark's work and results; another one for other --rows or --tokens
 mkdir -p /tmp/proxy "$FID"
+if [[ -n ${RESUME_FROM:-} && ! -e $FID/fidelity_proxy.json ]]; then  # bench --resume keeps its rows that match
+  cp "$RESUME_FROM" "$FID/fidelity_proxy.json" && echo "resuming from $RESUME_FROM" >>"$LOG"
+fi
 missing_shards() {  # the weight shards /tmp/proxy's index names that are not there (nothing when complete)
   python3 -c 'import json, pathlib; d = pathlib.Path("/tmp/proxy/model"); idx = d / "model.safetensors.index.json"
 try:
