@@ -37,8 +37,9 @@ OUT=${1:?output dir}; COMMIT=${2:?commit}; shift 2; MODES=("$@")
 LOG="$OUT/run.log"; t0=$(date +%s)
 left() { echo $(( ${LIMIT_S:-585} - ($(date +%s) - t0) )); }
 source scripts/device_env.sh
-if [[ ${EXL_BUILD:-1} == 0 ]]; then
-  [[ -e /tmp/exl-build.log ]] || echo "EXL_BUILD=0: no ExLlamaV3 extension build on this machine" >/tmp/exl-build.log
+if [[ ${EXL_BUILD:-1} == 0 ]]; then  # `build` finds the rc and does not wait
+  [[ -e /tmp/exl-build.log ]] || { echo "EXL_BUILD=0: no ExLlamaV3 extension build on this machine" >/tmp/exl-build.log
+                                   echo skipped >/tmp/exl-build.rc; }
 elif [[ ! -e /tmp/exl-build.log ]]; then  # once per machine, on a few cores so the corpus and kernels keep theirs
   # its exit status lands in /tmp/exl-build.rc, which `build` waits for
   MAX_JOBS=${EXL_BUILD_JOBS:-4} setsid nice -n 10 bash -c \
