@@ -23,7 +23,7 @@ class BuildConfig:
         o, e = self.observe, self.encode
         if e.source != o.source or e.observations != o.out:
             raise UsageError("a build encodes the source it observes, with the observations it writes")
-        if e.keep is not None or (e.tiers is not None and e.tiers.criterion != "depth"):
+        if e.keep is not None or (e.tiers is not None and not e.tiers.from_structure):
             raise UsageError(
                 "a build encodes all experts or those of --prune-plan, at --bits, the tiers of --tier-plan or "
                 "depth tiers: the statistics of the later layers do not exist yet when the first is encoded "

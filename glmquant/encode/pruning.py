@@ -66,7 +66,7 @@ def resolve_tiers(cfg: EncodeConfig, spec: ModelSpec, keep: Mapping[int, Sequenc
         plan = load_tier_plan(cfg.tier_plan, spec.moe_layers, experts)
     elif cfg.tiers is None:
         return None
-    elif cfg.tiers.criterion == "depth":
+    elif cfg.tiers.from_structure:
         where = f"--tiers {cfg.tiers.text}"
         plan = TierPlan(plan_depth_tiers(cfg.tiers, spec.moe_layers, experts), cfg.tiers.rest_bits)
     else:

@@ -42,6 +42,7 @@ TIER_PLAN_FILE = "tier_plan.json"
 FORMAT = "glmquant.tier_plan.v1"
 CRITERIA = ("reap", "depth", "share")
 LAYER_CRITERIA = ("depth", "share")  # those that rank whole MoE layers
+STRUCTURE_CRITERIA = ("depth",)  # those that follow from the model's structure, no observations needed
 _TIER = re.compile(r"^K(\d)=(rest|\d+%?)$")
 
 
@@ -115,6 +116,12 @@ class TierSpec:
         """Whether the spec ranks whole MoE layers (`depth`, `share`) rather than the experts of each layer (`reap`)."""
         return self.criterion in LAYER_CRITERIA
 
+    @property
+    def from_structure(self) -> bool:
+        """Whether the plan follows from the model's structure alone (`depth`): a config or a build's first layer
+        suffices, no statistics needed."""
+        return self.criterion in STRUCTURE_CRITERIA
+
     def counts(self, experts: int) -> list[tuple[int, int]]:
         """(bits, items) per tier in salience order for `experts` items (the experts of a layer, or the layers)."""
         fixed = sum(t.size(experts) or 0 for t in self.tiers)
@@ -169,7 +176,7 @@ def depth_saliency(layers: Iterable[int]) -> dict[int, float]:
 
 def plan_depth_tiers(spec: TierSpec, moe_layers: Sequence[int], experts: int) -> dict[int, tuple[int, ...]]:
     """A `depth` spec's bits per expert of every MoE layer from the model's structure alone (`plan --tiers`)."""
-    if spec.criterion != "depth":
+    if not spec.from_structure:
         raise UsageError(
             f"--tiers {spec.text}: only depth tiers follow from a config alone; {spec.criterion} tiers need "
             "observations (observe --tiers, then --tier-plan)"
@@ -180,7 +187,7 @@ def plan_depth_tiers(spec: TierSpec, moe_layers: Sequence[int], experts: int) ->
 def layer_saliency(stats: Mapping[int, LayerStats], spec: TierSpec, obs_dir: Path) -> dict[int, float]:
     """Each MoE layer's rank value for a spec that ranks layers: minus its index (`depth`: the first layer first) or
     its routed share (`share`; observations without routed-output energies are refused)."""
-    if spec.criterion == "depth":
+    if spec.from_structure:
         return depth_saliency(stats)
     shares = {layer: s.routed_share for layer, s in stats.items()}
     missing = sorted(layer for layer, value in shares.items() if value is None)
