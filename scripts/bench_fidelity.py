@@ -11,8 +11,9 @@ the seed's (1 % slack): pruning leaves a few % of scale vectors unspent, so thos
 Rows: the seed method (natural-routing Hessians, uniform K2 MCG); the seed method with the experts' stored scales
 tuned together on their share of the calibration tokens' MoE output (`encode --tune-scales`, the same bytes);
 tiers by layer at the seed's bytes, alone and tuned: K3 for the first MoE layers, K1 for the last, K2 between
-(`encode --tiers depth:...`; tuned longer, on gate-weighted Hessians with MUL1, with 3INST), or ranked by the
-share of the residual stream their routed output is (`share:...`);
+(`encode --tiers depth:...`; tuned longer, on gate-weighted Hessians with MUL1, with 3INST), every other
+byte-neutral allocation of K1-K4 by depth on a proxy of at most 8 MoE layers (the depth sweep, `depth-k<K per
+layer>`), or ranked by the share of the residual stream their routed output is (`share:...`);
 gate-weighted natural Hessians (each routed token's rows weighted by its routing weight, observe
 --hessian-weighting gate), alone and with MUL1; all-token Hessians; a 50/50 blend; the speed tier's retained
 linears at K4-K6 (issue 18); REAP tiers at the seed's bytes (K3 or K4 for the most salient experts, K1 for the
@@ -56,6 +57,7 @@ import traceback
 from collections.abc import Collection, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
+from itertools import combinations_with_replacement, groupby
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,8 @@ ROUTED_KEY = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.")
 TUNE_STEPS = 100  # `encode --tune-scales` of the tuned rows
 LONG_TUNE_STEPS = 400  # the row that asks whether TUNE_STEPS is enough
 MTP_PROMPT_TOKENS = 128  # held-out prompt length of the MTP acceptance run (at most half a held-out row)
+SWEEP_BITS = (4, 3, 2, 1)  # the widths the depth sweep gives whole MoE layers
+SWEEP_MAX_MOE_LAYERS = 8  # a proxy's few MoE layers are enumerated; a 42-layer model's allocations are not
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,24 @@ class Recipe:
     retained_exact_layers: int = 0  # but the first layers' retained linears exact (`encode --retained-exact-layers`)
     head_bits: int | None = None  # and lm_head EXL3 at this K (`encode --head-bits`)
     tune_scales: int = 0  # Adam steps of `encode --tune-scales` on its observation's token sample
+
+
+def depth_allocations(moe_layers: int) -> list[tuple[int, ...]]:
+    """Every K (of SWEEP_BITS) per MoE layer, non-increasing with depth, that spends the seed's bytes (K2 on
+    average), uniform K2 apart; none past SWEEP_MAX_MOE_LAYERS."""
+    if moe_layers > SWEEP_MAX_MOE_LAYERS:
+        return []
+    return [
+        bits
+        for bits in combinations_with_replacement(SWEEP_BITS, moe_layers)  # non-increasing, SWEEP_BITS' order
+        if sum(bits) == 2 * moe_layers and set(bits) != {2}
+    ]
+
+
+def depth_spec(bits: Sequence[int]) -> str:
+    """The `--tiers depth:...` spec that gives MoE layer i the width bits[i] (bits non-increasing)."""
+    runs = [(k, len(list(group))) for k, group in groupby(bits)]
+    return "depth:" + ",".join(f"K{k}={'rest' if i == len(runs) - 1 else n}" for i, (k, n) in enumerate(runs))
 
 
 def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
@@ -164,6 +186,16 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
             codebook="3inst",
             tiers=by_depth,
             tune_scales=TUNE_STEPS,
+        ),
+        *(
+            Recipe(
+                "depth-k" + "".join(map(str, bits)),
+                f"the depth sweep: MoE layers at K{', K'.join(map(str, bits))} from the first (encode --tiers "
+                f"{depth_spec(bits)}): which byte-neutral allocation by depth is best, untuned",
+                tiers=depth_spec(bits),
+            )
+            for bits in depth_allocations(moe_layers)
+            if depth_spec(bits) != depth_spec([3] * m3 + [2] * (moe_layers - 2 * m3) + [1] * m3)  # depth-tiers' own
         ),
         Recipe(
             "layer-tiers",

@@ -42,6 +42,23 @@ def test_rows_spend_the_seeds_trellis_bytes() -> None:
             assert (trellis == 2 * experts * moe_layers) != r.reference, (experts, r.name)
 
 
+def test_depth_sweep_enumerates_every_byte_neutral_allocation_by_depth() -> None:
+    """On six MoE layers the sweep is every non-increasing K1-K4 per layer with mean K2 but uniform K2 and
+    depth-tiers' own (3, 3, 2, 2, 1, 1); each row's spec gives back its allocation; a 42-layer model has none."""
+    from glmquant.observe.tiers import TierSpec
+
+    bench = _bench_module()
+    sweep = {r.name: r.tiers for r in bench.recipes(64, 8, 6) if r.name.startswith("depth-k")}
+    assert sorted(sweep) == sorted(
+        ["depth-k441111", "depth-k432111", "depth-k422211", "depth-k333111", "depth-k322221"]
+    )
+    for name, tiers in sweep.items():
+        bits = [b for b, n in TierSpec.parse(tiers).counts(6) for _ in range(n)]
+        assert "depth-k" + "".join(map(str, bits)) == name
+    assert [r.tiers for r in bench.recipes(8, 4, 3) if r.name == "depth-k411"] == ["depth:K4=1,K1=rest"]
+    assert not [r for r in bench.recipes(288, 45, 42) if r.name.startswith("depth-k")]
+
+
 def test_first_difference_names_where_speculative_output_leaves_plain_greedy() -> None:
     first_difference = _bench_module().first_difference
     assert first_difference([5, 6, 7], [5, 6, 7]) is None
