@@ -51,6 +51,23 @@ def hyper_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
 
 
+def hyper_enter(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One mHC site's way into its block: the block input [T, H] (the streams [T, N, H] collapsed with pre, then the
+    block's RMS norm), and post [T, N] and comb [T, N, N] for `hyper_expand`."""
+    n = streams.shape[-2]
+    pre, post, comb = hyper_weights(hyper_mix(streams, fn, rms_eps), base, scale, n, hc_eps, sinkhorn_iters)
+    return rms_norm(hyper_collapse(pre, streams), norm, rms_eps), post, comb
+
+
 def hyper_expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """The next streams [T, N, H]: the block output [T, H] spread by post plus the streams mixed by comb."""
     dtype = streams.dtype

@@ -1,6 +1,6 @@
 """The runtime's own forward with resident Triton experts (the GPU path: dummy stacks generated in one pass, every
-MoE step one `fused_moe`) against the same dummy model with the torch expert backend: the same greedy tokens, logits
-within the GEMV core's fp16 error (1e-3 relative)."""
+MoE step one `fused_moe`, mHC through its fused kernels) against the same dummy model with the torch expert backend:
+the same greedy tokens, logits within the GEMV core's fp16 error (1e-3 relative)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def test_resident_triton_experts_decode_like_the_torch_backend(tiny_source: Path
     artifact = dummy_artifact(tiny_source, device=device)
     triton = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32", backend="triton"), max_len=32)
     torch_ = Engine.load(artifact, RuntimeOptions(device=device, dtype="float32"), max_len=32)
+    from glmquant.runtime.kernels import mhc
+
+    for run in (triton.prefill_run, triton.decode_run):  # mHC through its fused kernels (kernels/mhc.py) too
+        assert (run.ops.hyper_enter, run.ops.hyper_expand) == (mhc.hyper_enter, mhc.hyper_expand)
     _assert_same_greedy_steps(triton, torch_, device)
 
 

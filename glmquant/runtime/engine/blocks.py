@@ -62,10 +62,10 @@ def _hyper_residual(
 ) -> torch.Tensor:
     """One block inside mHC: collapse the streams, norm, the block, spread its output and mix the streams."""
     cfg, ops = run.cfg, run.ops
-    mix = ops.hyper_mix(streams, hc.fn, cfg.rms_eps)
-    pre, post, comb = ops.hyper_weights(mix, hc.base, hc.scale, cfg.hc_mult, cfg.hc_eps, cfg.sinkhorn_iters)
-    out = block(ops.rms_norm(ops.hyper_collapse(pre, streams), norm, cfg.rms_eps))
-    return ops.hyper_expand(post, comb, out, streams)
+    h, post, comb = ops.hyper_enter(
+        streams, hc.fn, hc.base, hc.scale, norm, cfg.rms_eps, cfg.hc_eps, cfg.sinkhorn_iters
+    )
+    return ops.hyper_expand(post, comb, block(h), streams)
 
 
 def mlp(x: torch.Tensor, w: MLP, run: Run) -> torch.Tensor:

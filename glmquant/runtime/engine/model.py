@@ -71,7 +71,8 @@ class Engine:
         experts = engine_experts(artifact, options)
         cuda_graphs = cuda_graphs and options.backend == "triton"  # the torch backend syncs with the host
         prefill_run, decode_run = (
-            Run(cfg, ops_for(device, compiled), experts, artifact.ranks) for compiled in (False, options.compile_decode)
+            Run(cfg, ops_for(device, compiled, device.type == "cuda" or kernels), experts, artifact.ranks)
+            for compiled in (False, options.compile_decode)
         )
         return cls(
             cfg,

@@ -1,5 +1,5 @@
 """The math a forward calls, as one object: GLM-5.3-Flash's PyTorch functions (`arch.glm5_next_math`), or the same
-functions compiled by `torch.compile`, and on CUDA the fused Triton mHC kernel.
+functions compiled by `torch.compile`, and on CUDA the fused Triton mHC kernels (`kernels/mhc.py`).
 
 A decode step is bound by launches more than by work: each elementwise chain (a norm, the SwiGLU clamps, the KDA
 gate, the router) is five to ten tiny kernels in eager PyTorch, ~180 per layer. Compiled, each chain is one or two
@@ -20,9 +20,7 @@ from glmquant.arch import glm5_next_math as math
 @dataclass(frozen=True)
 class Ops:
     rms_norm: Callable[..., torch.Tensor]
-    hyper_mix: Callable[..., torch.Tensor]
-    hyper_weights: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    hyper_collapse: Callable[..., torch.Tensor]
+    hyper_enter: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     hyper_expand: Callable[..., torch.Tensor]
     swiglu: Callable[..., torch.Tensor]
     route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -42,16 +40,17 @@ class Ops:
 RECOMPILE_LIMIT = 64
 
 
-def ops_for(device: torch.device, compiled: bool = False) -> Ops:
+def ops_for(device: torch.device, compiled: bool = False, mhc_kernels: bool | None = None) -> Ops:
     """The functions for `device`: compiled (torch.compile, shapes dynamic after their first change, dynamo's
-    recompile limit raised to `RECOMPILE_LIMIT`) if asked; mHC's weights from the fused Triton kernel on CUDA."""
+    recompile limit raised to `RECOMPILE_LIMIT`) if asked; mHC from its fused Triton kernels if `mhc_kernels` (by
+    default on CUDA; the engine's Triton backends also on the CPU under Triton's interpreter, for tests)."""
     funcs = {f.name: getattr(math, f.name) for f in fields(Ops)}
     if compiled:
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         funcs = {name: torch.compile(fn, dynamic=None) for name, fn in funcs.items()}
-    if device.type == "cuda":
-        from glmquant.runtime.kernels.mhc import hyper_weights
+    if device.type == "cuda" if mhc_kernels is None else mhc_kernels:
+        from glmquant.runtime.kernels.mhc import hyper_enter, hyper_expand
 
-        funcs["hyper_weights"] = hyper_weights
+        funcs |= {"hyper_enter": hyper_enter, "hyper_expand": hyper_expand}
     return Ops(**funcs)
