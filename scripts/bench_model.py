@@ -424,6 +424,8 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
                 fn()
             times[name] = timed_ms(engine, fn, reps=reps) / reps
         engine.restore_recurrent(0, saved)
+        classes = verify_classes(engine, k + 1, context, times["verify_ms"])
+        engine.restore_recurrent(0, saved)
         diff = verify_graph_diff(engine, step_ids, context, saved)
         decoder = EngineMtpDecoder(engine, k)
         decoder.prefill(PromptInputs(ids.view(1, -1)))
@@ -434,6 +436,7 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
             {
                 "k": k,
                 **{name: round(v, 4) for name, v in times.items()},
+                "verify_classes_ms": classes,
                 "verify_graph_max_abs_logit_diff": diff,
                 "measured_tok_s": round((len(produced) - 1) * 1000 / ms, 2),
                 "measured_acceptance_rate": round(decoder.stats.acceptance_rate, 4),
@@ -454,9 +457,23 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
         "count where CUDA graphs run (graphs: true), else eager; verify_eager_ms the same verify eager on the "
         "decode math, and verify_graph_max_abs_logit_diff its largest logit difference from the graph's; the "
         "plain step graph-replayed where CUDA graphs run",
+        "verify_classes": "verify_classes_ms: each kernel class of the classes part over all layers for the k + 1 "
+        "tokens, captured and timed alone as there (without the verify's per-token KDA state records), and rest = "
+        "verify_ms minus the classes: where a verify's time goes beside a plain step's (the classes part)",
         "formula": SPEC_FORMULA,
         "rows": rows,
     }
+
+
+def verify_classes(engine: Engine, tokens: int, context: int, verify_ms: float) -> dict[str, float]:
+    """ms of each class for `tokens` tokens of one row at `context` (`class_steps`), and the rest of `verify_ms`."""
+    x = block_input(engine, 1, tokens=tokens)
+    times = {
+        name: timed_ms(engine, replayable(engine, fn), reps=10) / 10
+        for name, fn in class_steps(engine, x, context).items()
+    }
+    times["rest"] = verify_ms - sum(times.values())
+    return {name: round(ms, 4) for name, ms in times.items()}
 
 
 def verify_graph_diff(engine: Engine, step_ids: torch.Tensor, context: int, saved: list[torch.Tensor]) -> float | None:

@@ -59,6 +59,12 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     for row in mtp["rows"]:
         assert row["draft_ms"] > 0 and row["verify_ms"] > 0 and row["rollback_ms"] > 0 and row["measured_tok_s"] > 0
         assert 0 <= row["measured_acceptance_rate"] <= 1
+        verify_classes = row["verify_classes_ms"]  # where the verify's time goes, class by class
+        assert set(verify_classes) == {*classes, "rest"}
+        assert all(verify_classes[c] > 0 for c in classes if c != "rest")
+        assert verify_classes["rest"] == pytest.approx(
+            row["verify_ms"] - sum(v for c, v in verify_classes.items() if c != "rest"), abs=1e-3
+        )
         rates = row["tok_s_at_accepted_per_step"]
         assert rates["0"] < rates[f"{row['k']:g}"]  # more accepted drafts, more tokens per second
     summary = report["summary"]

@@ -27,19 +27,21 @@ if TYPE_CHECKING:
 CLASSES = ("kda", "mla_dsa", "routed_moe", "shared_dense_mlp", "lm_head")
 
 
-def block_input(engine: Engine, batch: int, seed: int = 0) -> torch.Tensor:
-    """A normed block input [B, 1, H]: unit RMS, the model dtype."""
+def block_input(engine: Engine, batch: int, seed: int = 0, tokens: int = 1) -> torch.Tensor:
+    """A normed block input [B, S, H] of S = `tokens` per row (a verify step's k + 1): unit RMS, the model dtype."""
     gen = torch.Generator(device=engine.device).manual_seed(seed)
-    x = torch.randn(batch, 1, engine.cfg.hidden, generator=gen, device=engine.device)
+    x = torch.randn(batch, tokens, engine.cfg.hidden, generator=gen, device=engine.device)
     return x.to(engine.weights.embed.dtype)
 
 
 def class_steps(engine: Engine, x: torch.Tensor, position: int) -> dict[str, Callable[[], object]]:
-    """Each class over all layers for the rows of x [B, 1, H] at `position` (caches of slots 0..B-1 are written)."""
+    """Each class over all layers for the rows of x [B, S, H] at positions `position`.. (caches of slots 0..B-1 are
+    written; S > 1 is a verify step's work without its per-token KDA state records)."""
     cfg, w, run = engine.cfg, engine.weights, engine.decode_run
-    rows = engine.caches.rows(0, x.shape[0])
-    positions = torch.full((x.shape[0], 1), position, dtype=torch.long, device=engine.device)
-    pools = engine.pools_for(position + 1)
+    batch, tokens = x.shape[:2]
+    rows = engine.caches.rows(0, batch)
+    positions = position + torch.arange(tokens, device=engine.device).expand(batch, tokens)
+    pools = engine.pools_for(position + tokens)
     layers = list(enumerate(w.layers))
     kda = [
         (lw.attention, c)
@@ -67,7 +69,7 @@ def class_steps(engine: Engine, x: torch.Tensor, position: int) -> dict[str, Cal
         return [mlp(x, m, run) for m in mlps]
 
     def run_head() -> object:
-        return project(run.ops.rms_norm(x[:, -1], w.norm, cfg.rms_eps), w.lm_head)
+        return project(run.ops.rms_norm(x.flatten(0, 1), w.norm, cfg.rms_eps), w.lm_head)  # every token's logits
 
     return dict(zip(CLASSES, (run_kda, run_mla, run_routed, run_mlps, run_head)))
 
