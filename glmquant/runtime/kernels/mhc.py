@@ -28,11 +28,12 @@ PARTIALS_MAX_TOKENS = 64  # decode and verify steps; a prefill chunk's mix is on
 @triton.jit
 def _rounded(x, dtype: tl.constexpr):
     """fp32 x rounded to `dtype` (nearest, ties to even) and back: BF16 by its bits, which Triton's CPU interpreter
-    would otherwise truncate, so the tests see the GPU's rounding."""
+    would otherwise truncate, so the tests see the GPU's rounding; a NaN stays NaN (its bits would carry into the
+    exponent)."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     else:
         return x.to(dtype).to(tl.float32)
 
@@ -115,19 +116,23 @@ def _hyper_enter_kernel(
 @triton.jit
 def _hyper_expand_kernel(streams_ptr, out_ptr, post_ptr, comb_ptr, next_ptr, H, N: tl.constexpr, BLOCK: tl.constexpr):
     """Token t, hidden columns of block b: next[n] = post_n out + sum_m comb[m, n] s_m, each term and the sum rounded
-    to the streams' dtype (post and comb cast to it first), as PyTorch's BF16 product and matmul do."""
+    to the streams' dtype (post and comb cast to it first), as PyTorch's BF16 product and matmul do. The sum runs
+    over the source streams m one at a time: [N, BLOCK] in registers, not [N, N, BLOCK]."""
     t, b = tl.program_id(0), tl.program_id(1)
     dtype = next_ptr.dtype.element_ty
     n = tl.arange(0, N)
     h = b * BLOCK + tl.arange(0, BLOCK)
     hl = h < H
     base = t.to(tl.int64) * (N * H)
-    s = tl.load(streams_ptr + base + n[:, None] * H + h[None, :], mask=hl[None, :], other=0.0).to(tl.float32)
     out = tl.load(out_ptr + t.to(tl.int64) * H + h, mask=hl, other=0.0).to(tl.float32)
     post = _rounded(tl.load(post_ptr + t * N + n), dtype)
-    comb_t = _rounded(tl.load(comb_ptr + t * (N * N) + n[None, :] * N + n[:, None]), dtype)  # [n, m]
     spread = _rounded(post[:, None] * out[None, :], dtype)
-    mixed = _rounded(tl.sum(comb_t[:, :, None] * s[None, :, :], axis=1), dtype)
+    acc = tl.zeros((N, BLOCK), dtype=tl.float32)
+    for m in tl.static_range(N):
+        s_m = tl.load(streams_ptr + base + m * H + h, mask=hl, other=0.0).to(tl.float32)
+        comb_m = _rounded(tl.load(comb_ptr + t * (N * N) + m * N + n), dtype)  # comb[m, n] for every n
+        acc += comb_m[:, None] * s_m[None, :]
+    mixed = _rounded(acc, dtype)
     tl.store(next_ptr + base + n[:, None] * H + h[None, :], _rounded(spread + mixed, dtype).to(dtype), mask=hl[None, :])
 
 
