@@ -51,3 +51,29 @@ def test_longer_inputs_take_the_chunked_form_of_the_same_recurrence() -> None:
     torch.testing.assert_close(out, torch.cat(steps, dim=1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked_state, stepped_state, rtol=1e-5, atol=1e-5)
     assert not torch.equal(out, torch.cat(steps, dim=1))  # a different summation: the chunked kernel ran
+
+
+def test_fla_recurrence_writes_the_final_state_over_the_initial_one() -> None:
+    """With flash-linear-attention (CUDA, or its kernels under Triton's interpreter) the recurrent path leaves the
+    final state in the cache's own tensor, with fla's public function's output and state (no state copy per step);
+    the engine's q, k, v are views of one fused projection, not contiguous."""
+    pytest.importorskip("fla.ops.kda", reason="flash-linear-attention is not installed (the optional extra fla)")
+    from fla.ops.kda import fused_recurrent_kda
+
+    from glmquant.runtime.kernels.kda import _fla_recurrent_in_place
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(2)
+    fused = torch.randn(1, 2, 3, 2, 16, generator=gen).to(device)
+    q, k, v = fused.unbind(2)
+    _, _, _, g, beta = (t.to(device) for t in _inputs(2, gen))
+    state = torch.randn(1, 2, 16, 16, generator=gen).to(device)
+    expected_out, expected_state = fused_recurrent_kda(
+        q, k, v, g, beta, initial_state=state.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    address = state.data_ptr()
+    out, final = _fla_recurrent_in_place(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    assert final is state and state.data_ptr() == address
+    assert torch.equal(out, expected_out) and torch.equal(state, expected_state)
