@@ -88,7 +88,13 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """noaux_tc routing with one expert group: (expert ids [T, k], fp32 weights [T, k]); the correction bias
     chooses, the plain sigmoid scores weigh."""
-    scores = F.linear(hidden.float(), weight.float()).sigmoid()
+    return select_experts(F.linear(hidden.float(), weight.float()).sigmoid(), bias, top_k, scaling, normalize)
+
+
+def select_experts(
+    scores: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` from the router's fp32 sigmoid scores [T, E]."""
     ids = torch.topk(scores + bias, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if normalize:

@@ -1,5 +1,6 @@
 """The math a forward calls, as one object: GLM-5.3-Flash's PyTorch functions (`arch.glm5_next_math`), or the same
-functions compiled by `torch.compile`, and on CUDA the fused Triton mHC kernels (`kernels/mhc.py`).
+functions compiled by `torch.compile`, and on CUDA the Triton kernels of mHC (`kernels/mhc.py`) and of the router's
+scores (`kernels/router.py`).
 
 A decode step is bound by launches more than by work: each elementwise chain (a norm, the SwiGLU clamps, the KDA
 gate, the router) is five to ten tiny kernels in eager PyTorch, ~180 per layer. Compiled, each chain is one or two
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
 
@@ -40,17 +42,25 @@ class Ops:
 RECOMPILE_LIMIT = 64
 
 
-def ops_for(device: torch.device, compiled: bool = False, mhc_kernels: bool | None = None) -> Ops:
+def ops_for(device: torch.device, compiled: bool = False, kernels: bool | None = None) -> Ops:
     """The functions for `device`: compiled (torch.compile, shapes dynamic after their first change, dynamo's
-    recompile limit raised to `RECOMPILE_LIMIT`) if asked; mHC from its fused Triton kernels if `mhc_kernels` (by
-    default on CUDA; the engine's Triton backends also on the CPU under Triton's interpreter, for tests)."""
+    recompile limit raised to `RECOMPILE_LIMIT`) if asked; mHC and the router's scores from their Triton kernels if
+    `kernels` (by default on CUDA; the engine's Triton backends also on the CPU under Triton's interpreter, for
+    tests)."""
     funcs = {f.name: getattr(math, f.name) for f in fields(Ops)}
+    select = math.select_experts
     if compiled:
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         funcs = {name: torch.compile(fn, dynamic=None) for name, fn in funcs.items()}
-    if device.type == "cuda" if mhc_kernels is None else mhc_kernels:
+        select = torch.compile(select, dynamic=None)
+    if device.type == "cuda" if kernels is None else kernels:
+        from glmquant.runtime.kernels import router
         from glmquant.runtime.kernels.mhc import hyper_enter, hyper_expand
 
-        funcs |= {"hyper_enter": hyper_enter, "hyper_expand": hyper_expand}
+        funcs |= {
+            "hyper_enter": hyper_enter,
+            "hyper_expand": hyper_expand,
+            "route": partial(router.route, select=select),
+        }
     return Ops(**funcs)

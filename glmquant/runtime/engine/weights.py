@@ -46,7 +46,7 @@ class MLP:
 
 @dataclass(frozen=True)
 class MoEBlock:
-    router: torch.Tensor  # fp32 [E, H]
+    router: torch.Tensor  # [E, H]: fp32, or the model dtype with the Triton backends (`kernels/router.py`)
     bias: torch.Tensor  # fp32 [E]
     shared: MLP
 
@@ -192,7 +192,7 @@ def _layer(read: _LayerReader, cfg: EngineConfig, layer: int) -> LayerWeights:
         mlp: MLP | MoEBlock = _mlp(read, "mlp.")
     else:
         mlp = MoEBlock(
-            read("mlp.gate.weight", True),
+            read("mlp.gate.weight", not read.kernels),  # the model dtype where `kernels/router.py` reads it
             read("mlp.gate.e_score_correction_bias", True),
             _mlp(read, "mlp.shared_experts."),
         )

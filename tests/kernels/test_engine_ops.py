@@ -1,0 +1,45 @@
+"""The engine with the runtime's own Triton kernels for its math (`engine/ops.py`: mHC, the router's scores) against
+the same engine on the PyTorch math."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+import torch
+from kernel_helpers import kernel_device
+
+from glmquant.arch import glm5_next_math as math
+from glmquant.runtime.kernels import mhc
+
+
+def test_engine_with_the_runtime_kernels_decodes_like_its_pytorch_math(tiny_source: Path) -> None:
+    """The tiny model's engine (float32, torch experts) with mHC and the router's scores through their kernels: a
+    prefill and three greedy steps give the PyTorch math's logits to float32 rounding, so the kernels sit in the
+    forward as the math does (a prefill's rows through the matrix-product paths, decode rows through the kernels)."""
+    from dataclasses import replace
+
+    from glmquant.runtime.dummy import dummy_artifact
+    from glmquant.runtime.engine import Engine
+    from glmquant.runtime.engine.ops import ops_for
+    from glmquant.runtime.options import RuntimeOptions
+
+    device = kernel_device()
+    artifact = dummy_artifact(tiny_source, device=device)
+    options = RuntimeOptions(device=device, dtype="float32")
+    engines = [Engine.load(artifact, options, max_len=80) for _ in range(2)]
+    fused = engines[1]
+    fused.prefill_run = replace(fused.prefill_run, ops=ops_for(torch.device(device), kernels=True))
+    fused.decode_run = replace(fused.decode_run, ops=ops_for(torch.device(device), kernels=True))
+    assert (
+        fused.decode_run.ops.hyper_enter is mhc.hyper_enter
+        and engines[0].decode_run.ops.hyper_enter is math.hyper_enter
+    )
+    prompt = torch.arange(70) % 200  # past PARTIALS_MAX_TOKENS and KERNEL_MAX_TOKENS: matrix products
+    logits = [engine.prefill(0, prompt) for engine in engines]
+    for step in range(3):
+        torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5 * float(logits[0].abs().max()))
+        token, at = logits[0].argmax().view(1), torch.tensor([prompt.numel() + step], device=device)
+        logits = [engine.decode(token, at, prompt.numel() + step + 1)[0].clone() for engine in engines]
