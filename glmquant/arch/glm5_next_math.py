@@ -136,19 +136,25 @@ def index_scores(
 
 
 def select_tokens(
-    scores: torch.Tensor, positions: torch.Tensor, kpool: int, topk: int, with_tail: bool
+    scores: torch.Tensor | None, positions: torch.Tensor, pools: int, kpool: int, topk: int, with_tail: bool
 ) -> torch.Tensor:
     """Token indices each query attends to [B, S, W] (INVALID where none): the top-(topk / kpool) complete pools
     ending at or before the query's position, expanded to their tokens, then the query's incomplete tail pool.
 
-    scores [B, S, P] over pools 0..P-1 (pool p holds tokens kpool*p ..); positions [B, S] int64.
+    scores [B, S, P] over pools 0..P-1 (pool p holds tokens kpool*p ..), None when every pool is kept (P <= topk /
+    kpool: a context of at most topk tokens needs no ranking, and attention does not depend on the order of its
+    tokens); positions [B, S] int64.
     """
-    pools = scores.shape[-1]
-    ends = torch.arange(pools, device=scores.device) * kpool + kpool - 1
+    ends = torch.arange(pools, device=positions.device) * kpool + kpool - 1
     valid = ends <= positions.unsqueeze(-1)  # [B, S, P]
-    scores = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
-    chosen = top_indices(scores, min(topk // kpool, pools))
-    offsets = torch.arange(kpool, device=scores.device)
+    if pools <= topk // kpool:
+        chosen = torch.arange(pools, device=positions.device).expand(valid.shape)
+    elif scores is None:
+        raise ValueError(f"select_tokens: {pools} pools, more than the {topk // kpool} kept, need their scores")
+    else:
+        valid_scores = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
+        chosen = top_indices(valid_scores, topk // kpool)
+    offsets = torch.arange(kpool, device=positions.device)
     tokens = (chosen.unsqueeze(-1) * kpool + offsets).masked_fill(~valid.gather(-1, chosen).unsqueeze(-1), INVALID)
     tokens = tokens.flatten(-2)
     if with_tail and kpool > 1:

@@ -134,11 +134,16 @@ def mla_block(
     width = min(cfg.index_topk, pools * cfg.kpool) + cfg.kpool
     per_query = x.shape[0] * max(cfg.index_heads * pools * 4, width * (cfg.kv_rank * 2 + cfg.heads * 4))
     step = max(1, QUERY_BLOCK_BYTES // per_query)
+    ranked = pools > cfg.index_topk // cfg.kpool  # else every pool is kept: no scores, no ranking
     outs = []
     for s in range(0, x.shape[1], step):
         block = slice(s, s + step)
-        scores = ops.index_scores(q_index[:, block], cache.pooled[:, :pools], head_w[:, block], cfg.index_dim**-0.5)
-        tokens = ops.select_tokens(scores, positions[:, block], cfg.kpool, cfg.index_topk, cfg.kpool_tail)
+        scores = (
+            ops.index_scores(q_index[:, block], cache.pooled[:, :pools], head_w[:, block], cfg.index_dim**-0.5)
+            if ranked
+            else None
+        )
+        tokens = ops.select_tokens(scores, positions[:, block], pools, cfg.kpool, cfg.index_topk, cfg.kpool_tail)
         outs.append(ops.sparse_mla(q_latent[:, block], cache.latents, tokens, w.kv_b, cfg.nope_dim, cfg.nope_dim**-0.5))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return project(out.flatten(-2), w.o_proj)

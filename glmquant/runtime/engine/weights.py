@@ -3,8 +3,9 @@
 Projections that read the same input are concatenated so one matmul serves them (KDA: q, k, v, f_a, g_a, b; MLA:
 q_a, kv_a and the indexer's wk, weights_proj and k-pool gate; q_b with the indexer's wq_b; gate with up).
 Tensors keep transformers' dtypes: fp32 where its model keeps them fp32 (KDA conv, A_log, dt_bias, router, mHC
-base and scale), the model dtype otherwise; but with the Triton backends the router stays in the model dtype, which
-its kernel reads and multiplies in fp32 (`kernels/router.py`). Every tensor of a layer must be used, and only those exist.
+base and scale), the model dtype otherwise; but with the Triton backends the router stays in the model dtype,
+which its kernel reads and multiplies in fp32 (`kernels/router.py`). Every tensor of a layer must be used, and
+only those exist.
 
 A retained linear stored as EXL3 (the speed tier, `encode --retained-bits`; lm_head with `--head-bits`) is decoded
 once at load to its dense weight in the model dtype (`decode_weight`, as the transformers-module runtime's torch path
