@@ -335,8 +335,9 @@ def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
         "whole_step_ms": round(whole, 4),
         "classes": classes,
         "rest_is": "the whole step minus the classes (mHC, norms, embedding, adds, gaps between kernels)",
-        "bytes_are": "weights + KDA state read and written + MLA latents of the selected tokens + scored k-pool "
-        "keys + the routed experts' EXL3 bytes; activations not counted",
+        "bytes_are": "weights + KDA state read and written + MLA latents of the selected tokens + the k-pool keys "
+        "the indexer scores (none up to index_topk tokens of context) + the routed experts' EXL3 bytes; activations "
+        "not counted",
         "projection": project_gb10({n: (c["ms_per_token"], c["bytes_per_token"]) for n, c in classes.items()}),
     }
 

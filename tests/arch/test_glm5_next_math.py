@@ -15,11 +15,14 @@ def _kept(tokens: torch.Tensor) -> list[int]:
     return sorted(int(t) for t in tokens.flatten() if t != INVALID)
 
 
-@pytest.mark.parametrize("position", [0, 2, 3, 9, 15])
-def test_a_short_context_keeps_every_token_up_to_the_query_without_scores(position: int) -> None:
-    pools = TOPK // KPOOL  # the engine's window up to TOPK tokens of context (`Engine.pools_for`), pools past the
-    tokens = select_tokens(None, torch.tensor([[position]]), pools, KPOOL, TOPK, with_tail=True)  # query invalid
+# pools: the engine's window while the context holds at most TOPK tokens (`Engine.pools_for`), or a cache of
+# fewer tokens than TOPK (its max_len); pools past the query's position are invalid
+@pytest.mark.parametrize(("position", "pools"), [(0, 4), (2, 4), (3, 4), (9, 4), (15, 4), (9, 3), (11, 3)])
+def test_a_short_context_keeps_every_token_up_to_the_query_without_scores(position: int, pools: int) -> None:
+    tokens = select_tokens(None, torch.tensor([[position]]), pools, KPOOL, TOPK, with_tail=True)
     assert _kept(tokens) == list(range(position + 1))  # complete pools, then the query's tail
+    no_tail = select_tokens(None, torch.tensor([[position]]), pools, KPOOL, TOPK, with_tail=False)
+    assert _kept(no_tail) == list(range((position + 1) // KPOOL * KPOOL))  # complete pools only
 
 
 def test_a_long_context_keeps_the_top_pools_by_score_and_the_tail() -> None:

@@ -43,3 +43,30 @@ def test_engine_with_the_runtime_kernels_decodes_like_its_pytorch_math(tiny_sour
         torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5 * float(logits[0].abs().max()))
         token, at = logits[0].argmax().view(1), torch.tensor([prompt.numel() + step], device=device)
         logits = [engine.decode(token, at, prompt.numel() + step + 1)[0].clone() for engine in engines]
+
+
+@pytest.mark.parametrize(("backend", "router_dtype"), [("triton", torch.bfloat16), ("torch", torch.float32)])
+def test_the_router_stays_in_the_model_dtype_where_its_kernel_reads_it(
+    tiny_source: Path, backend: str, router_dtype: torch.dtype
+) -> None:
+    """A BF16 engine with the Triton backends keeps the router BF16 for `kernels/router.py` (text layers and the MTP
+    layer), and routes one step like the fp32 router of the torch backend; the torch backend keeps it fp32."""
+    from glmquant.runtime.dummy import dummy_artifact
+    from glmquant.runtime.engine import Engine
+    from glmquant.runtime.engine.weights import MoEBlock
+    from glmquant.runtime.options import RuntimeOptions
+
+    device = kernel_device()
+    artifact = dummy_artifact(tiny_source, device=device)
+    engine = Engine.load(
+        artifact, RuntimeOptions(device=device, dtype="bfloat16", backend=backend), max_len=16, mtp=True
+    )
+    blocks = [lw.mlp for lw in engine.weights.layers if isinstance(lw.mlp, MoEBlock)]
+    assert engine.mtp is not None and blocks
+    assert {b.router.dtype for b in blocks} == {router_dtype} and engine.mtp.mlp.router.dtype == router_dtype
+    hidden = torch.randn(2, engine.cfg.hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    cfg, block = engine.cfg, blocks[0]
+    ids, weights = engine.decode_run.ops.route(hidden, block.router, block.bias, cfg.top_k, cfg.routed_scaling, True)
+    expected_ids, expected = math.route(hidden, block.router.float(), block.bias, cfg.top_k, cfg.routed_scaling, True)
+    assert torch.equal(ids.sort(-1).values, expected_ids.sort(-1).values)
+    torch.testing.assert_close(weights.sum(-1), expected.sum(-1), rtol=1e-6, atol=1e-6)

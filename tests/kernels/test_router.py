@@ -15,8 +15,7 @@ from glmquant.runtime.kernels import router
 EXPERTS, HIDDEN = 36, 1100  # a partial last program of experts and block of hidden columns
 
 
-# 70 tokens: a prefill chunk's matrix product (KERNEL_MAX_TOKENS)
-@pytest.mark.parametrize("tokens", [1, 5, 70])
+@pytest.mark.parametrize("tokens", [1, 5, router.KERNEL_MAX_TOKENS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_router_scores_equal_fp32_arithmetic_on_the_upcast_weights(tokens: int, dtype: torch.dtype) -> None:
     device = kernel_device()
@@ -27,6 +26,9 @@ def test_router_scores_equal_fp32_arithmetic_on_the_upcast_weights(tokens: int, 
     expected = torch.nn.functional.linear(hidden.float(), weight.float()).sigmoid()
     assert scores.dtype == torch.float32 and scores.shape == (tokens, EXPERTS)
     torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-6)
+    if tokens == router.KERNEL_MAX_TOKENS:  # one token more takes the matrix product: the same scores
+        more = torch.cat([hidden, hidden[:1]])
+        torch.testing.assert_close(router.router_scores(more, weight)[:tokens], scores, rtol=1e-6, atol=1e-6)
 
 
 def test_route_through_the_kernel_picks_the_maths_experts() -> None:

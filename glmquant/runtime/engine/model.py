@@ -82,7 +82,7 @@ class Engine:
             decode_run,
             _graphs(device) if cuda_graphs else None,
             cuda_graphs,
-            mtp=load_mtp_weights(artifact, dtype, device) if mtp else None,
+            mtp=load_mtp_weights(artifact, dtype, device, kernels) if mtp else None,
             mtp_cache=allocate_mtp_cache(cfg, max_batch, max_len, dtype, device) if mtp else None,
         )
 

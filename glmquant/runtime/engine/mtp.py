@@ -79,15 +79,16 @@ class DenseExperts:
         return F.silu(gate) * up
 
 
-def load_mtp_weights(artifact: Artifact, dtype: torch.dtype, device: torch.device) -> MtpWeights:
-    """The artifact's MTP layer on the device (every one of its tensors, experts included)."""
+def load_mtp_weights(artifact: Artifact, dtype: torch.dtype, device: torch.device, kernels: bool = False) -> MtpWeights:
+    """The artifact's MTP layer on the device (every one of its tensors, experts included); `kernels`: the Triton
+    backends run it (its router then stays in the model dtype, as the text layers')."""
     spec, table = artifact.spec, table_for(artifact.spec)
     if not spec.mtp_layers:
         raise ConfigError(f"{artifact.path}: the model has no MTP layer (num_nextn_predict_layers is 0)")
     layer = spec.mtp_layers[0]
     prefix = table.layer_prefix(layer)
     names = [t.name for t in table.layer_tensors(spec, layer)]
-    read = _LayerReader(artifact, prefix, names, dtype, device)
+    read = _LayerReader(artifact, prefix, names, dtype, device, kernels)
     experts = sorted(int(m.group(1)) for n in names if (m := _EXPERT.search(n[len(prefix) :])))
     mlps = [_mlp(read, f"mlp.experts.{e}.") for e in experts]
     dense = [(m.gate_up, m.down) for m in mlps]  # the MTP layer's linears are never EXL3: its reader decodes
@@ -103,7 +104,7 @@ def load_mtp_weights(artifact: Artifact, dtype: torch.dtype, device: torch.devic
         read("post_attention_layernorm.weight"),
         _mla(read),
         MoEBlock(
-            read("mlp.gate.weight", True),
+            read("mlp.gate.weight", not read.kernels),
             read("mlp.gate.e_score_correction_bias", True),
             _mlp(read, "mlp.shared_experts."),
         ),

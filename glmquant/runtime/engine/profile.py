@@ -4,7 +4,8 @@ included), shared/dense MLP, lm_head, and the rest (mHC, norms, embedding, adds:
 `class_steps` gives each class as a function that runs it for every layer of the model on the engine's own weights
 and caches, for B rows at one position, so a benchmark can capture and time it like the whole step. `class_bytes`
 counts what each class reads per step: weights, plus cache state (KDA state read and written, MLA latents of the
-selected tokens and the scored k-pool keys) and the routed experts' EXL3 bytes; activations are not counted.
+selected tokens and the k-pool keys the indexer scores, none while it keeps every pool) and the routed experts'
+EXL3 bytes; activations are not counted.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def class_bytes(engine: Engine, batch: int, context: int, experts_routed: int, e
     layers = w.layers
     kda_state = sum(_nbytes(c) for c in engine.caches.rows(0, batch) if isinstance(c, KDACache))
     selected = min(cfg.index_topk, context) + cfg.kpool - 1
-    per_mla_row = selected * cfg.kv_rank * item + engine.pools_for(context) * cfg.index_dim * item
+    pools = engine.pools_for(context)
+    scored = pools if pools > cfg.index_topk // cfg.kpool else 0  # a short context's pools are kept unscored
+    per_mla_row = selected * cfg.kv_rank * item + scored * cfg.index_dim * item
     mla = [lw.attention for lw in layers if isinstance(lw.attention, MLAWeights)]
     moe = [lw.mlp for lw in layers if isinstance(lw.mlp, MoEBlock)]
     return {
