@@ -315,16 +315,19 @@ def compile_reports() -> dict:
                 "ptx_mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
                 "ptx_hopper_only": sorted(set(re.findall(r"wgmma|cp\.async\.bulk\.tensor|setmaxnreg", ptx))),
             }
-    reports.update(hadamard_kernel_reports())
+    reports.update(launch_kernel_reports())
     return reports
 
 
-def hadamard_kernel_reports() -> dict:
-    """Registers, stack and shared memory of the three Hadamard launches (rotate_in, SwiGLU, rotate_out) per target."""
+def launch_kernel_reports() -> dict:
+    """Registers, stack and shared memory per target of the smaller launches: the three Hadamard ones (rotate_in,
+    SwiGLU, rotate_out), mHC's three at GLM-5.3-Flash's width (4 streams of 4096) and the router's scores."""
     from glmquant.runtime.kernels.exl3_gemm import _rotate_in_kernel, _rotate_out_kernel
     from glmquant.runtime.kernels.fused_moe import _swiglu_kernel
+    from glmquant.runtime.kernels.mhc import _hyper_enter_kernel, _hyper_expand_kernel, _mix_partials_kernel
+    from glmquant.runtime.kernels.router import _router_scores_kernel
 
-    kernels = {
+    kernels: dict[str, tuple[Any, dict[str, str], dict[str, int | bool], int]] = {  # fn, signature, consts, warps
         "rotate_in": (
             _rotate_in_kernel,
             {
@@ -340,6 +343,7 @@ def hadamard_kernel_reports() -> dict:
                 "Kp": "i32",
             },
             {"ROWS": 16, "GEMV": True},
+            4,
         ),
         "swiglu": (
             _swiglu_kernel,
@@ -356,6 +360,7 @@ def hadamard_kernel_reports() -> dict:
                 "limit": "fp32",
             },
             {"SPLITS": 4, "ROWS": 16, "GEMV": True},
+            4,
         ),
         "rotate_out": (
             _rotate_out_kernel,
@@ -374,12 +379,58 @@ def hadamard_kernel_reports() -> dict:
                 "proj_tokens": "i32",
             },
             {"SPLITS": 2, "ROWS": 16},
+            4,
+        ),
+        "mhc_mix_partials": (
+            _mix_partials_kernel,
+            {"streams_ptr": "*bf16", "fn_ptr": "*bf16", "dots_ptr": "*fp32", "squares_ptr": "*fp32", "K": "i32"},
+            {"W": 24, "WP": 32, "BLOCK": 256},
+            4,
+        ),
+        "mhc_enter": (
+            _hyper_enter_kernel,
+            {
+                "streams_ptr": "*bf16",
+                "dots_ptr": "*fp32",
+                "squares_ptr": "*fp32",
+                "base_ptr": "*fp32",
+                "scale_ptr": "*fp32",
+                "norm_ptr": "*bf16",
+                "out_ptr": "*bf16",
+                "post_ptr": "*fp32",
+                "comb_ptr": "*fp32",
+                "P": "i32",
+                "H": "i32",
+                "rms_eps": "fp32",
+                "hc_eps": "fp32",
+            },
+            {"N": 4, "ITERS": 20, "PP": 64, "HP": 4096},
+            16,
+        ),
+        "mhc_expand": (
+            _hyper_expand_kernel,
+            {
+                "streams_ptr": "*bf16",
+                "out_ptr": "*bf16",
+                "post_ptr": "*fp32",
+                "comb_ptr": "*fp32",
+                "next_ptr": "*bf16",
+                "H": "i32",
+            },
+            {"N": 4, "BLOCK": 1024},
+            4,
+        ),
+        "router_scores": (
+            _router_scores_kernel,
+            {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "H": "i32", "E": "i32"},
+            {"BE": 8, "BH": 512},
+            4,
         ),
     }
     reports = {}
-    for name, (fn, sig, consts) in kernels.items():
+    for name, (fn, sig, consts, warps) in kernels.items():
         for cc in (90, 121):
-            kernel, usage, _ = compile_for(fn, sig, consts, cc, num_warps=4)
+            kernel, usage, _ = compile_for(fn, sig, consts, cc, num_warps=warps)
             reports[f"{name}.sm_{cc}"] = {
                 "resource_usage": resource_usage(usage),
                 "shared_bytes_launch": kernel.metadata.shared,
