@@ -315,11 +315,7 @@ def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
     for _ in range(2):
         engine.decode(tokens, position, context + 1)
     whole = timed_ms(engine, lambda: engine.decode(tokens, position, context + 1), reps=20) / 20
-    times = {
-        name: timed_ms(engine, replayable(engine, fn), reps=20) / 20
-        for name, fn in class_steps(engine, x, context).items()
-    }
-    times["rest"] = whole - sum(times.values())
+    times = class_times(engine, x, context, whole, reps=20)
     nbytes = class_bytes(engine, 1, context, unique_experts(engine, x), logical_expert_bytes(artifact))
     classes: dict[str, dict[str, Any]] = {
         name: {
@@ -425,7 +421,8 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
                 fn()
             times[name] = timed_ms(engine, fn, reps=reps) / reps
         engine.restore_recurrent(0, saved)
-        classes = verify_classes(engine, k + 1, context, times["verify_ms"])
+        verify_x = block_input(engine, 1, tokens=k + 1)
+        classes = {n: round(ms, 4) for n, ms in class_times(engine, verify_x, context, times["verify_ms"], 10).items()}
         engine.restore_recurrent(0, saved)
         diff = verify_graph_diff(engine, step_ids, context, saved)
         decoder = EngineMtpDecoder(engine, k)
@@ -466,15 +463,15 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
     }
 
 
-def verify_classes(engine: Engine, tokens: int, context: int, verify_ms: float) -> dict[str, float]:
-    """ms of each class for `tokens` tokens of one row at `context` (`class_steps`), and the rest of `verify_ms`."""
-    x = block_input(engine, 1, tokens=tokens)
+def class_times(engine: Engine, x: torch.Tensor, context: int, whole_ms: float, reps: int) -> dict[str, float]:
+    """ms of each class for the rows of x at `context` (`class_steps`, each captured and replayed alone), and "rest":
+    `whole_ms`, the step they belong to, less them."""
     times = {
-        name: timed_ms(engine, replayable(engine, fn), reps=10) / 10
+        name: timed_ms(engine, replayable(engine, fn), reps=reps) / reps
         for name, fn in class_steps(engine, x, context).items()
     }
-    times["rest"] = verify_ms - sum(times.values())
-    return {name: round(ms, 4) for name, ms in times.items()}
+    times["rest"] = whole_ms - sum(times.values())
+    return times
 
 
 def verify_graph_diff(engine: Engine, step_ids: torch.Tensor, context: int, saved: list[torch.Tensor]) -> float | None:
