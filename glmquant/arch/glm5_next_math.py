@@ -135,6 +135,12 @@ def index_scores(
     return torch.matmul(head_weights.float().unsqueeze(-2), scores).squeeze(-2)
 
 
+def indexer_ranks(pools: int, kpool: int, topk: int) -> bool:
+    """Whether the indexer must score and rank `pools` k-pools: only when there are more than the topk / kpool it
+    keeps (a context of at most topk tokens keeps every pool)."""
+    return pools > topk // kpool
+
+
 def select_tokens(
     scores: torch.Tensor | None, positions: torch.Tensor, pools: int, kpool: int, topk: int, with_tail: bool
 ) -> torch.Tensor:
@@ -147,7 +153,7 @@ def select_tokens(
     """
     ends = torch.arange(pools, device=positions.device) * kpool + kpool - 1
     valid = ends <= positions.unsqueeze(-1)  # [B, S, P]
-    if pools <= topk // kpool:
+    if not indexer_ranks(pools, kpool, topk):
         chosen = torch.arange(pools, device=positions.device).expand(valid.shape)
     elif scores is None:
         raise ValueError(f"select_tokens: {pools} pools, more than the {topk // kpool} kept, need their scores")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from glmquant.arch.glm5_next_math import indexer_ranks
 from glmquant.runtime.engine.cache import KDACache, LayerCache, MLACache
 from glmquant.runtime.engine.config import EngineConfig
 from glmquant.runtime.engine.linears import project
@@ -134,7 +135,7 @@ def mla_block(
     width = min(cfg.index_topk, pools * cfg.kpool) + cfg.kpool
     per_query = x.shape[0] * max(cfg.index_heads * pools * 4, width * (cfg.kv_rank * 2 + cfg.heads * 4))
     step = max(1, QUERY_BLOCK_BYTES // per_query)
-    ranked = pools > cfg.index_topk // cfg.kpool  # else every pool is kept: no scores, no ranking
+    ranked = indexer_ranks(pools, cfg.kpool, cfg.index_topk)  # else every pool is kept: no scores
     outs = []
     for s in range(0, x.shape[1], step):
         block = slice(s, s + step)

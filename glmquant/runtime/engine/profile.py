@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from glmquant.arch.glm5_next_math import indexer_ranks
 from glmquant.runtime.engine.blocks import kda_block, mla_block, mlp, routed_experts
 from glmquant.runtime.engine.cache import KDACache, MLACache
 from glmquant.runtime.engine.linears import Exl3Proj, project
@@ -97,7 +98,7 @@ def class_bytes(engine: Engine, batch: int, context: int, experts_routed: int, e
     kda_state = sum(_nbytes(c) for c in engine.caches.rows(0, batch) if isinstance(c, KDACache))
     selected = min(cfg.index_topk, context) + cfg.kpool - 1
     pools = engine.pools_for(context)
-    scored = pools if pools > cfg.index_topk // cfg.kpool else 0  # a short context's pools are kept unscored
+    scored = pools if indexer_ranks(pools, cfg.kpool, cfg.index_topk) else 0  # else kept unscored
     per_mla_row = selected * cfg.kv_rank * item + scored * cfg.index_dim * item
     mla = [lw.attention for lw in layers if isinstance(lw.attention, MLAWeights)]
     moe = [lw.mlp for lw in layers if isinstance(lw.mlp, MoEBlock)]
