@@ -6,11 +6,11 @@ fn's BF16 -> fp32 copy, the Sinkhorn weights, the pre-weighted collapse, the blo
 matmul and the expand), 90 sites a step, and the fp32 copy of fn moved 3.1 MB per site that the BF16 weights
 (0.8 MB) do not need. Here `hyper_enter` reads fn in its own dtype once: for a few tokens `_mix_partials_kernel`
 spreads each token's (N H)-long dot products over programs of BLOCK columns (more tokens take one matrix product,
-which reads fn once for all), and `_hyper_enter_kernel` (a program per token)
-sums them, forms pre, post and the Sinkhorn-normalized comb in registers, collapses the streams with pre and applies
-the block's RMS norm; `_hyper_expand_kernel` writes the next streams. Same math and roundings as
-`arch.glm5_next_math.hyper_enter` / `hyper_expand` (fp32 sums in another order; the N-term sums and the casts to
-the streams' dtype where PyTorch makes them).
+which reads fn once for all), and `_hyper_enter_kernel` (a program per token) sums them, forms pre, post and the
+Sinkhorn-normalized comb in registers, collapses the streams with pre and applies the block's RMS norm;
+`_hyper_expand_kernel` writes the next streams. Same math and roundings as `arch.glm5_next_math.hyper_enter` /
+`hyper_expand` (fp32 sums in another order; the N-term sums and the casts to the streams' dtype where PyTorch makes
+them).
 """
 
 from __future__ import annotations
