@@ -59,6 +59,7 @@ def test_fla_recurrence_writes_the_final_state_over_the_initial_one() -> None:
     the engine's q, k, v are views of one fused projection, not contiguous."""
     pytest.importorskip("fla.ops.kda", reason="flash-linear-attention is not installed (the optional extra fla)")
     from fla.ops.kda import fused_recurrent_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     from glmquant.runtime.kernels.kda import _fla_recurrent_in_place
 
@@ -73,7 +74,15 @@ def test_fla_recurrence_writes_the_final_state_over_the_initial_one() -> None:
     )
     address = state.data_ptr()
     out, final = _fla_recurrent_in_place(
-        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+        fused_recurrent_kda_fwd,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
     )
     assert final is state and state.data_ptr() == address
     assert torch.equal(out, expected_out) and torch.equal(state, expected_state)

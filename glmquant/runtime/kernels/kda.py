@@ -9,7 +9,7 @@ Both entry points take q, k [B, S, heads, dk], v [B, S, heads, dv] in the model 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 
 import torch
 
@@ -31,12 +31,14 @@ def _functions(fla: bool) -> tuple[KDAFunction, KDAFunction]:
     hub-kernel wrappers would pick fla themselves)."""
     if fla:
         from fla.ops.kda import chunk_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-        return _fla_recurrent_in_place, chunk_kda
+        return partial(_fla_recurrent_in_place, fused_recurrent_kda_fwd), chunk_kda
     return reference("recurrent_kimi_delta_attention"), reference("chunk_kimi_delta_attention")
 
 
 def _fla_recurrent_in_place(
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -46,15 +48,13 @@ def _fla_recurrent_in_place(
     output_final_state: bool,
     use_qk_l2norm_in_kernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's recurrent kernel writing the final state over `initial_state` (its decode path, as vLLM runs it):
-    `fused_recurrent_kda` would write a new state tensor that then has to be copied back, one more read and
-    write of the 4 MB state per layer and token on GLM-5.3-Flash (a Spark's 218 GB/s: ~1.2 ms a step over 34
-    layers). Returns (output, initial_state)."""
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-
+    """fla's recurrent kernel (`forward`: `fused_recurrent_kda_fwd`) writing the final state over `initial_state`
+    (its decode path, as vLLM runs it): `fused_recurrent_kda` would write a new state tensor that then has to be
+    copied back, one more read and write of the 4 MB state per layer and token on GLM-5.3-Flash (a Spark's 218 GB/s:
+    ~1.2 ms a step over 34 layers). Returns (output, initial_state)."""
     if not output_final_state or not initial_state.is_contiguous():
         raise ValueError("the in-place KDA recurrence writes the final state over a contiguous initial state")
-    out, final = fused_recurrent_kda_fwd(
+    out, final = forward(
         *(t.contiguous() for t in (q, k, v, g, beta)),
         initial_state=initial_state,
         output_final_state=True,
