@@ -723,6 +723,15 @@ class Evaluator:
                 role: self.measure({}, {}, {n: w for n, w in linears.items() if roles[n] == role})["kl"]
                 for role in sorted(set(roles.values()))
             }
+        if recipe.tune_scales:  # how far the tuning went, by MoE layer: whether its steps were enough
+            tier["tuning_by_layer"] = {
+                str(layer.layer): {
+                    "heldout_ratio": layer.tuned_ratio,
+                    "best_steps": [u["best_step"] for u in layer.tuning or []],
+                    "heldout_by_step": [u["heldout_by_step"] for u in layer.tuning or []],
+                }
+                for layer in result.layers
+            }
         row = {
             "recipe": recipe.name,
             "routed_bytes": nbytes,

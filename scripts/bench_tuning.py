@@ -9,8 +9,15 @@ taken with `RoutedSample.routed_to`, as encode does), and times `tune_unit_scale
 model figures are projections (formula in the JSON): units per layer x the unit's time, x the MoE layers. Writes
 bench/results/tuning_<gpu>.json.
 
+With `--source MODEL --observations DIR` it tunes a real unit instead, to see how the tuning converges: the unit
+`--unit` of MoE layer `--layer`, read and encoded as `glmquant encode` does (K from `--tiers`, or `--bits`), its
+scales then tuned from the same encode once per `--learning-rates` value, every step's held-out error recorded
+(`heldout_by_step`), with the step at which each run first comes within 5 % / 1 % of the largest gain of any run.
+
     python scripts/bench_tuning.py --device cuda            # ~1 minute on an H200
     python scripts/bench_tuning.py --device cpu --experts-per-unit 2 --tuning-tokens 512 --steps 2   # a smoke run
+    python scripts/bench_tuning.py --device cpu --source PROXY/model --observations OBS --layer 1 \
+        --tiers depth:K3=1,K2=rest,K1=1 --learning-rates 2e-3,5e-3,1e-2 --out tuning_convergence.json
 """
 
 from __future__ import annotations
@@ -18,16 +25,25 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from bench_common import ROOT, provenance
+from rich.console import Console
 
 from glmquant.arch import ModelSpec, load_model_spec
 from glmquant.arch.table import PROJECTIONS
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode.config import EncodeConfig
-from glmquant.encode.scale_tuning import ExpertPart, UnitTuning, tune_unit_scales
+from glmquant.encode.hessians import HessianSource
+from glmquant.encode.layer import encode_unit, layer_units, read_unit
+from glmquant.encode.provenance import observed_calibration
+from glmquant.encode.run import EncodeJob
+from glmquant.encode.scale_tuning import LEARNING_RATE, ExpertPart, UnitTuning, tune_unit_scales
 from glmquant.exl3.codebooks import Codebook
 from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.observe.tuning_sample import RoutedSample
@@ -62,6 +78,68 @@ def random_sample(spec: ModelSpec, tokens: int, gen: torch.Generator) -> RoutedS
     return RoutedSample(inputs, ids, weights / weights.sum(1, keepdim=True))
 
 
+def real_unit(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Tune one unit of a real encode once per learning rate, from the same codes: the convergence record."""
+    with tempfile.TemporaryDirectory() as tmp, SourceCheckpoint.open(args.source) as source:
+        cfg = EncodeConfig(
+            source=args.source,
+            out=Path(tmp) / "out",
+            observations=args.observations,
+            bits=args.bits,
+            tiers=args.tiers,
+            experts_per_unit=args.experts_per_unit,
+            tune_scales=args.steps,
+            device=args.device,
+        )
+        plan = EncodeJob(cfg, source, observed_calibration(cfg), Console(quiet=True)).plan
+        unit = layer_units(plan, args.layer, args.experts_per_unit)[args.unit]
+        hessians = HessianSource(args.observations, "natural").layer(args.layer)
+        inputs = read_unit(plan, args.layer, unit, source, hessians, args.steps)
+    assert inputs.tuning is not None and inputs.slices is not None
+    start = time.perf_counter()
+    encoded = encode_unit(replace(inputs, tuning=None), None, plan.codebook, cfg.seed, args.device)
+    encode_s = time.perf_counter() - start
+    experts: dict[int, list[ExpertPart]] = {}
+    for name, s, (weight, _) in zip(inputs.names, inputs.slices, inputs.items):
+        tensor = EXL3Tensor.from_tensors(encoded.tensors, name, weight.shape[1], weight.shape[0])
+        experts.setdefault(s.source_expert, []).append(ExpertPart(s.proj, s.rank, tensor))
+    runs = []
+    for lr in args.learning_rates:
+        start = time.perf_counter()
+        outcome = tune_unit_scales(experts, replace(inputs.tuning, learning_rate=lr), device)
+        runs.append(
+            {
+                "learning_rate": lr,
+                "unit_s": round(time.perf_counter() - start, 2),
+                "heldout_before": outcome.heldout_before,
+                "heldout_after": outcome.heldout_after,
+                "best_step": outcome.best_step,
+                "heldout_by_step": outcome.heldout_by_step,
+            }
+        )
+    before = runs[0]["heldout_before"]
+    gain = before - min(r["heldout_after"] for r in runs)
+    for r in runs:  # the first step within 5 % / 1 % of the best gain of any run (None: never)
+        curve = r["heldout_by_step"]
+        for share in (0.95, 0.99):
+            reached = [i for i, e in enumerate(curve) if before - e >= share * gain]
+            r[f"step_to_{round(share * 100)}pct"] = reached[0] if reached else None
+    return {
+        "mode": "real_unit",
+        "source": str(args.source),
+        "observations": str(args.observations),
+        "layer": args.layer,
+        "unit": args.unit,
+        "bits": sorted(set(inputs.bits or [])),
+        "experts": len(experts),
+        "unit_tokens": int(inputs.tuning.sample.inputs.shape[0]),
+        "unit_expert_token_pairs": int((inputs.tuning.sample.expert_ids >= 0).sum()),
+        "steps": args.steps,
+        "encode_s": round(encode_s, 2),
+        "runs": runs,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -73,8 +151,27 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="results file (default bench/results/tuning_<gpu>.json)")
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
+    ap.add_argument("--source", type=Path, default=None, help="a real unit: the source checkpoint")
+    ap.add_argument("--observations", type=Path, default=None, help="a real unit: observe's output (--tuning-tokens)")
+    ap.add_argument("--layer", type=int, default=None, help="a real unit: its MoE layer")
+    ap.add_argument("--unit", type=int, default=0, help="a real unit: its index in the layer")
+    ap.add_argument("--tiers", default=None, help="a real unit: encode --tiers (else --bits)")
+    ap.add_argument(
+        "--learning-rates",
+        type=lambda text: [float(v) for v in text.split(",")],
+        default=[LEARNING_RATE],
+        help="a real unit: comma-separated Adam learning rates, one tuning each",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    if args.source is not None:
+        if args.observations is None or args.layer is None:
+            ap.error("--source needs --observations and --layer")
+        record = {"bench": "tuning", **provenance(device.type), "gpu": gpu, **real_unit(args, device)}
+        out = args.out or ROOT / "bench" / "results" / f"tuning_convergence_{gpu.split()[-1].lower()}.json"
+        write(out, record | ({"commit": args.commit} if args.commit else {}))
+        return
     spec = load_model_spec(CONFIG)
     gen = torch.Generator().manual_seed(0)
     unit = list(range(args.experts_per_unit))
@@ -94,7 +191,6 @@ def main() -> None:
     units_per_layer = spec.n_routed_experts / args.experts_per_unit  # a last, smaller unit costs its share
     moe_layers = len(spec.moe_layers)
     layer_s = unit_s * units_per_layer
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     result = {
         "bench": "tuning",
         **provenance(device.type),
@@ -122,10 +218,13 @@ def main() -> None:
     }
     if args.commit:
         result["commit"] = args.commit
-    out = args.out or ROOT / "bench" / "results" / f"tuning_{gpu.split()[-1].lower()}.json"
+    write(args.out or ROOT / "bench" / "results" / f"tuning_{gpu.split()[-1].lower()}.json", result)
+
+
+def write(out: Path, record: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k != "runs"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -31,9 +31,22 @@ class TensorReport:
 
 
 @dataclass(frozen=True)
+class TuningReport:
+    """`--tune-scales` on one unit: its experts' held-out output error (relative) with the encoded scales and with
+    the kept step's, that step (0: the encoded scales kept) and every step's error, step 0 first."""
+
+    experts: int  # the experts whose scales changed
+    heldout_before: float
+    heldout_after: float
+    best_step: int
+    heldout_by_step: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class EncodedLayer:
     tensors: dict[str, torch.Tensor]  # output tensor name -> stored EXL3 part
     reports: list[TensorReport]
+    tuning: TuningReport | None = None  # with `--tune-scales`
 
 
 @dataclass(frozen=True)
@@ -145,15 +158,17 @@ def encode_unit(
             ),
         ):
             encoded[i] = enc
+    tuning = None
     if inputs.tuning is not None:
         assert inputs.slices is not None  # read_unit gives routed experts' slices with their tuning
-        encoded.update(_tuned(inputs.tuning, inputs.slices, items, encoded, dev))
+        tuned, tuning = _tuned(inputs.tuning, inputs.slices, items, encoded, dev)
+        encoded.update(tuned)
     tensors: dict[str, torch.Tensor] = {}
     reports: list[TensorReport] = []
     for name, enc, fallback in zip(inputs.names, (encoded[i] for i in range(len(items))), inputs.fallbacks):
         tensors.update(enc.tensor.tensors(name))
         reports.append(TensorReport(name, enc.proxy_error, fallback or enc.fallback))
-    return EncodedLayer(tensors, reports)
+    return EncodedLayer(tensors, reports, tuning)
 
 
 def _tuned(
@@ -162,9 +177,10 @@ def _tuned(
     items: list[tuple[torch.Tensor, torch.Tensor | None]],
     encoded: dict[int, EncodedLinear],
     device: torch.device,
-) -> dict[int, EncodedLinear]:
+) -> tuple[dict[int, EncodedLinear], TuningReport | None]:
     """The unit's tensors whose experts' scale tuning beat the encoded scales (scale_tuning.py), with their proxy
-    errors measured again; an expert any of whose tuned tensors decodes to non-finite values keeps its encoded ones."""
+    errors measured again, and the tuning's report (None when no expert had the tokens to tune); an expert any of
+    whose tuned tensors decodes to non-finite values keeps its encoded ones."""
     members: dict[int, list[int]] = {}
     for i, s in enumerate(slices):
         members.setdefault(s.source_expert, []).append(i)
@@ -173,11 +189,19 @@ def _tuned(
         for expert, idx in members.items()
     }
     out: dict[int, EncodedLinear] = {}
-    for expert, tensors in tune_unit_scales(experts, tuning, device).tensors.items():
+    outcome = tune_unit_scales(experts, tuning, device)
+    changed = 0
+    for expert, tensors in outcome.tensors.items():
         tuned = {i: encoded[i].with_tensor(t, *items[i], device) for i, t in zip(members[expert], tensors)}
         if all(enc is not None for enc in tuned.values()):
             out.update({i: enc for i, enc in tuned.items() if enc is not None})
-    return out
+            changed += 1
+    if not outcome.heldout_by_step:  # no expert of the unit had enough sampled tokens: nothing was tuned
+        return out, None
+    report = TuningReport(
+        changed, outcome.heldout_before, outcome.heldout_after, outcome.best_step, outcome.heldout_by_step
+    )
+    return out, report
 
 
 def encode_units(

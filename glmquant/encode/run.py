@@ -214,12 +214,13 @@ class EncodeJob:
         for layer in self.todo:
             if not all(self.store.has(layer, u) for u in range(len(self._units[layer]))):
                 return
-            reports, seconds = [], 0.0
+            reports, seconds, tuning = [], 0.0, []
             for u in range(len(self._units[layer])):
                 encoded, unit_seconds = self.store.read(layer, u)
                 self._pending.update(encoded.tensors)
                 reports += encoded.reports
                 seconds += unit_seconds
+                tuning += [] if encoded.tuning is None else [encoded.tuning]
             self._done.add(layer)
             for line in fallback_warnings(reports):
                 self.console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
@@ -232,7 +233,7 @@ class EncodeJob:
                     bytes_written += f.size
                     for t in f.tensors:  # free what was written
                         self._pending.pop(t.name, None)
-            self.state.finish_layer(layer, summarize_layer(layer, reports, seconds, bytes_written).__dict__)
+            self.state.finish_layer(layer, summarize_layer(layer, reports, seconds, bytes_written, tuning).__dict__)
             for finished in sorted(self._done):
                 if all(f.path in self._written for f in self._expert_files if finished in self._layers_of[f.path]):
                     self.store.remove_layer(finished)

@@ -51,16 +51,20 @@ class UnitTuning:
     swiglu_limit: float | None
     weights: dict[int, dict[str, torch.Tensor]]
     sample: RoutedSample
+    learning_rate: float = LEARNING_RATE
 
 
 @dataclass(frozen=True)
 class TuningOutcome:
-    """The tuned experts' tensors by source expert (an expert left out keeps its encoded ones), and the unit's
-    held-out error before and after."""
+    """The tuned experts' tensors by source expert (an expert left out keeps its encoded ones), the unit's held-out
+    error (relative to the BF16 output's energy) before and after, the step kept (0: the encoded scales) and the
+    held-out error of every step, step 0 first: what says whether the steps were enough."""
 
     heldout_before: float
     heldout_after: float
     tensors: dict[int, list[EXL3Tensor]] = field(default_factory=dict)
+    best_step: int = 0
+    heldout_by_step: tuple[float, ...] = ()
 
 
 def tune_unit_scales(experts: dict[int, list[ExpertPart]], tuning: UnitTuning, device: torch.device) -> TuningOutcome:
@@ -123,31 +127,31 @@ def tune_unit_scales(experts: dict[int, list[ExpertPart]], tuning: UnitTuning, d
         outputs = _scaled_expert_output(layout, cores, su, sv, x, tuning.swiglu_limit)
         return (unit_output(outputs) - reference).square().sum(-1)  # [n]
 
-    optimizer = torch.optim.Adam([*du, *dv], lr=LEARNING_RATE, foreach=False)
-    before = best = float("inf")
+    optimizer = torch.optim.Adam([*du, *dv], lr=tuning.learning_rate, foreach=False)
+    scores: list[float] = []
+    best_step = 0
     for step in range(tuning.steps + 1):  # one forward per step: it scores the last step's scales, fits the next
         optimizer.zero_grad(set_to_none=True)
         err = errors()
-        score = float(err.detach()[held].sum() / held_norm)
-        if step == 0:
-            before = best = score
-        elif score < best:
-            best = score
+        scores.append(float(err.detach()[held].sum() / held_norm))
+        if scores[-1] < scores[best_step]:
+            best_step = step
             for kept, now in zip([*best_du, *best_dv], [*du, *dv]):
                 kept.copy_(now.detach())
         if step == tuning.steps:
             break
         (err[~held].sum() / fit_norm).backward()
         optimizer.step()
-    if not best < before:
-        return TuningOutcome(before, before)
+    before, best = scores[0], scores[best_step]
+    if best_step == 0:
+        return TuningOutcome(before, before, heldout_by_step=tuple(scores))
     tensors = {}
     for j, e in enumerate(order):
         if bool(tunable[j]):
             stored = _stored(experts[e], j, suh0, svh0, best_du, best_dv)
             if stored is not None:
                 tensors[e] = stored
-    return TuningOutcome(before, best, tensors)
+    return TuningOutcome(before, best, tensors, best_step, tuple(scores))
 
 
 def _layout(parts: list[ExpertPart]) -> list[tuple[str, int | None, int, int]]:

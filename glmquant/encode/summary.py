@@ -1,12 +1,15 @@
-"""Per-layer encode summary: mean proxy error, worst tensor, fallbacks, time, bytes written."""
+"""Per-layer encode summary: mean proxy error, worst tensor, fallbacks, time, bytes written, and with
+`--tune-scales` each unit's tuning (held-out error before and after, the step kept, every step's error)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from rich.table import Table
 
-from glmquant.encode.layer import TensorReport
+from glmquant.encode.layer import TensorReport, TuningReport
 
 
 @dataclass(frozen=True)
@@ -20,9 +23,22 @@ class LayerSummary:
     fallback_tensors: list[str]
     seconds: float
     bytes_written: int
+    tuning: list[dict[str, Any]] | None = None  # one TuningReport (as a dict) per unit, in unit order
+
+    @property
+    def tuned_ratio(self) -> float | None:
+        """Mean over the tuned units of held-out error after / before tuning; None without tuning."""
+        ratios = [u["heldout_after"] / u["heldout_before"] for u in self.tuning or [] if u["heldout_before"] > 0]
+        return sum(ratios) / len(ratios) if ratios else None
 
 
-def summarize_layer(layer: int, reports: list[TensorReport], seconds: float, bytes_written: int) -> LayerSummary:
+def summarize_layer(
+    layer: int,
+    reports: list[TensorReport],
+    seconds: float,
+    bytes_written: int,
+    tuning: list[TuningReport] | None = None,
+) -> LayerSummary:
     worst = max(reports, key=lambda r: r.proxy_error)
     fallbacks: dict[str, int] = {}
     for r in reports:
@@ -38,6 +54,7 @@ def summarize_layer(layer: int, reports: list[TensorReport], seconds: float, byt
         sorted(r.name for r in reports if r.fallback),
         round(seconds, 3),
         bytes_written,
+        [{**dataclasses.asdict(t), "heldout_by_step": list(t.heldout_by_step)} for t in tuning] if tuning else None,
     )
 
 
@@ -73,19 +90,27 @@ def fallback_warnings(reports: list[TensorReport]) -> list[str]:
 
 
 def summary_table(layers: list[LayerSummary]) -> Table:
+    tuned = any(summary.tuning for summary in layers)
     table = Table(title="encode summary")
-    for column in ("layer", "tensors", "mean proxy err", "worst tensor", "worst", "fallbacks", "s", "bytes"):
+    columns = ["layer", "tensors", "mean proxy err", "worst tensor", "worst", "fallbacks"]
+    columns += ["tuned err", "kept step"] if tuned else []
+    for column in (*columns, "s", "bytes"):
         table.add_column(column, justify="left" if column == "worst tensor" else "right")
     for summary in layers:
         fb = ", ".join(f"{k}: {v}" for k, v in sorted(summary.fallbacks.items())) or "-"
-        table.add_row(
+        row = [
             str(summary.layer),
             str(summary.tensors),
             f"{summary.mean_proxy_error:.4f}",
             summary.worst_tensor.split("layers.")[-1],
             f"{summary.worst_proxy_error:.4f}",
             fb,
-            f"{summary.seconds:.1f}",
-            f"{summary.bytes_written:,}",
-        )
+        ]
+        if tuned:
+            ratio, steps = summary.tuned_ratio, [u["best_step"] for u in summary.tuning or []]
+            row += [
+                "-" if ratio is None else f"x{ratio:.3f}",
+                f"{min(steps)}-{max(steps)}" if steps and min(steps) != max(steps) else str(steps[0]) if steps else "-",
+            ]
+        table.add_row(*row, f"{summary.seconds:.1f}", f"{summary.bytes_written:,}")
     return table

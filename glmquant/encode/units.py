@@ -7,6 +7,7 @@ artifact files holding that layer are written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from glmquant.checkpoint.writer import atomic_write_bytes
-from glmquant.encode.layer import EncodedLayer, TensorReport
+from glmquant.encode.layer import EncodedLayer, TensorReport, TuningReport
 
 FORMAT = "glmquant.encode_unit.v1"
 
@@ -36,6 +37,8 @@ class UnitStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         reports = [[r.name, r.proxy_error, r.fallback] for r in encoded.reports]
         meta = {"format": FORMAT, "reports": json.dumps(reports), "seconds": repr(seconds)}
+        if encoded.tuning is not None:
+            meta["tuning"] = json.dumps(dataclasses.asdict(encoded.tuning))
         tensors = {k: v.contiguous() for k, v in encoded.tensors.items()}
         atomic_write_bytes(self.path(layer, unit), save(tensors, metadata=meta))
 
@@ -47,7 +50,11 @@ class UnitStore:
                 raise ValueError(f"{path}: not an encode unit file")
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has keys() but no __iter__
         reports = [TensorReport(name, float(err), fallback) for name, err, fallback in json.loads(meta["reports"])]
-        return EncodedLayer(tensors, reports), float(meta["seconds"])
+        tuning = None
+        if "tuning" in meta:
+            fields = json.loads(meta["tuning"])
+            tuning = TuningReport(**{**fields, "heldout_by_step": tuple(fields["heldout_by_step"])})
+        return EncodedLayer(tensors, reports, tuning), float(meta["seconds"])
 
     def remove_layer(self, layer: int) -> None:
         for path in self.directory.glob(f"layer-{layer:03d}-unit-*.safetensors"):

@@ -93,6 +93,9 @@ def test_the_kept_step_is_never_worse_on_the_held_out_tokens(unit) -> None:
     sample = RoutedSample(sample.inputs, torch.tensor([[3, 5]]).expand(256, 2), sample.expert_weights)
     outcome = tune_unit_scales(parts, UnitTuning(20, None, weights, sample), CPU)
     assert outcome.heldout_after <= outcome.heldout_before
+    curve = outcome.heldout_by_step  # every step's score, the encoded scales' first; the kept one the lowest
+    assert len(curve) == 21 and curve[0] == outcome.heldout_before
+    assert curve[outcome.best_step] == outcome.heldout_after == min(curve)
     held = torch.arange(256) % 4 == 3
     quarter = RoutedSample(sample.inputs[held], sample.expert_ids[held], sample.expert_weights[held])
     assert _unit_error(parts, weights, quarter) == pytest.approx(outcome.heldout_before, rel=1e-4)

@@ -5,6 +5,7 @@ tokens, and encodes again to the same bytes; an observation without a sample is 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ from encode_fixtures import EPOCH, QUIET, digests
 
 from glmquant.arch import PROJECTIONS, load_model_spec, table_for
 from glmquant.checkpoint.reader import SourceCheckpoint
-from glmquant.encode import EncodeConfig, encode_artifact
+from glmquant.encode import EncodeConfig, EncodeResult, encode_artifact
 from glmquant.encode.scale_tuning import expert_output
+from glmquant.encode.summary import summary_table
 from glmquant.errors import UsageError
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessian_reader import load_layer_hessians
@@ -33,23 +35,29 @@ def tuning_observations(one_moe_source: Path, tmp_path_factory: pytest.TempPathF
     return out
 
 
-def _encode(source: Path, observations: Path, out: Path, steps: int) -> Path:
+def _encode(source: Path, observations: Path, out: Path, steps: int) -> EncodeResult:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SOURCE_DATE_EPOCH", EPOCH)
         cfg = EncodeConfig(source=source, out=out, observations=observations, tune_scales=steps)
         result = encode_artifact(cfg, QUIET)
     assert result is not None and result.verification is not None and result.verification.ok
-    return out
+    return result
 
 
 @pytest.fixture(scope="module")
-def artifacts(
+def encodes(
     one_moe_source: Path, tuning_observations: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, Path]:
-    """(plain, tuned) artifacts of the same observations."""
+) -> tuple[EncodeResult, EncodeResult]:
+    """(plain, tuned) encodes of the same observations."""
     root = tmp_path_factory.mktemp("tune-art")
     plain = _encode(one_moe_source, tuning_observations, root / "plain", 0)
     return plain, _encode(one_moe_source, tuning_observations, root / "tuned", STEPS)
+
+
+@pytest.fixture(scope="module")
+def artifacts(encodes: tuple[EncodeResult, EncodeResult]) -> tuple[Path, Path]:
+    """(plain, tuned) artifact directories."""
+    return encodes[0].artifact.directory, encodes[1].artifact.directory
 
 
 def _routed_error(artifact: Path, source: Path, observations: Path) -> float:
@@ -113,7 +121,25 @@ def test_tuned_encode_is_reproducible(
     artifacts: tuple[Path, Path], one_moe_source: Path, tuning_observations: Path, tmp_path: Path
 ) -> None:
     again = _encode(one_moe_source, tuning_observations, tmp_path / "tuned", STEPS)
-    assert digests(again) == digests(artifacts[1])
+    assert digests(again.artifact.directory) == digests(artifacts[1])
+
+
+def test_encode_summary_reports_each_units_tuning(encodes: tuple[EncodeResult, EncodeResult]) -> None:
+    """Each MoE layer's summary (the console table and the summary file) holds its units' tuning: every step's
+    held-out error from the encoded scales' (step 0) on, the kept step's the lowest of them; the plain encode none."""
+    plain, tuned = encodes
+    assert all(layer.tuning is None for layer in plain.layers)
+    on_disk = json.loads(tuned.summary_path.read_text())["layers"]
+    for layer, saved in zip(tuned.layers, on_disk, strict=True):
+        assert layer.tuning and saved["tuning"] == layer.tuning
+        for unit in layer.tuning:
+            curve = unit["heldout_by_step"]
+            assert len(curve) == STEPS + 1 and curve[0] == unit["heldout_before"]
+            assert unit["heldout_after"] == min(curve) == curve[unit["best_step"]]
+            assert (unit["best_step"] > 0) == (unit["experts"] > 0)
+        assert layer.tuned_ratio is not None and layer.tuned_ratio < 1
+    header = [c.header for c in summary_table(tuned.layers).columns]
+    assert "tuned err" in header and "tuned err" not in [c.header for c in summary_table(plain.layers).columns]
 
 
 def test_observation_without_a_sample_is_refused(

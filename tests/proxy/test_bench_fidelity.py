@@ -172,6 +172,10 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     tiered = rows["depth-tiers-tuned"]  # the same bytes as K3 / K2 / K1 by depth, the scales tuned
     assert tiered["routed_bytes"] == rows["seed"]["routed_bytes"] and tiered["tiers"] == "depth:K3=1,K2=rest,K1=1"
     assert tiered["tune_scales"] > 0 and set(tiered["kl_by_layer"]) == set(shares)
+    for tuning in tiered["tuning_by_layer"].values():  # each unit's held-out curve, the kept step its lowest
+        for best, curve in zip(tuning["best_steps"], tuning["heldout_by_step"], strict=True):
+            assert len(curve) == tiered["tune_scales"] + 1 and curve[best] == min(curve)
+    assert "tuning_by_layer" not in rows["seed"]
     assert tiered["manifest_sha256"] != rows["seed"]["manifest_sha256"]
     assert rows["prune25-k3"]["at_seed_bytes"] and rows["prune25-k3"]["routed_bytes"] < rows["seed"]["routed_bytes"]
     assert rows["uniform-k3"]["kl"] < rows["seed"]["kl"] and not rows["uniform-k3"]["at_seed_bytes"]
