@@ -147,7 +147,7 @@ def main() -> None:
         "--experts-per-unit", type=int, default=EncodeConfig.experts_per_unit, help="encode's default work unit"
     )
     ap.add_argument("--tuning-tokens", type=int, default=8192, help="observe --tuning-tokens (the recipe's value)")
-    ap.add_argument("--steps", type=int, default=100, help="encode --tune-scales (the recipe's value)")
+    ap.add_argument("--steps", type=int, default=50, help="encode --tune-scales (the recipe's value)")
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="results file (default bench/results/tuning_<gpu>.json)")
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")

@@ -87,8 +87,8 @@ def encode(
         int,
         typer.Option(
             help="tune the stored scales of each unit's routed experts together on their share of the sampled "
-            "calibration tokens' MoE output (observe --tuning-tokens) for this many Adam steps, the codes fixed; "
-            "0: the encoder's own scales"
+            "calibration tokens' MoE output (observe --tuning-tokens) for this many Adam steps (the recipe: 50), the "
+            "codes fixed; 0: the encoder's own scales"
         ),
     ] = 0,
     revision: HubRevision = None,

@@ -28,6 +28,7 @@ import torch
 from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
 from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS, check_exact_layers, check_linear_bits
 from glmquant.devices import device_type
+from glmquant.encode.scale_tuning import LEARNING_RATE
 from glmquant.environment import exl3_backend
 from glmquant.errors import UsageError
 from glmquant.exl3.refit import REFIT_ROUNDS
@@ -178,8 +179,9 @@ class EncodeConfig:
         ):
             if getattr(self, k) == default:  # a job from before these options existed resumes unchanged
                 del shaping[k]
-        if self.tune_scales:  # a job begun when each expert was tuned alone is not resumed with the unit's loss
+        if self.tune_scales:  # a job begun when each expert was tuned alone, or at another rate, is not resumed
             shaping["tune_scales_loss"] = "unit-output"
+            shaping["tune_scales_lr"] = repr(LEARNING_RATE)
         shaping["device"] = torch.device(self.device).type
         shaping["backend"] = exl3_backend() or "auto"
         # the encoder's own defaults: units encoded before a change of them must not be mixed with units after it;

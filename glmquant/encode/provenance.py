@@ -11,6 +11,7 @@ from glmquant.checkpoint.provenance import CalibrationInfo, MethodInfo, Provenan
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.tiers import tier_bitmap_sha256
 from glmquant.encode.config import EncodeConfig
+from glmquant.encode.scale_tuning import LEARNING_RATE
 from glmquant.observe.summary import ObservationSummary
 
 
@@ -54,8 +55,8 @@ def method_info(cfg: EncodeConfig) -> MethodInfo:
     return MethodInfo(
         claim=(
             "EXL3 trellis quantization of routed experts, the stored scales of each unit's experts then tuned together "
-            f"on their share of the sampled calibration tokens' MoE output ({cfg.tune_scales} Adam steps, codes "
-            "fixed); all other tensors retained byte-for-byte"
+            f"on their share of the sampled calibration tokens' MoE output ({cfg.tune_scales} Adam steps at lr "
+            f"{LEARNING_RATE:g}, codes fixed); all other tensors retained byte-for-byte"
         )
     )
 

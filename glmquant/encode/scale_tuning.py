@@ -27,7 +27,7 @@ from glmquant.exl3.regularize import balance_scales
 from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.observe.tuning_sample import RoutedSample
 
-LEARNING_RATE = 2e-3  # Adam step on the relative scale corrections
+LEARNING_RATE = 5e-3  # Adam step on the relative scale corrections (2e-3 until the twenty-sixth session: 2x the steps)
 MIN_TOKENS = 8  # an expert routed fewer sampled tokens keeps its encoded scales (its output still counts)
 HELD_OUT_EVERY = 4  # every fourth sampled token measures the steps, the rest fit them
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import glmquant.encode.config as encode_config
 from glmquant.cli import app
 from glmquant.encode import EncodeConfig
 from glmquant.environment import exl3_backend
@@ -126,6 +127,10 @@ def test_retained_bits_shape_the_fingerprint_and_leave_older_jobs_resumable(tmp_
     untuned = EncodeConfig(source=tmp_path, out=tmp_path / "a", observations=tmp_path)
     prints = {c.fingerprint({}) for c in (base, k4, k5, fallback, head, both, first_exact)}
     assert len(prints) == 7 and tuned.fingerprint({}) != untuned.fingerprint({})
+    now = tuned.fingerprint({}), untuned.fingerprint({})
+    with pytest.MonkeyPatch.context() as mp:  # a tuned job begun at another learning rate is not resumed
+        mp.setattr(encode_config, "LEARNING_RATE", 2e-3)
+        assert tuned.fingerprint({}) != now[0] and untuned.fingerprint({}) == now[1]
     assert k4.retained_bits == 4 and base.retained_bits is None
     # the fingerprint of the default options hashes no retained_* key: the pre-option recipe
     skipped = {"out", "work_dir", "verify", "source", "observations", "prune_plan", "tier_plan", "uncalibrated"}

@@ -19,6 +19,7 @@ pytest.importorskip(
 from proxy_helpers import BenchRun
 
 from glmquant.cli import app
+from glmquant.encode.scale_tuning import LEARNING_RATE
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fidelity-bench")]  # pytest-xdist: `bench_run` built once
 
@@ -33,12 +34,12 @@ def test_depth_tiers_tuned_verifies_and_passes_serve_check(
     small_proxy: Path, bench_run: BenchRun, tmp_path: Path
 ) -> None:
     art = bench_run.work / "artifact-depth-tiers-tuned"  # the benchmark's row: observe --tuning-tokens N, encode
-    # --tiers depth:K3=1,K2=rest,K1=1 --tune-scales 100 (the options a user passes)
+    # --tiers depth:K3=1,K2=rest,K1=1 --tune-scales 50 (the options a user passes)
     _run(["verify-manifest", str(art)])
     manifest = json.loads((art / "EXL3_MANIFEST.json").read_text())
     by_layer = manifest["layout"]["tier_experts_by_layer"]  # the small proxy's two MoE layers, first to last
     assert [set(by_layer[layer]) for layer in sorted(by_layer, key=int)] == [{"k3"}, {"k1"}], by_layer
-    assert "100 Adam steps" in json.dumps(manifest)
+    assert f"50 Adam steps at lr {LEARNING_RATE:g}" in json.dumps(manifest)
 
     model = small_proxy / "model"
     _run(
