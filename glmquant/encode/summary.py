@@ -110,7 +110,7 @@ def summary_table(layers: list[LayerSummary]) -> Table:
             ratio, steps = summary.tuned_ratio, [u["best_step"] for u in summary.tuning or []]
             row += [
                 "-" if ratio is None else f"x{ratio:.3f}",
-                f"{min(steps)}-{max(steps)}" if steps and min(steps) != max(steps) else str(steps[0]) if steps else "-",
+                "-".join(map(str, sorted({min(steps), max(steps)}))) if steps else "-",  # "100" or "61-100"
             ]
         table.add_row(*row, f"{summary.seconds:.1f}", f"{summary.bytes_written:,}")
     return table
