@@ -13,7 +13,7 @@ tuned together on their share of the calibration tokens' MoE output (`encode --t
 tiers by layer at the seed's bytes, alone and tuned: K3 for the first MoE layers, K1 for the last, K2 between
 (`encode --tiers depth:...`; tuned longer, on gate-weighted Hessians with MUL1, with 3INST), every other
 byte-neutral allocation of K1-K4 by depth on a proxy of at most 8 MoE layers (the depth sweep, `depth-k<K per
-layer>`), or ranked by the share of the residual stream their routed output is (`share:...`);
+layer>`, untuned, then each tuned), or ranked by the share of the residual stream their routed output is (`share:...`);
 gate-weighted natural Hessians (each routed token's rows weighted by its routing weight, observe
 --hessian-weighting gate), alone and with MUL1; all-token Hessians; a 50/50 blend; the speed tier's retained
 linears at K4-K6 (issue 18); REAP tiers at the seed's bytes (K3 or K4 for the most salient experts, K1 for the
@@ -44,6 +44,7 @@ higher, KL no worse than ExLlamaV3's).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
 import json
 import math
@@ -70,7 +71,7 @@ from rich.console import Console
 from glmquant.arch import PROJECTIONS, load_model_spec
 from glmquant.checkpoint.exl3_groups import exl3_groups
 from glmquant.checkpoint.reader import SourceCheckpoint
-from glmquant.encode import EncodeConfig, encode_artifact
+from glmquant.encode import EncodeConfig, EncodeResult, encode_artifact
 from glmquant.exl3 import EXL3Tensor, decode_weight, proxy_error
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessian_reader import load_dense_hessian
@@ -87,7 +88,7 @@ AT_SEED_BYTES = 1.01  # rows with at most this times the seed's routed bytes com
 PRUNED_BIAS = -1e4  # router correction bias of a pruned expert: never among the top-k
 EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")  # an EXL3 group's key
 HESSIAN_ROWS = ("seed", "all-token", "blend-0.5")
-ROUTED_KEY = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.")
+ROUTED_KEY = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.\d+\.")
 TUNE_STEPS = 50  # `encode --tune-scales` of the tuned rows (100 before the learning rate went from 2e-3 to 5e-3)
 LONG_TUNE_STEPS = 400  # the row that asks whether TUNE_STEPS is enough
 MTP_PROMPT_TOKENS = 128  # held-out prompt length of the MTP acceptance run (at most half a held-out row)
@@ -189,11 +190,14 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
         ),
         *(
             Recipe(
-                "depth-k" + "".join(map(str, bits)),
+                "depth-k" + "".join(map(str, bits)) + ("-tuned" if tune else ""),
                 f"the depth sweep: MoE layers at K{', K'.join(map(str, bits))} from the first (encode --tiers "
-                f"{depth_spec(bits)}): which byte-neutral allocation by depth is best, untuned",
+                f"{depth_spec(bits)}): which byte-neutral allocation by depth is best, "
+                + (f"its scales tuned as seed-tuned's (encode --tune-scales {TUNE_STEPS})" if tune else "untuned"),
                 tiers=depth_spec(bits),
+                tune_scales=TUNE_STEPS if tune else 0,
             )
+            for tune in (False, True)  # the untuned sweep first: a tuned row is for the allocations it ranks best
             for bits in depth_allocations(moe_layers)
             if depth_spec(bits) != depth_spec([3] * m3 + [2] * (moe_layers - 2 * m3) + [1] * m3)  # depth-tiers' own
         ),
@@ -398,16 +402,29 @@ def compare(reference: torch.Tensor, got: torch.Tensor, ids: torch.Tensor) -> di
     return {"kl": float(kl.mean()), "top1": float(top1.mean()), "ppl": math.exp(float(nll))}
 
 
-def routed_bytes(artifact: Path) -> tuple[int, float]:
-    """(bytes of every routed-expert EXL3 tensor, trellis bits per routed weight) from the headers."""
+def routed_bytes_by_layer(artifact: Path) -> dict[int, tuple[int, int]]:
+    """MoE layer -> (bytes of its routed-expert EXL3 tensors, of their trellises) from the headers."""
     with SourceCheckpoint.open(artifact) as ckpt:
         specs = [ckpt.spec(n) for n in ckpt.names()]
-        spec = load_model_spec(ckpt.config_path)
-    groups = {k: g for k, g in exl3_groups(specs).items() if ROUTED_KEY.search(k + ".")}  # not retained linears
-    total = sum(p.nbytes for g in groups.values() for p in g.parts.values())
-    trellis = sum(g.parts["trellis"].nbytes for g in groups.values() if "trellis" in g.parts)
+    out: dict[int, tuple[int, int]] = {}
+    for key, group in exl3_groups(specs).items():
+        found = ROUTED_KEY.search(key + ".")  # not retained linears
+        if found is None:
+            continue
+        layer = int(found.group(1))
+        total, trellis = out.get(layer, (0, 0))
+        out[layer] = (
+            total + sum(p.nbytes for p in group.parts.values()),
+            trellis + (group.parts["trellis"].nbytes if "trellis" in group.parts else 0),
+        )
+    return out
+
+
+def routed_bytes(by_layer: dict[int, tuple[int, int]], spec: Any) -> tuple[int, float]:
+    """(bytes of every routed-expert EXL3 tensor, trellis bits per routed weight) of routed_bytes_by_layer's."""
     weights = len(spec.moe_layers) * spec.n_routed_experts * 3 * spec.hidden_size * spec.moe_intermediate_size
-    return total, round(8 * trellis / weights, 4)
+    total = sum(t for t, _ in by_layer.values())
+    return total, round(8 * sum(t for _, t in by_layer.values()) / weights, 4)
 
 
 def artifact_experts(
@@ -425,6 +442,25 @@ def artifact_experts(
             pruned[layer] = sorted(set(range(source_experts)) - set(kept))
     art.checkpoint.close()
     return out, pruned
+
+
+def composable(recipe: Recipe) -> bool:
+    """Whether --compose-layers measures the row from uniform stocks: uniform or `depth:` widths, every expert
+    kept, no retained linears."""
+    plain = recipe.keep is None and recipe.retained_bits is None and recipe.head_bits is None
+    return plain and (recipe.tiers is None or recipe.tiers.startswith("depth:"))
+
+
+def tuning_by_layer(result: EncodeResult) -> dict[str, dict[str, Any]]:
+    """How far `encode --tune-scales` went, by MoE layer: whether its steps were enough."""
+    return {
+        str(layer.layer): {
+            "heldout_ratio": layer.tuned_ratio,
+            "best_steps": [u["best_step"] for u in layer.tuning or []],
+            "heldout_by_step": [u["heldout_by_step"] for u in layer.tuning or []],
+        }
+        for layer in result.layers
+    }
 
 
 @dataclass(frozen=True)
@@ -659,16 +695,14 @@ class Evaluator:
             return self.exllamav3_row(), extras
         return self.row(task.recipe, task.hessians, task.blend, extras), extras
 
-    def row(self, recipe: Recipe, hessians: str, blend: float | None, extras: dict[str, Any]) -> dict[str, Any]:
+    def encode(self, recipe: Recipe, hessians: str, blend: float | None, out: Path) -> tuple[EncodeResult, Path | None]:
+        """`recipe`'s artifact encoded into `out` (anything there first removed), and its prune plan if it prunes."""
         obs = self.observations[recipe.observations]
-        out = self.work / f"artifact-{recipe.name}"
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)
-        keep = None
         plan = None
         if recipe.keep is not None:
             plan = write_prune_plan(obs, recipe.keep, self.work / f"prune-{recipe.name}.json")
-            keep = {int(k): v for k, v in json.loads(plan.read_text())["layers"].items()}
         cfg = EncodeConfig(
             source=self.model_dir,
             out=out,
@@ -687,20 +721,103 @@ class Evaluator:
             device=self.args.device,
             verified_at="2026-01-01T00:00:00Z",
         )
-        t0 = time.monotonic()
         result = encode_artifact(cfg, Console(quiet=True))
         assert result is not None  # one process: it writes the artifact
-        encode_s = time.monotonic() - t0
-        nbytes, bpw = routed_bytes(out)
-        experts, pruned = artifact_experts(out, keep, self.spec.n_routed_experts, self.args.device)
-        linears: dict[str, torch.Tensor] = {}
+        return result, plan
+
+    def stock(self, recipe: Recipe, hessians: str, blend: float | None, bits: int) -> tuple[Path, dict[str, Any]]:
+        """The uniform-K`bits` artifact with `recipe`'s other settings (--compose-layers), encoded once into
+        WORK/stocks and kept: its directory and record (manifest, seconds, each layer's routed bytes and tuning).
+        A lock makes a second worker that needs it wait for the first's."""
+        uniform = replace(recipe, bits=bits, tiers=None)
+        name = (
+            f"k{bits}-{recipe.codebook}-{hessians}{'' if blend is None else blend}-{recipe.observations}"
+            f"-tune{recipe.tune_scales}-{self.args.layout}-{self.args.device}"
+        )
+        out = self.work / "stocks" / name
+        record_path = out.with_name(name + ".json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.with_name(name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not record_path.is_file():
+                t0 = time.monotonic()
+                result, _ = self.encode(uniform, hessians, blend, out)
+                record = {
+                    "manifest_sha256": result.artifact.manifest_sha256 if result else None,  # composed: stock_manifests
+                    "encode_seconds": round(time.monotonic() - t0, 1),
+                    "routed_bytes_by_layer": {str(k): v for k, v in routed_bytes_by_layer(out).items()},
+                    "tuning_by_layer": tuning_by_layer(result) if recipe.tune_scales else None,
+                }
+                partial = record_path.with_name(record_path.name + ".partial")
+                partial.write_text(json.dumps(record, indent=2) + "\n")
+                os.replace(partial, record_path)  # written last: the stock is whole once this exists
+                shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)  # its job's unit files
+                record["built_here"] = True
+                return out, record
+        return out, json.loads(record_path.read_text())
+
+    def composed(
+        self, recipe: Recipe, hessians: str, blend: float | None
+    ) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict[int, tuple[int, int]], dict[str, Any], Path]:
+        """A uniform or `depth:` row from the stocks (--compose-layers): each MoE layer's decoded experts, routed
+        bytes and tuning taken from the uniform artifact of its width (and that artifact, for a uniform row; else
+        the first layer's). The same as encoding the row, since an untuned or tuned layer's encode sees only its
+        own weights, Hessians and calibration sample."""
+        moe = list(self.spec.moe_layers)
+        if recipe.tiers is None:
+            widths = [recipe.bits] * len(moe)
+        else:
+            widths = [b for b, n in TierSpec.parse(recipe.tiers).counts(len(moe)) for _ in range(n)]
+        experts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        by_layer: dict[int, tuple[int, int]] = {}
+        stocks: dict[int, tuple[Path, dict[str, Any]]] = {}
+        for k in sorted(set(widths)):
+            stocks[k] = self.stock(recipe, hessians, blend, k)
+        for k, (path, _) in stocks.items():
+            layers = {layer for layer, width in zip(moe, widths, strict=True) if width == k}
+            decoded, _ = artifact_experts(path, None, self.spec.n_routed_experts, self.args.device)
+            experts |= {key: w for key, w in decoded.items() if key[0] in layers}
+        for layer, k in zip(moe, widths, strict=True):
+            total, trellis = stocks[k][1]["routed_bytes_by_layer"][str(layer)]
+            by_layer[layer] = (total, trellis)
+        facts: dict[str, Any] = {
+            "composed_from": {str(layer): f"k{k}" for layer, k in zip(moe, widths, strict=True)},
+            "stock_manifests": {f"k{k}": r["manifest_sha256"] for k, (_, r) in stocks.items()},
+            "stock_encode_seconds": {f"k{k}": r["encode_seconds"] for k, (_, r) in stocks.items()},
+            "stocks_built_here": sorted(f"k{k}" for k, (_, r) in stocks.items() if r.get("built_here")),
+        }
+        if recipe.tune_scales:
+            facts["tuning_by_layer"] = {
+                str(layer): stocks[k][1]["tuning_by_layer"][str(layer)] for layer, k in zip(moe, widths, strict=True)
+            }
+        return experts, by_layer, facts, stocks[widths[0]][0]
+
+    def row(self, recipe: Recipe, hessians: str, blend: float | None, extras: dict[str, Any]) -> dict[str, Any]:
+        obs = self.observations[recipe.observations]
+        out = self.work / f"artifact-{recipe.name}"
+        t0 = time.monotonic()
         tier: dict[str, Any] = {}
+        if self.args.compose_layers and composable(recipe):
+            experts, by_layer, tier, out = self.composed(recipe, hessians, blend)  # the seed's MTP run reads out
+            pruned: dict[int, list[int]] = {}
+            result = None
+            encode_s = sum(tier["stock_encode_seconds"][k] for k in tier["stocks_built_here"])  # 0: all reused
+        else:
+            result, plan = self.encode(recipe, hessians, blend, out)
+            keep = {int(k): v for k, v in json.loads(plan.read_text())["layers"].items()} if plan else None
+            encode_s = time.monotonic() - t0
+            by_layer = routed_bytes_by_layer(out)
+            experts, pruned = artifact_experts(out, keep, self.spec.n_routed_experts, self.args.device)
+            if recipe.tune_scales:  # how far the tuning went, by MoE layer: whether its steps were enough
+                tier["tuning_by_layer"] = tuning_by_layer(result)
+        nbytes, bpw = routed_bytes(by_layer, self.spec)
+        linears: dict[str, torch.Tensor] = {}
         if recipe.retained_bits is not None or recipe.head_bits is not None:
             decoded, exl3_bytes, bf16_bytes = artifact_linears(out, self.args.device)
             linears = {name: d.weight for name, d in decoded.items()}
             roles = {name: d.role for name, d in decoded.items()}
             original = {name: self.proxy.model.get_parameter(name).detach() for name in decoded}
-            tier = {
+            tier |= {
                 "retained_linears": len(linears),
                 "retained_exl3_bytes": exl3_bytes,
                 "retained_bf16_bytes": bf16_bytes,
@@ -723,15 +840,6 @@ class Evaluator:
                 role: self.measure({}, {}, {n: w for n, w in linears.items() if roles[n] == role})["kl"]
                 for role in sorted(set(roles.values()))
             }
-        if recipe.tune_scales:  # how far the tuning went, by MoE layer: whether its steps were enough
-            tier["tuning_by_layer"] = {
-                str(layer.layer): {
-                    "heldout_ratio": layer.tuned_ratio,
-                    "best_steps": [u["best_step"] for u in layer.tuning or []],
-                    "heldout_by_step": [u["heldout_by_step"] for u in layer.tuning or []],
-                }
-                for layer in result.layers
-            }
         row = {
             "recipe": recipe.name,
             "routed_bytes": nbytes,
@@ -739,7 +847,7 @@ class Evaluator:
             **metrics,
             **tier,
             **{k: v for k, v in asdict(replace(recipe, hessians=hessians, blend=blend)).items() if k != "name"},
-            "manifest_sha256": result.artifact.manifest_sha256,
+            "manifest_sha256": result.artifact.manifest_sha256 if result else None,  # composed: stock_manifests
             "encode_seconds": round(encode_s, 1),  # observations to a verified artifact
             "decode_seconds": round(decode_s, 1),
             "measure_seconds": round(time.monotonic() - t0 - encode_s - decode_s, 1),
@@ -753,7 +861,7 @@ class Evaluator:
             except Exception as exc:  # noqa: BLE001 - recorded: the seed's row stands on its own
                 mtp = {"error": f"{type(exc).__name__}: {exc}"[-3000:], "traceback": traceback.format_exc()[-6000:]}
             extras["mtp_acceptance"] = mtp | {"seconds": round(time.monotonic() - t1, 1)}
-        if not self.args.keep_artifacts:
+        if not self.args.keep_artifacts and result is not None:  # a stock is kept for the rows after
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)
         return row
@@ -1123,6 +1231,13 @@ def main() -> None:
         "--tokens); at most the proxy's index_topk keeps its DSA layers on their dense path (docs/fidelity.md)",
     )
     ap.add_argument("--keep-artifacts", action="store_true")
+    ap.add_argument(
+        "--compose-layers",
+        action="store_true",
+        help="measure the uniform and depth-tiered rows (the depth sweep) from one uniform artifact per width, "
+        "kept in WORK/stocks, each MoE layer's experts taken from its width's: the same figures as encoding each "
+        "row, for a few encodes instead of one per row",
+    )
     ap.add_argument(
         "--mtp-prompts",
         type=int,

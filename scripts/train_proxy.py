@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
@@ -42,6 +42,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU smoke size: tiny model, corpus and run")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers instead of the shape's own (the same first dense layers, the rest MoE): a deeper CPU "
+        "proxy for the depth sweep",
+    )
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     for name in (
         "seed",
@@ -66,7 +73,12 @@ def main() -> None:
     ap.add_argument("--corpus-recipe", type=Path, default=None)
     args = ap.parse_args()
     given = {k: v for k, v in vars(args).items() if v is not None and k in defaults and k != "out"}
-    preset = {**SMOKE, "shape": SMOKE_SHAPE} if args.smoke else {"shape": PROXY_SHAPE}
+    shape = SMOKE_SHAPE if args.smoke else PROXY_SHAPE
+    if args.layers is not None:
+        if args.layers <= shape.first_dense_layers:
+            ap.error(f"--layers must exceed the shape's {shape.first_dense_layers} dense layer(s), got {args.layers}")
+        shape = replace(shape, num_hidden_layers=args.layers)
+    preset = {**SMOKE, "shape": shape} if args.smoke else {"shape": shape}
     record = train_proxy(TrainConfig(out=args.out, **{**preset, **given}))
     if record.get("paused"):
         sys.exit(PAUSED_EXIT)

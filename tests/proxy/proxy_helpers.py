@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -135,9 +136,9 @@ class BenchRun:
     work: Path
 
 
-def run_bench(proxy: Path, tmp: Path) -> BenchRun:
-    """scripts/bench_fidelity.py over SMOKE_ROWS on the CPU (exllamav3 layout, a few calibration and held-out rows,
-    two worker processes), artifacts kept."""
+def run_bench(proxy: Path, tmp: Path, recipes: Sequence[str] = SMOKE_ROWS, *options: str) -> BenchRun:
+    """scripts/bench_fidelity.py over `recipes` on the CPU (exllamav3 layout, a few calibration and held-out rows,
+    two worker processes), artifacts kept; `options` added to its command."""
     results, work = tmp / "fidelity.json", tmp / "work"
     argv = [sys.executable, str(ROOT / "scripts" / "bench_fidelity.py"), "--proxy", str(proxy), "--device", "cpu"]
     argv += ["--layout", "exllamav3", "--rows", "4", "--tokens", "32", "--batch-rows", "2", "--heldout-rows", "2"]
@@ -149,7 +150,8 @@ def run_bench(proxy: Path, tmp: Path) -> BenchRun:
         "--results",
         str(results),
         "--recipes",
-        ",".join(SMOKE_ROWS),
+        ",".join(recipes),
+        *options,
     ]
     argv += ["--mtp-prompts", "2", "--mtp-new-tokens", "5", "--keep-artifacts"]
     argv += ["--jobs", "2"]  # two worker processes: rows finish out of order, the file keeps the canonical one

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from proxy_helpers import SMOKE_ROWS, BenchRun
+from proxy_helpers import SMOKE_ROWS, BenchRun, run_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,13 +48,17 @@ def test_depth_sweep_enumerates_every_byte_neutral_allocation_by_depth() -> None
     from glmquant.observe.tiers import TierSpec
 
     bench = _bench_module()
-    sweep = {r.name: r.tiers for r in bench.recipes(64, 8, 6) if r.name.startswith("depth-k")}
+    rows = [r for r in bench.recipes(64, 8, 6) if r.name.startswith("depth-k")]
+    sweep = {r.name: r.tiers for r in rows if not r.tune_scales}
     assert sorted(sweep) == sorted(
         ["depth-k441111", "depth-k432111", "depth-k422211", "depth-k333111", "depth-k322221"]
     )
     for name, tiers in sweep.items():
         bits = [b for b, n in TierSpec.parse(tiers).counts(6) for _ in range(n)]
         assert "depth-k" + "".join(map(str, bits)) == name
+    # each allocation tuned too, after the whole untuned sweep
+    assert [r.name for r in rows] == [*sweep, *(f"{name}-tuned" for name in sweep)]
+    assert all(r.tiers == sweep[r.name.removesuffix("-tuned")] for r in rows if r.tune_scales)
     assert [r.tiers for r in bench.recipes(8, 4, 3) if r.name == "depth-k411"] == ["depth:K4=1,K1=rest"]
     assert not [r for r in bench.recipes(288, 45, 42) if r.name.startswith("depth-k")]
 
@@ -221,6 +225,31 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     resumed = json.loads(results.read_text())
     assert resumed["rows"] == record["rows"]
     assert resumed["mtp_acceptance"] == record["mtp_acceptance"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("fidelity-bench")
+def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: Path, tmp_path: Path) -> None:
+    """--compose-layers: the seed and depth-tiers-tuned rows taken layer by layer from uniform K1, K2 and K3
+    stocks (tuned where the row is) give the figures, bytes and tuning of encoding each row; the stocks are kept
+    and a second composed row reuses them instead of encoding again."""
+    recipes = ("seed", "depth-tiers-tuned", "depth-tiers")
+    composed = run_bench(small_proxy, tmp_path, recipes, "--compose-layers", "--no-exllamav3")
+    rows = {r["recipe"]: r for r in json.loads(composed.results.read_text())["rows"]}
+    encoded = {r["recipe"]: r for r in json.loads(bench_run.results.read_text())["rows"]}
+    for name in ("seed", "depth-tiers-tuned"):
+        got, want = rows[name], encoded[name]
+        for key in ("kl", "top1", "ppl", "routed_bytes", "routed_bpw", "kl_by_layer"):
+            assert got[key] == want[key], (name, key)
+        assert got["manifest_sha256"] is None and got["stock_manifests"]
+    assert rows["seed"]["stock_manifests"]["k2"] == encoded["seed"]["manifest_sha256"]  # the seed is its K2 stock
+    assert rows["depth-tiers-tuned"]["composed_from"] == {"1": "k3", "2": "k1"}
+    assert rows["depth-tiers-tuned"]["tuning_by_layer"] == encoded["depth-tiers-tuned"]["tuning_by_layer"]
+    untuned = rows["depth-tiers"]
+    assert untuned["routed_bytes"] == rows["seed"]["routed_bytes"] and "tuning_by_layer" not in untuned
+    stocks = sorted(p.name for p in (composed.work / "stocks").glob("*.json"))
+    assert len(stocks) == 5 and all(name.endswith("-exllamav3-cpu.json") for name in stocks)  # k2; k3, k1 twice
+    assert not (composed.work / "artifact-seed").exists()
 
 
 def test_exllamav3_experts_keep_the_evaluated_layers_and_count_the_mtp_layer_apart(tmp_path: Path) -> None:

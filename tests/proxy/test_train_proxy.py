@@ -8,12 +8,14 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from proxy_helpers import smoke_config
+from proxy_helpers import ROOT, smoke_config
 from safetensors import safe_open
 
 from glmquant.arch import load_model_spec, table_for
@@ -169,3 +171,19 @@ def test_learning_rate_schedule() -> None:
 def test_bfloat16_fallback_trains(corpus_recipe: Path, tmp_path: Path) -> None:
     record = train_proxy(smoke_config(tmp_path, corpus_recipe, steps=1, dtype="bfloat16"), log=lambda _line: None)
     assert record["train_config"]["dtype"] == "bfloat16" and record["heldout_ppl"] > 1
+
+
+@pytest.mark.slow
+def test_script_layers_option_deepens_the_shape(corpus_recipe: Path, tmp_path: Path) -> None:
+    """scripts/train_proxy.py --layers N: the smoke shape with N decoder layers (its dense first layer, the rest
+    MoE), as the depth sweep's deeper CPU proxy is trained; too few layers for one MoE layer is refused."""
+    script = [sys.executable, str(ROOT / "scripts" / "train_proxy.py"), "--smoke", "--device", "cpu"]
+    small = ["--steps", "1", "--batch-rows", "1", "--seq-len", "16", "--heldout-rows", "1", "--calibration-rows", "1"]
+    small += ["--corpus-recipe", str(corpus_recipe)]
+    refused = subprocess.run([*script, "--layers", "1", "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--layers must exceed the shape's 1 dense layer(s), got 1" in refused.stderr
+    run = subprocess.run([*script, "--layers", "5", "--out", str(tmp_path), *small], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = json.loads((tmp_path / "model" / "config.json").read_text())["text_config"]
+    assert text["num_hidden_layers"] == 5 and text["mlp_layer_types"] == ["dense"] + ["sparse"] * 4
+    assert json.loads((tmp_path / "proxy.json").read_text())["shape"]["num_hidden_layers"] == 5
