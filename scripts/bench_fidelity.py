@@ -725,10 +725,12 @@ class Evaluator:
         assert result is not None  # one process: it writes the artifact
         return result, plan
 
-    def stock(self, recipe: Recipe, hessians: str, blend: float | None, bits: int) -> tuple[Path, dict[str, Any]]:
+    def stock(
+        self, recipe: Recipe, hessians: str, blend: float | None, bits: int, wait: bool
+    ) -> tuple[Path, dict[str, Any]] | None:
         """The uniform-K`bits` artifact with `recipe`'s other settings (--compose-layers), encoded once into
         WORK/stocks and kept: its directory and record (manifest, seconds, each layer's routed bytes and tuning).
-        A lock makes a second worker that needs it wait for the first's."""
+        A lock keeps two workers from building it at once: a second one waits, or with `wait` False gets None."""
         uniform = replace(recipe, bits=bits, tiers=None)
         name = (
             f"k{bits}-{recipe.codebook}-{hessians}{'' if blend is None else blend}-{recipe.observations}"
@@ -738,12 +740,15 @@ class Evaluator:
         record_path = out.with_name(name + ".json")
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out.with_name(name + ".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None  # another worker is building it
             if not record_path.is_file():
                 t0 = time.monotonic()
                 result, _ = self.encode(uniform, hessians, blend, out)
                 record = {
-                    "manifest_sha256": result.artifact.manifest_sha256 if result else None,  # composed: stock_manifests
+                    "manifest_sha256": result.artifact.manifest_sha256,
                     "encode_seconds": round(time.monotonic() - t0, 1),
                     "routed_bytes_by_layer": {str(k): v for k, v in routed_bytes_by_layer(out).items()},
                     "tuning_by_layer": tuning_by_layer(result) if recipe.tune_scales else None,
@@ -771,8 +776,11 @@ class Evaluator:
         experts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         by_layer: dict[int, tuple[int, int]] = {}
         stocks: dict[int, tuple[Path, dict[str, Any]]] = {}
-        for k in sorted(set(widths)):
-            stocks[k] = self.stock(recipe, hessians, blend, k)
+        for blocking in (False, True):  # first the stocks no other worker is building, then wait for those
+            for k in sorted(set(widths) - stocks.keys()):
+                got = self.stock(recipe, hessians, blend, k, blocking)
+                if got is not None:
+                    stocks[k] = got
         for k, (path, _) in stocks.items():
             layers = {layer for layer, width in zip(moe, widths, strict=True) if width == k}
             decoded, _ = artifact_experts(path, None, self.spec.n_routed_experts, self.args.device)
