@@ -428,13 +428,19 @@ def routed_bytes(by_layer: dict[int, tuple[int, int]], spec: Any) -> tuple[int, 
 
 
 def artifact_experts(
-    artifact: Path, keep: dict[int, list[int]] | None, source_experts: int, device: str
+    artifact: Path,
+    keep: dict[int, list[int]] | None,
+    source_experts: int,
+    device: str,
+    layers: Collection[int] | None = None,
 ) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict[int, list[int]]]:
     """Decoded routed experts of an artifact by (layer, source expert), decoded on `device`, and the source
-    experts it dropped."""
+    experts it dropped; only those of `layers` when given."""
     art = open_artifact(artifact)
     out, pruned = {}, {}
     for layer in art.quantized_layers:
+        if layers is not None and layer not in layers:
+            continue
         kept = keep[layer] if keep else list(range(source_experts))
         for new_id, source_id in enumerate(kept):
             out[(layer, source_id)] = {p: art.decode_expert(layer, new_id, p, device=device) for p in PROJECTIONS}
@@ -447,8 +453,9 @@ def artifact_experts(
 def composable(recipe: Recipe) -> bool:
     """Whether --compose-layers measures the row from uniform stocks: uniform or `depth:` widths, every expert
     kept, no retained linears."""
-    plain = recipe.keep is None and recipe.retained_bits is None and recipe.head_bits is None
-    return plain and (recipe.tiers is None or recipe.tiers.startswith("depth:"))
+    whole_layers = recipe.tiers is None or recipe.tiers.startswith("depth:")
+    experts_only = recipe.retained_bits is None and recipe.head_bits is None and not recipe.retained_exact_layers
+    return whole_layers and experts_only and recipe.keep is None
 
 
 def tuning_by_layer(result: EncodeResult) -> dict[str, dict[str, Any]]:
@@ -739,27 +746,33 @@ class Evaluator:
         out = self.work / "stocks" / name
         record_path = out.with_name(name + ".json")
         out.parent.mkdir(parents=True, exist_ok=True)
+        # what the name leaves out: a stock of another proxy or calibration in the same WORK is built again
+        calibration = [self.args.rows, self.args.tokens, self.args.batch_rows]
+        settings = {"proxy": _proxy_facts(self.args.proxy), "calibration": calibration}
         with open(out.with_name(name + ".lock"), "w") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return None  # another worker is building it
-            if not record_path.is_file():
-                t0 = time.monotonic()
-                result, _ = self.encode(uniform, hessians, blend, out)
-                record = {
-                    "manifest_sha256": result.artifact.manifest_sha256,
-                    "encode_seconds": round(time.monotonic() - t0, 1),
-                    "routed_bytes_by_layer": {str(k): v for k, v in routed_bytes_by_layer(out).items()},
-                    "tuning_by_layer": tuning_by_layer(result) if recipe.tune_scales else None,
-                }
-                partial = record_path.with_name(record_path.name + ".partial")
-                partial.write_text(json.dumps(record, indent=2) + "\n")
-                os.replace(partial, record_path)  # written last: the stock is whole once this exists
-                shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)  # its job's unit files
-                record["built_here"] = True
-                return out, record
-        return out, json.loads(record_path.read_text())
+            if record_path.is_file():
+                record = json.loads(record_path.read_text())
+                if record.get("settings") == settings:
+                    return out, record
+                record_path.unlink()
+            t0 = time.monotonic()
+            result, _ = self.encode(uniform, hessians, blend, out)
+            record = {
+                "settings": settings,
+                "manifest_sha256": result.artifact.manifest_sha256,
+                "encode_seconds": round(time.monotonic() - t0, 1),
+                "routed_bytes_by_layer": {str(k): list(v) for k, v in routed_bytes_by_layer(out).items()},
+                "tuning_by_layer": tuning_by_layer(result) if recipe.tune_scales else None,
+            }
+            partial = record_path.with_name(record_path.name + ".partial")
+            partial.write_text(json.dumps(record, indent=2) + "\n")
+            os.replace(partial, record_path)  # written last: the stock is whole once this exists
+            shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)  # its job's unit files
+            return out, record | {"built_here": True}
 
     def composed(
         self, recipe: Recipe, hessians: str, blend: float | None
@@ -776,15 +789,16 @@ class Evaluator:
         experts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         by_layer: dict[int, tuple[int, int]] = {}
         stocks: dict[int, tuple[Path, dict[str, Any]]] = {}
+        t0 = time.monotonic()
         for blocking in (False, True):  # first the stocks no other worker is building, then wait for those
             for k in sorted(set(widths) - stocks.keys()):
                 got = self.stock(recipe, hessians, blend, k, blocking)
                 if got is not None:
                     stocks[k] = got
+        stock_seconds = time.monotonic() - t0  # building them, or waiting for another worker's
         for k, (path, _) in stocks.items():
             layers = {layer for layer, width in zip(moe, widths, strict=True) if width == k}
-            decoded, _ = artifact_experts(path, None, self.spec.n_routed_experts, self.args.device)
-            experts |= {key: w for key, w in decoded.items() if key[0] in layers}
+            experts |= artifact_experts(path, None, self.spec.n_routed_experts, self.args.device, layers)[0]
         for layer, k in zip(moe, widths, strict=True):
             total, trellis = stocks[k][1]["routed_bytes_by_layer"][str(layer)]
             by_layer[layer] = (total, trellis)
@@ -793,6 +807,7 @@ class Evaluator:
             "stock_manifests": {f"k{k}": r["manifest_sha256"] for k, (_, r) in stocks.items()},
             "stock_encode_seconds": {f"k{k}": r["encode_seconds"] for k, (_, r) in stocks.items()},
             "stocks_built_here": sorted(f"k{k}" for k, (_, r) in stocks.items() if r.get("built_here")),
+            "stock_seconds": round(stock_seconds, 1),
         }
         if recipe.tune_scales:
             facts["tuning_by_layer"] = {
@@ -809,7 +824,7 @@ class Evaluator:
             experts, by_layer, tier, out = self.composed(recipe, hessians, blend)  # the seed's MTP run reads out
             pruned: dict[int, list[int]] = {}
             result = None
-            encode_s = sum(tier["stock_encode_seconds"][k] for k in tier["stocks_built_here"])  # 0: all reused
+            encode_s = tier["stock_seconds"]  # ~0 when every stock was there
         else:
             result, plan = self.encode(recipe, hessians, blend, out)
             keep = {int(k): v for k, v in json.loads(plan.read_text())["layers"].items()} if plan else None

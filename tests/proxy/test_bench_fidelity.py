@@ -233,7 +233,7 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     """--compose-layers: the seed and depth-tiers-tuned rows taken layer by layer from uniform K1, K2 and K3
     stocks (tuned where the row is) give the figures, bytes and tuning of encoding each row; the stocks are kept
     and a second composed row reuses them instead of encoding again."""
-    recipes = ("seed", "depth-tiers-tuned", "depth-tiers")
+    recipes = ("seed", "depth-tiers-tuned", "depth-tiers", "uniform-k3")  # the last two share the K3 stock
     composed = run_bench(small_proxy, tmp_path, recipes, "--compose-layers", "--no-exllamav3")
     rows = {r["recipe"]: r for r in json.loads(composed.results.read_text())["rows"]}
     encoded = {r["recipe"]: r for r in json.loads(bench_run.results.read_text())["rows"]}
@@ -249,7 +249,25 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     assert untuned["routed_bytes"] == rows["seed"]["routed_bytes"] and "tuning_by_layer" not in untuned
     stocks = sorted(p.name for p in (composed.work / "stocks").glob("*.json"))
     assert len(stocks) == 5 and all(name.endswith("-exllamav3-cpu.json") for name in stocks)  # k2; k3, k1 twice
+    built = [rows[name]["stocks_built_here"] for name in ("depth-tiers", "uniform-k3")]
+    assert sorted(k for b in built for k in b) == ["k1", "k3"]  # the K3 stock built once, by whichever came first
+    assert rows["uniform-k3"]["composed_from"] == {"1": "k3", "2": "k3"}
+    assert rows["uniform-k3"]["kl"] < rows["seed"]["kl"]
     assert not (composed.work / "artifact-seed").exists()
+    # the seed's MTP run drafts on its K2 stock as it did on its own artifact
+    drafted = json.loads(composed.results.read_text())["mtp_acceptance"]
+    assert "error" not in drafted, drafted.get("traceback")
+    for k in ("k1", "k2", "k3"):
+        assert drafted[k] == json.loads(bench_run.results.read_text())["mtp_acceptance"][k]
+    # a stock of other settings in the same WORK (here: calibration sizes edited in its record) is built again
+    (k2,) = (composed.work / "stocks").glob("k2-*.json")
+    k2.write_text(json.dumps(json.loads(k2.read_text()) | {"settings": {"calibration": [1, 1, 1]}}))
+    argv = [*composed.argv, "--mtp-prompts", "0"]  # the seed row alone, its results file written anew
+    argv[argv.index("--recipes") + 1] = "seed"
+    again = subprocess.run(argv, capture_output=True, text=True, env=composed.env, cwd=ROOT, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (seed,) = [r for r in json.loads(composed.results.read_text())["rows"] if r["recipe"] == "seed"]
+    assert seed["stocks_built_here"] == ["k2"] and seed["kl"] == rows["seed"]["kl"]
 
 
 def test_exllamav3_experts_keep_the_evaluated_layers_and_count_the_mtp_layer_apart(tmp_path: Path) -> None:
