@@ -5,12 +5,13 @@ e.g. `reap:K4=8,K3=16,K2=rest,K1=8`: in every MoE layer the 8 most salient exper
 least salient K1 and every other K2. Two criteria rank whole MoE layers, every expert of a layer getting its K:
 `depth` puts the first MoE layers first, e.g. `depth:K3=1,K2=rest,K1=1`: K3 for the first MoE layer, K1 for the
 last (the same bytes as K2 everywhere), K2 between; an error early in the stack passes through every later layer
-(and moves their routing), and on both trained proxies each MoE layer's K2 experts cost 8 to 120 times the KL of
-the next layer's (docs/fidelity.md). `share` ranks them by their routed share (stats.py: the routed experts'
-output energy against the residual stream it joins), which leaves that propagation out: on the second proxy it put
-a middle layer last. A count is a number of experts (layers) or a percentage of the layer's (kept) experts (of the
-MoE layers), `K3=25%` rounded down; exactly one tier is `rest`. Ties rank the lower expert id (layer) first, as the
-prune plan does, so the assignment is deterministic.
+(and moves their routing): on the first two trained proxies each MoE layer's K2 experts cost 8 to 120 times the
+KL of the next layer's, and on a deeper one (six MoE layers) the first carried 99 % of it (docs/fidelity.md).
+`share` ranks them by their routed share (stats.py: the routed experts' output energy against the residual stream
+it joins), which leaves that propagation out: on the second proxy it put a middle layer last. A count is a number
+of experts (layers) or a percentage of the layer's (kept) experts (of the MoE layers), `K3=25%` rounded down;
+exactly one tier is `rest`. Ties rank the lower expert id (layer) first, as the prune plan does, so the assignment
+is deterministic.
 
 `tier_plan.json` (written by `glmquant observe --tiers SPEC`, or by encode from the observations):
 
