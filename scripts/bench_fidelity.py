@@ -79,7 +79,7 @@ from glmquant.observe.hessians import HessianMode, HessianWeighting
 from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.run import observe
 from glmquant.observe.stats import LayerStats, stats_files
-from glmquant.observe.tiers import TierSpec
+from glmquant.observe.tiers import TierSpec, plan_depth_tiers
 from glmquant.proxy.train import split_rows
 from glmquant.runtime.artifact import open_artifact
 
@@ -783,27 +783,24 @@ class Evaluator:
         own weights, Hessians and calibration sample."""
         moe = list(self.spec.moe_layers)
         if recipe.tiers is None:
-            widths = [recipe.bits] * len(moe)
-        else:
-            widths = [b for b, n in TierSpec.parse(recipe.tiers).counts(len(moe)) for _ in range(n)]
+            width = dict.fromkeys(moe, recipe.bits)
+        else:  # the encoder's own assignment of a depth spec's widths to the MoE layers
+            width = {layer: k for layer, (k,) in plan_depth_tiers(TierSpec.parse(recipe.tiers), moe, 1).items()}
         experts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        by_layer: dict[int, tuple[int, int]] = {}
         stocks: dict[int, tuple[Path, dict[str, Any]]] = {}
         t0 = time.monotonic()
         for blocking in (False, True):  # first the stocks no other worker is building, then wait for those
-            for k in sorted(set(widths) - stocks.keys()):
+            for k in sorted(set(width.values()) - stocks.keys()):
                 got = self.stock(recipe, hessians, blend, k, blocking)
                 if got is not None:
                     stocks[k] = got
         stock_seconds = time.monotonic() - t0  # building them, or waiting for another worker's
         for k, (path, _) in stocks.items():
-            layers = {layer for layer, width in zip(moe, widths, strict=True) if width == k}
+            layers = [layer for layer in moe if width[layer] == k]
             experts |= artifact_experts(path, None, self.spec.n_routed_experts, self.args.device, layers)[0]
-        for layer, k in zip(moe, widths, strict=True):
-            total, trellis = stocks[k][1]["routed_bytes_by_layer"][str(layer)]
-            by_layer[layer] = (total, trellis)
+        by_layer = {layer: tuple(stocks[k][1]["routed_bytes_by_layer"][str(layer)]) for layer, k in width.items()}
         facts: dict[str, Any] = {
-            "composed_from": {str(layer): f"k{k}" for layer, k in zip(moe, widths, strict=True)},
+            "composed_from": {str(layer): f"k{k}" for layer, k in width.items()},
             "stock_manifests": {f"k{k}": r["manifest_sha256"] for k, (_, r) in stocks.items()},
             "stock_encode_seconds": {f"k{k}": r["encode_seconds"] for k, (_, r) in stocks.items()},
             "stocks_built_here": sorted(f"k{k}" for k, (_, r) in stocks.items() if r.get("built_here")),
@@ -811,9 +808,9 @@ class Evaluator:
         }
         if recipe.tune_scales:
             facts["tuning_by_layer"] = {
-                str(layer): stocks[k][1]["tuning_by_layer"][str(layer)] for layer, k in zip(moe, widths, strict=True)
+                str(layer): stocks[k][1]["tuning_by_layer"][str(layer)] for layer, k in width.items()
             }
-        return experts, by_layer, facts, stocks[widths[0]][0]
+        return experts, by_layer, facts, stocks[width[moe[0]]][0]
 
     def row(self, recipe: Recipe, hessians: str, blend: float | None, extras: dict[str, Any]) -> dict[str, Any]:
         obs = self.observations[recipe.observations]
