@@ -13,7 +13,9 @@ tuned together on their share of the calibration tokens' MoE output (`encode --t
 tiers by layer at the seed's bytes, alone and tuned: K3 for the first MoE layers, K1 for the last, K2 between
 (`encode --tiers depth:...`; tuned longer, on gate-weighted Hessians with MUL1, with 3INST), every other
 byte-neutral allocation of K1-K4 by depth on a proxy of at most 8 MoE layers (the depth sweep, `depth-k<K per
-layer>`, untuned, then each tuned), or ranked by the share of the residual stream their routed output is (`share:...`);
+layer>`, untuned, then each tuned), in any order of depth by each layer's KL at K1-K4 measured on calibration text
+(`layer-cost`, an exact knapsack, `--tiers layers:...`), or ranked by the share of the residual stream their routed
+output is (`share:...`);
 gate-weighted natural Hessians (each routed token's rows weighted by its routing weight, observe
 --hessian-weighting gate), alone and with MUL1; all-token Hessians; a 50/50 blend; the speed tier's retained
 linears at K4-K6 (issue 18); REAP tiers at the seed's bytes (K3 or K4 for the most salient experts, K1 for the
@@ -79,7 +81,7 @@ from glmquant.observe.hessians import HessianMode, HessianWeighting
 from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.run import observe
 from glmquant.observe.stats import LayerStats, stats_files
-from glmquant.observe.tiers import TierSpec, plan_depth_tiers
+from glmquant.observe.tiers import TierSpec, allocate_layer_widths, plan_structure_tiers
 from glmquant.proxy.train import split_rows
 from glmquant.runtime.artifact import open_artifact
 
@@ -112,6 +114,7 @@ class Recipe:
     retained_exact_layers: int = 0  # but the first layers' retained linears exact (`encode --retained-exact-layers`)
     head_bits: int | None = None  # and lm_head EXL3 at this K (`encode --head-bits`)
     tune_scales: int = 0  # Adam steps of `encode --tune-scales` on its observation's token sample
+    widths_from_costs: bool = False  # widths per MoE layer from each one's KL alone at K1-K4 on calibration text
 
 
 def depth_allocations(moe_layers: int) -> list[tuple[int, ...]]:
@@ -200,6 +203,20 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
             for tune in (False, True)  # the untuned sweep first: a tuned row is for the allocations it ranks best
             for bits in depth_allocations(moe_layers)
             if depth_spec(bits) != depth_spec([3] * m3 + [2] * (moe_layers - 2 * m3) + [1] * m3)  # depth-tiers' own
+        ),
+        Recipe(
+            "layer-cost",
+            "widths per MoE layer from each layer's own KL at K1-K4 (the other layers BF16), measured on calibration "
+            "text with the uniform stocks' experts: the allocation of least summed KL at the seed's bytes "
+            "(allocate_layer_widths, then encode --tiers layers:...), in any order of depth",
+            widths_from_costs=True,
+        ),
+        Recipe(
+            "layer-cost-tuned",
+            f"layer-cost's widths (from the untuned costs), its scales tuned as seed-tuned's (encode --tune-scales "
+            f"{TUNE_STEPS})",
+            widths_from_costs=True,
+            tune_scales=TUNE_STEPS,
         ),
         Recipe(
             "layer-tiers",
@@ -451,9 +468,9 @@ def artifact_experts(
 
 
 def composable(recipe: Recipe) -> bool:
-    """Whether --compose-layers measures the row from uniform stocks: uniform or `depth:` widths, every expert
-    kept, no retained linears."""
-    whole_layers = recipe.tiers is None or recipe.tiers.startswith("depth:")
+    """Whether --compose-layers measures the row from uniform stocks: uniform, `depth:` or `layers:` widths, every
+    expert kept, no retained linears."""
+    whole_layers = recipe.tiers is None or TierSpec.parse(recipe.tiers).from_structure
     experts_only = recipe.retained_bits is None and recipe.head_bits is None and not recipe.retained_exact_layers
     return whole_layers and experts_only and recipe.keep is None
 
@@ -671,8 +688,8 @@ class Evaluator:
         self.model_dir = args.proxy / "model"
         self.spec = load_model_spec(self.model_dir / "config.json")
         self.observations = observations
-        tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.ids = split_rows(args.proxy / "corpus", "heldout", args.heldout_rows, args.heldout_tokens, tokenizer)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.ids = split_rows(args.proxy / "corpus", "heldout", args.heldout_rows, args.heldout_tokens, self.tokenizer)
         self.proxy = PatchedProxy(self.model_dir, args.device)
         bf16_logprobs = self.proxy.logprobs(self.ids)
         self.bf16_compute: dict[str, float] | None = None
@@ -774,6 +791,19 @@ class Evaluator:
             shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)  # its job's unit files
             return out, record | {"built_here": True}
 
+    def stocks(
+        self, recipe: Recipe, hessians: str, blend: float | None, widths: Collection[int]
+    ) -> dict[int, tuple[Path, dict[str, Any]]]:
+        """The stocks of `widths` for `recipe`'s settings: first those no other worker is building, then it waits
+        for those."""
+        stocks: dict[int, tuple[Path, dict[str, Any]]] = {}
+        for blocking in (False, True):
+            for k in sorted(set(widths) - stocks.keys()):
+                got = self.stock(recipe, hessians, blend, k, blocking)
+                if got is not None:
+                    stocks[k] = got
+        return stocks
+
     def composed(
         self, recipe: Recipe, hessians: str, blend: float | None
     ) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict[int, tuple[int, int]], dict[str, Any], Path]:
@@ -785,15 +815,10 @@ class Evaluator:
         if recipe.tiers is None:
             width = dict.fromkeys(moe, recipe.bits)
         else:  # the encoder's own assignment of a depth spec's widths to the MoE layers
-            width = {layer: k for layer, (k,) in plan_depth_tiers(TierSpec.parse(recipe.tiers), moe, 1).items()}
+            width = {layer: k for layer, (k,) in plan_structure_tiers(TierSpec.parse(recipe.tiers), moe, 1).items()}
         experts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        stocks: dict[int, tuple[Path, dict[str, Any]]] = {}
         t0 = time.monotonic()
-        for blocking in (False, True):  # first the stocks no other worker is building, then wait for those
-            for k in sorted(set(width.values()) - stocks.keys()):
-                got = self.stock(recipe, hessians, blend, k, blocking)
-                if got is not None:
-                    stocks[k] = got
+        stocks = self.stocks(recipe, hessians, blend, set(width.values()))
         stock_seconds = time.monotonic() - t0  # building them, or waiting for another worker's
         for k, (path, _) in stocks.items():
             layers = [layer for layer in moe if width[layer] == k]
@@ -812,13 +837,53 @@ class Evaluator:
             }
         return experts, by_layer, facts, stocks[width[moe[0]]][0]
 
+    def layer_costs(self, recipe: Recipe, hessians: str, blend: float | None) -> dict[int, dict[int, float]]:
+        """Each MoE layer's KL alone (the others BF16) at each K of SWEEP_BITS, on the first --heldout-rows x
+        --heldout-tokens of the calibration split: from the untuned uniform stocks of `recipe`'s settings, measured
+        once per settings and kept in WORK (under a lock, as the stocks are)."""
+        stocks = self.stocks(replace(recipe, tune_scales=0), hessians, blend, SWEEP_BITS)
+        name = f"layer-costs-{recipe.codebook}-{hessians}{'' if blend is None else blend}-{recipe.observations}"
+        path = self.work / "stocks" / f"{name}-{self.args.layout}-{self.args.device}.json"
+        settings = {
+            "stock_manifests": {f"k{k}": record["manifest_sha256"] for k, (_, record) in stocks.items()},
+            "text": ["calibration", self.args.heldout_rows, self.args.heldout_tokens],
+            "compute_dtype": self.args.compute_dtype,
+        }
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            kept = json.loads(path.read_text()) if path.is_file() else {}
+            if kept.get("settings") != settings:
+                corpus = self.args.proxy / "corpus"
+                rows, tokens = self.args.heldout_rows, self.args.heldout_tokens
+                ids = split_rows(corpus, "calibration", rows, tokens, self.tokenizer)
+                text = (ids, self.proxy.logprobs(ids))
+                measured: dict[int, dict[int, float]] = {layer: {} for layer in self.spec.moe_layers}
+                for k, (stock, _) in stocks.items():
+                    for layer in self.spec.moe_layers:
+                        experts = artifact_experts(stock, None, self.spec.n_routed_experts, self.args.device, [layer])
+                        measured[layer][k] = self.measure(experts[0], {}, text=text)["kl"]
+                kept = {"settings": settings, "kl_by_layer_and_k": measured}
+                partial = path.with_name(path.name + ".partial")
+                partial.write_text(json.dumps(kept, indent=2) + "\n")
+                os.replace(partial, path)
+        return {int(layer): {int(k): v for k, v in by_k.items()} for layer, by_k in kept["kl_by_layer_and_k"].items()}
+
     def row(self, recipe: Recipe, hessians: str, blend: float | None, extras: dict[str, Any]) -> dict[str, Any]:
         obs = self.observations[recipe.observations]
         out = self.work / f"artifact-{recipe.name}"
         t0 = time.monotonic()
         tier: dict[str, Any] = {}
+        if recipe.widths_from_costs:  # its widths first, from the layers' costs on calibration text
+            costs = self.layer_costs(recipe, hessians, blend)
+            widths = allocate_layer_widths(costs, recipe.bits)
+            recipe = replace(recipe, tiers=TierSpec.of_widths([widths[layer] for layer in sorted(widths)]).text)
+            tier["layer_costs"] = {str(layer): {f"k{k}": v for k, v in c.items()} for layer, c in costs.items()}
+            tier["predicted_kl"] = sum(costs[layer][k] for layer, k in widths.items())  # on calibration text
+            tier["cost_seconds"] = round(time.monotonic() - t0, 1)
+            t0 = time.monotonic()
         if self.args.compose_layers and composable(recipe):
-            experts, by_layer, tier, out = self.composed(recipe, hessians, blend)  # the seed's MTP run reads out
+            experts, by_layer, facts, out = self.composed(recipe, hessians, blend)  # the seed's MTP run reads out
+            tier |= facts
             pruned: dict[int, list[int]] = {}
             result = None
             encode_s = tier["stock_seconds"]  # ~0 when every stock was there
@@ -891,11 +956,14 @@ class Evaluator:
         experts: dict[tuple[int, int], dict[str, torch.Tensor]],
         pruned: dict[int, list[int]],
         linears: dict[str, torch.Tensor] | None = None,
+        text: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> dict[str, float]:
+        """The patched proxy against the reference on the held-out text, or on `text` (ids, reference)."""
+        ids, reference = text or (self.ids, self.reference)
         self.proxy.set_experts(experts, pruned, linears)
-        got = self.proxy.logprobs(self.ids)
+        got = self.proxy.logprobs(ids)
         self.proxy.restore()
-        return compare(self.reference, got, self.ids)
+        return compare(reference, got, ids)
 
     def exllamav3_row(self) -> dict[str, Any]:
         from importlib.metadata import version

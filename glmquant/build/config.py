@@ -26,7 +26,7 @@ class BuildConfig:
         if e.keep is not None or (e.tiers is not None and not e.tiers.from_structure):
             raise UsageError(
                 "a build encodes all experts or those of --prune-plan, at --bits, the tiers of --tier-plan or "
-                "depth tiers: the statistics of the later layers do not exist yet when the first is encoded "
+                "depth or layers tiers: the statistics of the later layers do not exist yet when the first is encoded "
                 "(observe --keep N / --tiers SPEC write OBS/prune_plan.json / OBS/tier_plan.json for another encode)"
             )
         if o.dense_hessians:

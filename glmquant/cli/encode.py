@@ -29,8 +29,8 @@ def encode(
         str | None,
         typer.Option(
             help="per-expert K by REAP saliency (reap:K3=32,K2=rest) or per layer, the first MoE layers first "
-            "(depth:K3=4,K2=rest,K1=4) or by routed share (share:K3=4,K2=rest,K1=4); replaces --bits; needs "
-            "--observations"
+            "(depth:K3=4,K2=rest,K1=4), by routed share (share:K3=4,K2=rest,K1=4) or named for each MoE layer "
+            "(layers:K4,K2,K1,...); replaces --bits; needs --observations"
         ),
     ] = None,
     tier_plan: Annotated[Path | None, typer.Option(help="explicit tier_plan.json (observe --tiers)")] = None,

@@ -36,7 +36,8 @@ def observe(
         str | None,
         typer.Option(
             help="write tier_plan.json: per-expert K by REAP saliency (reap:K3=32,K2=rest, of the kept experts) or per "
-            "layer, the first MoE layers first (depth:K3=4,K2=rest,K1=4) or by routed share (share:K3=4,K2=rest,K1=4)"
+            "layer, the first MoE layers first (depth:K3=4,K2=rest,K1=4), by routed share (share:K3=4,K2=rest,K1=4) "
+            "or named for each MoE layer (layers:K4,K2,K1,...)"
         ),
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",

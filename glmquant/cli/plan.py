@@ -13,7 +13,7 @@ from glmquant.checkpoint.hub import CONFIG_FILES, resolve_source
 from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.cli.common import HubRevision, JsonFlag, guarded, out, print_json
 from glmquant.errors import UsageError
-from glmquant.observe.tiers import TierSpec, load_tier_plan, plan_depth_tiers
+from glmquant.observe.tiers import TierSpec, load_tier_plan, plan_structure_tiers
 from glmquant.plan import load_source_shards, plan_to_json, summarize
 
 
@@ -36,7 +36,10 @@ def plan(
     ] = None,
     tiers: Annotated[
         str | None,
-        typer.Option(help="per-layer K by depth (depth:K3=4,K2=rest,K1=4), as encode --tiers; replaces --bits"),
+        typer.Option(
+            help="per-layer K by depth (depth:K3=4,K2=rest,K1=4) or named for each MoE layer (layers:K3,K2,...,K1), "
+            "as encode --tiers; replaces --bits"
+        ),
     ] = None,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     retained_bits: Annotated[
@@ -62,8 +65,9 @@ def plan(
     if tiers is not None and tier_plan is not None:
         raise UsageError("give --tiers or --tier-plan, not both")
     if tiers is not None:
-        depth = TierSpec.parse(tiers)
-        expert_bits, bits = plan_depth_tiers(depth, spec.moe_layers, spec.n_routed_experts), depth.rest_bits
+        structure = TierSpec.parse(tiers)
+        expert_bits = plan_structure_tiers(structure, spec.moe_layers, spec.n_routed_experts)
+        bits = structure.rest_bits
     elif tier_plan is not None:
         plan_file = load_tier_plan(tier_plan, spec.moe_layers, spec.n_routed_experts)
         expert_bits, bits = plan_file.expert_bits, plan_file.rest_bits

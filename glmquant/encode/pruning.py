@@ -18,7 +18,7 @@ from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
 from glmquant.encode.config import EncodeConfig
 from glmquant.errors import UsageError
 from glmquant.observe.prune import check_keep
-from glmquant.observe.tiers import TierPlan, load_tier_plan, plan_depth_tiers
+from glmquant.observe.tiers import TierPlan, load_tier_plan, plan_structure_tiers
 
 PRUNE_PLAN_NAME = "prune_plan.json"
 TIER_PLAN_NAME = "tier_plan.json"
@@ -58,8 +58,8 @@ def load_prune_plan(path: Path, spec: ModelSpec, expect_keep: int | None = None)
 
 
 def resolve_tiers(cfg: EncodeConfig, spec: ModelSpec, keep: Mapping[int, Sequence[int]] | None) -> TierPlan | None:
-    """Bits of each output expert per quantized layer (None: every expert at --bits). Depth tiers follow from the
-    model's structure, so a build plans them before any layer is observed; the others read the observations."""
+    """Bits of each output expert per quantized layer (None: every expert at --bits). Depth and layers tiers follow
+    from the model's structure, so a build plans them before any layer is observed; the others read the observations."""
     experts = len(next(iter(keep.values()))) if keep else spec.n_routed_experts
     if cfg.tier_plan is not None:
         where = str(cfg.tier_plan)
@@ -68,7 +68,7 @@ def resolve_tiers(cfg: EncodeConfig, spec: ModelSpec, keep: Mapping[int, Sequenc
         return None
     elif cfg.tiers.from_structure:
         where = f"--tiers {cfg.tiers.text}"
-        plan = TierPlan(plan_depth_tiers(cfg.tiers, spec.moe_layers, experts), cfg.tiers.rest_bits)
+        plan = TierPlan(plan_structure_tiers(cfg.tiers, spec.moe_layers, experts), cfg.tiers.rest_bits)
     else:
         from glmquant.observe.tiers import write_tier_plan
 

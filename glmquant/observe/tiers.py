@@ -11,7 +11,9 @@ KL of the next layer's, and on a deeper one (six MoE layers) the first carried 9
 it joins), which leaves that propagation out: on the second proxy it put a middle layer last. A count is a number
 of experts (layers) or a percentage of the layer's (kept) experts (of the MoE layers), `K3=25%` rounded down;
 exactly one tier is `rest`. Ties rank the lower expert id (layer) first, as the prune plan does, so the assignment
-is deterministic.
+is deterministic. `layers` names every MoE layer's K from the first, e.g. `layers:K4,K2,K1,K2,K2,K1`: an allocation
+no ranking expresses, such as `allocate_layer_widths`' from each layer's measured cost at each K (on the six-MoE-layer
+proxy the cheapest is not monotone in depth, docs/fidelity.md); its most common K is the artifact's base `bits`.
 
 `tier_plan.json` (written by `glmquant observe --tiers SPEC`, or by encode from the observations):
 
@@ -26,6 +28,7 @@ an artifact's manifest records as `tier_bitmap_sha256` (`tier_bitmap_sha256` bel
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,10 +44,11 @@ if TYPE_CHECKING:
 
 TIER_PLAN_FILE = "tier_plan.json"
 FORMAT = "glmquant.tier_plan.v1"
-CRITERIA = ("reap", "depth", "share")
-LAYER_CRITERIA = ("depth", "share")  # those that rank whole MoE layers
-STRUCTURE_CRITERIA = ("depth",)  # those that follow from the model's structure, no observations needed
+CRITERIA = ("reap", "depth", "share", "layers")
+LAYER_CRITERIA = ("depth", "share", "layers")  # those that rank whole MoE layers
+STRUCTURE_CRITERIA = ("depth", "layers")  # those that follow from the model's structure, no observations needed
 _TIER = re.compile(r"^K(\d)=(rest|\d+%?)$")
+_WIDTH = re.compile(r"^K(\d)$")
 
 
 @dataclass(frozen=True)
@@ -64,14 +68,18 @@ class Tier:
 class TierSpec:
     criterion: str
     tiers: tuple[Tier, ...]  # most salient first
+    widths: tuple[int, ...] = ()  # `layers`: each MoE layer's K from the first
 
     @classmethod
     def parse(cls, text: str) -> TierSpec:
         criterion, _, body = text.partition(":")
         if criterion not in CRITERIA or not body:
             raise UsageError(
-                f"--tiers {text!r}: expected {'|'.join(CRITERIA)}:K<bits>=<count|N%|rest>,..., e.g. reap:K3=32,K2=rest"
+                f"--tiers {text!r}: expected {'|'.join(CRITERIA[:3])}:K<bits>=<count|N%|rest>,..., e.g. "
+                "reap:K3=32,K2=rest, or layers:K<bits>,... (one per MoE layer)"
             )
+        if criterion == "layers":
+            return cls.of_widths(cls._widths(text, body))
         tiers = []
         for item in body.split(","):
             m = _TIER.match(item.strip())
@@ -91,8 +99,32 @@ class TierSpec:
             raise UsageError(f"--tiers {text!r}: each bit width may appear once")
         return cls(criterion, tuple(tiers))
 
+    @staticmethod
+    def _widths(text: str, body: str) -> tuple[int, ...]:
+        widths = []
+        for item in body.split(","):
+            m = _WIDTH.match(item.strip())
+            if m is None or not 1 <= int(m[1]) <= 8:
+                raise UsageError(f"--tiers {text!r}: {item.strip()!r} is not K<1..8> (layers: one K per MoE layer)")
+            widths.append(int(m[1]))
+        return tuple(widths)
+
+    @classmethod
+    def of_widths(cls, widths: Sequence[int]) -> TierSpec:
+        """The `layers` spec giving MoE layer i (from the first) the K widths[i]; its tiers are the widths' counts,
+        the most common (the lower K on a tie) the `rest`."""
+        if not widths or not all(1 <= k <= 8 for k in widths):
+            raise UsageError(f"layer widths {list(widths)}: expected one K of 1..8 per MoE layer")
+        distinct = sorted(set(widths), reverse=True)
+        rest = max(sorted(distinct), key=widths.count)
+        tiers = tuple(Tier(k, None if k == rest else widths.count(k)) for k in distinct)
+        return cls("layers", tiers, tuple(widths))
+
     @property
     def text(self) -> str:
+        if self.widths:
+            return "layers:" + ",".join(f"K{k}" for k in self.widths)
+
         def size(t: Tier) -> str:
             return (
                 "rest"
@@ -125,6 +157,8 @@ class TierSpec:
 
     def counts(self, experts: int) -> list[tuple[int, int]]:
         """(bits, items) per tier in salience order for `experts` items (the experts of a layer, or the layers)."""
+        if self.widths and experts != len(self.widths):
+            raise UsageError(f"--tiers {self.text}: {len(self.widths)} widths, the model has {experts} MoE layers")
         fixed = sum(t.size(experts) or 0 for t in self.tiers)
         if fixed > experts:
             what = "MoE layers, the model has" if self.ranks_layers else "experts, the layer has"
@@ -136,7 +170,15 @@ class TierSpec:
         return counts
 
     def assign(self, saliency: Sequence[float]) -> tuple[int, ...]:
-        """Bits per expert (by index) from its saliency: the most salient fill the first tier, and so on."""
+        """Bits per expert (by index) from its saliency: the most salient fill the first tier, and so on (`layers`:
+        the i-th ranked gets widths[i])."""
+        if self.widths:
+            self.counts(len(saliency))
+            ranked = sorted(range(len(saliency)), key=lambda e: (-saliency[e], e))
+            out = [0] * len(saliency)
+            for e, k in zip(ranked, self.widths):
+                out[e] = k
+            return tuple(out)
         ranked = sorted(range(len(saliency)), key=lambda e: (-saliency[e], e))
         bits = [0] * len(saliency)
         start = 0
@@ -175,18 +217,49 @@ def depth_saliency(layers: Iterable[int]) -> dict[int, float]:
     return {layer: -float(layer) for layer in layers}
 
 
-def plan_depth_tiers(spec: TierSpec, moe_layers: Sequence[int], experts: int) -> dict[int, tuple[int, ...]]:
-    """A `depth` spec's bits per expert of every MoE layer from the model's structure alone (`plan --tiers`)."""
+def plan_structure_tiers(spec: TierSpec, moe_layers: Sequence[int], experts: int) -> dict[int, tuple[int, ...]]:
+    """A `depth` or `layers` spec's bits per expert of every MoE layer from the model's structure alone
+    (`plan --tiers`)."""
     if not spec.from_structure:
         raise UsageError(
-            f"--tiers {spec.text}: only depth tiers follow from a config alone; {spec.criterion} tiers need "
+            f"--tiers {spec.text}: only depth and layers tiers follow from a config alone; {spec.criterion} tiers need "
             "observations (observe --tiers, then --tier-plan)"
         )
     return plan_layer_tiers(depth_saliency(moe_layers), spec, dict.fromkeys(moe_layers, experts))
 
 
+def allocate_layer_widths(cost: Mapping[int, Mapping[int, float]], mean_bits: float) -> dict[int, int]:
+    """The K of each MoE layer that minimizes the sum of the layers' costs, their mean K at most `mean_bits` (the
+    bytes of uniform K`mean_bits` where the MoE layers are alike): an exact multiple-choice knapsack. cost[L][K] is
+    layer L's cost at K alone, e.g. the KL it causes with every other layer exact; it assumes the costs add (on the
+    six-MoE-layer proxy a row's KL was within 10 % of its layers' sum). Ties keep the wider K on the earlier layer."""
+    layers = sorted(cost)
+    if not layers or any(not cost[layer] for layer in layers):
+        raise UsageError(f"layer costs {dict(cost)}: every MoE layer needs a cost at one K at least")
+    budget = math.floor(mean_bits * len(layers) + 1e-9)
+    best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}  # bits spent -> (least cost, widths so far)
+    for layer in layers:
+        step: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for spent, (total, widths) in sorted(best.items()):
+            for k in sorted(cost[layer], reverse=True):
+                if spent + k > budget:
+                    continue
+                candidate = (total + float(cost[layer][k]), (*widths, k))
+                if spent + k not in step or candidate[0] < step[spent + k][0]:
+                    step[spent + k] = candidate
+        if not step:
+            raise UsageError(
+                f"layer costs: no K per MoE layer has a mean of at most {mean_bits} (the narrowest: "
+                f"{[min(cost[layer]) for layer in layers]})"
+            )
+        best = step
+    _, widths = min(best.values(), key=lambda v: v[0])
+    return dict(zip(layers, widths))
+
+
 def layer_saliency(stats: Mapping[int, LayerStats], spec: TierSpec, obs_dir: Path) -> dict[int, float]:
-    """Each MoE layer's rank value for a spec that ranks layers: minus its index (`depth`: the first layer first) or
+    """Each MoE layer's rank value for a spec that ranks layers: minus its index (`depth`, `layers`: the first layer
+    first) or
     its routed share (`share`; observations without routed-output energies are refused)."""
     if spec.from_structure:
         return depth_saliency(stats)

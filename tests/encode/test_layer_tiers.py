@@ -162,3 +162,25 @@ def test_plan_predicts_depth_tiers_from_the_config_alone(source: Path, observed:
     assert refused.exit_code == 2 and "need observations" in refused.output
     both = CliRunner().invoke(app, [*common, "--tiers", spec, "--tier-plan", str(written)])
     assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_layers_tiers_give_each_layer_its_named_k(source: Path, observed: Path, tmp_path: Path) -> None:
+    """`--tiers layers:K1,K3` gives the first MoE layer K1 and the second K3, against the order of depth: the encode
+    writes those widths, `plan` predicts its files from the config alone, and a spec of the wrong length is refused."""
+    spec = load_model_spec(source)
+    first, second = spec.moe_layers
+    artifact = encode_tiered(source, observed, tmp_path / "artifact", "layers:K1,K3")
+    with SourceCheckpoint.open(artifact) as art:
+        for layer, k in ((first, 1), (second, 3)):
+            for e in range(spec.n_routed_experts):
+                name = f"model.language_model.layers.{layer}.mlp.experts.{e}.gate_proj.rank0.trellis"
+                assert art.spec(name).shape[-1] == 16 * k
+    manifest = json.loads((artifact / MANIFEST_NAME).read_text())
+    common = ["plan", str(source), "--source-index", str(source / "model.safetensors.index.json"), "--json"]
+    planned = CliRunner().invoke(app, [*common, "--tiers", "layers:K1,K3"])
+    assert planned.exit_code == 0, planned.output
+    assert {f["path"]: f["bytes"] for f in json.loads(planned.output)["files"]} == {
+        e["path"]: e["bytes"] for e in manifest["files"]
+    }
+    refused = CliRunner().invoke(app, [*common, "--tiers", "layers:K1,K3,K2"])
+    assert refused.exit_code == 2 and "3 widths, the model has 2 MoE layers" in refused.output

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from proxy_helpers import SMOKE_ROWS, BenchRun, run_bench
 
+from glmquant.observe.tiers import TierSpec, allocate_layer_widths
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -232,8 +234,9 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
 def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: Path, tmp_path: Path) -> None:
     """--compose-layers: the seed and depth-tiers-tuned rows taken layer by layer from uniform K1, K2 and K3
     stocks (tuned where the row is) give the figures, bytes and tuning of encoding each row; the stocks are kept
-    and a second composed row reuses them instead of encoding again."""
-    recipes = ("seed", "depth-tiers-tuned", "depth-tiers", "uniform-k3")  # the last two share the K3 stock
+    and a second composed row reuses them instead of encoding again. The layer-cost row measures each layer at
+    K1-K4 on calibration text from the stocks and takes the least-cost widths at the seed's bytes."""
+    recipes = ("seed", "depth-tiers-tuned", "depth-tiers", "uniform-k3", "layer-cost")  # K3 stock shared
     composed = run_bench(small_proxy, tmp_path, recipes, "--compose-layers", "--no-exllamav3")
     rows = {r["recipe"]: r for r in json.loads(composed.results.read_text())["rows"]}
     encoded = {r["recipe"]: r for r in json.loads(bench_run.results.read_text())["rows"]}
@@ -247,13 +250,24 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     assert rows["depth-tiers-tuned"]["tuning_by_layer"] == encoded["depth-tiers-tuned"]["tuning_by_layer"]
     untuned = rows["depth-tiers"]
     assert untuned["routed_bytes"] == rows["seed"]["routed_bytes"] and "tuning_by_layer" not in untuned
-    stocks = sorted(p.name for p in (composed.work / "stocks").glob("*.json"))
-    assert len(stocks) == 5 and all(name.endswith("-exllamav3-cpu.json") for name in stocks)  # k2; k3, k1 twice
+    stocks = sorted(p.name for p in (composed.work / "stocks").glob("k*.json"))
+    assert len(stocks) == 6 and all(name.endswith("-exllamav3-cpu.json") for name in stocks)  # k2, k4; k3, k1 twice
     built = [rows[name]["stocks_built_here"] for name in ("depth-tiers", "uniform-k3")]
     assert sorted(k for b in built for k in b) == ["k1", "k3"]  # the K3 stock built once, by whichever came first
     assert rows["uniform-k3"]["composed_from"] == {"1": "k3", "2": "k3"}
     assert rows["uniform-k3"]["kl"] < rows["seed"]["kl"]
     assert not (composed.work / "artifact-seed").exists()
+    by_cost = rows["layer-cost"]
+    costs = {int(layer): {int(k[1:]): v for k, v in c.items()} for layer, c in by_cost["layer_costs"].items()}
+    assert sorted(costs) == [1, 2] and all(sorted(c) == [1, 2, 3, 4] for c in costs.values())
+    assert all(c[1] > c[4] > 0 for c in costs.values())  # a narrower K costs more KL
+    widths = allocate_layer_widths(costs, 2)
+    assert by_cost["tiers"] == TierSpec.of_widths([widths[1], widths[2]]).text
+    assert by_cost["composed_from"] == {str(layer): f"k{k}" for layer, k in widths.items()}
+    assert by_cost["predicted_kl"] == pytest.approx(sum(costs[layer][k] for layer, k in widths.items()))
+    assert by_cost["routed_bytes"] == rows["seed"]["routed_bytes"] and by_cost["kl_by_layer"]
+    (measured,) = (composed.work / "stocks").glob("layer-costs-*.json")
+    assert json.loads(measured.read_text())["settings"]["text"] == ["calibration", 2, 32]  # not the held-out text
     # the seed's MTP run drafts on its K2 stock as it did on its own artifact
     drafted = json.loads(composed.results.read_text())["mtp_acceptance"]
     assert "error" not in drafted, drafted.get("traceback")
