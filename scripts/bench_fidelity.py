@@ -794,27 +794,27 @@ class Evaluator:
     def stocks(
         self, recipe: Recipe, hessians: str, blend: float | None, widths: Collection[int]
     ) -> dict[int, tuple[Path, dict[str, Any]]]:
-        """The stocks of `widths` for `recipe`'s settings: first those no other worker is building, then it waits
-        for those."""
+        """The stocks of `widths` for `recipe`'s settings, by K: first those no other worker is building, then it
+        waits for those."""
         stocks: dict[int, tuple[Path, dict[str, Any]]] = {}
         for blocking in (False, True):
             for k in sorted(set(widths) - stocks.keys()):
                 got = self.stock(recipe, hessians, blend, k, blocking)
                 if got is not None:
                     stocks[k] = got
-        return stocks
+        return dict(sorted(stocks.items()))  # the same order whichever worker built which
 
     def composed(
         self, recipe: Recipe, hessians: str, blend: float | None
     ) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict[int, tuple[int, int]], dict[str, Any], Path]:
-        """A uniform or `depth:` row from the stocks (--compose-layers): each MoE layer's decoded experts, routed
-        bytes and tuning taken from the uniform artifact of its width (and that artifact, for a uniform row; else
-        the first layer's). The same as encoding the row, since an untuned or tuned layer's encode sees only its
+        """A uniform, `depth:` or `layers:` row from the stocks (--compose-layers): each MoE layer's decoded experts,
+        routed bytes and tuning taken from the uniform artifact of its width (and that artifact, for a uniform row;
+        else the first layer's). The same as encoding the row, since an untuned or tuned layer's encode sees only its
         own weights, Hessians and calibration sample."""
         moe = list(self.spec.moe_layers)
         if recipe.tiers is None:
             width = dict.fromkeys(moe, recipe.bits)
-        else:  # the encoder's own assignment of a depth spec's widths to the MoE layers
+        else:  # the encoder's own assignment of a depth or layers spec's widths to the MoE layers
             width = {layer: k for layer, (k,) in plan_structure_tiers(TierSpec.parse(recipe.tiers), moe, 1).items()}
         experts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         t0 = time.monotonic()

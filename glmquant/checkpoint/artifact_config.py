@@ -27,8 +27,9 @@ from glmquant.errors import UsageError
 TR3_FORMAT = "glm53-brandon-style-k2-k3-tail-k4-retained-v1"
 RELEASE_TIER_KEYS = {2: "k2_experts_per_layer", 3: "k3_experts_per_layer", 4: "k4_retained_experts_per_layer"}
 K1_TIER_KEY = "k1_experts_per_layer"  # glmquant's, written only when a K1 tier is used (the release has none)
-# glmquant's, written only when tiers differ by layer (`--tiers depth:...`, `share:...`): {"<layer>": {"k<K>":
-# experts}}; the k<K>_experts_per_layer keys then hold null for a K whose count differs between layers
+# glmquant's, written only when tiers differ by layer (`--tiers depth:...`, `share:...`, `layers:...`):
+# {"<layer>": {"k<K>": experts}}; the k<K>_experts_per_layer keys then hold null for a K whose count differs between
+# layers
 LAYER_TIERS_KEY = "tier_experts_by_layer"
 TR3_TIER_KEYS = {1: K1_TIER_KEY, **RELEASE_TIER_KEYS}
 RETAINED_BITS_KEY = (

@@ -20,8 +20,9 @@ def layer_tier_counts(expert_bits: Mapping[int, Sequence[int]]) -> dict[int, dic
 
 
 def tier_counts(expert_bits: Mapping[int, Sequence[int]]) -> dict[int, int | None]:
-    """Experts per bit width in each layer, None for a width whose count differs between layers (`share` tiers
-    give whole layers different widths (`depth`, `share`); `reap` tiers give every layer the same counts)."""
+    """Experts per bit width in each layer, None for a width whose count differs between layers (tiers by layer,
+    `depth`, `share` and `layers`, give whole layers different widths; `reap` tiers give every layer the same
+    counts)."""
     per_layer = layer_tier_counts(expert_bits).values()
     widths = sorted({b for counts in per_layer for b in counts})
     found = {b: {counts.get(b, 0) for counts in per_layer} for b in widths}

@@ -40,7 +40,10 @@ def build(
     bits: Annotated[int, typer.Option(help="bits per routed-expert weight (K)")] = 2,
     tiers: Annotated[
         str | None,
-        typer.Option(help="per-layer K by depth (depth:K3=4,K2=rest,K1=4), as encode --tiers; replaces --bits"),
+        typer.Option(
+            help="per-layer K by depth (depth:K3=4,K2=rest,K1=4) or named for each MoE layer (layers:K3,K2,...,K1), "
+            "as encode --tiers; replaces --bits"
+        ),
     ] = None,
     codebook: Annotated[str, typer.Option(help="mcg, mul1 or 3inst")] = "mcg",
     layout: Annotated[str, typer.Option(help="tr3 or exllamav3")] = "tr3",

@@ -179,6 +179,8 @@ class EncodeConfig:
         ):
             if getattr(self, k) == default:  # a job from before these options existed resumes unchanged
                 del shaping[k]
+        if self.tiers is not None and not self.tiers.widths:  # hashed as before `layers` specs added the field
+            shaping["tiers"] = str({k: v for k, v in asdict(self.tiers).items() if k != "widths"})
         if self.tune_scales:  # a job begun when each expert was tuned alone, or at another rate, is not resumed
             shaping["tune_scales_loss"] = "unit-output"
             shaping["tune_scales_lr"] = repr(LEARNING_RATE)

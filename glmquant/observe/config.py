@@ -45,7 +45,7 @@ class ObserveConfig:
     device: str = "cpu"
     batch_rows: int = 4  # calibration rows pushed through a layer at once
     stream_budget_gb: float | None = None  # most disk (1e9 B) the hidden streams may take; None: no limit
-    tiers: TierSpec | None = None  # write tier_plan.json: per-expert bit widths (REAP, depth or share)
+    tiers: TierSpec | None = None  # write tier_plan.json: per-expert bit widths (REAP, depth, share or layers)
     # hidden streams held on the device (RAM on cpu) instead of one disk file per chunk: one layer's streams S plus
     # one chunk, no disk traffic; a resumable checkpoint (the streams written to disk) every this many layers, 0: none
     # (a killed run starts over). None: streams on disk (streams.py)

@@ -146,13 +146,14 @@ class TierSpec:
 
     @property
     def ranks_layers(self) -> bool:
-        """Whether the spec ranks whole MoE layers (`depth`, `share`) rather than the experts of each layer (`reap`)."""
+        """Whether the spec gives whole MoE layers a K (`depth`, `share`, `layers`) rather than the experts of each
+        layer (`reap`)."""
         return self.criterion in LAYER_CRITERIA
 
     @property
     def from_structure(self) -> bool:
-        """Whether the plan follows from the model's structure alone (`depth`): a config or a build's first layer
-        suffices, no statistics needed."""
+        """Whether the plan follows from the model's structure alone (`depth`, `layers`): a config or a build's
+        first layer suffices, no statistics needed."""
         return self.criterion in STRUCTURE_CRITERIA
 
     def counts(self, experts: int) -> list[tuple[int, int]]:
@@ -236,6 +237,13 @@ def allocate_layer_widths(cost: Mapping[int, Mapping[int, float]], mean_bits: fl
     layers = sorted(cost)
     if not layers or any(not cost[layer] for layer in layers):
         raise UsageError(f"layer costs {dict(cost)}: every MoE layer needs a cost at one K at least")
+    bad = [(layer, k) for layer in layers for k, v in cost[layer].items() if not math.isfinite(float(v))]
+    if bad:
+        raise UsageError(f"layer costs: not finite at (layer, K) {bad}")
+
+    def rank(entry: tuple[float, tuple[int, ...]]) -> tuple[float, tuple[int, ...]]:
+        return entry[0], tuple(-k for k in entry[1])  # the least cost; on a tie the wider K first
+
     budget = math.floor(mean_bits * len(layers) + 1e-9)
     best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}  # bits spent -> (least cost, widths so far)
     for layer in layers:
@@ -245,7 +253,7 @@ def allocate_layer_widths(cost: Mapping[int, Mapping[int, float]], mean_bits: fl
                 if spent + k > budget:
                     continue
                 candidate = (total + float(cost[layer][k]), (*widths, k))
-                if spent + k not in step or candidate[0] < step[spent + k][0]:
+                if spent + k not in step or rank(candidate) < rank(step[spent + k]):
                     step[spent + k] = candidate
         if not step:
             raise UsageError(
@@ -253,7 +261,7 @@ def allocate_layer_widths(cost: Mapping[int, Mapping[int, float]], mean_bits: fl
                 f"{[min(cost[layer]) for layer in layers]})"
             )
         best = step
-    _, widths = min(best.values(), key=lambda v: v[0])
+    _, widths = min(best.values(), key=rank)
     return dict(zip(layers, widths))
 
 

@@ -69,3 +69,10 @@ def test_allocation_moves_bits_to_where_they_buy_most_and_refuses_an_impossible_
         allocate_layer_widths({1: {2: 1.0, 3: 0.5}, 2: {2: 1.0}}, 1)
     with pytest.raises(UsageError, match="every MoE layer needs a cost"):
         allocate_layer_widths({1: {2: 1.0}, 2: {}}, 2)
+
+
+def test_allocation_breaks_ties_toward_the_earlier_layer_and_refuses_non_finite_costs() -> None:
+    even = {layer: {1: 1.0, 2: 1.0, 3: 1.0} for layer in (1, 2, 3)}
+    assert allocate_layer_widths(even, 2) == {1: 3, 2: 2, 3: 1}
+    with pytest.raises(UsageError, match=r"not finite at \(layer, K\) \[\(1, 1\)\]"):
+        allocate_layer_widths({1: {1: float("nan"), 2: 1.0}, 2: {1: 1.0, 2: 1.0}}, 1.5)
