@@ -30,9 +30,10 @@ def test_engine_with_the_runtime_kernels_decodes_like_its_pytorch_math(tiny_sour
     artifact = dummy_artifact(tiny_source, device=device)
     options = RuntimeOptions(device=device, dtype="float32")
     engines = [Engine.load(artifact, options, max_len=80) for _ in range(2)]
+    for engine, kernels in zip(engines, (False, True)):  # on CUDA the engine takes the kernels by default
+        engine.prefill_run = replace(engine.prefill_run, ops=ops_for(torch.device(device), kernels=kernels))
+        engine.decode_run = replace(engine.decode_run, ops=ops_for(torch.device(device), kernels=kernels))
     fused = engines[1]
-    fused.prefill_run = replace(fused.prefill_run, ops=ops_for(torch.device(device), kernels=True))
-    fused.decode_run = replace(fused.decode_run, ops=ops_for(torch.device(device), kernels=True))
     assert (
         fused.decode_run.ops.hyper_enter is mhc.hyper_enter
         and engines[0].decode_run.ops.hyper_enter is math.hyper_enter
@@ -64,8 +65,9 @@ def test_the_router_stays_in_the_model_dtype_where_its_kernel_reads_it(
     blocks = [lw.mlp for lw in engine.weights.layers if isinstance(lw.mlp, MoEBlock)]
     assert engine.mtp is not None and blocks
     assert {b.router.dtype for b in blocks} == {router_dtype} and engine.mtp.mlp.router.dtype == router_dtype
-    hidden = torch.randn(2, engine.cfg.hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     cfg, block = engine.cfg, blocks[0]
+    hidden = torch.randn(2, cfg.hidden, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(device=block.router.device, dtype=torch.bfloat16)  # where the engine keeps its weights
     ids, weights = engine.decode_run.ops.route(hidden, block.router, block.bias, cfg.top_k, cfg.routed_scaling, True)
     expected_ids, expected = math.route(hidden, block.router.float(), block.bias, cfg.top_k, cfg.routed_scaling, True)
     assert torch.equal(ids.sort(-1).values, expected_ids.sort(-1).values)
