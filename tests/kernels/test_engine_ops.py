@@ -41,7 +41,10 @@ def test_engine_with_the_runtime_kernels_decodes_like_its_pytorch_math(tiny_sour
     prompt = torch.arange(70) % 200  # past PARTIALS_MAX_TOKENS and KERNEL_MAX_TOKENS: matrix products
     logits = [engine.prefill(0, prompt) for engine in engines]
     for step in range(3):
-        torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5 * float(logits[0].abs().max()))
+        try:
+            torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5 * float(logits[0].abs().max()))
+        except AssertionError as exc:  # which forward differs: the prefill's matrix products or a decode's kernels
+            raise AssertionError(f"{'prefill' if step == 0 else f'greedy step {step}'}: {exc}") from None
         token, at = logits[0].argmax().view(1), torch.tensor([prompt.numel() + step], device=device)
         logits = [engine.decode(token, at, prompt.numel() + step + 1)[0].clone() for engine in engines]
 
