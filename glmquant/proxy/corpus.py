@@ -1,13 +1,15 @@
 """The trained proxy's corpus: text that Debian and PyPI packages install, gathered by a recipe
 (`calibration/proxy-corpus.yaml`) into train / calibration / heldout splits.
 
-Each source globs files under its roots (`stdlib`, `purelib` or absolute paths) and turns them into documents
+Each source globs files under its roots (`stdlib`, `purelib`, absolute paths, or paths relative to the recipe's own
+directory, such as catalogs shipped beside it) and turns them into documents
 by kind: `text` (the file), `docstrings` (module, class and function docstrings, parsed with `ast`),
 `pydoc_topics` (the Python reference's topics in `pydoc_data/topics.py`) or `gettext` (the translated strings of
 a compiled `.mo` catalog, its language read from `.../<lang>/LC_MESSAGES/`). Documents longer than `doc_bytes`
 are cut at line ends. A source keeps its documents in the order of a hash of (seed, source, path relative to its
-root, part) up to its share of `max_bytes`, and the same hash puts each in a split, so the corpus depends only
-on the files' contents and relative paths; exact duplicates are dropped. Held-out text is never calibration or
+root, part; a root named as the recipe writes it) up to its share of `max_bytes`, and the same hash puts each in a
+split, so the corpus depends only on the files' contents and relative paths, wherever a recipe-relative root is;
+exact duplicates are dropped. Held-out text is never calibration or
 training text.
 """
 
@@ -126,16 +128,17 @@ class Document:
     text: str
 
 
-def resolve_root(root: str) -> Path:
-    """A named root of the running Python (`stdlib`, `purelib`, `platlib`) or an absolute path."""
-    return Path(sysconfig.get_paths()[root]) if root in NAMED_ROOTS else Path(root)
+def resolve_root(root: str, recipe_dir: Path) -> Path:
+    """A named root of the running Python (`stdlib`, `purelib`, `platlib`), an absolute path, or a path relative to
+    the recipe's directory."""
+    return Path(sysconfig.get_paths()[root]) if root in NAMED_ROOTS else recipe_dir / root
 
 
-def source_files(source: CorpusSource, max_file_bytes: int) -> Iterator[tuple[str, Path]]:
+def source_files(source: CorpusSource, max_file_bytes: int, recipe_dir: Path) -> Iterator[tuple[str, Path]]:
     """(root label : relative path, file) of every file the source matches, sorted, each once."""
     seen: set[Path] = set()
     for root in source.roots:
-        base = resolve_root(root)
+        base = resolve_root(root, recipe_dir)
         if not base.is_dir():
             continue
         found = {p for pattern in source.include for p in base.glob(pattern)}
@@ -236,7 +239,8 @@ def source_documents(recipe: CorpusRecipe, source: CorpusSource) -> tuple[list[D
     """The documents a source contributes (ranked by hash, up to its byte share) and a summary of what it found."""
     candidates: list[tuple[int, Document]] = []
     files = 0
-    for label, path in source_files(source, recipe.max_file_bytes):
+    recipe_dir = Path(recipe.path).parent
+    for label, path in source_files(source, recipe.max_file_bytes, recipe_dir):
         files += 1
         for piece, (lang, text) in enumerate(file_texts(source, path)):
             for part, chunk in enumerate(cut(text, recipe.doc_bytes)):
@@ -257,7 +261,7 @@ def source_documents(recipe: CorpusRecipe, source: CorpusSource) -> tuple[list[D
         "documents": len(kept),
         "bytes": used,
         "budget_bytes": budget,
-        "roots": {r: str(resolve_root(r)) for r in source.roots},
+        "roots": {r: str(resolve_root(r, recipe_dir)) for r in source.roots},
     }
     return kept, summary
 

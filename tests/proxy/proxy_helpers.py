@@ -98,7 +98,7 @@ def small_corpus_recipe(tmp: Path) -> Path:
                 "name": "translations",
                 "kind": "gettext",
                 "lang": "from_path",
-                "roots": [str(tmp / "locale")],
+                "roots": ["locale"],  # beside the recipe: the same corpus wherever `tmp` is
                 "include": ["**/*.mo"],
                 "share": 0.1,
             },

@@ -193,7 +193,9 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     assert tier["kl"] > 0 and tier["retained_only_kl"] > 0
     by_role = tier["retained_only_kl_by_role"]  # each role's linears alone: layers 1-2's kinds and the head
     assert set(by_role) == {"dsa_indexer", "kda_linear_attention", "lm_head", "mla_attention", "shared_expert"}
-    assert all(kl >= 0 for kl in by_role.values()) and max(by_role.values()) <= 2 * tier["retained_only_kl"]
+    # each role's K4 linears alone move the distribution (float32 on the CPU: an unchanged model gives 0 exactly);
+    # their KLs need not add up to the whole set's, whose errors may cancel (one role alone has measured above it)
+    assert all(kl > 0 for kl in by_role.values())
     errors = tier["retained_weight_error_by_role"]  # what the encoder minimises, per role: small at K4
     assert set(errors) == set(by_role) and all(0 < e < 0.05 for e in errors.values()), errors
     assert tier["kl_cost_ratio"] == pytest.approx(tier["retained_only_kl"] / rows["seed"]["kl"], rel=1e-3)

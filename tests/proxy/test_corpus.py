@@ -4,6 +4,7 @@ and a tokenizer trained on it that round-trips any text."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,11 @@ def test_corpus_splits_are_disjoint_and_reproducible(corpus_recipe: Path, tmp_pa
     assert first["sources"]["code"]["files"] > 0 and not any("_header" in p for p in paths["train"])
     sizes = {name: s["bytes"] for name, s in first["sources"].items()}
     assert all(sizes[n] <= first["sources"][n]["budget_bytes"] for n in sizes)
+    # the recipe and its catalogs (a root beside it) moved elsewhere: the same corpus, split for split
+    moved = shutil.copytree(corpus_recipe.parent, tmp_path / "elsewhere" / "recipe")
+    third = build_corpus(load_corpus_recipe(moved / corpus_recipe.name), tmp_path / "c")
+    assert third["sources"]["translations"]["roots"] == {"locale": str(moved / "locale")}
+    assert {s: v["sha256"] for s, v in third["splits"].items()} == {s: v["sha256"] for s, v in first["splits"].items()}
 
 
 def test_gettext_catalogs_give_their_translations(tmp_path: Path) -> None:
