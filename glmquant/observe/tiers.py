@@ -173,20 +173,12 @@ class TierSpec:
     def assign(self, saliency: Sequence[float]) -> tuple[int, ...]:
         """Bits per expert (by index) from its saliency: the most salient fill the first tier, and so on (`layers`:
         the i-th ranked gets widths[i])."""
-        if self.widths:
-            self.counts(len(saliency))
-            ranked = sorted(range(len(saliency)), key=lambda e: (-saliency[e], e))
-            out = [0] * len(saliency)
-            for e, k in zip(ranked, self.widths):
-                out[e] = k
-            return tuple(out)
+        counts = self.counts(len(saliency))  # refuses sizes that do not fit
+        by_rank = self.widths or tuple(width for width, count in counts for _ in range(count))
         ranked = sorted(range(len(saliency)), key=lambda e: (-saliency[e], e))
         bits = [0] * len(saliency)
-        start = 0
-        for width, count in self.counts(len(saliency)):
-            for e in ranked[start : start + count]:
-                bits[e] = width
-            start += count
+        for e, width in zip(ranked, by_rank, strict=True):
+            bits[e] = width
         return tuple(bits)
 
 
@@ -267,8 +259,7 @@ def allocate_layer_widths(cost: Mapping[int, Mapping[int, float]], mean_bits: fl
 
 def layer_saliency(stats: Mapping[int, LayerStats], spec: TierSpec, obs_dir: Path) -> dict[int, float]:
     """Each MoE layer's rank value for a spec that ranks layers: minus its index (`depth`, `layers`: the first layer
-    first) or
-    its routed share (`share`; observations without routed-output energies are refused)."""
+    first) or its routed share (`share`; observations without routed-output energies are refused)."""
     if spec.from_structure:
         return depth_saliency(stats)
     shares = {layer: s.routed_share for layer, s in stats.items()}

@@ -2,15 +2,14 @@
 (`calibration/proxy-corpus.yaml`) into train / calibration / heldout splits.
 
 Each source globs files under its roots (`stdlib`, `purelib`, absolute paths, or paths relative to the recipe's own
-directory, such as catalogs shipped beside it) and turns them into documents
-by kind: `text` (the file), `docstrings` (module, class and function docstrings, parsed with `ast`),
-`pydoc_topics` (the Python reference's topics in `pydoc_data/topics.py`) or `gettext` (the translated strings of
-a compiled `.mo` catalog, its language read from `.../<lang>/LC_MESSAGES/`). Documents longer than `doc_bytes`
-are cut at line ends. A source keeps its documents in the order of a hash of (seed, source, path relative to its
-root, part; a root named as the recipe writes it) up to its share of `max_bytes`, and the same hash puts each in a
-split, so the corpus depends only on the files' contents and relative paths, wherever a recipe-relative root is;
-exact duplicates are dropped. Held-out text is never calibration or
-training text.
+directory, such as catalogs shipped beside it) and turns them into documents by kind: `text` (the file),
+`docstrings` (module, class and function docstrings, parsed with `ast`), `pydoc_topics` (the Python reference's
+topics in `pydoc_data/topics.py`) or `gettext` (the translated strings of a compiled `.mo` catalog, its language
+read from `.../<lang>/LC_MESSAGES/`). Documents longer than `doc_bytes` are cut at line ends. A source keeps its
+documents in the order of a hash of (seed, source, path relative to its root, part; a root named as the recipe
+writes it) up to its share of `max_bytes`, and the same hash puts each in a split, so the corpus depends only on the
+files' contents and relative paths, wherever a recipe-relative root is; exact duplicates are dropped. Held-out text
+is never calibration or training text.
 """
 
 from __future__ import annotations
