@@ -73,6 +73,7 @@ from rich.console import Console
 from glmquant.arch import PROJECTIONS, load_model_spec
 from glmquant.checkpoint.exl3_groups import exl3_groups
 from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.encode import EncodeConfig, EncodeResult, encode_artifact
 from glmquant.exl3 import EXL3Tensor, decode_weight, proxy_error
 from glmquant.observe.config import ObserveConfig
@@ -785,9 +786,7 @@ class Evaluator:
                 "routed_bytes_by_layer": {str(k): list(v) for k, v in routed_bytes_by_layer(out).items()},
                 "tuning_by_layer": tuning_by_layer(result) if recipe.tune_scales else None,
             }
-            partial = record_path.with_name(record_path.name + ".partial")
-            partial.write_text(json.dumps(record, indent=2) + "\n")
-            os.replace(partial, record_path)  # written last: the stock is whole once this exists
+            atomic_write_text(record_path, json.dumps(record, indent=2) + "\n")  # last: then the stock is whole
             shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)  # its job's unit files
             return out, record | {"built_here": True}
 
@@ -859,13 +858,12 @@ class Evaluator:
                 text = (ids, self.proxy.logprobs(ids))
                 measured: dict[int, dict[int, float]] = {layer: {} for layer in self.spec.moe_layers}
                 for k, (stock, _) in stocks.items():
+                    decoded = artifact_experts(stock, None, self.spec.n_routed_experts, self.args.device)[0]
                     for layer in self.spec.moe_layers:
-                        experts = artifact_experts(stock, None, self.spec.n_routed_experts, self.args.device, [layer])
-                        measured[layer][k] = self.measure(experts[0], {}, text=text)["kl"]
+                        alone = {key: w for key, w in decoded.items() if key[0] == layer}
+                        measured[layer][k] = self.measure(alone, {}, text=text)["kl"]
                 kept = {"settings": settings, "kl_by_layer_and_k": measured}
-                partial = path.with_name(path.name + ".partial")
-                partial.write_text(json.dumps(kept, indent=2) + "\n")
-                os.replace(partial, path)
+                atomic_write_text(path, json.dumps(kept, indent=2) + "\n")
         return {int(layer): {int(k): v for k, v in by_k.items()} for layer, by_k in kept["kl_by_layer_and_k"].items()}
 
     def row(self, recipe: Recipe, hessians: str, blend: float | None, extras: dict[str, Any]) -> dict[str, Any]:
@@ -1233,9 +1231,7 @@ class Bench:
                 )
         results: Path = self.args.results
         results.parent.mkdir(parents=True, exist_ok=True)
-        partial = results.with_name(results.name + ".partial")  # renamed over it: a kill never leaves half a file
-        partial.write_text(json.dumps(self.record, indent=2) + "\n")
-        os.replace(partial, results)
+        atomic_write_text(results, json.dumps(self.record, indent=2) + "\n")  # a kill never leaves half a file
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
