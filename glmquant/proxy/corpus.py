@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from glmquant.calibration.recipe import Fields, read_yaml
+from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.errors import UsageError
 
 DEFAULT_CORPUS_RECIPE = Path(__file__).resolve().parents[2] / "calibration" / "proxy-corpus.yaml"
@@ -311,13 +312,15 @@ def read_split(out_dir: Path, split: str) -> list[str]:
     return [json.loads(line)["text"] for line in lines if line]
 
 
-def split_recipe(out_dir: Path, split: str, rows: int, tokens: int) -> Path:
-    """A calibration recipe (calibration/README.md) of one lane packed from a split; written next to it."""
-    path = out_dir / f"{split}.yaml"
+def split_recipe(out_dir: Path, split: str, rows: int, tokens: int, recipe_dir: Path | None = None) -> Path:
+    """A calibration recipe (calibration/README.md) of one lane packed from a split; written next to it (the corpus
+    moves with it), or into `recipe_dir`, naming the split by its absolute path."""
+    path = (recipe_dir or out_dir) / f"{split}.yaml"
+    data = f"{split}.jsonl" if recipe_dir is None else str((out_dir / f"{split}.jsonl").resolve())
     recipe = {
         "name": f"proxy-{split}",
         "seed": 0,
-        "sources": {split: {"kind": "jsonl", "path": f"{split}.jsonl"}},
+        "sources": {split: {"kind": "jsonl", "path": data}},
         "lanes": [
             {
                 "name": split,
@@ -328,5 +331,5 @@ def split_recipe(out_dir: Path, split: str, rows: int, tokens: int) -> Path:
             }
         ],
     }
-    path.write_text(json.dumps(recipe, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(recipe, indent=2) + "\n")
     return path

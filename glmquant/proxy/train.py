@@ -36,6 +36,7 @@ import math
 import os
 import platform
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -357,7 +358,8 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     )
     shape = replace(cfg.shape, vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
     heldout = split_rows(corpus_dir, "heldout", cfg.heldout_rows, cfg.seq_len, tokenizer)
-    split_recipe(corpus_dir, "calibration", cfg.calibration_rows, cfg.seq_len)
+    for split, rows in (("heldout", cfg.heldout_rows), ("calibration", cfg.calibration_rows)):
+        split_recipe(corpus_dir, split, rows, cfg.seq_len)  # the proxy's recipes, beside their splits
     log(
         f"tokenizer: {len(tokenizer)} tokens; train stream {stream.numel():,} tokens; "
         f"{cfg.steps * cfg.batch_rows * cfg.seq_len:,} to train on"
@@ -516,8 +518,12 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
 
 
 def split_rows(corpus_dir: Path, split: str, rows: int, tokens: int, tokenizer: Any) -> torch.Tensor:
-    """`rows` packed rows of `tokens` from a split, through the calibration packer (as observe packs them)."""
-    return build_token_rows(load_recipe(split_recipe(corpus_dir, split, rows, tokens)), tokenizer).lanes[0].ids.long()
+    """`rows` packed rows of `tokens` from a split, through the calibration packer (as observe packs them). Its recipe
+    goes to a temporary directory: the corpus is only read, so processes side by side (bench_fidelity's workers) do
+    not write over each other's recipe, nor over the proxy's calibration.yaml."""
+    with tempfile.TemporaryDirectory(prefix="glmquant-split-") as tmp:
+        recipe = load_recipe(split_recipe(corpus_dir, split, rows, tokens, Path(tmp)))
+        return build_token_rows(recipe, tokenizer).lanes[0].ids.long()
 
 
 def routing_check(model_dir: Path, recipe: Path, obs_dir: Path, device: str) -> dict[str, Any]:

@@ -8,12 +8,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from proxy_helpers import write_mo
 
-from glmquant.calibration.build import tokenizer_sha256
+from glmquant.calibration import load_recipe
+from glmquant.calibration.build import build_token_rows, tokenizer_sha256
 from glmquant.errors import UsageError
-from glmquant.proxy.corpus import build_corpus, cut, load_corpus_recipe, read_split
+from glmquant.proxy.corpus import build_corpus, cut, load_corpus_recipe, read_split, split_recipe
 from glmquant.proxy.tokenizer import train_tokenizer
+from glmquant.proxy.train import split_rows
 
 
 def test_corpus_splits_are_disjoint_and_reproducible(corpus_recipe: Path, tmp_path: Path) -> None:
@@ -104,3 +107,18 @@ def test_tokenizer_is_reproducible_and_round_trips(corpus_recipe: Path, tmp_path
     sample = "Zugriff verweigert — 你好, مرحبا\n    return x"
     assert tok.decode(tok(sample)["input_ids"]) == sample
     assert tok.convert_tokens_to_ids("<|endoftext|>") == 0 and tok.chat_template
+
+
+def test_split_rows_only_read_the_corpus(corpus_recipe: Path, tmp_path: Path) -> None:
+    """A split's packed rows come from a recipe in a temporary directory: the corpus directory (with the proxy's own
+    calibration.yaml) is left as it was, and the rows equal those of the recipe written beside the split."""
+    corpus = tmp_path / "corpus"
+    build_corpus(load_corpus_recipe(corpus_recipe), corpus)
+    tok = train_tokenizer(read_split(corpus, "train"), 400)
+    published = split_recipe(corpus, "calibration", 3, 32)
+    before = {p.name: p.read_bytes() for p in corpus.iterdir()}
+    rows = split_rows(corpus, "calibration", 2, 16, tok)
+    assert {p.name: p.read_bytes() for p in corpus.iterdir()} == before  # calibration.yaml still the 3 x 32 one
+    assert rows.shape == (2, 16)
+    beside = build_token_rows(load_recipe(split_recipe(corpus, "calibration", 2, 16)), tok).lanes[0].ids.long()
+    assert torch.equal(rows, beside) and published.is_file()
