@@ -181,6 +181,8 @@ def test_ctrl_c_ends_an_open_stream_cleanly_and_exits_0(artifacts):
         body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 4000, "temperature": 1.0, "seed": 1}
         stream = _send(port, {**body, "stream": True})
         assert stream.status == 200 and stream.readline().startswith(b"data:")  # the stream is open
+        # its first chunk precedes its generation: until the stream holds the slot, the second request could take it
+        _wait_for(lambda: (_health(port) or {}).get("requests_running") == 1)
         queued: list[tuple[int, dict]] = []
         waiter = threading.Thread(target=lambda: queued.append(_answer(_send(port, body))))
         waiter.start()
