@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import typer
 
-from glmquant.cli import build, demo, encode, fixture, observe, plan, serve, serve_check, upload, verify_manifest
+from glmquant.cli import (
+    build,
+    demo,
+    encode,
+    fixture,
+    layer_costs,
+    observe,
+    plan,
+    serve,
+    serve_check,
+    upload,
+    verify_manifest,
+)
 from glmquant.cli.common import guarded
 from glmquant.environment import check_environment
 
@@ -23,7 +35,7 @@ def _environment() -> None:
     check_environment()
 
 
-for verb in (demo, fixture, plan, observe, encode, build, verify_manifest, serve, serve_check, upload):
+for verb in (demo, fixture, plan, observe, layer_costs, encode, build, verify_manifest, serve, serve_check, upload):
     verb.register(app)
 
 

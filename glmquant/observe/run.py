@@ -112,7 +112,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
         streams = DeviceStreamStore(*store_args, device=model.device)
     results.start(rows)
     costs: dict[int | str, LayerCost] = {}
-    with model.ckpt, _progress(progress) as bar:
+    with model.ckpt, progress_bar(progress) as bar:
         state = resumed
         if state is None:
             rows.save(config.out)
@@ -199,7 +199,8 @@ def _measured(device: torch.device, cost: LayerCost, field: str, fn: Callable[..
     return result
 
 
-def _progress(enabled: bool) -> Progress:
+def progress_bar(enabled: bool) -> Progress:
+    """The layer-streamed stages' bars: description, bar, done of total, time."""
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), disable=not enabled
     )

@@ -21,6 +21,7 @@ from torch import nn
 from glmquant.arch import ModelSpec, load_model_spec, table_for
 from glmquant.arch.hf_glm5_next import modeling
 from glmquant.arch.module_map import LayerPlan, check_finite, layer_plan
+from glmquant.checkpoint.layouts import quantizable_head
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import ConfigError, UsageError
 from glmquant.observe.layer_loader import load_decoder_layer, model_dtype, text_config
@@ -36,7 +37,10 @@ class TextModel:
     device: torch.device
 
     @classmethod
-    def open(cls, source: str | Path, device: str | torch.device = "cpu") -> TextModel:
+    def open(
+        cls, source: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> TextModel:
+        """`dtype`: compute in it instead of the config's (e.g. float32, to measure small differences)."""
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("--device cuda was asked for but torch sees no CUDA device")
@@ -47,6 +51,8 @@ class TextModel:
                 f"{source}: 'shared' DSA indexer layers carry top-k indices across layers; "
                 "layer streaming supports only 'full' indexer layers (as GLM-5.3-Flash has)"
             )
+        if dtype is not None:
+            cfg.dtype = dtype
         return cls(SourceCheckpoint.open(source), spec, cfg, device)
 
     @property
@@ -75,6 +81,15 @@ class TextModel:
         for ids in batches:
             emb = F.embedding(ids.to(self.device, torch.long), weight)
             yield emb.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+
+    def head_weight(self) -> torch.Tensor:
+        """lm_head's weight (the input embedding's where they are tied) in the compute dtype."""
+        if self.spec.tie_word_embeddings:
+            return self._tensor("embed_tokens.weight")
+        name = quantizable_head(self.spec).name
+        tensor = self.ckpt.read_tensor(name).to(self.device, self.dtype)
+        check_finite(self.ckpt, name, tensor)
+        return tensor
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:
         """Final streams [B,T,hc,H] -> last hidden state [B,T,H] (HyperHead mean, then the final norm)."""

@@ -1,0 +1,67 @@
+"""`glmquant layer-costs SOURCE --observations OBS --artifact ART --out FILE`: each MoE layer's cost at K1-K4 and
+the widths of least summed cost, for `encode --tiers layers:...`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from glmquant.checkpoint.hub import resolve_source
+from glmquant.cli.common import HubRevision, guarded, out
+from glmquant.observe.layer_costs import SWEEP_BITS, measure_layer_costs
+
+
+def register(app: typer.Typer) -> None:
+    app.command("layer-costs")(layer_costs)
+
+
+@guarded
+def layer_costs(
+    source: Annotated[
+        str, typer.Argument(help="BF16 source checkpoint the artifact was built from (directory or Hub id)")
+    ],
+    observations: Annotated[
+        Path, typer.Option(help="the observations the artifact was encoded with (observe --tuning-tokens N)")
+    ],
+    artifact: Annotated[Path, typer.Option(help="an artifact built from them, e.g. the uniform K2 build")],
+    out_file: Annotated[Path, typer.Option("--out", help="layer costs JSON to write")],
+    rows: Annotated[int, typer.Option(help="calibration rows (of the observations' first lane) for the KL")] = 16,
+    experts: Annotated[int, typer.Option(help="experts per MoE layer encoded at K1-K4 for the error ratios")] = 8,
+    mean_bits: Annotated[
+        float | None, typer.Option(help="mean K of the MoE layers to allocate (default: the artifact's)")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="compute dtype: auto (the model's), float32 or bfloat16")] = "auto",
+    batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
+    revision: HubRevision = None,
+) -> None:
+    """Measure each MoE layer's KL alone (the others exact) from the artifact and scale it to K1-K4 by sampled
+    experts' output errors; print the widths of least summed cost as a --tiers spec for encode."""
+    resolved = resolve_source(source, revision)
+    costs = measure_layer_costs(
+        resolved.path,
+        observations,
+        artifact,
+        rows=rows,
+        experts=experts,
+        mean_bits=mean_bits,
+        device=device,
+        dtype=dtype,
+        batch_rows=batch_rows,
+        progress=True,
+    )
+    costs.write(out_file)
+    table = Table(title=f"KL per MoE layer alone ({costs.rows} x {costs.tokens} tokens, {costs.compute_dtype})")
+    for column in ("layer", "artifact K", *(f"K{k}" for k in SWEEP_BITS), "chosen"):
+        table.add_column(column, justify="right")
+    for layer, by_k in costs.cost.items():
+        cells = [f"{by_k[k]:.3g}" for k in SWEEP_BITS]
+        table.add_row(str(layer), f"K{costs.artifact_bits[layer]}", *cells, f"K{costs.widths[layer]}")
+    out.print(table)
+    out.print(
+        f"widths at mean K {costs.mean_bits:g}: [bold]--tiers {costs.tiers}[/] "
+        f"(predicted KL {costs.predicted_kl:.3g}); written to {out_file}"
+    )

@@ -1,0 +1,296 @@
+"""Each MoE layer's cost at each bit width, measured at the model's size, for `encode --tiers layers:...`.
+
+On the six-MoE-layer proxy the widths of least summed cost, each layer's cost being the KL it causes alone (every
+other layer exact) at K1-K4, beat every allocation by depth (docs/fidelity.md). Measuring that directly takes one
+artifact per K and a forward per (layer, K). This measures it from the one artifact a build makes anyway:
+
+- `kl_alone[L]`: the KL (mean per next-token position, against the source) of the source model with only layer
+  L's routed experts taken from the artifact. One layer-streamed pass: the source's streams and one stream per MoE
+  layer, which forks from the source's at its layer (so memory is (1 + MoE layers) x rows x tokens x hc x H of the
+  compute dtype, plus one layer);
+- `error[L][K]`: the layer's MoE output error on the observations' tuning sample (`observe --tuning-tokens`), with
+  a few of its experts (spread over their token counts) encoded at each K with their own Hessians;
+- `cost[L][K] = kl_alone[L] * error[L][K] / error[L][K_L]` (K_L: the layer's width in the artifact), the KL
+  scaling with the output error's energy as it does to second order. On the proxy the ratio of errors per added bit
+  varied 10-25 % between layers, and these costs chose the widths the direct measurement did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from glmquant.arch import PROJECTIONS, table_for
+from glmquant.calibration.token_rows import TokenRows
+from glmquant.checkpoint.manifest import MANIFEST_NAME
+from glmquant.checkpoint.writer import atomic_write_text
+from glmquant.encode.hessians import HessianSource
+from glmquant.encode.scale_tuning import expert_output
+from glmquant.errors import UsageError
+from glmquant.exl3 import decode_weight, encode_linears
+from glmquant.observe.run import progress_bar
+from glmquant.observe.streaming import TextModel, run_layer
+from glmquant.observe.tiers import TierSpec, allocate_layer_widths
+from glmquant.observe.tuning_sample import RoutedSample
+from glmquant.runtime.artifact import Artifact, open_artifact
+
+FORMAT = "glmquant.layer_costs.v1"
+SWEEP_BITS = (1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """What `measure_layer_costs` found, and the widths it chose; `write`/`load` as JSON (FORMAT)."""
+
+    artifact_manifest_sha256: str
+    token_rows_sha256: str
+    rows: int
+    tokens: int
+    compute_dtype: str
+    experts_sampled: int
+    artifact_bits: dict[int, int]  # each MoE layer's K in the artifact
+    kl_alone: dict[int, float]
+    error: dict[int, dict[int, float]]  # sampled experts' MoE output error energy (sum of squares) by K
+    cost: dict[int, dict[int, float]]
+    mean_bits: float
+    widths: dict[int, int]
+    tiers: str  # `layers:...` for encode --tiers
+    predicted_kl: float  # the chosen widths' summed cost
+    seconds: dict[str, float]  # wall time of the streamed pass ("kl") and of the sampled encodes ("error")
+    format: str = field(default=FORMAT)
+
+    def write(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> LayerCosts:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT:
+            raise UsageError(f"{path}: not a layer costs file (format {data.get('format')!r}, expected {FORMAT!r})")
+
+        def by_layer(d: dict[str, Any], inner: bool = False) -> dict[int, Any]:
+            return {int(k): ({int(b): float(x) for b, x in v.items()} if inner else v) for k, v in d.items()}
+
+        return cls(
+            **{
+                **data,
+                "artifact_bits": by_layer(data["artifact_bits"]),
+                "kl_alone": by_layer(data["kl_alone"]),
+                "error": by_layer(data["error"], inner=True),
+                "cost": by_layer(data["cost"], inner=True),
+                "widths": by_layer(data["widths"]),
+            }
+        )
+
+
+def measure_layer_costs(
+    source: str | Path,
+    observations: str | Path,
+    artifact_dir: str | Path,
+    *,
+    rows: int = 16,
+    experts: int = 8,
+    mean_bits: float | None = None,
+    device: str = "cpu",
+    dtype: str = "auto",
+    batch_rows: int = 4,
+    progress: bool = False,
+) -> LayerCosts:
+    """Costs of each MoE layer of `artifact_dir` (built from `source`) at K1-K4, from `rows` calibration rows of
+    `observations` and `experts` sampled experts per layer; widths of least summed cost at `mean_bits` (default: the
+    artifact's mean K over its MoE layers)."""
+    if rows < 1 or experts < 1 or batch_rows < 1:
+        raise UsageError(f"--rows, --experts and --batch-rows must be >= 1, got {rows}, {experts}, {batch_rows}")
+    observations = Path(observations)
+    manifest_sha256 = _sha256_file(Path(artifact_dir) / MANIFEST_NAME)
+    model = TextModel.open(source, device, None if dtype == "auto" else _dtype(dtype))
+    artifact = open_artifact(artifact_dir)
+    try:
+        layers = _check_artifact(model, artifact, Path(artifact_dir))
+        bits = {layer: artifact.read_expert(layer, 0, "down_proj").bits for layer in layers}
+        token_rows = TokenRows.load(observations)
+        ids = _calibration_rows(token_rows, rows, observations)
+        with model.ckpt, torch.no_grad(), progress_bar(progress) as bar:
+            forward = bar.add_task(f"forward, {len(layers)} forks", total=model.num_layers)
+            started = time.monotonic()
+            kl = layer_kl_alone(model, artifact, layers, ids, batch_rows, lambda: bar.advance(forward))
+            seconds = {"kl": round(time.monotonic() - started, 1)}
+            hessians = HessianSource(observations, "natural")
+            sampled = bar.add_task(f"{experts} experts per layer at K1-K4", total=len(layers))
+            error = {}
+            for layer in layers:
+                error[layer] = output_error_by_bits(model, artifact, hessians, layer, experts, device)
+                bar.advance(sampled)
+            seconds["error"] = round(time.monotonic() - started - seconds["kl"], 1)
+    finally:
+        artifact.checkpoint.close()
+    cost = {layer: {k: kl[layer] * error[layer][k] / error[layer][bits[layer]] for k in SWEEP_BITS} for layer in layers}
+    budget = mean_bits if mean_bits is not None else sum(bits.values()) / len(bits)
+    widths = allocate_layer_widths(cost, budget)
+    return LayerCosts(
+        artifact_manifest_sha256=manifest_sha256,
+        token_rows_sha256=token_rows.sha256,
+        rows=int(ids.shape[0]),
+        tokens=int(ids.shape[1]),
+        compute_dtype=str(model.dtype).removeprefix("torch."),
+        experts_sampled=experts,
+        artifact_bits=bits,
+        kl_alone=kl,
+        error=error,
+        cost=cost,
+        mean_bits=budget,
+        widths=widths,
+        tiers=TierSpec.of_widths([widths[layer] for layer in layers]).text,
+        predicted_kl=sum(cost[layer][widths[layer]] for layer in layers),
+        seconds=seconds,
+    )
+
+
+@torch.no_grad()
+def layer_kl_alone(
+    model: TextModel,
+    artifact: Artifact,
+    layers: Sequence[int],
+    ids: torch.Tensor,
+    batch_rows: int,
+    advance: Callable[[], None] = lambda: None,
+) -> dict[int, float]:
+    """Mean KL(source || source with only layer L's routed experts from `artifact`) per next-token position, for
+    each L of `layers`, in one pass holding the source's streams and one forked stream per layer reached."""
+
+    def through(module: torch.nn.Module, streams: torch.Tensor) -> torch.Tensor:
+        return torch.cat([run_layer(module, part) for part in streams.split(batch_rows)])
+
+    source = torch.cat(list(model.embed(ids.split(batch_rows))))
+    forks: dict[int, torch.Tensor] = {}
+    for index in range(model.num_layers):
+        module = model.layer(index)
+        after = through(module, source)
+        forks = {layer: through(module, streams) for layer, streams in forks.items()}
+        if index in layers:
+            _load_experts(module, artifact, index)
+            forks[index] = through(module, source)
+        source = after
+        del module
+        advance()
+    head = model.head_weight()
+    reference = [F.log_softmax(F.linear(model.collapse(part), head).float(), -1) for part in source.split(1)]
+    out = {}
+    for layer, streams in forks.items():
+        total = 0.0
+        for ref, part in zip(reference, streams.split(1)):
+            got = F.log_softmax(F.linear(model.collapse(part), head).float(), -1)
+            total += float((ref.exp() * (ref - got)).sum(-1).sum())
+        out[layer] = total / (ids.shape[0] * ids.shape[1])
+        if not math.isfinite(out[layer]):
+            raise UsageError(f"{artifact.path}: layer {layer}'s experts make the logits non-finite")
+    return out
+
+
+def output_error_by_bits(
+    model: TextModel, artifact: Artifact, hessians: HessianSource, layer: int, count: int, device: str
+) -> dict[int, float]:
+    """The MoE output error energy (summed over the tuning sample's tokens) of `count` experts of `layer`, spread
+    over the sample's token counts, each encoded at every K of SWEEP_BITS with its own Hessians (the artifact's
+    codebook), against their source weights."""
+    view = hessians.layer(layer)
+    sample = view.sample()
+    if sample is None:
+        raise UsageError(
+            f"{hessians.observations}: layer {layer} has no tuning sample; observe with --tuning-tokens N (e.g. 4096)"
+        )
+    tokens = torch.bincount(sample.expert_ids.flatten(), minlength=model.spec.n_routed_experts)
+    ranked = [e for e in torch.argsort(tokens, descending=True, stable=True).tolist() if tokens[e] > 0]
+    picked = sorted({ranked[round(i * (len(ranked) - 1) / max(count - 1, 1))] for i in range(min(count, len(ranked)))})
+    table = table_for(model.spec)
+    source = {
+        e: {p: model.ckpt.read_tensor(table.expert_name(layer, e, p)).float() for p in PROJECTIONS} for e in picked
+    }
+    items = []
+    for e in picked:
+        h = view.expert(e)
+        items += [(source[e][p], h.down if p == "down_proj" else h.gate_up) for p in PROJECTIONS]
+    mine = sample.routed_to(picked)
+    reference = _moe_output(source, mine, model.spec.swiglu_limit)
+    codebook = artifact.read_expert(layer, 0, "down_proj").codebook
+    error = {}
+    for k in SWEEP_BITS:
+        encoded = iter(encode_linears(items, k, codebook, device=device))
+        weights = {e: {p: decode_weight(next(encoded).tensor, torch.float32) for p in PROJECTIONS} for e in picked}
+        error[k] = float(((_moe_output(weights, mine, model.spec.swiglu_limit) - reference) ** 2).sum())
+    return error
+
+
+def _moe_output(
+    weights: dict[int, dict[str, torch.Tensor]], sample: RoutedSample, swiglu_limit: float | None
+) -> torch.Tensor:
+    """Σ over each token's slots routed to one of `weights`' experts of routing weight x expert output: [n, H]."""
+    x = sample.inputs.float()
+    out = torch.zeros_like(x)
+    for e, w in weights.items():
+        token, slot = (sample.expert_ids == e).nonzero(as_tuple=True)
+        if token.numel():
+            routed = sample.expert_weights[token, slot, None] * expert_output(w, x[token], swiglu_limit)
+            out.index_add_(0, token, routed)
+    return out
+
+
+def _load_experts(module: torch.nn.Module, artifact: Artifact, layer: int) -> None:
+    """Put the artifact's decoded routed experts of `layer` into the decoder layer module, in place."""
+    experts: Any = module.get_submodule("mlp.experts")  # transformers' stacked experts: gate_up_proj, down_proj
+    for e in range(artifact.spec.n_routed_experts):
+        w = {p: artifact.decode_expert(layer, e, p, device=experts.down_proj.device) for p in PROJECTIONS}
+        experts.gate_up_proj[e] = torch.cat((w["gate_proj"], w["up_proj"])).to(experts.gate_up_proj)
+        experts.down_proj[e] = w["down_proj"].to(experts.down_proj)
+
+
+def _check_artifact(model: TextModel, artifact: Artifact, path: Path) -> list[int]:
+    """The MoE layers the artifact quantized, after checking that it was built from a model of the source's shape
+    with every expert kept."""
+    theirs, ours = artifact.spec, model.spec
+    shape = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_hidden_layers")
+    differ = [
+        f"{k} {getattr(theirs, k)} vs {getattr(ours, k)}" for k in shape if getattr(theirs, k) != getattr(ours, k)
+    ]
+    if differ:
+        raise UsageError(
+            f"{path} does not match the source ({', '.join(differ)}): another model, or pruned experts (layer costs "
+            "compare every expert of a layer)"
+        )
+    layers = [layer for layer in artifact.quantized_layers if layer < ours.num_hidden_layers]
+    if not layers:
+        raise UsageError(f"{path} has no quantized MoE layers")
+    return layers
+
+
+def _calibration_rows(token_rows: TokenRows, rows: int, observations: Path) -> torch.Tensor:
+    """The first `rows` rows of the first lane that feeds Hessians (calibration text, never held-out text)."""
+    lanes = [lane for lane in token_rows.lanes if "hessians" in lane.use]
+    if not lanes:
+        raise UsageError(f"{observations}: no calibration lane feeds Hessians")
+    ids = lanes[0].ids.long()
+    if ids.shape[0] < rows:
+        raise UsageError(f"{observations}: lane {lanes[0].name!r} has {ids.shape[0]} rows, fewer than --rows {rows}")
+    return ids[:rows]
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(name)
+    if found is None:
+        raise UsageError(f"--dtype must be auto, float32 or bfloat16, not {name!r}")
+    return found
+
+
+def _sha256_file(path: Path) -> str:
+    if not path.is_file():
+        raise UsageError(f"{path} is missing: layer costs are measured on a finished artifact")
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,0 +1,143 @@
+"""`glmquant layer-costs`: each MoE layer's KL alone from one artifact, scaled to K1-K4 by sampled experts' output
+errors, and the widths of least summed cost, which `encode --tiers` then builds (tiny model, two MoE layers)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from typer.testing import CliRunner
+
+from glmquant.arch import PROJECTIONS
+from glmquant.calibration import TokenRows
+from glmquant.cli import app
+from glmquant.encode import EncodeConfig, encode_artifact
+from glmquant.errors import UsageError
+from glmquant.observe.config import ObserveConfig
+from glmquant.observe.layer_costs import SWEEP_BITS, LayerCosts, layer_kl_alone, measure_layer_costs
+from glmquant.observe.run import observe
+from glmquant.observe.streaming import TextModel
+from glmquant.observe.tiers import TierSpec, allocate_layer_widths
+from glmquant.runtime.artifact import open_artifact
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("layer-costs")]
+
+
+@pytest.fixture(scope="module")
+def observed(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("layer-costs-obs")
+    observe(ObserveConfig(source=tiny_source, out=out, rows=4, tokens=64, tuning_tokens=128))
+    return out
+
+
+@pytest.fixture(scope="module")
+def uniform_k2(tiny_source: Path, observed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("layer-costs-art") / "k2"
+    encode_artifact(
+        EncodeConfig(source=tiny_source, out=out, observations=observed, verified_at="2026-01-01T00:00:00Z"),
+        Console(quiet=True),
+    )
+    return out
+
+
+def test_kl_alone_is_the_whole_models_with_only_that_layers_experts_quantized(
+    tiny_source: Path, observed: Path, uniform_k2: Path
+) -> None:
+    """The streamed pass (the source's streams and one fork per MoE layer) gives, for each layer, transformers' whole
+    model with that layer's experts decoded from the artifact, against the whole model as it is."""
+    from transformers import Glm5NextForConditionalGeneration
+
+    ids = TokenRows.load(observed).lanes[0].ids.long()[:2]
+    model = TextModel.open(tiny_source, "cpu", torch.float32)
+    artifact = open_artifact(uniform_k2)
+    layers = list(artifact.quantized_layers)
+    assert layers == [1, 2]
+    with model.ckpt:
+        streamed = layer_kl_alone(model, artifact, layers, ids, batch_rows=1)
+
+    whole = Glm5NextForConditionalGeneration.from_pretrained(str(tiny_source), dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = F.log_softmax(whole(input_ids=ids).logits.float(), -1)
+        for layer in layers:
+            experts = whole.model.language_model.layers[layer].mlp.experts
+            kept = experts.gate_up_proj.clone(), experts.down_proj.clone()
+            for e in range(artifact.spec.n_routed_experts):
+                w = {p: artifact.decode_expert(layer, e, p) for p in PROJECTIONS}
+                experts.gate_up_proj[e] = torch.cat((w["gate_proj"], w["up_proj"]))
+                experts.down_proj[e] = w["down_proj"]
+            got = F.log_softmax(whole(input_ids=ids).logits.float(), -1)
+            expected = float((reference.exp() * (reference - got)).sum(-1).mean())
+            experts.gate_up_proj.copy_(kept[0])
+            experts.down_proj.copy_(kept[1])
+            assert expected > 0
+            assert streamed[layer] == pytest.approx(expected, rel=1e-3, abs=1e-9), (layer, streamed, expected)
+    artifact.checkpoint.close()
+
+
+def test_cli_writes_costs_whose_widths_encode(
+    tiny_source: Path, observed: Path, uniform_k2: Path, tmp_path: Path
+) -> None:
+    """The error falls with every added bit, the cost at the artifact's own K is the measured KL, the widths are the
+    knapsack's over the costs at the artifact's mean K, and `encode --tiers` builds them."""
+    out = tmp_path / "costs.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "layer-costs",
+            str(tiny_source),
+            "--observations",
+            str(observed),
+            "--artifact",
+            str(uniform_k2),
+            "--out",
+            str(out),
+            "--rows",
+            "2",
+            "--experts",
+            "2",
+            "--dtype",
+            "float32",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    costs = LayerCosts.load(out)
+    assert costs.artifact_bits == {1: 2, 2: 2} and costs.mean_bits == 2.0 and costs.rows == 2
+    for layer, error in costs.error.items():
+        assert [error[k] for k in SWEEP_BITS] == sorted(error.values(), reverse=True), error
+        assert error[1] > error[2] > error[3] > error[4] > 0, error
+        assert costs.cost[layer][2] == pytest.approx(costs.kl_alone[layer])
+        assert costs.cost[layer][1] > costs.cost[layer][4]
+    assert costs.widths == allocate_layer_widths(costs.cost, 2.0)
+    assert costs.tiers == TierSpec.of_widths([costs.widths[1], costs.widths[2]]).text
+    assert f"--tiers {costs.tiers}" in result.output
+    assert json.loads(out.read_text())["format"] == "glmquant.layer_costs.v1"
+
+    built = tmp_path / "tiered"
+    encoded = CliRunner().invoke(
+        app, ["encode", str(tiny_source), "--observations", str(observed), "--out", str(built), "--tiers", costs.tiers]
+    )
+    assert encoded.exit_code == 0, encoded.output
+    art = open_artifact(built)
+    assert {layer: art.read_expert(layer, 0, "down_proj").bits for layer in (1, 2)} == costs.widths
+    art.checkpoint.close()
+
+
+def test_bad_inputs_are_named(tiny_source: Path, observed: Path, uniform_k2: Path, tmp_path: Path) -> None:
+    """Observations without a tuning sample, more rows than observed, and a half-written artifact are refused, each
+    with what to do."""
+    plain = tmp_path / "plain-obs"
+    observe(ObserveConfig(source=tiny_source, out=plain, rows=2, tokens=32))
+    with pytest.raises(UsageError, match="--tuning-tokens"):
+        measure_layer_costs(tiny_source, plain, uniform_k2, rows=1, experts=1)
+    with pytest.raises(UsageError, match="fewer than --rows 99"):
+        measure_layer_costs(tiny_source, observed, uniform_k2, rows=99)
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(uniform_k2, unfinished)
+    (unfinished / "EXL3_MANIFEST.json").unlink()
+    with pytest.raises(UsageError, match="EXL3_MANIFEST.json is missing"):
+        measure_layer_costs(tiny_source, observed, unfinished, rows=1, experts=1)
