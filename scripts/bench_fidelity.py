@@ -79,6 +79,7 @@ from glmquant.exl3 import EXL3Tensor, decode_weight, proxy_error
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessian_reader import load_dense_hessian
 from glmquant.observe.hessians import HessianMode, HessianWeighting
+from glmquant.observe.layer_costs import LayerCosts, measure_layer_costs
 from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.run import observe
 from glmquant.observe.stats import LayerStats, stats_files
@@ -95,6 +96,7 @@ ROUTED_KEY = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.\d+\.")
 TUNE_STEPS = 50  # `encode --tune-scales` of the tuned rows (100 before the learning rate went from 2e-3 to 5e-3)
 LONG_TUNE_STEPS = 400  # the row that asks whether TUNE_STEPS is enough
 MTP_PROMPT_TOKENS = 128  # held-out prompt length of the MTP acceptance run (at most half a held-out row)
+ESTIMATE_EXPERTS = 8  # experts per MoE layer `layer-cost-estimated` encodes at K1-K4 (`layer-costs --experts`)
 SWEEP_BITS = (4, 3, 2, 1)  # the widths the depth sweep gives whole MoE layers
 SWEEP_MAX_MOE_LAYERS = 8  # a proxy's few MoE layers are enumerated; a 42-layer model's allocations are not
 
@@ -115,7 +117,9 @@ class Recipe:
     retained_exact_layers: int = 0  # but the first layers' retained linears exact (`encode --retained-exact-layers`)
     head_bits: int | None = None  # and lm_head EXL3 at this K (`encode --head-bits`)
     tune_scales: int = 0  # Adam steps of `encode --tune-scales` on its observation's token sample
-    widths_from_costs: bool = False  # widths per MoE layer from each one's KL alone at K1-K4 on calibration text
+    # widths per MoE layer from each one's KL alone at K1-K4 on calibration text: "measured" from the four uniform
+    # stocks, "estimated" by `glmquant layer-costs` from the K2 stock alone
+    widths_from: str | None = None
 
 
 def depth_allocations(moe_layers: int) -> list[tuple[int, ...]]:
@@ -210,13 +214,19 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
             "widths per MoE layer from each layer's own KL at K1-K4 (the other layers BF16), measured on calibration "
             "text with the uniform stocks' experts: the allocation of least summed KL at the seed's bytes "
             "(allocate_layer_widths, then encode --tiers layers:...), in any order of depth",
-            widths_from_costs=True,
+            widths_from="measured",
+        ),
+        Recipe(
+            "layer-cost-estimated",
+            f"layer-cost with its costs estimated as `glmquant layer-costs` does from the seed's build alone: each MoE "
+            f"layer's KL alone at K2, scaled to K1-K4 by {ESTIMATE_EXPERTS} sampled experts' output errors",
+            widths_from="estimated",
         ),
         Recipe(
             "layer-cost-tuned",
             f"layer-cost's widths (from the untuned costs), its scales tuned as seed-tuned's (encode --tune-scales "
             f"{TUNE_STEPS})",
-            widths_from_costs=True,
+            widths_from="measured",
             tune_scales=TUNE_STEPS,
         ),
         Recipe(
@@ -866,13 +876,32 @@ class Evaluator:
                 atomic_write_text(path, json.dumps(kept, indent=2) + "\n")
         return {int(layer): {int(k): v for k, v in by_k.items()} for layer, by_k in kept["kl_by_layer_and_k"].items()}
 
+    def estimated_costs(self, recipe: Recipe, hessians: str, blend: float | None, obs: Path) -> LayerCosts:
+        """`glmquant layer-costs` on the uniform stock at `recipe.bits` (the seed's build), on as many calibration
+        rows as the measured costs use (the observations' first ones)."""
+        ((stock, _),) = self.stocks(replace(recipe, tune_scales=0), hessians, blend, (recipe.bits,)).values()
+        return measure_layer_costs(
+            self.model_dir,
+            obs,
+            stock,
+            rows=self.args.heldout_rows,
+            experts=ESTIMATE_EXPERTS,
+            device=self.args.device,
+            dtype=self.args.compute_dtype,
+        )
+
     def row(self, recipe: Recipe, hessians: str, blend: float | None, extras: dict[str, Any]) -> dict[str, Any]:
         obs = self.observations[recipe.observations]
         out = self.work / f"artifact-{recipe.name}"
         t0 = time.monotonic()
         tier: dict[str, Any] = {}
-        if recipe.widths_from_costs:  # its widths first, from the layers' costs on calibration text
-            costs = self.layer_costs(recipe, hessians, blend)
+        if recipe.widths_from is not None:  # its widths first, from the layers' costs on calibration text
+            if recipe.widths_from == "measured":
+                costs = self.layer_costs(recipe, hessians, blend)
+            else:
+                estimate = self.estimated_costs(recipe, hessians, blend, obs)
+                costs = estimate.cost
+                tier["kl_alone"] = {str(layer): v for layer, v in estimate.kl_alone.items()}
             widths = allocate_layer_widths(costs, recipe.bits)
             recipe = replace(recipe, tiers=TierSpec.of_widths([widths[layer] for layer in sorted(widths)]).text)
             tier["layer_costs"] = {str(layer): {f"k{k}": v for k, v in c.items()} for layer, c in costs.items()}

@@ -219,13 +219,18 @@ def output_error_by_bits(
     for e in picked:
         h = view.expert(e)
         items += [(source[e][p], h.down if p == "down_proj" else h.gate_up) for p in PROJECTIONS]
-    mine = sample.routed_to(picked)
-    reference = _moe_output(source, mine, model.spec.swiglu_limit)
+    on = torch.device(device)  # the outputs where the encoder ran
+    mine = RoutedSample(*(t.to(on) for t in sample.routed_to(picked).tensors().values()))
+    reference = _moe_output(
+        {e: {p: w.to(on) for p, w in ws.items()} for e, ws in source.items()}, mine, model.spec.swiglu_limit
+    )
     codebook = artifact.read_expert(layer, 0, "down_proj").codebook
     error = {}
     for k in SWEEP_BITS:
         encoded = iter(encode_linears(items, k, codebook, device=device))
-        weights = {e: {p: decode_weight(next(encoded).tensor, torch.float32) for p in PROJECTIONS} for e in picked}
+        weights = {
+            e: {p: decode_weight(next(encoded).tensor.to(on), torch.float32) for p in PROJECTIONS} for e in picked
+        }
         error[k] = float(((_moe_output(weights, mine, model.spec.swiglu_limit) - reference) ** 2).sum())
     return error
 

@@ -239,8 +239,9 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     """--compose-layers: the seed and depth-tiers-tuned rows taken layer by layer from uniform K1, K2 and K3
     stocks (tuned where the row is) give the figures, bytes and tuning of encoding each row; the stocks are kept
     and a second composed row reuses them instead of encoding again. The layer-cost row measures each layer at
-    K1-K4 on calibration text from the stocks and takes the least-cost widths at the seed's bytes."""
-    recipes = ("seed", "depth-tiers-tuned", "depth-tiers", "uniform-k3", "layer-cost")  # K3 stock shared
+    K1-K4 on calibration text from the stocks and takes the least-cost widths at the seed's bytes; the
+    layer-cost-estimated row takes them from `glmquant layer-costs` on the K2 stock."""
+    recipes = ("seed", "depth-tiers-tuned", "depth-tiers", "uniform-k3", "layer-cost", "layer-cost-estimated")
     composed = run_bench(small_proxy, tmp_path, recipes, "--compose-layers", "--no-exllamav3")
     rows = {r["recipe"]: r for r in json.loads(composed.results.read_text())["rows"]}
     encoded = {r["recipe"]: r for r in json.loads(bench_run.results.read_text())["rows"]}
@@ -271,6 +272,13 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     assert by_cost["composed_from"] == {str(layer): f"k{k}" for layer, k in widths.items()}
     assert by_cost["predicted_kl"] == pytest.approx(sum(costs[layer][k] for layer, k in widths.items()))
     assert by_cost["routed_bytes"] == rows["seed"]["routed_bytes"] and by_cost["kl_by_layer"]
+    estimated = rows["layer-cost-estimated"]
+    guessed = {int(layer): {int(k[1:]): v for k, v in c.items()} for layer, c in estimated["layer_costs"].items()}
+    assert all(guessed[int(layer)][2] == pytest.approx(v) for layer, v in estimated["kl_alone"].items())  # K2 measured
+    assert all(c[1] > c[2] > c[3] > c[4] > 0 for c in guessed.values())
+    chosen = allocate_layer_widths(guessed, 2)
+    assert estimated["tiers"] == TierSpec.of_widths([chosen[1], chosen[2]]).text
+    assert estimated["routed_bytes"] == rows["seed"]["routed_bytes"]
     (measured,) = (composed.work / "stocks").glob("layer-costs-*.json")
     assert json.loads(measured.read_text())["settings"]["text"] == ["calibration", 2, 32]  # not the held-out text
     # the seed's MTP run drafts on its K2 stock as it did on its own artifact
