@@ -877,8 +877,8 @@ class Evaluator:
         return {int(layer): {int(k): v for k, v in by_k.items()} for layer, by_k in kept["kl_by_layer_and_k"].items()}
 
     def estimated_costs(self, recipe: Recipe, hessians: str, blend: float | None, obs: Path) -> LayerCosts:
-        """`glmquant layer-costs` on the uniform stock at `recipe.bits` (the seed's build), on as many calibration
-        rows as the measured costs use (the observations' first ones)."""
+        """`glmquant layer-costs` on the untuned uniform stock at `recipe.bits` (the seed's build): the observations'
+        first --heldout-rows calibration rows (of --tokens each; the measured costs pack rows of --heldout-tokens)."""
         ((stock, _),) = self.stocks(replace(recipe, tune_scales=0), hessians, blend, (recipe.bits,)).values()
         return measure_layer_costs(
             self.model_dir,

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from glmquant.checkpoint.hub import resolve_source
 from glmquant.cli.common import HubRevision, guarded, out
+from glmquant.errors import UsageError
 from glmquant.observe.layer_costs import SWEEP_BITS, measure_layer_costs
 
 
@@ -26,7 +27,10 @@ def layer_costs(
     observations: Annotated[
         Path, typer.Option(help="the observations the artifact was encoded with (observe --tuning-tokens N)")
     ],
-    artifact: Annotated[Path, typer.Option(help="an artifact built from them, e.g. the uniform K2 build")],
+    artifact: Annotated[
+        Path,
+        typer.Option(help="an untuned build from them with natural Hessians and one K per MoE layer (the uniform K2)"),
+    ],
     out_file: Annotated[Path, typer.Option("--out", help="layer costs JSON to write")],
     rows: Annotated[int, typer.Option(help="calibration rows (of the observations' first lane) for the KL")] = 16,
     experts: Annotated[int, typer.Option(help="experts per MoE layer encoded at K1-K4 for the error ratios")] = 8,
@@ -34,12 +38,19 @@ def layer_costs(
         float | None, typer.Option(help="mean K of the MoE layers to allocate (default: the artifact's)")
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="compute dtype: auto (the model's), float32 or bfloat16")] = "auto",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="compute dtype: auto (the model's), float32 (advised: BF16 rounding floors small KLs) or bfloat16"
+        ),
+    ] = "auto",
     batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
     revision: HubRevision = None,
 ) -> None:
     """Measure each MoE layer's KL alone (the others exact) from the artifact and scale it to K1-K4 by sampled
     experts' output errors; print the widths of least summed cost as a --tiers spec for encode."""
+    if not out_file.parent.is_dir():
+        raise UsageError(f"--out {out_file}: its directory {out_file.parent} does not exist")
     resolved = resolve_source(source, revision)
     costs = measure_layer_costs(
         resolved.path,

@@ -6,17 +6,20 @@ artifact per K and a forward per (layer, K). This measures it from the one artif
 
 - `kl_alone[L]`: the KL (mean per next-token position, against the source) of the source model with only layer
   L's routed experts taken from the artifact. One layer-streamed pass: the source's streams and one stream per MoE
-  layer, which forks from the source's at its layer (so memory is (1 + MoE layers) x rows x tokens x hc x H of the
-  compute dtype, plus one layer);
+  layer, which forks from the source's at its layer (memory: (2 + MoE layers) x rows x tokens x hc x H of the
+  compute dtype, one layer, the head in float32 and one row's float32 logits twice);
 - `error[L][K]`: the layer's MoE output error on the observations' tuning sample (`observe --tuning-tokens`), with
-  a few of its experts (spread over their token counts) encoded at each K with their own Hessians;
+  a few of its experts (spread over their token counts) encoded at each K with their own natural Hessians and the
+  encoder's defaults, untuned (so the ratio describes an untuned build with natural Hessians);
 - `cost[L][K] = kl_alone[L] * error[L][K] / error[L][K_L]` (K_L: the layer's width in the artifact), the KL
-  scaling with the output error's energy as it does to second order. On the proxy the ratio of errors per added bit
-  varied 10-25 % between layers, and these costs chose the widths the direct measurement did.
+  scaling with the output error's energy as it does to second order. On the six-MoE-layer proxy the ratios were
+  alike across layers (K1/K2 11.5-14.9, K3/K2 0.140-0.147, K4/K2 0.029-0.032) where the KL at K2 differed 630x,
+  and these costs chose the widths the direct measurement did.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -32,14 +35,17 @@ import torch.nn.functional as F
 from glmquant.arch import PROJECTIONS, table_for
 from glmquant.calibration.token_rows import TokenRows
 from glmquant.checkpoint.manifest import MANIFEST_NAME
+from glmquant.checkpoint.safetensors_format import parse_header
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.encode.hessians import HessianSource
 from glmquant.encode.scale_tuning import expert_output
 from glmquant.errors import UsageError
 from glmquant.exl3 import decode_weight, encode_linears
+from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.run import progress_bar
 from glmquant.observe.streaming import TextModel, run_layer
 from glmquant.observe.tiers import TierSpec, allocate_layer_widths
+from glmquant.observe.tuning_sample import TENSORS as TUNING_TENSORS
 from glmquant.observe.tuning_sample import RoutedSample
 from glmquant.runtime.artifact import Artifact, open_artifact
 
@@ -56,7 +62,7 @@ class LayerCosts:
     rows: int
     tokens: int
     compute_dtype: str
-    experts_sampled: int
+    experts_sampled: dict[int, int]  # per MoE layer: --experts, or fewer where fewer experts had sampled tokens
     artifact_bits: dict[int, int]  # each MoE layer's K in the artifact
     kl_alone: dict[int, float]
     error: dict[int, dict[int, float]]  # sampled experts' MoE output error energy (sum of squares) by K
@@ -88,6 +94,7 @@ class LayerCosts:
                 "error": by_layer(data["error"], inner=True),
                 "cost": by_layer(data["cost"], inner=True),
                 "widths": by_layer(data["widths"]),
+                "experts_sampled": by_layer(data["experts_sampled"]),
             }
         )
 
@@ -112,28 +119,37 @@ def measure_layer_costs(
         raise UsageError(f"--rows, --experts and --batch-rows must be >= 1, got {rows}, {experts}, {batch_rows}")
     observations = Path(observations)
     manifest_sha256 = _sha256_file(Path(artifact_dir) / MANIFEST_NAME)
-    model = TextModel.open(source, device, None if dtype == "auto" else _dtype(dtype))
-    artifact = open_artifact(artifact_dir)
-    try:
+    with contextlib.ExitStack() as opened:
+        model = TextModel.open(source, device, None if dtype == "auto" else _dtype(dtype))
+        opened.enter_context(model.ckpt)
+        artifact = open_artifact(artifact_dir)
+        opened.callback(artifact.checkpoint.close)
         layers = _check_artifact(model, artifact, Path(artifact_dir))
-        bits = {layer: artifact.read_expert(layer, 0, "down_proj").bits for layer in layers}
+        bits = {layer: _layer_bits(artifact, layer) for layer in layers}
+        _check_observations(observations, layers)  # before the pass, which is the long part
         token_rows = TokenRows.load(observations)
         ids = _calibration_rows(token_rows, rows, observations)
-        with model.ckpt, torch.no_grad(), progress_bar(progress) as bar:
-            forward = bar.add_task(f"forward, {len(layers)} forks", total=model.num_layers)
-            started = time.monotonic()
-            kl = layer_kl_alone(model, artifact, layers, ids, batch_rows, lambda: bar.advance(forward))
-            seconds = {"kl": round(time.monotonic() - started, 1)}
-            hessians = HessianSource(observations, "natural")
-            sampled = bar.add_task(f"{experts} experts per layer at K1-K4", total=len(layers))
-            error = {}
-            for layer in layers:
-                error[layer] = output_error_by_bits(model, artifact, hessians, layer, experts, device)
-                bar.advance(sampled)
-            seconds["error"] = round(time.monotonic() - started - seconds["kl"], 1)
-    finally:
-        artifact.checkpoint.close()
-    cost = {layer: {k: kl[layer] * error[layer][k] / error[layer][bits[layer]] for k in SWEEP_BITS} for layer in layers}
+        bar = opened.enter_context(progress_bar(progress))
+        opened.enter_context(torch.no_grad())
+        forward = bar.add_task(f"forward, {len(layers)} forks", total=model.num_layers)
+        started = time.monotonic()
+        kl = layer_kl_alone(model, artifact, layers, ids, batch_rows, lambda: bar.advance(forward))
+        seconds = {"kl": round(time.monotonic() - started, 1)}
+        hessians = HessianSource(observations, "natural")
+        sampled = bar.add_task(f"{experts} experts per layer at K1-K4", total=len(layers))
+        error: dict[int, dict[int, float]] = {}
+        picked: dict[int, list[int]] = {}
+        for layer in layers:
+            sweep = sorted({*SWEEP_BITS, bits[layer]})  # the artifact's own K is the ratios' denominator
+            picked[layer], error[layer] = output_error_by_bits(model, artifact, hessians, layer, experts, sweep, device)
+            if not error[layer][bits[layer]] > 0:
+                raise UsageError(
+                    f"{observations}: layer {layer}'s sampled experts {picked[layer]} give no output error at "
+                    f"K{bits[layer]} on its tuning sample; nothing to scale the layer's KL by"
+                )
+            bar.advance(sampled)
+        seconds["error"] = round(time.monotonic() - started - seconds["kl"], 1)
+    cost = {layer: {k: kl[layer] * e / error[layer][bits[layer]] for k, e in error[layer].items()} for layer in layers}
     budget = mean_bits if mean_bits is not None else sum(bits.values()) / len(bits)
     widths = allocate_layer_widths(cost, budget)
     return LayerCosts(
@@ -142,7 +158,7 @@ def measure_layer_costs(
         rows=int(ids.shape[0]),
         tokens=int(ids.shape[1]),
         compute_dtype=str(model.dtype).removeprefix("torch."),
-        experts_sampled=experts,
+        experts_sampled={layer: len(picked[layer]) for layer in layers},
         artifact_bits=bits,
         kl_alone=kl,
         error=error,
@@ -175,32 +191,43 @@ def layer_kl_alone(
     for index in range(model.num_layers):
         module = model.layer(index)
         after = through(module, source)
-        forks = {layer: through(module, streams) for layer, streams in forks.items()}
+        for layer in list(forks):  # one fork's old and new streams at a time
+            forks[layer] = through(module, forks[layer])
         if index in layers:
             _load_experts(module, artifact, index)
             forks[index] = through(module, source)
         source = after
         del module
         advance()
-    head = model.head_weight()
-    reference = [F.log_softmax(F.linear(model.collapse(part), head).float(), -1) for part in source.split(1)]
-    out = {}
-    for layer, streams in forks.items():
-        total = 0.0
-        for ref, part in zip(reference, streams.split(1)):
-            got = F.log_softmax(F.linear(model.collapse(part), head).float(), -1)
-            total += float((ref.exp() * (ref - got)).sum(-1).sum())
-        out[layer] = total / (ids.shape[0] * ids.shape[1])
-        if not math.isfinite(out[layer]):
-            raise UsageError(f"{artifact.path}: layer {layer}'s experts make the logits non-finite")
+    head = model.head_weight().float()
+
+    def logprobs(streams: torch.Tensor) -> torch.Tensor:  # float32 from the final norm on
+        return F.log_softmax(F.linear(model.collapse(streams).float(), head), -1)
+
+    total = dict.fromkeys(forks, 0.0)
+    for row in range(ids.shape[0]):  # one row's reference log-probabilities at a time
+        reference = logprobs(source[row : row + 1])
+        for layer, streams in forks.items():
+            total[layer] += float((reference.exp() * (reference - logprobs(streams[row : row + 1]))).sum())
+    out = {layer: value / (ids.shape[0] * ids.shape[1]) for layer, value in total.items()}
+    bad = [layer for layer, value in out.items() if not math.isfinite(value)]
+    if bad:
+        raise UsageError(f"{artifact.path}: the experts of layer(s) {bad} make the logits non-finite")
     return out
 
 
 def output_error_by_bits(
-    model: TextModel, artifact: Artifact, hessians: HessianSource, layer: int, count: int, device: str
-) -> dict[int, float]:
-    """The MoE output error energy (summed over the tuning sample's tokens) of `count` experts of `layer`, spread
-    over the sample's token counts, each encoded at every K of SWEEP_BITS with its own Hessians (the artifact's
+    model: TextModel,
+    artifact: Artifact,
+    hessians: HessianSource,
+    layer: int,
+    count: int,
+    widths: Sequence[int],
+    device: str,
+) -> tuple[list[int], dict[int, float]]:
+    """The experts picked and their MoE output error energy (summed over the tuning sample's tokens): `count`
+    experts of `layer` (all that have sampled tokens, if fewer), spread
+    over the sample's token counts, each encoded at every K of `widths` with its own Hessians (the artifact's
     codebook), against their source weights."""
     view = hessians.layer(layer)
     sample = view.sample()
@@ -210,7 +237,8 @@ def output_error_by_bits(
         )
     tokens = torch.bincount(sample.expert_ids.flatten(), minlength=model.spec.n_routed_experts)
     ranked = [e for e in torch.argsort(tokens, descending=True, stable=True).tolist() if tokens[e] > 0]
-    picked = sorted({ranked[round(i * (len(ranked) - 1) / max(count - 1, 1))] for i in range(min(count, len(ranked)))})
+    n = min(count, len(ranked))
+    picked = sorted({ranked[round(i * (len(ranked) - 1) / max(n - 1, 1))] for i in range(n)})
     table = table_for(model.spec)
     source = {
         e: {p: model.ckpt.read_tensor(table.expert_name(layer, e, p)).float() for p in PROJECTIONS} for e in picked
@@ -226,13 +254,13 @@ def output_error_by_bits(
     )
     codebook = artifact.read_expert(layer, 0, "down_proj").codebook
     error = {}
-    for k in SWEEP_BITS:
+    for k in widths:
         encoded = iter(encode_linears(items, k, codebook, device=device))
         weights = {
             e: {p: decode_weight(next(encoded).tensor.to(on), torch.float32) for p in PROJECTIONS} for e in picked
         }
         error[k] = float(((_moe_output(weights, mine, model.spec.swiglu_limit) - reference) ** 2).sum())
-    return error
+    return picked, error
 
 
 def _moe_output(
@@ -258,6 +286,21 @@ def _load_experts(module: torch.nn.Module, artifact: Artifact, layer: int) -> No
         experts.down_proj[e] = w["down_proj"].to(experts.down_proj)
 
 
+def _layer_bits(artifact: Artifact, layer: int) -> int:
+    """The one K of every routed expert of `layer` (from the tensor headers); a layer of several is refused."""
+    widths = {
+        artifact.checkpoint.spec(f"{artifact.expert_prefix(layer, v, p)}.trellis").shape[-1] // 16
+        for v in range(artifact.virtual_experts)
+        for p in PROJECTIONS
+    }
+    if len(widths) != 1:
+        raise UsageError(
+            f"{artifact.path}: layer {layer}'s experts have K {sorted(widths)}; layer costs need one K per layer (a "
+            "uniform build, or tiers by layer)"
+        )
+    return widths.pop()
+
+
 def _check_artifact(model: TextModel, artifact: Artifact, path: Path) -> list[int]:
     """The MoE layers the artifact quantized, after checking that it was built from a model of the source's shape
     with every expert kept."""
@@ -271,10 +314,22 @@ def _check_artifact(model: TextModel, artifact: Artifact, path: Path) -> list[in
             f"{path} does not match the source ({', '.join(differ)}): another model, or pruned experts (layer costs "
             "compare every expert of a layer)"
         )
-    layers = [layer for layer in artifact.quantized_layers if layer < ours.num_hidden_layers]
-    if not layers:
-        raise UsageError(f"{path} has no quantized MoE layers")
-    return layers
+    return list(artifact.quantized_layers)
+
+
+def _check_observations(observations: Path, layers: Sequence[int]) -> None:
+    """Every MoE layer's natural Hessians and tuning sample are in the observations (names only, nothing read)."""
+    for layer in layers:
+        path = hessians_path(observations, layer)
+        if not path.is_file():
+            raise UsageError(f"{path} is missing: layer costs need the observations the artifact was encoded with")
+        names = set(parse_header(path).tensors)
+        missing = [n for n in ("natural.gate_up.sum", "natural.down.sum", *TUNING_TENSORS) if n not in names]
+        if missing:
+            raise UsageError(
+                f"{path} lacks {missing}: layer costs need natural Hessians and a tuning sample (observe with "
+                "--hessians natural or both and --tuning-tokens N, e.g. 4096)"
+            )
 
 
 def _calibration_rows(token_rows: TokenRows, rows: int, observations: Path) -> torch.Tensor:

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glmquant.arch import ModelSpec, load_model_spec, table_for
+from glmquant.arch import ModelSpec, load_model_spec, source_tensors, table_for
 from glmquant.arch.hf_glm5_next import modeling
 from glmquant.arch.module_map import LayerPlan, check_finite, layer_plan
-from glmquant.checkpoint.layouts import quantizable_head
+from glmquant.arch.roles import TensorRole
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import ConfigError, UsageError
 from glmquant.observe.layer_loader import load_decoder_layer, model_dtype, text_config
@@ -86,9 +86,13 @@ class TextModel:
         """lm_head's weight (the input embedding's where they are tied) in the compute dtype."""
         if self.spec.tie_word_embeddings:
             return self._tensor("embed_tokens.weight")
-        name = quantizable_head(self.spec).name
-        tensor = self.ckpt.read_tensor(name).to(self.device, self.dtype)
-        check_finite(self.ckpt, name, tensor)
+        heads = [t for t in source_tensors(self.spec) if t.role is TensorRole.LM_HEAD and len(t.shape) == 2]
+        if len(heads) != 1:
+            raise ConfigError(
+                f"{self.spec.architecture}: {len(heads)} 2-D lm_head weights in its tensor table, not one"
+            )
+        tensor = self.ckpt.read_tensor(heads[0].name).to(self.device, self.dtype)
+        check_finite(self.ckpt, heads[0].name, tensor)
         return tensor
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:
