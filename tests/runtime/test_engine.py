@@ -87,6 +87,30 @@ def test_warm_up_leaves_no_trace_in_later_output(artifacts: dict[str, Path]) -> 
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+def test_caches_that_did_not_fit_can_be_asked_for_again_smaller(
+    artifacts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reallocation that runs out of memory leaves the engine able to reallocate (the benchmark then measures the
+    sizes that fit): the next, smaller one gives the same logits as a fresh engine of that size."""
+    from glmquant.runtime.engine import model as engine_model
+
+    artifact = open_artifact(artifacts["tr3"])
+    engine = Engine.load(artifact, F32, max_batch=1, max_len=64)
+    allocate = engine_model.Caches.allocate
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("caches of 16 sequences do not fit")
+
+    monkeypatch.setattr(engine_model.Caches, "allocate", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.reallocate(16, 4096)
+    monkeypatch.setattr(engine_model.Caches, "allocate", allocate)
+    engine.reallocate(1, 48)
+    fresh = _greedy(Engine.load(artifact, F32, max_batch=1, max_len=48), PROMPT.input_ids[0], 3)
+    for ours, theirs in zip(_greedy(engine, PROMPT.input_ids[0], 3), fresh, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
 def test_batched_decode_equals_each_sequence_alone(artifacts: dict[str, Path]) -> None:
     """Two prompts of different lengths in slots 0 and 1 step together as they step alone."""
     engine = Engine.load(open_artifact(artifacts["tr3"]), F32, max_batch=2, max_len=64)

@@ -261,7 +261,7 @@ class Engine:
         dtype, device = self.weights.embed.dtype, self.device
         self.graphs = None
         mtp, self.mtp_cache = self.mtp_cache is not None, None
-        del self.caches  # the old caches are freed before the new ones are allocated
+        self.__dict__.pop("caches", None)  # the old freed before the new are allocated (none after a failed try)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         self.caches = Caches.allocate(self.cfg, max_batch, max_len, dtype, device, _verify_tokens(mtp))
