@@ -20,7 +20,6 @@ artifact per K and a forward per (layer, K). This measures it from the one artif
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import time
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 
 from glmquant.arch import PROJECTIONS, table_for
 from glmquant.calibration.token_rows import TokenRows
+from glmquant.checkpoint.hashing import sha256_file
 from glmquant.checkpoint.manifest import MANIFEST_NAME
 from glmquant.checkpoint.safetensors_format import parse_header
 from glmquant.checkpoint.writer import atomic_write_text
@@ -353,4 +353,4 @@ def _dtype(name: str) -> torch.dtype:
 def _sha256_file(path: Path) -> str:
     if not path.is_file():
         raise UsageError(f"{path} is missing: layer costs are measured on a finished artifact")
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return sha256_file(path)
