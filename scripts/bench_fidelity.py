@@ -1166,7 +1166,7 @@ class Bench:
         if args.exllamav3 and importlib.util.find_spec("exllamav3") is None:
             self.rows.append(self.failed("exllamav3-1.6.5", "exllamav3 is not installed here"))
         self.save()  # sorts the rows and compares them with the seed's, which the summary reads
-        self.record["summary"] = summarize(self.rows)
+        self.record["summary"] = summarize(self.rows, self.args.heldout_rows * self.args.heldout_tokens)
         self.save()
         self.log(json.dumps(self.record["summary"], indent=2))
 
@@ -1263,8 +1263,10 @@ class Bench:
         atomic_write_text(results, json.dumps(self.record, indent=2) + "\n")  # a kill never leaves half a file
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The seed method's row, the best row at its bytes (lowest KL), the ExLlamaV3 row and the issue's goal."""
+def summarize(rows: list[dict[str, Any]], positions: int | None = None) -> dict[str, Any]:
+    """The seed method's row, the best row at its bytes (lowest KL), the ExLlamaV3 row and the issue's goal; with
+    the held-out `positions` each top-1 is a mean over, the standard error of the best row's top-1 points over the
+    seed's, taken as if the two rows were independent (an upper bound: they agree at most positions)."""
     seed = next((r for r in rows if r["recipe"] == "seed" and r.get("kl") is not None), None)
     peers = [
         r
@@ -1288,6 +1290,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "kl_ratio_to_seed": round(best["kl"] / seed["kl"], 4) if seed["kl"] else None,
             "top1_points_over_seed": round(100 * (best["top1"] - seed["top1"]), 2),
         }
+        if positions:
+            variance = sum(r["top1"] * (1 - r["top1"]) for r in (best, seed)) / positions
+            out["goal"] |= {"positions": positions, "top1_points_se": round(100 * math.sqrt(variance), 2)}
         if exl is not None and out["exllamav3"]:
             out["goal"]["no_worse_than_exllamav3"] = best["kl"] <= exl["kl"]
     return out

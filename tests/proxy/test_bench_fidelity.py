@@ -88,6 +88,8 @@ def test_summary_picks_the_lowest_kl_at_the_seeds_bytes() -> None:
         "top1_points_over_seed": 5.0,
         "no_worse_than_exllamav3": True,
     }
+    # (0.7 x 0.3 + 0.75 x 0.25) / 400 positions: a standard error of 0.0315, 3.15 points
+    assert _bench_module().summarize(rows, 400)["goal"] == summary["goal"] | {"positions": 400, "top1_points_se": 3.15}
 
 
 def test_scheduler_waits_for_the_hessian_rows_records_failures_and_keeps_the_canonical_order(
