@@ -22,6 +22,7 @@ from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
 
+from glmquant.errors import UsageError
 from glmquant.proxy.train import PROXY_SHAPE, SMOKE_SHAPE, TrainConfig, train_proxy
 
 PAUSED_EXIT = 3  # training paused (--max-minutes, Ctrl-C, SIGTERM): the same command continues it
@@ -71,6 +72,13 @@ def main() -> None:
         kind = type(defaults[name]) if defaults[name] is not None else float if name == "max_minutes" else int
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     ap.add_argument("--corpus-recipe", type=Path, default=None)
+    ap.add_argument(
+        "--corpus-lock",
+        type=Path,
+        default=None,
+        help="an earlier run's corpus/corpus.lock.json: train on exactly its documents (refused, naming them, where "
+        "this machine lacks any or holds other text)",
+    )
     args = ap.parse_args()
     given = {k: v for k, v in vars(args).items() if v is not None and k in defaults and k != "out"}
     shape = SMOKE_SHAPE if args.smoke else PROXY_SHAPE
@@ -79,7 +87,10 @@ def main() -> None:
             ap.error(f"--layers must exceed the shape's {shape.first_dense_layers} dense layer(s), got {args.layers}")
         shape = replace(shape, num_hidden_layers=args.layers)
     preset = {**SMOKE, "shape": shape} if args.smoke else {"shape": shape}
-    record = train_proxy(TrainConfig(out=args.out, **{**preset, **given}))
+    try:
+        record = train_proxy(TrainConfig(out=args.out, **{**preset, **given}))
+    except UsageError as exc:  # a bad option or input file: its message, no traceback
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
     if record.get("paused"):
         sys.exit(PAUSED_EXIT)
 

@@ -10,6 +10,10 @@ documents in the order of a hash of (seed, source, path relative to its root, pa
 writes it) up to its share of `max_bytes`, and the same hash puts each in a split, so the corpus depends only on the
 files' contents and relative paths, wherever a recipe-relative root is; exact duplicates are dropped. Held-out text
 is never calibration or training text.
+
+The installed files differ between set-ups (site-packages follow the resolved versions), so `build_corpus` also
+writes `corpus.lock.json`: every kept document's source, path and SHA-256. Built again with that lock, the corpus
+keeps exactly those documents, or names the ones this machine lacks or holds changed.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ KINDS = ("text", "docstrings", "pydoc_topics", "gettext")
 SPLITS = ("train", "calibration", "heldout")
 NAMED_ROOTS = ("stdlib", "purelib", "platlib")
 FROM_PATH = "from_path"
+LOCK_NAME = "corpus.lock.json"
 
 
 @dataclass(frozen=True)
@@ -235,8 +240,77 @@ def split_of(recipe: CorpusRecipe, doc: Document) -> str:
     return "heldout" if u < recipe.heldout else "calibration" if u < recipe.heldout + recipe.calibration else "train"
 
 
-def source_documents(recipe: CorpusRecipe, source: CorpusSource) -> tuple[list[Document], dict[str, Any]]:
-    """The documents a source contributes (ranked by hash, up to its byte share) and a summary of what it found."""
+@dataclass(frozen=True)
+class CorpusLock:
+    """The documents an earlier build kept, by source: (path, SHA-256 of the text) in the order it kept them."""
+
+    path: Path
+    recipe_sha256: str
+    documents: dict[str, list[tuple[str, str]]]
+
+
+def read_corpus_lock(path: Path, recipe: CorpusRecipe) -> CorpusLock:
+    """A `corpus.lock.json`, refused (naming the file) when unreadable or made for another recipe or size."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        lock = CorpusLock(
+            path,
+            str(data["recipe_sha256"]),
+            {str(name): [(str(p), str(h)) for p, h in docs] for name, docs in data["documents"].items()},
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"{path}: not a corpus lock ({type(exc).__name__}: {exc})") from exc
+    if lock.recipe_sha256 != recipe.sha256():
+        raise UsageError(
+            f"{path}: locks the corpus of recipe {lock.recipe_sha256[:12]}, not this run's {recipe.sha256()[:12]} "
+            f"({recipe.path} at {recipe.max_bytes} bytes): another recipe file or --corpus-bytes"
+        )
+    if set(lock.documents) != {s.name for s in recipe.sources}:
+        raise UsageError(f"{path}: its sources {sorted(lock.documents)} are not the recipe's")
+    return lock
+
+
+def _locked(lock: CorpusLock, source: CorpusSource, candidates: list[tuple[int, Document]]) -> list[Document]:
+    """The documents `lock` names for `source`, in its order; refused, naming them, where any is missing or differs."""
+    by_path = {doc.path: doc for _, doc in candidates}
+    kept, missing, changed = [], [], []
+    for path, digest in lock.documents[source.name]:
+        doc = by_path.get(path)
+        if doc is None:
+            missing.append(path)
+        elif hashlib.sha256(doc.text.encode()).hexdigest() != digest:
+            changed.append(path)
+        else:
+            kept.append(doc)
+    if missing or changed:
+        named = "; ".join(
+            f"{len(paths)} {what}: {', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}"
+            for what, paths in (("not found", missing), ("with other text", changed))
+            if paths
+        )
+        raise UsageError(
+            f"{lock.path}: source {source.name!r}: of {len(lock.documents[source.name])} locked documents, {named} "
+            "(this machine's files differ from the set-up that made the lock: another version installed?)"
+        )
+    return kept
+
+
+def _within(candidates: list[tuple[int, Document]], budget: int) -> list[Document]:
+    """The ranked documents that fit the byte budget, in rank order (one that does not fit is skipped)."""
+    kept, used = [], 0
+    for _, doc in candidates:
+        size = len(doc.text.encode())
+        if used + size <= budget:
+            kept.append(doc)
+            used += size
+    return kept
+
+
+def source_documents(
+    recipe: CorpusRecipe, source: CorpusSource, lock: CorpusLock | None = None
+) -> tuple[list[Document], dict[str, Any]]:
+    """The documents a source contributes (ranked by hash, up to its byte share; or exactly those `lock` names) and a
+    summary of what it found."""
     candidates: list[tuple[int, Document]] = []
     files = 0
     recipe_dir = Path(recipe.path).parent
@@ -248,13 +322,8 @@ def source_documents(recipe: CorpusRecipe, source: CorpusSource) -> tuple[list[D
                 candidates.append((_rank(recipe.seed, "keep", source.name, doc.path), doc))
     candidates.sort(key=lambda c: c[0])
     budget = int(recipe.max_bytes * source.share)
-    kept, used = [], 0
-    for _, doc in candidates:
-        size = len(doc.text.encode())
-        if used + size > budget:
-            continue
-        kept.append(doc)
-        used += size
+    kept = _locked(lock, source, candidates) if lock is not None else _within(candidates, budget)
+    used = sum(len(doc.text.encode()) for doc in kept)
     summary = {
         "files": files,
         "documents_found": len(candidates),
@@ -266,15 +335,18 @@ def source_documents(recipe: CorpusRecipe, source: CorpusSource) -> tuple[list[D
     return kept, summary
 
 
-def build_corpus(recipe: CorpusRecipe, out_dir: Path) -> dict[str, Any]:
-    """Write `train.jsonl`, `calibration.jsonl`, `heldout.jsonl` ({text, source, lang, path} per line) and
-    `corpus.json` (what every source found and kept, bytes per split and language, each split's SHA-256)."""
+def build_corpus(recipe: CorpusRecipe, out_dir: Path, lock: CorpusLock | None = None) -> dict[str, Any]:
+    """Write `train.jsonl`, `calibration.jsonl`, `heldout.jsonl` ({text, source, lang, path} per line),
+    `corpus.json` (what every source found and kept, bytes per split and language, each split's SHA-256) and
+    `corpus.lock.json` (the kept documents); with `lock`, keep exactly the documents it names."""
     out_dir.mkdir(parents=True, exist_ok=True)
     seen: set[str] = set()
     by_split: dict[str, list[Document]] = {s: [] for s in SPLITS}
     sources = {}
+    locked: dict[str, list[tuple[str, str]]] = {}
     for source in recipe.sources:
-        docs, sources[source.name] = source_documents(recipe, source)
+        docs, sources[source.name] = source_documents(recipe, source, lock)
+        locked[source.name] = [(doc.path, hashlib.sha256(doc.text.encode()).hexdigest()) for doc in docs]
         for doc in docs:
             digest = hashlib.sha256(doc.text.encode()).hexdigest()
             if digest not in seen:
@@ -301,9 +373,20 @@ def build_corpus(recipe: CorpusRecipe, out_dir: Path) -> dict[str, Any]:
         "sources": sources,
         "splits": splits,
         "languages": sorted({d.lang for docs in by_split.values() for d in docs}),
+        "locked_by": None if lock is None else str(lock.path),
     }
+    atomic_write_text(out_dir / LOCK_NAME, _lock_text(recipe.sha256(), locked))
     (out_dir / "corpus.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     return summary
+
+
+def _lock_text(recipe_sha256: str, documents: dict[str, list[tuple[str, str]]]) -> str:
+    """The lock as JSON with one document per line (readable diffs between two set-ups' locks)."""
+    sources = ",\n".join(
+        f"{json.dumps(name)}: [\n" + ",\n".join(f"  {json.dumps(list(d), ensure_ascii=False)}" for d in docs) + "\n]"
+        for name, docs in documents.items()
+    )
+    return f'{{"recipe_sha256": {json.dumps(recipe_sha256)},\n"documents": {{\n{sources}\n}}}}\n'
 
 
 def read_split(out_dir: Path, split: str) -> list[str]:

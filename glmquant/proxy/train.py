@@ -53,7 +53,14 @@ from glmquant.calibration.build import build_token_rows, tokenizer_sha256
 from glmquant.devices import device_type
 from glmquant.errors import UsageError
 from glmquant.fixtures.tiny import TinyModelConfig, save_release_checkpoint
-from glmquant.proxy.corpus import DEFAULT_CORPUS_RECIPE, build_corpus, load_corpus_recipe, read_split, split_recipe
+from glmquant.proxy.corpus import (
+    DEFAULT_CORPUS_RECIPE,
+    build_corpus,
+    load_corpus_recipe,
+    read_corpus_lock,
+    read_split,
+    split_recipe,
+)
 from glmquant.proxy.tokenizer import train_tokenizer
 
 if TYPE_CHECKING:
@@ -108,6 +115,8 @@ class TrainConfig:
     shape: TinyModelConfig = PROXY_SHAPE
     corpus_recipe: Path = DEFAULT_CORPUS_RECIPE
     corpus_bytes: int | None = None  # None: the recipe's max_bytes
+    # an earlier build's corpus.lock.json: exactly its documents (the same corpus on another set-up, or an error)
+    corpus_lock: Path | None = None
     seed: int = 0
     device: str = "cuda"
     steps: int = 500  # 8.2 M tokens: ~5.7 minutes at ~24k tokens/s (29k measured on an H200 without the MTP layer)
@@ -338,7 +347,8 @@ def train_proxy(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[st
     if state is None:
         recipe = load_corpus_recipe(cfg.corpus_recipe)
         recipe = recipe.scaled(cfg.corpus_bytes) if cfg.corpus_bytes else recipe
-        corpus = build_corpus(recipe, corpus_dir)
+        lock = None if cfg.corpus_lock is None else read_corpus_lock(cfg.corpus_lock, recipe)
+        corpus = build_corpus(recipe, corpus_dir, lock)
         texts = read_split(corpus_dir, "train")
         tokenizer = train_tokenizer(texts, cfg.shape.vocab_size)
         model_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,15 @@ from proxy_helpers import write_mo
 from glmquant.calibration import load_recipe
 from glmquant.calibration.build import build_token_rows, tokenizer_sha256
 from glmquant.errors import UsageError
-from glmquant.proxy.corpus import build_corpus, cut, load_corpus_recipe, read_split, split_recipe
+from glmquant.proxy.corpus import (
+    LOCK_NAME,
+    build_corpus,
+    cut,
+    load_corpus_recipe,
+    read_corpus_lock,
+    read_split,
+    split_recipe,
+)
 from glmquant.proxy.tokenizer import train_tokenizer
 from glmquant.proxy.train import split_rows
 
@@ -42,6 +50,41 @@ def test_corpus_splits_are_disjoint_and_reproducible(corpus_recipe: Path, tmp_pa
     third = build_corpus(load_corpus_recipe(moved / corpus_recipe.name), tmp_path / "c")
     assert third["sources"]["translations"]["roots"] == {"locale": str(moved / "locale")}
     assert {s: v["sha256"] for s, v in third["splits"].items()} == {s: v["sha256"] for s, v in first["splits"].items()}
+
+
+def test_a_corpus_lock_keeps_its_documents_or_names_those_missing(corpus_recipe: Path, tmp_path: Path) -> None:
+    """Another set-up's files (here: catalogs added, one rewritten, one removed) change the corpus built from the
+    recipe; built with the first build's lock it is the first corpus, or an error naming the documents that differ."""
+    here = shutil.copytree(corpus_recipe.parent, tmp_path / "recipe")
+    recipe = load_corpus_recipe(here / corpus_recipe.name)
+    first = build_corpus(recipe, tmp_path / "first")
+    lock = read_corpus_lock(tmp_path / "first" / LOCK_NAME, recipe)
+    assert first["locked_by"] is None and sum(len(d) for d in lock.documents.values()) == sum(
+        s["documents"] for s in first["sources"].values()
+    )
+    shas = {s: v["sha256"] for s, v in first["splits"].items()}
+    for i in range(30):  # a set-up with more catalogs installed
+        write_mo(here / "locale" / "de" / "LC_MESSAGES" / f"extra{i}.mo", {"m": f"Noch eine Meldung {i}"})
+    unlocked = build_corpus(recipe, tmp_path / "unlocked")
+    assert {s: v["sha256"] for s, v in unlocked["splits"].items()} != shas
+    locked = build_corpus(recipe, tmp_path / "locked", lock)
+    assert {s: v["sha256"] for s, v in locked["splits"].items()} == shas
+    assert locked["locked_by"] == str(lock.path)
+    assert (tmp_path / "locked" / LOCK_NAME).read_bytes() == (tmp_path / "first" / LOCK_NAME).read_bytes()
+    catalogs = [p for p, _ in lock.documents["translations"]]
+    rewritten = here / "locale" / "de" / "LC_MESSAGES" / "tool0.mo"
+    assert any(p.startswith("locale:de/LC_MESSAGES/tool0.mo#") for p in catalogs)
+    write_mo(rewritten, {"m": "Eine andere Meldung"})
+    with pytest.raises(UsageError, match=r"'translations'.* with other text: locale:de/LC_MESSAGES/tool0\.mo#"):
+        build_corpus(recipe, tmp_path / "rewritten", lock)
+    rewritten.unlink()
+    with pytest.raises(UsageError, match=r"not found: locale:de/LC_MESSAGES/tool0\.mo#"):
+        build_corpus(recipe, tmp_path / "removed", lock)
+    with pytest.raises(UsageError, match=r"locks the corpus of recipe .* another recipe file or --corpus-bytes"):
+        read_corpus_lock(tmp_path / "first" / LOCK_NAME, recipe.scaled(recipe.max_bytes // 2))
+    (tmp_path / "torn.json").write_text('{"recipe_sha256": "')
+    with pytest.raises(UsageError, match=r"torn\.json: not a corpus lock"):
+        read_corpus_lock(tmp_path / "torn.json", recipe)
 
 
 def test_gettext_catalogs_give_their_translations(tmp_path: Path) -> None:

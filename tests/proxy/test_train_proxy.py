@@ -187,3 +187,15 @@ def test_script_layers_option_deepens_the_shape(corpus_recipe: Path, tmp_path: P
     text = json.loads((tmp_path / "model" / "config.json").read_text())["text_config"]
     assert text["num_hidden_layers"] == 5 and text["mlp_layer_types"] == ["dense"] + ["sparse"] * 4
     assert json.loads((tmp_path / "proxy.json").read_text())["shape"]["num_hidden_layers"] == 5
+    # --corpus-lock: the run's own lock is taken, and refused for a corpus of another size, before any training
+    lock = tmp_path / "corpus" / "corpus.lock.json"
+    again = [*script, "--out", str(tmp_path / "again"), *small, "--corpus-lock", str(lock)]
+    run = subprocess.run(again, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads((tmp_path / "again" / "proxy.json").read_text())
+    assert record["corpus"]["locked_by"] == str(lock)
+    assert record["corpus"]["splits"] == json.loads((tmp_path / "proxy.json").read_text())["corpus"]["splits"]
+    other = [*small, "--corpus-lock", str(lock), "--corpus-bytes", "100000"]
+    refused = subprocess.run([*script, "--out", str(tmp_path / "other"), *other], capture_output=True, text=True)
+    assert refused.returncode == 2 and "corpus.lock.json: locks the corpus of recipe" in refused.stderr
+    assert not (tmp_path / "other" / "model").exists()
