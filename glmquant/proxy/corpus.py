@@ -346,9 +346,10 @@ def build_corpus(recipe: CorpusRecipe, out_dir: Path, lock: CorpusLock | None = 
     locked: dict[str, list[tuple[str, str]]] = {}
     for source in recipe.sources:
         docs, sources[source.name] = source_documents(recipe, source, lock)
-        locked[source.name] = [(doc.path, hashlib.sha256(doc.text.encode()).hexdigest()) for doc in docs]
+        locked[source.name] = []
         for doc in docs:
             digest = hashlib.sha256(doc.text.encode()).hexdigest()
+            locked[source.name].append((doc.path, digest))
             if digest not in seen:
                 seen.add(digest)
                 by_split[split_of(recipe, doc)].append(doc)
