@@ -132,6 +132,10 @@ class Document:
     path: str  # "<root>:<path relative to the root>#<part>"
     text: str
 
+    def sha256(self) -> str:
+        """The text's digest: what the lock records and what drops exact duplicates."""
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
 
 def resolve_root(root: str, recipe_dir: Path) -> Path:
     """A named root of the running Python (`stdlib`, `purelib`, `platlib`), an absolute path, or a path relative to
@@ -278,7 +282,7 @@ def _locked(lock: CorpusLock, source: CorpusSource, candidates: list[tuple[int, 
         doc = by_path.get(path)
         if doc is None:
             missing.append(path)
-        elif hashlib.sha256(doc.text.encode()).hexdigest() != digest:
+        elif doc.sha256() != digest:
             changed.append(path)
         else:
             kept.append(doc)
@@ -348,7 +352,7 @@ def build_corpus(recipe: CorpusRecipe, out_dir: Path, lock: CorpusLock | None = 
         docs, sources[source.name] = source_documents(recipe, source, lock)
         locked[source.name] = []
         for doc in docs:
-            digest = hashlib.sha256(doc.text.encode()).hexdigest()
+            digest = doc.sha256()
             locked[source.name].append((doc.path, digest))
             if digest not in seen:
                 seen.add(digest)
