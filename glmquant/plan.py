@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glmquant.arch import ModelSpec, TensorRole, table_for
+from glmquant.checkpoint.artifact_config import linear_bits_keys
 from glmquant.checkpoint.index import read_index
 from glmquant.checkpoint.layouts import ArtifactPlan, OutputTensor
 from glmquant.checkpoint.tiers import tier_bitmap_sha256
@@ -102,15 +103,8 @@ def plan_to_json(plan: ArtifactPlan, summary: PlanSummary, with_tensors: bool = 
         if with_tensors:
             entry["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in f.tensors]
         files.append(entry)
-    tiers: dict[str, str | int] = (
-        {"tier_bitmap_sha256": tier_bitmap_sha256(plan.expert_bits)} if plan.expert_bits else {}
-    )
-    if plan.retained_bits is not None:
-        tiers["retained_bits"] = plan.retained_bits
-    if plan.retained_exact_layers:
-        tiers["retained_exact_layers"] = plan.retained_exact_layers
-    if plan.head_bits is not None:
-        tiers["head_bits"] = plan.head_bits
+    tiers: dict[str, object] = {"tier_bitmap_sha256": tier_bitmap_sha256(plan.expert_bits)} if plan.expert_bits else {}
+    tiers.update(linear_bits_keys(plan))
     return {
         "layout": summary.layout,
         "bits": summary.bits,

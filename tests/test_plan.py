@@ -222,6 +222,43 @@ def test_retained_exact_layers_plan(tiny_source: Path) -> None:
         plan_artifact(spec, "tr3", source_shards=shards, retained_bits=4, retained_exact_layers=spec.num_hidden_layers)
 
 
+def test_retained_layer_bits_plan(tiny_source: Path) -> None:
+    """--retained-layer-bits: each decoder layer's retained linears at its own K (`exact`: byte copies); `exact,K4,..`
+    plans the files --retained-bits 4 --retained-exact-layers 1 plans, tensor for tensor; `plan --json` states the
+    widths; one entry per layer, refused otherwise, naming the model's layer count."""
+    spec = load_model_spec(tiny_source)
+    shards = load_source_shards(tiny_source / "model.safetensors.index.json")
+    n = spec.num_hidden_layers
+    assert n >= 3
+    first = plan_artifact(spec, "tr3", source_shards=shards, retained_bits=4, retained_exact_layers=1)
+    same = plan_artifact(spec, "tr3", source_shards=shards, retained_layer_bits=(None,) + (4,) * (n - 1))
+    assert same.files == first.files and same.retained_bits is None and first.retained_layer_bits is None
+    widths = (6, None) + (3,) * (n - 2)
+    mixed = plan_artifact(spec, "tr3", source_shards=shards, retained_layer_bits=widths)
+    stored = {t.linear.key: t for f in mixed.files for t in f.tensors if t.linear is not None and t.part == "trellis"}
+    linears = quantizable_retained(spec)
+    for t in linears:
+        assert t.layer is not None
+        k = widths[t.layer]
+        assert (t.name.removesuffix(".weight") in stored) == (k is not None), t.name
+        if k is not None:
+            assert stored[t.name.removesuffix(".weight")].shape[-1] == 16 * k
+    assert {t.layer for t in linears} >= {0, 1, 2} and mixed.retained_widths == "K6,exact," + ",".join(
+        ["K3"] * (n - 2)
+    ) + " by layer"
+    text = ",".join("exact" if k is None else f"K{k}" for k in widths)
+    argv = ["plan", str(tiny_source), "--json", "--retained-layer-bits", text]
+    result = CliRunner().invoke(app, [*argv, "--source-index", str(tiny_source / "model.safetensors.index.json")])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["retained_layer_bits"] == list(widths) and "retained_bits" not in data
+    assert [(f["path"], f["bytes"]) for f in data["files"]] == [(f.path, f.size) for f in mixed.files]
+    with pytest.raises(UsageError, match=f"names {n - 1} layers; .* has {n} decoder layers"):
+        plan_artifact(spec, "tr3", source_shards=shards, retained_layer_bits=(4,) * (n - 1))
+    result = CliRunner().invoke(app, ["plan", str(tiny_source), "--retained-layer-bits", "K4,K4,K4,K4,K4,K4,K4,K4,K4"])
+    assert result.exit_code == 2 and f"has {n} decoder layers" in result.output
+
+
 @pytest.mark.parametrize("layout", ["tr3", "exllamav3"])
 def test_head_bits_plan(tiny_source: Path, tmp_path: Path, layout: str) -> None:
     """--head-bits K: lm_head becomes one EXL3 tensor at K where lm_head.weight was (same files, same grouping), with

@@ -12,7 +12,7 @@ import json
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from glmquant.arch.spec import text_block
 from glmquant.checkpoint.exl3_groups import MARKER_MULTIPLIERS, exl3_groups
@@ -38,6 +38,8 @@ RETAINED_BITS_KEY = (
 # glmquant's, written only with `encode --retained-exact-layers`: the first decoder layers whose retained linears stay
 # exact beside the EXL3 ones
 RETAINED_EXACT_LAYERS_KEY = "retained_exact_layers"
+# glmquant's, written only with `encode --retained-layer-bits`: K of each decoder layer's retained linears (null: exact)
+RETAINED_LAYER_BITS_KEY = "retained_layer_bits"
 # K of an EXL3 lm_head (`encode --head-bits`): ExLlamaV3's own key, in its block always (UNQUANTIZED_BITS for an exact
 # head); in the tr3 block glmquant's, written only with --head-bits
 HEAD_BITS_KEY = "head_bits"
@@ -163,23 +165,49 @@ def _tr3_block(plan: ArtifactPlan, provenance: Provenance) -> dict[str, Any]:
     )
     if plan.expert_bits and tiers_differ_by_layer(plan.expert_bits):
         block[LAYER_TIERS_KEY] = tiers_by_layer(plan.expert_bits)
-    if plan.retained_bits is not None:
-        block[RETAINED_BITS_KEY] = plan.retained_bits
-    if plan.retained_exact_layers:
-        block[RETAINED_EXACT_LAYERS_KEY] = plan.retained_exact_layers
-    if plan.head_bits is not None:
-        block[HEAD_BITS_KEY] = plan.head_bits
+    block.update(linear_bits_keys(plan))
     return block
 
 
-def declared_linear_bits(block: Mapping[str, Any]) -> tuple[int | None, int | None, int]:
-    """(retained_bits, head_bits, retained_exact_layers) a quantization block declares; None for linears it keeps
-    exact (an ExLlamaV3 block's head_bits of UNQUANTIZED_BITS included)."""
-    retained, head = block.get(RETAINED_BITS_KEY), block.get(HEAD_BITS_KEY)
-    return (
+def linear_bits_keys(plan: ArtifactPlan) -> dict[str, Any]:
+    """The keys a tr3 quantization block, the manifest's layout and `plan --json` give the EXL3 linears outside the
+    routed experts (the speed tier); none for an artifact that keeps them exact."""
+    keys: dict[str, Any] = {}
+    if plan.retained_bits is not None:
+        keys[RETAINED_BITS_KEY] = plan.retained_bits
+    if plan.retained_exact_layers:
+        keys[RETAINED_EXACT_LAYERS_KEY] = plan.retained_exact_layers
+    if plan.retained_layer_bits is not None:
+        keys[RETAINED_LAYER_BITS_KEY] = list(plan.retained_layer_bits)
+    if plan.head_bits is not None:
+        keys[HEAD_BITS_KEY] = plan.head_bits
+    return keys
+
+
+LINEAR_BITS_KEYS = (RETAINED_BITS_KEY, RETAINED_EXACT_LAYERS_KEY, RETAINED_LAYER_BITS_KEY, HEAD_BITS_KEY)
+
+
+class DeclaredLinearBits(NamedTuple):
+    """The EXL3 linears outside the routed experts that a quantization block or a manifest's layout declares."""
+
+    retained_bits: int | None  # None: the retained linears are exact (or retained_layer_bits names each layer's)
+    head_bits: int | None  # None: lm_head is exact
+    retained_exact_layers: int
+    retained_layer_bits: tuple[int | None, ...] | None
+
+
+def declared_linear_bits(block: Mapping[str, Any]) -> DeclaredLinearBits:
+    """What a quantization block (or a manifest's layout, which has the same keys) declares; None for linears it
+    keeps exact (an ExLlamaV3 block's head_bits of UNQUANTIZED_BITS included). ValueError or TypeError for values that
+    are not integers (or null in retained_layer_bits)."""
+    retained, head, layers = (block.get(k) for k in (RETAINED_BITS_KEY, HEAD_BITS_KEY, RETAINED_LAYER_BITS_KEY))
+    if layers is not None and not isinstance(layers, list):
+        raise TypeError(f"{RETAINED_LAYER_BITS_KEY} must be a list of K or null per decoder layer, got {layers!r}")
+    return DeclaredLinearBits(
         None if retained is None else int(retained),
         None if head is None or int(head) == UNQUANTIZED_BITS else int(head),
         int(block.get(RETAINED_EXACT_LAYERS_KEY, 0)),
+        None if layers is None else tuple(None if k is None else int(k) for k in layers),
     )
 
 

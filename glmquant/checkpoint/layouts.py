@@ -136,19 +136,26 @@ def quantizable_head(spec: ModelSpec) -> TensorInfo:
 
 
 def exl3_linears(
-    spec: ModelSpec, retained_bits: int | None, head_bits: int | None, exact_layers: int = 0
+    spec: ModelSpec,
+    retained_bits: int | None,
+    head_bits: int | None,
+    exact_layers: int = 0,
+    layer_bits: Sequence[int | None] | None = None,
 ) -> dict[str, RetainedLinear]:
     """The linears outside the routed experts stored as EXL3, by source weight name: the retained linears at
-    `retained_bits` but those of the first `exact_layers` decoder layers, and lm_head at `head_bits` (None: those
-    stay exact)."""
+    `retained_bits` but those of the first `exact_layers` decoder layers, or each decoder layer's at its entry of
+    `layer_bits` (None: exact), and lm_head at `head_bits` (None: those stay exact)."""
     found: dict[str, RetainedLinear] = {}
     check_exact_layers(retained_bits, exact_layers, spec)
+    check_layer_bits(retained_bits, exact_layers, layer_bits, spec)
     if retained_bits is not None:
         check_linear_bits("--retained-bits", retained_bits)
+        layer_bits = [None] * exact_layers + [retained_bits] * (spec.num_hidden_layers - exact_layers)
+    if layer_bits is not None:
         found.update(
-            (t.name, RetainedLinear.of(t, retained_bits))
+            (t.name, RetainedLinear.of(t, k))
             for t in quantizable_retained(spec)
-            if t.layer is not None and t.layer >= exact_layers
+            if t.layer is not None and (k := layer_bits[t.layer]) is not None
         )
     if head_bits is not None:
         check_linear_bits("--head-bits", head_bits)
@@ -173,6 +180,50 @@ def check_exact_layers(retained_bits: int | None, exact_layers: int, spec: Model
         raise UsageError(
             f"--retained-exact-layers must be 0..{spec.num_hidden_layers - 1} ({spec.architecture} has "
             f"{spec.num_hidden_layers} decoder layers), got {exact_layers}"
+        )
+
+
+def parse_layer_bits(text: str) -> tuple[int | None, ...]:
+    """`--retained-layer-bits K6,K6,exact,K4,...`: K of each decoder layer's retained linears, the first layer first
+    (`exact`: that layer's stay exact). UsageError naming the entry that is neither."""
+    widths: list[int | None] = []
+    for i, entry in enumerate(text.split(",")):
+        entry = entry.strip()
+        if entry.lower() == "exact":
+            widths.append(None)
+            continue
+        match = re.fullmatch(r"[Kk](\d+)", entry)
+        if match is None:
+            raise UsageError(
+                f"--retained-layer-bits: entry {i} ({entry!r}) is neither K<bits> nor exact (e.g. K6,K6,K3,exact)"
+            )
+        widths.append(int(match.group(1)))
+    return tuple(widths)
+
+
+def check_layer_bits(
+    retained_bits: int | None,
+    exact_layers: int,
+    layer_bits: Sequence[int | None] | None,
+    spec: ModelSpec | None = None,
+) -> None:
+    """`--retained-layer-bits`: one entry per decoder layer (given the model's `spec`), each a K the codec takes for a
+    linear or exact, at least one encoded; it replaces --retained-bits and --retained-exact-layers (UsageError)."""
+    if layer_bits is None:
+        return
+    if retained_bits is not None or exact_layers:
+        raise UsageError(
+            "--retained-layer-bits names every layer's K: it replaces --retained-bits and --retained-exact-layers"
+        )
+    for k in layer_bits:
+        if k is not None:
+            check_linear_bits("--retained-layer-bits", k)
+    if all(k is None for k in layer_bits):
+        raise UsageError("--retained-layer-bits keeps every layer exact: name a K for at least one layer")
+    if spec is not None and len(layer_bits) != spec.num_hidden_layers:
+        raise UsageError(
+            f"--retained-layer-bits names {len(layer_bits)} layers; {spec.architecture} has {spec.num_hidden_layers} "
+            "decoder layers (one entry each, the first layer first)"
         )
 
 
@@ -259,10 +310,22 @@ class ArtifactPlan:
     retained_bits: int | None = None  # K of the retained linears stored as EXL3 (None: all retained exact)
     head_bits: int | None = None  # K of lm_head stored as EXL3 (None: exact)
     retained_exact_layers: int = 0  # first decoder layers whose retained linears stay exact despite retained_bits
+    # K of each decoder layer's retained linears (None: exact), instead of retained_bits and retained_exact_layers
+    retained_layer_bits: tuple[int | None, ...] | None = None
 
     @property
     def quantized_layers(self) -> list[int]:
         return self.spec.moe_layers
+
+    @property
+    def retained_widths(self) -> str | None:
+        """The retained linears' K for messages (K4; K4 after 2 exact layers; K6,K6,exact,... by layer); None: exact."""
+        if self.retained_layer_bits is not None:
+            return ",".join("exact" if k is None else f"K{k}" for k in self.retained_layer_bits) + " by layer"
+        if self.retained_bits is None:
+            return None
+        exact = f" after {self.retained_exact_layers} exact layers" if self.retained_exact_layers else ""
+        return f"K{self.retained_bits}{exact}"
 
     def bits_of(self, layer: int, expert: int) -> int:
         """K of one output expert."""
@@ -333,13 +396,15 @@ def plan_artifact(
     retained_bits: int | None = None,
     head_bits: int | None = None,
     retained_exact_layers: int = 0,
+    retained_layer_bits: Sequence[int | None] | None = None,
 ) -> ArtifactPlan:
     """Every output file with its tensors. `source_shards` maps source tensor names to their shard file
     (default: `predicted_source_shards` with `shard_bytes`, tr3 only); `keep` maps a MoE layer (MTP included)
     to the source experts it keeps, in output order; `shard_bytes` caps an exllamav3 shard; `expert_bits` maps
     each quantized layer to the bits of its output experts (tiers; default `bits` for all); `retained_bits` stores the
-    retained linears (`quantizable_retained`) but those of the first `retained_exact_layers` decoder layers, and
-    `head_bits` lm_head, as EXL3 tensors of that K, in the files that would hold them exact."""
+    retained linears (`quantizable_retained`) but those of the first `retained_exact_layers` decoder layers (or each
+    layer's at its `retained_layer_bits` entry), and `head_bits` lm_head, as EXL3 tensors of that K, in the files
+    that would hold them exact."""
     if layout not in LAYOUTS:
         raise UsageError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if codebook not in MARKER_PARTS or not 1 <= bits <= 8:
@@ -352,7 +417,7 @@ def plan_artifact(
         layer: _expert_parts(spec, layer, kept, tiers[layer] if tiers else (bits,) * len(kept[layer]), codebook, ranks)
         for layer in spec.moe_layers
     }
-    linears = exl3_linears(spec, retained_bits, head_bits, retained_exact_layers)
+    linears = exl3_linears(spec, retained_bits, head_bits, retained_exact_layers, retained_layer_bits)
     retained = _encode_retained(retained, linears, codebook)
     if layout == "tr3":
         shards = source_shards or predicted_source_shards(spec, shard_bytes or SOURCE_SHARD_BYTES)
@@ -370,6 +435,7 @@ def plan_artifact(
         retained_bits,
         head_bits,
         retained_exact_layers,
+        None if retained_layer_bits is None else tuple(retained_layer_bits),
     )
 
 

@@ -15,11 +15,9 @@ from typing import Any
 
 from glmquant.arch import ModelSpec
 from glmquant.checkpoint.artifact_config import (
-    HEAD_BITS_KEY,
     LAYER_TIERS_KEY,
-    RETAINED_BITS_KEY,
-    RETAINED_EXACT_LAYERS_KEY,
     experts_per_layer,
+    linear_bits_keys,
     plan_tier_counts,
     routed_tier_bpw,
     target_bits,
@@ -140,12 +138,7 @@ def _layout(plan: ArtifactPlan, n: int) -> dict[str, Any]:
         "experts_per_layer": n,
         "quantized_layers": plan.quantized_layers,
     }
-    if plan.retained_bits is not None:
-        layout[RETAINED_BITS_KEY] = plan.retained_bits
-    if plan.retained_exact_layers:
-        layout[RETAINED_EXACT_LAYERS_KEY] = plan.retained_exact_layers
-    if plan.head_bits is not None:
-        layout[HEAD_BITS_KEY] = plan.head_bits
+    layout.update(linear_bits_keys(plan))
     if plan.expert_bits is not None:
         layout["tier_experts_per_layer"] = {f"k{b}": c for b, c in sorted(plan_tier_counts(plan).items())}
         if tiers_differ_by_layer(plan.expert_bits):

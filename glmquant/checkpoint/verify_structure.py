@@ -15,11 +15,12 @@ from glmquant.checkpoint.artifact_config import (
     HEAD_BITS_KEY,
     K1_TIER_KEY,
     LAYER_TIERS_KEY,
-    RETAINED_BITS_KEY,
-    RETAINED_EXACT_LAYERS_KEY,
+    LINEAR_BITS_KEYS,
     TR3_KEYS,
     TR3_TIER_KEYS,
     UNQUANTIZED_BITS,
+    DeclaredLinearBits,
+    declared_linear_bits,
     tensor_storage,
 )
 from glmquant.checkpoint.exl3_groups import Exl3Group, exl3_groups, is_exl3_tensor
@@ -69,12 +70,11 @@ class Structure:
     def quantized_layers(self) -> list[int]:
         return self.spec.moe_layers if self.spec else list(self.layout.get("quantized_layers", []))
 
-    def linear_bits(self, key: str) -> int | None:
-        """K of the linears outside the routed experts the manifest's layout records under `key` (`retained_bits`,
-        `head_bits`; or `retained_exact_layers`, the first layers whose retained linears are exact); None where it
-        records none (they are exact)."""
-        value = self.layout.get(key)
-        return None if value is None else int(value)
+    @property
+    def linear_bits(self) -> DeclaredLinearBits:
+        """The EXL3 linears outside the routed experts the manifest's layout records (none: they are exact);
+        ValueError or TypeError for values of the wrong type."""
+        return declared_linear_bits(self.layout)
 
     def quantization(self, key: str, default: Any = None) -> Any:
         """A quantization fact (bits, codebook) from the manifest's layout, else from the config's block (the
@@ -175,10 +175,12 @@ def expected_exl3(
     retained_bits: int | None = None,
     head_bits: int | None = None,
     retained_exact_layers: int = 0,
+    retained_layer_bits: Sequence[int | None] | None = None,
 ) -> dict[str, TensorSpec]:
     """Every EXL3 part the config implies: quantized layers x routed experts x projections (x rank slices), each
     expert at its tier's K when `expert_bits` gives them; with `retained_bits`, also every retained linear after the
-    first `retained_exact_layers` decoder layers, and with `head_bits` lm_head."""
+    first `retained_exact_layers` decoder layers (or each layer's at its `retained_layer_bits` K), and with
+    `head_bits` lm_head."""
     ranks = TR3_RANKS if layout_type == "tr3" else None
     table = table_for(spec)
     expected = {
@@ -188,7 +190,7 @@ def expected_exl3(
         for sl in expert_slices(spec, layer, e, e, ranks)
         for t in exl3_parts(sl, table.layer_prefix(layer), expert_bits[layer][e] if expert_bits else bits, codebook)
     }
-    for linear in exl3_linears(spec, retained_bits, head_bits, retained_exact_layers).values():
+    for linear in exl3_linears(spec, retained_bits, head_bits, retained_exact_layers, retained_layer_bits).values():
         expected.update((t.name, t.spec) for t in retained_linear_parts(linear, codebook))
     return expected
 
@@ -238,9 +240,10 @@ def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
             int(s.quantization("bits", 0)),
             str(s.quantization("codebook")),
             expert_bits,
-            s.linear_bits(RETAINED_BITS_KEY),
-            s.linear_bits(HEAD_BITS_KEY),
-            s.linear_bits(RETAINED_EXACT_LAYERS_KEY) or 0,
+            s.linear_bits.retained_bits,
+            s.linear_bits.head_bits,
+            s.linear_bits.retained_exact_layers,
+            s.linear_bits.retained_layer_bits,
         )
     except (GlmquantError, KeyError, ValueError, TypeError) as exc:
         return problems + [f"cannot derive the expected EXL3 tensors: {exc}"]
@@ -311,11 +314,7 @@ def _tr3_block_problems(
     problems = []
     counts = tier_counts(expert_bits)
     by_layer = {LAYER_TIERS_KEY: tiers_by_layer(expert_bits)} if tiers_differ_by_layer(expert_bits) else {}
-    linear_bits = {
-        k: v
-        for k in (RETAINED_BITS_KEY, RETAINED_EXACT_LAYERS_KEY, HEAD_BITS_KEY)
-        if (v := s.linear_bits(k)) is not None
-    }
+    linear_bits = {k: s.layout[k] for k in LINEAR_BITS_KEYS if k in s.layout}
     keys = TR3_KEYS | ({K1_TIER_KEY} if 1 in counts else set()) | set(linear_bits) | set(by_layer)
     if set(qc) != keys:
         problems.append(
@@ -343,7 +342,7 @@ def _tr3_block_problems(
 def _exllamav3_block_problems(qc: Mapping[str, Any], qjson: Any, s: Structure) -> list[str]:
     missing = [k for k in ("quant_method", "version", "bits", HEAD_BITS_KEY, "codebook") if k not in qc]
     problems = [f"quantization_config lacks ExLlamaV3 key(s) {missing}"] if missing else []
-    head_bits = s.linear_bits(HEAD_BITS_KEY) or UNQUANTIZED_BITS
+    head_bits = s.linear_bits.head_bits or UNQUANTIZED_BITS
     if HEAD_BITS_KEY in qc and qc[HEAD_BITS_KEY] != head_bits:
         problems.append(f"quantization_config.{HEAD_BITS_KEY} is {qc[HEAD_BITS_KEY]!r}, files imply {head_bits!r}")
     if not isinstance(qjson, dict) or {k: v for k, v in qjson.items() if k != "tensor_storage"} != qc:

@@ -70,6 +70,13 @@ def encode(
             "speed tier costs most KL)"
         ),
     ] = 0,
+    retained_layer_bits: Annotated[
+        str | None,
+        typer.Option(
+            help="speed tier, K by decoder layer instead of --retained-bits and --retained-exact-layers: one entry "
+            "per layer, the first first (K6,K6,K3,exact,...)"
+        ),
+    ] = None,
     head_bits: Annotated[
         int | None,
         typer.Option(
@@ -80,7 +87,8 @@ def encode(
     retained_uncalibrated_fallback: Annotated[
         bool,
         typer.Option(
-            help="with --retained-bits or --head-bits: encode a linear that has no dense Hessian uncalibrated"
+            help="with --retained-bits, --retained-layer-bits or --head-bits: encode a linear that has no dense "
+            "Hessian uncalibrated"
         ),
     ] = False,
     tune_scales: Annotated[
@@ -120,6 +128,7 @@ def encode(
         experts_per_unit=experts_per_unit,
         retained_bits=retained_bits,
         retained_exact_layers=retained_exact_layers,
+        retained_layer_bits=retained_layer_bits,  # type: ignore[arg-type]  # parsed by EncodeConfig
         head_bits=head_bits,
         retained_fallback_identity=retained_uncalibrated_fallback,
         tune_scales=tune_scales,

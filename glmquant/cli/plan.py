@@ -10,7 +10,7 @@ from rich.table import Table
 
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.hub import CONFIG_FILES, resolve_source
-from glmquant.checkpoint.layouts import plan_artifact
+from glmquant.checkpoint.layouts import parse_layer_bits, plan_artifact
 from glmquant.cli.common import HubRevision, JsonFlag, guarded, out, print_json
 from glmquant.errors import UsageError
 from glmquant.observe.tiers import TierSpec, load_tier_plan, plan_structure_tiers
@@ -48,6 +48,10 @@ def plan(
     retained_exact_layers: Annotated[
         int, typer.Option(help="as encode --retained-exact-layers: the first N layers' retained linears stay exact")
     ] = 0,
+    retained_layer_bits: Annotated[
+        str | None,
+        typer.Option(help="as encode --retained-layer-bits: each decoder layer's K (K6,K6,K3,exact,...)"),
+    ] = None,
     head_bits: Annotated[
         int | None, typer.Option(help="as encode --head-bits: lm_head stored as EXL3 at this K")
     ] = None,
@@ -83,6 +87,7 @@ def plan(
         retained_bits=retained_bits,
         head_bits=head_bits,
         retained_exact_layers=retained_exact_layers,
+        retained_layer_bits=None if retained_layer_bits is None else parse_layer_bits(retained_layer_bits),
     )
     summary = summarize(result)
     if as_json:

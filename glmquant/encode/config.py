@@ -6,7 +6,7 @@ Resuming a killed job (rerun the same command; the state lives in --work-dir, de
                  (torchrun's world size: units are assigned by rank, each computed the same way anywhere)
     must match:  the source's tensors (content hash of its structure), the observations' token rows and
                  recipe, the kept experts and their tiers, --bits --codebook --layout --hessians --blend --keep
-                 --tiers --seed --retained-bits --retained-exact-layers --head-bits
+                 --tiers --seed --retained-bits --retained-exact-layers --retained-layer-bits --head-bits
                  --retained-uncalibrated-fallback --tune-scales
                  --experts-per-unit (the batch a GPU computes together), --source-repo and --revision
                  (the commit a Hub source resolved to), the device type and the Viterbi backend (CPU and GPU
@@ -26,7 +26,14 @@ from pathlib import Path
 import torch
 
 from glmquant.checkpoint.artifact_config import TR3_TIER_BITS
-from glmquant.checkpoint.layouts import LAYOUTS, MARKER_PARTS, check_exact_layers, check_linear_bits
+from glmquant.checkpoint.layouts import (
+    LAYOUTS,
+    MARKER_PARTS,
+    check_exact_layers,
+    check_layer_bits,
+    check_linear_bits,
+    parse_layer_bits,
+)
 from glmquant.devices import device_type
 from glmquant.encode.scale_tuning import LEARNING_RATE
 from glmquant.environment import exl3_backend
@@ -83,6 +90,9 @@ class EncodeConfig:
     # the first decoder layers whose retained linears stay exact beside the --retained-bits ones (where the speed tier
     # costs most KL: docs/fidelity.md)
     retained_exact_layers: int = 0
+    # or each decoder layer's K (None: exact), the first layer first, instead of those two (`--retained-layer-bits`,
+    # text parsed here)
+    retained_layer_bits: tuple[int | None, ...] | None = None
     # lm_head EXL3-encoded at this K with the Hessian of its input (observe --dense-hessians); None keeps it exact
     head_bits: int | None = None
     # a retained linear (or lm_head) without a dense Hessian is encoded uncalibrated instead of refused (asked for,
@@ -137,12 +147,22 @@ class EncodeConfig:
             if bits is not None:
                 check_linear_bits(option, bits)
         check_exact_layers(self.retained_bits, self.retained_exact_layers)  # the layer count: at planning
+        if isinstance(self.retained_layer_bits, str):
+            object.__setattr__(self, "retained_layer_bits", parse_layer_bits(self.retained_layer_bits))
+        check_layer_bits(self.retained_bits, self.retained_exact_layers, self.retained_layer_bits)
         if self.tune_scales < 0:
             raise UsageError(f"--tune-scales must be 0 or more Adam steps, got {self.tune_scales}")
         if self.tune_scales and self.uncalibrated:
             raise UsageError("--tune-scales tunes on the observations' sampled tokens: it needs --observations")
-        if self.retained_fallback_identity and self.retained_bits is None and self.head_bits is None:
-            raise UsageError("--retained-uncalibrated-fallback applies to --retained-bits and --head-bits only")
+        if self.retained_fallback_identity and (self.retained_bits, self.retained_layer_bits, self.head_bits) == (
+            None,
+            None,
+            None,
+        ):
+            raise UsageError(
+                "--retained-uncalibrated-fallback applies to --retained-bits, --retained-layer-bits and --head-bits "
+                "only"
+            )
         device_type(self.device)
         exl3_backend()
 
@@ -173,6 +193,7 @@ class EncodeConfig:
         for k, default in (
             ("retained_bits", None),
             ("retained_exact_layers", 0),
+            ("retained_layer_bits", None),
             ("head_bits", None),
             ("retained_fallback_identity", False),
             ("tune_scales", 0),

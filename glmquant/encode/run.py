@@ -103,6 +103,7 @@ class EncodeJob:
             retained_bits=cfg.retained_bits,
             head_bits=cfg.head_bits,
             retained_exact_layers=cfg.retained_exact_layers,
+            retained_layer_bits=cfg.retained_layer_bits,
         )
         if ranks.is_main:  # refuse a missing Hessian of an EXL3 retained linear or head before any work
             check_dense_hessians(self.plan, cfg.observations, cfg.retained_fallback_identity)
@@ -262,10 +263,9 @@ class EncodeJob:
         if self.todo:
             raise UsageError(f"{cfg.out}: MoE layer(s) {self.todo} are not encoded yet")
         if not state.retained_done or not _files_present(cfg.out, _retained_files(plan)):
+            head = None if plan.head_bits is None else f"K{plan.head_bits}"
             encoded = [
-                f"the {what} at K{k}"
-                for what, k in (("retained linears", plan.retained_bits), ("lm_head", plan.head_bits))
-                if k is not None
+                f"the {what} at {k}" for what, k in (("retained linears", plan.retained_widths), ("lm_head", head)) if k
             ]
             self.console.print(
                 "copying retained tensors byte-for-byte"

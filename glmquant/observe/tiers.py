@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from glmquant.checkpoint.tiers import mean_bits, tier_bitmap_sha256, tier_counts, tiers_by_layer, tiers_differ_by_layer
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.errors import UsageError
+from glmquant.observe.width_allocation import allocate_widths
 
 if TYPE_CHECKING:
     from glmquant.observe.stats import LayerStats
@@ -223,38 +224,17 @@ def plan_structure_tiers(spec: TierSpec, moe_layers: Sequence[int], experts: int
 
 def allocate_layer_widths(cost: Mapping[int, Mapping[int, float]], mean_bits: float) -> dict[int, int]:
     """The K of each MoE layer that minimizes the sum of the layers' costs, their mean K at most `mean_bits` (the
-    bytes of uniform K`mean_bits` where the MoE layers are alike): an exact multiple-choice knapsack. cost[L][K] is
-    layer L's cost at K alone, e.g. the KL it causes with every other layer exact; it assumes the costs add (on the
-    six-MoE-layer proxy a row's KL was within 10 % of its layers' sum). Ties keep the wider K on the earlier layer."""
-    layers = sorted(cost)
-    if not layers or any(not cost[layer] for layer in layers):
-        raise UsageError(f"layer costs {dict(cost)}: every MoE layer needs a cost at one K at least")
-    bad = [(layer, k) for layer in layers for k, v in cost[layer].items() if not math.isfinite(float(v))]
-    if bad:
-        raise UsageError(f"layer costs: not finite at (layer, K) {bad}")
-
-    def rank(entry: tuple[float, tuple[int, ...]]) -> tuple[float, tuple[int, ...]]:
-        return entry[0], tuple(-k for k in entry[1])  # the least cost; on a tie the wider K first
-
-    budget = math.floor(mean_bits * len(layers) + 1e-9)
-    best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}  # bits spent -> (least cost, widths so far)
-    for layer in layers:
-        step: dict[int, tuple[float, tuple[int, ...]]] = {}
-        for spent, (total, widths) in sorted(best.items()):
-            for k in sorted(cost[layer], reverse=True):
-                if spent + k > budget:
-                    continue
-                candidate = (total + float(cost[layer][k]), (*widths, k))
-                if spent + k not in step or rank(candidate) < rank(step[spent + k]):
-                    step[spent + k] = candidate
-        if not step:
-            raise UsageError(
-                f"layer costs: no K per MoE layer has a mean of at most {mean_bits} (the narrowest: "
-                f"{[min(cost[layer]) for layer in layers]})"
-            )
-        best = step
-    _, widths = min(best.values(), key=rank)
-    return dict(zip(layers, widths))
+    bytes of uniform K`mean_bits` where the MoE layers are alike): `allocate_widths` with each K costing K. cost[L][K]
+    is layer L's cost at K alone, e.g. the KL it causes with every other layer exact. Ties keep the wider K on the
+    earlier layer."""
+    nbytes = {layer: {k: k for k in by_k} for layer, by_k in cost.items()}
+    budget = math.floor(mean_bits * len(cost) + 1e-9)
+    if cost and all(cost.values()) and sum(min(by_k) for by_k in cost.values()) > budget:
+        narrowest = [min(cost[layer]) for layer in sorted(cost)]
+        raise UsageError(
+            f"layer costs: no K per MoE layer has a mean of at most {mean_bits} (the narrowest: {narrowest})"
+        )
+    return allocate_widths(cost, nbytes, budget)
 
 
 def layer_saliency(stats: Mapping[int, LayerStats], spec: TierSpec, obs_dir: Path) -> dict[int, float]:

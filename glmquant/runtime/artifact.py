@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -114,22 +114,12 @@ class Artifact:
         return _retained_linears(self.path, self.spec, self.checkpoint)
 
     def retained_linear_modules(self) -> dict[str, RetainedLinear]:
-        """The EXL3 retained linears by the path of the `nn.Linear` that holds each in transformers' model (the
-        layer's placement of its source weight; lm_head's is its own name); CheckpointFormatError for one no module
-        holds."""
-        table, linears = table_for(self.spec), self.retained_linears.values()
-        out: dict[str, RetainedLinear] = {}
-        out.update((lin.key, lin) for lin in linears if lin.layer is None)
-        for layer in sorted({lin.layer for lin in linears if lin.layer is not None}):
-            targets = {
-                p.source: p.target for p in layer_plan(self.spec, layer, self.spec.moe_intermediate_size).placements
-            }
-            for linear in (lin for lin in linears if lin.layer == layer):
-                target = targets.get(linear.source)
-                if target is None or not target.endswith(".weight"):
-                    raise CheckpointFormatError(f"{self.path}: EXL3 linear {linear.key} has no module in layer {layer}")
-                out[table.layer_prefix(layer) + target.removesuffix(".weight")] = linear
-        return out
+        """The EXL3 retained linears by the path of the `nn.Linear` that holds each in transformers' model;
+        CheckpointFormatError for one no module holds."""
+        try:
+            return linear_module_paths(self.spec, self.retained_linears.values())
+        except KeyError as exc:
+            raise CheckpointFormatError(f"{self.path}: EXL3 linear {exc.args[0]} has no module") from None
 
     def read_linear(self, linear: RetainedLinear, device: torch.device | str = "cpu") -> EXL3Tensor:
         """The EXL3 tensor of one retained linear, read from disk."""
@@ -139,6 +129,22 @@ class Artifact:
             return EXL3Tensor.from_tensors(tensors, linear.key, linear.in_features, linear.out_features)
         except ValueError as exc:
             raise CheckpointFormatError(f"{self.path}: {exc}") from None
+
+
+def linear_module_paths(spec: ModelSpec, linears: Iterable[RetainedLinear]) -> dict[str, RetainedLinear]:
+    """Linears outside the routed experts by the path of the `nn.Linear` that holds each in transformers' model (the
+    layer's placement of its source weight; lm_head's is its own name); KeyError (the linear's key) for one no module
+    holds."""
+    table, linears = table_for(spec), list(linears)
+    out: dict[str, RetainedLinear] = {lin.key: lin for lin in linears if lin.layer is None}
+    for layer in sorted({lin.layer for lin in linears if lin.layer is not None}):
+        targets = {p.source: p.target for p in layer_plan(spec, layer, spec.moe_intermediate_size).placements}
+        for linear in (lin for lin in linears if lin.layer == layer):
+            target = targets.get(linear.source)
+            if target is None or not target.endswith(".weight"):
+                raise KeyError(f"{linear.key} (layer {layer})")
+            out[table.layer_prefix(layer) + target.removesuffix(".weight")] = linear
+    return out
 
 
 def open_artifact(path: str | Path) -> Artifact:

@@ -31,11 +31,13 @@ def dummy_artifact(
     retained_bits: int | None = None,
     head_bits: int | None = None,
     retained_exact_layers: int | None = None,
+    retained_layer_bits: tuple[int | None, ...] | None = None,
 ) -> Artifact:
     """The artifact `plan` predicts for `config` (a config.json or a directory holding one), values on `device`.
-    Layout, bits, codebook, retained_bits, head_bits and retained_exact_layers (the speed tier's EXL3 retained
-    linears and lm_head, and the first layers whose retained linears stay exact) default
-    to what the config's quantization block declares, else tr3 K2 MCG with exact retained linears and head."""
+    Layout, bits, codebook, retained_bits, head_bits, retained_exact_layers and retained_layer_bits (the speed tier's
+    EXL3 retained linears and lm_head, the first layers whose retained linears stay exact, or each layer's K)
+    default to what the config's quantization block declares, else tr3 K2 MCG with exact retained linears and head;
+    `retained_layer_bits` replaces the declared retained_bits and retained_exact_layers."""
     path = Path(config)
     raw = read_config(path)
     spec = load_model_spec(raw)
@@ -44,15 +46,18 @@ def dummy_artifact(
     declared = raw.get("quantization_config") or {}
     layout = layout or ("exllamav3" if declared and "rank_stacked_tp" not in declared else "tr3")
     bits = bits or int(declared.get("bits", 2))
-    declared_retained, declared_head, declared_exact = declared_linear_bits(declared)
+    linears = declared_linear_bits(declared)
+    if retained_layer_bits is not None:
+        linears = linears._replace(retained_bits=None, retained_exact_layers=0)
     plan = plan_artifact(
         spec,
         layout,
         bits,
         codebook or declared.get("codebook", "mcg"),
-        retained_bits=declared_retained if retained_bits is None else retained_bits,
-        head_bits=declared_head if head_bits is None else head_bits,
-        retained_exact_layers=declared_exact if retained_exact_layers is None else retained_exact_layers,
+        retained_bits=linears.retained_bits if retained_bits is None else retained_bits,
+        head_bits=linears.head_bits if head_bits is None else head_bits,
+        retained_exact_layers=linears.retained_exact_layers if retained_exact_layers is None else retained_exact_layers,
+        retained_layer_bits=linears.retained_layer_bits if retained_layer_bits is None else retained_layer_bits,
     )
     block = quantization_block(plan, Provenance(source_repo="dummy", runtime_status="dummy"))
     checkpoint = DummyCheckpoint(plan, seed, torch.device(device))

@@ -96,7 +96,14 @@ def test_hessian_mode_is_typed_and_the_fingerprint_stable(tmp_path: Path) -> Non
         (["--head-bits", "9"], "--head-bits must be 2..8 (4..6 is the speed tier), got 9"),
         (
             ["--retained-uncalibrated-fallback"],
-            "--retained-uncalibrated-fallback applies to --retained-bits and --head-bits only",
+            "--retained-uncalibrated-fallback applies to --retained-bits, --retained-layer-bits and --head-bits only",
+        ),
+        (["--retained-layer-bits", "K4,K9"], "--retained-layer-bits must be 2..8 (4..6 is the speed tier), got 9"),
+        (["--retained-layer-bits", "K4,5"], "--retained-layer-bits: entry 1 ('5') is neither K<bits> nor exact"),
+        (["--retained-layer-bits", "exact,EXACT"], "--retained-layer-bits keeps every layer exact"),
+        (
+            ["--retained-layer-bits", "K4,K4", "--retained-bits", "4"],
+            "--retained-layer-bits names every layer's K: it replaces --retained-bits and --retained-exact-layers",
         ),
         (["--retained-exact-layers", "1"], "--retained-exact-layers keeps some of the --retained-bits linears exact"),
         (["--retained-bits", "4", "--retained-exact-layers", "-1"], "--retained-exact-layers must be 0 or more"),
@@ -109,7 +116,8 @@ def test_bad_retained_bits_are_usage_errors(tmp_path: Path, args: list[str], mes
 
 
 def test_retained_bits_shape_the_fingerprint_and_leave_older_jobs_resumable(tmp_path: Path) -> None:
-    """--retained-bits, --retained-exact-layers, --head-bits and their fallback change the job's fingerprint (a resume
+    """--retained-bits, --retained-exact-layers, --retained-layer-bits (as text or parsed), --head-bits and their
+    fallback change the job's fingerprint (a resume
     notices); without them the fingerprint is the one a job written before these options existed has (no new keys
     hashed)."""
     base = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True)
@@ -123,10 +131,13 @@ def test_retained_bits_shape_the_fingerprint_and_leave_older_jobs_resumable(tmp_
     first_exact = EncodeConfig(
         source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_bits=4, retained_exact_layers=1
     )
+    by_layer = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_layer_bits=(None, 4))
+    as_text = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True, retained_layer_bits="exact,K4")  # type: ignore[arg-type]
+    assert as_text == by_layer
     tuned = EncodeConfig(source=tmp_path, out=tmp_path / "a", observations=tmp_path, tune_scales=50)
     untuned = EncodeConfig(source=tmp_path, out=tmp_path / "a", observations=tmp_path)
-    prints = {c.fingerprint({}) for c in (base, k4, k5, fallback, head, both, first_exact)}
-    assert len(prints) == 7 and tuned.fingerprint({}) != untuned.fingerprint({})
+    prints = {c.fingerprint({}) for c in (base, k4, k5, fallback, head, both, first_exact, by_layer)}
+    assert len(prints) == 8 and tuned.fingerprint({}) != untuned.fingerprint({})
     now = tuned.fingerprint({}), untuned.fingerprint({})
     with pytest.MonkeyPatch.context() as mp:  # a tuned job begun at another learning rate is not resumed
         mp.setattr(encode_config, "LEARNING_RATE", 2e-3)
@@ -135,6 +146,7 @@ def test_retained_bits_shape_the_fingerprint_and_leave_older_jobs_resumable(tmp_
     # the fingerprint of the default options hashes no retained_* key: the pre-option recipe
     skipped = {"out", "work_dir", "verify", "source", "observations", "prune_plan", "tier_plan", "uncalibrated"}
     skipped |= {"verified_at", "retained_bits", "retained_exact_layers", "head_bits", "retained_fallback_identity"}
+    skipped |= {"retained_layer_bits"}
     skipped |= {"tune_scales"}
     old = {k: v.value if hasattr(v, "value") else str(v) for k, v in asdict(base).items() if k not in skipped}
     old["device"] = torch.device(base.device).type

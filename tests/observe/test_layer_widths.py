@@ -11,6 +11,7 @@ import pytest
 
 from glmquant.errors import UsageError
 from glmquant.observe.tiers import TierSpec, allocate_layer_widths, plan_structure_tiers
+from glmquant.observe.width_allocation import allocate_widths
 
 
 def test_layers_spec_names_each_moe_layers_k_in_any_order() -> None:
@@ -67,7 +68,7 @@ def test_allocation_moves_bits_to_where_they_buy_most_and_refuses_an_impossible_
     assert allocate_layer_widths({1: {2: 1.0}, 2: {2: 1.0}}, 2) == {1: 2, 2: 2}
     with pytest.raises(UsageError, match="mean of at most 1"):
         allocate_layer_widths({1: {2: 1.0, 3: 0.5}, 2: {2: 1.0}}, 1)
-    with pytest.raises(UsageError, match="every MoE layer needs a cost"):
+    with pytest.raises(UsageError, match="every layer needs a cost"):
         allocate_layer_widths({1: {2: 1.0}, 2: {}}, 2)
 
 
@@ -76,3 +77,36 @@ def test_allocation_breaks_ties_toward_the_earlier_layer_and_refuses_non_finite_
     assert allocate_layer_widths(even, 2) == {1: 3, 2: 2, 3: 1}
     with pytest.raises(UsageError, match=r"not finite at \(layer, K\) \[\(1, 1\)\]"):
         allocate_layer_widths({1: {1: float("nan"), 2: 1.0}, 2: {1: 1.0, 2: 1.0}}, 1.5)
+
+
+def test_byte_allocation_with_exact_layers_is_the_least_cost_within_the_budget() -> None:
+    """`allocate_widths` as `--retained-layer-bits` uses it: layers of unequal bytes, K3-K6 or exact (None, cost 0,
+    the BF16 bytes); the result equals the best of every allocation enumerated, within the budget; a budget below the
+    narrowest choice is refused, naming what that takes."""
+    rng = random.Random(1)
+    options: tuple[int | None, ...] = (3, 4, 5, 6, None)
+    for layers in range(1, 5):
+        for _ in range(15):
+            weights = {layer: rng.choice((1000, 1400, 2000)) for layer in range(layers)}
+            nbytes = {
+                layer: {k: w * (16 if k is None else k) // 8 + 64 for k in options} for layer, w in weights.items()
+            }
+            cost = {
+                layer: {k: 0.0 if k is None else rng.uniform(1e-4, 1e-2) * 0.5 ** (k - 3) for k in options}
+                for layer in weights
+            }
+            budget = sum(nbytes[layer][4] for layer in weights)  # uniform K4's bytes
+            got = allocate_widths(cost, nbytes, budget)
+            assert sum(nbytes[layer][k] for layer, k in got.items()) <= budget
+            best = min(
+                sum(cost[layer][k] for layer, k in zip(sorted(cost), choice))
+                for choice in itertools.product(options, repeat=layers)
+                if sum(nbytes[layer][k] for layer, k in zip(sorted(cost), choice)) <= budget
+            )
+            assert sum(cost[layer][k] for layer, k in got.items()) == pytest.approx(best, rel=1e-12)
+    two = {0: {3: 1.0, None: 0.0}, 1: {3: 1.0, None: 0.0}}
+    assert allocate_widths(two, {0: {3: 30, None: 160}, 1: {3: 30, None: 160}}, 190) == {0: None, 1: 3}  # ties: earlier
+    with pytest.raises(UsageError, match="no width per layer fits 59 bytes \\(the narrowest take 60\\)"):
+        allocate_widths(two, {0: {3: 30, None: 160}, 1: {3: 30, None: 160}}, 59)
+    with pytest.raises(UsageError, match=r"no bytes given at \(layer, K\) \[\(1, None\)\]"):
+        allocate_widths(two, {0: {3: 30, None: 160}, 1: {3: 30}}, 500)
