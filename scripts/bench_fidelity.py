@@ -72,9 +72,11 @@ from rich.console import Console
 
 from glmquant.arch import PROJECTIONS, load_model_spec
 from glmquant.checkpoint.exl3_groups import exl3_groups
+from glmquant.checkpoint.layouts import plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.encode import EncodeConfig, EncodeResult, encode_artifact
+from glmquant.encode.retained import encode_retained_file, retained_linears
 from glmquant.exl3 import EXL3Tensor, decode_weight, proxy_error
 from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessian_reader import load_dense_hessian
@@ -84,8 +86,9 @@ from glmquant.observe.prune import write_prune_plan
 from glmquant.observe.run import observe
 from glmquant.observe.stats import LayerStats, stats_files
 from glmquant.observe.tiers import TierSpec, allocate_layer_widths, plan_structure_tiers
+from glmquant.observe.width_allocation import allocate_widths
 from glmquant.proxy.train import split_rows
-from glmquant.runtime.artifact import open_artifact
+from glmquant.runtime.artifact import linear_module_paths, open_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 AT_SEED_BYTES = 1.01  # rows with at most this times the seed's routed bytes compete with it
@@ -97,6 +100,8 @@ TUNE_STEPS = 50  # `encode --tune-scales` of the tuned rows (100 before the lear
 LONG_TUNE_STEPS = 400  # the row that asks whether TUNE_STEPS is enough
 MTP_PROMPT_TOKENS = 128  # held-out prompt length of the MTP acceptance run (at most half a held-out row)
 ESTIMATE_EXPERTS = 8  # experts per MoE layer `layer-cost-estimated` encodes at K1-K4 (`layer-costs --experts`)
+RETAINED_COST_BITS = (3, 4, 5, 6)  # the K a decoder layer's retained linears may take in `retained-layer-cost-head5`
+RETAINED_BUDGET_BITS = 4  # ... within the retained bytes of this uniform K (the speed tier the H200 benchmark runs)
 SWEEP_BITS = (4, 3, 2, 1)  # the widths the depth sweep gives whole MoE layers
 SWEEP_MAX_MOE_LAYERS = 8  # a proxy's few MoE layers are enumerated; a 42-layer model's allocations are not
 
@@ -115,6 +120,10 @@ class Recipe:
     reference: bool = False  # above the seed's bytes on purpose
     retained_bits: int | None = None  # the speed tier: retained linears EXL3 at this K (issue 18's KL cost)
     retained_exact_layers: int = 0  # but the first layers' retained linears exact (`encode --retained-exact-layers`)
+    # or each decoder layer's K (`encode --retained-layer-bits`), here chosen from each layer's KL alone at
+    # RETAINED_COST_BITS on calibration text, of least summed KL within uniform K4's retained bytes ("layer-cost")
+    retained_layer_bits: str | None = None
+    retained_widths_from: str | None = None
     head_bits: int | None = None  # and lm_head EXL3 at this K (`encode --head-bits`)
     tune_scales: int = 0  # Adam steps of `encode --tune-scales` on its observation's token sample
     # widths per MoE layer from each one's KL alone at K1-K4 on calibration text: "measured" from the four uniform
@@ -285,6 +294,15 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
             retained_bits=4,
             head_bits=5,
             retained_exact_layers=exact,
+        ),
+        Recipe(
+            "retained-layer-cost-head5",
+            f"the speed tier with a K per decoder layer (encode --retained-layer-bits): each layer's retained linears "
+            f"alone at K{min(RETAINED_COST_BITS)}-K{max(RETAINED_COST_BITS)} or exact, their KL measured on "
+            f"calibration text, the widths of least summed KL within uniform K{RETAINED_BUDGET_BITS}'s retained bytes "
+            "(allocate_widths); lm_head K5: retained-k4-head5's bytes",
+            head_bits=5,
+            retained_widths_from="layer-cost",
         ),
         Recipe(
             f"retained-k5-head6-exact{exact}",
@@ -482,8 +500,14 @@ def composable(recipe: Recipe) -> bool:
     """Whether --compose-layers measures the row from uniform stocks: uniform, `depth:` or `layers:` widths, every
     expert kept, no retained linears."""
     whole_layers = recipe.tiers is None or TierSpec.parse(recipe.tiers).from_structure
-    experts_only = recipe.retained_bits is None and recipe.head_bits is None and not recipe.retained_exact_layers
+    experts_only = not retained_tier(recipe)
     return whole_layers and experts_only and recipe.keep is None
+
+
+def retained_tier(recipe: Recipe) -> bool:
+    """Whether the recipe is the speed tier's: retained linears or lm_head EXL3 (issue 18)."""
+    retained = (recipe.retained_bits, recipe.retained_layer_bits, recipe.retained_widths_from, recipe.head_bits)
+    return any(v is not None for v in retained) or recipe.retained_exact_layers > 0
 
 
 def tuning_by_layer(result: EncodeResult) -> dict[str, dict[str, Any]]:
@@ -751,6 +775,7 @@ class Evaluator:
             tiers=recipe.tiers,  # type: ignore[arg-type]  # parsed by EncodeConfig too
             retained_bits=recipe.retained_bits,
             retained_exact_layers=recipe.retained_exact_layers,
+            retained_layer_bits=recipe.retained_layer_bits,  # type: ignore[arg-type]  # parsed by EncodeConfig
             head_bits=recipe.head_bits,
             tune_scales=recipe.tune_scales,
             device=self.args.device,
@@ -876,6 +901,67 @@ class Evaluator:
                 atomic_write_text(path, json.dumps(kept, indent=2) + "\n")
         return {int(layer): {int(k): v for k, v in by_k.items()} for layer, by_k in kept["kl_by_layer_and_k"].items()}
 
+    def retained_costs(self, obs: Path) -> tuple[dict[int, dict[int | None, float]], dict[int, dict[int | None, int]]]:
+        """Each decoder layer's retained linears alone (the experts, the head and the other layers exact) at each K of
+        RETAINED_COST_BITS: their KL on the first --heldout-rows x --heldout-tokens of the calibration split, and
+        their stored bytes (exact: KL 0, the BF16 bytes). The linears are encoded as `encode --retained-bits K`
+        encodes them (`encode_retained_file`, their dense Hessians from `obs`); measured once per setting, kept in
+        WORK."""
+        path = self.work / "stocks" / f"retained-costs-{self.args.device}.json"  # the linears' EXL3 is any layout's
+        path.parent.mkdir(parents=True, exist_ok=True)
+        settings = {
+            "observations": str(obs),
+            "bits": list(RETAINED_COST_BITS),
+            "text": ["calibration", self.args.heldout_rows, self.args.heldout_tokens],
+            "compute_dtype": self.args.compute_dtype,
+        }
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            kept = json.loads(path.read_text()) if path.is_file() else {}
+            if kept.get("settings") != settings:
+                kept = {"settings": settings, **self._measure_retained_costs(obs)}
+                atomic_write_text(path, json.dumps(kept, indent=2) + "\n")
+
+        def options(by_k: dict[str, Any]) -> dict[int | None, Any]:
+            return {None if k == "exact" else int(k): v for k, v in by_k.items()}
+
+        return (
+            {int(layer): options(by_k) for layer, by_k in kept["kl"].items()},
+            {int(layer): options(by_k) for layer, by_k in kept["bytes"].items()},
+        )
+
+    def _measure_retained_costs(self, obs: Path) -> dict[str, Any]:
+        ids = split_rows(
+            self.args.proxy / "corpus", "calibration", self.args.heldout_rows, self.args.heldout_tokens, self.tokenizer
+        )
+        text = (ids, self.proxy.logprobs(ids))
+        kl: dict[str, dict[str, float]] = {}
+        nbytes: dict[str, dict[str, int]] = {}
+        with SourceCheckpoint.open(self.model_dir) as source:
+            shards = {n: source.shard_of(n) for n in source.names()}
+            for k in RETAINED_COST_BITS:
+                plan = plan_artifact(self.spec, "tr3", 2, "mcg", shards, retained_bits=k)
+                weights: dict[int, dict[str, torch.Tensor]] = {}
+                for planned in plan.files:
+                    linears = retained_linears(planned)
+                    if not linears:
+                        continue
+                    encoded = encode_retained_file(planned, source, obs, False, "mcg", 0, self.args.device).tensors
+                    for path, linear in linear_module_paths(self.spec, linears).items():
+                        assert linear.layer is not None  # --retained-bits leaves lm_head exact
+                        parts = {n: t for n, t in encoded.items() if n.rpartition(".")[0] == linear.key}
+                        tensor = EXL3Tensor.from_tensors(parts, linear.key, linear.in_features, linear.out_features)
+                        weights.setdefault(linear.layer, {})[f"{path}.weight"] = decode_weight(tensor, torch.float32)
+                        by_layer = nbytes.setdefault(str(linear.layer), {})
+                        by_layer[f"{k}"] = by_layer.get(f"{k}", 0) + sum(
+                            t.numel() * t.element_size() for t in parts.values()
+                        )
+                        if k == RETAINED_COST_BITS[0]:
+                            by_layer["exact"] = by_layer.get("exact", 0) + 2 * linear.in_features * linear.out_features
+                for layer, patched in sorted(weights.items()):
+                    kl.setdefault(str(layer), {"exact": 0.0})[f"{k}"] = self.measure({}, {}, patched, text=text)["kl"]
+        return {"kl": kl, "bytes": nbytes}
+
     def estimated_costs(self, recipe: Recipe, hessians: str, blend: float | None, obs: Path) -> LayerCosts:
         """`glmquant layer-costs` on the untuned uniform stock at `recipe.bits` (the seed's build): the observations'
         first --heldout-rows calibration rows (of --tokens each; the measured costs pack rows of --heldout-tokens)."""
@@ -908,6 +994,24 @@ class Evaluator:
             tier["predicted_kl"] = sum(costs[layer][k] for layer, k in widths.items())  # on calibration text
             tier["cost_seconds"] = round(time.monotonic() - t0, 1)
             t0 = time.monotonic()
+        if recipe.retained_widths_from is not None:  # the retained linears' K per decoder layer, likewise
+            layer_kl, layer_bytes = self.retained_costs(obs)
+            budget = sum(by_k[RETAINED_BUDGET_BITS] for by_k in layer_bytes.values())
+            chosen = allocate_widths(layer_kl, layer_bytes, budget)
+            text = ",".join("exact" if k is None else f"K{k}" for _, k in sorted(chosen.items()))
+            recipe = replace(recipe, retained_layer_bits=text)
+            tier["retained_layer_costs"] = {
+                str(layer): {"exact" if k is None else f"k{k}": v for k, v in c.items()}
+                for layer, c in layer_kl.items()
+            }
+            tier["retained_layer_bytes"] = {
+                str(layer): {"exact" if k is None else f"k{k}": v for k, v in b.items()}
+                for layer, b in layer_bytes.items()
+            }
+            tier["retained_budget_bytes"] = budget
+            tier["retained_predicted_kl"] = sum(layer_kl[layer][k] for layer, k in chosen.items())  # calibration text
+            tier["cost_seconds"] = round(time.monotonic() - t0, 1)
+            t0 = time.monotonic()
         if self.args.compose_layers and composable(recipe):
             experts, by_layer, facts, out = self.composed(recipe, hessians, blend)  # the seed's MTP run reads out
             tier |= facts
@@ -924,7 +1028,7 @@ class Evaluator:
                 tier["tuning_by_layer"] = tuning_by_layer(result)
         nbytes, bpw = routed_bytes(by_layer, self.spec)
         linears: dict[str, torch.Tensor] = {}
-        if recipe.retained_bits is not None or recipe.head_bits is not None:
+        if retained_tier(recipe):
             decoded, exl3_bytes, bf16_bytes = artifact_linears(out, self.args.device)
             linears = {name: d.weight for name, d in decoded.items()}
             roles = {name: d.role for name, d in decoded.items()}
@@ -1274,7 +1378,7 @@ def summarize(rows: list[dict[str, Any]], positions: int | None = None) -> dict[
         if r.get("at_seed_bytes")
         and r.get("kl") is not None
         and not r.get("reference")
-        and r.get("retained_bits") is None  # the speed tier also quantizes what the recipes keep exact
+        and not r.get("retained_linears")  # the speed tier also quantizes what the recipes keep exact
     ]
     best = min(peers, key=lambda r: r["kl"]) if peers else None
     exl = next((r for r in rows if r["recipe"].startswith("exllamav3")), None)
