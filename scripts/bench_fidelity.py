@@ -72,7 +72,7 @@ from rich.console import Console
 
 from glmquant.arch import PROJECTIONS, load_model_spec
 from glmquant.checkpoint.exl3_groups import exl3_groups
-from glmquant.checkpoint.layouts import plan_artifact
+from glmquant.checkpoint.layouts import parse_layer_bits, plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.encode import EncodeConfig, EncodeResult, encode_artifact
@@ -100,8 +100,7 @@ TUNE_STEPS = 50  # `encode --tune-scales` of the tuned rows (100 before the lear
 LONG_TUNE_STEPS = 400  # the row that asks whether TUNE_STEPS is enough
 MTP_PROMPT_TOKENS = 128  # held-out prompt length of the MTP acceptance run (at most half a held-out row)
 ESTIMATE_EXPERTS = 8  # experts per MoE layer `layer-cost-estimated` encodes at K1-K4 (`layer-costs --experts`)
-RETAINED_COST_BITS = (3, 4, 5, 6)  # the K a decoder layer's retained linears may take in `retained-layer-cost-head5`
-RETAINED_BUDGET_BITS = 4  # ... within the retained bytes of this uniform K (the speed tier the H200 benchmark runs)
+RETAINED_COST_BITS = (3, 4, 5, 6)  # the K a decoder layer's retained linears may take in `retained-layer-cost-*`
 SWEEP_BITS = (4, 3, 2, 1)  # the widths the depth sweep gives whole MoE layers
 SWEEP_MAX_MOE_LAYERS = 8  # a proxy's few MoE layers are enumerated; a 42-layer model's allocations are not
 
@@ -121,9 +120,11 @@ class Recipe:
     retained_bits: int | None = None  # the speed tier: retained linears EXL3 at this K (issue 18's KL cost)
     retained_exact_layers: int = 0  # but the first layers' retained linears exact (`encode --retained-exact-layers`)
     # or each decoder layer's K (`encode --retained-layer-bits`), here chosen from each layer's KL alone at
-    # RETAINED_COST_BITS on calibration text, of least summed KL within uniform K4's retained bytes ("layer-cost")
+    # RETAINED_COST_BITS on calibration text, of least summed KL within uniform K`retained_budget_bits`'s retained
+    # bytes ("layer-cost")
     retained_layer_bits: str | None = None
     retained_widths_from: str | None = None
+    retained_budget_bits: int = 4
     head_bits: int | None = None  # and lm_head EXL3 at this K (`encode --head-bits`)
     tune_scales: int = 0  # Adam steps of `encode --tune-scales` on its observation's token sample
     # widths per MoE layer from each one's KL alone at K1-K4 on calibration text: "measured" from the four uniform
@@ -299,10 +300,18 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
             "retained-layer-cost-head5",
             f"the speed tier with a K per decoder layer (encode --retained-layer-bits): each layer's retained linears "
             f"alone at K{min(RETAINED_COST_BITS)}-K{max(RETAINED_COST_BITS)} or exact, their KL measured on "
-            f"calibration text, the widths of least summed KL within uniform K{RETAINED_BUDGET_BITS}'s retained bytes "
-            "(allocate_widths); lm_head K5: retained-k4-head5's bytes",
+            "calibration text, the widths of least summed KL within uniform K4's retained bytes (allocate_widths); "
+            "lm_head K5: retained-k4-head5's bytes",
             head_bits=5,
             retained_widths_from="layer-cost",
+        ),
+        Recipe(
+            "retained-layer-cost-k3-head5",
+            "retained-layer-cost-head5 within uniform K3's retained bytes: on GLM-5.3-Flash the speed tier needs about "
+            "that few to project 30 tok/s on a GB10 (docs/encode.md)",
+            head_bits=5,
+            retained_widths_from="layer-cost",
+            retained_budget_bits=3,
         ),
         Recipe(
             f"retained-k5-head6-exact{exact}",
@@ -498,10 +507,21 @@ def artifact_experts(
 
 def composable(recipe: Recipe) -> bool:
     """Whether --compose-layers measures the row from uniform stocks: uniform, `depth:` or `layers:` widths, every
-    expert kept, no retained linears."""
+    expert kept (a speed-tier row's retained linears are encoded beside the stocks' experts)."""
     whole_layers = recipe.tiers is None or TierSpec.parse(recipe.tiers).from_structure
-    experts_only = not retained_tier(recipe)
-    return whole_layers and experts_only and recipe.keep is None
+    return whole_layers and recipe.keep is None
+
+
+def experts_only(recipe: Recipe) -> Recipe:
+    """The recipe without the speed tier's retained linears and head: what its routed experts are encoded with."""
+    return replace(
+        recipe,
+        retained_bits=None,
+        retained_exact_layers=0,
+        retained_layer_bits=None,
+        retained_widths_from=None,
+        head_bits=None,
+    )
 
 
 def retained_tier(recipe: Recipe) -> bool:
@@ -531,6 +551,7 @@ class DecodedLinear:
     role: str
     layer: int | None  # None: lm_head (`--head-bits`)
     source: str  # checkpoint weight name (its dense Hessian's key)
+    nbytes: int  # its stored EXL3 tensors' bytes
 
 
 def artifact_linears(artifact: Path, device: str) -> tuple[dict[str, DecodedLinear], int, int]:
@@ -543,8 +564,9 @@ def artifact_linears(artifact: Path, device: str) -> tuple[dict[str, DecodedLine
             continue
         tensor = art.read_linear(linear, device)
         weight = decode_weight(tensor, torch.float32)
-        out[f"{name}.weight"] = DecodedLinear(weight, linear.role.value, linear.layer, linear.source)
-        exl3_bytes += sum(t.numel() * t.element_size() for t in tensor.tensors(linear.key).values())
+        nbytes = sum(t.numel() * t.element_size() for t in tensor.tensors(linear.key).values())
+        out[f"{name}.weight"] = DecodedLinear(weight, linear.role.value, linear.layer, linear.source, nbytes)
+        exl3_bytes += nbytes
         bf16_bytes += 2 * linear.in_features * linear.out_features
     art.checkpoint.close()
     return out, exl3_bytes, bf16_bytes
@@ -791,7 +813,7 @@ class Evaluator:
         """The uniform-K`bits` artifact with `recipe`'s other settings (--compose-layers), encoded once into
         WORK/stocks and kept: its directory and record (manifest, seconds, each layer's routed bytes and tuning).
         A lock keeps two workers from building it at once: a second one waits, or with `wait` False gets None."""
-        uniform = replace(recipe, bits=bits, tiers=None)
+        uniform = replace(experts_only(recipe), bits=bits, tiers=None)
         name = (
             f"k{bits}-{recipe.codebook}-{hessians}{'' if blend is None else blend}-{recipe.observations}"
             f"-tune{recipe.tune_scales}-{self.args.layout}-{self.args.device}"
@@ -937,30 +959,57 @@ class Evaluator:
         text = (ids, self.proxy.logprobs(ids))
         kl: dict[str, dict[str, float]] = {}
         nbytes: dict[str, dict[str, int]] = {}
+        for k in RETAINED_COST_BITS:
+            decoded, _, _ = self.encoded_linears(obs, Recipe("", "", retained_bits=k))
+            for layer in sorted({d.layer for d in decoded.values() if d.layer is not None}):
+                alone = {name: d for name, d in decoded.items() if d.layer == layer}
+                patched = {name: d.weight for name, d in alone.items()}
+                kl.setdefault(str(layer), {"exact": 0.0})[f"{k}"] = self.measure({}, {}, patched, text=text)["kl"]
+                by_layer = nbytes.setdefault(str(layer), {})
+                by_layer[f"{k}"] = sum(d.nbytes for d in alone.values())
+                by_layer["exact"] = sum(2 * d.weight.numel() for d in alone.values())
+        return {"kl": kl, "bytes": nbytes}
+
+    def encoded_linears(self, obs: Path, recipe: Recipe) -> tuple[dict[str, DecodedLinear], int, int]:
+        """The retained linears (and head) of `recipe`'s speed tier EXL3-encoded as `encode` encodes them
+        (`encode_retained_file` on each planned file, their dense Hessians from `obs`) and decoded, by the model's
+        parameter name (the MTP layer's left out, as `artifact_linears` does), with their EXL3 and BF16 bytes; the
+        routed experts are not encoded (a composed row takes them from the stocks)."""
+        out: dict[str, DecodedLinear] = {}
+        exl3_bytes = bf16_bytes = 0
         with SourceCheckpoint.open(self.model_dir) as source:
             shards = {n: source.shard_of(n) for n in source.names()}
-            for k in RETAINED_COST_BITS:
-                plan = plan_artifact(self.spec, "tr3", 2, "mcg", shards, retained_bits=k)
-                weights: dict[int, dict[str, torch.Tensor]] = {}
-                for planned in plan.files:
-                    linears = retained_linears(planned)
-                    if not linears:
+            plan = plan_artifact(
+                self.spec,
+                self.args.layout,
+                2,
+                recipe.codebook,
+                shards,
+                retained_bits=recipe.retained_bits,
+                head_bits=recipe.head_bits,
+                retained_exact_layers=recipe.retained_exact_layers,
+                retained_layer_bits=None
+                if recipe.retained_layer_bits is None
+                else parse_layer_bits(recipe.retained_layer_bits),
+            )
+            for planned in plan.files:
+                linears = retained_linears(planned)
+                if not linears:
+                    continue
+                encoded = encode_retained_file(planned, source, obs, False, recipe.codebook, 0, self.args.device)
+                for path, linear in linear_module_paths(self.spec, linears).items():
+                    if linear.layer in self.spec.mtp_layers:
                         continue
-                    encoded = encode_retained_file(planned, source, obs, False, "mcg", 0, self.args.device).tensors
-                    for path, linear in linear_module_paths(self.spec, linears).items():
-                        assert linear.layer is not None  # --retained-bits leaves lm_head exact
-                        parts = {n: t for n, t in encoded.items() if n.rpartition(".")[0] == linear.key}
-                        tensor = EXL3Tensor.from_tensors(parts, linear.key, linear.in_features, linear.out_features)
-                        weights.setdefault(linear.layer, {})[f"{path}.weight"] = decode_weight(tensor, torch.float32)
-                        by_layer = nbytes.setdefault(str(linear.layer), {})
-                        by_layer[f"{k}"] = by_layer.get(f"{k}", 0) + sum(
-                            t.numel() * t.element_size() for t in parts.values()
-                        )
-                        if k == RETAINED_COST_BITS[0]:
-                            by_layer["exact"] = by_layer.get("exact", 0) + 2 * linear.in_features * linear.out_features
-                for layer, patched in sorted(weights.items()):
-                    kl.setdefault(str(layer), {"exact": 0.0})[f"{k}"] = self.measure({}, {}, patched, text=text)["kl"]
-        return {"kl": kl, "bytes": nbytes}
+                    parts = {n: t for n, t in encoded.tensors.items() if n.rpartition(".")[0] == linear.key}
+                    tensor = EXL3Tensor.from_tensors(parts, linear.key, linear.in_features, linear.out_features)
+                    nbytes = sum(t.numel() * t.element_size() for t in parts.values())
+                    weight = decode_weight(tensor, torch.float32)
+                    out[f"{path}.weight"] = DecodedLinear(
+                        weight, linear.role.value, linear.layer, linear.source, nbytes
+                    )
+                    exl3_bytes += nbytes
+                    bf16_bytes += 2 * linear.in_features * linear.out_features
+        return out, exl3_bytes, bf16_bytes
 
     def estimated_costs(self, recipe: Recipe, hessians: str, blend: float | None, obs: Path) -> LayerCosts:
         """`glmquant layer-costs` on the untuned uniform stock at `recipe.bits` (the seed's build): the observations'
@@ -996,7 +1045,7 @@ class Evaluator:
             t0 = time.monotonic()
         if recipe.retained_widths_from is not None:  # the retained linears' K per decoder layer, likewise
             layer_kl, layer_bytes = self.retained_costs(obs)
-            budget = sum(by_k[RETAINED_BUDGET_BITS] for by_k in layer_bytes.values())
+            budget = sum(by_k[recipe.retained_budget_bits] for by_k in layer_bytes.values())
             chosen = allocate_widths(layer_kl, layer_bytes, budget)
             text = ",".join("exact" if k is None else f"K{k}" for _, k in sorted(chosen.items()))
             recipe = replace(recipe, retained_layer_bits=text)
@@ -1029,7 +1078,9 @@ class Evaluator:
         nbytes, bpw = routed_bytes(by_layer, self.spec)
         linears: dict[str, torch.Tensor] = {}
         if retained_tier(recipe):
-            decoded, exl3_bytes, bf16_bytes = artifact_linears(out, self.args.device)
+            decoded, exl3_bytes, bf16_bytes = (
+                self.encoded_linears(obs, recipe) if result is None else artifact_linears(out, self.args.device)
+            )
             linears = {name: d.weight for name, d in decoded.items()}
             roles = {name: d.role for name, d in decoded.items()}
             original = {name: self.proxy.model.get_parameter(name).detach() for name in decoded}

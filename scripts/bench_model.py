@@ -94,7 +94,7 @@ def main() -> None:
     args = parse_args()
     if args.merge:
         fidelity = json.loads(args.fidelity.read_text()) if args.fidelity else None
-        merged = merge([json.loads(Path(p).read_text()) for p in args.merge], fidelity)
+        merged = merge([json.loads(Path(p).read_text()) for p in args.merge], fidelity, args.kl_cost_row)
         save(merged, args.out)
         return
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
@@ -205,6 +205,12 @@ def parse_args() -> argparse.Namespace:
         type=Path,
         help="with --merge: bench_fidelity's results on the trained proxy: the mtp part's tok/s and speedup projected "
         "at its MTP acceptance, and the speed tier's KL cost ratio from its retained-kK row",
+    )
+    p.add_argument(
+        "--kl-cost-row",
+        help="with --fidelity: the speed tier's KL cost from this row instead of the one named after the report's K "
+        "(e.g. retained-layer-cost-k3-head5, widths the proxy chose for its own layers within uniform K3's bytes, "
+        "beside a --retained-bits 3 speed run)",
     )
     args = p.parse_args()
     if set(args.parts) - set(PARTS):
@@ -692,16 +698,22 @@ def is_speed_tier(report: dict[str, Any]) -> bool:
     return model.get("retained_bits") is not None or model.get("head_bits") is not None
 
 
-def speed_tier(report: dict[str, Any], fidelity: dict[str, Any] | None) -> dict[str, Any]:
+def speed_tier(
+    report: dict[str, Any], fidelity: dict[str, Any] | None, kl_cost_row: str | None = None
+) -> dict[str, Any]:
     """The speed tier's figures (`--retained-bits`, `--head-bits`): what this run measures, and from `fidelity`
     (bench_fidelity's results) its KL cost at the same K: the proxy row with the same retained and head K
-    (`retained-k4`, `retained-k4-head5`); null for what is not provided."""
+    (`retained-k4`, `retained-k4-head5`), or the row named `kl_cost_row`; null for what is not provided."""
     classes = report["parts"].get("classes", {})
     per_class = classes.get("classes", {})
     bits, head_bits = report["model"]["retained_bits"], report["model"].get("head_bits")
     exact = report["model"].get("retained_exact_layers", 0)  # reports from before the option have none
     kl_cost_ratio = None
-    if bits is None:
+    if kl_cost_row is not None:
+        rows = (fidelity or {}).get("rows", [])
+        kl_cost_ratio = next((r.get("kl_cost_ratio") for r in rows if r["recipe"] == kl_cost_row), None)
+        kl_from = f"the proxy fidelity run merged with --fidelity: its {kl_cost_row} row, named by --kl-cost-row"
+    elif bits is None:
         kl_from = f"not measured: the proxy fidelity bench has no row with an EXL3 head alone (head_bits {head_bits})"
     else:
         recipe = f"retained-k{bits}" + (f"-head{head_bits}" if head_bits is not None else "")
@@ -771,7 +783,9 @@ def mtp_at_acceptance(mtp: dict[str, Any], acceptance: dict[str, Any]) -> dict[s
     }
 
 
-def merge(reports: list[dict[str, Any]], fidelity: dict[str, Any] | None = None) -> dict[str, Any]:
+def merge(
+    reports: list[dict[str, Any]], fidelity: dict[str, Any] | None = None, kl_cost_row: str | None = None
+) -> dict[str, Any]:
     """Later reports' parts replace earlier ones of the same name; the summary is recomputed. With `fidelity`
     (bench_fidelity's results), the mtp part is projected at the trained proxy's MTP acceptance and the speed
     tier takes its KL cost."""
@@ -786,7 +800,7 @@ def merge(reports: list[dict[str, Any]], fidelity: dict[str, Any] | None = None)
     if acceptance and "rows" in merged["parts"].get("mtp", {}):
         merged["mtp_at_proxy_acceptance"] = mtp_at_acceptance(merged["parts"]["mtp"], acceptance)
     if is_speed_tier(merged):
-        merged["speed_tier"] = speed_tier(merged, fidelity)
+        merged["speed_tier"] = speed_tier(merged, fidelity, kl_cost_row)
     return merged
 
 

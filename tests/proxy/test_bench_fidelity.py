@@ -253,14 +253,19 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     stocks (tuned where the row is) give the figures, bytes and tuning of encoding each row; the stocks are kept
     and a second composed row reuses them instead of encoding again. The layer-cost row measures each layer at
     K1-K4 on calibration text from the stocks and takes the least-cost widths at the seed's bytes; the
-    layer-cost-estimated row takes them from `glmquant layer-costs` on the K2 stock."""
+    layer-cost-estimated row takes them from `glmquant layer-costs` on the K2 stock. A speed-tier row takes its
+    experts from the K2 stock and its retained linears encoded beside it: the figures of encoding the whole row."""
     recipes = ("seed", "depth-tiers-tuned", "depth-tiers", "uniform-k3", "layer-cost", "layer-cost-estimated")
+    recipes += ("retained-layer-cost-head5",)
     composed = run_bench(small_proxy, tmp_path, recipes, "--compose-layers", "--no-exllamav3")
     rows = {r["recipe"]: r for r in json.loads(composed.results.read_text())["rows"]}
     encoded = {r["recipe"]: r for r in json.loads(bench_run.results.read_text())["rows"]}
-    for name in ("seed", "depth-tiers-tuned"):
+    for name in ("seed", "depth-tiers-tuned", "retained-layer-cost-head5"):
         got, want = rows[name], encoded[name]
-        for key in ("kl", "top1", "ppl", "routed_bytes", "routed_bpw", "kl_by_layer"):
+        keys = ["kl", "top1", "ppl", "routed_bytes", "routed_bpw"]
+        keys += ["kl_by_layer"] if name != "retained-layer-cost-head5" else ["retained_layer_bits", "retained_only_kl"]
+        keys += ["retained_exl3_bytes", "retained_layer_costs"] if name == "retained-layer-cost-head5" else []
+        for key in keys:
             assert got[key] == want[key], (name, key)
         assert got["manifest_sha256"] is None and got["stock_manifests"]
     assert rows["seed"]["stock_manifests"]["k2"] == encoded["seed"]["manifest_sha256"]  # the seed is its K2 stock
@@ -268,6 +273,7 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     assert rows["depth-tiers-tuned"]["tuning_by_layer"] == encoded["depth-tiers-tuned"]["tuning_by_layer"]
     untuned = rows["depth-tiers"]
     assert untuned["routed_bytes"] == rows["seed"]["routed_bytes"] and "tuning_by_layer" not in untuned
+    assert rows["retained-layer-cost-head5"]["composed_from"] == {"1": "k2", "2": "k2"}  # the seed's experts
     stocks = sorted(p.name for p in (composed.work / "stocks").glob("k*.json"))
     assert len(stocks) == 6 and all(name.endswith("-exllamav3-cpu.json") for name in stocks)  # k2, k4; k3, k1 twice
     built = [rows[name]["stocks_built_here"] for name in ("depth-tiers", "uniform-k3")]

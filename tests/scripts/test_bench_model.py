@@ -154,7 +154,7 @@ def bench_model() -> ModuleType:
 def test_kl_cost_is_the_fidelity_row_with_the_same_retained_and_head_k(bench_model: ModuleType) -> None:
     """Merged with a proxy fidelity run, a speed-tier report takes the KL cost of the row with its retained K and
     head K and exact first layers (`retained-k4`, `retained-k4-head6`, `retained-k4-head6-exact2`), not another's;
-    with an EXL3 head alone it stays null with a note (the bench has no such row)."""
+    with an EXL3 head alone it stays null with a note (the bench has no such row); `kl_cost_row` names another row."""
     fidelity = {"rows": FIDELITY_ROWS}
     for model, want, row in (
         ({"retained_bits": 4, "head_bits": None}, 1.04, "retained-k4 row"),
@@ -164,6 +164,11 @@ def test_kl_cost_is_the_fidelity_row_with_the_same_retained_and_head_k(bench_mod
     ):
         tier = bench_model.merge([{"model": model, "parts": {}}], fidelity)["speed_tier"]
         assert tier["kl_cost_ratio"] == want and row in tier["kl_cost_ratio_from"], model
+    named = bench_model.merge([{"model": {"retained_bits": 4, "head_bits": 6}, "parts": {}}], fidelity, "retained-k4")
+    assert (
+        named["speed_tier"]["kl_cost_ratio"] == 1.04
+        and "retained-k4 row, named by" in named["speed_tier"]["kl_cost_ratio_from"]
+    )
     tier = bench_model.merge([{"model": {"retained_bits": None, "head_bits": 6}, "parts": {}}], fidelity)["speed_tier"]
     assert tier["kl_cost_ratio"] is None
     assert "head_bits 6" in tier["kl_cost_ratio_from"] and "kNone" not in tier["kl_cost_ratio_from"]
