@@ -93,8 +93,8 @@ class RetainedLinear:
 
     @property
     def option(self) -> str:
-        """The encode option that asked for it (errors name it)."""
-        return "--head-bits" if self.layer is None else "--retained-bits"
+        """The encode options that ask for it (errors name them)."""
+        return "--head-bits" if self.layer is None else "--retained-bits/--retained-layer-bits"
 
 
 def _bf16_matrix(t: TensorInfo) -> bool:
