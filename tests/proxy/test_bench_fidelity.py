@@ -256,8 +256,9 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     layer-cost-estimated row takes them from `glmquant layer-costs` on the K2 stock. A speed-tier row takes its
     experts from the K2 stock and its retained linears encoded beside it: the figures of encoding the whole row."""
     recipes = ("seed", "depth-tiers-tuned", "depth-tiers", "uniform-k3", "layer-cost", "layer-cost-estimated")
-    recipes += ("retained-layer-cost-head5",)
-    composed = run_bench(small_proxy, tmp_path, recipes, "--compose-layers", "--no-exllamav3")
+    composed = run_bench(
+        small_proxy, tmp_path, (*recipes, "retained-layer-cost-head5"), "--compose-layers", "--no-exllamav3"
+    )
     rows = {r["recipe"]: r for r in json.loads(composed.results.read_text())["rows"]}
     encoded = {r["recipe"]: r for r in json.loads(bench_run.results.read_text())["rows"]}
     for name in ("seed", "depth-tiers-tuned", "retained-layer-cost-head5"):
