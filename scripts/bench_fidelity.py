@@ -57,7 +57,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 from itertools import combinations_with_replacement, groupby
@@ -905,23 +905,40 @@ class Evaluator:
             "text": ["calibration", self.args.heldout_rows, self.args.heldout_tokens],
             "compute_dtype": self.args.compute_dtype,
         }
+
+        def measure() -> dict[str, Any]:
+            text = self.calibration_text()
+            measured: dict[int, dict[int, float]] = {layer: {} for layer in self.spec.moe_layers}
+            for k, (stock, _) in stocks.items():
+                decoded = artifact_experts(stock, None, self.spec.n_routed_experts, self.args.device)[0]
+                for layer in self.spec.moe_layers:
+                    alone = {key: w for key, w in decoded.items() if key[0] == layer}
+                    measured[layer][k] = self.measure(alone, {}, text=text)["kl"]
+            return {"kl_by_layer_and_k": measured}
+
+        kept = self.kept_measurement(path, settings, measure)
+        return {int(layer): {int(k): v for k, v in by_k.items()} for layer, by_k in kept["kl_by_layer_and_k"].items()}
+
+    def kept_measurement(
+        self, path: Path, settings: dict[str, Any], measure: Callable[[], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """`measure()`'s result kept at `path` in WORK beside the `settings` it was measured at, measured again only
+        where they differ; a lock keeps two workers from measuring it at once."""
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             kept = json.loads(path.read_text()) if path.is_file() else {}
             if kept.get("settings") != settings:
-                corpus = self.args.proxy / "corpus"
-                rows, tokens = self.args.heldout_rows, self.args.heldout_tokens
-                ids = split_rows(corpus, "calibration", rows, tokens, self.tokenizer)
-                text = (ids, self.proxy.logprobs(ids))
-                measured: dict[int, dict[int, float]] = {layer: {} for layer in self.spec.moe_layers}
-                for k, (stock, _) in stocks.items():
-                    decoded = artifact_experts(stock, None, self.spec.n_routed_experts, self.args.device)[0]
-                    for layer in self.spec.moe_layers:
-                        alone = {key: w for key, w in decoded.items() if key[0] == layer}
-                        measured[layer][k] = self.measure(alone, {}, text=text)["kl"]
-                kept = {"settings": settings, "kl_by_layer_and_k": measured}
+                kept = {"settings": settings, **measure()}
                 atomic_write_text(path, json.dumps(kept, indent=2) + "\n")
-        return {int(layer): {int(k): v for k, v in by_k.items()} for layer, by_k in kept["kl_by_layer_and_k"].items()}
+        return kept
+
+    def calibration_text(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first --heldout-rows x --heldout-tokens of the calibration split and the proxy's log-probabilities
+        there: what layer costs are measured on (the rows themselves on the held-out text)."""
+        rows, tokens = self.args.heldout_rows, self.args.heldout_tokens
+        ids = split_rows(self.args.proxy / "corpus", "calibration", rows, tokens, self.tokenizer)
+        return ids, self.proxy.logprobs(ids)
 
     def retained_costs(self, obs: Path) -> tuple[dict[int, dict[int | None, float]], dict[int, dict[int | None, int]]]:
         """Each decoder layer's retained linears alone (the experts, the head and the other layers exact) at each K of
@@ -930,19 +947,13 @@ class Evaluator:
         encodes them (`encode_retained_file`, their dense Hessians from `obs`); measured once per setting, kept in
         WORK."""
         path = self.work / "stocks" / f"retained-costs-{self.args.device}.json"  # the linears' EXL3 is any layout's
-        path.parent.mkdir(parents=True, exist_ok=True)
         settings = {
             "observations": str(obs),
             "bits": list(RETAINED_COST_BITS),
             "text": ["calibration", self.args.heldout_rows, self.args.heldout_tokens],
             "compute_dtype": self.args.compute_dtype,
         }
-        with open(path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            kept = json.loads(path.read_text()) if path.is_file() else {}
-            if kept.get("settings") != settings:
-                kept = {"settings": settings, **self._measure_retained_costs(obs)}
-                atomic_write_text(path, json.dumps(kept, indent=2) + "\n")
+        kept = self.kept_measurement(path, settings, lambda: self._measure_retained_costs(obs))
 
         def options(by_k: dict[str, Any]) -> dict[int | None, Any]:
             return {None if k == "exact" else int(k): v for k, v in by_k.items()}
@@ -953,10 +964,7 @@ class Evaluator:
         )
 
     def _measure_retained_costs(self, obs: Path) -> dict[str, Any]:
-        ids = split_rows(
-            self.args.proxy / "corpus", "calibration", self.args.heldout_rows, self.args.heldout_tokens, self.tokenizer
-        )
-        text = (ids, self.proxy.logprobs(ids))
+        text = self.calibration_text()
         kl: dict[str, dict[str, float]] = {}
         nbytes: dict[str, dict[str, int]] = {}
         for k in RETAINED_COST_BITS:
