@@ -46,6 +46,8 @@ from typing import Any
 import torch
 
 from glmquant.arch import PROJECTIONS, TensorRole, table_for
+from glmquant.checkpoint.layouts import parse_layer_bits
+from glmquant.errors import UsageError
 from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
@@ -117,6 +119,7 @@ def main() -> None:
         retained_bits=args.retained_bits,
         head_bits=args.head_bits,
         retained_exact_layers=args.retained_exact_layers,
+        retained_layer_bits=args.retained_layer_bits,
     )
     engine = Engine.load(
         artifact,
@@ -184,6 +187,13 @@ def parse_args() -> argparse.Namespace:
         "(encode --retained-exact-layers)",
     )
     p.add_argument(
+        "--retained-layer-bits",
+        type=layer_bits,
+        default=None,
+        help="the speed tier with each decoder layer's K (encode --retained-layer-bits K6,K6,exact,K3,...) instead of "
+        "--retained-bits; fills the report's speed_tier (its KL cost from --merge --kl-cost-row)",
+    )
+    p.add_argument(
         "--head-bits",
         type=int,
         default=None,
@@ -213,6 +223,8 @@ def parse_args() -> argparse.Namespace:
         "beside a --retained-bits 3 speed run)",
     )
     args = p.parse_args()
+    if args.retained_layer_bits is not None and (args.retained_bits is not None or args.retained_exact_layers):
+        p.error("--retained-layer-bits replaces --retained-bits and --retained-exact-layers")
     if set(args.parts) - set(PARTS):
         p.error(f"--parts takes {', '.join(PARTS)}")
     if not args.smoke and not args.merge and not torch.cuda.is_available():
@@ -610,6 +622,14 @@ def logical_expert_bytes(artifact: Any) -> int:
 # --- report --------------------------------------------------------------------------------------------------------
 
 
+def layer_bits(text: str) -> tuple[int | None, ...]:
+    """--retained-layer-bits as encode parses it; argparse reports a bad entry."""
+    try:
+        return parse_layer_bits(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> dict[str, Any]:
     spec, table, ckpt = artifact.spec, table_for(artifact.spec), artifact.checkpoint
     mtp = tuple(table.layer_prefix(layer) for layer in spec.mtp_layers)
@@ -621,6 +641,7 @@ def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> 
         "bits": ckpt.plan.bits,
         "retained_bits": ckpt.plan.retained_bits,
         "retained_exact_layers": ckpt.plan.retained_exact_layers,
+        "retained_layer_bits": None if ckpt.plan.retained_layer_bits is None else list(ckpt.plan.retained_layer_bits),
         "head_bits": ckpt.plan.head_bits,
         "retained_linears": sum(1 for lin in artifact.retained_linears.values() if lin.layer is not None),
         "head_exl3": any(lin.layer is None for lin in artifact.retained_linears.values()),  # --head-bits
@@ -695,7 +716,7 @@ def is_speed_tier(report: dict[str, Any]) -> bool:
     """Whether the report's model is the speed tier: EXL3 retained linears or head (`--retained-bits`, `--head-bits`;
     reports from before --head-bits have no head_bits)."""
     model = report.get("model") or {}
-    return model.get("retained_bits") is not None or model.get("head_bits") is not None
+    return any(model.get(k) is not None for k in ("retained_bits", "retained_layer_bits", "head_bits"))
 
 
 def speed_tier(
@@ -708,11 +729,14 @@ def speed_tier(
     per_class = classes.get("classes", {})
     bits, head_bits = report["model"]["retained_bits"], report["model"].get("head_bits")
     exact = report["model"].get("retained_exact_layers", 0)  # reports from before the option have none
+    layer_bits = report["model"].get("retained_layer_bits")
     kl_cost_ratio = None
     if kl_cost_row is not None:
         rows = (fidelity or {}).get("rows", [])
         kl_cost_ratio = next((r.get("kl_cost_ratio") for r in rows if r["recipe"] == kl_cost_row), None)
         kl_from = f"the proxy fidelity run merged with --fidelity: its {kl_cost_row} row, named by --kl-cost-row"
+    elif layer_bits is not None:
+        kl_from = "not measured: widths by layer have no row of their own; name the proxy's with --kl-cost-row"
     elif bits is None:
         kl_from = f"not measured: the proxy fidelity bench has no row with an EXL3 head alone (head_bits {head_bits})"
     else:
@@ -734,6 +758,7 @@ def speed_tier(
     return {
         "retained_bits": bits,
         "retained_exact_layers": exact,
+        "retained_layer_bits": layer_bits,
         "head_bits": head_bits,
         "bytes_per_token": bytes_per_token,
         "bytes_per_token_is": "batch-1 decode at the classes part's context, summed over its classes (the EXL3 "

@@ -16,7 +16,9 @@
 #                                                            # rollback ms per k = 1..3, measured tok/s (MTP resident)
 #   bash scripts/device_run_model.sh "$OUT" COMMIT tier      # the speed tier (--retained-bits $TIER_BITS, default 4;
 #                                                            # --head-bits $TIER_HEAD_BITS, --retained-exact-layers
-#                                                            # $TIER_EXACT when set; --compile-decode when TIER_COMPILE
+#                                                            # $TIER_EXACT when set; --retained-layer-bits
+#                                                            # $TIER_LAYER_BITS instead of --retained-bits when set;
+#                                                            # --compile-decode when TIER_COMPILE
 #                                                            # is set; --dense-linear-max-weights $TIER_DENSE when
 #                                                            # set): graphs check, decode 1k, classes, MTP (or
 #                                                            # $TIER_PARTS); fills the report's speed_tier, written to
@@ -53,11 +55,13 @@ for MODE in "${MODES[@]}"; do
     prefill) args=(--parts prefill) ;;
     compiled) args=(--quick --parts graphs,decode,classes,kernels --compile-decode) ;;
     mtp) args=(--quick --parts mtp) ;;
-    tier) args=(--quick --retained-bits "${TIER_BITS:-4}" ${TIER_HEAD_BITS:+--head-bits "$TIER_HEAD_BITS"}
+    tier) if [[ -n ${TIER_LAYER_BITS:-} ]]; then retained=(--retained-layer-bits "$TIER_LAYER_BITS"); k=layers
+          else retained=(--retained-bits "${TIER_BITS:-4}"); k=${TIER_BITS:-4}; fi
+          args=(--quick "${retained[@]}" ${TIER_HEAD_BITS:+--head-bits "$TIER_HEAD_BITS"}
                 ${TIER_EXACT:+--retained-exact-layers "$TIER_EXACT"} ${TIER_COMPILE:+--compile-decode}
                 ${TIER_DENSE:+--dense-linear-max-weights "$TIER_DENSE"}
                 --parts "${TIER_PARTS:-graphs,decode,classes,mtp}")  # the mtp part: the tier's mtp_speedup
-          MODE=tier_k${TIER_BITS:-4}_head${TIER_HEAD_BITS:-16}_exact${TIER_EXACT:-0}${TIER_COMPILE:+_compiled}${TIER_DENSE:+_dense$TIER_DENSE} ;;
+          MODE=tier_k${k}_head${TIER_HEAD_BITS:-16}_exact${TIER_EXACT:-0}${TIER_COMPILE:+_compiled}${TIER_DENSE:+_dense$TIER_DENSE} ;;
     *) echo "mode must be checks, serve, quick, decode, prefill, compiled, mtp or tier, not $MODE" >>"$LOG"; continue ;;
   esac
   stamp "bench_model.py ${args[*]}"

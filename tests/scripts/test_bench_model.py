@@ -151,6 +151,29 @@ def bench_model() -> ModuleType:
     return module
 
 
+def test_smoke_run_with_widths_by_layer(tmp_path: Path) -> None:
+    """`--retained-layer-bits exact,K4,K5`: the dummy artifact holds layer 1's linears at K4 and layer 2's at K5,
+    layer 0's exact; `model` and `speed_tier` record the widths; the KL cost waits for --kl-cost-row. Given with
+    --retained-bits it is refused before anything runs."""
+    out = tmp_path / "layers.json"
+    widths = "exact,K4,K5"
+    run = _run("--smoke", "--retained-layer-bits", widths, "--parts", "classes", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    model, tier = report["model"], report["speed_tier"]
+    spec = load_model_spec(model["config"])
+    assert spec.num_hidden_layers == 3 and model["retained_layer_bits"] == tier["retained_layer_bits"] == [None, 4, 5]
+    assert model["retained_bits"] is None
+    assert model["retained_linears"] == sum(1 for t in quantizable_retained(spec) if t.layer in (1, 2)) > 0
+    assert (
+        tier["bytes_per_token"] > 0 and tier["kl_cost_ratio"] is None and "--kl-cost-row" in tier["kl_cost_ratio_from"]
+    )
+    both = _run("--smoke", "--retained-layer-bits", widths, "--retained-bits", "4", "--out", str(tmp_path / "x.json"))
+    assert both.returncode == 2 and "replaces --retained-bits" in both.stderr and not (tmp_path / "x.json").exists()
+    bad = _run("--smoke", "--retained-layer-bits", "K4,5", "--out", str(tmp_path / "y.json"))
+    assert bad.returncode == 2 and "entry 1 ('5') is neither" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_kl_cost_is_the_fidelity_row_with_the_same_retained_and_head_k(bench_model: ModuleType) -> None:
     """Merged with a proxy fidelity run, a speed-tier report takes the KL cost of the row with its retained K and
     head K and exact first layers (`retained-k4`, `retained-k4-head6`, `retained-k4-head6-exact2`), not another's;
