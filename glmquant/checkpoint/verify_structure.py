@@ -234,16 +234,17 @@ def _config_problems(state: ArtifactState, s: Structure) -> list[str]:
     expert_bits, mixed = files_expert_bits(s, spec)
     problems += mixed + _tier_bitmap_problems(state, expert_bits)
     try:
+        linears = s.linear_bits
         expected = expected_exl3(
             spec,
             str(s.layout.get("type")),
             int(s.quantization("bits", 0)),
             str(s.quantization("codebook")),
             expert_bits,
-            s.linear_bits.retained_bits,
-            s.linear_bits.head_bits,
-            s.linear_bits.retained_exact_layers,
-            s.linear_bits.retained_layer_bits,
+            linears.retained_bits,
+            linears.head_bits,
+            linears.retained_exact_layers,
+            linears.retained_layer_bits,
         )
     except (GlmquantError, KeyError, ValueError, TypeError) as exc:
         return problems + [f"cannot derive the expected EXL3 tensors: {exc}"]

@@ -154,11 +154,8 @@ class EncodeConfig:
             raise UsageError(f"--tune-scales must be 0 or more Adam steps, got {self.tune_scales}")
         if self.tune_scales and self.uncalibrated:
             raise UsageError("--tune-scales tunes on the observations' sampled tokens: it needs --observations")
-        if self.retained_fallback_identity and (self.retained_bits, self.retained_layer_bits, self.head_bits) == (
-            None,
-            None,
-            None,
-        ):
+        asked = (self.retained_bits, self.retained_layer_bits, self.head_bits)
+        if self.retained_fallback_identity and all(v is None for v in asked):
             raise UsageError(
                 "--retained-uncalibrated-fallback applies to --retained-bits, --retained-layer-bits and --head-bits "
                 "only"
