@@ -1,5 +1,7 @@
 """`glmquant layer-costs SOURCE --observations OBS --artifact ART --out FILE`: each MoE layer's cost at K1-K4 and
-the widths of least summed cost, for `encode --tiers layers:...`."""
+the widths of least summed cost, for `encode --tiers layers:...`; `glmquant retained-costs` (the same arguments, a
+speed-tier build): each decoder layer's retained linears' cost at K3-K6 and exact, for `encode
+--retained-layer-bits`."""
 
 from __future__ import annotations
 
@@ -13,17 +15,35 @@ from glmquant.checkpoint.hub import resolve_source
 from glmquant.cli.common import HubRevision, guarded, out
 from glmquant.errors import UsageError
 from glmquant.observe.layer_costs import SWEEP_BITS, measure_layer_costs
+from glmquant.observe.retained_costs import EXACT, RETAINED_SWEEP_BITS, measure_retained_costs
 
 
 def register(app: typer.Typer) -> None:
     app.command("layer-costs")(layer_costs)
+    app.command("retained-costs")(retained_costs)
+
+
+Source = Annotated[str, typer.Argument(help="BF16 source checkpoint the artifact was built from (directory or Hub id)")]
+OutFile = Annotated[Path, typer.Option("--out", help="costs JSON to write")]
+Rows = Annotated[int, typer.Option(help="calibration rows (of the observations' first lane) for the KL")]
+Device = Annotated[str, typer.Option(help="cpu or cuda")]
+Dtype = Annotated[
+    str,
+    typer.Option(
+        help="compute dtype: auto (the model's), float32 (advised: BF16 rounding floors small KLs) or bfloat16"
+    ),
+]
+BatchRows = Annotated[int, typer.Option(help="calibration rows per forward step")]
+
+
+def _check_out(out_file: Path) -> None:
+    if not out_file.parent.is_dir():
+        raise UsageError(f"--out {out_file}: its directory {out_file.parent} does not exist")
 
 
 @guarded
 def layer_costs(
-    source: Annotated[
-        str, typer.Argument(help="BF16 source checkpoint the artifact was built from (directory or Hub id)")
-    ],
+    source: Source,
     observations: Annotated[
         Path, typer.Option(help="the observations the artifact was encoded with (observe --tuning-tokens N)")
     ],
@@ -31,26 +51,20 @@ def layer_costs(
         Path,
         typer.Option(help="an untuned build from them with natural Hessians and one K per MoE layer (the uniform K2)"),
     ],
-    out_file: Annotated[Path, typer.Option("--out", help="layer costs JSON to write")],
-    rows: Annotated[int, typer.Option(help="calibration rows (of the observations' first lane) for the KL")] = 16,
+    out_file: OutFile,
+    rows: Rows = 16,
     experts: Annotated[int, typer.Option(help="experts per MoE layer encoded at K1-K4 for the error ratios")] = 8,
     mean_bits: Annotated[
         float | None, typer.Option(help="mean K of the MoE layers to allocate (default: the artifact's)")
     ] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
-    dtype: Annotated[
-        str,
-        typer.Option(
-            help="compute dtype: auto (the model's), float32 (advised: BF16 rounding floors small KLs) or bfloat16"
-        ),
-    ] = "auto",
-    batch_rows: Annotated[int, typer.Option(help="calibration rows per forward step")] = 4,
+    device: Device = "cpu",
+    dtype: Dtype = "auto",
+    batch_rows: BatchRows = 4,
     revision: HubRevision = None,
 ) -> None:
     """Measure each MoE layer's KL alone (the others exact) from the artifact and scale it to K1-K4 by sampled
     experts' output errors; print the widths of least summed cost as a --tiers spec for encode."""
-    if not out_file.parent.is_dir():
-        raise UsageError(f"--out {out_file}: its directory {out_file.parent} does not exist")
+    _check_out(out_file)
     resolved = resolve_source(source, revision)
     costs = measure_layer_costs(
         resolved.path,
@@ -74,5 +88,60 @@ def layer_costs(
     out.print(table)
     out.print(
         f"widths at mean K {costs.mean_bits:g}: [bold]--tiers {costs.tiers}[/] "
+        f"(predicted KL {costs.predicted_kl:.3g}); written to {out_file}"
+    )
+
+
+@guarded
+def retained_costs(
+    source: Source,
+    observations: Annotated[
+        Path, typer.Option(help="the observations the artifact was encoded with (observe --dense-hessians)")
+    ],
+    artifact: Annotated[
+        Path, typer.Option(help="a speed-tier build from them with one K per decoder layer (encode --retained-bits 4)")
+    ],
+    out_file: OutFile,
+    rows: Rows = 16,
+    outputs: Annotated[
+        int, typer.Option(help="output rows of each retained linear encoded at K3-K6 for the error ratios")
+    ] = 256,
+    mean_bits: Annotated[
+        float | None,
+        typer.Option(help="allocate the retained bytes of this mean K, 3-6 (default: the artifact's retained bytes)"),
+    ] = None,
+    device: Device = "cpu",
+    dtype: Dtype = "auto",
+    batch_rows: BatchRows = 4,
+    revision: HubRevision = None,
+) -> None:
+    """Measure each decoder layer's retained linears' KL alone (the rest exact) from a speed-tier build and scale it
+    to K3-K6 by their sampled outputs' errors; print the widths of least summed cost within the byte budget as
+    --retained-layer-bits for encode."""
+    _check_out(out_file)
+    resolved = resolve_source(source, revision)
+    costs = measure_retained_costs(
+        resolved.path,
+        observations,
+        artifact,
+        rows=rows,
+        outputs=outputs,
+        mean_bits=mean_bits,
+        device=device,
+        dtype=dtype,
+        batch_rows=batch_rows,
+        progress=True,
+    )
+    costs.write(out_file)
+    table = Table(title=f"KL per decoder layer's retained linears alone ({costs.rows} x {costs.tokens} tokens)")
+    for column in ("layer", "artifact K", *(f"K{k}" for k in RETAINED_SWEEP_BITS), "chosen"):
+        table.add_column(column, justify="right")
+    for layer, by_k in costs.cost.items():
+        chosen = costs.widths[layer]
+        cells = [f"{by_k[k]:.3g}" for k in RETAINED_SWEEP_BITS]
+        table.add_row(str(layer), f"K{costs.artifact_bits[layer]}", *cells, EXACT if chosen is None else f"K{chosen}")
+    out.print(table)
+    out.print(
+        f"widths within {costs.budget_bytes / 1e9:.4g} GB: [bold]--retained-layer-bits {costs.retained_layer_bits}[/] "
         f"(predicted KL {costs.predicted_kl:.3g}); written to {out_file}"
     )

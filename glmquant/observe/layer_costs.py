@@ -118,9 +118,9 @@ def measure_layer_costs(
     if rows < 1 or experts < 1 or batch_rows < 1:
         raise UsageError(f"--rows, --experts and --batch-rows must be >= 1, got {rows}, {experts}, {batch_rows}")
     observations = Path(observations)
-    manifest_sha256 = _sha256_file(Path(artifact_dir) / MANIFEST_NAME)
+    manifest_sha256 = artifact_manifest_sha256(artifact_dir)
     with contextlib.ExitStack() as opened:
-        model = TextModel.open(source, device, None if dtype == "auto" else _dtype(dtype))
+        model = TextModel.open(source, device, None if dtype == "auto" else parse_dtype(dtype))
         opened.enter_context(model.ckpt)
         artifact = open_artifact(artifact_dir)
         opened.callback(artifact.checkpoint.close)
@@ -128,7 +128,7 @@ def measure_layer_costs(
         bits = {layer: _layer_bits(artifact, layer) for layer in layers}
         _check_observations(observations, layers)  # before the pass, which is the long part
         token_rows = TokenRows.load(observations)
-        ids = _calibration_rows(token_rows, rows, observations)
+        ids = calibration_rows(token_rows, rows, observations)
         bar = opened.enter_context(progress_bar(progress))
         opened.enter_context(torch.no_grad())
         forward = bar.add_task(f"forward, {len(layers)} forks", total=model.num_layers)
@@ -179,9 +179,12 @@ def layer_kl_alone(
     ids: torch.Tensor,
     batch_rows: int,
     advance: Callable[[], None] = lambda: None,
+    patch: Callable[[torch.nn.Module, Artifact, int], None] | None = None,
 ) -> dict[int, float]:
     """Mean KL(source || source with only layer L's routed experts from `artifact`) per next-token position, for
-    each L of `layers`, in one pass holding the source's streams and one forked stream per layer reached."""
+    each L of `layers`, in one pass holding the source's streams and one forked stream per layer reached. `patch`
+    puts other weights of the artifact into the decoder layer module instead (the retained linears')."""
+    patch = patch or _load_experts
 
     def through(module: torch.nn.Module, streams: torch.Tensor) -> torch.Tensor:
         return torch.cat([run_layer(module, part) for part in streams.split(batch_rows)])
@@ -194,7 +197,7 @@ def layer_kl_alone(
         for layer in list(forks):  # one fork's old and new streams at a time
             forks[layer] = through(module, forks[layer])
         if index in layers:
-            _load_experts(module, artifact, index)
+            patch(module, artifact, index)
             forks[index] = through(module, source)
         source = after
         del module
@@ -212,7 +215,7 @@ def layer_kl_alone(
     out = {layer: value / (ids.shape[0] * ids.shape[1]) for layer, value in total.items()}
     bad = [layer for layer, value in out.items() if not math.isfinite(value)]
     if bad:
-        raise UsageError(f"{artifact.path}: the experts of layer(s) {bad} make the logits non-finite")
+        raise UsageError(f"{artifact.path}: the weights of layer(s) {bad} make the logits non-finite")
     return out
 
 
@@ -304,17 +307,25 @@ def _layer_bits(artifact: Artifact, layer: int) -> int:
 def _check_artifact(model: TextModel, artifact: Artifact, path: Path) -> list[int]:
     """The MoE layers the artifact quantized, after checking that it was built from a model of the source's shape
     with every expert kept."""
+    fields = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_hidden_layers")
+    check_same_shape(
+        model,
+        artifact,
+        path,
+        fields,
+        ": another model, or pruned experts (layer costs compare every expert of a layer)",
+    )
+    return list(artifact.quantized_layers)
+
+
+def check_same_shape(model: TextModel, artifact: Artifact, path: Path, fields: Sequence[str], why: str = "") -> None:
+    """UsageError naming each of the specs' `fields` where the artifact differs from the source model."""
     theirs, ours = artifact.spec, model.spec
-    shape = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_hidden_layers")
     differ = [
-        f"{k} {getattr(theirs, k)} vs {getattr(ours, k)}" for k in shape if getattr(theirs, k) != getattr(ours, k)
+        f"{k} {getattr(theirs, k)} vs {getattr(ours, k)}" for k in fields if getattr(theirs, k) != getattr(ours, k)
     ]
     if differ:
-        raise UsageError(
-            f"{path} does not match the source ({', '.join(differ)}): another model, or pruned experts (layer costs "
-            "compare every expert of a layer)"
-        )
-    return list(artifact.quantized_layers)
+        raise UsageError(f"{path} does not match the source ({', '.join(differ)}){why}")
 
 
 def _check_observations(observations: Path, layers: Sequence[int]) -> None:
@@ -332,7 +343,7 @@ def _check_observations(observations: Path, layers: Sequence[int]) -> None:
             )
 
 
-def _calibration_rows(token_rows: TokenRows, rows: int, observations: Path) -> torch.Tensor:
+def calibration_rows(token_rows: TokenRows, rows: int, observations: Path) -> torch.Tensor:
     """The first `rows` rows of the first lane that feeds Hessians (calibration text, never held-out text)."""
     lanes = [lane for lane in token_rows.lanes if "hessians" in lane.use]
     if not lanes:
@@ -343,14 +354,15 @@ def _calibration_rows(token_rows: TokenRows, rows: int, observations: Path) -> t
     return ids[:rows]
 
 
-def _dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> torch.dtype:
     found = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(name)
     if found is None:
         raise UsageError(f"--dtype must be auto, float32 or bfloat16, not {name!r}")
     return found
 
 
-def _sha256_file(path: Path) -> str:
+def artifact_manifest_sha256(artifact_dir: str | Path) -> str:
+    path = Path(artifact_dir) / MANIFEST_NAME
     if not path.is_file():
         raise UsageError(f"{path} is missing: layer costs are measured on a finished artifact")
     return sha256_file(path)

@@ -1,7 +1,8 @@
 """The speed tier with a K per decoder layer (`encode --retained-layer-bits K3,K5` on the ONE_MOE model): each layer's
 retained linears are stored at their own K, the artifact is what `plan` predicts, its manifest and config block state
 the widths, verify-manifest checks the files against them, and the runtime runs each linear at its K.
-One K for every layer (`--retained-bits`, `--retained-exact-layers`): test_retained_bits.py."""
+One K for every layer (`--retained-bits`, `--retained-exact-layers`): test_retained_bits.py. `glmquant
+retained-costs` measures on this build the costs it chooses such widths from."""
 
 from __future__ import annotations
 
@@ -12,15 +13,23 @@ from pathlib import Path
 import pytest
 import torch
 from encode_fixtures import QUIET, assert_verify_manifest_cli
+from safetensors.torch import save_file
+from typer.testing import CliRunner
 
 from glmquant.arch import load_model_spec
-from glmquant.checkpoint.layouts import plan_artifact, quantizable_retained
+from glmquant.calibration import TokenRows
+from glmquant.checkpoint.layouts import check_layer_bits, parse_layer_bits, plan_artifact, quantizable_retained
 from glmquant.checkpoint.manifest import MANIFEST_NAME, manifest_text
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.verify import verify_artifact
 from glmquant.checkpoint.verify_report import MAX_SHOWN
+from glmquant.cli import app
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.run import EncodeResult
+from glmquant.errors import UsageError
+from glmquant.exl3 import decode_weight
+from glmquant.observe.retained_costs import measure_retained_costs
+from glmquant.runtime.artifact import open_artifact
 from glmquant.runtime.loader import load_model
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.retained_linears import Exl3Linear
@@ -115,3 +124,87 @@ def test_runtime_runs_each_linear_at_its_layers_k(one_moe_source: Path, by_layer
     fast, exact_logits = runs
     kl = float((exact_logits.exp() * (exact_logits - fast)).sum(-1).mean())
     assert 0 < kl < KL_BOUND, kl
+
+
+def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    got = logits.float().log_softmax(-1)
+    return float((reference.exp() * (reference - got)).sum(-1).mean())
+
+
+def test_retained_costs_measure_each_layers_kl_alone_and_choose_within_the_budget(
+    one_moe_source: Path, one_moe_dense_observations: Path, by_layer: EncodeResult, tmp_path: Path
+) -> None:
+    """`glmquant retained-costs` on this K3,K5 build: each layer's KL alone is transformers' whole model with only
+    that layer's retained linears decoded from the artifact; costs fall with K to exact's 0, equal the KL alone at
+    the artifact's K, and the widths are the cheapest of every choice within the artifact's bytes."""
+    from transformers import Glm5NextForConditionalGeneration
+
+    art = by_layer.artifact.directory
+    out = tmp_path / "costs.json"
+    args = ["retained-costs", str(one_moe_source), "--observations", str(one_moe_dense_observations)]
+    args += ["--artifact", str(art), "--out", str(out), "--rows", "2", "--dtype", "float32", "--batch-rows", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    costs = json.loads(out.read_text())
+    assert costs["artifact_bits"] == {"0": 3, "1": 5}
+    assert f"--retained-layer-bits {costs['retained_layer_bits']}" in " ".join(result.output.split())
+
+    ids = TokenRows.load(one_moe_dense_observations).lanes[0].ids.long()[:2]
+    whole = Glm5NextForConditionalGeneration.from_pretrained(str(one_moe_source), dtype=torch.float32).eval()
+    artifact = open_artifact(art)
+    with torch.no_grad():
+        reference = whole(input_ids=ids).logits.float().log_softmax(-1)
+        for layer in (0, 1):
+            params = {
+                whole.get_parameter(f"{path}.weight"): linear
+                for path, linear in artifact.retained_linear_modules().items()
+                if linear.layer == layer
+            }
+            kept = {p: p.clone() for p in params}
+            for p, linear in params.items():
+                p.copy_(decode_weight(artifact.read_linear(linear), torch.float32))
+            expected = _kl(reference, whole(input_ids=ids).logits)
+            for p, original in kept.items():
+                p.copy_(original)
+            assert expected > 0
+            assert costs["kl_alone"][str(layer)] == pytest.approx(expected, rel=1e-3, abs=1e-9)
+    artifact.checkpoint.close()
+
+    options = ["K3", "K4", "K5", "K6", "exact"]
+    for layer, k in costs["artifact_bits"].items():
+        by_option = costs["cost"][layer]
+        assert by_option[f"K{k}"] == pytest.approx(costs["kl_alone"][layer])
+        assert [by_option[o] for o in options] == sorted((by_option[o] for o in options), reverse=True)
+        assert len({by_option[o] for o in options}) == len(options) and by_option["exact"] == 0
+    nbytes = costs["nbytes"]
+    assert costs["budget_bytes"] == nbytes["0"]["K3"] + nbytes["1"]["K5"]
+    choices = [
+        (costs["cost"]["0"][a] + costs["cost"]["1"][b], (a, b))
+        for a in options
+        for b in options
+        if nbytes["0"][a] + nbytes["1"][b] <= costs["budget_bytes"]
+    ]
+    best = min(choices)[0]
+    assert costs["predicted_kl"] == pytest.approx(best)
+    assert costs["retained_layer_bits"] == ",".join(costs["widths"][layer] for layer in ("0", "1"))
+    check_layer_bits(None, 0, parse_layer_bits(costs["retained_layer_bits"]), load_model_spec(one_moe_source))
+
+
+def test_retained_costs_budget_and_bad_inputs(
+    one_moe_source: Path, one_moe_dense_observations: Path, by_layer: EncodeResult, small_artifact: Path, tmp_path: Path
+) -> None:
+    """--mean-bits 6 affords K6 everywhere and 3 only K3; a mean outside K3-K6, observations without a layer's dense
+    Hessians and an artifact of another model are refused, naming what is wrong."""
+    art = by_layer.artifact.directory
+    for mean, k in ((6.0, 6), (3.0, 3)):
+        costs = measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=1, mean_bits=mean)
+        assert costs.widths == {0: k, 1: k}
+    with pytest.raises(UsageError, match="--mean-bits must be within K3..K6"):
+        measure_retained_costs(one_moe_source, one_moe_dense_observations, art, mean_bits=2.5)
+    stripped = tmp_path / "obs"
+    shutil.copytree(one_moe_dense_observations, stripped)
+    save_file({"unrelated": torch.zeros(1)}, str(stripped / "layer-01.hessians.safetensors"))
+    with pytest.raises(UsageError, match=r"layer-01\.hessians\.safetensors lacks the dense Hessians of .*layers\.1\."):
+        measure_retained_costs(one_moe_source, stripped, art)
+    with pytest.raises(UsageError, match="does not match the source .*num_hidden_layers"):
+        measure_retained_costs(one_moe_source, one_moe_dense_observations, small_artifact)
