@@ -57,7 +57,9 @@ from glmquant.runtime.engine.profile import (
     class_bytes,
     class_steps,
     exl3_stacks,
+    mtp_draft_bytes,
     unique_experts,
+    verify_bytes,
 )
 from glmquant.runtime.options import DENSE_LINEAR_MAX_WEIGHTS, RuntimeOptions
 
@@ -441,6 +443,8 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
         engine.restore_recurrent(0, saved)
         verify_x = block_input(engine, 1, tokens=k + 1)
         classes = {n: round(ms, 4) for n, ms in class_times(engine, verify_x, context, times["verify_ms"], 10).items()}
+        routed = unique_experts(engine, verify_x)
+        read = verify_bytes(engine, k + 1, context, routed, logical_expert_bytes(artifact))
         engine.restore_recurrent(0, saved)
         diff = verify_graph_diff(engine, step_ids, context, saved)
         decoder = EngineMtpDecoder(engine, k)
@@ -453,6 +457,8 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
                 "k": k,
                 **{name: round(v, 4) for name, v in times.items()},
                 "verify_classes_ms": classes,
+                "verify_bytes": read,
+                "verify_experts_routed": routed,
                 "verify_graph_max_abs_logit_diff": diff,
                 "measured_tok_s": round((len(produced) - 1) * 1000 / ms, 2),
                 "measured_acceptance_rate": round(decoder.stats.acceptance_rate, 4),
@@ -469,6 +475,11 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
         "plain_step_ms": round(plain_ms, 4),
         "plain_tok_s": round(1000 / plain_ms, 2),
         "graphs": graphs,
+        "draft_bytes": mtp_draft_bytes(engine),
+        "bytes_are": "verify_bytes: each class's bytes for the k + 1 tokens (class_bytes; the routed experts "
+        "their rows route to, verify_experts_routed over the MoE layers: random rows route independently, where "
+        "a text's consecutive tokens share experts; KDA's state written once more per extra token); draft_bytes: "
+        "the weights one drafted token reads (the MTP layer, its top-k dense experts, lm_head)",
         "verify": "draft_ms, verify_ms and rollback_ms as EngineMtpDecoder runs them: one CUDA graph per token "
         "count where CUDA graphs run (graphs: true), else eager; verify_eager_ms the same verify eager on the "
         "decode math, and verify_graph_max_abs_logit_diff its largest logit difference from the graph's; the "
@@ -768,6 +779,7 @@ def speed_tier(
         # what no kernel can pass at these bytes: every class at the Spark's measured copy bandwidth, nothing else
         "gb10_bandwidth_bound_tok_s_218": round(218e9 / bytes_per_token, 2) if bytes_per_token else None,
         "mtp_speedup": (report.get("mtp_at_proxy_acceptance") or {}).get("speedup"),
+        "gb10_mtp_speedup_218": (report.get("mtp_at_proxy_acceptance") or {}).get("gb10_speedup_218"),
         "mtp_speedup_from": "the mtp part (--parts mtp with --retained-bits) merged with --fidelity (the "
         "trained proxy's MTP acceptance): mtp_at_proxy_acceptance",
         "kl_cost_ratio": kl_cost_ratio,
@@ -775,10 +787,14 @@ def speed_tier(
     }
 
 
-def mtp_at_acceptance(mtp: dict[str, Any], acceptance: dict[str, Any]) -> dict[str, Any]:
+def mtp_at_acceptance(
+    mtp: dict[str, Any], acceptance: dict[str, Any], plain_gb10: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The mtp part's step times at the tokens per verify step the trained proxy's MTP layer measured
     (bench_fidelity's mtp_acceptance): per k the projected tok/s (SPEC_FORMULA, the graph verify) and its speedup
-    over the plain step, and the best k. A projection: the proxy's acceptance, this model's step times."""
+    over the plain step, and the best k. A projection: the proxy's acceptance, this model's step times. With the
+    classes part's GB10 projection (`plain_gb10`) and the mtp part's bytes, each k's step is projected on the GB10
+    the same way (`gb10_218`)."""
     rows = []
     for row in mtp["rows"]:
         measured = acceptance.get(f"k{row['k']}")
@@ -796,7 +812,10 @@ def mtp_at_acceptance(mtp: dict[str, Any], acceptance: dict[str, Any]) -> dict[s
                 "speedup": round(tok_s / mtp["plain_tok_s"], 3),
             }
         )
+        if plain_gb10 is not None and "verify_bytes" in row and mtp.get("draft_bytes"):
+            rows[-1]["gb10_218"] = gb10_speculation(row, mtp["draft_bytes"], measured["tokens_per_step"], plain_gb10)
     best = max(rows, key=lambda r: r["speedup"], default=None)
+    best_gb10 = max((r for r in rows if "gb10_218" in r), key=lambda r: r["gb10_218"]["speedup"], default=None)
     return {
         "formula": "tok_s = 1000 x tokens_per_step / (k x draft_ms + verify_ms), speedup = tok_s / plain_tok_s; "
         + ROLLBACK_NOTE,
@@ -805,6 +824,29 @@ def mtp_at_acceptance(mtp: dict[str, Any], acceptance: dict[str, Any]) -> dict[s
         "rows": rows,
         "best_k": best["k"] if best else None,
         "speedup": best["speedup"] if best else None,
+        "gb10_best_k": best_gb10["k"] if best_gb10 else None,
+        "gb10_speedup_218": best_gb10["gb10_218"]["speedup"] if best_gb10 else None,
+    }
+
+
+def gb10_speculation(
+    row: dict[str, Any], draft_bytes: int, tokens_per_step: float, plain_gb10: dict[str, Any]
+) -> dict[str, Any]:
+    """One k's speculative step projected on the GB10 (218 GB/s) as `project_gb10` projects a plain step: the
+    verify per class, each draft as one class, at the proxy's tokens per step, over the plain step's projection."""
+    verify = project_gb10({c: (ms, row["verify_bytes"][c]) for c, ms in row["verify_classes_ms"].items()})
+    draft = project_gb10({"draft": (row["draft_ms"], draft_bytes)})
+    verify_ms, draft_ms = 1000 / verify["gb10_tok_s_218"], 1000 / draft["gb10_tok_s_218"]
+    step_ms = row["k"] * draft_ms + verify_ms
+    tok_s = 1000 * tokens_per_step / step_ms
+    return {
+        "formula": "step = k x draft + verify, each max(bytes / 218 GB/s, H200 ms x compute scale) per class; "
+        "tok/s = 1000 x tokens_per_step / step; speedup over the plain step's GB10 projection",
+        "verify_ms": round(verify_ms, 4),
+        "draft_ms": round(draft_ms, 4),
+        "step_ms": round(step_ms, 4),
+        "tok_s": round(tok_s, 2),
+        "speedup": round(tok_s / plain_gb10["gb10_tok_s_218"], 3),
     }
 
 
@@ -823,7 +865,8 @@ def merge(
         merged["fidelity_from"] = {k: fidelity.get(k) for k in ("format", "commit", "device")}
     acceptance = (fidelity or {}).get("mtp_acceptance")
     if acceptance and "rows" in merged["parts"].get("mtp", {}):
-        merged["mtp_at_proxy_acceptance"] = mtp_at_acceptance(merged["parts"]["mtp"], acceptance)
+        plain_gb10 = merged["parts"].get("classes", {}).get("projection")
+        merged["mtp_at_proxy_acceptance"] = mtp_at_acceptance(merged["parts"]["mtp"], acceptance, plain_gb10)
     if is_speed_tier(merged):
         merged["speed_tier"] = speed_tier(merged, fidelity, kl_cost_row)
     return merged

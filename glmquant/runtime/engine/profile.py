@@ -115,6 +115,28 @@ def class_bytes(engine: Engine, batch: int, context: int, experts_routed: int, e
     }
 
 
+def verify_bytes(engine: Engine, tokens: int, context: int, experts_routed: int, expert_bytes: int) -> dict[str, int]:
+    """`class_bytes` of one verify step of `tokens` (k + 1) at `context`: the weights once, the routed experts its
+    tokens route to (`experts_routed`, `unique_experts` of the k + 1 rows), and KDA's state written once more per
+    extra token (the per-token records a rejected draft rolls back to)."""
+    nbytes = class_bytes(engine, 1, context, experts_routed, expert_bytes)
+    state = sum(_nbytes(c) for c in engine.caches.rows(0, 1) if isinstance(c, KDACache))
+    return nbytes | {"kda": nbytes["kda"] + (tokens - 1) * state}
+
+
+def mtp_draft_bytes(engine: Engine) -> int:
+    """Weight bytes one drafted token reads: the MTP layer (eh_proj, norms, attention, router, shared expert and
+    its top-k routed experts, which the engine keeps dense) and the target's lm_head; its MLA cache not counted."""
+    mtp = engine.mtp
+    if mtp is None:
+        raise ValueError("the engine was loaded without its MTP layer")
+    experts = mtp.experts
+    per_expert = experts.gate_up[0].nbytes + experts.down[0].nbytes
+    layer = sum(t.nbytes for t in (mtp.enorm, mtp.hnorm, mtp.eh_proj, mtp.input_norm, mtp.post_norm, mtp.head_norm))
+    layer += _nbytes(mtp.attention) + mtp.mlp.router.nbytes + mtp.mlp.bias.nbytes + _nbytes(mtp.mlp.shared)
+    return layer + engine.cfg.top_k * per_expert + engine.weights.lm_head.nbytes
+
+
 def exl3_stacks(engine: Engine) -> dict[str, int]:
     """The EXL3 stacks a plain decode step runs through `exl3_linear` (three launches each at batch 1) and the
     retained linears they hold (several in a stack: KDA's q, k, v; gate with up), over the text layers and the head."""
