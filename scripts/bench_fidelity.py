@@ -305,13 +305,22 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
             head_bits=5,
             retained_widths_from="layer-cost",
         ),
-        Recipe(
-            "retained-layer-cost-k3-head5",
-            "retained-layer-cost-head5 within uniform K3's retained bytes: on GLM-5.3-Flash the speed tier needs about "
-            "that few to project 30 tok/s on a GB10 (docs/encode.md)",
-            head_bits=5,
-            retained_widths_from="layer-cost",
-            retained_budget_bits=3,
+        *(
+            Recipe(
+                f"retained-layer-cost-k{budget}-head5",
+                f"retained-layer-cost-head5 within uniform K{budget}'s retained bytes: {why}",
+                head_bits=5,
+                retained_widths_from="layer-cost",
+                retained_budget_bits=budget,
+            )
+            for budget, why in (
+                (
+                    3,
+                    "on GLM-5.3-Flash the speed tier needs about that few to project 30 tok/s on a GB10",
+                ),
+                (5, "the KL cost one bit wider buys, and its bytes"),
+                (6, "the KL cost two bits wider buy: where the goal of a KL cost <= 0.1 is met, and at what bytes"),
+            )
         ),
         Recipe(
             f"retained-k5-head6-exact{exact}",
