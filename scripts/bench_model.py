@@ -566,6 +566,7 @@ def project_gb10(classes: dict[str, tuple[float, int]]) -> dict[str, Any]:
             row[f"gb10_ms_{bw}"] = round(max(memory_ms, compute_ms), 4)
             row[f"bound_{bw}"] = "bandwidth" if memory_ms >= compute_ms else "compute"
             total += max(memory_ms, compute_ms)
+        out[f"gb10_ms_{bw}"] = round(total, 4)
         out[f"gb10_tok_s_{bw}"] = round(1000 / total, 2)
     return out
 
@@ -836,7 +837,7 @@ def gb10_speculation(
     verify per class, each draft as one class, at the proxy's tokens per step, over the plain step's projection."""
     verify = project_gb10({c: (ms, row["verify_bytes"][c]) for c, ms in row["verify_classes_ms"].items()})
     draft = project_gb10({"draft": (row["draft_ms"], draft_bytes)})
-    verify_ms, draft_ms = 1000 / verify["gb10_tok_s_218"], 1000 / draft["gb10_tok_s_218"]
+    verify_ms, draft_ms = verify["gb10_ms_218"], draft["gb10_ms_218"]
     step_ms = row["k"] * draft_ms + verify_ms
     tok_s = 1000 * tokens_per_step / step_ms
     return {
@@ -846,7 +847,7 @@ def gb10_speculation(
         "draft_ms": round(draft_ms, 4),
         "step_ms": round(step_ms, 4),
         "tok_s": round(tok_s, 2),
-        "speedup": round(tok_s / plain_gb10["gb10_tok_s_218"], 3),
+        "speedup": round(tok_s * plain_gb10.get("gb10_ms_218", 1000 / plain_gb10["gb10_tok_s_218"]) / 1000, 3),
     }
 
 

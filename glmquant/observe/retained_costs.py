@@ -61,8 +61,8 @@ EXACT = "exact"
 
 @dataclass(frozen=True)
 class RetainedCosts:
-    """What `measure_retained_costs` found, and the widths it chose; `write` as JSON (FORMAT; widths and costs keyed
-    by "K<bits>" or "exact")."""
+    """What `measure_retained_costs` found, and the widths it chose; `write` as JSON (FORMAT; errors, costs, bytes
+    and widths keyed by "K<bits>" or "exact")."""
 
     artifact_manifest_sha256: str
     token_rows_sha256: str
@@ -87,6 +87,7 @@ class RetainedCosts:
             return {EXACT if k is None else f"K{k}": v for k, v in by_option.items()}
 
         data = asdict(self) | {
+            "error": {layer: named(e) for layer, e in self.error.items()},
             "cost": {layer: named(c) for layer, c in self.cost.items()},
             "nbytes": {layer: named(b) for layer, b in self.nbytes.items()},
             "widths": {layer: EXACT if k is None else f"K{k}" for layer, k in self.widths.items()},
@@ -160,7 +161,9 @@ def measure_retained_costs(
         layer: {None: 0.0, **{k: kl[layer] * error[layer][k] / error[layer][bits[layer]] for k in sweep}}
         for layer in by_layer
     }
-    nbytes = {layer: _option_bytes(linears, sweep, codebook) for layer, linears in by_layer.items()}
+    nbytes = {  # the artifact's own K too, for the default budget, where it is outside the sweep
+        layer: _option_bytes(linears, sorted({*sweep, bits[layer]}), codebook) for layer, linears in by_layer.items()
+    }
     budget = _budget(nbytes, bits, mean_bits)
     widths = allocate_widths(cost, nbytes, budget)
     return RetainedCosts(

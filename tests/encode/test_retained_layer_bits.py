@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from glmquant.encode.run import EncodeResult
 from glmquant.errors import UsageError
 from glmquant.exl3 import decode_weight
 from glmquant.observe.retained_costs import measure_retained_costs
-from glmquant.runtime.artifact import open_artifact
+from glmquant.runtime.artifact import Artifact, open_artifact
 from glmquant.runtime.loader import load_model
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.retained_linears import Exl3Linear
@@ -152,23 +153,20 @@ def test_retained_costs_measure_each_layers_kl_alone_and_choose_within_the_budge
     ids = TokenRows.load(one_moe_dense_observations).lanes[0].ids.long()[:2]
     whole = Glm5NextForConditionalGeneration.from_pretrained(str(one_moe_source), dtype=torch.float32).eval()
     artifact = open_artifact(art)
-    with torch.no_grad():
-        reference = whole(input_ids=ids).logits.float().log_softmax(-1)
-        for layer in (0, 1):
-            params = {
-                whole.get_parameter(f"{path}.weight"): linear
-                for path, linear in artifact.retained_linear_modules().items()
-                if linear.layer == layer
-            }
-            kept = {p: p.clone() for p in params}
-            for p, linear in params.items():
-                p.copy_(decode_weight(artifact.read_linear(linear), torch.float32))
-            expected = _kl(reference, whole(input_ids=ids).logits)
-            for p, original in kept.items():
-                p.copy_(original)
-            assert expected > 0
-            assert costs["kl_alone"][str(layer)] == pytest.approx(expected, rel=1e-3, abs=1e-9)
-    artifact.checkpoint.close()
+    try:
+        _check_against_transformers(costs, artifact, whole, ids)
+        stored: dict[str, dict[str, int]] = {}  # the options' bytes: what the artifact stores, BF16 for exact
+        for linear in artifact.retained_linears.values():
+            if linear.layer is not None:
+                tensors = artifact.read_linear(linear).tensors(linear.key).values()
+                layer = stored.setdefault(str(linear.layer), {"stored": 0, "exact": 0})
+                layer["stored"] += sum(t.numel() * t.element_size() for t in tensors)
+                layer["exact"] += 2 * linear.in_features * linear.out_features
+    finally:
+        artifact.checkpoint.close()
+    for layer, k in costs["artifact_bits"].items():
+        assert costs["nbytes"][layer][f"K{k}"] == stored[layer]["stored"]
+        assert costs["nbytes"][layer]["exact"] == stored[layer]["exact"]
 
     options = ["K3", "K4", "K5", "K6", "exact"]
     for layer, k in costs["artifact_bits"].items():
@@ -208,3 +206,25 @@ def test_retained_costs_budget_and_bad_inputs(
         measure_retained_costs(one_moe_source, stripped, art)
     with pytest.raises(UsageError, match="does not match the source .*num_hidden_layers"):
         measure_retained_costs(one_moe_source, one_moe_dense_observations, small_artifact)
+
+
+def _check_against_transformers(
+    costs: dict[str, Any], artifact: Artifact, whole: torch.nn.Module, ids: torch.Tensor
+) -> None:
+    """Each layer's KL alone equals transformers' whole model with only that layer's retained linears decoded."""
+    with torch.no_grad():
+        reference = whole(input_ids=ids).logits.float().log_softmax(-1)
+        for layer in (0, 1):
+            params = {
+                whole.get_parameter(f"{path}.weight"): linear
+                for path, linear in artifact.retained_linear_modules().items()
+                if linear.layer == layer
+            }
+            kept = {p: p.clone() for p in params}
+            for p, linear in params.items():
+                p.copy_(decode_weight(artifact.read_linear(linear), torch.float32))
+            expected = _kl(reference, whole(input_ids=ids).logits)
+            for p, original in kept.items():
+                p.copy_(original)
+            assert expected > 0
+            assert costs["kl_alone"][str(layer)] == pytest.approx(expected, rel=1e-3, abs=1e-9)

@@ -67,16 +67,10 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
         )
         rates = row["tok_s_at_accepted_per_step"]
         assert rates["0"] < rates[f"{row['k']:g}"]  # more accepted drafts, more tokens per second
-        read = row["verify_bytes"]  # the weights once; more routed experts and KDA state records than one token's
+        read = row["verify_bytes"]  # more routed experts and KDA state records than one token's
         assert set(read) == set(verify_classes)
-        assert (
-            read["routed_moe"] > classes["routed_moe"]["bytes_per_token"]
-            and read["kda"] > classes["kda"]["bytes_per_token"]
-        )
-        assert (
-            read["mla_dsa"] >= classes["mla_dsa"]["bytes_per_token"]
-            and read["lm_head"] == classes["lm_head"]["bytes_per_token"]
-        )
+        assert read["routed_moe"] > classes["routed_moe"]["bytes_per_token"]
+        assert read["kda"] > classes["kda"]["bytes_per_token"]
     assert mtp["draft_bytes"] > classes["lm_head"]["bytes_per_token"]  # the MTP layer besides the head
     summary = report["summary"]
     assert set(summary) >= {
@@ -116,8 +110,8 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     verify = sum(gb10_ms(ms, row["verify_bytes"][c]) for c, ms in row["verify_classes_ms"].items())
     step = 2 * gb10_ms(row["draft_ms"], mtp["draft_bytes"]) + verify
     gb10 = projected["rows"][0]["gb10_218"]
-    assert gb10["step_ms"] == pytest.approx(step, rel=2e-3)
-    assert gb10["speedup"] == pytest.approx(1000 * 2.2 / step / summary["gb10_tok_s_218"], rel=3e-3)
+    assert gb10["step_ms"] == pytest.approx(step, rel=1e-3)
+    assert gb10["speedup"] == pytest.approx(2.2 * projection["gb10_ms_218"] / step, rel=1e-3)
     assert projected["gb10_best_k"] == 2 and projected["gb10_speedup_218"] == gb10["speedup"]
 
 
