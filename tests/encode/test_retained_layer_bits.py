@@ -228,3 +228,19 @@ def _check_against_transformers(
                 p.copy_(original)
             assert expected > 0
             assert costs["kl_alone"][str(layer)] == pytest.approx(expected, rel=1e-3, abs=1e-9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_retained_costs_on_cuda_equal_the_cpus(
+    one_moe_source: Path, one_moe_dense_observations: Path, by_layer: EncodeResult
+) -> None:
+    """The streamed pass on the GPU gives the CPU's KLs (float32); the sampled encodes its errors within the CUDA
+    encoder's distance from the CPU's (the same quality, not the same codes)."""
+    art = by_layer.artifact.directory
+    cpu, gpu = (
+        measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=2, dtype="float32", device=d)
+        for d in ("cpu", "cuda")
+    )
+    for layer, kl in cpu.kl_alone.items():
+        assert gpu.kl_alone[layer] == pytest.approx(kl, rel=1e-3)
+        assert gpu.error[layer] == pytest.approx(cpu.error[layer], rel=0.1)

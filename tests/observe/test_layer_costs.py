@@ -151,3 +151,16 @@ def test_bad_inputs_are_named(tiny_source: Path, observed: Path, uniform_k2: Pat
     encode_artifact(config, Console(quiet=True))
     with pytest.raises(UsageError, match=r"layer 1's experts have K \[2, 3\]; layer costs need one K per layer"):
         measure_layer_costs(tiny_source, observed, mixed, rows=1, experts=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_costs_on_cuda_equal_the_cpus(tiny_source: Path, observed: Path, uniform_k2: Path) -> None:
+    """The streamed pass on the GPU gives the CPU's KLs (float32); the sampled encodes its errors within the CUDA
+    encoder's distance from the CPU's (the same quality, not the same codes)."""
+    cpu, gpu = (
+        measure_layer_costs(tiny_source, observed, uniform_k2, rows=2, experts=4, dtype="float32", device=device)
+        for device in ("cpu", "cuda")
+    )
+    for layer, kl in cpu.kl_alone.items():
+        assert gpu.kl_alone[layer] == pytest.approx(kl, rel=1e-3)
+        assert gpu.error[layer] == pytest.approx(cpu.error[layer], rel=0.1)
