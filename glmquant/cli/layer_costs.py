@@ -110,6 +110,10 @@ def retained_costs(
         float | None,
         typer.Option(help="allocate the retained bytes of this mean K, 3-6 (default: the artifact's retained bytes)"),
     ] = None,
+    error_exponent: Annotated[
+        float,
+        typer.Option(help="g of cost = KL alone x (output error ratio) ** g: 1 is second order; 0.5 fit the proxy"),
+    ] = 0.5,
     device: Device = "cpu",
     dtype: Dtype = "auto",
     batch_rows: BatchRows = 4,
@@ -127,6 +131,7 @@ def retained_costs(
         rows=rows,
         outputs=outputs,
         mean_bits=mean_bits,
+        error_exponent=error_exponent,
         device=device,
         dtype=dtype,
         batch_rows=batch_rows,

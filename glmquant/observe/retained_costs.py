@@ -13,7 +13,10 @@ it from the one speed-tier build a recipe starts from:
 - `error[L][K]`: over L's linears, the summed output error energy tr(E H Eᵀ) (H the linear's dense Hessian
   from `observe --dense-hessians`) of `outputs` evenly spaced output rows of each, encoded at each K with the
   artifact's codebook;
-- `cost[L][K] = kl_alone[L] * error[L][K] / error[L][K_L]` (K_L: the layer's K in the artifact); exact costs 0.
+- `cost[L][K] = kl_alone[L] * (error[L][K] / error[L][K_L]) ** g` (K_L: the layer's K in the artifact); exact costs
+  0. g = 1 would be the KL's second order; on the second seven-layer proxy each layer's measured KL fell about 2x per
+  added bit where these errors fell 3.8x (g about 0.5 in all seven layers), and g = 0.5 chose the widths the direct
+  measurement did where g = 1 did not (docs/encode.md), so 0.5 is the default (`--error-exponent`).
 
 The widths of least summed cost within a byte budget (`allocate_widths`, exact allowed) are printed as
 `--retained-layer-bits`. lm_head keeps its `--head-bits`; the MTP layer is not in the plain decode path.
@@ -70,6 +73,7 @@ class RetainedCosts:
     tokens: int
     compute_dtype: str
     outputs_sampled: int  # output rows of each linear encoded at each K (all of a smaller linear's)
+    error_exponent: float  # g of cost = kl_alone x (error ratio) ** g
     artifact_bits: dict[int, int]  # each decoder layer's K in the artifact
     kl_alone: dict[int, float]
     error: dict[int, dict[int, float]]  # summed output error energy of the sampled rows, by K
@@ -103,6 +107,7 @@ def measure_retained_costs(
     rows: int = 16,
     outputs: int = 256,
     mean_bits: float | None = None,
+    error_exponent: float = 0.5,
     device: str = "cpu",
     dtype: str = "auto",
     batch_rows: int = 4,
@@ -114,6 +119,8 @@ def measure_retained_costs(
     bytes; default: the artifact's own retained bytes)."""
     if rows < 1 or batch_rows < 1 or outputs < 1:
         raise UsageError(f"--rows, --batch-rows and --outputs must be >= 1, got {rows}, {batch_rows}, {outputs}")
+    if not 0 < error_exponent <= 2:
+        raise UsageError(f"--error-exponent must be in (0, 2], got {error_exponent}")
     sweep = RETAINED_SWEEP_BITS
     if mean_bits is not None and not min(sweep) <= mean_bits <= max(sweep):
         raise UsageError(f"--mean-bits must be within K{min(sweep)}..K{max(sweep)} for the retained linears")
@@ -158,7 +165,10 @@ def measure_retained_costs(
             bar.advance(sampled)
         seconds["error"] = round(time.monotonic() - started - seconds["kl"], 1)
     cost: dict[int, dict[int | None, float]] = {
-        layer: {None: 0.0, **{k: kl[layer] * error[layer][k] / error[layer][bits[layer]] for k in sweep}}
+        layer: {
+            None: 0.0,
+            **{k: kl[layer] * (error[layer][k] / error[layer][bits[layer]]) ** error_exponent for k in sweep},
+        }
         for layer in by_layer
     }
     nbytes = {  # the artifact's own K too, for the default budget, where it is outside the sweep
@@ -173,6 +183,7 @@ def measure_retained_costs(
         tokens=int(ids.shape[1]),
         compute_dtype=str(model.dtype).removeprefix("torch."),
         outputs_sampled=outputs,
+        error_exponent=error_exponent,
         artifact_bits=bits,
         kl_alone=kl,
         error=error,

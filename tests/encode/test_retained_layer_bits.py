@@ -172,6 +172,11 @@ def test_retained_costs_measure_each_layers_kl_alone_and_choose_within_the_budge
     for layer, k in costs["artifact_bits"].items():
         by_option = costs["cost"][layer]
         assert by_option[f"K{k}"] == pytest.approx(costs["kl_alone"][layer])
+        error = costs["error"][layer]  # cost = KL alone x (error ratio) ** g, g the default 0.5
+        assert costs["error_exponent"] == 0.5
+        for option in options[:-1]:
+            ratio = error[option] / error[f"K{k}"]
+            assert by_option[option] == pytest.approx(costs["kl_alone"][layer] * ratio**0.5)
         assert [by_option[o] for o in options] == sorted((by_option[o] for o in options), reverse=True)
         assert len({by_option[o] for o in options}) == len(options) and by_option["exact"] == 0
     nbytes = costs["nbytes"]
@@ -197,6 +202,8 @@ def test_retained_costs_budget_and_bad_inputs(
     for mean, k in ((6.0, 6), (3.0, 3)):
         costs = measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=1, mean_bits=mean)
         assert costs.widths == {0: k, 1: k}
+    with pytest.raises(UsageError, match=r"--error-exponent must be in \(0, 2\], got 0"):
+        measure_retained_costs(one_moe_source, one_moe_dense_observations, art, error_exponent=0)
     with pytest.raises(UsageError, match="--mean-bits must be within K3..K6"):
         measure_retained_costs(one_moe_source, one_moe_dense_observations, art, mean_bits=2.5)
     stripped = tmp_path / "obs"
