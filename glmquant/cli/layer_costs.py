@@ -5,8 +5,9 @@ speed-tier build): each decoder layer's retained linears' cost at K3-K6 and exac
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -79,16 +80,12 @@ def layer_costs(
         progress=True,
     )
     costs.write(out_file)
-    table = Table(title=f"KL per MoE layer alone ({costs.rows} x {costs.tokens} tokens, {costs.compute_dtype})")
-    for column in ("layer", "artifact K", *(f"K{k}" for k in SWEEP_BITS), "chosen"):
-        table.add_column(column, justify="right")
-    for layer, by_k in costs.cost.items():
-        cells = [f"{by_k[k]:.3g}" for k in SWEEP_BITS]
-        table.add_row(str(layer), f"K{costs.artifact_bits[layer]}", *cells, f"K{costs.widths[layer]}")
-    out.print(table)
-    out.print(
+    _print_costs(
+        f"KL per MoE layer alone ({costs.rows} x {costs.tokens} tokens, {costs.compute_dtype})",
+        SWEEP_BITS,
+        {layer: (costs.artifact_bits[layer], by_k, costs.widths[layer]) for layer, by_k in costs.cost.items()},
         f"widths at mean K {costs.mean_bits:g}: [bold]--tiers {costs.tiers}[/] "
-        f"(predicted KL {costs.predicted_kl:.3g}); written to {out_file}"
+        f"(predicted KL {costs.predicted_kl:.3g}); written to {out_file}",
     )
 
 
@@ -138,15 +135,27 @@ def retained_costs(
         progress=True,
     )
     costs.write(out_file)
-    table = Table(title=f"KL per decoder layer's retained linears alone ({costs.rows} x {costs.tokens} tokens)")
-    for column in ("layer", "artifact K", *(f"K{k}" for k in RETAINED_SWEEP_BITS), "chosen"):
-        table.add_column(column, justify="right")
-    for layer, by_k in costs.cost.items():
-        chosen = costs.widths[layer]
-        cells = [f"{by_k[k]:.3g}" for k in RETAINED_SWEEP_BITS]
-        table.add_row(str(layer), f"K{costs.artifact_bits[layer]}", *cells, EXACT if chosen is None else f"K{chosen}")
-    out.print(table)
-    out.print(
+    _print_costs(
+        f"KL per decoder layer's retained linears alone ({costs.rows} x {costs.tokens} tokens)",
+        RETAINED_SWEEP_BITS,
+        {layer: (costs.artifact_bits[layer], by_k, costs.widths[layer]) for layer, by_k in costs.cost.items()},
         f"widths within {costs.budget_bytes / 1e9:.4g} GB: [bold]--retained-layer-bits {costs.retained_layer_bits}[/] "
-        f"(predicted KL {costs.predicted_kl:.3g}); written to {out_file}"
+        f"(predicted KL {costs.predicted_kl:.3g}); written to {out_file}",
     )
+
+
+def _print_costs(
+    title: str,
+    bits: Sequence[int],
+    by_layer: Mapping[int, tuple[int, Mapping[Any, float], int | None]],
+    summary: str,
+) -> None:
+    """A table of each layer's K in the artifact, its cost at each of `bits` and its chosen K; then `summary`."""
+    table = Table(title=title)
+    for column in ("layer", "artifact K", *(f"K{k}" for k in bits), "chosen"):
+        table.add_column(column, justify="right")
+    for layer, (artifact_bits, cost, chosen) in by_layer.items():
+        cells = [f"{cost[k]:.3g}" for k in bits]
+        table.add_row(str(layer), f"K{artifact_bits}", *cells, EXACT if chosen is None else f"K{chosen}")
+    out.print(table)
+    out.print(summary)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from rich.progress import Progress
 
 from glmquant.arch import PROJECTIONS, table_for
 from glmquant.calibration.token_rows import TokenRows
@@ -120,17 +121,11 @@ def measure_layer_costs(
     observations = Path(observations)
     manifest_sha256 = artifact_manifest_sha256(artifact_dir)
     with contextlib.ExitStack() as opened:
-        model = TextModel.open(source, device, None if dtype == "auto" else parse_dtype(dtype))
-        opened.enter_context(model.ckpt)
-        artifact = open_artifact(artifact_dir)
-        opened.callback(artifact.checkpoint.close)
+        model, artifact = open_for_costs(opened, source, artifact_dir, device, dtype)
         layers = _check_artifact(model, artifact, Path(artifact_dir))
         bits = {layer: _layer_bits(artifact, layer) for layer in layers}
         _check_observations(observations, layers)  # before the pass, which is the long part
-        token_rows = TokenRows.load(observations)
-        ids = calibration_rows(token_rows, rows, observations)
-        bar = opened.enter_context(progress_bar(progress))
-        opened.enter_context(torch.no_grad())
+        token_rows, ids, bar = start_pass(opened, observations, rows, progress)
         forward = bar.add_task(f"forward, {len(layers)} forks", total=model.num_layers)
         started = time.monotonic()
         kl = layer_kl_alone(model, artifact, layers, ids, batch_rows, lambda: bar.advance(forward))
@@ -169,6 +164,29 @@ def measure_layer_costs(
         predicted_kl=sum(cost[layer][widths[layer]] for layer in layers),
         seconds=seconds,
     )
+
+
+def open_for_costs(
+    opened: contextlib.ExitStack, source: str | Path, artifact_dir: str | Path, device: str, dtype: str
+) -> tuple[TextModel, Artifact]:
+    """The source opened for streaming in `dtype` (auto: the model's) and the artifact, both closed with `opened`."""
+    model = TextModel.open(source, device, None if dtype == "auto" else parse_dtype(dtype))
+    opened.enter_context(model.ckpt)
+    artifact = open_artifact(artifact_dir)
+    opened.callback(artifact.checkpoint.close)
+    return model, artifact
+
+
+def start_pass(
+    opened: contextlib.ExitStack, observations: Path, rows: int, progress: bool
+) -> tuple[TokenRows, torch.Tensor, Progress]:
+    """The observations' token rows, the first `rows` calibration rows and a progress bar, under no_grad until
+    `opened` closes."""
+    token_rows = TokenRows.load(observations)
+    ids = calibration_rows(token_rows, rows, observations)
+    bar = opened.enter_context(progress_bar(progress))
+    opened.enter_context(torch.no_grad())
+    return token_rows, ids, bar
 
 
 @torch.no_grad()

@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from glmquant.arch import table_for
-from glmquant.calibration.token_rows import TokenRows
 from glmquant.checkpoint.layouts import RetainedLinear
 from glmquant.checkpoint.safetensors_format import parse_header
 from glmquant.checkpoint.writer import atomic_write_text
@@ -47,15 +46,14 @@ from glmquant.exl3 import Codebook, EXL3Tensor, decode_weight, encode_linears
 from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.layer_costs import (
     artifact_manifest_sha256,
-    calibration_rows,
     check_same_shape,
     layer_kl_alone,
-    parse_dtype,
+    open_for_costs,
+    start_pass,
 )
-from glmquant.observe.run import progress_bar
 from glmquant.observe.streaming import TextModel
 from glmquant.observe.width_allocation import allocate_widths
-from glmquant.runtime.artifact import Artifact, open_artifact
+from glmquant.runtime.artifact import Artifact
 
 FORMAT = "glmquant.retained_costs.v1"
 RETAINED_SWEEP_BITS = (3, 4, 5, 6)  # the K offered to each layer besides exact (issue 18's speed tier: K4-K6, and K3)
@@ -127,18 +125,12 @@ def measure_retained_costs(
     observations = Path(observations)
     manifest_sha256 = artifact_manifest_sha256(artifact_dir)
     with contextlib.ExitStack() as opened:
-        model = TextModel.open(source, device, None if dtype == "auto" else parse_dtype(dtype))
-        opened.enter_context(model.ckpt)
-        artifact = open_artifact(artifact_dir)
-        opened.callback(artifact.checkpoint.close)
+        model, artifact = open_for_costs(opened, source, artifact_dir, device, dtype)
         by_layer = _layer_linears(model, artifact, Path(artifact_dir))
         bits = {layer: _one_bits(linears, Path(artifact_dir), layer) for layer, linears in by_layer.items()}
         _check_dense_hessians(observations, by_layer)  # before the pass, which is the long part
         codebook = artifact.read_linear(by_layer[min(by_layer)][0]).codebook
-        token_rows = TokenRows.load(observations)
-        ids = calibration_rows(token_rows, rows, observations)
-        bar = opened.enter_context(progress_bar(progress))
-        opened.enter_context(torch.no_grad())
+        token_rows, ids, bar = start_pass(opened, observations, rows, progress)
         forward = bar.add_task(f"forward, {len(by_layer)} forks", total=model.num_layers)
         started = time.monotonic()
         kl = layer_kl_alone(
