@@ -196,12 +196,22 @@ def test_retained_costs_measure_each_layers_kl_alone_and_choose_within_the_budge
 def test_retained_costs_budget_and_bad_inputs(
     one_moe_source: Path, one_moe_dense_observations: Path, by_layer: EncodeResult, small_artifact: Path, tmp_path: Path
 ) -> None:
-    """--mean-bits 6 affords K6 everywhere and 3 only K3; a mean outside K3-K6, observations without a layer's dense
-    Hessians and an artifact of another model are refused, naming what is wrong."""
+    """--mean-bits 4.5 allocates the bytes halfway between uniform K4's and K5's, and the widths are the cheapest
+    choice within them; a mean outside K3-K6, observations without a layer's dense Hessians and an artifact of another
+    model are refused, naming what is wrong."""
     art = by_layer.artifact.directory
-    for mean, k in ((6.0, 6), (3.0, 3)):
-        costs = measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=1, mean_bits=mean)
-        assert costs.widths == {0: k, 1: k}
+    costs = measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=1, mean_bits=4.5)
+    uniform = {k: sum(by_option[k] for by_option in costs.nbytes.values()) for k in (4, 5)}
+    assert costs.budget_bytes == round((uniform[4] + uniform[5]) / 2)
+    options = [3, 4, 5, 6, None]
+    within = [
+        (costs.cost[0][a] + costs.cost[1][b], (a, b))
+        for a in options
+        for b in options
+        if costs.nbytes[0][a] + costs.nbytes[1][b] <= costs.budget_bytes
+    ]
+    assert costs.predicted_kl == pytest.approx(min(within)[0])
+    assert sum(costs.nbytes[layer][k] for layer, k in costs.widths.items()) <= costs.budget_bytes
     with pytest.raises(UsageError, match=r"--error-exponent must be in \(0, 2\], got 0"):
         measure_retained_costs(one_moe_source, one_moe_dense_observations, art, error_exponent=0)
     with pytest.raises(UsageError, match="--mean-bits must be within K3..K6"):
