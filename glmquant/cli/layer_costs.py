@@ -37,6 +37,18 @@ Dtype = Annotated[
 BatchRows = Annotated[int, typer.Option(help="calibration rows per forward step")]
 
 
+def _pass_options(rows: int, mean_bits: float | None, device: str, dtype: str, batch_rows: int) -> dict[str, Any]:
+    """The options both measurements take alike, with a progress bar."""
+    return {
+        "rows": rows,
+        "mean_bits": mean_bits,
+        "device": device,
+        "dtype": dtype,
+        "batch_rows": batch_rows,
+        "progress": True,
+    }
+
+
 def _check_out(out_file: Path) -> None:
     if not out_file.parent.is_dir():
         raise UsageError(f"--out {out_file}: its directory {out_file.parent} does not exist")
@@ -66,18 +78,9 @@ def layer_costs(
     """Measure each MoE layer's KL alone (the others exact) from the artifact and scale it to K1-K4 by sampled
     experts' output errors; print the widths of least summed cost as a --tiers spec for encode."""
     _check_out(out_file)
-    resolved = resolve_source(source, revision)
+    pass_options = _pass_options(rows, mean_bits, device, dtype, batch_rows)
     costs = measure_layer_costs(
-        resolved.path,
-        observations,
-        artifact,
-        rows=rows,
-        experts=experts,
-        mean_bits=mean_bits,
-        device=device,
-        dtype=dtype,
-        batch_rows=batch_rows,
-        progress=True,
+        resolve_source(source, revision).path, observations, artifact, experts=experts, **pass_options
     )
     costs.write(out_file)
     _print_costs(
@@ -120,19 +123,14 @@ def retained_costs(
     to K3-K6 by their sampled outputs' errors; print the widths of least summed cost within the byte budget as
     --retained-layer-bits for encode."""
     _check_out(out_file)
-    resolved = resolve_source(source, revision)
+    pass_options = _pass_options(rows, mean_bits, device, dtype, batch_rows)
     costs = measure_retained_costs(
-        resolved.path,
+        resolve_source(source, revision).path,
         observations,
         artifact,
-        rows=rows,
         outputs=outputs,
-        mean_bits=mean_bits,
         error_exponent=error_exponent,
-        device=device,
-        dtype=dtype,
-        batch_rows=batch_rows,
-        progress=True,
+        **pass_options,
     )
     costs.write(out_file)
     _print_costs(
