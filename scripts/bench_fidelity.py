@@ -72,7 +72,7 @@ from rich.console import Console
 
 from glmquant.arch import PROJECTIONS, load_model_spec
 from glmquant.checkpoint.exl3_groups import exl3_groups
-from glmquant.checkpoint.layouts import parse_layer_bits, plan_artifact
+from glmquant.checkpoint.layouts import layer_bits_text, parse_layer_bits, plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.encode import EncodeConfig, EncodeResult, encode_artifact
@@ -1064,7 +1064,7 @@ class Evaluator:
             layer_kl, layer_bytes = self.retained_costs(obs)
             budget = sum(by_k[recipe.retained_budget_bits] for by_k in layer_bytes.values())
             chosen = allocate_widths(layer_kl, layer_bytes, budget)
-            text = ",".join("exact" if k is None else f"K{k}" for _, k in sorted(chosen.items()))
+            text = layer_bits_text(k for _, k in sorted(chosen.items()))
             recipe = replace(recipe, retained_layer_bits=text)
             tier["retained_layer_costs"] = {
                 str(layer): {"exact" if k is None else f"k{k}": v for k, v in c.items()}

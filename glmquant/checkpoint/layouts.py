@@ -13,7 +13,7 @@ cannot drift. Two layouts:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from math import prod
@@ -201,6 +201,17 @@ def parse_layer_bits(text: str) -> tuple[int | None, ...]:
     return tuple(widths)
 
 
+def width_name(bits: int | None) -> str:
+    """A retained width as `--retained-layer-bits` names it: K<bits>, or exact (None)."""
+    return "exact" if bits is None else f"K{bits}"
+
+
+def layer_bits_text(widths: Iterable[int | None]) -> str:
+    """The `--retained-layer-bits` text of each decoder layer's K, the first layer first (`parse_layer_bits`'s
+    inverse)."""
+    return ",".join(width_name(k) for k in widths)
+
+
 def check_layer_bits(
     retained_bits: int | None,
     exact_layers: int,
@@ -321,7 +332,7 @@ class ArtifactPlan:
     def retained_widths(self) -> str | None:
         """The retained linears' K for messages (K4; K4 after 2 exact layers; K6,K6,exact,... by layer); None: exact."""
         if self.retained_layer_bits is not None:
-            return ",".join("exact" if k is None else f"K{k}" for k in self.retained_layer_bits) + " by layer"
+            return layer_bits_text(self.retained_layer_bits) + " by layer"
         if self.retained_bits is None:
             return None
         exact = f" after {self.retained_exact_layers} exact layers" if self.retained_exact_layers else ""

@@ -13,10 +13,11 @@ import typer
 from rich.table import Table
 
 from glmquant.checkpoint.hub import resolve_source
+from glmquant.checkpoint.layouts import width_name
 from glmquant.cli.common import HubRevision, guarded, out
 from glmquant.errors import UsageError
 from glmquant.observe.layer_costs import SWEEP_BITS, measure_layer_costs
-from glmquant.observe.retained_costs import EXACT, RETAINED_SWEEP_BITS, measure_retained_costs
+from glmquant.observe.retained_costs import RETAINED_SWEEP_BITS, measure_retained_costs
 
 
 def register(app: typer.Typer) -> None:
@@ -154,6 +155,6 @@ def _print_costs(
         table.add_column(column, justify="right")
     for layer, (artifact_bits, cost, chosen) in by_layer.items():
         cells = [f"{cost[k]:.3g}" for k in bits]
-        table.add_row(str(layer), f"K{artifact_bits}", *cells, EXACT if chosen is None else f"K{chosen}")
+        table.add_row(str(layer), f"K{artifact_bits}", *cells, width_name(chosen))
     out.print(table)
     out.print(summary)

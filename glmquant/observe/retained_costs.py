@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from glmquant.arch import table_for
-from glmquant.checkpoint.layouts import RetainedLinear
+from glmquant.checkpoint.layouts import RetainedLinear, layer_bits_text, width_name
 from glmquant.checkpoint.safetensors_format import parse_header
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.encode.retained import dense_hessian
@@ -57,7 +57,6 @@ from glmquant.runtime.artifact import Artifact
 
 FORMAT = "glmquant.retained_costs.v1"
 RETAINED_SWEEP_BITS = (3, 4, 5, 6)  # the K offered to each layer besides exact (issue 18's speed tier: K4-K6, and K3)
-EXACT = "exact"
 
 
 @dataclass(frozen=True)
@@ -86,13 +85,13 @@ class RetainedCosts:
 
     def write(self, path: Path) -> None:
         def named(by_option: dict[Any, Any]) -> dict[str, Any]:
-            return {EXACT if k is None else f"K{k}": v for k, v in by_option.items()}
+            return {width_name(k): v for k, v in by_option.items()}
 
         data = asdict(self) | {
             "error": {layer: named(e) for layer, e in self.error.items()},
             "cost": {layer: named(c) for layer, c in self.cost.items()},
             "nbytes": {layer: named(b) for layer, b in self.nbytes.items()},
-            "widths": {layer: EXACT if k is None else f"K{k}" for layer, k in self.widths.items()},
+            "widths": {layer: width_name(k) for layer, k in self.widths.items()},
         }
         atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
@@ -183,7 +182,7 @@ def measure_retained_costs(
         nbytes=nbytes,
         budget_bytes=budget,
         widths=widths,
-        retained_layer_bits=",".join(EXACT if k is None else f"K{k}" for _, k in sorted(widths.items())),
+        retained_layer_bits=layer_bits_text(k for _, k in sorted(widths.items())),
         predicted_kl=sum(cost[layer][k] for layer, k in widths.items()),
         seconds=seconds,
     )
@@ -200,12 +199,13 @@ def output_error_by_bits(
 ) -> dict[int, float]:
     """Σ over `linears` of tr(E H Eᵀ) at each K of `widths`: `outputs` evenly spaced output rows of each (all when it
     has no more) encoded with its dense Hessian H, E their decoded weights less the source's."""
-    items: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    items: list[tuple[torch.Tensor, torch.Tensor]] = []
     for linear in linears:
         weight = model.ckpt.read_tensor(linear.source).float()
         if weight.shape[0] > outputs:
             weight = weight[torch.linspace(0, weight.shape[0] - 1, outputs).round().long()]
         hessian, _ = dense_hessian(observations, linear, False)  # UsageError naming the linear when it has none
+        assert hessian is not None  # without the identity fallback dense_hessian returns one or raises
         items.append((weight, hessian))
     on = torch.device(device)
     error = {}
@@ -213,8 +213,7 @@ def output_error_by_bits(
         total = 0.0
         for (weight, hessian), encoded in zip(items, encode_linears(items, k, codebook, device=device)):
             e = decode_weight(encoded.tensor.to(on), torch.float32) - weight.to(on)
-            h = hessian.to(on) if hessian is not None else torch.eye(e.shape[1], device=on)
-            total += float(((e @ h) * e).double().sum())
+            total += float(((e @ hessian.to(on)) * e).double().sum())
         error[k] = total
     return error
 

@@ -95,7 +95,7 @@ def class_bytes(engine: Engine, batch: int, context: int, experts_routed: int, e
     cfg, w = engine.cfg, engine.weights
     item = w.embed.element_size()
     layers = w.layers
-    kda_state = sum(_nbytes(c) for c in engine.caches.rows(0, batch) if isinstance(c, KDACache))
+    kda_state = _kda_state_bytes(engine, batch)
     selected = min(cfg.index_topk, context) + cfg.kpool - 1
     pools = engine.pools_for(context)
     scored = pools if indexer_ranks(pools, cfg.kpool, cfg.index_topk) else 0  # else kept unscored
@@ -120,8 +120,7 @@ def verify_bytes(engine: Engine, tokens: int, context: int, experts_routed: int,
     tokens route to (`experts_routed`, `unique_experts` of the k + 1 rows), and KDA's state written once more per
     extra token (the per-token records a rejected draft rolls back to)."""
     nbytes = class_bytes(engine, 1, context, experts_routed, expert_bytes)
-    state = sum(_nbytes(c) for c in engine.caches.rows(0, 1) if isinstance(c, KDACache))
-    return nbytes | {"kda": nbytes["kda"] + (tokens - 1) * state}
+    return nbytes | {"kda": nbytes["kda"] + (tokens - 1) * _kda_state_bytes(engine, 1)}
 
 
 def mtp_draft_bytes(engine: Engine) -> int:
@@ -146,6 +145,11 @@ def exl3_stacks(engine: Engine) -> dict[str, int]:
     projs = [engine.weights.lm_head, *(getattr(part, f.name) for part in parts for f in fields(part))]
     stacks = [b for p in projs if isinstance(p, Exl3Proj) for b in p.blocks if not isinstance(b, torch.Tensor)]
     return {"stacks": len(stacks), "linears": sum(int(b.trellis.shape[0]) for b in stacks)}
+
+
+def _kda_state_bytes(engine: Engine, batch: int) -> int:
+    """The KDA caches' bytes (recurrent and conv state) of slots 0..batch-1 over all layers."""
+    return sum(_nbytes(c) for c in engine.caches.rows(0, batch) if isinstance(c, KDACache))
 
 
 def _nbytes(obj: DataclassInstance) -> int:
