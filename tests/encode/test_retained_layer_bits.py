@@ -17,7 +17,7 @@ from encode_fixtures import QUIET, assert_verify_manifest_cli
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from glmquant.arch import load_model_spec
+from glmquant.arch import load_model_spec, table_for
 from glmquant.calibration import TokenRows
 from glmquant.checkpoint.layouts import check_layer_bits, parse_layer_bits, plan_artifact, quantizable_retained
 from glmquant.checkpoint.manifest import MANIFEST_NAME, manifest_text
@@ -30,6 +30,7 @@ from glmquant.encode.run import EncodeResult
 from glmquant.errors import UsageError
 from glmquant.exl3 import decode_weight
 from glmquant.observe.retained_costs import measure_retained_costs
+from glmquant.observe.streaming import TextModel, run_layer
 from glmquant.runtime.artifact import Artifact, open_artifact
 from glmquant.runtime.loader import load_model
 from glmquant.runtime.options import RuntimeOptions
@@ -261,3 +262,35 @@ def test_retained_costs_on_cuda_equal_the_cpus(
     for layer, kl in cpu.kl_alone.items():
         assert gpu.kl_alone[layer] == pytest.approx(kl, rel=1e-3)
         assert gpu.error[layer] == pytest.approx(cpu.error[layer], rel=0.1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_retained_pass_steps_on_cuda_equal_the_cpus(one_moe_source: Path, by_layer: EncodeResult) -> None:
+    """Each step of the KL pass on the GPU against the CPU's (float32), so that a difference in the KLs is found where
+    it begins: the decoded retained linears, then each layer's output from the source's and from layer 0's decoded
+    weights (tolerance: TF32 convolutions on CUDA)."""
+    art = by_layer.artifact.directory
+    ids = torch.randint(0, 100, (2, 64), generator=torch.Generator().manual_seed(0))
+    steps: dict[str, dict[str, torch.Tensor]] = {}
+    for device in ("cpu", "cuda"):
+        model = TextModel.open(one_moe_source, device, torch.float32)
+        artifact = open_artifact(art)
+        with model.ckpt, torch.no_grad():
+            paths = {p: lin for p, lin in artifact.retained_linear_modules().items() if lin.layer == 0}
+            decoded = {p: decode_weight(artifact.read_linear(lin, device), torch.float32) for p, lin in paths.items()}
+            source = next(model.embed([ids]))
+            first = model.layer(0)
+            out = {"source 0": run_layer(first, source)}
+            prefix = table_for(model.spec).layer_prefix(0)
+            for path, weight in decoded.items():
+                first.get_submodule(path.removeprefix(prefix)).weight.copy_(weight)
+            out["decoded 0"] = run_layer(first, source)
+            second = model.layer(1)
+            out["source 1"], out["decoded 1"] = run_layer(second, out["source 0"]), run_layer(second, out["decoded 0"])
+            out |= {f"weight {p}": w for p, w in decoded.items()}
+            steps[device] = {name: value.cpu() for name, value in out.items()}
+        artifact.checkpoint.close()
+    for name, on_cpu in steps["cpu"].items():
+        tolerance = 1e-6 if name.startswith("weight") else 2e-3
+        difference = float((steps["cuda"][name] - on_cpu).norm() / on_cpu.norm())
+        assert difference <= tolerance, f"{name}: the GPU's differs from the CPU's by {difference:.2e} (relative)"
