@@ -100,7 +100,7 @@ TUNE_STEPS = 50  # `encode --tune-scales` of the tuned rows (100 before the lear
 LONG_TUNE_STEPS = 400  # the row that asks whether TUNE_STEPS is enough
 MTP_PROMPT_TOKENS = 128  # held-out prompt length of the MTP acceptance run (at most half a held-out row)
 ESTIMATE_EXPERTS = 8  # experts per MoE layer `layer-cost-estimated` encodes at K1-K4 (`layer-costs --experts`)
-RETAINED_COST_BITS = (3, 4, 5, 6)  # the K a decoder layer's retained linears may take in `retained-layer-cost-*`
+RETAINED_COST_BITS = (2, 3, 4, 5, 6)  # the K a decoder layer's retained linears may take in `retained-layer-cost-*`
 SWEEP_BITS = (4, 3, 2, 1)  # the widths the depth sweep gives whole MoE layers
 SWEEP_MAX_MOE_LAYERS = 8  # a proxy's few MoE layers are enumerated; a 42-layer model's allocations are not
 
@@ -929,16 +929,23 @@ class Evaluator:
         return {int(layer): {int(k): v for k, v in by_k.items()} for layer, by_k in kept["kl_by_layer_and_k"].items()}
 
     def kept_measurement(
-        self, path: Path, settings: dict[str, Any], measure: Callable[[], dict[str, Any]]
+        self,
+        path: Path,
+        settings: dict[str, Any],
+        measure: Callable[[], dict[str, Any]],
+        complete: Callable[[dict[str, Any]], bool] = lambda kept: False,
     ) -> dict[str, Any]:
         """`measure()`'s result kept at `path` in WORK beside the `settings` it was measured at, measured again only
-        where they differ; a lock keeps two workers from measuring it at once."""
+        where they differ, else `complete(kept)` adding what it lacks in place (True: something added); a lock keeps
+        two workers from measuring it at once."""
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             kept = json.loads(path.read_text()) if path.is_file() else {}
             if kept.get("settings") != settings:
                 kept = {"settings": settings, **measure()}
+                atomic_write_text(path, json.dumps(kept, indent=2) + "\n")
+            elif complete(kept):
                 atomic_write_text(path, json.dumps(kept, indent=2) + "\n")
         return kept
 
@@ -954,15 +961,26 @@ class Evaluator:
         RETAINED_COST_BITS: their KL on the first --heldout-rows x --heldout-tokens of the calibration split, and
         their stored bytes (exact: KL 0, the BF16 bytes). The linears are encoded as `encode --retained-bits K`
         encodes them (`encode_retained_file`, their dense Hessians from `obs`); measured once per setting, kept in
-        WORK."""
+        WORK, a K not yet measured added to what is kept."""
         path = self.work / "stocks" / f"retained-costs-{self.args.device}.json"  # the linears' EXL3 is any layout's
         settings = {
             "observations": str(obs),
-            "bits": list(RETAINED_COST_BITS),
             "text": ["calibration", self.args.heldout_rows, self.args.heldout_tokens],
             "compute_dtype": self.args.compute_dtype,
         }
-        kept = self.kept_measurement(path, settings, lambda: self._measure_retained_costs(obs))
+
+        def complete(kept: dict[str, Any]) -> bool:
+            missing = tuple(k for k in RETAINED_COST_BITS if any(f"{k}" not in by_k for by_k in kept["kl"].values()))
+            if missing:
+                added = self._measure_retained_costs(obs, missing)
+                for part in ("kl", "bytes"):
+                    for layer, by_k in added[part].items():
+                        kept[part][layer].update(by_k)
+            return bool(missing)
+
+        kept = self.kept_measurement(
+            path, settings, lambda: self._measure_retained_costs(obs, RETAINED_COST_BITS), complete
+        )
 
         def options(by_k: dict[str, Any]) -> dict[int | None, Any]:
             return {None if k == "exact" else int(k): v for k, v in by_k.items()}
@@ -972,11 +990,11 @@ class Evaluator:
             {int(layer): options(by_k) for layer, by_k in kept["bytes"].items()},
         )
 
-    def _measure_retained_costs(self, obs: Path) -> dict[str, Any]:
+    def _measure_retained_costs(self, obs: Path, bits: tuple[int, ...]) -> dict[str, Any]:
         text = self.calibration_text()
         kl: dict[str, dict[str, float]] = {}
         nbytes: dict[str, dict[str, int]] = {}
-        for k in RETAINED_COST_BITS:
+        for k in bits:
             decoded, _, _ = self.encoded_linears(obs, Recipe("", "", retained_bits=k))
             for layer in sorted({d.layer for d in decoded.values() if d.layer is not None}):
                 alone = {name: d for name, d in decoded.items() if d.layer == layer}

@@ -1,6 +1,6 @@
 """`glmquant layer-costs SOURCE --observations OBS --artifact ART --out FILE`: each MoE layer's cost at K1-K4 and
 the widths of least summed cost, for `encode --tiers layers:...`; `glmquant retained-costs` (the same arguments, a
-speed-tier build): each decoder layer's retained linears' cost at K3-K6 and exact, for `encode
+speed-tier build): each decoder layer's retained linears' cost at K2-K6 and exact, for `encode
 --retained-layer-bits`."""
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from glmquant.cli.common import HubRevision, guarded, out
 from glmquant.errors import UsageError
 from glmquant.observe.layer_costs import SWEEP_BITS, measure_layer_costs
 from glmquant.observe.retained_costs import RETAINED_SWEEP_BITS, measure_retained_costs
+
+_RETAINED_SWEEP = f"K{min(RETAINED_SWEEP_BITS)}-K{max(RETAINED_SWEEP_BITS)}"
 
 
 def register(app: typer.Typer) -> None:
@@ -105,11 +107,11 @@ def retained_costs(
     out_file: OutFile,
     rows: Rows = 16,
     outputs: Annotated[
-        int, typer.Option(help="output rows of each retained linear encoded at K3-K6 for the error ratios")
+        int, typer.Option(help=f"output rows of each retained linear encoded at {_RETAINED_SWEEP} for the error ratios")
     ] = 256,
     mean_bits: Annotated[
         float | None,
-        typer.Option(help="allocate the retained bytes of this mean K, 3-6 (default: the artifact's retained bytes)"),
+        typer.Option(help=f"allocate the retained bytes of a mean K in {_RETAINED_SWEEP} (default: the artifact's)"),
     ] = None,
     error_exponent: Annotated[
         float,
@@ -121,7 +123,7 @@ def retained_costs(
     revision: HubRevision = None,
 ) -> None:
     """Measure each decoder layer's retained linears' KL alone (the rest exact) from a speed-tier build and scale it
-    to K3-K6 by their sampled outputs' errors; print the widths of least summed cost within the byte budget as
+    to K2-K6 by their sampled outputs' errors; print the widths of least summed cost within the byte budget as
     --retained-layer-bits for encode."""
     _check_out(out_file)
     pass_options = _pass_options(rows, mean_bits, device, dtype, batch_rows)

@@ -56,7 +56,9 @@ from glmquant.observe.width_allocation import allocate_widths
 from glmquant.runtime.artifact import Artifact
 
 FORMAT = "glmquant.retained_costs.v1"
-RETAINED_SWEEP_BITS = (3, 4, 5, 6)  # the K offered to each layer besides exact (issue 18's speed tier: K4-K6, and K3)
+# the K offered to each layer besides exact: issue 18's speed tier (K4-K6, K3 for a GB10's 30 tok/s) and K2, where
+# the layers that cost least give bytes to those that cost most (docs/fidelity.md)
+RETAINED_SWEEP_BITS = (2, 3, 4, 5, 6)
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def measure_retained_costs(
     progress: bool = False,
 ) -> RetainedCosts:
     """Costs of each decoder layer's retained linears of `artifact_dir` (a speed-tier build from `source`) at
-    K3-K6 and exact, from `rows` calibration rows of `observations` and `outputs` sampled output rows per linear;
+    K2-K6 and exact, from `rows` calibration rows of `observations` and `outputs` sampled output rows per linear;
     widths of least summed cost within the retained bytes of mean K `mean_bits` (between the uniform widths'
     bytes; default: the artifact's own retained bytes)."""
     if rows < 1 or batch_rows < 1 or outputs < 1:

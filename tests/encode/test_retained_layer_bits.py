@@ -169,7 +169,7 @@ def test_retained_costs_measure_each_layers_kl_alone_and_choose_within_the_budge
         assert costs["nbytes"][layer][f"K{k}"] == stored[layer]["stored"]
         assert costs["nbytes"][layer]["exact"] == stored[layer]["exact"]
 
-    options = ["K3", "K4", "K5", "K6", "exact"]
+    options = ["K2", "K3", "K4", "K5", "K6", "exact"]
     for layer, k in costs["artifact_bits"].items():
         by_option = costs["cost"][layer]
         assert by_option[f"K{k}"] == pytest.approx(costs["kl_alone"][layer])
@@ -198,13 +198,13 @@ def test_retained_costs_budget_and_bad_inputs(
     one_moe_source: Path, one_moe_dense_observations: Path, by_layer: EncodeResult, small_artifact: Path, tmp_path: Path
 ) -> None:
     """--mean-bits 4.5 allocates the bytes halfway between uniform K4's and K5's, and the widths are the cheapest
-    choice within them; a mean outside K3-K6, observations without a layer's dense Hessians and an artifact of another
+    choice within them; a mean outside K2-K6, observations without a layer's dense Hessians and an artifact of another
     model are refused, naming what is wrong."""
     art = by_layer.artifact.directory
     costs = measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=1, mean_bits=4.5)
     uniform = {k: sum(by_option[k] for by_option in costs.nbytes.values()) for k in (4, 5)}
     assert costs.budget_bytes == round((uniform[4] + uniform[5]) / 2)
-    options = [3, 4, 5, 6, None]
+    options = [2, 3, 4, 5, 6, None]
     within = [
         (costs.cost[0][a] + costs.cost[1][b], (a, b))
         for a in options
@@ -215,8 +215,8 @@ def test_retained_costs_budget_and_bad_inputs(
     assert sum(costs.nbytes[layer][k] for layer, k in costs.widths.items()) <= costs.budget_bytes
     with pytest.raises(UsageError, match=r"--error-exponent must be in \(0, 2\], got 0"):
         measure_retained_costs(one_moe_source, one_moe_dense_observations, art, error_exponent=0)
-    with pytest.raises(UsageError, match="--mean-bits must be within K3..K6"):
-        measure_retained_costs(one_moe_source, one_moe_dense_observations, art, mean_bits=2.5)
+    with pytest.raises(UsageError, match="--mean-bits must be within K2..K6"):
+        measure_retained_costs(one_moe_source, one_moe_dense_observations, art, mean_bits=1.5)
     stripped = tmp_path / "obs"
     shutil.copytree(one_moe_dense_observations, stripped)
     save_file({"unrelated": torch.zeros(1)}, str(stripped / "layer-01.hessians.safetensors"))
@@ -283,7 +283,8 @@ def test_retained_pass_steps_on_cuda_equal_the_cpus(one_moe_source: Path, by_lay
             out = {"source 0": run_layer(first, source)}
             prefix = table_for(model.spec).layer_prefix(0)
             for path, weight in decoded.items():
-                first.get_submodule(path.removeprefix(prefix)).weight.copy_(weight)
+                held: Any = first.get_submodule(path.removeprefix(prefix))
+                held.weight.copy_(weight)
             out["decoded 0"] = run_layer(first, source)
             second = model.layer(1)
             out["source 1"], out["decoded 1"] = run_layer(second, out["source 0"]), run_layer(second, out["decoded 0"])

@@ -44,6 +44,30 @@ def test_rows_spend_the_seeds_trellis_bytes() -> None:
             assert (trellis == 2 * experts * moe_layers) != r.reference, (experts, r.name)
 
 
+def test_kept_measurements_are_measured_once_and_completed_in_place(tmp_path: Path) -> None:
+    """A measurement kept in WORK is measured again only at other settings; at the same settings `complete` adds
+    what it lacks (a K not yet measured) to the kept file, and the first measurement is not repeated."""
+    evaluator = object.__new__(_bench_module().Evaluator)
+    path, settings = tmp_path / "stocks" / "costs.json", {"text": 64}
+    measured: list[str] = []
+
+    def measure() -> dict[str, dict[str, float]]:
+        measured.append("measure")
+        return {"kl": {"3": 0.5}}
+
+    def complete(kept: dict[str, dict[str, float]]) -> bool:
+        if "2" in kept["kl"]:
+            return False
+        kept["kl"]["2"] = 0.9
+        return True
+
+    assert evaluator.kept_measurement(path, settings, measure) == {"settings": settings, "kl": {"3": 0.5}}
+    assert evaluator.kept_measurement(path, settings, measure, complete)["kl"] == {"3": 0.5, "2": 0.9}
+    assert json.loads(path.read_text())["kl"] == {"3": 0.5, "2": 0.9} and measured == ["measure"]
+    assert evaluator.kept_measurement(path, {"text": 32}, measure, complete)["kl"] == {"3": 0.5}
+    assert measured == ["measure", "measure"]
+
+
 def test_depth_sweep_enumerates_every_byte_neutral_allocation_by_depth() -> None:
     """On six MoE layers the sweep is every non-increasing K1-K4 per layer with mean K2 but uniform K2 and
     depth-tiers' own (3, 3, 2, 2, 1, 1); each row's spec gives back its allocation; a 42-layer model has none."""
