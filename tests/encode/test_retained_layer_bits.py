@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from encode_fixtures import QUIET, assert_verify_manifest_cli
+from encode_fixtures import ONE_MOE, QUIET, assert_verify_manifest_cli, observed, tiny_source
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -29,6 +30,7 @@ from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.run import EncodeResult
 from glmquant.errors import UsageError
 from glmquant.exl3 import decode_weight
+from glmquant.fixtures import UNTIED_INDEX_TOPK
 from glmquant.observe.retained_costs import measure_retained_costs
 from glmquant.observe.streaming import TextModel, run_layer
 from glmquant.runtime.artifact import Artifact, open_artifact
@@ -58,6 +60,24 @@ def by_layer(
     result = encode_artifact(cfg, QUIET)
     assert result is not None
     return result
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """ONE_MOE with an indexer that keeps every pool (UNTIED_INDEX_TOPK), its dense observations and its artifact at
+    K3,K5: (source, observations, artifact), for comparing the CPU with CUDA."""
+    source = tiny_source(tmp_path_factory, "untied-src", replace(ONE_MOE, index_topk=UNTIED_INDEX_TOPK))
+    observations = observed(source, tmp_path_factory, "untied-obs", dense_hessians=True)
+    out = tmp_path_factory.mktemp("untied-art") / "art"
+    config = EncodeConfig(
+        source=source,
+        out=out,
+        observations=observations,
+        retained_layer_bits="K3,K5",  # type: ignore[arg-type]  # the CLI's text, parsed by EncodeConfig
+        verified_at="2026-01-01T00:00:00Z",
+    )
+    encode_artifact(config, QUIET)
+    return source, observations, out
 
 
 def test_each_layer_is_stored_at_its_k_as_planned(one_moe_source: Path, by_layer: EncodeResult) -> None:
@@ -249,27 +269,25 @@ def _check_against_transformers(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_retained_costs_on_cuda_equal_the_cpus(
-    one_moe_source: Path, one_moe_dense_observations: Path, by_layer: EncodeResult
-) -> None:
-    """The streamed pass on the GPU gives the CPU's KLs (float32); the sampled encodes its errors within the CUDA
-    encoder's distance from the CPU's (the same quality, not the same codes)."""
-    art = by_layer.artifact.directory
+def test_retained_costs_on_cuda_equal_the_cpus(untied: tuple[Path, Path, Path]) -> None:
+    """The streamed pass on the GPU gives the CPU's KLs (float32, within 1 %: fla's TF32 KDA moves layer 1's KL at K5,
+    4.5e-6, by 0.36 % on an H100); the sampled encodes its errors within the CUDA encoder's distance from the CPU's
+    (the same quality, not the same codes)."""
+    source, observations, art = untied
     cpu, gpu = (
-        measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=2, dtype="float32", device=d)
-        for d in ("cpu", "cuda")
+        measure_retained_costs(source, observations, art, rows=2, dtype="float32", device=d) for d in ("cpu", "cuda")
     )
     for layer, kl in cpu.kl_alone.items():
-        assert gpu.kl_alone[layer] == pytest.approx(kl, rel=1e-3)
+        assert gpu.kl_alone[layer] == pytest.approx(kl, rel=1e-2)
         assert gpu.error[layer] == pytest.approx(cpu.error[layer], rel=0.1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_retained_pass_steps_on_cuda_equal_the_cpus(one_moe_source: Path, by_layer: EncodeResult) -> None:
+def test_retained_pass_steps_on_cuda_equal_the_cpus(untied: tuple[Path, Path, Path]) -> None:
     """Each step of the KL pass on the GPU against the CPU's (float32), so that a difference in the KLs is found where
     it begins: the decoded retained linears, then each layer's output from the source's and from layer 0's decoded
-    weights (tolerance: TF32 convolutions on CUDA)."""
-    art = by_layer.artifact.directory
+    weights (tolerance: fla's KDA kernel computes in TF32 on CUDA, 3.4e-4 of layer 0's output on an H100)."""
+    one_moe_source, _, art = untied
     ids = torch.randint(0, 100, (2, 64), generator=torch.Generator().manual_seed(0))
     steps: dict[str, dict[str, torch.Tensor]] = {}
     for device in ("cpu", "cuda"):
@@ -291,7 +309,8 @@ def test_retained_pass_steps_on_cuda_equal_the_cpus(one_moe_source: Path, by_lay
             out |= {f"weight {p}": w for p, w in decoded.items()}
             steps[device] = {name: value.cpu() for name, value in out.items()}
         artifact.checkpoint.close()
-    for name, on_cpu in steps["cpu"].items():
-        tolerance = 1e-6 if name.startswith("weight") else 2e-3
-        difference = float((steps["cuda"][name] - on_cpu).norm() / on_cpu.norm())
-        assert difference <= tolerance, f"{name}: the GPU's differs from the CPU's by {difference:.2e} (relative)"
+    difference = {
+        name: float((steps["cuda"][name] - on_cpu).norm() / on_cpu.norm()) for name, on_cpu in steps["cpu"].items()
+    }
+    apart = {name: d for name, d in difference.items() if d > (1e-6 if name.startswith("weight") else 2e-3)}
+    assert not apart, f"the GPU's steps differ from the CPU's (relative): {difference}"
