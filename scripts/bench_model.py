@@ -46,9 +46,11 @@ from typing import Any
 import torch
 
 from glmquant.arch import PROJECTIONS, TensorRole, table_for
-from glmquant.checkpoint.layouts import parse_layer_bits
+from glmquant.checkpoint.draft_head import DraftHead, write_draft_head
+from glmquant.checkpoint.layouts import RETAINED_BITS, parse_layer_bits
 from glmquant.errors import UsageError
 from glmquant.exl3.tensor import EXL3Tensor
+from glmquant.fixtures.random_artifact import random_exl3
 from glmquant.runtime.dummy import dummy_artifact
 from glmquant.runtime.engine import Engine
 from glmquant.runtime.engine.profile import (
@@ -109,6 +111,7 @@ def main() -> None:
         "environment": environment(device),
         "sizes": sizes.__dict__,
         "compile_decode": args.compile_decode,
+        "draft_head_bits": args.draft_head_bits,
         "dense_linear_max_weights": args.dense_linear_max_weights,
         "parts": {},
     }
@@ -135,6 +138,7 @@ def main() -> None:
         max_batch=1,
         max_len=sizes.chunk,
         mtp="mtp" in args.parts,
+        draft_head=None if args.draft_head_bits is None else dummy_draft_head(artifact.spec, args.draft_head_bits),
     )
     sync(engine)
     report["model"] = model_record(artifact, engine, time.perf_counter() - t0, config)
@@ -201,6 +205,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="the speed tier: lm_head EXL3 at this K (encode --head-bits); fills the report's speed_tier",
     )
+    p.add_argument(
+        "--draft-head-bits",
+        type=int,
+        default=None,
+        help="with the mtp part: the drafts read a random EXL3 copy of lm_head at this K (glmquant draft-head)",
+    )
     p.add_argument("--compile-decode", action="store_true", help="decode steps' math through torch.compile")
     p.add_argument(
         "--dense-linear-max-weights",
@@ -229,6 +239,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--retained-layer-bits replaces --retained-bits and --retained-exact-layers")
     if set(args.parts) - set(PARTS):
         p.error(f"--parts takes {', '.join(PARTS)}")
+    if args.draft_head_bits is not None and ("mtp" not in args.parts or args.draft_head_bits not in RETAINED_BITS):
+        p.error(f"--draft-head-bits takes K {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1} with the mtp part")
     if not args.smoke and not args.merge and not torch.cuda.is_available():
         p.error("no CUDA device: use --smoke on the CPU")
     return args
@@ -640,6 +652,15 @@ def layer_bits(text: str) -> tuple[int | None, ...]:
         return parse_layer_bits(text)
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def dummy_draft_head(spec: Any, bits: int) -> Path:
+    """A draft-head file of random EXL3 K `bits` weights of lm_head's shape, in a temporary directory."""
+    path = Path(tempfile.mkdtemp(prefix="bench-draft-head-")) / "draft_head.safetensors"
+    tensor = random_exl3(spec.hidden_size, spec.vocab_size, torch.Generator().manual_seed(0), bits)
+    head = DraftHead("lm_head", bits, "mcg", spec.hidden_size, spec.vocab_size)
+    write_draft_head(path, head, tensor.tensors("lm_head"))
+    return path
 
 
 def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> dict[str, Any]:

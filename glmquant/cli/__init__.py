@@ -7,6 +7,7 @@ import typer
 from glmquant.cli import (
     build,
     demo,
+    draft_head,
     encode,
     fixture,
     layer_costs,
@@ -35,7 +36,20 @@ def _environment() -> None:
     check_environment()
 
 
-for verb in (demo, fixture, plan, observe, layer_costs, encode, build, verify_manifest, serve, serve_check, upload):
+for verb in (
+    demo,
+    fixture,
+    plan,
+    observe,
+    layer_costs,
+    encode,
+    draft_head,
+    build,
+    verify_manifest,
+    serve,
+    serve_check,
+    upload,
+):
     verb.register(app)
 
 

@@ -26,8 +26,11 @@ from torch import nn
 from glmquant.arch import table_for
 from glmquant.arch.hf_glm5_next import modeling
 from glmquant.arch.module_map import fp32_names, layer_plan, read_layer_state
+from glmquant.checkpoint.draft_head import read_draft_head
 from glmquant.errors import ConfigError
 from glmquant.runtime.generate import cache_argument
+from glmquant.runtime.loader import retained_linear_mode
+from glmquant.runtime.retained_linears import Exl3Linear
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -102,17 +105,23 @@ def one_layer_config(text_config: Any) -> Any:
 
 
 def load_mtp(loaded: LoadedModel) -> MtpLayer:
-    """The artifact's MTP layer on the loaded model's device and dtype, sharing its embedding and lm_head."""
+    """The artifact's MTP layer on the loaded model's device and dtype, sharing its embedding and lm_head (or
+    reading the speculative config's `draft_head`, run as the retained EXL3 linears are)."""
     artifact, model = loaded.artifact, cast(Any, loaded.model)
     spec = artifact.spec
     if not spec.mtp_layers:
         raise ConfigError(f"{artifact.path}: the model has no MTP layer (num_nextn_predict_layers is 0)")
     device, dtype = loaded.device, loaded.options.torch_dtype
+    head, speculative = model.lm_head, loaded.options.speculative_config
+    draft_head = speculative.draft_head if speculative is not None else None
+    if draft_head is not None:
+        tensor = read_draft_head(draft_head, spec.hidden_size, spec.vocab_size, device)
+        head = Exl3Linear(tensor, retained_linear_mode(loaded.options.backend), dtype, source=str(draft_head))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            mtp = MtpLayer(model.config.get_text_config(), model.get_input_embeddings(), model.lm_head)
+            mtp = MtpLayer(model.config.get_text_config(), model.get_input_embeddings(), head)
     finally:
         torch.set_default_dtype(previous)
     mtp.config._attn_implementation = model.config.get_text_config()._attn_implementation

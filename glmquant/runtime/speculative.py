@@ -31,10 +31,13 @@ MAX_SPECULATIVE_TOKENS = 3
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `--speculative-config` keys: `method` (only "mtp": the checkpoint's own MTP layer) and
-    `num_speculative_tokens`, the drafts per step (1..3; one MTP layer drafts several by feeding itself)."""
+    `num_speculative_tokens`, the drafts per step (1..3; one MTP layer drafts several by feeding itself); and our
+    `draft_head`, a file from `glmquant draft-head` whose EXL3 lm_head the drafts read instead of the artifact's (the
+    verify keeps the artifact's, so the output does not change)."""
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
+    draft_head: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -47,6 +50,8 @@ class SpeculativeConfig:
                 f"--speculative-config num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
                 f"got {k!r}"
             )
+        if self.draft_head is not None and (not isinstance(self.draft_head, str) or not self.draft_head):
+            raise UsageError(f"--speculative-config draft_head must be a file path, got {self.draft_head!r}")
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -57,9 +62,11 @@ class SpeculativeConfig:
             raise UsageError(f"--speculative-config is not JSON ({exc}): {text!r}") from None
         if not isinstance(raw, dict):
             raise UsageError(f"--speculative-config must be a JSON object, got {text!r}")
-        unknown = sorted(set(raw) - {"method", "num_speculative_tokens"})
+        unknown = sorted(set(raw) - {"method", "num_speculative_tokens", "draft_head"})
         if unknown:
-            raise UsageError(f"--speculative-config: unknown key(s) {unknown}; known: method, num_speculative_tokens")
+            raise UsageError(
+                f"--speculative-config: unknown key(s) {unknown}; known: method, num_speculative_tokens, draft_head"
+            )
         return cls(**raw)
 
 

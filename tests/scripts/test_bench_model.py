@@ -149,6 +149,21 @@ def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     assert "lm_head EXL3 K6" in record["speed_tier"]["kl_cost_ratio_from"]
 
 
+def test_smoke_mtp_part_drafts_with_a_draft_head(tmp_path: Path) -> None:
+    """`--draft-head-bits 4`: the engine's drafts read a random EXL3 K4 copy of lm_head; refused without the mtp
+    part or outside K2-K8."""
+    out = tmp_path / "mtp.json"
+    run = _run("--smoke", "--parts", "mtp", "--draft-head-bits", "4", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["draft_head_bits"] == 4 and "mtp_error" not in report["parts"], report["parts"]
+    assert [r["k"] for r in report["parts"]["mtp"]["rows"]] == [1, 2, 3]
+    assert all(r["draft_ms"] > 0 for r in report["parts"]["mtp"]["rows"])
+    for argv in (("--parts", "decode", "--draft-head-bits", "4"), ("--parts", "mtp", "--draft-head-bits", "9")):
+        bad = _run("--smoke", *argv, "--out", str(tmp_path / "bad.json"))
+        assert bad.returncode == 2 and "--draft-head-bits takes K 2..8 with the mtp part" in bad.stderr
+
+
 FIDELITY_ROWS = [
     {"recipe": "retained-k5", "kl_cost_ratio": 0.62},
     {"recipe": "retained-k4", "kl_cost_ratio": 1.04},

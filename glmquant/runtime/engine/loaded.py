@@ -60,7 +60,8 @@ def load_engine(artifact: Artifact, options: RuntimeOptions, max_seqs: int, max_
     spec = options.speculative_config
     # a verify step writes k positions past the last token (and drafts as many into the MTP cache)
     room = max_len + (spec.num_speculative_tokens if spec is not None else 0)
-    engine = Engine.load(artifact, options, max_batch=max_seqs, max_len=room, mtp=spec is not None)
+    draft_head = spec.draft_head if spec is not None else None
+    engine = Engine.load(artifact, options, max_seqs, room, mtp=spec is not None, draft_head=draft_head)
     if engine.device.type == "cuda":  # the first request would otherwise wait for every kernel's compile
         started = time.monotonic()
         engine.warm_up()

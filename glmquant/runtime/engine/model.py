@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,10 +60,12 @@ class Engine:
         max_len: int = 4096,
         cuda_graphs: bool = True,
         mtp: bool = False,
+        draft_head: str | Path | None = None,
     ) -> Engine:
         """Weights (one layer at a time), experts and caches for `max_batch` sequences of `max_len` tokens;
         `options.compile_decode` runs decode steps' math through torch.compile (`engine/ops.py`); `mtp` also loads
-        the MTP layer (speculative decoding) with a cache of its own."""
+        the MTP layer (speculative decoding) with a cache of its own, its drafts reading `draft_head`'s lm_head
+        where one is given."""
         options = options.resolved_for(artifact.config)
         device, dtype = torch.device(options.device), options.torch_dtype
         cfg = EngineConfig.from_text_config(hf_config(artifact, options.dtype).get_text_config())
@@ -82,7 +85,7 @@ class Engine:
             decode_run,
             _graphs(device) if cuda_graphs else None,
             cuda_graphs,
-            mtp=load_mtp_weights(artifact, dtype, device, kernels) if mtp else None,
+            mtp=load_mtp_weights(artifact, dtype, device, kernels, draft_head) if mtp else None,
             mtp_cache=allocate_mtp_cache(cfg, max_batch, max_len, dtype, device) if mtp else None,
         )
 

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from glmquant.arch import table_for
+from glmquant.checkpoint.draft_head import read_draft_head
 from glmquant.errors import ConfigError
+from glmquant.exl3.decode import decode_weight
 from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.engine.blocks import Run, mla_block, moe_block
 from glmquant.runtime.engine.cache import MLACache
 from glmquant.runtime.engine.config import EngineConfig
-from glmquant.runtime.engine.linears import project
+from glmquant.runtime.engine.linears import Exl3Proj, Proj, project
 from glmquant.runtime.engine.weights import MLAWeights, ModelWeights, MoEBlock, _LayerReader, _mla, _mlp
 from glmquant.runtime.expert_cache import CacheStats
 
@@ -40,6 +43,7 @@ class MtpWeights:
     mlp: MoEBlock
     head_norm: torch.Tensor  # shared_head.norm
     experts: DenseExperts
+    head: Proj | None = None  # a drafter's own lm_head (`glmquant draft-head`); None: the target's
 
 
 class DenseExperts:
@@ -79,9 +83,16 @@ class DenseExperts:
         return F.silu(gate) * up
 
 
-def load_mtp_weights(artifact: Artifact, dtype: torch.dtype, device: torch.device, kernels: bool = False) -> MtpWeights:
+def load_mtp_weights(
+    artifact: Artifact,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: bool = False,
+    draft_head: str | Path | None = None,
+) -> MtpWeights:
     """The artifact's MTP layer on the device (every one of its tensors, experts included); `kernels`: the Triton
-    backends run it (its router then stays in the model dtype, as the text layers')."""
+    backends run it (its router then stays in the model dtype, as the text layers'); `draft_head`: a draft-head
+    file whose lm_head the drafts read (EXL3 with `kernels`, else decoded to `dtype`)."""
     spec, table = artifact.spec, table_for(artifact.spec)
     if not spec.mtp_layers:
         raise ConfigError(f"{artifact.path}: the model has no MTP layer (num_nextn_predict_layers is 0)")
@@ -110,9 +121,15 @@ def load_mtp_weights(artifact: Artifact, dtype: torch.dtype, device: torch.devic
         ),
         read("shared_head.norm.weight"),
         DenseExperts(gate_up, down, spec.swiglu_limit),
+        None if draft_head is None else _draft_head(draft_head, artifact, dtype, device, kernels),
     )
     read.finish()
     return weights
+
+
+def _draft_head(path: str | Path, artifact: Artifact, dtype: torch.dtype, device: torch.device, kernels: bool) -> Proj:
+    tensor = read_draft_head(path, artifact.spec.hidden_size, artifact.spec.vocab_size, device)
+    return Exl3Proj.build([tensor], device) if kernels else decode_weight(tensor, dtype)
 
 
 def allocate_mtp_cache(
@@ -153,6 +170,6 @@ def mtp_hidden(
 
 
 def mtp_logits(x: torch.Tensor, w: MtpWeights, target: ModelWeights, run: Run) -> torch.Tensor:
-    """Logits of the MTP layer's output hidden states x [..., H]: its head norm, then the target's lm_head (EXL3 with
-    `--head-bits`, as the target runs it)."""
-    return project(run.ops.rms_norm(x, w.head_norm, run.cfg.rms_eps), target.lm_head)
+    """Logits of the MTP layer's output hidden states x [..., H]: its head norm, then the drafter's own lm_head where
+    it has one, else the target's (EXL3 with `--head-bits`, as the target runs it)."""
+    return project(run.ops.rms_norm(x, w.head_norm, run.cfg.rms_eps), target.lm_head if w.head is None else w.head)

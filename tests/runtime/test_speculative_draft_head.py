@@ -1,0 +1,130 @@
+"""A drafter's own lm_head (`--speculative-config '{"draft_head": FILE}'`, a file from `glmquant draft-head`): the
+drafts' logits come from it on the engine and on transformers' modules, the verify keeps the artifact's head, so
+greedy output stays plain greedy decoding's (float32, the tiny tr3 artifact, a K3 copy of its lm_head)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glmquant.checkpoint.draft_head import DraftHead, read_draft_head, write_draft_head
+from glmquant.errors import UsageError
+from glmquant.exl3 import decode_weight, encode_linears
+from glmquant.runtime.artifact import open_artifact
+from glmquant.runtime.engine import Engine, EngineDecoder
+from glmquant.runtime.engine.linears import Exl3Proj
+from glmquant.runtime.engine.loaded import load_engine
+from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
+from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
+from glmquant.runtime.loader import load_model
+from glmquant.runtime.mtp_decoder import MtpDecoder
+from glmquant.runtime.options import RuntimeOptions
+from glmquant.runtime.retained_linears import Exl3Linear
+from glmquant.runtime.speculative import SpeculativeConfig
+
+PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
+TOKENS = 12
+
+
+def decode(ids):
+    return "".join(chr(65 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def draft_head(artifacts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A K3 copy of the artifact's lm_head, uncalibrated (the runtime reads any draft-head file alike)."""
+    artifact = open_artifact(artifacts["tr3"])
+    weight = artifact.checkpoint.read_tensor("lm_head.weight").float()
+    artifact.checkpoint.close()
+    [encoded] = encode_linears([(weight, None)], 3)
+    path = tmp_path_factory.mktemp("draft-head") / "head.safetensors"
+    head = DraftHead("lm_head", 3, "mcg", weight.shape[1], weight.shape[0])
+    write_draft_head(path, head, encoded.tensor.tensors("lm_head"))
+    return path
+
+
+def _options(draft_head: Path, k: int = 2, **fields) -> RuntimeOptions:
+    return RuntimeOptions(dtype="float32", speculative_config=SpeculativeConfig("mtp", k, str(draft_head)), **fields)
+
+
+def test_engine_drafts_read_the_draft_head(artifacts: dict[str, Path], draft_head: Path) -> None:
+    """The engine's draft logits are the MTP layer's normed output times the draft head's decoded weight, not the
+    artifact's lm_head."""
+    artifact = open_artifact(artifacts["tr3"])
+    options = RuntimeOptions(dtype="float32")
+    with_head = Engine.load(artifact, options, max_batch=1, max_len=32, mtp=True, draft_head=draft_head)
+    without = Engine.load(artifact, options, max_batch=1, max_len=32, mtp=True)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, with_head.cfg.hidden, generator=g)
+    ids = torch.randint(0, with_head.cfg.vocab, (5,), generator=g)
+    (logits, out), (target_logits, target_out) = with_head.draft(0, hidden, ids, 0), without.draft(0, hidden, ids, 0)
+    torch.testing.assert_close(out, target_out, rtol=0, atol=0)  # the same MTP layer
+    assert with_head.mtp is not None
+    normed = with_head.prefill_run.ops.rms_norm(out, with_head.mtp.head_norm, with_head.cfg.rms_eps)
+    head = decode_weight(read_draft_head(draft_head, with_head.cfg.hidden, with_head.cfg.vocab, "cpu"), torch.float32)
+    torch.testing.assert_close(logits, F.linear(normed, head), rtol=0, atol=1e-5)
+    assert (logits - target_logits).abs().max() > 1e-3  # a K3 copy: other logits than the artifact's head gives
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_engine_speculation_with_a_draft_head_equals_plain_greedy(
+    artifacts: dict[str, Path], draft_head: Path, k: int
+) -> None:
+    artifact = open_artifact(artifacts["tr3"])
+    plain_engine = Engine.load(artifact, RuntimeOptions(dtype="float32"), max_batch=1, max_len=32)
+    plain = generate(EngineDecoder(plain_engine), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    loaded = load_engine(artifact, _options(draft_head, k, model_impl="glmquant"), max_seqs=1, max_len=32)
+    assert loaded.engine.mtp is not None and loaded.engine.mtp.head is not None
+    with loaded.session() as decoder:
+        assert isinstance(decoder, EngineMtpDecoder)
+        spec = generate(decoder, PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    assert spec.token_ids == plain.token_ids
+    assert spec.speculative is not None and spec.speculative.drafted == k * spec.speculative.steps
+
+
+def test_transformers_path_drafts_with_the_draft_head(artifacts: dict[str, Path], draft_head: Path) -> None:
+    loaded = load_model(artifacts["tr3"], _options(draft_head))
+    assert loaded.mtp is not None
+    head = loaded.mtp._lm_head[0]
+    assert isinstance(head, Exl3Linear) and head.bits == 3 and head is not loaded.model.lm_head
+    plain = generate(loaded.model, PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    spec = generate(MtpDecoder(loaded.model, loaded.mtp, 2), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    assert spec.token_ids == plain.token_ids
+
+
+def test_draft_head_enters_through_the_speculative_config(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    parsed = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2, "draft_head": "h.safetensors"}')
+    assert parsed == SpeculativeConfig("mtp", 2, "h.safetensors")
+    for bad in ('{"draft_head": 3}', '{"draft_head": ""}'):
+        with pytest.raises(UsageError, match=r"draft_head must be a file path"):
+            SpeculativeConfig.parse(bad)
+    with pytest.raises(UsageError, match=r"absent\.safetensors: no such file"):
+        load_model(artifacts["tr3"], _options(tmp_path / "absent.safetensors"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_drafts_with_the_exl3_draft_head(artifacts: dict[str, Path], draft_head: Path) -> None:
+    """On CUDA with the Triton backends the draft head is an `Exl3Proj` run by the EXL3 kernels: the drafts' logits
+    are the decoded copy's (float32 within the kernels' fp16 rounding), and greedy output with k = 1, 2, eager and
+    in CUDA graphs, equals plain greedy."""
+    options = RuntimeOptions(device="cuda", dtype="float32", backend="triton")
+    artifact = open_artifact(artifacts["tr3"])
+    engine = Engine.load(artifact, options, max_batch=1, max_len=64, mtp=True, draft_head=draft_head)
+    assert engine.mtp is not None and isinstance(engine.mtp.head, Exl3Proj)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, engine.cfg.hidden, generator=g).cuda()
+    logits, out = engine.draft(0, hidden, torch.tensor([5, 6, 7]), 0)
+    normed = engine.prefill_run.ops.rms_norm(out, engine.mtp.head_norm, engine.cfg.rms_eps)
+    head = decode_weight(read_draft_head(draft_head, engine.cfg.hidden, engine.cfg.vocab, "cuda"), torch.float32)
+    want = F.linear(normed, head)
+    assert float((logits - want).norm() / want.norm()) < 2e-3
+    plain = generate(EngineDecoder(engine), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    for k in (1, 2):
+        for graphs in (False, True):
+            decoder = EngineMtpDecoder(engine, k, graphs=graphs)
+            spec = generate(decoder, PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+            assert spec.token_ids == plain.token_ids, (k, graphs)
