@@ -72,10 +72,11 @@ from rich.console import Console
 
 from glmquant.arch import PROJECTIONS, load_model_spec
 from glmquant.checkpoint.exl3_groups import exl3_groups
-from glmquant.checkpoint.layouts import layer_bits_text, parse_layer_bits, plan_artifact
+from glmquant.checkpoint.layouts import RETAINED_BITS, layer_bits_text, parse_layer_bits, plan_artifact
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.encode import EncodeConfig, EncodeResult, encode_artifact
+from glmquant.encode.draft_head import build_draft_head
 from glmquant.encode.retained import encode_retained_file, retained_linears
 from glmquant.exl3 import EXL3Tensor, decode_weight, proxy_error
 from glmquant.observe.config import ObserveConfig
@@ -602,8 +603,11 @@ def first_difference(tokens: Sequence[int], reference: Sequence[int]) -> int | N
     return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
-def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, device: str) -> dict[str, Any]:
+def mtp_acceptance(
+    artifact: Path, prompts: torch.Tensor, new_tokens: int, device: str, draft_head: Path | None = None
+) -> dict[str, Any]:
     """Greedy speculative decoding of `prompts` [N, T] with the artifact's own MTP layer drafting k = 1..3 tokens
+    (its drafts reading `draft_head`'s lm_head where one is given: `glmquant draft-head`)
     on the runtime's engine (EngineMtpDecoder, what `serve --speculative-config` runs; CUDA graphs on CUDA):
     acceptance rate, tokens per verify step (accepted + 1) and whether every output equals the engine's plain
     greedy decoding (else each prompt's first differing token), the figures issue 18's MTP speedup projection
@@ -623,7 +627,7 @@ def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, devic
     def speculate(dtype: str) -> dict[str, Any]:
         options = RuntimeOptions(device=device, dtype=dtype, backend=backend, model_impl="glmquant")
         max_len = prompts.shape[1] + new_tokens + MAX_SPECULATIVE_TOKENS
-        engine = Engine.load(open_artifact(artifact), options, max_len=max_len, mtp=True)
+        engine = Engine.load(open_artifact(artifact), options, max_len=max_len, mtp=True, draft_head=draft_head)
         params = SamplingParams(max_tokens=new_tokens)
         plain = [generate(EngineDecoder(engine), PromptInputs(row[None]), params, no_text).token_ids for row in prompts]
         out: dict[str, Any] = {"runtime": f"engine ({dtype}, {backend})"}
@@ -652,6 +656,7 @@ def mtp_acceptance(artifact: Path, prompts: torch.Tensor, new_tokens: int, devic
         "prompts": prompts.shape[0],
         "prompt_tokens": prompts.shape[1],
         "new_tokens": new_tokens,
+        "draft_head": None if draft_head is None else draft_head.name,
         **speculate("bfloat16" if on_cuda else "float32"),
     }
     if on_cuda:
@@ -784,6 +789,16 @@ class Evaluator:
         if task.recipe is None:
             return self.exllamav3_row(), extras
         return self.row(task.recipe, task.hessians, task.blend, extras), extras
+
+    def draft_head(self, recipe: Recipe) -> Path | None:
+        """With --mtp-draft-head-bits K: a K copy of the proxy's lm_head (`glmquant draft-head`, the recipe's
+        observations) in the work directory, which the MTP acceptance run's drafts read."""
+        bits = self.args.mtp_draft_head_bits
+        if bits is None:
+            return None
+        path = self.work / f"draft_head_k{bits}.safetensors"
+        build_draft_head(self.model_dir, self.observations[recipe.observations], path, bits, device=self.args.device)
+        return path
 
     def encode(self, recipe: Recipe, hessians: str, blend: float | None, out: Path) -> tuple[EncodeResult, Path | None]:
         """`recipe`'s artifact encoded into `out` (anything there first removed), and its prune plan if it prunes."""
@@ -1159,7 +1174,7 @@ class Evaluator:
             length = min(MTP_PROMPT_TOKENS, self.ids.shape[1] // 2)
             prompts = self.ids[: self.args.mtp_prompts, :length]
             try:
-                mtp = mtp_acceptance(out, prompts, self.args.mtp_new_tokens, self.args.device)
+                mtp = mtp_acceptance(out, prompts, self.args.mtp_new_tokens, self.args.device, self.draft_head(recipe))
             except Exception as exc:  # noqa: BLE001 - recorded: the seed's row stands on its own
                 mtp = {"error": f"{type(exc).__name__}: {exc}"[-3000:], "traceback": traceback.format_exc()[-6000:]}
             extras["mtp_acceptance"] = mtp | {"seconds": round(time.monotonic() - t1, 1)}
@@ -1553,6 +1568,13 @@ def main() -> None:
         help="held-out prompts of the MTP acceptance run on the seed artifact (0: none)",
     )
     ap.add_argument("--mtp-new-tokens", type=int, default=64, help="greedy tokens per prompt of the MTP run")
+    ap.add_argument(
+        "--mtp-draft-head-bits",
+        type=int,
+        default=None,
+        help="the MTP run's drafts read an EXL3 copy of lm_head at this K (glmquant draft-head; needs the seed's "
+        "observations with --dense-hessians)",
+    )
     ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, where git runs)")
     ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds for this proxy")
     ap.add_argument(
@@ -1567,6 +1589,8 @@ def main() -> None:
         ap.error(
             f"--exllamav3-tokens {args.exllamav3_tokens} must divide --rows x --tokens ({args.rows * args.tokens})"
         )
+    if args.mtp_draft_head_bits is not None and args.mtp_draft_head_bits not in RETAINED_BITS:
+        ap.error(f"--mtp-draft-head-bits must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1}")
     Bench(args).run()
 
 

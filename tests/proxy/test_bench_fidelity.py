@@ -44,6 +44,32 @@ def test_rows_spend_the_seeds_trellis_bytes() -> None:
             assert (trellis == 2 * experts * moe_layers) != r.reference, (experts, r.name)
 
 
+@pytest.mark.slow
+def test_mtp_acceptance_drafts_with_a_draft_head(tiny_source: Path, tmp_path: Path) -> None:
+    """`--mtp-draft-head-bits`: the acceptance run's drafts read a draft-head file, the outputs stay plain greedy
+    decoding's, and the file is named in the record."""
+    import torch
+
+    from glmquant.checkpoint.draft_head import DraftHead, write_draft_head
+    from glmquant.checkpoint.reader import SourceCheckpoint
+    from glmquant.exl3 import encode_linears
+    from glmquant.fixtures.random_artifact import build_artifact
+
+    artifact = build_artifact(tiny_source, tmp_path / "art", "tr3")
+    with SourceCheckpoint.open(tiny_source) as source:
+        weight = source.read_tensor("lm_head.weight").float()
+    [encoded] = encode_linears([(weight, None)], 3)
+    head = tmp_path / "head.safetensors"
+    write_draft_head(
+        head, DraftHead("lm_head", 3, "mcg", weight.shape[1], weight.shape[0]), encoded.tensor.tensors("lm_head")
+    )
+    prompts = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    record = _bench_module().mtp_acceptance(artifact, prompts, 6, "cpu", head)
+    assert record["draft_head"] == "head.safetensors"
+    for k in (1, 2, 3):
+        assert record[f"k{k}"]["equals_plain_greedy"] and record[f"k{k}"]["verify_steps"] >= 2
+
+
 def test_kept_measurements_are_measured_once_and_completed_in_place(tmp_path: Path) -> None:
     """A measurement kept in WORK is measured again only at other settings; at the same settings `complete` adds
     what it lacks (a K not yet measured) to the kept file, and the first measurement is not repeated."""
