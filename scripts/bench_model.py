@@ -841,7 +841,9 @@ def mtp_at_acceptance(
     return {
         "formula": "tok_s = 1000 x tokens_per_step / (k x draft_ms + verify_ms), speedup = tok_s / plain_tok_s; "
         + ROLLBACK_NOTE,
-        "acceptance_from": {k: acceptance[k] for k in ("artifact", "prompts", "new_tokens") if k in acceptance},
+        "acceptance_from": {
+            k: acceptance[k] for k in ("artifact", "prompts", "new_tokens", "draft_head") if k in acceptance
+        },  # draft_head: the file the proxy's drafts read (None: the artifact's head)
         "plain_tok_s": mtp["plain_tok_s"],
         "rows": rows,
         "best_k": best["k"] if best else None,
@@ -888,7 +890,9 @@ def merge(
     acceptance = (fidelity or {}).get("mtp_acceptance")
     if acceptance and "rows" in merged["parts"].get("mtp", {}):
         plain_gb10 = merged["parts"].get("classes", {}).get("projection")
-        merged["mtp_at_proxy_acceptance"] = mtp_at_acceptance(merged["parts"]["mtp"], acceptance, plain_gb10)
+        projected = mtp_at_acceptance(merged["parts"]["mtp"], acceptance, plain_gb10)
+        # the drafts timed here read a K copy of lm_head (--draft-head-bits) or the artifact's head (None)
+        merged["mtp_at_proxy_acceptance"] = projected | {"timed_draft_head_bits": merged.get("draft_head_bits")}
     if is_speed_tier(merged):
         merged["speed_tier"] = speed_tier(merged, fidelity, kl_cost_row)
     return merged

@@ -159,6 +159,16 @@ def test_smoke_mtp_part_drafts_with_a_draft_head(tmp_path: Path) -> None:
     assert report["draft_head_bits"] == 4 and "mtp_error" not in report["parts"], report["parts"]
     assert [r["k"] for r in report["parts"]["mtp"]["rows"]] == [1, 2, 3]
     assert all(r["draft_ms"] > 0 for r in report["parts"]["mtp"]["rows"])
+    fidelity = tmp_path / "fidelity.json"
+    acceptance = {"artifact": "seed", "draft_head": "draft_head_k4.safetensors"}
+    acceptance |= {f"k{k}": {"tokens_per_step": 1.5, "acceptance_rate": 0.5} for k in (1, 2, 3)}
+    fidelity.write_text(json.dumps({"rows": [], "mtp_acceptance": acceptance}))
+    merged = tmp_path / "merged.json"
+    assert _run("--merge", str(out), "--fidelity", str(fidelity), "--out", str(merged)).returncode == 0
+    projected = json.loads(merged.read_text())["mtp_at_proxy_acceptance"]
+    assert projected["timed_draft_head_bits"] == 4
+    assert projected["acceptance_from"]["draft_head"] == "draft_head_k4.safetensors"
+    assert [r["k"] for r in projected["rows"]] == [1, 2, 3]
     for argv in (("--parts", "decode", "--draft-head-bits", "4"), ("--parts", "mtp", "--draft-head-bits", "9")):
         bad = _run("--smoke", *argv, "--out", str(tmp_path / "bad.json"))
         assert bad.returncode == 2 and "--draft-head-bits takes K 2..8 with the mtp part" in bad.stderr
