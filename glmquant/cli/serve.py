@@ -80,7 +80,7 @@ def serve(
             help=(
                 'vLLM\'s JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\': the model\'s MTP layer drafts '
                 "1..3 tokens per step, verified in one forward (greedy requests; same output; either "
-                "--model-impl)"
+                '--model-impl); "draft_head": FILE drafts with a glmquant draft-head copy of lm_head'
             )
         ),
     ] = None,
