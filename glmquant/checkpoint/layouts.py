@@ -241,9 +241,8 @@ def check_layer_bits(
 def check_linear_bits(option: str, bits: int) -> None:
     """K of a linear outside the routed experts: what the codec accepts for one (UsageError naming the option)."""
     if bits not in RETAINED_BITS:
-        raise UsageError(
-            f"{option} must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1} (4..6 is the speed tier), got {bits}"
-        )
+        hint = " (4..6 is the speed tier)" if option.startswith("--retained") else ""
+        raise UsageError(f"{option} must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1}{hint}, got {bits}")
 
 
 class OutputTensor(NamedTuple):

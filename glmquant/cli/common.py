@@ -77,6 +77,10 @@ def guarded(fn: Callable[P, R]) -> Callable[P, R]:
         except GlmquantError as exc:
             console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
+        except OSError as exc:  # a path the checks did not foresee (a file where a directory goes, a read-only disk)
+            where = f"{exc.filename}: " if exc.filename else ""
+            console.print(f"[bold red]error:[/] {escape(where + (exc.strerror or str(exc)))}", highlight=False)
+            raise typer.Exit(1) from None
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]: nothing half-written was left behind; rerun to resume")
             raise typer.Exit(130) from None

@@ -53,8 +53,11 @@ def _pass_options(rows: int, mean_bits: float | None, device: str, dtype: str, b
 
 
 def _check_out(out_file: Path) -> None:
+    """Before the pass, which is the long part: a file to write in an existing directory."""
+    if out_file.is_dir():
+        raise UsageError(f"--out {out_file} is a directory; give the costs file's path")
     if not out_file.parent.is_dir():
-        raise UsageError(f"--out {out_file}: its directory {out_file.parent} does not exist")
+        raise UsageError(f"--out {out_file}: its directory {out_file.parent} is not an existing directory")
 
 
 @guarded

@@ -110,6 +110,7 @@ class EncodeConfig:
             )
         if self.observations is not None and self.uncalibrated:
             raise UsageError("--uncalibrated and --observations exclude each other")
+        self._check_out()
         try:
             object.__setattr__(self, "hessians", HessianMode(self.hessians))
         except ValueError:
@@ -162,6 +163,21 @@ class EncodeConfig:
             )
         device_type(self.device)
         exl3_backend()
+
+    def _check_out(self) -> None:
+        """--out names a directory to create or fill that does not hold an input (writing into the source would
+        replace its config and index with the artifact's)."""
+        out = self.out.resolve()
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {self.out} is a file; give a directory for the artifact")
+        if out.parent.exists() and not out.parent.is_dir():
+            raise UsageError(f"--out {self.out}: {self.out.parent} is a file, not a directory")
+        for name, given in (("the source", self.source), ("--observations", self.observations)):
+            if given is None:
+                continue
+            other = Path(given).resolve()
+            if other.is_relative_to(out):  # the same directory, or one the artifact's would hold
+                raise UsageError(f"--out {self.out} holds {name} {given}; give the artifact a directory of its own")
 
     @property
     def state_dir(self) -> Path:

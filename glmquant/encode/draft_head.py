@@ -54,7 +54,7 @@ def build_draft_head(
         try:
             assert_finite(head.source, weight)
         except NumericalError as exc:
-            raise NumericalError(f"{ckpt.shard_of(head.source)}: {exc}") from None
+            raise NumericalError(f"{ckpt.directory / ckpt.shard_of(head.source)}: {exc}") from None
     encoded = encode_unit(UnitInputs([head.key], [(weight, hessian)], [None], [bits]), None, codebook, seed, device)
     described = DraftHead(head.key, bits, codebook, head.in_features, head.out_features)
     write_draft_head(out, described, {name: t.cpu().contiguous() for name, t in encoded.tensors.items()})

@@ -245,7 +245,7 @@ def _slice_inputs(
             try:
                 assert_finite(name, weights[key])
             except NumericalError as exc:
-                raise NumericalError(f"{source.shard_of(name)}: {exc}") from None
+                raise NumericalError(f"{source.directory / source.shard_of(name)}: {exc}") from None
         if s.source_expert not in expert_h:
             expert_h[s.source_expert] = hessians.expert(s.source_expert)
         yield s, weights[key], expert_h[s.source_expert]

@@ -34,6 +34,7 @@ def resolve_keep(cfg: EncodeConfig, spec: ModelSpec) -> dict[int, list[int]] | N
             raise UsageError("--keep needs --observations (REAP saliency) or use --prune-plan FILE")
         from glmquant.observe.prune import write_prune_plan
 
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)  # the job's work directory, made before its state
         plan_path = write_prune_plan(cfg.observations, cfg.keep, cfg.state_dir / PRUNE_PLAN_NAME)
     return load_prune_plan(plan_path, spec, cfg.keep)
 

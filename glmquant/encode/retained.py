@@ -85,7 +85,7 @@ def encode_retained_file(
         try:
             assert_finite(linear.source, weight)
         except NumericalError as exc:
-            raise NumericalError(f"{source.shard_of(linear.source)}: {exc}") from None
+            raise NumericalError(f"{source.directory / source.shard_of(linear.source)}: {exc}") from None
         hessian, fallback = dense_hessian(observations, linear, fallback_identity)
         items.append((weight, hessian))
         fallbacks.append(fallback)

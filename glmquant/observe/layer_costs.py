@@ -36,8 +36,10 @@ from glmquant.arch import PROJECTIONS, table_for
 from glmquant.calibration.token_rows import TokenRows
 from glmquant.checkpoint.hashing import sha256_file
 from glmquant.checkpoint.manifest import MANIFEST_NAME
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.checkpoint.safetensors_format import parse_header
 from glmquant.checkpoint.writer import atomic_write_text
+from glmquant.devices import device_type
 from glmquant.encode.hessians import HessianSource
 from glmquant.encode.scale_tuning import expert_output
 from glmquant.errors import UsageError
@@ -118,11 +120,14 @@ def measure_layer_costs(
     artifact's mean K over its MoE layers)."""
     if rows < 1 or experts < 1 or batch_rows < 1:
         raise UsageError(f"--rows, --experts and --batch-rows must be >= 1, got {rows}, {experts}, {batch_rows}")
+    if mean_bits is not None and not min(SWEEP_BITS) <= mean_bits <= max(SWEEP_BITS):
+        raise UsageError(f"--mean-bits must be within K{min(SWEEP_BITS)}..K{max(SWEEP_BITS)} for the MoE layers")
     observations = Path(observations)
     manifest_sha256 = artifact_manifest_sha256(artifact_dir)
     with contextlib.ExitStack() as opened:
         model, artifact = open_for_costs(opened, source, artifact_dir, device, dtype)
         layers = _check_artifact(model, artifact, Path(artifact_dir))
+        check_built_from(model, artifact, Path(artifact_dir))
         bits = {layer: _layer_bits(artifact, layer) for layer in layers}
         _check_observations(observations, layers)  # before the pass, which is the long part
         token_rows, ids, bar = start_pass(opened, observations, rows, progress)
@@ -170,11 +175,28 @@ def open_for_costs(
     opened: contextlib.ExitStack, source: str | Path, artifact_dir: str | Path, device: str, dtype: str
 ) -> tuple[TextModel, Artifact]:
     """The source opened for streaming in `dtype` (auto: the model's) and the artifact, both closed with `opened`."""
+    device_type(device)
     model = TextModel.open(source, device, None if dtype == "auto" else parse_dtype(dtype))
     opened.enter_context(model.ckpt)
     artifact = open_artifact(artifact_dir)
     opened.callback(artifact.checkpoint.close)
     return model, artifact
+
+
+def check_built_from(model: TextModel, artifact: Artifact, path: Path) -> None:
+    """UsageError unless the artifact's byte-for-byte copies of the source's 1-D tensors (norms, biases, KDA's
+    decay parameters) equal the source's: costs against another checkpoint of the same config would measure the
+    two models' difference, not the quantization's."""
+    source, copies = model.ckpt, artifact.checkpoint
+    assert isinstance(copies, SourceCheckpoint)  # open_artifact reads the artifact's files
+    for name in copies.names():
+        if name not in source or len(source.spec(name).shape) != 1 or copies.spec(name) != source.spec(name):
+            continue  # not a copy of a source tensor (EXL3 parts, pruned router rows) or not a small one
+        if copies.read_raw(name) != source.read_raw(name):
+            raise UsageError(
+                f"{path} was not built from this source: its copy of {name} differs from "
+                f"{source.shard_of(name)}'s; give the checkpoint the artifact was encoded from"
+            )
 
 
 def start_pass(
@@ -382,5 +404,5 @@ def parse_dtype(name: str) -> torch.dtype:
 def artifact_manifest_sha256(artifact_dir: str | Path) -> str:
     path = Path(artifact_dir) / MANIFEST_NAME
     if not path.is_file():
-        raise UsageError(f"{path} is missing: layer costs are measured on a finished artifact")
+        raise UsageError(f"{path} is missing: costs are measured on a finished artifact (encode's output)")
     return sha256_file(path)

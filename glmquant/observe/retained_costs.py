@@ -46,6 +46,7 @@ from glmquant.exl3 import Codebook, EXL3Tensor, decode_weight, encode_linears
 from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.layer_costs import (
     artifact_manifest_sha256,
+    check_built_from,
     check_same_shape,
     layer_kl_alone,
     open_for_costs,
@@ -128,6 +129,7 @@ def measure_retained_costs(
     with contextlib.ExitStack() as opened:
         model, artifact = open_for_costs(opened, source, artifact_dir, device, dtype)
         by_layer = _layer_linears(model, artifact, Path(artifact_dir))
+        check_built_from(model, artifact, Path(artifact_dir))
         bits = {layer: _one_bits(linears, Path(artifact_dir), layer) for layer, linears in by_layer.items()}
         _check_dense_hessians(observations, by_layer)  # before the pass, which is the long part
         codebook = artifact.read_linear(by_layer[min(by_layer)][0]).codebook

@@ -181,6 +181,17 @@ def test_changed_options_do_not_resume(small_source: Path, small_artifact: Path,
         encode_artifact(EncodeConfig(source=small_source, out=tmp_path / "a", work_dir=work, uncalibrated=True), QUIET)
 
 
+@pytest.mark.slow
+def test_keep_from_the_observations_into_a_new_out(
+    small_source: Path, small_observations: Path, tmp_path: Path
+) -> None:
+    """`encode --keep N` ranks experts by the observations and writes the plan into the job's work directory, which
+    a fresh --out does not have yet (it once failed there: prune_plan.json: No such file or directory)."""
+    out = tmp_path / "new" / "artifact"
+    result = encode_artifact(EncodeConfig(source=small_source, out=out, observations=small_observations, keep=2), QUIET)
+    assert result is not None and (out / "EXL3_MANIFEST.json").is_file()
+
+
 def test_exllamav3_layout_with_pruning(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """One EXL3 tensor per projection, modules packed into model-* shards, REAP-style pruning of one MoE layer's four
     experts to 1 and 3 (two: the fewest its router can route over), renumbered 0 and 1."""

@@ -136,6 +136,12 @@ def test_bad_inputs_are_named(tiny_source: Path, observed: Path, uniform_k2: Pat
         measure_layer_costs(tiny_source, plain, uniform_k2, rows=1, experts=1)
     with pytest.raises(UsageError, match="fewer than --rows 99"):
         measure_layer_costs(tiny_source, observed, uniform_k2, rows=99)
+    for mean_bits in (9.0, 0.5, float("nan")):  # refused before the pass, not after it
+        with pytest.raises(UsageError, match=r"--mean-bits must be within K1..K4"):
+            measure_layer_costs(tiny_source, observed, uniform_k2, rows=1, experts=1, mean_bits=mean_bits)
+    cli = ["layer-costs", str(tiny_source), "--observations", str(observed), "--artifact", str(uniform_k2)]
+    result = CliRunner().invoke(app, [*cli, "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "is a directory" in result.output, result.output
     unfinished = tmp_path / "unfinished"
     shutil.copytree(uniform_k2, unfinished)
     (unfinished / "EXL3_MANIFEST.json").unlink()
