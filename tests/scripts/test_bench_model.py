@@ -160,7 +160,7 @@ def test_smoke_mtp_part_drafts_with_a_draft_head(tmp_path: Path) -> None:
     assert [r["k"] for r in report["parts"]["mtp"]["rows"]] == [1, 2, 3]
     assert all(r["draft_ms"] > 0 for r in report["parts"]["mtp"]["rows"])
     fidelity = tmp_path / "fidelity.json"
-    acceptance = {"artifact": "seed", "draft_head": "draft_head_k4.safetensors"}
+    acceptance: dict[str, object] = {"artifact": "seed", "draft_head": "draft_head_k4.safetensors"}
     acceptance |= {f"k{k}": {"tokens_per_step": 1.5, "acceptance_rate": 0.5} for k in (1, 2, 3)}
     fidelity.write_text(json.dumps({"rows": [], "mtp_acceptance": acceptance}))
     merged = tmp_path / "merged.json"
