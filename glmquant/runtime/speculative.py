@@ -14,7 +14,7 @@ Sampling (temperature > 0) decodes without speculation: verification here is gre
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -52,6 +52,10 @@ class SpeculativeConfig:
             )
         if self.draft_head is not None and (not isinstance(self.draft_head, str) or not self.draft_head):
             raise UsageError(f"--speculative-config draft_head must be a file path, got {self.draft_head!r}")
+
+    def as_json(self) -> dict[str, object]:
+        """The JSON object `parse` takes, without the keys left unset (vLLM's two when there is no draft head)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:

@@ -230,6 +230,8 @@ def _settings(config: ServeCheckConfig) -> dict[str, object]:
         for k, v in dataclasses.asdict(config).items()
         if k != "api_key"
     }
+    if config.speculative_config is not None:
+        plain["speculative_config"] = config.speculative_config.as_json()
     return {**plain, "gates": list(config.selected_gates)}
 
 

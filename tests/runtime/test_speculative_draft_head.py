@@ -4,6 +4,7 @@ greedy output stays plain greedy decoding's (float32, the tiny tr3 artifact, a K
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,8 @@ def test_transformers_path_drafts_with_the_draft_head(artifacts: dict[str, Path]
 def test_draft_head_enters_through_the_speculative_config(artifacts: dict[str, Path], tmp_path: Path) -> None:
     parsed = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2, "draft_head": "h.safetensors"}')
     assert parsed == SpeculativeConfig("mtp", 2, "h.safetensors")
+    assert SpeculativeConfig.parse(json.dumps(parsed.as_json())) == parsed
+    assert SpeculativeConfig("mtp", 2).as_json() == {"method": "mtp", "num_speculative_tokens": 2}  # vLLM's keys
     for bad in ('{"draft_head": 3}', '{"draft_head": ""}'):
         with pytest.raises(UsageError, match=r"draft_head must be a file path"):
             SpeculativeConfig.parse(bad)
