@@ -226,9 +226,9 @@ def check_layer_bits(
         raise UsageError(
             "--retained-layer-bits names every layer's K: it replaces --retained-bits and --retained-exact-layers"
         )
-    for k in layer_bits:
+    for i, k in enumerate(layer_bits):
         if k is not None:
-            check_linear_bits("--retained-layer-bits", k)
+            check_linear_bits(f"--retained-layer-bits entry {i}", k)
     if all(k is None for k in layer_bits):
         raise UsageError("--retained-layer-bits keeps every layer exact: name a K for at least one layer")
     if spec is not None and len(layer_bits) != spec.num_hidden_layers:

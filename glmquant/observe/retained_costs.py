@@ -265,7 +265,10 @@ def _one_bits(linears: Sequence[RetainedLinear], path: Path, layer: int) -> int:
 def _check_dense_hessians(observations: Path, by_layer: dict[int, list[RetainedLinear]]) -> None:
     """Every retained linear's dense Hessian and the calibration rows are in the observations (names only)."""
     if not (observations / "token_rows.json").is_file():
-        raise UsageError(f"{observations}: no token_rows.json; retained costs need the observations' calibration rows")
+        raise UsageError(
+            f"{observations}: no token_rows.json; retained costs need the observations' calibration rows (give "
+            "`glmquant observe --dense-hessians`'s output, not an artifact)"
+        )
     for layer, linears in by_layer.items():
         path = hessians_path(observations, layer)
         names = set(parse_header(path).tensors) if path.is_file() else set()

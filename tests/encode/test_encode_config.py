@@ -123,7 +123,10 @@ def test_hessian_mode_is_typed_and_the_fingerprint_stable(tmp_path: Path) -> Non
             ["--retained-uncalibrated-fallback"],
             "--retained-uncalibrated-fallback applies to --retained-bits, --retained-layer-bits and --head-bits only",
         ),
-        (["--retained-layer-bits", "K4,K9"], "--retained-layer-bits must be 2..8 (4..6 is the speed tier), got 9"),
+        (
+            ["--retained-layer-bits", "K4,K9"],
+            "--retained-layer-bits entry 1 must be 2..8 (4..6 is the speed tier), got 9",
+        ),
         (["--retained-layer-bits", "K4,5"], "--retained-layer-bits: entry 1 ('5') is neither K<bits> nor exact"),
         (["--retained-layer-bits", "exact,EXACT"], "--retained-layer-bits keeps every layer exact"),
         (
