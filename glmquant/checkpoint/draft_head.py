@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from glmquant.checkpoint.safetensors_format import ParsedHeader, TensorSpec, parse_header
-from glmquant.checkpoint.tensor_bytes import dtype_name, tensor_from_bytes
+from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.checkpoint.safetensors_format import ParsedHeader, TensorSpec
+from glmquant.checkpoint.tensor_bytes import dtype_name
 from glmquant.checkpoint.writer import write_safetensors
 from glmquant.errors import CheckpointFormatError, UsageError
 from glmquant.exl3 import EXL3Tensor
@@ -71,19 +72,14 @@ def read_draft_head(path: str | Path, hidden_size: int, vocab_size: int, device:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"draft_head {path}: no such file (build one with `glmquant draft-head`)")
-    header = parse_header(path)
-    head = DraftHead.of_header(header)
-    if (head.in_features, head.out_features) != (hidden_size, vocab_size):
-        raise UsageError(
-            f"draft_head {path}: an lm_head of {head.out_features} x {head.in_features} (vocabulary x hidden), the "
-            f"model's is {vocab_size} x {hidden_size}: it was built from another model"
-        )
-    tensors = {}
-    with path.open("rb") as f:
-        for name, placed in header.tensors.items():
-            f.seek(header.span(name)[0])
-            data = bytearray(f.read(placed.end - placed.begin))
-            tensors[name] = tensor_from_bytes(data, placed.spec.dtype, placed.spec.shape).to(device)
+    with SourceCheckpoint.open(path) as ckpt:
+        head = DraftHead.of_header(ckpt.headers[path.name])
+        if (head.in_features, head.out_features) != (hidden_size, vocab_size):
+            raise UsageError(
+                f"draft_head {path}: an lm_head of {head.out_features} x {head.in_features} (vocabulary x hidden), "
+                f"the model's is {vocab_size} x {hidden_size}: it was built from another model"
+            )
+        tensors = {name: ckpt.read_tensor(name).to(device) for name in ckpt.names()}
     try:
         return EXL3Tensor.from_tensors(tensors, head.key, head.in_features, head.out_features)
     except ValueError as exc:
