@@ -13,7 +13,10 @@
 #   bash scripts/device_run_model.sh "$OUT" COMMIT prefill   # prefill 8k, 64k, 200k
 #   bash scripts/device_run_model.sh "$OUT" COMMIT compiled  # decode 1k with the decode math torch.compile'd
 #   bash scripts/device_run_model.sh "$OUT" COMMIT mtp       # MTP speculation at batch 1, 1k: draft, verify and
-#                                                            # rollback ms per k = 1..3, measured tok/s (MTP resident)
+#                                                            # rollback ms per k = 1..3, measured tok/s (MTP resident);
+#                                                            # the drafts read a K copy of lm_head when DRAFT_HEAD_BITS
+#                                                            # is set (model_h200_mtp_draft_headK.json); parts
+#                                                            # $MTP_PARTS (default mtp; classes add the GB10 projection)
 #   bash scripts/device_run_model.sh "$OUT" COMMIT tier      # the speed tier (--retained-bits $TIER_BITS, default 4;
 #                                                            # --head-bits $TIER_HEAD_BITS, --retained-exact-layers
 #                                                            # $TIER_EXACT when set; --retained-layer-bits
@@ -54,7 +57,8 @@ for MODE in "${MODES[@]}"; do
     decode) args=(--parts graphs,decode,classes,kernels) ;;
     prefill) args=(--parts prefill) ;;
     compiled) args=(--quick --parts graphs,decode,classes,kernels --compile-decode) ;;
-    mtp) args=(--quick --parts mtp) ;;
+    mtp) args=(--quick --parts "${MTP_PARTS:-mtp}" ${DRAFT_HEAD_BITS:+--draft-head-bits "$DRAFT_HEAD_BITS"})
+         MODE=mtp${DRAFT_HEAD_BITS:+_draft_head$DRAFT_HEAD_BITS} ;;
     tier) if [[ -n ${TIER_LAYER_BITS:-} ]]; then retained=(--retained-layer-bits "$TIER_LAYER_BITS"); k=layers
           else retained=(--retained-bits "${TIER_BITS:-4}"); k=${TIER_BITS:-4}; fi
           args=(--quick "${retained[@]}" ${TIER_HEAD_BITS:+--head-bits "$TIER_HEAD_BITS"}
