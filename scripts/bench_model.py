@@ -24,6 +24,8 @@ Parts (each saved to --out as soon as it is done, so a run cut short keeps what 
                                                               # holds bytes/token and the GB10 projection
     python scripts/bench_model.py --retained-bits 4 --head-bits 6 ...   # lm_head EXL3 too (or --head-bits alone)
     python scripts/bench_model.py --retained-bits 4 --retained-exact-layers 2 ...  # the first 2 layers' exact
+    python scripts/bench_model.py --routed-experts 160 ...    # 160 of 288 experts per MoE layer built (an H100's
+                                                              # memory); a step's bytes and work stay the whole model's
     python scripts/bench_model.py --merge A.json B.json --out FILE
 """
 
@@ -63,6 +65,7 @@ from glmquant.runtime.engine.profile import (
     unique_experts,
     verify_bytes,
 )
+from glmquant.runtime.engine.weights import MoEBlock
 from glmquant.runtime.options import DENSE_LINEAR_MAX_WEIGHTS, RuntimeOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +108,12 @@ def main() -> None:
         return
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
     config, device = (tiny_config(), "cpu") if args.smoke else (args.config, "cuda")
+    unheld = 0  # router rows of experts --routed-experts leaves out: their bytes are added back where a step reads them
+    if args.routed_experts is not None:
+        try:
+            config, unheld = with_routed_experts(config, args.routed_experts)
+        except UsageError as exc:
+            sys.exit(f"bench_model.py: {exc}")
     report: dict[str, Any] = {
         "command": " ".join(sys.argv),
         "commit": args.commit,
@@ -141,15 +150,15 @@ def main() -> None:
         draft_head=None if args.draft_head_bits is None else dummy_draft_head(artifact.spec, args.draft_head_bits),
     )
     sync(engine)
-    report["model"] = model_record(artifact, engine, time.perf_counter() - t0, config)
+    report["model"] = model_record(artifact, engine, time.perf_counter() - t0, config, unheld)
     save(report, args.out)
-    runs = {
+    runs: dict[str, Callable[[Engine, Sizes, Any], Any]] = {
         "graphs": check_graphs,
         "decode": decode_speed,
         "prefill": prefill_speed,
-        "classes": breakdown,
+        "classes": partial(breakdown, unheld_routers=unheld),
         "kernels": kernel_profile,
-        "mtp": mtp_speed,
+        "mtp": partial(mtp_speed, unheld_routers=unheld),
     }
     for part in args.parts:
         reset_peak(engine)
@@ -211,6 +220,14 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="with the mtp part: the drafts read a random EXL3 copy of lm_head at this K (glmquant draft-head)",
     )
+    p.add_argument(
+        "--routed-experts",
+        type=int,
+        default=None,
+        help="build each MoE layer with only this many routed experts (a GPU smaller than the model, e.g. an H100: "
+        "a decode step still reads num_experts_per_tok per layer, so its bytes and work are the whole model's); "
+        "recorded in the report's model.routed_experts",
+    )
     p.add_argument("--compile-decode", action="store_true", help="decode steps' math through torch.compile")
     p.add_argument(
         "--dense-linear-max-weights",
@@ -244,6 +261,33 @@ def parse_args() -> argparse.Namespace:
     if not args.smoke and not args.merge and not torch.cuda.is_available():
         p.error("no CUDA device: use --smoke on the CPU")
     return args
+
+
+def with_routed_experts(config: Path, experts: int) -> tuple[Path, int]:
+    """A copy of `config` whose MoE layers hold `experts` routed experts, in a temporary directory, and how many
+    fewer than the config's; refused when it is not between the experts each token picks and the config's count."""
+    raw = json.loads(Path(config).read_text())
+    text = raw.get("text_config", raw)
+    picked, total = int(text["num_experts_per_tok"]), int(text["n_routed_experts"])
+    if not picked <= experts <= total:
+        raise UsageError(
+            f"--routed-experts takes {picked}..{total} for {config} (its tokens pick {picked}), not {experts}"
+        )
+    text["n_routed_experts"] = experts
+    out = Path(tempfile.mkdtemp(prefix="bench-model-experts-")) / "config.json"
+    out.write_text(json.dumps(raw, indent=2))
+    return out, total - experts
+
+
+def unheld_router_bytes(engine: Engine, rows: int, layers: int) -> int:
+    """What `rows` router rows (weight and bias) of each of `layers` MoE layers weigh: the routing a step of the whole
+    model reads for the experts `--routed-experts` leaves out (every router row is read per token)."""
+    moe = next(lw.mlp for lw in engine.weights.layers if isinstance(lw.mlp, MoEBlock))
+    return rows * layers * (moe.router[0].nbytes + moe.bias[0].nbytes)
+
+
+def moe_layers(engine: Engine) -> int:
+    return sum(isinstance(lw.mlp, MoEBlock) for lw in engine.weights.layers)
 
 
 def tiny_config() -> Path:
@@ -337,8 +381,9 @@ def prefill_speed(engine: Engine, sizes: Sizes, artifact: object) -> Iterator[di
         }
 
 
-def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
-    """Batch-1 decode at the first context: the whole step and each class, per token, and the GB10 projection."""
+def breakdown(engine: Engine, sizes: Sizes, artifact: object, unheld_routers: int = 0) -> dict[str, Any]:
+    """Batch-1 decode at the first context: the whole step and each class, per token, and the GB10 projection; the
+    router rows of `unheld_routers` experts per MoE layer not held (--routed-experts) count as read."""
     context = sizes.contexts[0]
     engine.reallocate(1, context + 16)
     x = block_input(engine, 1)
@@ -349,6 +394,7 @@ def breakdown(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
     whole = timed_ms(engine, lambda: engine.decode(tokens, position, context + 1), reps=20) / 20
     times = class_times(engine, x, context, whole, reps=20)
     nbytes = class_bytes(engine, 1, context, unique_experts(engine, x), logical_expert_bytes(artifact))
+    nbytes["routed_moe"] += unheld_router_bytes(engine, unheld_routers, moe_layers(engine))
     classes: dict[str, dict[str, Any]] = {
         name: {
             "ms_per_token": round(times[name], 4),
@@ -405,7 +451,7 @@ ROLLBACK_NOTE = (
 SPEC_FORMULA = f"tok/s = 1000 x (1 + accepted drafts per step) / (draft_ms x k + verify_ms); {ROLLBACK_NOTE}"
 
 
-def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
+def mtp_speed(engine: Engine, sizes: Sizes, artifact: object, unheld_routers: int = 0) -> dict[str, Any]:
     """Batch 1 at the first context: per k, ms per draft (one MTP position), per verify step (k + 1 tokens against
     the static caches, each token's KDA states recorded) and per rollback (the states after the first token copied
     back), each as
@@ -457,6 +503,7 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
         classes = {n: round(ms, 4) for n, ms in class_times(engine, verify_x, context, times["verify_ms"], 10).items()}
         routed = unique_experts(engine, verify_x)
         read = verify_bytes(engine, k + 1, context, routed, logical_expert_bytes(artifact))
+        read["routed_moe"] += unheld_router_bytes(engine, unheld_routers, moe_layers(engine))
         engine.restore_recurrent(0, saved)
         diff = verify_graph_diff(engine, step_ids, context, saved)
         decoder = EngineMtpDecoder(engine, k)
@@ -487,7 +534,7 @@ def mtp_speed(engine: Engine, sizes: Sizes, artifact: object) -> dict[str, Any]:
         "plain_step_ms": round(plain_ms, 4),
         "plain_tok_s": round(1000 / plain_ms, 2),
         "graphs": graphs,
-        "draft_bytes": mtp_draft_bytes(engine),
+        "draft_bytes": mtp_draft_bytes(engine) + unheld_router_bytes(engine, unheld_routers, 1),  # the MTP layer's
         "bytes_are": "verify_bytes: each class's bytes for the k + 1 tokens (class_bytes; the routed experts "
         "their rows route to, verify_experts_routed over the MoE layers: random rows route independently, where "
         "a text's consecutive tokens share experts; KDA's state written once more per extra token); draft_bytes: "
@@ -663,13 +710,20 @@ def dummy_draft_head(spec: Any, bits: int) -> Path:
     return path
 
 
-def model_record(artifact: Any, engine: Engine, load_s: float, config: Path) -> dict[str, Any]:
+def model_record(artifact: Any, engine: Engine, load_s: float, config: Path, unheld: int) -> dict[str, Any]:
     spec, table, ckpt = artifact.spec, table_for(artifact.spec), artifact.checkpoint
     mtp = tuple(table.layer_prefix(layer) for layer in spec.mtp_layers)
     vision = {t.name for t in table.top_level(spec) if t.role is TensorRole.VISION}
     skipped = [n for n in ckpt.names() if (engine.mtp is None and n.startswith(mtp)) or n in vision]
     return {
         "config": str(config),
+        "routed_experts": {  # --routed-experts: fewer held than the model has; a step reads the same per token
+            "per_layer": artifact.spec.n_routed_experts,
+            "per_token": artifact.spec.num_experts_per_tok,
+            "unheld_per_layer": unheld,
+            "unheld_are": "experts of the config not built (--routed-experts, a GPU smaller than the model): their "
+            "router rows are counted in the bytes a step reads (classes, mtp), not timed",
+        },
         "layout": artifact.layout,
         "bits": ckpt.plan.bits,
         "retained_bits": ckpt.plan.retained_bits,

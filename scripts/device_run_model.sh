@@ -28,6 +28,8 @@
 #                                                            # model_h200_tier_k{bits}_head{K}_exact{N}[_compiled][_denseN].json
 #   bash scripts/device_run_model.sh "$OUT" COMMIT serve     # `glmquant serve --load-format dummy` answers OpenAI
 #                                                            # requests (scripts/serve_probe.py)
+# ROUTED_EXPERTS=E with any benchmark mode: MoE layers built with E of the model's routed experts (an H100's 80 GB;
+# a step reads the same experts per token; bench_model.py --routed-experts), the report named ..._eE.json.
 # then, here: python scripts/bench_model.py --merge model_h200_decode.json model_h200_prefill.json \
 #                --out bench/results/model_h200.json
 set -u
@@ -70,7 +72,8 @@ for MODE in "${MODES[@]}"; do
   esac
   stamp "bench_model.py ${args[*]}"
   timeout "$(left)" python3 scripts/bench_model.py --commit "$COMMIT" "${args[@]}" \
-    --out "$OUT/model_h200_$MODE.json" >>"$LOG" 2>&1  # in $OUT: a call killed at its limit keeps every part saved
+    ${ROUTED_EXPERTS:+--routed-experts "$ROUTED_EXPERTS"} \
+    --out "$OUT/model_h200_$MODE${ROUTED_EXPERTS:+_e$ROUTED_EXPERTS}.json" >>"$LOG" 2>&1  # in $OUT: a call killed at its limit keeps every part saved
   echo "bench exit $?" >>"$LOG"
 done
 stamp "done"

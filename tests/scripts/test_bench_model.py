@@ -174,6 +174,37 @@ def test_smoke_mtp_part_drafts_with_a_draft_head(tmp_path: Path) -> None:
         assert bad.returncode == 2 and "--draft-head-bits takes K 2..8 with the mtp part" in bad.stderr
 
 
+def test_fewer_routed_experts_held_read_the_whole_models_bytes(tmp_path: Path) -> None:
+    """`--routed-experts 3` builds the tiny model's MoE layers with 3 of their 4 experts (a GPU smaller than the
+    model): a decode step's bytes, the left-out router rows added back, equal the whole model's, and the MTP draft's
+    too; the report records what was held. Fewer than a token picks, or more than the config has, are refused."""
+    reports = {}
+    for held in ("3", None):
+        out = tmp_path / f"held{held}.json"
+        run = _run(
+            "--smoke", "--parts", "classes,mtp", *(("--routed-experts", held) if held else ()), "--out", str(out)
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        reports[held] = json.loads(out.read_text())
+    fewer, whole = reports["3"], reports[None]
+    assert fewer["model"]["routed_experts"] | {"unheld_are": None} == {
+        "per_layer": 3,
+        "per_token": 2,
+        "unheld_per_layer": 1,
+        "unheld_are": None,
+    }
+    assert whole["model"]["routed_experts"]["unheld_per_layer"] == 0
+    bytes_of = {
+        h: {c: v["bytes_per_token"] for c, v in r["parts"]["classes"]["classes"].items()} for h, r in reports.items()
+    }
+    assert bytes_of["3"] == bytes_of[None]
+    assert fewer["parts"]["mtp"]["draft_bytes"] == whole["parts"]["mtp"]["draft_bytes"]
+    for count in ("1", "5"):
+        bad = _run("--smoke", "--routed-experts", count, "--out", str(tmp_path / "bad.json"))
+        assert bad.returncode == 1 and "--routed-experts takes 2..4" in bad.stderr and f"not {count}" in bad.stderr
+        assert "Traceback" not in bad.stderr and not (tmp_path / "bad.json").exists()
+
+
 FIDELITY_ROWS = [
     {"recipe": "retained-k5", "kl_cost_ratio": 0.62},
     {"recipe": "retained-k4", "kl_cost_ratio": 1.04},
