@@ -20,6 +20,7 @@ from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
 from glmquant.encode.layer import UnitInputs, encode_unit
 from glmquant.encode.retained import dense_hessian
 from glmquant.errors import NumericalError, UsageError
+from glmquant.observe.summary import check_observed_from
 
 DEFAULT_DRAFT_HEAD_BITS = 4
 
@@ -50,6 +51,7 @@ def build_draft_head(
     except UsageError as exc:
         raise UsageError(str(exc).replace("--head-bits: ", "draft-head: ", 1)) from None
     with SourceCheckpoint.open(source) as ckpt:
+        check_observed_from(observations, ckpt)
         weight = ckpt.read_tensor(head.source).float()
         try:
             assert_finite(head.source, weight)

@@ -45,6 +45,7 @@ from glmquant.encode.state import EncodeState
 from glmquant.encode.summary import LayerSummary, fallback_warnings, summarize_layer
 from glmquant.encode.units import UnitStore, WriteBehind
 from glmquant.errors import CheckpointFormatError, NumericalError, UsageError
+from glmquant.observe.summary import check_observed_from
 
 SUMMARY_NAME = "encode-summary.json"
 
@@ -105,7 +106,9 @@ class EncodeJob:
             retained_exact_layers=cfg.retained_exact_layers,
             retained_layer_bits=cfg.retained_layer_bits,
         )
-        if ranks.is_main:  # refuse a missing Hessian of an EXL3 retained linear or head before any work
+        if ranks.is_main:  # refuse another source's observations or a missing retained Hessian before any work
+            if cfg.observations is not None:
+                check_observed_from(Path(cfg.observations), source)
             check_dense_hessians(self.plan, cfg.observations, cfg.retained_fallback_identity)
         self.state = EncodeState.load_or_new(
             cfg.state_dir, cfg.fingerprint(job_inputs(cfg, source, self.keep, calibration, self.tiers))
@@ -271,7 +274,13 @@ class EncodeJob:
                 "copying retained tensors byte-for-byte"
                 + (", EXL3-encoding " + " and ".join(encoded) if encoded else "")
             )
-            write_retained_shards(plan, self.source, cfg.out, self._retained_linears)
+            try:
+                write_retained_shards(plan, self.source, cfg.out, self._retained_linears)
+            except NumericalError as exc:  # hours of routed experts must not look lost
+                raise NumericalError(
+                    f"{exc}; the routed experts' files in {cfg.out} are kept: mend the source and rerun the same "
+                    "command, which redoes only the retained tensors"
+                ) from None
             state.finish_retained()
         result = finalize_artifact(
             plan,

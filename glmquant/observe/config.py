@@ -27,6 +27,7 @@ import glmquant
 from glmquant.devices import device_type
 from glmquant.errors import UsageError
 from glmquant.observe.hessians import HessianMode, HessianWeighting
+from glmquant.observe.summary import SOURCE_VECTORS_KEY
 from glmquant.observe.tiers import TierSpec
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "calibration" / "default.yaml"
@@ -95,10 +96,11 @@ class ObserveConfig:
 
 
 def fingerprint(
-    config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtype, head_hessian: bool
+    config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtype, head_hessian: bool, source_vectors_sha256: str
 ) -> dict[str, Any]:
     """Everything that changes the bytes of the observations (see the module docstring). `head_hessian`: the run
-    captures lm_head's Hessian (run.py `_observes_head`)."""
+    captures lm_head's Hessian (run.py `_observes_head`); `source_vectors_sha256`: the source's 1-D tensors
+    (`vector_tensors_sha256`), which tell its checkpoint from another of the same config."""
     import transformers
 
     where: dict[str, Any] = {}  # keys added only when set, so older runs keep their fingerprint
@@ -114,6 +116,7 @@ def fingerprint(
         **where,
         "source_config_sha256": _sha256(config.source / "config.json"),
         "source_index_sha256": _sha256(config.source / "model.safetensors.index.json"),
+        SOURCE_VECTORS_KEY: source_vectors_sha256,
         "token_rows_sha256": token_rows_sha256,
         "hessians": config.hessians.value,
         "dense_hessians": config.dense_hessians,

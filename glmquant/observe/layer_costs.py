@@ -47,6 +47,7 @@ from glmquant.exl3 import decode_weight, encode_linears
 from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.run import progress_bar
 from glmquant.observe.streaming import TextModel, run_layer
+from glmquant.observe.summary import check_observed_from
 from glmquant.observe.tiers import TierSpec, allocate_layer_widths
 from glmquant.observe.tuning_sample import TENSORS as TUNING_TENSORS
 from glmquant.observe.tuning_sample import RoutedSample
@@ -128,6 +129,7 @@ def measure_layer_costs(
         model, artifact = open_for_costs(opened, source, artifact_dir, device, dtype)
         layers = _check_artifact(model, artifact, Path(artifact_dir))
         check_built_from(model, artifact, Path(artifact_dir))
+        check_observed_from(observations, model.ckpt)
         bits = {layer: _layer_bits(artifact, layer) for layer in layers}
         _check_observations(observations, layers)  # before the pass, which is the long part
         token_rows, ids, bar = start_pass(opened, observations, rows, progress)

@@ -53,6 +53,7 @@ from glmquant.observe.layer_costs import (
     start_pass,
 )
 from glmquant.observe.streaming import TextModel
+from glmquant.observe.summary import check_observed_from
 from glmquant.observe.width_allocation import allocate_widths
 from glmquant.runtime.artifact import Artifact
 
@@ -130,6 +131,7 @@ def measure_retained_costs(
         model, artifact = open_for_costs(opened, source, artifact_dir, device, dtype)
         by_layer = _layer_linears(model, artifact, Path(artifact_dir))
         check_built_from(model, artifact, Path(artifact_dir))
+        check_observed_from(observations, model.ckpt)
         bits = {layer: _one_bits(linears, Path(artifact_dir), layer) for layer, linears in by_layer.items()}
         _check_dense_hessians(observations, by_layer)  # before the pass, which is the long part
         codebook = artifact.read_linear(by_layer[min(by_layer)][0]).codebook

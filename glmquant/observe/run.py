@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from glmquant.arch import load_model_spec
 from glmquant.calibration import TokenRows, load_recipe, reuse_or_build
 from glmquant.checkpoint.layouts import quantizable_head
-from glmquant.checkpoint.reader import assert_finite
+from glmquant.checkpoint.reader import assert_finite, vector_tensors_sha256
 from glmquant.observe.capture import CaptureTargets, LayerCapture
 from glmquant.observe.checkpointing import RunState, clean_stale, resume_point, state_dir, write_state
 from glmquant.observe.config import ObserveConfig, fingerprint
@@ -95,7 +95,8 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     recipe = load_recipe(config.recipe).with_shape(config.rows, config.tokens)
     rows = reuse_or_build(recipe, AutoTokenizer.from_pretrained(str(config.source)), config.out)
     head = _observes_head(model, rows, config)
-    fp = {**fingerprint(config, rows.sha256, model.dtype, head), "results": results.kind}
+    vectors = vector_tensors_sha256(model.ckpt)
+    fp = {**fingerprint(config, rows.sha256, model.dtype, head, vectors), "results": results.kind}
     clean_stale(config.out)
     resumed = resume_point(config.out, fp)
     store_args = (

@@ -8,11 +8,37 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glmquant.checkpoint.reader import SourceCheckpoint, vector_tensors_sha256
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.errors import UsageError
+from glmquant.observe.checkpointing import read_state
 
 SUMMARY_FILE = "observations.json"
 FORMAT = "glmquant.observations.v1"
+SOURCE_VECTORS_KEY = "source_vectors_sha256"  # in the fingerprint: `vector_tensors_sha256` of the source observed
+
+
+def check_observed_from(obs_dir: Path, source: SourceCheckpoint) -> None:
+    """UsageError unless `obs_dir` was observed from `source`: the hash of its 1-D tensors that the observation's
+    fingerprint records (finished or not) must be the source's. Observations from before the hash was recorded pass."""
+    recorded = _recorded_fingerprint(obs_dir).get(SOURCE_VECTORS_KEY)
+    if recorded is not None and recorded != vector_tensors_sha256(source):
+        raise UsageError(
+            f"{obs_dir} was observed from another checkpoint than {source.directory}: the hash of its 1-D tensors "
+            "(norms, biases) differs; give the checkpoint it was observed from, or observe this one"
+        )
+
+
+def _recorded_fingerprint(obs_dir: Path) -> Mapping[str, Any]:
+    path = obs_dir / SUMMARY_FILE
+    if path.is_file():
+        try:
+            fingerprint = json.loads(path.read_text(encoding="utf-8")).get("fingerprint")
+        except (json.JSONDecodeError, AttributeError):
+            fingerprint = None  # ObservationSummary.load names what is wrong with the file where it is read
+        return fingerprint if isinstance(fingerprint, dict) else {}
+    state = read_state(obs_dir)
+    return {} if state is None else state.fingerprint
 
 
 @dataclass(frozen=True)

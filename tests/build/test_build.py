@@ -133,7 +133,7 @@ def test_build_takes_depth_tiers_but_not_tiers_from_statistics(source: Path, tmp
     assert result.encode.verification is not None and result.encode.verification.ok
     layout = json.loads((tmp_path / "artifact" / "EXL3_MANIFEST.json").read_text())["layout"]
     assert layout["tier_experts_by_layer"] == {"1": {"k3": 2}, "2": {"k1": 2}}  # the two MoE layers' two experts
-    with pytest.raises(UsageError, match="depth tiers"):
+    with pytest.raises(UsageError, match="depth or layers tiers: the statistics of the later layers do not exist"):
         BuildConfig(
             _observe_config(source, tmp_path / "obs2"),
             EncodeConfig(source=source, out=tmp_path / "b", observations=tmp_path / "obs2", tiers="share:K2=rest"),  # type: ignore[arg-type]  # the config parses option text

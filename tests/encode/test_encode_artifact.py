@@ -261,9 +261,9 @@ def test_nan_in_a_retained_tensor_is_named_and_the_fixed_source_resumes(
     small_source: Path, small_observations: Path, small_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A NaN in a tensor the artifact copies byte for byte (an attention weight, the embedding) stops the encode with
-    an error naming the source file and tensor, leaving no file that holds it; once the source is mended the same
-    command resumes (the expert layers stay done) to small_artifact's bytes. The copy used to carry the NaN into a
-    verified artifact, exit 0."""
+    an error naming the source file and tensor and saying the expert layers are kept, leaving no file that holds it;
+    once the source is mended the same command resumes (the expert layers stay done) to small_artifact's bytes. The
+    copy used to carry the NaN into a verified artifact, exit 0."""
     import shutil
 
     from typer.testing import CliRunner
@@ -292,6 +292,7 @@ def test_nan_in_a_retained_tensor_is_named_and_the_fixed_source_resumes(
     failed = CliRunner().invoke(app, command)
     output = " ".join(failed.output.split())
     assert failed.exit_code == 1 and f"error: {shard}: tensor {name} has 1 non-finite value(s) (NaN/Inf)" in output
+    assert f"the routed experts' files in {out} are kept: mend the source and rerun the same command" in output
     assert {f: f.stat().st_mtime_ns for f in out.glob("layer-*")} == experts  # the expert layers were not redone
     assert not (out / shard.name.replace("model-", "retained-")).exists()  # the shard that would carry the NaN
     assert not list(out.glob(".*")) and not (out / "EXL3_MANIFEST.json").exists()  # nor a temporary file of it

@@ -72,9 +72,9 @@ def test_gate_weighting_needs_natural_hessians_and_is_stated_in_the_provenance(t
         observe_config(tiny_source, Path("unused"), hessian_weighting="size")
     with pytest.raises(UsageError, match="natural or both, not all"):  # text settings are checked the same way
         observe_config(tiny_source, Path("unused"), hessians="all", hessian_weighting="gate")
-    token = fingerprint(observe_config(tiny_source, Path("unused")), "rows", torch.bfloat16, False)
+    token = fingerprint(observe_config(tiny_source, Path("unused")), "rows", torch.bfloat16, False, "vectors")
     gate_config = observe_config(tiny_source, Path("unused"), hessian_weighting="gate")
-    gate = fingerprint(gate_config, "rows", torch.bfloat16, False)
+    gate = fingerprint(gate_config, "rows", torch.bfloat16, False, "vectors")
     assert "hessian_weighting" not in token and gate == {**token, "hessian_weighting": "gate"}  # old runs resume
     lanes = [(4, 32)]
     assert calibration_info("r.yaml", "a", "b", lanes, "natural", "gate").routing == "natural+gate-weighted"

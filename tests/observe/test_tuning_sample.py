@@ -51,6 +51,8 @@ def test_tuning_tokens_are_checked_and_leave_older_fingerprints_alone(tmp_path: 
         ObserveConfig(tmp_path, tmp_path / "obs", tuning_tokens=-1)
     with pytest.raises(UsageError, match="use it with --hessians natural or both, not all"):
         ObserveConfig(tmp_path, tmp_path / "obs", hessians="all", tuning_tokens=8)  # type: ignore[arg-type]
-    plain = fingerprint(ObserveConfig(tmp_path, tmp_path / "obs"), "rows", torch.bfloat16, False)
-    sampled = fingerprint(ObserveConfig(tmp_path, tmp_path / "obs", tuning_tokens=64), "rows", torch.bfloat16, False)
+    plain = fingerprint(ObserveConfig(tmp_path, tmp_path / "obs"), "rows", torch.bfloat16, False, "vectors")
+    sampled = fingerprint(
+        ObserveConfig(tmp_path, tmp_path / "obs", tuning_tokens=64), "rows", torch.bfloat16, False, "vectors"
+    )
     assert "tuning_tokens" not in plain and sampled == {**plain, "tuning_tokens": 64}
