@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glmquant.checkpoint.manifest import MANIFEST_NAME
 from glmquant.checkpoint.reader import SourceCheckpoint, vector_tensors_sha256
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.errors import UsageError
@@ -21,11 +22,20 @@ SOURCE_VECTORS_KEY = "source_vectors_sha256"  # in the fingerprint: `vector_tens
 def check_observed_from(obs_dir: Path, source: SourceCheckpoint) -> None:
     """UsageError unless `obs_dir` was observed from `source`: the hash of its 1-D tensors that the observation's
     fingerprint records (finished or not) must be the source's. Observations from before the hash was recorded pass."""
+    refuse_artifact(obs_dir)
     recorded = _recorded_fingerprint(obs_dir).get(SOURCE_VECTORS_KEY)
     if recorded is not None and recorded != vector_tensors_sha256(source):
         raise UsageError(
             f"{obs_dir} was observed from another checkpoint than {source.directory}: the hash of its 1-D tensors "
             "(norms, biases) differs; give the checkpoint it was observed from, or observe this one"
+        )
+
+
+def refuse_artifact(obs_dir: Path) -> None:
+    """UsageError when `obs_dir` is an artifact given where observations belong (the two are easily swapped)."""
+    if (obs_dir / MANIFEST_NAME).is_file():
+        raise UsageError(
+            f"{obs_dir} is an artifact (it holds {MANIFEST_NAME}), not observations: give `glmquant observe`'s output"
         )
 
 
@@ -137,6 +147,7 @@ class ObservationSummary:
                 raw["head"] = HeadSummary(head["hessians_file"], head.get("cost") and LayerCost(**head["cost"]))
             return cls(**raw)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            refuse_artifact(obs_dir)
             raise UsageError(f"{path}: unreadable observation summary ({exc}); run glmquant observe first") from None
 
     def moe_layers(self) -> list[LayerSummary]:

@@ -70,3 +70,16 @@ def test_older_and_unfinished_observations(small_source: Path, small_observation
         assert (state_dir(unfinished) / "progress.json").is_file()
         with pytest.raises(UsageError, match="was observed from another checkpoint"):
             check_observed_from(unfinished, ckpt)
+
+
+def test_an_artifact_given_as_observations_is_named(small_source: Path, small_artifact: Path, tmp_path: Path) -> None:
+    """The two directories are easily swapped: encode and the checks say which one was given."""
+    with SourceCheckpoint.open(small_source) as ckpt, pytest.raises(UsageError, match="is an artifact .*not observ"):
+        check_observed_from(small_artifact, ckpt)
+    out = tmp_path / "artifact"
+    result = CliRunner().invoke(
+        app, ["encode", str(small_source), "--observations", str(small_artifact), "--out", str(out)]
+    )
+    output = " ".join(result.output.split())
+    assert result.exit_code != 0 and f"{small_artifact} is an artifact (it holds EXL3_MANIFEST.json)" in output
+    assert not out.exists()
