@@ -819,9 +819,12 @@ def speed_tier(
     layer_bits = report["model"].get("retained_layer_bits")
     kl_cost_ratio = None
     if kl_cost_row is not None:
-        rows = (fidelity or {}).get("rows", [])
-        kl_cost_ratio = next((r.get("kl_cost_ratio") for r in rows if r["recipe"] == kl_cost_row), None)
-        kl_from = f"the proxy fidelity run merged with --fidelity: its {kl_cost_row} row, named by --kl-cost-row"
+        row = next((r for r in (fidelity or {}).get("rows", []) if r["recipe"] == kl_cost_row), {})
+        kl_cost_ratio = row.get("kl_cost_ratio")
+        widths = row.get("retained_layer_bits")  # the proxy's own widths: not necessarily what this run timed
+        kl_from = f"the proxy fidelity run merged with --fidelity: its {kl_cost_row} row, named by --kl-cost-row" + (
+            f" (the proxy's layers at {widths})" if widths else ""
+        )
     elif layer_bits is not None:
         kl_from = "not measured: widths by layer have no row of their own; name the proxy's with --kl-cost-row"
     elif bits is None:

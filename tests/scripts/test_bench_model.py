@@ -250,7 +250,8 @@ def test_smoke_run_with_widths_by_layer(tmp_path: Path) -> None:
 def test_kl_cost_is_the_fidelity_row_with_the_same_retained_and_head_k(bench_model: ModuleType) -> None:
     """Merged with a proxy fidelity run, a speed-tier report takes the KL cost of the row with its retained K and
     head K and exact first layers (`retained-k4`, `retained-k4-head6`, `retained-k4-head6-exact2`), not another's;
-    with an EXL3 head alone it stays null with a note (the bench has no such row); `kl_cost_row` names another row."""
+    with an EXL3 head alone it stays null with a note (the bench has no such row); `kl_cost_row` names another row,
+    and the proxy's widths of a widths row are named beside its cost."""
     fidelity = {"rows": FIDELITY_ROWS}
     for model, want, row in (
         ({"retained_bits": 4, "head_bits": None}, 1.04, "retained-k4 row"),
@@ -265,6 +266,11 @@ def test_kl_cost_is_the_fidelity_row_with_the_same_retained_and_head_k(bench_mod
         named["speed_tier"]["kl_cost_ratio"] == 1.04
         and "retained-k4 row, named by" in named["speed_tier"]["kl_cost_ratio_from"]
     )
+    widths = {"recipe": "retained-layer-cost-k3-head5", "kl_cost_ratio": 1.2, "retained_layer_bits": "K5,K2"}
+    by_widths = bench_model.merge(
+        [{"model": {"retained_bits": 3, "head_bits": 5}, "parts": {}}], {"rows": [widths]}, widths["recipe"]
+    )["speed_tier"]
+    assert by_widths["kl_cost_ratio"] == 1.2 and "(the proxy's layers at K5,K2)" in by_widths["kl_cost_ratio_from"]
     tier = bench_model.merge([{"model": {"retained_bits": None, "head_bits": 6}, "parts": {}}], fidelity)["speed_tier"]
     assert tier["kl_cost_ratio"] is None
     assert "head_bits 6" in tier["kl_cost_ratio_from"] and "kNone" not in tier["kl_cost_ratio_from"]
