@@ -819,7 +819,7 @@ def speed_tier(
     layer_bits = report["model"].get("retained_layer_bits")
     kl_cost_ratio = None
     if kl_cost_row is not None:
-        row = next((r for r in (fidelity or {}).get("rows", []) if r["recipe"] == kl_cost_row), {})
+        row: dict[str, Any] = next((r for r in (fidelity or {}).get("rows", []) if r["recipe"] == kl_cost_row), {})
         kl_cost_ratio = row.get("kl_cost_ratio")
         widths = row.get("retained_layer_bits")  # the proxy's own widths: not necessarily what this run timed
         kl_from = f"the proxy fidelity run merged with --fidelity: its {kl_cost_row} row, named by --kl-cost-row" + (
