@@ -126,6 +126,7 @@ class Recipe:
     retained_layer_bits: str | None = None
     retained_widths_from: str | None = None
     retained_budget_bits: int = 4
+    retained_offered: tuple[int | None, ...] | None = None  # the widths "layer-cost" chooses among (None: all)
     head_bits: int | None = None  # and lm_head EXL3 at this K (`encode --head-bits`)
     tune_scales: int = 0  # Adam steps of `encode --tune-scales` on its observation's token sample
     # widths per MoE layer from each one's KL alone at K1-K4 on calibration text: "measured" from the four uniform
@@ -322,6 +323,16 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
                 (5, "the KL cost one bit wider buys, and its bytes"),
                 (6, "the KL cost two bits wider buy: where the goal of a KL cost <= 0.1 is met, and at what bytes"),
             )
+        ),
+        Recipe(
+            "retained-layer-cost-k3-gemv-head5",
+            "retained-layer-cost-k3-head5 with K2, K4 and exact offered alone (retained-costs --widths K2,K4,exact): "
+            "the K the GEMV core runs, whose widths within K3's bytes project 32.17 tok/s on a GB10 where uniform K3's "
+            "small-job core gives 27.54 (docs/encode.md)",
+            head_bits=5,
+            retained_widths_from="layer-cost",
+            retained_budget_bits=3,
+            retained_offered=(2, 4, None),
         ),
         Recipe(
             f"retained-k5-head6-exact{exact}",
@@ -530,6 +541,7 @@ def experts_only(recipe: Recipe) -> Recipe:
         retained_exact_layers=0,
         retained_layer_bits=None,
         retained_widths_from=None,
+        retained_offered=None,
         head_bits=None,
     )
 
@@ -1096,7 +1108,9 @@ class Evaluator:
         if recipe.retained_widths_from is not None:  # the retained linears' K per decoder layer, likewise
             layer_kl, layer_bytes = self.retained_costs(obs)
             budget = sum(by_k[recipe.retained_budget_bits] for by_k in layer_bytes.values())
-            chosen = allocate_widths(layer_kl, layer_bytes, budget)
+            offered = recipe.retained_offered
+            choices = layer_kl if offered is None else {n: {k: c[k] for k in offered} for n, c in layer_kl.items()}
+            chosen = allocate_widths(choices, layer_bytes, budget)
             text = layer_bits_text(k for _, k in sorted(chosen.items()))
             recipe = replace(recipe, retained_layer_bits=text)
             tier["retained_layer_costs"] = {

@@ -183,9 +183,10 @@ def check_exact_layers(retained_bits: int | None, exact_layers: int, spec: Model
         )
 
 
-def parse_layer_bits(text: str) -> tuple[int | None, ...]:
+def parse_layer_bits(text: str, option: str = "--retained-layer-bits") -> tuple[int | None, ...]:
     """`--retained-layer-bits K6,K6,exact,K4,...`: K of each decoder layer's retained linears, the first layer first
-    (`exact`: that layer's stay exact). UsageError naming the entry that is neither."""
+    (`exact`: that layer's stay exact); `option` names another list of widths. UsageError naming the entry that is
+    neither."""
     widths: list[int | None] = []
     for i, entry in enumerate(text.split(",")):
         entry = entry.strip()
@@ -194,9 +195,7 @@ def parse_layer_bits(text: str) -> tuple[int | None, ...]:
             continue
         match = re.fullmatch(r"[Kk](\d+)", entry)
         if match is None:
-            raise UsageError(
-                f"--retained-layer-bits: entry {i} ({entry!r}) is neither K<bits> nor exact (e.g. K6,K6,K3,exact)"
-            )
+            raise UsageError(f"{option}: entry {i} ({entry!r}) is neither K<bits> nor exact (e.g. K6,K6,K3,exact)")
         widths.append(int(match.group(1)))
     return tuple(widths)
 

@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from glmquant.checkpoint.hub import resolve_source
-from glmquant.checkpoint.layouts import width_name
+from glmquant.checkpoint.layouts import parse_layer_bits, width_name
 from glmquant.cli.common import HubRevision, guarded, out
 from glmquant.errors import UsageError
 from glmquant.observe.layer_costs import SWEEP_BITS, measure_layer_costs
@@ -120,6 +120,13 @@ def retained_costs(
         float,
         typer.Option(help="g of cost = KL alone x (output error ratio) ** g: 1 is second order; 0.5 fit the proxy"),
     ] = 0.5,
+    widths: Annotated[
+        str | None,
+        typer.Option(
+            help=f"the widths to choose among, e.g. K2,K4,exact (the K the fast GEMV core runs; default: "
+            f"{_RETAINED_SWEEP} and exact)"
+        ),
+    ] = None,
     device: Device = "cpu",
     dtype: Dtype = "auto",
     batch_rows: BatchRows = 4,
@@ -136,6 +143,7 @@ def retained_costs(
         artifact,
         outputs=outputs,
         error_exponent=error_exponent,
+        offered=None if widths is None else parse_layer_bits(widths, "--widths"),
         **pass_options,
     )
     costs.write(out_file)

@@ -81,6 +81,7 @@ class RetainedCosts:
     cost: dict[int, dict[int | None, float]]  # None: exact
     nbytes: dict[int, dict[int | None, int]]  # the layer's stored bytes at each option (whole linears)
     budget_bytes: int
+    offered: tuple[int | None, ...]  # the widths the allocation chose among (--widths)
     widths: dict[int, int | None]
     retained_layer_bits: str  # for encode --retained-layer-bits
     predicted_kl: float  # the chosen widths' summed cost
@@ -95,6 +96,7 @@ class RetainedCosts:
             "error": {layer: named(e) for layer, e in self.error.items()},
             "cost": {layer: named(c) for layer, c in self.cost.items()},
             "nbytes": {layer: named(b) for layer, b in self.nbytes.items()},
+            "offered": [width_name(k) for k in self.offered],
             "widths": {layer: width_name(k) for layer, k in self.widths.items()},
         }
         atomic_write_text(path, json.dumps(data, indent=2) + "\n")
@@ -109,6 +111,7 @@ def measure_retained_costs(
     outputs: int = 256,
     mean_bits: float | None = None,
     error_exponent: float = 0.5,
+    offered: Sequence[int | None] | None = None,
     device: str = "cpu",
     dtype: str = "auto",
     batch_rows: int = 4,
@@ -117,12 +120,17 @@ def measure_retained_costs(
     """Costs of each decoder layer's retained linears of `artifact_dir` (a speed-tier build from `source`) at
     K2-K6 and exact, from `rows` calibration rows of `observations` and `outputs` sampled output rows per linear;
     widths of least summed cost within the retained bytes of mean K `mean_bits` (between the uniform widths'
-    bytes; default: the artifact's own retained bytes)."""
+    bytes; default: the artifact's own retained bytes), chosen among `offered` (default: all; e.g. K2, K4 and exact,
+    the K the GEMV core runs, `docs/encode.md`)."""
     if rows < 1 or batch_rows < 1 or outputs < 1:
         raise UsageError(f"--rows, --batch-rows and --outputs must be >= 1, got {rows}, {batch_rows}, {outputs}")
     if not 0 < error_exponent <= 2:
         raise UsageError(f"--error-exponent must be in (0, 2], got {error_exponent}")
     sweep = RETAINED_SWEEP_BITS
+    choices: tuple[int | None, ...] = (*sweep, None) if offered is None else tuple(dict.fromkeys(offered))
+    if not choices or any(k is not None and k not in sweep for k in choices):
+        names = ",".join(width_name(k) for k in choices) or "nothing"
+        raise UsageError(f"--widths takes K{min(sweep)}..K{max(sweep)} and exact, got {names}")
     if mean_bits is not None and not min(sweep) <= mean_bits <= max(sweep):
         raise UsageError(f"--mean-bits must be within K{min(sweep)}..K{max(sweep)} for the retained linears")
     observations = Path(observations)
@@ -172,7 +180,7 @@ def measure_retained_costs(
         layer: _option_bytes(linears, sorted({*sweep, bits[layer]}), codebook) for layer, linears in by_layer.items()
     }
     budget = _budget(nbytes, bits, mean_bits)
-    widths = allocate_widths(cost, nbytes, budget)
+    widths = allocate_widths({layer: {k: by_k[k] for k in choices} for layer, by_k in cost.items()}, nbytes, budget)
     return RetainedCosts(
         artifact_manifest_sha256=manifest_sha256,
         token_rows_sha256=token_rows.sha256,
@@ -187,6 +195,7 @@ def measure_retained_costs(
         cost=cost,
         nbytes=nbytes,
         budget_bytes=budget,
+        offered=choices,
         widths=widths,
         retained_layer_bits=layer_bits_text(k for _, k in sorted(widths.items())),
         predicted_kl=sum(cost[layer][k] for layer, k in widths.items()),

@@ -170,6 +170,13 @@ def test_retained_costs_measure_each_layers_kl_alone_and_choose_within_the_budge
     costs = json.loads(out.read_text())
     assert costs["artifact_bits"] == {"0": 3, "1": 5}
     assert f"--retained-layer-bits {costs['retained_layer_bits']}" in " ".join(result.output.split())
+    assert costs["offered"] == ["K2", "K3", "K4", "K5", "K6", "exact"]
+    for widths, message in (
+        ("K2,K9", "--widths takes K2..K6 and exact, got K2,K9"),
+        ("K2,4", "entry 1 ('4') is neither"),
+    ):
+        bad = CliRunner().invoke(app, [*args[:6], "--out", str(tmp_path / "bad.json"), "--widths", widths])
+        assert bad.exit_code == 2 and message in " ".join(bad.output.split()), bad.output
 
     ids = TokenRows.load(one_moe_dense_observations).lanes[0].ids.long()[:2]
     whole = Glm5NextForConditionalGeneration.from_pretrained(str(one_moe_source), dtype=torch.float32).eval()
@@ -218,7 +225,8 @@ def test_retained_costs_budget_and_bad_inputs(
     one_moe_source: Path, one_moe_dense_observations: Path, by_layer: EncodeResult, small_artifact: Path, tmp_path: Path
 ) -> None:
     """--mean-bits 4.5 allocates the bytes halfway between uniform K4's and K5's, and the widths are the cheapest
-    choice within them; a mean outside K2-K6, observations without a layer's dense Hessians and an artifact of another
+    choice within them; --widths K2,K4 chooses among those alone from the same costs; a mean outside K2-K6,
+    observations without a layer's dense Hessians and an artifact of another
     model are refused, naming what is wrong."""
     art = by_layer.artifact.directory
     costs = measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=1, mean_bits=4.5)
@@ -233,6 +241,21 @@ def test_retained_costs_budget_and_bad_inputs(
     ]
     assert costs.predicted_kl == pytest.approx(min(within)[0])
     assert sum(costs.nbytes[layer][k] for layer, k in costs.widths.items()) <= costs.budget_bytes
+    gemv = measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=1, mean_bits=3, offered=[2, 4])
+    assert set(gemv.widths.values()) <= {2, 4} and gemv.offered == (2, 4)
+    for layer, by_k in costs.cost.items():  # the same measurements; only the choice is narrower
+        assert gemv.cost[layer] == pytest.approx(by_k)
+    assert gemv.predicted_kl == pytest.approx(
+        min(
+            gemv.cost[0][a] + gemv.cost[1][b]
+            for a in (2, 4)
+            for b in (2, 4)
+            if gemv.nbytes[0][a] + gemv.nbytes[1][b] <= gemv.budget_bytes
+        )
+    )
+    for bad in ([7], [], [1, None]):
+        with pytest.raises(UsageError, match="--widths takes K2..K6 and exact"):
+            measure_retained_costs(one_moe_source, one_moe_dense_observations, art, offered=bad)
     with pytest.raises(UsageError, match=r"--error-exponent must be in \(0, 2\], got 0"):
         measure_retained_costs(one_moe_source, one_moe_dense_observations, art, error_exponent=0)
     with pytest.raises(UsageError, match="--mean-bits must be within K2..K6"):
