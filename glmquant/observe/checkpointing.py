@@ -24,6 +24,9 @@ from glmquant.checkpoint.writer import atomic_write_text, remove_temp_files
 from glmquant.errors import UsageError
 
 STATE_DIR = "state"
+# in the fingerprint: the hash of the source's 1-D tensors (`vector_tensors_sha256`); a state from before it was
+# recorded resumes without it (the rest of its fingerprint still has to match)
+SOURCE_VECTORS_KEY = "source_vectors_sha256"
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,10 @@ def resume_point(obs: Path, fingerprint: Mapping[str, Any]) -> RunState | None:
     state = read_state(obs)
     if state is None:
         return None
-    changed = sorted(
-        k for k in set(state.fingerprint) | set(fingerprint) if state.fingerprint.get(k) != fingerprint.get(k)
-    )
+    keys = set(state.fingerprint) | set(fingerprint)
+    if SOURCE_VECTORS_KEY not in state.fingerprint:
+        keys.discard(SOURCE_VECTORS_KEY)
+    changed = sorted(k for k in keys if state.fingerprint.get(k) != fingerprint.get(k))
     if changed:
         details = "; ".join(f"{k}: {state.fingerprint.get(k)!r} -> {fingerprint.get(k)!r}" for k in changed)
         raise UsageError(

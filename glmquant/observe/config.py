@@ -26,8 +26,8 @@ import torch
 import glmquant
 from glmquant.devices import device_type
 from glmquant.errors import UsageError
+from glmquant.observe.checkpointing import SOURCE_VECTORS_KEY
 from glmquant.observe.hessians import HessianMode, HessianWeighting
-from glmquant.observe.summary import SOURCE_VECTORS_KEY
 from glmquant.observe.tiers import TierSpec
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "calibration" / "default.yaml"

@@ -12,11 +12,10 @@ from glmquant.checkpoint.manifest import MANIFEST_NAME
 from glmquant.checkpoint.reader import SourceCheckpoint, vector_tensors_sha256
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.errors import UsageError
-from glmquant.observe.checkpointing import read_state
+from glmquant.observe.checkpointing import SOURCE_VECTORS_KEY, read_state
 
 SUMMARY_FILE = "observations.json"
 FORMAT = "glmquant.observations.v1"
-SOURCE_VECTORS_KEY = "source_vectors_sha256"  # in the fingerprint: `vector_tensors_sha256` of the source observed
 
 
 def check_observed_from(obs_dir: Path, source: SourceCheckpoint) -> None:

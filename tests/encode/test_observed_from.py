@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from glmquant.checkpoint.reader import SourceCheckpoint, vector_tensors_sha256
 from glmquant.cli import app
 from glmquant.errors import UsageError
-from glmquant.observe.checkpointing import state_dir, write_state
+from glmquant.observe.checkpointing import resume_point, state_dir, write_state
 from glmquant.observe.summary import SOURCE_VECTORS_KEY, SUMMARY_FILE, ObservationSummary, check_observed_from
 
 NORM = "model.language_model.layers.1.post_attention_layernorm.weight"
@@ -83,3 +83,16 @@ def test_an_artifact_given_as_observations_is_named(small_source: Path, small_ar
     output = " ".join(result.output.split())
     assert result.exit_code != 0 and f"{small_artifact} is an artifact (it holds EXL3_MANIFEST.json)" in output
     assert not out.exists()
+
+
+def test_an_observation_from_before_the_hash_resumes(tmp_path: Path) -> None:
+    """A resume state whose fingerprint lacks the source's hash (made before it was recorded) resumes; one that
+    records another hash is refused, naming the key."""
+    older = {"token_rows_sha256": "rows", "glmquant": "0"}
+    now = older | {SOURCE_VECTORS_KEY: "abc"}
+    write_state(tmp_path / "older", older, next_layer=2)
+    state = resume_point(tmp_path / "older", now)
+    assert state is not None and state.next_layer == 2
+    write_state(tmp_path / "other", older | {SOURCE_VECTORS_KEY: "def"}, next_layer=2)
+    with pytest.raises(UsageError, match="source_vectors_sha256: 'def' -> 'abc'"):
+        resume_point(tmp_path / "other", now)
