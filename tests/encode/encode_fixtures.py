@@ -4,14 +4,17 @@ a file-digest helper and the verify-manifest CLI check."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rich.console import Console
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.cli import app
 from glmquant.encode import EncodeConfig, encode_artifact
 from glmquant.encode.run import EncodeResult
@@ -27,6 +30,18 @@ SMALL = TinyModelConfig(n_routed_experts=2, num_experts_per_tok=1)
 # 8 stored bits per weight at K2)
 ONE_MOE = replace(SMALL, num_hidden_layers=2)
 EPOCH = "1767225600"  # SOURCE_DATE_EPOCH of the encodes compared byte for byte: 2026-01-01T00:00:00Z
+
+
+def another_checkpoint(source: Path, out: Path, norm: str) -> Path:
+    """A copy of `source` at `out` with the 1-D tensor `norm` scaled by 1.5: another checkpoint of the same config
+    and index."""
+    shutil.copytree(source, out)
+    with SourceCheckpoint.open(out) as ckpt:
+        shard = out / ckpt.shard_of(norm)
+    tensors = load_file(str(shard))
+    tensors[norm] = tensors[norm] * 1.5
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return out
 
 
 def tiny_source(factory: pytest.TempPathFactory, name: str, config: TinyModelConfig) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from encode_fixtures import another_checkpoint
 from typer.testing import CliRunner
 
 from glmquant.checkpoint.draft_head import DRAFT_HEAD_FORMAT, read_draft_head
@@ -105,14 +105,7 @@ def test_a_file_of_another_kind_or_model_is_refused_at_load(
 def test_observations_of_another_checkpoint_are_refused(
     one_moe_source: Path, one_moe_dense_observations: Path, tmp_path: Path
 ) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(one_moe_source, other)
-    norm = "model.language_model.norm.weight"
-    with SourceCheckpoint.open(other) as ckpt:
-        shard = other / ckpt.shard_of(norm)
-    tensors = load_file(str(shard))
-    tensors[norm] = tensors[norm] * 1.5
-    save_file(tensors, str(shard), metadata={"format": "pt"})
+    other = another_checkpoint(one_moe_source, tmp_path / "other", "model.language_model.norm.weight")
     out = tmp_path / "draft_head.safetensors"
     with pytest.raises(UsageError, match=f"{one_moe_dense_observations} was observed from another checkpoint"):
         build_draft_head(other, one_moe_dense_observations, out)

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
+from encode_fixtures import another_checkpoint
 from typer.testing import CliRunner
 
 from glmquant.checkpoint.reader import SourceCheckpoint, vector_tensors_sha256
@@ -19,17 +19,6 @@ from glmquant.observe.checkpointing import resume_point, state_dir, write_state
 from glmquant.observe.summary import SOURCE_VECTORS_KEY, SUMMARY_FILE, ObservationSummary, check_observed_from
 
 NORM = "model.language_model.layers.1.post_attention_layernorm.weight"
-
-
-def _another_checkpoint(source: Path, out: Path) -> Path:
-    """The same config and index, one norm scaled: another checkpoint of the model."""
-    shutil.copytree(source, out)
-    with SourceCheckpoint.open(out) as ckpt:
-        shard = out / ckpt.shard_of(NORM)
-    tensors = load_file(str(shard))
-    tensors[NORM] = tensors[NORM] * 1.5
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    return out
 
 
 def test_observations_record_their_sources_vectors(small_source: Path, small_observations: Path) -> None:
@@ -42,7 +31,7 @@ def test_observations_record_their_sources_vectors(small_source: Path, small_obs
 def test_encode_refuses_observations_of_another_checkpoint_before_any_work(
     small_source: Path, small_observations: Path, tmp_path: Path
 ) -> None:
-    other = _another_checkpoint(small_source, tmp_path / "other")
+    other = another_checkpoint(small_source, tmp_path / "other", NORM)
     recorded = ObservationSummary.load(small_observations).fingerprint[SOURCE_VECTORS_KEY]
     with SourceCheckpoint.open(other) as ckpt:
         assert vector_tensors_sha256(ckpt) != recorded
@@ -62,7 +51,7 @@ def test_older_and_unfinished_observations(small_source: Path, small_observation
     raw = json.loads((older / SUMMARY_FILE).read_text())
     recorded = raw["fingerprint"].pop(SOURCE_VECTORS_KEY)
     (older / SUMMARY_FILE).write_text(json.dumps(raw))
-    other = _another_checkpoint(small_source, tmp_path / "other")
+    other = another_checkpoint(small_source, tmp_path / "other", NORM)
     with SourceCheckpoint.open(other) as ckpt:
         check_observed_from(older, ckpt)
         unfinished = tmp_path / "unfinished"

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from encode_fixtures import ONE_MOE, QUIET, assert_verify_manifest_cli, observed, tiny_source
-from safetensors.torch import load_file, save_file
+from encode_fixtures import ONE_MOE, QUIET, another_checkpoint, assert_verify_manifest_cli, observed, tiny_source
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from glmquant.arch import load_model_spec, table_for
@@ -269,14 +269,8 @@ def test_retained_costs_budget_and_bad_inputs(
         measure_retained_costs(one_moe_source, one_moe_dense_observations, small_artifact)
     with pytest.raises(UsageError, match=r"--device must be cpu or cuda"):
         measure_retained_costs(one_moe_source, one_moe_dense_observations, art, device="tpu")
-    other = tmp_path / "other-source"  # the same config, one norm changed: another checkpoint
-    shutil.copytree(one_moe_source, other)
     norm = "model.language_model.layers.1.post_attention_layernorm.weight"
-    with SourceCheckpoint.open(other) as ckpt:
-        shard = other / ckpt.shard_of(norm)
-    tensors = load_file(str(shard))
-    tensors[norm] = tensors[norm] * 1.5
-    save_file(tensors, str(shard), metadata={"format": "pt"})
+    other = another_checkpoint(one_moe_source, tmp_path / "other-source", norm)
     with pytest.raises(UsageError, match=rf"was not built from this source: its copy of {norm} differs"):
         measure_retained_costs(other, one_moe_dense_observations, art)
 
