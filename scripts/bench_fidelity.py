@@ -1108,9 +1108,7 @@ class Evaluator:
         if recipe.retained_widths_from is not None:  # the retained linears' K per decoder layer, likewise
             layer_kl, layer_bytes = self.retained_costs(obs)
             budget = sum(by_k[recipe.retained_budget_bits] for by_k in layer_bytes.values())
-            offered = recipe.retained_offered
-            choices = layer_kl if offered is None else {n: {k: c[k] for k in offered} for n, c in layer_kl.items()}
-            chosen = allocate_widths(choices, layer_bytes, budget)
+            chosen = allocate_widths(layer_kl, layer_bytes, budget, recipe.retained_offered)
             text = layer_bits_text(k for _, k in sorted(chosen.items()))
             recipe = replace(recipe, retained_layer_bits=text)
             tier["retained_layer_costs"] = {

@@ -180,7 +180,7 @@ def measure_retained_costs(
         layer: _option_bytes(linears, sorted({*sweep, bits[layer]}), codebook) for layer, linears in by_layer.items()
     }
     budget = _budget(nbytes, bits, mean_bits)
-    widths = allocate_widths({layer: {k: by_k[k] for k in choices} for layer, by_k in cost.items()}, nbytes, budget)
+    widths = allocate_widths(cost, nbytes, budget, choices)
     return RetainedCosts(
         artifact_manifest_sha256=manifest_sha256,
         token_rows_sha256=token_rows.sha256,

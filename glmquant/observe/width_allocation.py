@@ -11,7 +11,7 @@ retained linears' K per decoder layer (`encode --retained-layer-bits`, as the fi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TypeVar
 
 from glmquant.errors import UsageError
@@ -28,10 +28,14 @@ def allocate_widths(
     cost: Mapping[int, Mapping[Width, float]],
     nbytes: Mapping[int, Mapping[Width, int]],
     budget: int,
+    offered: Collection[Width] | None = None,
 ) -> dict[int, Width]:
-    """The option of each layer that minimizes the sum of the layers' costs, their bytes at most `budget`. Every
-    option with a cost needs its bytes. Ties keep the wider option on the earlier layer. UsageError for a layer
-    without options, a cost that is not finite, or a budget no choice fits (naming the least it needs)."""
+    """The option of each layer that minimizes the sum of the layers' costs, their bytes at most `budget`, among the
+    `offered` options alone when given (e.g. the K one kernel runs). Every option with a cost needs its bytes. Ties
+    keep the wider option on the earlier layer. UsageError for a layer without options, a cost that is not finite, or
+    a budget no choice fits (naming the least it needs)."""
+    if offered is not None:
+        cost = {layer: {k: v for k, v in by_k.items() if k in offered} for layer, by_k in cost.items()}
     layers = sorted(cost)
     if not layers or any(not cost[layer] for layer in layers):
         raise UsageError(f"layer costs {dict(cost)}: every layer needs a cost at one width at least")

@@ -81,8 +81,8 @@ def test_allocation_breaks_ties_toward_the_earlier_layer_and_refuses_non_finite_
 
 def test_byte_allocation_with_exact_layers_is_the_least_cost_within_the_budget() -> None:
     """`allocate_widths` as `--retained-layer-bits` uses it: layers of unequal bytes, K3-K6 or exact (None, cost 0,
-    the BF16 bytes); the result equals the best of every allocation enumerated, within the budget; a budget below the
-    narrowest choice is refused, naming what that takes."""
+    the BF16 bytes); the result equals the best of every allocation enumerated, within the budget, and among `offered`
+    options alone the best of theirs; a budget below the narrowest choice is refused, naming what that takes."""
     rng = random.Random(1)
     options: tuple[int | None, ...] = (3, 4, 5, 6, None)
     for layers in range(1, 5):
@@ -104,6 +104,15 @@ def test_byte_allocation_with_exact_layers_is_the_least_cost_within_the_budget()
                 if sum(nbytes[layer][k] for layer, k in zip(sorted(cost), choice)) <= budget
             )
             assert sum(cost[layer][k] for layer, k in got.items()) == pytest.approx(best, rel=1e-12)
+            offered = (4, 6, None)  # a subset: chosen among those alone, the best of their allocations
+            narrower = allocate_widths(cost, nbytes, budget, offered)
+            assert set(narrower.values()) <= set(offered)
+            best_offered = min(
+                sum(cost[layer][k] for layer, k in zip(sorted(cost), choice))
+                for choice in itertools.product(offered, repeat=layers)
+                if sum(nbytes[layer][k] for layer, k in zip(sorted(cost), choice)) <= budget
+            )
+            assert sum(cost[layer][k] for layer, k in narrower.items()) == pytest.approx(best_offered, rel=1e-12)
     two = {0: {3: 1.0, None: 0.0}, 1: {3: 1.0, None: 0.0}}
     assert allocate_widths(two, {0: {3: 30, None: 160}, 1: {3: 30, None: 160}}, 190) == {0: None, 1: 3}  # ties: earlier
     with pytest.raises(UsageError, match="no width per layer fits 59 bytes \\(the narrowest take 60\\)"):
