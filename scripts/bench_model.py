@@ -48,8 +48,9 @@ from typing import Any
 import torch
 
 from glmquant.arch import PROJECTIONS, TensorRole, table_for
-from glmquant.checkpoint.draft_head import DraftHead, write_draft_head
-from glmquant.checkpoint.layouts import RETAINED_BITS, parse_layer_bits
+from glmquant.checkpoint.draft_head import DraftHead, DraftMtp, write_draft_head
+from glmquant.checkpoint.layouts import RETAINED_BITS, expert_slices, parse_layer_bits, quantizable_mtp
+from glmquant.encode.draft_head import DEFAULT_MTP_EXPERT_BITS
 from glmquant.errors import UsageError
 from glmquant.exl3.tensor import EXL3Tensor
 from glmquant.fixtures.random_artifact import random_exl3
@@ -121,6 +122,7 @@ def main() -> None:
         "sizes": sizes.__dict__,
         "compile_decode": args.compile_decode,
         "draft_head_bits": args.draft_head_bits,
+        "draft_mtp_bits": args.draft_mtp_bits,  # the drafts read a K copy of the MTP layer (routed experts K2)
         "dense_linear_max_weights": args.dense_linear_max_weights,
         "parts": {},
     }
@@ -135,20 +137,23 @@ def main() -> None:
         retained_exact_layers=args.retained_exact_layers,
         retained_layer_bits=args.retained_layer_bits,
     )
-    engine = Engine.load(
-        artifact,
-        RuntimeOptions(
-            device=device,
-            backend="torch" if args.smoke else "triton",
-            model_impl="glmquant",
-            compile_decode=args.compile_decode,
-            dense_linear_max_weights=args.dense_linear_max_weights,
-        ),
-        max_batch=1,
-        max_len=sizes.chunk,
-        mtp="mtp" in args.parts,
-        draft_head=None if args.draft_head_bits is None else dummy_draft_head(artifact.spec, args.draft_head_bits),
-    )
+    with tempfile.TemporaryDirectory(prefix="bench-draft-head-") as scratch:  # read whole at load
+        engine = Engine.load(
+            artifact,
+            RuntimeOptions(
+                device=device,
+                backend="torch" if args.smoke else "triton",
+                model_impl="glmquant",
+                compile_decode=args.compile_decode,
+                dense_linear_max_weights=args.dense_linear_max_weights,
+            ),
+            max_batch=1,
+            max_len=sizes.chunk,
+            mtp="mtp" in args.parts,
+            draft_head=None
+            if args.draft_head_bits is None
+            else dummy_draft_head(artifact.spec, args.draft_head_bits, args.draft_mtp_bits, Path(scratch)),
+        )
     sync(engine)
     report["model"] = model_record(artifact, engine, time.perf_counter() - t0, config, unheld)
     save(report, args.out)
@@ -221,6 +226,13 @@ def parse_args() -> argparse.Namespace:
         help="with the mtp part: the drafts read a random EXL3 copy of lm_head at this K (glmquant draft-head)",
     )
     p.add_argument(
+        "--draft-mtp-bits",
+        type=int,
+        default=None,
+        help="with --draft-head-bits: the draft file also holds a random EXL3 copy of the MTP layer, its linears at "
+        "this K and its routed experts at K2 (glmquant draft-head --mtp-bits)",
+    )
+    p.add_argument(
         "--routed-experts",
         type=int,
         default=None,
@@ -258,6 +270,8 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--parts takes {', '.join(PARTS)}")
     if args.draft_head_bits is not None and ("mtp" not in args.parts or args.draft_head_bits not in RETAINED_BITS):
         p.error(f"--draft-head-bits takes K {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1} with the mtp part")
+    if args.draft_mtp_bits is not None and (args.draft_head_bits is None or args.draft_mtp_bits not in RETAINED_BITS):
+        p.error(f"--draft-mtp-bits takes K {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1} with --draft-head-bits")
     if not args.smoke and not args.merge and not torch.cuda.is_available():
         p.error("no CUDA device: use --smoke on the CPU")
     return args
@@ -701,12 +715,25 @@ def layer_bits(text: str) -> tuple[int | None, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def dummy_draft_head(spec: Any, bits: int) -> Path:
-    """A draft-head file of random EXL3 K `bits` weights of lm_head's shape, in a temporary directory."""
-    path = Path(tempfile.mkdtemp(prefix="bench-draft-head-")) / "draft_head.safetensors"
-    tensor = random_exl3(spec.hidden_size, spec.vocab_size, torch.Generator().manual_seed(0), bits)
-    head = DraftHead("lm_head", bits, "mcg", spec.hidden_size, spec.vocab_size)
-    write_draft_head(path, head, tensor.tensors("lm_head"))
+def dummy_draft_head(spec: Any, bits: int, mtp_bits: int | None, directory: Path) -> Path:
+    """A draft-head file of random EXL3 K `bits` weights of lm_head's shape in `directory`; with `mtp_bits`, also a
+    random copy of the MTP layer (its linears at that K, its routed experts at K2, as `draft-head --mtp-bits`)."""
+    path = directory / "draft_head.safetensors"
+    g = torch.Generator().manual_seed(0)
+    tensors = random_exl3(spec.hidden_size, spec.vocab_size, g, bits).tensors("lm_head")
+    mtp = None
+    if mtp_bits is not None:
+        layer = spec.mtp_layers[0]
+        for t in quantizable_mtp(spec):
+            tensors |= random_exl3(t.shape[1], t.shape[0], g, mtp_bits).tensors(t.name.removesuffix(".weight"))
+        prefix = table_for(spec).layer_prefix(layer)
+        for e in range(spec.n_routed_experts):
+            for s in expert_slices(spec, layer, e, e, None):
+                tensors |= random_exl3(s.in_features, s.out_features, g, DEFAULT_MTP_EXPERT_BITS).tensors(
+                    prefix + s.key
+                )
+        mtp = DraftMtp(layer, mtp_bits, DEFAULT_MTP_EXPERT_BITS, spec.n_routed_experts)
+    write_draft_head(path, DraftHead("lm_head", bits, "mcg", spec.hidden_size, spec.vocab_size, mtp), tensors)
     return path
 
 

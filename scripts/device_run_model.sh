@@ -15,7 +15,9 @@
 #   bash scripts/device_run_model.sh "$OUT" COMMIT mtp       # MTP speculation at batch 1, 1k: draft, verify and
 #                                                            # rollback ms per k = 1..3, measured tok/s (MTP resident);
 #                                                            # the drafts read a K copy of lm_head when DRAFT_HEAD_BITS
-#                                                            # is set (model_h200_mtp_draft_headK.json); parts
+#                                                            # is set (model_h200_mtp_draft_headK.json), and a copy of
+#                                                            # the MTP layer (K linears, K2 experts) when DRAFT_MTP_BITS
+#                                                            # is set too (..._mtpK; the tier mode takes both); parts
 #                                                            # $MTP_PARTS (default mtp; classes add the GB10 projection)
 #   bash scripts/device_run_model.sh "$OUT" COMMIT tier      # the speed tier (--retained-bits $TIER_BITS, default 4;
 #                                                            # --head-bits $TIER_HEAD_BITS, --retained-exact-layers
@@ -40,7 +42,10 @@ t0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; tar czf "$OUT/results.tgz" -C "$RES" .; }
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__,
   'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())" >>"$LOG" 2>&1
-left() { echo $(( ${LIMIT_S:-580} - ($(date +%s) - t0) )); }  # LIMIT_S: below the call's limit when less device time is left
+left() { echo $(( ${LIMIT_S:-580} - ($(date +%s) - t0) )); }
+# the drafts' own file (mtp and tier modes): lm_head at DRAFT_HEAD_BITS, and the MTP layer at DRAFT_MTP_BITS
+draft=(${DRAFT_HEAD_BITS:+--draft-head-bits "$DRAFT_HEAD_BITS"} ${DRAFT_MTP_BITS:+--draft-mtp-bits "$DRAFT_MTP_BITS"})
+draft_name=${DRAFT_HEAD_BITS:+_draft_head$DRAFT_HEAD_BITS}${DRAFT_MTP_BITS:+_mtp$DRAFT_MTP_BITS}  # LIMIT_S: below the call's limit when less device time is left
 for MODE in "${MODES[@]}"; do
   if (( $(left) < 30 )); then echo "== $MODE skipped: under 30 s left" >>"$LOG"; continue; fi
   case $MODE in
@@ -59,15 +64,15 @@ for MODE in "${MODES[@]}"; do
     decode) args=(--parts graphs,decode,classes,kernels) ;;
     prefill) args=(--parts prefill) ;;
     compiled) args=(--quick --parts graphs,decode,classes,kernels --compile-decode) ;;
-    mtp) args=(--quick --parts "${MTP_PARTS:-mtp}" ${DRAFT_HEAD_BITS:+--draft-head-bits "$DRAFT_HEAD_BITS"})
-         MODE=mtp${DRAFT_HEAD_BITS:+_draft_head$DRAFT_HEAD_BITS} ;;
+    mtp) args=(--quick --parts "${MTP_PARTS:-mtp}" "${draft[@]}")
+         MODE=mtp$draft_name ;;
     tier) if [[ -n ${TIER_LAYER_BITS:-} ]]; then retained=(--retained-layer-bits "$TIER_LAYER_BITS"); k=layers
           else retained=(--retained-bits "${TIER_BITS:-4}"); k=${TIER_BITS:-4}; fi
           args=(--quick "${retained[@]}" ${TIER_HEAD_BITS:+--head-bits "$TIER_HEAD_BITS"}
                 ${TIER_EXACT:+--retained-exact-layers "$TIER_EXACT"} ${TIER_COMPILE:+--compile-decode}
                 ${TIER_DENSE:+--dense-linear-max-weights "$TIER_DENSE"}
-                --parts "${TIER_PARTS:-graphs,decode,classes,mtp}")  # the mtp part: the tier's mtp_speedup
-          MODE=tier_k${k}_head${TIER_HEAD_BITS:-16}_exact${TIER_EXACT:-0}${TIER_COMPILE:+_compiled}${TIER_DENSE:+_dense$TIER_DENSE} ;;
+                --parts "${TIER_PARTS:-graphs,decode,classes,mtp}" "${draft[@]}")  # the mtp part: the tier's mtp_speedup
+          MODE=tier_k${k}_head${TIER_HEAD_BITS:-16}_exact${TIER_EXACT:-0}${TIER_COMPILE:+_compiled}${TIER_DENSE:+_dense$TIER_DENSE}$draft_name ;;
     *) echo "mode must be checks, serve, quick, decode, prefill, compiled, mtp or tier, not $MODE" >>"$LOG"; continue ;;
   esac
   stamp "bench_model.py ${args[*]}"

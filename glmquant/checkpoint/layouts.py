@@ -26,6 +26,7 @@ from glmquant.errors import UsageError
 LAYOUTS = ("tr3", "exllamav3")
 TR3_RANKS = 4
 MARKER_PARTS = {"mcg": "mcg", "mul1": "mul1", "3inst": None}
+EXL3_PARTS = ("trellis", "suh", "svh", "mcg", "mul1")  # every part an EXL3 tensor may store
 SOURCE_SHARD_BYTES = 5 * 1024**3  # how the BF16 source was saved (see predicted_source_shards)
 DEFAULT_EXL3_SHARD_BYTES = 8192 * 1024**2
 _SOURCE_SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
@@ -111,6 +112,19 @@ def quantizable_retained(spec: ModelSpec) -> list[TensorInfo]:
         if t.role in QUANTIZABLE_RETAINED_ROLES
         and t.layer is not None
         and t.layer < spec.num_hidden_layers
+        and _bf16_matrix(t)
+    ]
+
+
+def quantizable_mtp(spec: ModelSpec) -> list[TensorInfo]:
+    """The MTP layer's linears a draft file encodes (`draft-head --mtp-bits`): the 2-D BF16 `.weight`s of its attention
+    and shared expert, as the retained linears, and its `eh_proj`, in source order (its routed experts are encoded
+    as experts)."""
+    return [
+        t
+        for t in source_tensors(spec)
+        if t.layer in spec.mtp_layers
+        and (t.role in QUANTIZABLE_RETAINED_ROLES or t.role is TensorRole.MTP)
         and _bf16_matrix(t)
     ]
 

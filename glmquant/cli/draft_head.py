@@ -10,7 +10,7 @@ import typer
 
 from glmquant.checkpoint.hub import resolve_source
 from glmquant.cli.common import HubRevision, guarded, out
-from glmquant.encode.draft_head import DEFAULT_DRAFT_HEAD_BITS, build_draft_head
+from glmquant.encode.draft_head import DEFAULT_DRAFT_HEAD_BITS, DEFAULT_MTP_EXPERT_BITS, build_draft_head
 
 
 def register(app: typer.Typer) -> None:
@@ -29,12 +29,38 @@ def draft_head(
     ] = DEFAULT_DRAFT_HEAD_BITS,
     codebook: Annotated[str, typer.Option(help="EXL3 codebook: mcg, mul1 or 3inst")] = "mcg",
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    mtp_bits: Annotated[
+        int | None,
+        typer.Option(
+            help="also encode the MTP layer's linears at this K (its routed experts at --mtp-expert-bits); the "
+            "drafts then read this copy instead of the artifact's BF16 MTP layer"
+        ),
+    ] = None,
+    mtp_expert_bits: Annotated[
+        int, typer.Option(help="K of the MTP layer's routed experts, with --mtp-bits")
+    ] = DEFAULT_MTP_EXPERT_BITS,
     revision: HubRevision = None,
 ) -> None:
-    """Encode lm_head at K with its dense Hessian into a file the MTP drafter reads instead of the artifact's head;
-    the verify keeps the artifact's, so speculative output stays the artifact's greedy decoding."""
-    head = build_draft_head(resolve_source(source, revision).path, observations, out_file, bits, codebook, 0, device)
+    """Encode lm_head at K with its dense Hessian into a file the MTP drafter reads instead of the artifact's head
+    (and, with --mtp-bits, the MTP layer itself); the verify keeps the artifact's tensors, so speculative output stays
+    the artifact's greedy decoding."""
+    head = build_draft_head(
+        resolve_source(source, revision).path,
+        observations,
+        out_file,
+        bits,
+        codebook,
+        0,
+        device,
+        mtp_bits,
+        mtp_expert_bits,
+    )
+    mtp = (
+        ""
+        if head.mtp is None
+        else (f", MTP layer {head.mtp.layer} at K{head.mtp.bits} (routed experts K{head.mtp.expert_bits})")
+    )
     out.print(
-        f"draft head: lm_head {head.out_features} x {head.in_features} at K{head.bits} ({head.codebook}) written to "
-        f'{out_file}; serve with --speculative-config \'{{"method": "mtp", "draft_head": "{out_file}"}}\''
+        f"draft head: lm_head {head.out_features} x {head.in_features} at K{head.bits} ({head.codebook}){mtp} written "
+        f'to {out_file}; serve with --speculative-config \'{{"method": "mtp", "draft_head": "{out_file}"}}\''
     )

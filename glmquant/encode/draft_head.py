@@ -13,16 +13,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from glmquant.arch import load_model_spec
-from glmquant.checkpoint.draft_head import DraftHead, write_draft_head
-from glmquant.checkpoint.layouts import MARKER_PARTS, RetainedLinear, check_linear_bits, quantizable_head
+import torch
+from rich.progress import track
+
+from glmquant.arch import ModelSpec, load_model_spec
+from glmquant.checkpoint.draft_head import DraftHead, DraftMtp, write_draft_head
+from glmquant.checkpoint.layouts import (
+    MARKER_PARTS,
+    RetainedLinear,
+    check_linear_bits,
+    expert_slices,
+    quantizable_head,
+    quantizable_mtp,
+)
 from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
-from glmquant.encode.layer import UnitInputs, encode_unit
+from glmquant.encode.hessians import HessianSource
+from glmquant.encode.layer import UnitInputs, encode_unit, read_slices
 from glmquant.encode.retained import dense_hessian
 from glmquant.errors import NumericalError, UsageError
-from glmquant.observe.summary import check_observed_from
+from glmquant.observe.hessian_reader import hessians_path
+from glmquant.observe.hessians import HessianMode
+from glmquant.observe.summary import ObservationSummary, check_observed_from
 
 DEFAULT_DRAFT_HEAD_BITS = 4
+DEFAULT_MTP_EXPERT_BITS = 2  # the artifact's own routed experts' K
+MTP_EXPERTS_PER_UNIT = 8  # routed experts encoded per batched call: bounds the weights and Hessians held at once
 
 
 def build_draft_head(
@@ -33,11 +48,19 @@ def build_draft_head(
     codebook: str = "mcg",
     seed: int = 0,
     device: str = "cpu",
+    mtp_bits: int | None = None,
+    mtp_expert_bits: int = DEFAULT_MTP_EXPERT_BITS,
 ) -> DraftHead:
     """Encode the source's lm_head at K `bits` with its dense Hessian from `observations` (`observe
-    --dense-hessians`) into the safetensors file `out` (written whole or not at all)."""
+    --dense-hessians`) into the safetensors file `out` (written whole or not at all); with `mtp_bits`, also the MTP
+    layer's linears at that K and its routed experts at `mtp_expert_bits`, each with its own Hessians from the same
+    observations."""
     source, observations, out = Path(source), Path(observations), Path(out)
     check_linear_bits("--bits", bits)
+    if mtp_bits is not None:
+        check_linear_bits("--mtp-bits", mtp_bits)
+        if not 1 <= mtp_expert_bits <= 8:
+            raise UsageError(f"--mtp-expert-bits must be 1..8, got {mtp_expert_bits}")
     if codebook not in MARKER_PARTS:
         raise UsageError(f"--codebook must be one of {', '.join(MARKER_PARTS)}, got {codebook!r}")
     if not out.parent.is_dir():
@@ -52,12 +75,76 @@ def build_draft_head(
         raise UsageError(str(exc).replace("--head-bits: ", "draft-head: ", 1)) from None
     with SourceCheckpoint.open(source) as ckpt:
         check_observed_from(observations, ckpt)
-        weight = ckpt.read_tensor(head.source).float()
-        try:
-            assert_finite(head.source, weight)
-        except NumericalError as exc:
-            raise NumericalError(f"{ckpt.directory / ckpt.shard_of(head.source)}: {exc}") from None
-    encoded = encode_unit(UnitInputs([head.key], [(weight, hessian)], [None], [bits]), None, codebook, seed, device)
-    described = DraftHead(head.key, bits, codebook, head.in_features, head.out_features)
-    write_draft_head(out, described, {name: t.cpu().contiguous() for name, t in encoded.tensors.items()})
+        weight = _source_weight(ckpt, head.source)
+        mtp = None if mtp_bits is None else _check_mtp_observed(spec, observations)
+        encoded = encode_unit(UnitInputs([head.key], [(weight, hessian)], [None], [bits]), None, codebook, seed, device)
+        tensors = {name: t.cpu().contiguous() for name, t in encoded.tensors.items()}
+        if mtp is not None:
+            assert mtp_bits is not None
+            tensors |= _encode_mtp(spec, ckpt, observations, mtp, mtp_bits, mtp_expert_bits, codebook, seed, device)
+    copy = None if mtp is None or mtp_bits is None else DraftMtp(mtp, mtp_bits, mtp_expert_bits, spec.n_routed_experts)
+    described = DraftHead(head.key, bits, codebook, head.in_features, head.out_features, copy)
+    write_draft_head(out, described, tensors)
     return described
+
+
+def _check_mtp_observed(spec: ModelSpec, observations: Path) -> int:
+    """The MTP layer's index, once the observations hold its Hessians (UsageError naming the file otherwise)."""
+    layer = spec.mtp_layers[0]
+    path = hessians_path(observations, layer)
+    if not path.is_file():
+        raise UsageError(
+            f"draft-head --mtp-bits: {path} is missing: {observations} holds no Hessians of the MTP layer (layer "
+            f"{layer}); observe with --dense-hessians into a new --out (observations made before the MTP layer's "
+            "Hessians were captured lack them)"
+        )
+    return layer
+
+
+def _encode_mtp(
+    spec: ModelSpec,
+    ckpt: SourceCheckpoint,
+    observations: Path,
+    layer: int,
+    bits: int,
+    expert_bits: int,
+    codebook: str,
+    seed: int,
+    device: str,
+) -> dict[str, torch.Tensor]:
+    """The MTP layer's EXL3 tensors: its linears at `bits` with their dense Hessians, its routed experts at
+    `expert_bits` with their own (natural where observed, the all-token ones for an expert without tokens)."""
+    linears = [RetainedLinear.of(t, bits) for t in quantizable_mtp(spec)]
+    items = []
+    for linear in linears:
+        try:
+            hessian, _ = dense_hessian(observations, linear, False)
+        except UsageError as exc:
+            raise UsageError(str(exc).replace(f"{linear.option}: ", "draft-head --mtp-bits: ", 1)) from None
+        items.append((_source_weight(ckpt, linear.source), hessian))
+    names = [x.key for x in linears]
+    found = encode_unit(UnitInputs(names, items, [None] * len(items)), bits, codebook, seed, device).tensors
+    mode = ObservationSummary.load(observations).hessians
+    if mode == HessianMode.NONE.value:
+        raise UsageError(
+            f"draft-head --mtp-bits: {observations} holds no routed-expert Hessians (observed with --hessians none)"
+        )
+    hessians = HessianSource(observations, "all" if mode == HessianMode.ALL.value else "natural").layer(layer)
+    experts = range(spec.n_routed_experts)
+    for first in track(experts[::MTP_EXPERTS_PER_UNIT], description="MTP experts", transient=True):
+        unit = [
+            s for e in experts[first : first + MTP_EXPERTS_PER_UNIT] for s in expert_slices(spec, layer, e, e, None)
+        ]
+        inputs, _ = read_slices(spec, layer, unit, ckpt, hessians)
+        found |= encode_unit(inputs, expert_bits, codebook, seed, device).tensors
+    return {name: t.cpu().contiguous() for name, t in found.items()}
+
+
+def _source_weight(ckpt: SourceCheckpoint, name: str) -> torch.Tensor:
+    """A source weight in float32, refused naming its shard when it holds NaN or Inf."""
+    weight = ckpt.read_tensor(name).float()
+    try:
+        assert_finite(name, weight)
+    except NumericalError as exc:
+        raise NumericalError(f"{ckpt.directory / ckpt.shard_of(name)}: {exc}") from None
+    return weight

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from glmquant.arch import table_for
+from glmquant.arch import ModelSpec, table_for
 from glmquant.checkpoint.layouts import ArtifactPlan, ExpertSlice
 from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
 from glmquant.encode.hessians import ExpertHessians, LayerHessiansView
@@ -93,14 +93,7 @@ def read_unit(
 ) -> UnitInputs:
     """Each slice's (finite) source weight and input Hessian; each expert's weights and Hessians read once. With
     `tune_steps`, also each expert's sampled tokens (UsageError when the observations hold none)."""
-    prefix = table_for(plan.spec).layer_prefix(layer)
-    names, items, fallbacks = [], [], []
-    weights: dict[int, dict[str, torch.Tensor]] = {}
-    for s, weight, h in _slice_inputs(unit, source, plan, layer, hessians):
-        items.append((slice_weight(weight, s), slice_hessian(h.gate_up if s.proj != "down_proj" else h.down, s)))
-        names.append(prefix + s.key)
-        fallbacks.append(h.fallback)
-        weights.setdefault(s.source_expert, {})[s.proj] = weight
+    inputs, weights = read_slices(plan.spec, layer, unit, source, hessians)
     tuning = None
     if tune_steps:
         sample = hessians.sample()
@@ -110,7 +103,22 @@ def read_unit(
                 "(observe with --tuning-tokens N)"
             )
         tuning = UnitTuning(tune_steps, plan.spec.swiglu_limit, weights, sample.routed_to(list(weights)))
-    return UnitInputs(names, items, fallbacks, [plan.bits_of(layer, s.expert) for s in unit], list(unit), tuning)
+    return replace(inputs, bits=[plan.bits_of(layer, s.expert) for s in unit], tuning=tuning)
+
+
+def read_slices(
+    spec: ModelSpec, layer: int, unit: list[ExpertSlice], source: SourceCheckpoint, hessians: LayerHessiansView
+) -> tuple[UnitInputs, dict[int, dict[str, torch.Tensor]]]:
+    """The unit's inputs (no K: `encode_unit`'s `bits` applies) and each source expert's weights by projection."""
+    prefix = table_for(spec).layer_prefix(layer)
+    names, items, fallbacks = [], [], []
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+    for s, weight, h in _slice_inputs(unit, source, spec, layer, hessians):
+        items.append((slice_weight(weight, s), slice_hessian(h.gate_up if s.proj != "down_proj" else h.down, s)))
+        names.append(prefix + s.key)
+        fallbacks.append(h.fallback)
+        weights.setdefault(s.source_expert, {})[s.proj] = weight
+    return UnitInputs(names, items, fallbacks, None, list(unit)), weights
 
 
 def encode_unit(
@@ -231,10 +239,10 @@ def encode_units(
 
 
 def _slice_inputs(
-    chunk: list[ExpertSlice], source: SourceCheckpoint, plan: ArtifactPlan, layer: int, hessians: LayerHessiansView
+    chunk: list[ExpertSlice], source: SourceCheckpoint, spec: ModelSpec, layer: int, hessians: LayerHessiansView
 ) -> Iterator[tuple[ExpertSlice, torch.Tensor, ExpertHessians]]:
     """Each slice with its (finite) source weight and its expert's Hessians, reading each only once."""
-    table = table_for(plan.spec)
+    table = table_for(spec)
     weights: dict[tuple[int, str], torch.Tensor] = {}
     expert_h: dict[int, ExpertHessians] = {}
     for s in chunk:

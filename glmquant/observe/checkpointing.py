@@ -24,9 +24,13 @@ from glmquant.checkpoint.writer import atomic_write_text, remove_temp_files
 from glmquant.errors import UsageError
 
 STATE_DIR = "state"
-# in the fingerprint: the hash of the source's 1-D tensors (`vector_tensors_sha256`); a state from before it was
-# recorded resumes without it (the rest of its fingerprint still has to match)
+# in the fingerprint: the hash of the source's 1-D tensors (`vector_tensors_sha256`)
 SOURCE_VECTORS_KEY = "source_vectors_sha256"
+# and whether the run captures the MTP layer's Hessians
+MTP_HESSIANS_KEY = "mtp_hessians"
+# keys a state from before they were recorded resumes without (the rest of its fingerprint still has to match; a
+# finished run stays without MTP Hessians, which `draft-head --mtp-bits` then asks for)
+LATER_KEYS = (SOURCE_VECTORS_KEY, MTP_HESSIANS_KEY)
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,7 @@ def resume_point(obs: Path, fingerprint: Mapping[str, Any]) -> RunState | None:
     if state is None:
         return None
     keys = set(state.fingerprint) | set(fingerprint)
-    if SOURCE_VECTORS_KEY not in state.fingerprint:
-        keys.discard(SOURCE_VECTORS_KEY)
+    keys -= {k for k in LATER_KEYS if k not in state.fingerprint}
     changed = sorted(k for k in keys if state.fingerprint.get(k) != fingerprint.get(k))
     if changed:
         details = "; ".join(f"{k}: {state.fingerprint.get(k)!r} -> {fingerprint.get(k)!r}" for k in changed)

@@ -26,7 +26,7 @@ import torch
 import glmquant
 from glmquant.devices import device_type
 from glmquant.errors import UsageError
-from glmquant.observe.checkpointing import SOURCE_VECTORS_KEY
+from glmquant.observe.checkpointing import MTP_HESSIANS_KEY, SOURCE_VECTORS_KEY
 from glmquant.observe.hessians import HessianMode, HessianWeighting
 from glmquant.observe.tiers import TierSpec
 
@@ -96,11 +96,17 @@ class ObserveConfig:
 
 
 def fingerprint(
-    config: ObserveConfig, token_rows_sha256: str, dtype: torch.dtype, head_hessian: bool, source_vectors_sha256: str
+    config: ObserveConfig,
+    token_rows_sha256: str,
+    dtype: torch.dtype,
+    head_hessian: bool,
+    source_vectors_sha256: str,
+    mtp_hessians: bool = False,
 ) -> dict[str, Any]:
     """Everything that changes the bytes of the observations (see the module docstring). `head_hessian`: the run
     captures lm_head's Hessian (run.py `_observes_head`); `source_vectors_sha256`: the source's 1-D tensors
-    (`vector_tensors_sha256`), which tell its checkpoint from another of the same config."""
+    (`vector_tensors_sha256`), which tell its checkpoint from another of the same config; `mtp_hessians`: the run
+    captures the MTP layer's Hessians (`_observes_mtp`)."""
     import transformers
 
     where: dict[str, Any] = {}  # keys added only when set, so older runs keep their fingerprint
@@ -112,6 +118,8 @@ def fingerprint(
         where["tuning_tokens"] = config.tuning_tokens
     if head_hessian:  # a run from before the head was captured is refused here instead of resuming as done
         where["head_hessian"] = True
+    if mtp_hessians:
+        where[MTP_HESSIANS_KEY] = True
     return {
         **where,
         "source_config_sha256": _sha256(config.source / "config.json"),

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -95,8 +95,9 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     recipe = load_recipe(config.recipe).with_shape(config.rows, config.tokens)
     rows = reuse_or_build(recipe, AutoTokenizer.from_pretrained(str(config.source)), config.out)
     head = _observes_head(model, rows, config)
+    mtp = head and bool(model.spec.mtp_layers)  # the MTP layer's Hessians come with lm_head's
     vectors = vector_tensors_sha256(model.ckpt)
-    fp = {**fingerprint(config, rows.sha256, model.dtype, head, vectors), "results": results.kind}
+    fp = {**fingerprint(config, rows.sha256, model.dtype, head, vectors, mtp), "results": results.kind}
     clean_stale(config.out)
     resumed = resume_point(config.out, fp)
     store_args = (
@@ -151,6 +152,14 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
                 head_cost = costs["head"] = LayerCost(chunks=len(streams.chunks))
                 found_head = _measured(model.device, head_cost, "observe_s", _observe_head, model, rows, streams)
                 results.save(None, None, found_head)
+                del found_head
+                if mtp:
+                    mtp_cost = costs["mtp"] = LayerCost(chunks=len(streams.chunks))
+                    found_mtp = _measured(
+                        model.device, mtp_cost, "observe_s", _observe_mtp, model, rows, config, streams, mtp_cost
+                    )
+                    results.save(model.spec.mtp_layers[0], None, found_mtp)
+                    del found_mtp
             _record_progress(config, fp, streams, layer + 1, model.num_layers, cost)
             streams.drop_layer(layer)
             bar.advance(layers)
@@ -297,6 +306,37 @@ def _observe_head(model: TextModel, rows: TokenRows, streams: StreamStore) -> He
     return hessians
 
 
+def _observe_mtp(
+    model: TextModel, rows: TokenRows, config: ObserveConfig, streams: StreamStore, cost: LayerCost
+) -> HessianAccumulator:
+    """The MTP layer's Hessians (its linears' dense ones and its routed experts' in `config.hessians`' mode): the
+    layer run as the drafter runs it, position i taking the final hidden state h_i (lm_head's input) and the token
+    t_{i+1} of the same row, over every token but each row's last of the lanes that feed Hessians. Run (and saved)
+    with lm_head's, before the last layer's progress is recorded, from the same final streams."""
+    spec, device = model.spec, model.device
+    layer = spec.mtp_layers[0]
+    hessians = HessianAccumulator(
+        config.hessians,
+        spec.n_routed_experts,
+        spec.hidden_size,
+        spec.moe_intermediate_size,
+        device,
+        config.hessian_weighting,
+    )
+    module = cast(Any, _load(model, layer, cost, "observe"))
+    with LayerCapture(module, model.plan(layer), RoutingParams.from_spec(spec)) as capture:
+        capture.targets = CaptureTargets(None, hessians, True)
+        with torch.no_grad():
+            for lane in rows.lanes:
+                if "hessians" not in lane.use:
+                    continue
+                for chunk in _lane_chunks(streams, lane.name):
+                    hidden = model.collapse(streams.read(model.num_layers, chunk).to(device))
+                    ids = lane.ids[chunk.start : chunk.stop].to(device, torch.long)
+                    module.block(hidden[:, :-1], ids[:, 1:], None)
+    return hessians
+
+
 def _advance(
     model: TextModel,
     streams: StreamStore,
@@ -322,9 +362,9 @@ def _advance(
 
 
 def _load(model: TextModel, layer: int, cost: LayerCost, stage: str) -> torch.nn.Module:
-    """The layer, its load timed into cost.parts_s["<stage>.load"]."""
+    """The layer (the MTP layer for its index), its load timed into cost.parts_s["<stage>.load"]."""
     started = _now(model.device)
-    module = model.layer(layer)
+    module = model.mtp_layer() if layer in model.spec.mtp_layers else model.layer(layer)
     cost.load_bytes = sum(t.nbytes for t in module.state_dict().values())
     cost.add_part(f"{stage}.load", _now(model.device) - started, cost.load_bytes)
     return module
@@ -379,6 +419,8 @@ def _summarize(
     lanes = tuple(LaneSummary(x.name, x.ids.shape[0], x.ids.shape[1], x.use) for x in rows.lanes)
     head_file = hessians_path(config.out, None)
     head = HeadSummary(head_file.name, costs.get("head")) if head_file.is_file() else None
+    mtp_file = hessians_path(config.out, model.spec.mtp_layers[0]) if model.spec.mtp_layers else None
+    mtp = HeadSummary(mtp_file.name, costs.get("mtp")) if mtp_file is not None and mtp_file.is_file() else None
     peaks = [c.peak_device_bytes for c in costs.values() if c.peak_device_bytes is not None]
     peak_device = max(peaks, default=0) if model.device.type == "cuda" else None
     return ObservationSummary(
@@ -401,6 +443,7 @@ def _summarize(
         tiers,
         config.hessian_weighting.value,
         head,
+        mtp,
     )
 
 

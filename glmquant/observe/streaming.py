@@ -20,7 +20,7 @@ from torch import nn
 
 from glmquant.arch import ModelSpec, load_model_spec, source_tensors, table_for
 from glmquant.arch.hf_glm5_next import modeling
-from glmquant.arch.module_map import LayerPlan, check_finite, layer_plan
+from glmquant.arch.module_map import LayerPlan, check_finite, fp32_names, layer_plan, read_layer_state
 from glmquant.arch.roles import TensorRole
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import ConfigError, UsageError
@@ -68,6 +68,29 @@ class TextModel:
 
     def layer(self, layer: int) -> nn.Module:
         return load_decoder_layer(self.ckpt, self.spec, self.cfg, layer, self.device)
+
+    def mtp_layer(self) -> nn.Module:
+        """The MTP layer (`runtime.mtp.MtpLayer`, layer index `num_hidden_layers`) with its source weights, on the
+        source's embedding; its `block` gives the hidden states observe hooks (the head is not needed there)."""
+        from glmquant.runtime.mtp import MtpLayer
+
+        if not self.spec.mtp_layers:
+            raise ConfigError(f"{self.ckpt.directory}: the model has no MTP layer (num_nextn_predict_layers is 0)")
+        glm, layer = modeling(), self.spec.mtp_layers[0]
+        embed = nn.Embedding.from_pretrained(self._tensor("embed_tokens.weight"), freeze=True)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device("meta"):
+                module = MtpLayer(self.cfg, embed, nn.Identity())
+        finally:
+            torch.set_default_dtype(previous)
+        module.config._attn_implementation = self.cfg._attn_implementation  # as the decoder layers run
+        module.config._experts_implementation = self.cfg._experts_implementation
+        keep_fp32 = fp32_names(glm.Glm5NextPreTrainedModel._keep_in_fp32_modules_strict)
+        state = read_layer_state(self.ckpt, self.plan(layer), module.state_dict(), keep_fp32, self.device)
+        module.load_state_dict(state, strict=True, assign=True)
+        return module.eval()
 
     def _tensor(self, suffix: str) -> torch.Tensor:
         name = table_for(self.spec).text_prefix + suffix

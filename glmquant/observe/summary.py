@@ -88,7 +88,7 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class HeadSummary:
-    """lm_head's Hessian (`--dense-hessians`, a head of the model's own): its file and what capturing it cost."""
+    """lm_head's Hessian, or the MTP layer's (`--dense-hessians`): its file and what capturing it cost."""
 
     hessians_file: str
     cost: LayerCost | None = None  # None: captured by an earlier invocation
@@ -123,6 +123,7 @@ class ObservationSummary:
     tier_plan: str | None = None
     hessian_weighting: str = "token"  # of the natural Hessians (hessians.HessianWeighting); older files: token
     head: HeadSummary | None = None  # lm_head's Hessian; None without one (and in older files)
+    mtp: HeadSummary | None = None  # the MTP layer's Hessians (dense and routed); None without them
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"
@@ -141,9 +142,10 @@ class ObservationSummary:
             raw["layers"] = tuple(
                 LayerSummary(**{**x, "cost": x.get("cost") and LayerCost(**x["cost"])}) for x in raw["layers"]
             )
-            if raw.get("head") is not None:
-                head = raw["head"]
-                raw["head"] = HeadSummary(head["hessians_file"], head.get("cost") and LayerCost(**head["cost"]))
+            for key in ("head", "mtp"):
+                if raw.get(key) is not None:
+                    part = raw[key]
+                    raw[key] = HeadSummary(part["hessians_file"], part.get("cost") and LayerCost(**part["cost"]))
             return cls(**raw)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             refuse_artifact(obs_dir)

@@ -22,13 +22,11 @@ import torch
 from glmquant.arch import PROJECTIONS, ModelSpec, load_model_spec, read_config, table_for
 from glmquant.arch.module_map import layer_plan
 from glmquant.checkpoint.dummy import DummyCheckpoint
-from glmquant.checkpoint.layouts import RetainedLinear, quantizable_head, quantizable_retained
+from glmquant.checkpoint.layouts import EXL3_PARTS, RetainedLinear, quantizable_head, quantizable_retained
 from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.errors import CheckpointFormatError
 from glmquant.exl3.decode import decode_weight
 from glmquant.exl3.tensor import EXL3Tensor
-
-EXL3_PARTS = ("trellis", "suh", "svh", "mcg", "mul1")
 
 
 @dataclass(frozen=True)

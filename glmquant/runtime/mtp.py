@@ -18,16 +18,19 @@ would only lower the acceptance rate: verification keeps the output exactly the 
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from glmquant.arch import table_for
+from glmquant.arch import ModelSpec, table_for
 from glmquant.arch.hf_glm5_next import modeling
-from glmquant.arch.module_map import fp32_names, layer_plan, read_layer_state
-from glmquant.checkpoint.draft_head import read_draft_head
-from glmquant.errors import ConfigError
+from glmquant.arch.module_map import TensorSource, fp32_names, layer_plan, read_layer_state
+from glmquant.checkpoint.draft_head import DraftMtpTensors, read_draft_head, read_draft_mtp
+from glmquant.errors import ConfigError, UsageError
+from glmquant.exl3.decode import decode_weight
 from glmquant.runtime.generate import cache_argument
 from glmquant.runtime.loader import retained_linear_mode
 from glmquant.runtime.retained_linears import Exl3Linear
@@ -35,7 +38,10 @@ from glmquant.runtime.retained_linears import Exl3Linear
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
+    from glmquant.runtime.artifact import Artifact
     from glmquant.runtime.loader import LoadedModel
+
+_ROUTED_GATE = re.compile(r"mlp\.experts\.\d+\.gate_proj\.weight")  # one per routed expert, after the layer prefix
 
 
 class MtpLayer(nn.Module):
@@ -73,14 +79,18 @@ class MtpLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, next_ids: torch.Tensor, cache: DynamicCache | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.block(hidden, next_ids, cache)
+        return self._lm_head[0](self.shared_head.norm(x)), x
+
+    def block(self, hidden: torch.Tensor, next_ids: torch.Tensor, cache: DynamicCache | None) -> torch.Tensor:
+        """The layer's output hidden states [B, S, H], before its head (what `observe` captures Hessians over)."""
         x = self.eh_proj(torch.cat([self.enorm(self._embed[0](next_ids)), self.hnorm(hidden)], dim=-1))  # [B, S, H]
         mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # no padding: the indexer's valid keys
         attn, _, _ = self.self_attn(
             hidden_states=self.input_layernorm(x), attention_mask=mask, **{self._cache_kw: cache}
         )
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return self._lm_head[0](self.shared_head.norm(x)), x
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class SharedHead(nn.Module):
@@ -102,6 +112,55 @@ def one_layer_config(text_config: Any) -> Any:
     config.indexer_types = ["full"]
     config.mlp_layer_types = ["sparse"]
     return config
+
+
+def read_mtp_copy(artifact: Artifact, draft_head: str | Path, device: torch.device | str) -> DraftMtpTensors | None:
+    """A draft-head file's EXL3 copy of the MTP layer (None where it holds the head alone), checked against the
+    artifact's MTP layer: the copy keeps every routed expert of the source, so an artifact that pruned its MTP layer's
+    experts (`--keep`) cannot take it (UsageError naming both counts)."""
+    mtp_copy = read_draft_mtp(draft_head, artifact.spec, device)
+    if mtp_copy is None:
+        return None
+    prefix = table_for(artifact.spec).layer_prefix(mtp_copy.layer)
+    held = sum(1 for n in artifact.checkpoint.names() if _ROUTED_GATE.fullmatch(n.removeprefix(prefix)))
+    if held != len(mtp_copy.experts):
+        raise UsageError(
+            f"draft_head {draft_head}: its MTP layer holds {len(mtp_copy.experts)} routed experts, the artifact's "
+            f"{artifact.path} keeps {held}: build the draft head from the artifact's own source, or serve the "
+            "artifact's MTP layer (a draft head without --mtp-bits)"
+        )
+    return mtp_copy
+
+
+class DecodedCopies:
+    """A checkpoint whose tensors named in `decoded` read as those instead (a `module_map.TensorSource`): the MTP
+    layer filled from a draft file's copy, decoded, and the artifact's other tensors."""
+
+    def __init__(self, base: TensorSource, decoded: dict[str, torch.Tensor]) -> None:
+        self.base, self.decoded = base, decoded
+
+    @property
+    def directory(self) -> Path:
+        return self.base.directory
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.decoded or name in self.base
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        return self.decoded[name] if name in self.decoded else self.base.read_tensor(name)
+
+    def shard_of(self, name: str) -> str:
+        return self.base.shard_of(name)
+
+    @classmethod
+    def of(cls, base: TensorSource, mtp_copy: DraftMtpTensors, spec: ModelSpec, dtype: torch.dtype) -> DecodedCopies:
+        """`base` with `mtp_copy`'s linears and routed experts decoded to `dtype` under their weights' names."""
+        table = table_for(spec)
+        decoded = {f"{key}.weight": decode_weight(t, dtype) for key, t in mtp_copy.linears.items()}
+        for e, projections in enumerate(mtp_copy.experts):
+            for proj, t in projections.items():
+                decoded[table.expert_name(mtp_copy.layer, e, proj)] = decode_weight(t, dtype)
+        return cls(base, decoded)
 
 
 def load_mtp(loaded: LoadedModel) -> MtpLayer:
@@ -132,7 +191,11 @@ def load_mtp(loaded: LoadedModel) -> MtpLayer:
     )
     layer = spec.mtp_layers[0]
     plan = layer_plan(spec, layer, spec.moe_intermediate_size)
-    state = read_layer_state(artifact.checkpoint, plan, mtp.state_dict(), keep_fp32, device)
+    source: TensorSource = artifact.checkpoint
+    mtp_copy = None if draft_head is None else read_mtp_copy(artifact, draft_head, "cpu")
+    if mtp_copy is not None:  # the drafts read the copy, decoded (as the torch backend runs EXL3 linears)
+        source = DecodedCopies.of(artifact.checkpoint, mtp_copy, spec, dtype)
+    state = read_layer_state(source, plan, mtp.state_dict(), keep_fp32, device)
     mtp.load_state_dict(state, assign=True)
     missing = [n for n, p in mtp.named_parameters() if p.is_meta]
     if missing:

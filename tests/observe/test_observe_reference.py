@@ -13,9 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from observe_helpers import BATCH
 
+from glmquant.calibration import TokenRows
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.observe.hessian_reader import load_dense_hessian, load_layer_hessians
 from glmquant.observe.stats import LayerStats, stats_path
+from glmquant.observe.summary import ObservationSummary
 
 
 def _expert_out_f64(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -132,3 +136,40 @@ def test_dense_hessians(observed: Path, reference) -> None:
     assert torch.equal(shared.sum, load_layer_hessians(observed, 1, "all").gate_up(0).sum)
     dense_mlp = load_dense_hessian(observed, 0, "model.language_model.layers.0.mlp.down_proj.weight")
     assert dense_mlp.sum.shape == (256, 256) and dense_mlp.count == q.count
+
+
+def test_mtp_hessians_equal_direct_sums(tiny_source: Path, observed: Path, reference) -> None:
+    """The MTP layer's Hessians (`--dense-hessians`): eh_proj's input at position i is [enorm(embed(t_{i+1}));
+    hnorm(h_i)], h_i the full model's last hidden state, over every token of each row but its last; the routed
+    experts' counts are those tokens' routes."""
+    summary = ObservationSummary.load(observed)
+    assert summary.mtp is not None and summary.mtp.hessians_file == "layer-03.hessians.safetensors"
+    assert summary.fingerprint["mtp_hessians"] is True
+    prefix = "model.language_model."
+    with SourceCheckpoint.open(tiny_source) as ckpt:
+        embed, enorm, hnorm = (
+            ckpt.read_tensor(prefix + name)
+            for name in ("embed_tokens.weight", "layers.3.enorm.weight", "layers.3.hnorm.weight")
+        )
+    config = reference.model.config.get_text_config()
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # transformers' Glm5NextTextRMSNorm
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+        return weight * y.to(x.dtype)
+
+    ids = TokenRows.load(observed).lanes[0].ids.long()
+    inputs = []
+    with torch.no_grad():
+        for batch in ids.split(BATCH):
+            h = reference.model.model(input_ids=batch).last_hidden_state
+            x = torch.cat([rms_norm(F.embedding(batch[:, 1:], embed), enorm), rms_norm(h[:, :-1], hnorm)], dim=-1)
+            inputs.append(x.reshape(-1, x.shape[-1]))
+    x = torch.cat(inputs).double()
+    eh_proj = load_dense_hessian(observed, 3, prefix + "layers.3.eh_proj.weight")
+    assert eh_proj.count == ids.shape[0] * (ids.shape[1] - 1)
+    _close(eh_proj.sum, x.T @ x, 1e-3)
+    natural, everything = load_layer_hessians(observed, 3, "natural"), load_layer_hessians(observed, 3, "all")
+    assert int(natural.gate_up_counts.sum()) == eh_proj.count * config.num_experts_per_tok
+    assert int(everything.gate_up_counts[0]) == eh_proj.count
+    shared = load_dense_hessian(observed, 3, prefix + "layers.3.mlp.shared_experts.gate_proj.weight")
+    assert torch.equal(shared.sum, everything.gate_up(0).sum)  # both the MoE block's input over every token

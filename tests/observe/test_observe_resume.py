@@ -27,6 +27,7 @@ OUTPUTS = (
     "layer-02.stats.safetensors",
     "layer-02.hessians.safetensors",
     "head.hessians.safetensors",
+    "layer-03.hessians.safetensors",  # the MTP layer's
     "prune_plan.json",
 )
 
@@ -128,6 +129,24 @@ def test_an_observation_from_before_the_head_hessian_is_refused_naming_why(
         observe(observe_config(tiny_source, old))
     resumed = observe(observe_config(tiny_source, Path(shutil.copytree(observed, tmp_path / "new"))))
     assert resumed.resumed_from_layer == 3 and resumed.head == replace(summary.head, cost=None)  # done earlier
+
+
+def test_an_observation_from_before_the_mtp_hessians_resumes_without_them(
+    tiny_source: Path, observed: Path, tmp_path: Path
+) -> None:
+    """Unlike lm_head's, the MTP layer's Hessians are only read by `draft-head --mtp-bits`, which names what is
+    missing: an observation whose state predates them (no `mtp_hessians` in its fingerprint) still resumes, and a
+    finished one stays without them."""
+    old = Path(shutil.copytree(observed, tmp_path / "old"))
+    (old / "layer-03.hessians.safetensors").unlink()
+    progress = old / "state" / "progress.json"
+    state = json.loads(progress.read_text())
+    del state["fingerprint"]["mtp_hessians"]
+    progress.write_text(json.dumps(state))
+    resumed = observe(observe_config(tiny_source, old))
+    assert resumed.resumed_from_layer == 3 and resumed.mtp is None
+    assert not (old / "layer-03.hessians.safetensors").exists()
+    assert ObservationSummary.load(observed).mtp is not None
 
 
 def test_stream_budget_keeps_the_disk_down_and_the_outputs_identical(

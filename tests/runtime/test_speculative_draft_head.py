@@ -11,13 +11,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glmquant.checkpoint.draft_head import DraftHead, read_draft_head, write_draft_head
+from glmquant.checkpoint.draft_head import DraftHead, read_draft_head, read_draft_mtp, write_draft_head
+from glmquant.encode.draft_head import build_draft_head
 from glmquant.errors import UsageError
 from glmquant.exl3 import decode_weight, encode_linears
+from glmquant.observe.config import ObserveConfig
+from glmquant.observe.run import observe
 from glmquant.runtime.artifact import open_artifact
 from glmquant.runtime.engine import Engine, EngineDecoder
+from glmquant.runtime.engine.experts import LayerExperts
 from glmquant.runtime.engine.linears import Exl3Proj
 from glmquant.runtime.engine.loaded import load_engine
+from glmquant.runtime.engine.mtp import DenseExperts
 from glmquant.runtime.engine.spec_decoder import EngineMtpDecoder
 from glmquant.runtime.generate import PromptInputs, SamplingParams, generate
 from glmquant.runtime.loader import load_model
@@ -44,6 +49,17 @@ def draft_head(artifacts: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     path = tmp_path_factory.mktemp("draft-head") / "head.safetensors"
     head = DraftHead("lm_head", 3, "mcg", weight.shape[1], weight.shape[0])
     write_draft_head(path, head, encoded.tensor.tensors("lm_head"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mtp_draft(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The product path: observe --dense-hessians, then draft-head --bits 3 --mtp-bits 4 (routed experts K2) of the
+    source the tr3 artifact was built from."""
+    observations = tmp_path_factory.mktemp("mtp-obs")
+    observe(ObserveConfig(source=tiny_source, out=observations, rows=4, tokens=32, dense_hessians=True))
+    path = tmp_path_factory.mktemp("mtp-draft") / "draft.safetensors"
+    build_draft_head(tiny_source, observations, path, bits=3, mtp_bits=4, mtp_expert_bits=2)
     return path
 
 
@@ -96,6 +112,50 @@ def test_transformers_path_drafts_with_the_draft_head(artifacts: dict[str, Path]
     assert spec.token_ids == plain.token_ids
 
 
+@pytest.mark.slow
+def test_drafts_read_the_mtp_copy_on_both_model_implementations(artifacts: dict[str, Path], mtp_draft: Path) -> None:
+    """With a draft file that holds the MTP layer (`--mtp-bits`), the engine's drafts equal transformers' MTP module
+    filled from the same copy (decoded), and differ from the artifact's BF16 MTP layer's; the engine keeps none of
+    the artifact's MTP experts."""
+    artifact = open_artifact(artifacts["tr3"])
+    options = RuntimeOptions(dtype="float32")
+    copied = Engine.load(artifact, options, max_batch=1, max_len=32, mtp=True, draft_head=mtp_draft)
+    artifact_layer = Engine.load(artifact, options, max_batch=1, max_len=32, mtp=True)
+    assert copied.mtp is not None and isinstance(copied.mtp.experts, DenseExperts)
+    mtp_copy = read_draft_mtp(mtp_draft, artifact.spec, "cpu")
+    assert mtp_copy is not None
+    want_down = decode_weight(mtp_copy.experts[1]["down_proj"], torch.float32)
+    torch.testing.assert_close(copied.mtp.experts.down[1], want_down, rtol=0, atol=0)
+    module = load_model(artifacts["tr3"], _options(mtp_draft)).mtp
+    assert module is not None
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 13, copied.cfg.hidden, generator=g)
+    ids = torch.randint(0, copied.cfg.vocab, (1, 13), generator=g)
+    with torch.no_grad():
+        want_logits, want_out = module(hidden, ids, module.new_cache())
+    logits, out = copied.draft(0, hidden[0], ids[0], 0)
+    torch.testing.assert_close(out, want_out[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, want_logits[0], rtol=0, atol=1e-5)
+    _, artifact_out = artifact_layer.draft(0, hidden[0], ids[0], 0)
+    assert (out - artifact_out).abs().max() > 1e-3  # the K4/K2 copy, not the artifact's layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2])
+def test_speculation_with_the_mtp_copy_equals_plain_greedy(artifacts: dict[str, Path], mtp_draft: Path, k: int) -> None:
+    artifact = open_artifact(artifacts["tr3"])
+    plain_engine = Engine.load(artifact, RuntimeOptions(dtype="float32"), max_batch=1, max_len=32)
+    plain = generate(EngineDecoder(plain_engine), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    loaded = load_engine(artifact, _options(mtp_draft, k, model_impl="glmquant"), max_seqs=1, max_len=32)
+    with loaded.session() as decoder:
+        spec = generate(decoder, PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    assert spec.token_ids == plain.token_ids
+    model = load_model(artifacts["tr3"], _options(mtp_draft, k))
+    assert model.mtp is not None
+    spec = generate(MtpDecoder(model.model, model.mtp, k), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    assert spec.token_ids == plain.token_ids
+
+
 def test_draft_head_enters_through_the_speculative_config(artifacts: dict[str, Path], tmp_path: Path) -> None:
     parsed = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2, "draft_head": "h.safetensors"}')
     assert parsed == SpeculativeConfig("mtp", 2, "h.safetensors")
@@ -125,6 +185,34 @@ def test_cuda_engine_drafts_with_the_exl3_draft_head(artifacts: dict[str, Path],
     head = decode_weight(read_draft_head(draft_head, engine.cfg.hidden, engine.cfg.vocab, "cuda"), torch.float32)
     want = F.linear(normed, head)
     assert float((logits - want).norm() / want.norm()) < 2e-3
+    plain = generate(EngineDecoder(engine), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+    for k in (1, 2):
+        for graphs in (False, True):
+            decoder = EngineMtpDecoder(engine, k, graphs=graphs)
+            spec = generate(decoder, PROMPT, SamplingParams(max_tokens=TOKENS), decode)
+            assert spec.token_ids == plain.token_ids, (k, graphs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_drafts_with_the_exl3_mtp_copy(artifacts: dict[str, Path], mtp_draft: Path) -> None:
+    """On CUDA with the Triton backends the copy's linears are `Exl3Proj`s (every one, with no dense threshold) and its
+    routed experts one `fused_moe` stack: the drafts equal the decoded copy's on the CPU (float32 within the kernels'
+    fp16 rounding), and greedy output with k = 1, 2, eager and in CUDA graphs, equals plain greedy."""
+    artifact = open_artifact(artifacts["tr3"])
+    options = RuntimeOptions(device="cuda", dtype="float32", backend="triton", dense_linear_max_weights=0)
+    engine = Engine.load(artifact, options, max_batch=1, max_len=64, mtp=True, draft_head=mtp_draft)
+    assert engine.mtp is not None and isinstance(engine.mtp.eh_proj, Exl3Proj)
+    assert isinstance(engine.mtp.experts, LayerExperts)
+    decoded = Engine.load(
+        artifact, RuntimeOptions(dtype="float32"), max_batch=1, max_len=64, mtp=True, draft_head=mtp_draft
+    )
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, engine.cfg.hidden, generator=g)
+    ids = torch.tensor([5, 6, 7])
+    _, out = engine.draft(0, hidden.cuda(), ids, 0)
+    _, want = decoded.draft(0, hidden, ids, 0)
+    assert float((out.cpu() - want).norm() / want.norm()) < 5e-3
     plain = generate(EngineDecoder(engine), PROMPT, SamplingParams(max_tokens=TOKENS), decode)
     for k in (1, 2):
         for graphs in (False, True):

@@ -172,6 +172,19 @@ def test_smoke_mtp_part_drafts_with_a_draft_head(tmp_path: Path) -> None:
     for argv in (("--parts", "decode", "--draft-head-bits", "4"), ("--parts", "mtp", "--draft-head-bits", "9")):
         bad = _run("--smoke", *argv, "--out", str(tmp_path / "bad.json"))
         assert bad.returncode == 2 and "--draft-head-bits takes K 2..8 with the mtp part" in bad.stderr
+    bad = _run("--smoke", "--parts", "mtp", "--draft-mtp-bits", "4", "--out", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "--draft-mtp-bits takes K 2..8 with --draft-head-bits" in bad.stderr
+
+
+def test_smoke_mtp_part_drafts_with_an_mtp_copy(tmp_path: Path) -> None:
+    """`--draft-mtp-bits 4`: the draft file also holds a random EXL3 copy of the MTP layer (K4 linears, K2 routed
+    experts), which the drafts read; the report records it."""
+    out = tmp_path / "mtp.json"
+    run = _run("--smoke", "--parts", "mtp", "--draft-head-bits", "4", "--draft-mtp-bits", "4", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["draft_mtp_bits"] == 4 and "mtp_error" not in report["parts"], report["parts"]
+    assert all(r["draft_ms"] > 0 for r in report["parts"]["mtp"]["rows"])
 
 
 def test_fewer_routed_experts_held_read_the_whole_models_bytes(tmp_path: Path) -> None:

@@ -56,6 +56,33 @@ class ResidentExperts:
         return CacheStats(self.capacity, self.capacity, self.uses, 0, 0)
 
 
+class LayerExperts:
+    """One layer's experts resident on the device (the MTP layer's from a draft file); each call is one `fused_moe`
+    step, whatever layer index it is given."""
+
+    def __init__(self, weights) -> None:  # MoEWeights (triton imported lazily)
+        from glmquant.runtime.kernels.fused_moe import fused_moe
+
+        self.fused_moe, self.weights = fused_moe, weights
+        self.uses = 0
+
+    def forward(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        self.uses += expert_ids.numel()
+        return self.fused_moe(hidden.contiguous(), expert_ids, weights, self.weights)
+
+    def stats(self) -> CacheStats:
+        n = self.weights.down.trellis.shape[1]
+        return CacheStats(n, n, self.uses, 0, 0)
+
+    @property
+    def expert_bytes(self) -> int:
+        """The bytes one routed expert's use reads: its EXL3 tensors in both stacks."""
+        stacks = (self.weights.gate_up, self.weights.down)
+        return sum(t[:, 0].nbytes for s in stacks for t in (s.trellis, s.suh, s.svh))
+
+
 def resident_layer(artifact: Artifact, layer: int, device: torch.device):  # -> MoEWeights (triton imported lazily)
     """One MoE layer's expert stacks on `device`: read from the artifact's files, or generated for a dummy one."""
     from glmquant.runtime.kernels.backend import load_layer

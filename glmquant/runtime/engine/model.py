@@ -85,7 +85,9 @@ class Engine:
             decode_run,
             _graphs(device) if cuda_graphs else None,
             cuda_graphs,
-            mtp=load_mtp_weights(artifact, dtype, device, kernels, draft_head) if mtp else None,
+            mtp=load_mtp_weights(artifact, dtype, device, kernels, draft_head, options.dense_linear_max_weights)
+            if mtp
+            else None,
             mtp_cache=allocate_mtp_cache(cfg, max_batch, max_len, dtype, device) if mtp else None,
         )
 

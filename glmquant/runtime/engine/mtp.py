@@ -17,18 +17,21 @@ import torch
 import torch.nn.functional as F
 
 from glmquant.arch import table_for
-from glmquant.checkpoint.draft_head import read_draft_head
+from glmquant.checkpoint.draft_head import DraftMtpTensors, read_draft_head
 from glmquant.errors import ConfigError
 from glmquant.exl3.decode import decode_weight
 from glmquant.runtime.artifact import Artifact
 from glmquant.runtime.engine.blocks import Run, mla_block, moe_block
 from glmquant.runtime.engine.cache import MLACache
 from glmquant.runtime.engine.config import EngineConfig
+from glmquant.runtime.engine.experts import LayerExperts
 from glmquant.runtime.engine.linears import Exl3Proj, Proj, project
 from glmquant.runtime.engine.weights import MLAWeights, ModelWeights, MoEBlock, _LayerReader, _mla, _mlp
 from glmquant.runtime.expert_cache import CacheStats
+from glmquant.runtime.mtp import read_mtp_copy
 
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.gate_proj\.weight$")
+_STACKS = (("gate_proj", "up_proj"), ("down_proj",))  # the projections of the experts' two stacks
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,13 @@ class MtpWeights:
     layer: int  # the checkpoint's layer index (num_hidden_layers)
     enorm: torch.Tensor  # [H]
     hnorm: torch.Tensor  # [H]
-    eh_proj: torch.Tensor  # [H, 2 H]
+    eh_proj: Proj  # [H, 2 H]
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     attention: MLAWeights
     mlp: MoEBlock
     head_norm: torch.Tensor  # shared_head.norm
-    experts: DenseExperts
+    experts: DenseExperts | LayerExperts  # LayerExperts: a draft file's EXL3 copy on the Triton backends
     head: Proj | None = None  # a drafter's own lm_head (`glmquant draft-head`); None: the target's
 
 
@@ -75,6 +78,11 @@ class DenseExperts:
         n = self.gate_up.shape[0]
         return CacheStats(n, n, self.uses, 0, 0)
 
+    @property
+    def expert_bytes(self) -> int:
+        """The bytes one routed expert's use reads."""
+        return self.gate_up[0].nbytes + self.down[0].nbytes
+
     def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         if self.swiglu_limit is not None:
@@ -89,28 +97,33 @@ def load_mtp_weights(
     device: torch.device,
     kernels: bool = False,
     draft_head: str | Path | None = None,
+    dense_max_weights: int = 0,
 ) -> MtpWeights:
     """The artifact's MTP layer on the device (every one of its tensors, experts included); `kernels`: the Triton
     backends run it (its router then stays in the model dtype, as the text layers'); `draft_head`: a draft-head
-    file whose lm_head the drafts read (EXL3 with `kernels`, else decoded to `dtype`)."""
+    file whose lm_head the drafts read (EXL3 with `kernels`, else decoded to `dtype`), and whose EXL3 copy of the MTP
+    layer replaces the artifact's linears and routed experts where it holds one (`draft-head --mtp-bits`; the
+    artifact's BF16 ones are then not read)."""
     spec, table = artifact.spec, table_for(artifact.spec)
     if not spec.mtp_layers:
         raise ConfigError(f"{artifact.path}: the model has no MTP layer (num_nextn_predict_layers is 0)")
     layer = spec.mtp_layers[0]
     prefix = table.layer_prefix(layer)
     names = [t.name for t in table.layer_tensors(spec, layer)]
-    read = _LayerReader(artifact, prefix, names, dtype, device, kernels)
+    mtp_copy = None if draft_head is None else read_mtp_copy(artifact, draft_head, device)
+    copies = None if mtp_copy is None else mtp_copy.linears
+    read = _LayerReader(artifact, prefix, names, dtype, device, kernels, dense_max_weights, copies)
     experts = sorted(int(m.group(1)) for n in names if (m := _EXPERT.search(n[len(prefix) :])))
-    mlps = [_mlp(read, f"mlp.experts.{e}.") for e in experts]
-    dense = [(m.gate_up, m.down) for m in mlps]  # the MTP layer's linears are never EXL3: its reader decodes
-    assert all(isinstance(g, torch.Tensor) and isinstance(d, torch.Tensor) for g, d in dense)
-    gate_up, down = torch.stack([g for g, _ in dense]), torch.stack([d for _, d in dense])  # type: ignore[misc]
-    del mlps
+    if mtp_copy is None:
+        backend: DenseExperts | LayerExperts = _dense_experts(read, experts, spec.swiglu_limit)
+    else:
+        read.left -= {n for n in names if n[len(prefix) :].startswith("mlp.experts.")}  # the copy's replace them
+        backend = _copied_experts(mtp_copy, dtype, device, kernels, spec.swiglu_limit)
     weights = MtpWeights(
         layer,
         read("enorm.weight"),
         read("hnorm.weight"),
-        read("eh_proj.weight"),
+        read.proj("eh_proj.weight"),
         read("input_layernorm.weight"),
         read("post_attention_layernorm.weight"),
         _mla(read),
@@ -120,11 +133,40 @@ def load_mtp_weights(
             _mlp(read, "mlp.shared_experts."),
         ),
         read("shared_head.norm.weight"),
-        DenseExperts(gate_up, down, spec.swiglu_limit),
+        backend,
         None if draft_head is None else _draft_head(draft_head, artifact, dtype, device, kernels),
     )
     read.finish()
     return weights
+
+
+def _dense_experts(read: _LayerReader, experts: list[int], swiglu_limit: float | None) -> DenseExperts:
+    """The artifact's BF16 routed experts of the MTP layer, stacked."""
+    mlps = [_mlp(read, f"mlp.experts.{e}.") for e in experts]
+    dense = [(m.gate_up, m.down) for m in mlps]  # the artifact's MTP layer is never EXL3: its reader decodes
+    assert all(isinstance(g, torch.Tensor) and isinstance(d, torch.Tensor) for g, d in dense)
+    gate_up, down = torch.stack([g for g, _ in dense]), torch.stack([d for _, d in dense])  # type: ignore[misc]
+    return DenseExperts(gate_up, down, swiglu_limit)
+
+
+def _copied_experts(
+    mtp_copy: DraftMtpTensors, dtype: torch.dtype, device: torch.device, kernels: bool, swiglu_limit: float | None
+) -> DenseExperts | LayerExperts:
+    """A draft file's EXL3 routed experts: resident stacks run by `fused_moe` with `kernels`, else decoded and
+    stacked as `DenseExperts` (as the torch backend decodes EXL3)."""
+    experts = mtp_copy.experts
+    if kernels:
+        from glmquant.runtime.kernels.exl3_jobs import WeightStack
+        from glmquant.runtime.kernels.fused_moe import MoEWeights
+
+        gate_up_stack, down_stack = (
+            WeightStack.from_tensors([[e[p] for e in experts] for p in ps], device) for ps in _STACKS
+        )
+        return LayerExperts(MoEWeights(gate_up_stack, down_stack, swiglu_limit))
+    gate_up, down = (
+        torch.stack([torch.cat([decode_weight(e[p], dtype) for p in ps]) for e in experts]).to(device) for ps in _STACKS
+    )
+    return DenseExperts(gate_up, down, swiglu_limit)
 
 
 def _draft_head(path: str | Path, artifact: Artifact, dtype: torch.dtype, device: torch.device, kernels: bool) -> Proj:
@@ -164,7 +206,7 @@ def mtp_hidden(
     batch. A draft's CUDA graph captures this part."""
     cfg, ops = run.cfg, run.ops
     e = ops.rms_norm(F.embedding(next_ids, target.embed), w.enorm, cfg.rms_eps)
-    x = F.linear(torch.cat([e, ops.rms_norm(hidden, w.hnorm, cfg.rms_eps)], dim=-1), w.eh_proj)
+    x = project(torch.cat([e, ops.rms_norm(hidden, w.hnorm, cfg.rms_eps)], dim=-1), w.eh_proj)
     x = x + mla_block(ops.rms_norm(x, w.input_norm, cfg.rms_eps), w.attention, cache, positions, pools, run)
     return x + moe_block(ops.rms_norm(x, w.post_norm, cfg.rms_eps), w.mlp, w.layer, run)
 

@@ -125,13 +125,12 @@ def verify_bytes(engine: Engine, tokens: int, context: int, experts_routed: int,
 
 def mtp_draft_bytes(engine: Engine) -> int:
     """Weight bytes one drafted token reads: the MTP layer (eh_proj, norms, attention, router, shared expert and
-    its top-k routed experts, which the engine keeps dense) and its draft head or else the target's lm_head; its MLA
-    cache not counted."""
+    its top-k routed experts: the artifact's dense ones, or a draft file's EXL3 copy) and its draft head or else the
+    target's lm_head; its MLA cache not counted."""
     mtp = engine.mtp
     if mtp is None:
         raise ValueError("the engine was loaded without its MTP layer")
-    experts = mtp.experts
-    per_expert = experts.gate_up[0].nbytes + experts.down[0].nbytes
+    per_expert = mtp.experts.expert_bytes
     layer = sum(t.nbytes for t in (mtp.enorm, mtp.hnorm, mtp.eh_proj, mtp.input_norm, mtp.post_norm, mtp.head_norm))
     layer += _nbytes(mtp.attention) + mtp.mlp.router.nbytes + mtp.mlp.bias.nbytes + _nbytes(mtp.mlp.shared)
     head = engine.weights.lm_head if mtp.head is None else mtp.head

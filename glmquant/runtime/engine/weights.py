@@ -18,6 +18,7 @@ columns of the projection's output. kv_b, which attention absorbs as a matrix, i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -108,18 +109,20 @@ class _LayerReader:
         device: torch.device,
         kernels: bool = False,
         dense_max_weights: int = 0,
+        copies: Mapping[str, EXL3Tensor] | None = None,
     ) -> None:
         self.artifact, self.prefix, self.dtype, self.device = artifact, prefix, dtype, device
         self.left = set(names)
         self.kernels = kernels  # EXL3 retained linears run by `exl3_linear` (the Triton backends), else decoded
         self.dense_max_weights = dense_max_weights  # but those of at most this many weights decoded too
+        self.copies = copies or {}  # EXL3 tensors by key that replace the artifact's (a draft file's MTP layer)
 
     def __call__(self, suffix: str, fp32: bool = False) -> torch.Tensor:
         name = self.prefix + suffix
-        linear = self.artifact.retained_linears.get(name.removesuffix(".weight"))
-        if linear is not None and name.endswith(".weight"):  # the speed tier: decoded once, used like the exact weight
-            self.left.discard(name)
-            return decode_weight(self.artifact.read_linear(linear, self.device), self.dtype)
+        key = name.removesuffix(".weight")
+        if name.endswith(".weight") and (key in self.copies or key in self.artifact.retained_linears):
+            self.left.discard(name)  # the speed tier (or a copy): decoded once, used like the exact weight
+            return decode_weight(self._exl3(key), self.dtype)
         if name not in self.artifact.checkpoint:
             raise CheckpointFormatError(f"{self.artifact.path}: tensor {name} is missing")
         self.left.discard(name)
@@ -132,21 +135,29 @@ class _LayerReader:
         """The row blocks of one projection: concatenated dense, or an `Exl3Proj` where one is an EXL3 linear
         that the kernels run."""
         keys = [(self.prefix + s).removesuffix(".weight") for s in suffixes]
-        linears = self.artifact.retained_linears
-        exl3 = [
-            s.endswith(".weight") and k in linears and not decoded_at_load(linears[k], self.dense_max_weights)
-            for s, k in zip(suffixes, keys)
-        ]
+        exl3 = [s.endswith(".weight") and self._runs_exl3(k) for s, k in zip(suffixes, keys)]
         if not self.kernels or not any(exl3):
             return self.cat(*suffixes)
         blocks: list[EXL3Tensor | torch.Tensor] = []
         for suffix, key, is_exl3 in zip(suffixes, keys, exl3):
             if is_exl3:
                 self.left.discard(self.prefix + suffix)
-                blocks.append(self.artifact.read_linear(self.artifact.retained_linears[key], self.device))
+                blocks.append(self._exl3(key))
             else:
                 blocks.append(self(suffix))
         return Exl3Proj.build(blocks, self.device)
+
+    def _exl3(self, key: str) -> EXL3Tensor:
+        if key in self.copies:
+            return self.copies[key]
+        return self.artifact.read_linear(self.artifact.retained_linears[key], self.device)
+
+    def _runs_exl3(self, key: str) -> bool:
+        """An EXL3 linear large enough for `exl3_linear` (`RuntimeOptions.dense_linear_max_weights`)."""
+        if key in self.copies:
+            return self.copies[key].in_features * self.copies[key].out_features > self.dense_max_weights
+        linear = self.artifact.retained_linears.get(key)
+        return linear is not None and not decoded_at_load(linear, self.dense_max_weights)
 
     def finish(self) -> None:
         if self.left:
