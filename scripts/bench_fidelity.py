@@ -804,12 +804,14 @@ class Evaluator:
 
     def draft_head(self, recipe: Recipe) -> Path | None:
         """With --mtp-draft-head-bits K: a K copy of the proxy's lm_head (`glmquant draft-head`, the recipe's
-        observations) in the work directory, which the MTP acceptance run's drafts read."""
-        bits = self.args.mtp_draft_head_bits
+        observations) in the work directory, which the MTP acceptance run's drafts read; with --mtp-draft-mtp-bits M
+        also an M copy of its MTP layer (routed experts K2: `draft-head --mtp-bits M`)."""
+        bits, mtp_bits = self.args.mtp_draft_head_bits, self.args.mtp_draft_mtp_bits
         if bits is None:
             return None
-        path = self.work / f"draft_head_k{bits}.safetensors"
-        build_draft_head(self.model_dir, self.observations[recipe.observations], path, bits, device=self.args.device)
+        path = self.work / f"draft_head_k{bits}{'' if mtp_bits is None else f'_mtp{mtp_bits}'}.safetensors"
+        obs = self.observations[recipe.observations]
+        build_draft_head(self.model_dir, obs, path, bits, device=self.args.device, mtp_bits=mtp_bits)
         return path
 
     def encode(self, recipe: Recipe, hessians: str, blend: float | None, out: Path) -> tuple[EncodeResult, Path | None]:
@@ -1587,6 +1589,13 @@ def main() -> None:
         help="the MTP run's drafts read an EXL3 copy of lm_head at this K (glmquant draft-head; needs the seed's "
         "observations with --dense-hessians)",
     )
+    ap.add_argument(
+        "--mtp-draft-mtp-bits",
+        type=int,
+        default=None,
+        help="with --mtp-draft-head-bits: the drafts also read an EXL3 copy of the MTP layer, its linears at this K "
+        "and its routed experts at K2 (glmquant draft-head --mtp-bits; the seed's observations must hold its Hessians)",
+    )
     ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, where git runs)")
     ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds for this proxy")
     ap.add_argument(
@@ -1603,6 +1612,12 @@ def main() -> None:
         )
     if args.mtp_draft_head_bits is not None and args.mtp_draft_head_bits not in RETAINED_BITS:
         ap.error(f"--mtp-draft-head-bits must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1}")
+    if args.mtp_draft_mtp_bits is not None and (
+        args.mtp_draft_head_bits is None or args.mtp_draft_mtp_bits not in RETAINED_BITS
+    ):
+        ap.error(
+            f"--mtp-draft-mtp-bits must be {RETAINED_BITS.start}..{RETAINED_BITS.stop - 1}, with --mtp-draft-head-bits"
+        )
     Bench(args).run()
 
 
