@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from glmquant.runtime.artifact import Artifact
     from glmquant.runtime.loader import LoadedModel
 
-_ROUTED_GATE = re.compile(r"mlp\.experts\.\d+\.gate_proj\.weight")  # one per routed expert, after the layer prefix
+ROUTED_GATE = re.compile(r"mlp\.experts\.(\d+)\.gate_proj\.weight")  # one per routed expert, after the layer prefix
 
 
 class MtpLayer(nn.Module):
@@ -122,7 +122,7 @@ def read_mtp_copy(artifact: Artifact, draft_head: str | Path, device: torch.devi
     if mtp_copy is None:
         return None
     prefix = table_for(artifact.spec).layer_prefix(mtp_copy.layer)
-    held = sum(1 for n in artifact.checkpoint.names() if _ROUTED_GATE.fullmatch(n.removeprefix(prefix)))
+    held = sum(1 for n in artifact.checkpoint.names() if ROUTED_GATE.fullmatch(n.removeprefix(prefix)))
     if held != len(mtp_copy.experts):
         raise UsageError(
             f"draft_head {draft_head}: its MTP layer holds {len(mtp_copy.experts)} routed experts, the artifact's "

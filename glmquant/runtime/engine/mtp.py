@@ -4,12 +4,12 @@ The same layer as `runtime.mtp.MtpLayer` (see there and `docs/speculative.md`): 
 x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), then sparse MLA with its DSA indexer (`blocks.mla_block`, on
 its own static cache) and the MoE (`blocks.moe_block`), plain residuals, then `shared_head.norm` and the target's
 lm_head. Its routed experts are BF16 in the artifact (not EXL3), so they run through `DenseExperts`, an expert
-backend over stacked dense weights.
+backend over stacked dense weights; a draft file's EXL3 copy of the layer (`draft-head --mtp-bits`) replaces its
+linears and routed experts (`LayerExperts`, one `fused_moe` stack, on the Triton backends).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +28,8 @@ from glmquant.runtime.engine.experts import LayerExperts
 from glmquant.runtime.engine.linears import Exl3Proj, Proj, project
 from glmquant.runtime.engine.weights import MLAWeights, ModelWeights, MoEBlock, _LayerReader, _mla, _mlp
 from glmquant.runtime.expert_cache import CacheStats
-from glmquant.runtime.mtp import read_mtp_copy
+from glmquant.runtime.mtp import ROUTED_GATE, read_mtp_copy
 
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.gate_proj\.weight$")
 _STACKS = (("gate_proj", "up_proj"), ("down_proj",))  # the projections of the experts' two stacks
 
 
@@ -113,7 +112,7 @@ def load_mtp_weights(
     mtp_copy = None if draft_head is None else read_mtp_copy(artifact, draft_head, device)
     copies = None if mtp_copy is None else mtp_copy.linears
     read = _LayerReader(artifact, prefix, names, dtype, device, kernels, dense_max_weights, copies)
-    experts = sorted(int(m.group(1)) for n in names if (m := _EXPERT.search(n[len(prefix) :])))
+    experts = sorted(int(m.group(1)) for n in names if (m := ROUTED_GATE.fullmatch(n[len(prefix) :])))
     if mtp_copy is None:
         backend: DenseExperts | LayerExperts = _dense_experts(read, experts, spec.swiglu_limit)
     else:
