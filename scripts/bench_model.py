@@ -975,8 +975,12 @@ def merge(
     if acceptance and "rows" in merged["parts"].get("mtp", {}):
         plain_gb10 = merged["parts"].get("classes", {}).get("projection")
         projected = mtp_at_acceptance(merged["parts"]["mtp"], acceptance, plain_gb10)
-        # the drafts timed here read a K copy of lm_head (--draft-head-bits) or the artifact's head (None)
-        merged["mtp_at_proxy_acceptance"] = projected | {"timed_draft_head_bits": merged.get("draft_head_bits")}
+        # the drafts timed here read a K copy of lm_head (--draft-head-bits) or the artifact's head (None), and a K
+        # copy of the MTP layer (--draft-mtp-bits) or the artifact's BF16 one (None)
+        merged["mtp_at_proxy_acceptance"] = projected | {
+            "timed_draft_head_bits": merged.get("draft_head_bits"),
+            "timed_draft_mtp_bits": merged.get("draft_mtp_bits"),
+        }
     if is_speed_tier(merged):
         merged["speed_tier"] = speed_tier(merged, fidelity, kl_cost_row)
     return merged

@@ -185,6 +185,13 @@ def test_smoke_mtp_part_drafts_with_an_mtp_copy(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["draft_mtp_bits"] == 4 and "mtp_error" not in report["parts"], report["parts"]
     assert all(r["draft_ms"] > 0 for r in report["parts"]["mtp"]["rows"])
+    fidelity = tmp_path / "fidelity.json"
+    acceptance = {f"k{k}": {"tokens_per_step": 1.5, "acceptance_rate": 0.5} for k in (1, 2, 3)}
+    fidelity.write_text(json.dumps({"rows": [], "mtp_acceptance": acceptance}))
+    merged = tmp_path / "merged.json"
+    assert _run("--merge", str(out), "--fidelity", str(fidelity), "--out", str(merged)).returncode == 0
+    projected = json.loads(merged.read_text())["mtp_at_proxy_acceptance"]
+    assert projected["timed_draft_head_bits"] == 4 and projected["timed_draft_mtp_bits"] == 4
 
 
 def test_fewer_routed_experts_held_read_the_whole_models_bytes(tmp_path: Path) -> None:
