@@ -119,10 +119,14 @@ def test_mtp_bits_add_the_mtp_layer_encoded_with_its_own_hessians(
     one_moe_source: Path, one_moe_dense_observations: Path, tmp_path: Path
 ) -> None:
     """`--mtp-bits 4`: the MTP layer's linears at K4 with their dense Hessians, its routed experts at K2 with their
-    natural ones (observe --dense-hessians captures both); the same inputs give the same bytes."""
+    natural ones (observe --dense-hessians captures both); the CLI writes the library's bytes (the same inputs give
+    the same bytes)."""
     paths = [tmp_path / f"{name}.safetensors" for name in ("a", "b")]
-    for path in paths:
-        head = build_draft_head(one_moe_source, one_moe_dense_observations, path, mtp_bits=4, mtp_expert_bits=2)
+    head = build_draft_head(one_moe_source, one_moe_dense_observations, paths[0], mtp_bits=4, mtp_expert_bits=2)
+    argv = ["draft-head", str(one_moe_source), "--observations", str(one_moe_dense_observations)]
+    result = CliRunner().invoke(app, [*argv, "--out", str(paths[1]), "--mtp-bits", "4", "--mtp-expert-bits", "2"])
+    assert result.exit_code == 0, result.output
+    assert "MTP layer 2 at K4 (routed experts K2)" in result.output
     assert paths[0].read_bytes() == paths[1].read_bytes()
     assert head.mtp == DraftMtp(2, 4, 2, 2)  # ONE_MOE: MTP layer 2, two routed experts
     spec = load_model_spec(one_moe_source / "config.json")
