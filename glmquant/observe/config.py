@@ -9,7 +9,8 @@ must match, see checkpointing.py):
     must match:  source model, token rows (recipe, rows, tokens, tokenizer), hessians, hessian_weighting,
                  dense_hessians, tuning_tokens,
                  whether lm_head's Hessian is captured (runs from before it was are refused:
-                 they would resume as done without it),
+                 they would resume as done without it; a run from before the MTP layer's Hessians resumes
+                 without them),
                  device type, batch_rows, model dtype, torch and transformers versions, where the streams
                  live (disk or device; the checkpoint interval of device streams may change)
 """
@@ -106,7 +107,7 @@ def fingerprint(
     """Everything that changes the bytes of the observations (see the module docstring). `head_hessian`: the run
     captures lm_head's Hessian (run.py `_observes_head`); `source_vectors_sha256`: the source's 1-D tensors
     (`vector_tensors_sha256`), which tell its checkpoint from another of the same config; `mtp_hessians`: the run
-    captures the MTP layer's Hessians (`_observes_mtp`)."""
+    captures the MTP layer's Hessians (with lm_head's, where the model has an MTP layer)."""
     import transformers
 
     where: dict[str, Any] = {}  # keys added only when set, so older runs keep their fingerprint
