@@ -134,7 +134,9 @@ def read_draft_mtp(path: str | Path, spec: ModelSpec, device: torch.device | str
         if mtp.layer not in spec.mtp_layers or mtp.experts != spec.n_routed_experts:
             raise UsageError(
                 f"draft_head {path}: holds MTP layer {mtp.layer} with {mtp.experts} routed experts, the model's MTP "
-                f"layers are {spec.mtp_layers} with {spec.n_routed_experts}: it was built from another model"
+                f"layers are {spec.mtp_layers} with {spec.n_routed_experts}: it was built from another model, or the "
+                "artifact pruned its experts (`--keep`; the copy keeps every one of the source's); serve the "
+                "artifact's own MTP layer with a draft head built without --mtp-bits"
             )
         table = table_for(spec)
 

@@ -18,7 +18,6 @@ would only lower the acceptance rate: verification keeps the output exactly the 
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -29,7 +28,7 @@ from glmquant.arch import ModelSpec, table_for
 from glmquant.arch.hf_glm5_next import modeling
 from glmquant.arch.module_map import TensorSource, fp32_names, layer_plan, read_layer_state
 from glmquant.checkpoint.draft_head import DraftMtpTensors, read_draft_head, read_draft_mtp
-from glmquant.errors import ConfigError, UsageError
+from glmquant.errors import ConfigError
 from glmquant.exl3.decode import decode_weight
 from glmquant.runtime.generate import cache_argument
 from glmquant.runtime.loader import retained_linear_mode
@@ -38,10 +37,7 @@ from glmquant.runtime.retained_linears import Exl3Linear
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
-    from glmquant.runtime.artifact import Artifact
     from glmquant.runtime.loader import LoadedModel
-
-ROUTED_GATE = re.compile(r"mlp\.experts\.(\d+)\.gate_proj\.weight")  # one per routed expert, after the layer prefix
 
 
 class MtpLayer(nn.Module):
@@ -114,24 +110,6 @@ def one_layer_config(text_config: Any) -> Any:
     return config
 
 
-def read_mtp_copy(artifact: Artifact, draft_head: str | Path, device: torch.device | str) -> DraftMtpTensors | None:
-    """A draft-head file's EXL3 copy of the MTP layer (None where it holds the head alone), checked against the
-    artifact's MTP layer: the copy keeps every routed expert of the source, so an artifact that pruned its MTP layer's
-    experts (`--keep`) cannot take it (UsageError naming both counts)."""
-    mtp_copy = read_draft_mtp(draft_head, artifact.spec, device)
-    if mtp_copy is None:
-        return None
-    prefix = table_for(artifact.spec).layer_prefix(mtp_copy.layer)
-    held = sum(1 for n in artifact.checkpoint.names() if ROUTED_GATE.fullmatch(n.removeprefix(prefix)))
-    if held != len(mtp_copy.experts):
-        raise UsageError(
-            f"draft_head {draft_head}: its MTP layer holds {len(mtp_copy.experts)} routed experts, the artifact's "
-            f"{artifact.path} keeps {held}: build the draft head from the artifact's own source, or serve the "
-            "artifact's MTP layer (a draft head without --mtp-bits)"
-        )
-    return mtp_copy
-
-
 class DecodedCopies:
     """A checkpoint whose tensors named in `decoded` read as those instead (a `module_map.TensorSource`): the MTP
     layer filled from a draft file's copy, decoded, and the artifact's other tensors."""
@@ -192,7 +170,7 @@ def load_mtp(loaded: LoadedModel) -> MtpLayer:
     layer = spec.mtp_layers[0]
     plan = layer_plan(spec, layer, spec.moe_intermediate_size)
     source: TensorSource = artifact.checkpoint
-    mtp_copy = None if draft_head is None else read_mtp_copy(artifact, draft_head, "cpu")
+    mtp_copy = None if draft_head is None else read_draft_mtp(draft_head, spec, "cpu")
     if mtp_copy is not None:  # the drafts read the copy, decoded (as the torch backend runs EXL3 linears)
         source = DecodedCopies.of(artifact.checkpoint, mtp_copy, spec, dtype)
     state = read_layer_state(source, plan, mtp.state_dict(), keep_fp32, device)

@@ -156,6 +156,30 @@ def test_speculation_with_the_mtp_copy_equals_plain_greedy(artifacts: dict[str, 
     assert spec.token_ids == plain.token_ids
 
 
+@pytest.mark.slow
+def test_an_artifact_that_pruned_its_mtp_experts_refuses_the_copy(
+    tiny_source: Path, mtp_draft: Path, tmp_path: Path
+) -> None:
+    """The copy holds every routed expert of the source; an artifact whose MTP layer keeps fewer (`--keep` prunes it
+    with the MoE layers) would route its router's rows to the wrong experts, so the copy is refused naming both."""
+    from glmquant.arch import load_model_spec
+    from glmquant.checkpoint.artifact_writer import finalize_artifact, write_artifact_files
+    from glmquant.checkpoint.layouts import plan_artifact
+    from glmquant.checkpoint.provenance import Provenance
+    from glmquant.checkpoint.reader import SourceCheckpoint
+    from glmquant.fixtures.random_artifact import random_experts
+
+    spec = load_model_spec(tiny_source / "config.json")
+    keep = {layer: [0, 1, 3] for layer in spec.moe_layers + spec.mtp_layers}
+    out = tmp_path / "pruned"
+    with SourceCheckpoint.open(tiny_source) as ckpt:
+        plan = plan_artifact(spec, "tr3", source_shards=ckpt.locations, keep=keep)
+        write_artifact_files(plan, ckpt, random_experts, out)
+        finalize_artifact(plan, ckpt, out, Provenance(source_repo="glmquant/tiny"), verified_at="2026-01-01T00:00:00Z")
+    with pytest.raises(UsageError, match=r"holds MTP layer 3 with 4 routed experts, .* with 3: .* the artifact pruned"):
+        Engine.load(open_artifact(out), RuntimeOptions(dtype="float32"), max_len=32, mtp=True, draft_head=mtp_draft)
+
+
 def test_draft_head_enters_through_the_speculative_config(artifacts: dict[str, Path], tmp_path: Path) -> None:
     parsed = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2, "draft_head": "h.safetensors"}')
     assert parsed == SpeculativeConfig("mtp", 2, "h.safetensors")

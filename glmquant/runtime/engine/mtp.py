@@ -10,6 +10,7 @@ linears and routed experts (`LayerExperts`, one `fused_moe` stack, on the Triton
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from glmquant.arch import table_for
-from glmquant.checkpoint.draft_head import DraftMtpTensors, read_draft_head
+from glmquant.checkpoint.draft_head import DraftMtpTensors, read_draft_head, read_draft_mtp
 from glmquant.errors import ConfigError
 from glmquant.exl3.decode import decode_weight
 from glmquant.runtime.artifact import Artifact
@@ -28,8 +29,8 @@ from glmquant.runtime.engine.experts import LayerExperts
 from glmquant.runtime.engine.linears import Exl3Proj, Proj, project
 from glmquant.runtime.engine.weights import MLAWeights, ModelWeights, MoEBlock, _LayerReader, _mla, _mlp
 from glmquant.runtime.expert_cache import CacheStats
-from glmquant.runtime.mtp import ROUTED_GATE, read_mtp_copy
 
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.gate_proj\.weight")  # one per routed expert, after the layer prefix
 _STACKS = (("gate_proj", "up_proj"), ("down_proj",))  # the projections of the experts' two stacks
 
 
@@ -109,10 +110,10 @@ def load_mtp_weights(
     layer = spec.mtp_layers[0]
     prefix = table.layer_prefix(layer)
     names = [t.name for t in table.layer_tensors(spec, layer)]
-    mtp_copy = None if draft_head is None else read_mtp_copy(artifact, draft_head, device)
+    mtp_copy = None if draft_head is None else read_draft_mtp(draft_head, spec, device)
     copies = None if mtp_copy is None else mtp_copy.linears
     read = _LayerReader(artifact, prefix, names, dtype, device, kernels, dense_max_weights, copies)
-    experts = sorted(int(m.group(1)) for n in names if (m := ROUTED_GATE.fullmatch(n[len(prefix) :])))
+    experts = sorted(int(m.group(1)) for n in names if (m := _EXPERT.fullmatch(n[len(prefix) :])))
     if mtp_copy is None:
         backend: DenseExperts | LayerExperts = _dense_experts(read, experts, spec.swiglu_limit)
     else:
