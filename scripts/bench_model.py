@@ -107,12 +107,18 @@ def main() -> None:
         merged = merge([json.loads(Path(p).read_text()) for p in args.merge], fidelity, args.kl_cost_row)
         save(merged, args.out)
         return
+    with tempfile.TemporaryDirectory(prefix="bench-model-") as scratch:  # the smoke model, configs, the draft file
+        measure(args, Path(scratch))
+
+
+def measure(args: argparse.Namespace, scratch: Path) -> None:
+    """Build the dummy model and run `args.parts`, the report saved after each; files it makes go in `scratch`."""
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
-    config, device = (tiny_config(), "cpu") if args.smoke else (args.config, "cuda")
+    config, device = (tiny_config(scratch), "cpu") if args.smoke else (args.config, "cuda")
     unheld = 0  # router rows of experts --routed-experts leaves out: their bytes are added back where a step reads them
     if args.routed_experts is not None:
         try:
-            config, unheld = with_routed_experts(config, args.routed_experts)
+            config, unheld = with_routed_experts(config, args.routed_experts, scratch)
         except UsageError as exc:
             sys.exit(f"bench_model.py: {exc}")
     report: dict[str, Any] = {
@@ -137,23 +143,22 @@ def main() -> None:
         retained_exact_layers=args.retained_exact_layers,
         retained_layer_bits=args.retained_layer_bits,
     )
-    with tempfile.TemporaryDirectory(prefix="bench-draft-head-") as scratch:  # read whole at load
-        engine = Engine.load(
-            artifact,
-            RuntimeOptions(
-                device=device,
-                backend="torch" if args.smoke else "triton",
-                model_impl="glmquant",
-                compile_decode=args.compile_decode,
-                dense_linear_max_weights=args.dense_linear_max_weights,
-            ),
-            max_batch=1,
-            max_len=sizes.chunk,
-            mtp="mtp" in args.parts,
-            draft_head=None
-            if args.draft_head_bits is None
-            else dummy_draft_head(artifact.spec, args.draft_head_bits, args.draft_mtp_bits, Path(scratch)),
-        )
+    engine = Engine.load(
+        artifact,
+        RuntimeOptions(
+            device=device,
+            backend="torch" if args.smoke else "triton",
+            model_impl="glmquant",
+            compile_decode=args.compile_decode,
+            dense_linear_max_weights=args.dense_linear_max_weights,
+        ),
+        max_batch=1,
+        max_len=sizes.chunk,
+        mtp="mtp" in args.parts,
+        draft_head=None
+        if args.draft_head_bits is None
+        else dummy_draft_head(artifact.spec, args.draft_head_bits, args.draft_mtp_bits, scratch),
+    )
     sync(engine)
     report["model"] = model_record(artifact, engine, time.perf_counter() - t0, config, unheld)
     save(report, args.out)
@@ -277,9 +282,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def with_routed_experts(config: Path, experts: int) -> tuple[Path, int]:
-    """A copy of `config` whose MoE layers hold `experts` routed experts, in a temporary directory, and how many
-    fewer than the config's; refused when it is not between the experts each token picks and the config's count."""
+def with_routed_experts(config: Path, experts: int, directory: Path) -> tuple[Path, int]:
+    """A copy of `config` whose MoE layers hold `experts` routed experts, in `directory`, and how many fewer than the
+    config's; refused when it is not between the experts each token picks and the config's count."""
     raw = json.loads(Path(config).read_text())
     text = raw.get("text_config", raw)
     picked, total = int(text["num_experts_per_tok"]), int(text["n_routed_experts"])
@@ -288,7 +293,8 @@ def with_routed_experts(config: Path, experts: int) -> tuple[Path, int]:
             f"--routed-experts takes {picked}..{total} for {config} (its tokens pick {picked}), not {experts}"
         )
     text["n_routed_experts"] = experts
-    out = Path(tempfile.mkdtemp(prefix="bench-model-experts-")) / "config.json"
+    out = directory / "routed-experts" / "config.json"
+    out.parent.mkdir()
     out.write_text(json.dumps(raw, indent=2))
     return out, total - experts
 
@@ -304,10 +310,10 @@ def moe_layers(engine: Engine) -> int:
     return sum(isinstance(lw.mlp, MoEBlock) for lw in engine.weights.layers)
 
 
-def tiny_config() -> Path:
+def tiny_config(directory: Path) -> Path:
     from glmquant.fixtures import build_tiny_checkpoint
 
-    return build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="bench-model-"))) / "config.json"
+    return build_tiny_checkpoint(directory / "tiny") / "config.json"
 
 
 # --- parts ---------------------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_smoke_run_writes_every_part_and_the_summary(tmp_path: Path) -> None:
     assert projected["gb10_best_k"] == 2 and projected["gb10_speedup_218"] == gb10["speedup"]
 
 
-def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
+def test_smoke_run_of_the_speed_tier_fills_speed_tier(tiny_source: Path, tmp_path: Path) -> None:
     """`--retained-bits 4 --head-bits 6`: the dummy artifact holds EXL3 retained linears and head, the engine runs
     them, `model` records both K, the retained linears (the head apart) and the EXL3 head, and `speed_tier` holds
     both K, bytes per token and the GB10 projection, with MTP speedup and KL cost left to others; merged with a
@@ -128,7 +128,8 @@ def test_smoke_run_of_the_speed_tier_fills_speed_tier(tmp_path: Path) -> None:
     assert not [key for key in report["parts"] if key.endswith("_error")], report["parts"]
     model = report["model"]
     assert (model["retained_bits"], model["head_bits"], model["head_exl3"]) == (4, 6, True)
-    assert model["retained_linears"] == len(quantizable_retained(load_model_spec(model["config"]))) > 1
+    assert not Path(model["config"]).exists()  # the smoke model lived in the run's scratch directory
+    assert model["retained_linears"] == len(quantizable_retained(load_model_spec(tiny_source / "config.json"))) > 1
     assert all(row["tokens_equal"] and row["logits_finite"] for row in report["parts"]["graphs"])
     tier, classes = report["speed_tier"], report["parts"]["classes"]
     assert (tier["retained_bits"], tier["head_bits"]) == (4, 6)
@@ -244,7 +245,7 @@ def bench_model() -> ModuleType:
     return module
 
 
-def test_smoke_run_with_widths_by_layer(tmp_path: Path) -> None:
+def test_smoke_run_with_widths_by_layer(tiny_source: Path, tmp_path: Path) -> None:
     """`--retained-layer-bits exact,K4,K5`: the dummy artifact holds layer 1's linears at K4 and layer 2's at K5,
     layer 0's exact; `model` and `speed_tier` record the widths; the KL cost waits for --kl-cost-row. Given with
     --retained-bits it is refused before anything runs."""
@@ -254,7 +255,7 @@ def test_smoke_run_with_widths_by_layer(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     model, tier = report["model"], report["speed_tier"]
-    spec = load_model_spec(model["config"])
+    spec = load_model_spec(tiny_source / "config.json")  # the smoke model is the default tiny model
     assert spec.num_hidden_layers == 3 and model["retained_layer_bits"] == tier["retained_layer_bits"] == [None, 4, 5]
     assert model["retained_bits"] is None
     assert model["retained_linears"] == sum(1 for t in quantizable_retained(spec) if t.layer in (1, 2)) > 0
