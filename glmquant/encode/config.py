@@ -58,6 +58,12 @@ UNRECORDED_REFIT_ROUNDS = 1
 HESSIAN_MODES = (HessianMode.NATURAL, HessianMode.ALL)
 
 
+# 33: a GLM-5.3-Flash expert adds 256 Viterbi tiles per LDLQ step, and 33 x 256 fills exactly 64 waves of one block
+# on 132 SMs (H100 SXM, H200), where 32 experts' 8,192 tiles leave a 63rd wave nearly empty: 1 % of a layer's time on
+# an H200 (docs/encode.md)
+DEFAULT_EXPERTS_PER_UNIT = 33
+
+
 @dataclass(frozen=True)
 class EncodeConfig:
     source: Path
@@ -76,10 +82,8 @@ class EncodeConfig:
     device: str = "cpu"
     work_dir: Path | None = None
     seed: int = 0
-    # work unit: this many experts' EXL3 tensors encoded in one batched call. 33: a GLM-5.3-Flash expert adds 256
-    # Viterbi tiles per LDLQ step, and 33 x 256 fills exactly 64 waves of one block on 132 SMs (H100 SXM, H200),
-    # where 32 experts' 8,192 tiles leave a 63rd wave nearly empty: 1 % of a layer's time on an H200 (docs/encode.md)
-    experts_per_unit: int = 33
+    # work unit: this many experts' EXL3 tensors encoded in one batched call
+    experts_per_unit: int = DEFAULT_EXPERTS_PER_UNIT
     source_repo: str | None = None
     source_revision: str | None = None  # the Hub commit a repo-id source resolved to
     verify: bool = True

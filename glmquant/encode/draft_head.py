@@ -27,6 +27,7 @@ from glmquant.checkpoint.layouts import (
     quantizable_mtp,
 )
 from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
+from glmquant.encode.config import DEFAULT_EXPERTS_PER_UNIT
 from glmquant.encode.hessians import HessianSource
 from glmquant.encode.layer import UnitInputs, encode_unit, read_slices
 from glmquant.encode.retained import dense_hessian
@@ -37,7 +38,6 @@ from glmquant.observe.summary import ObservationSummary, check_observed_from
 
 DEFAULT_DRAFT_HEAD_BITS = 4
 DEFAULT_MTP_EXPERT_BITS = 2  # the artifact's own routed experts' K
-MTP_EXPERTS_PER_UNIT = 8  # routed experts encoded per batched call: bounds the weights and Hessians held at once
 
 
 def build_draft_head(
@@ -131,9 +131,9 @@ def _encode_mtp(
         )
     hessians = HessianSource(observations, "all" if mode == HessianMode.ALL.value else "natural").layer(layer)
     experts = range(spec.n_routed_experts)
-    for first in track(experts[::MTP_EXPERTS_PER_UNIT], description="MTP experts", transient=True):
+    for first in track(experts[::DEFAULT_EXPERTS_PER_UNIT], description="MTP experts", transient=True):
         unit = [
-            s for e in experts[first : first + MTP_EXPERTS_PER_UNIT] for s in expert_slices(spec, layer, e, e, None)
+            s for e in experts[first : first + DEFAULT_EXPERTS_PER_UNIT] for s in expert_slices(spec, layer, e, e, None)
         ]
         inputs, _ = read_slices(spec, layer, unit, ckpt, hessians)
         found |= encode_unit(inputs, expert_bits, codebook, seed, device).tensors
