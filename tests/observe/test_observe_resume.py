@@ -149,6 +149,26 @@ def test_an_observation_from_before_the_mtp_hessians_resumes_without_them(
     assert ObservationSummary.load(observed).mtp is not None
 
 
+def test_killed_in_the_mtp_pass_redoes_it_identically(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MTP layer's Hessians are taken after lm_head's, before the last layer's progress is recorded: a run killed
+    there resumes at the last layer from its final streams and ends byte-identical."""
+    original = run._observe_mtp
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "_observe_mtp", killed)
+    with pytest.raises(KeyboardInterrupt):
+        observe(observe_config(tiny_source, tmp_path))
+    assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
+    assert not (tmp_path / "layer-03.hessians.safetensors").exists()
+    monkeypatch.setattr(run, "_observe_mtp", original)
+    assert observe(observe_config(tiny_source, tmp_path)).resumed_from_layer == 2
+    _assert_same_outputs(observed, tmp_path)
+
+
 def test_stream_budget_keeps_the_disk_down_and_the_outputs_identical(
     tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
