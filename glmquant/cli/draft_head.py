@@ -37,8 +37,9 @@ def draft_head(
         ),
     ] = None,
     mtp_expert_bits: Annotated[
-        int, typer.Option(help="K of the MTP layer's routed experts, with --mtp-bits")
-    ] = DEFAULT_MTP_EXPERT_BITS,
+        int | None,
+        typer.Option(help=f"K of the MTP layer's routed experts, with --mtp-bits (default {DEFAULT_MTP_EXPERT_BITS})"),
+    ] = None,
     revision: HubRevision = None,
 ) -> None:
     """Encode lm_head at K with its dense Hessian into a file the MTP drafter reads instead of the artifact's head

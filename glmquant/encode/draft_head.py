@@ -49,14 +49,18 @@ def build_draft_head(
     seed: int = 0,
     device: str = "cpu",
     mtp_bits: int | None = None,
-    mtp_expert_bits: int = DEFAULT_MTP_EXPERT_BITS,
+    mtp_expert_bits: int | None = None,
 ) -> DraftHead:
     """Encode the source's lm_head at K `bits` with its dense Hessian from `observations` (`observe
     --dense-hessians`) into the safetensors file `out` (written whole or not at all); with `mtp_bits`, also the MTP
-    layer's linears at that K and its routed experts at `mtp_expert_bits`, each with its own Hessians from the same
-    observations."""
+    layer's linears at that K and its routed experts at `mtp_expert_bits` (default 2), each with its own Hessians from
+    the same observations."""
     source, observations, out = Path(source), Path(observations), Path(out)
     check_linear_bits("--bits", bits)
+    if mtp_bits is None and mtp_expert_bits is not None:
+        raise UsageError("--mtp-expert-bits sets the K of the MTP layer's experts: it needs --mtp-bits")
+    if mtp_expert_bits is None:
+        mtp_expert_bits = DEFAULT_MTP_EXPERT_BITS
     if mtp_bits is not None:
         check_linear_bits("--mtp-bits", mtp_bits)
         if not 1 <= mtp_expert_bits <= 8:

@@ -167,6 +167,8 @@ def test_mtp_bits_refuse_bad_input_naming_it(
     out = tmp_path / "draft.safetensors"
     with pytest.raises(UsageError, match=r"--mtp-bits must be 2..8, got 9"):
         build_draft_head(one_moe_source, one_moe_dense_observations, out, mtp_bits=9)
+    with pytest.raises(UsageError, match=r"--mtp-expert-bits sets .* it needs --mtp-bits"):
+        build_draft_head(one_moe_source, one_moe_dense_observations, out, mtp_expert_bits=3)
     with pytest.raises(UsageError, match=r"--mtp-expert-bits must be 1..8, got 0"):
         build_draft_head(one_moe_source, one_moe_dense_observations, out, mtp_bits=4, mtp_expert_bits=0)
     before = Path(shutil.copytree(one_moe_dense_observations, tmp_path / "before-mtp"))
