@@ -109,6 +109,18 @@ def test_other_settings_are_refused_and_keep_may_change(
     assert (copy / "layer-01.stats.safetensors").read_bytes() == (observed / "layer-01.stats.safetensors").read_bytes()
 
 
+def _from_before(observed: Path, out: Path, output: str, key: str) -> Path:
+    """A copy of the finished observation as observe made it before it wrote `output` and recorded `key` in the
+    fingerprint."""
+    old = Path(shutil.copytree(observed, out))
+    (old / output).unlink()
+    progress = old / "state" / "progress.json"
+    state = json.loads(progress.read_text())
+    del state["fingerprint"][key]
+    progress.write_text(json.dumps(state))
+    return old
+
+
 def test_an_observation_from_before_the_head_hessian_is_refused_naming_why(
     tiny_source: Path, observed: Path, tmp_path: Path
 ) -> None:
@@ -119,12 +131,7 @@ def test_an_observation_from_before_the_head_hessian_is_refused_naming_why(
     assert summary.fingerprint["head_hessian"] is True
     assert summary.head is not None and summary.head.hessians_file == "head.hessians.safetensors"
     assert summary.head.cost is not None and summary.head.cost.observe_s > 0
-    old = Path(shutil.copytree(observed, tmp_path / "old"))
-    (old / "head.hessians.safetensors").unlink()
-    progress = old / "state" / "progress.json"
-    state = json.loads(progress.read_text())
-    del state["fingerprint"]["head_hessian"]
-    progress.write_text(json.dumps(state))
+    old = _from_before(observed, tmp_path / "old", "head.hessians.safetensors", "head_hessian")
     with pytest.raises(UsageError, match=r"head_hessian: None -> True.*use a new --out \(or delete .*state"):
         observe(observe_config(tiny_source, old))
     resumed = observe(observe_config(tiny_source, Path(shutil.copytree(observed, tmp_path / "new"))))
@@ -137,12 +144,7 @@ def test_an_observation_from_before_the_mtp_hessians_resumes_without_them(
     """Unlike lm_head's, the MTP layer's Hessians are only read by `draft-head --mtp-bits`, which names what is
     missing: an observation whose state predates them (no `mtp_hessians` in its fingerprint) still resumes, and a
     finished one stays without them."""
-    old = Path(shutil.copytree(observed, tmp_path / "old"))
-    (old / "layer-03.hessians.safetensors").unlink()
-    progress = old / "state" / "progress.json"
-    state = json.loads(progress.read_text())
-    del state["fingerprint"]["mtp_hessians"]
-    progress.write_text(json.dumps(state))
+    old = _from_before(observed, tmp_path / "old", "layer-03.hessians.safetensors", "mtp_hessians")
     resumed = observe(observe_config(tiny_source, old))
     assert resumed.resumed_from_layer == 3 and resumed.mtp is None
     assert not (old / "layer-03.hessians.safetensors").exists()
