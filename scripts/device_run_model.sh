@@ -42,10 +42,10 @@ t0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s" >>"$LOG"; tar czf "$OUT/results.tgz" -C "$RES" .; }
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__,
   'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())" >>"$LOG" 2>&1
-left() { echo $(( ${LIMIT_S:-580} - ($(date +%s) - t0) )); }
+left() { echo $(( ${LIMIT_S:-580} - ($(date +%s) - t0) )); }  # LIMIT_S: below the call's limit when less device time is left
 # the drafts' own file (mtp and tier modes): lm_head at DRAFT_HEAD_BITS, and the MTP layer at DRAFT_MTP_BITS
 draft=(${DRAFT_HEAD_BITS:+--draft-head-bits "$DRAFT_HEAD_BITS"} ${DRAFT_MTP_BITS:+--draft-mtp-bits "$DRAFT_MTP_BITS"})
-draft_name=${DRAFT_HEAD_BITS:+_draft_head$DRAFT_HEAD_BITS}${DRAFT_MTP_BITS:+_mtp$DRAFT_MTP_BITS}  # LIMIT_S: below the call's limit when less device time is left
+draft_name=${DRAFT_HEAD_BITS:+_draft_head$DRAFT_HEAD_BITS}${DRAFT_MTP_BITS:+_mtp$DRAFT_MTP_BITS}
 for MODE in "${MODES[@]}"; do
   if (( $(left) < 30 )); then echo "== $MODE skipped: under 30 s left" >>"$LOG"; continue; fi
   case $MODE in
