@@ -13,6 +13,7 @@ from glmquant.runtime.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from glmquant.checkpoint.layouts import RetainedLinear
+    from glmquant.exl3.tensor import EXL3Tensor
 
 # vLLM's --dtype names; "auto" is the checkpoint's own 16-bit dtype (BF16 for a float32 config)
 DTYPES = {
@@ -31,9 +32,9 @@ MODEL_IMPLS = ("transformers", "glmquant")  # vLLM's --model-impl: whose modules
 DENSE_LINEAR_MAX_WEIGHTS = 1 << 20
 
 
-def decoded_at_load(linear: RetainedLinear, max_weights: int) -> bool:
-    """Whether the Triton backends run this EXL3 retained linear decoded (`dense_linear_max_weights`), in the engine
-    and in transformers' modules alike."""
+def decoded_at_load(linear: RetainedLinear | EXL3Tensor, max_weights: int) -> bool:
+    """Whether the Triton backends run this EXL3 retained linear (or a draft file's EXL3 tensor) decoded
+    (`dense_linear_max_weights`), in the engine and in transformers' modules alike."""
     return linear.in_features * linear.out_features <= max_weights
 
 

@@ -154,9 +154,7 @@ class _LayerReader:
 
     def _runs_exl3(self, key: str) -> bool:
         """An EXL3 linear large enough for `exl3_linear` (`RuntimeOptions.dense_linear_max_weights`)."""
-        if key in self.copies:
-            return self.copies[key].in_features * self.copies[key].out_features > self.dense_max_weights
-        linear = self.artifact.retained_linears.get(key)
+        linear = self.copies.get(key) or self.artifact.retained_linears.get(key)
         return linear is not None and not decoded_at_load(linear, self.dense_max_weights)
 
     def finish(self) -> None:
