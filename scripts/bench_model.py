@@ -48,8 +48,8 @@ from typing import Any
 import torch
 
 from glmquant.arch import PROJECTIONS, TensorRole, table_for
-from glmquant.checkpoint.draft_head import DraftHead, DraftMtp, write_draft_head
-from glmquant.checkpoint.layouts import RETAINED_BITS, expert_slices, parse_layer_bits, quantizable_mtp
+from glmquant.checkpoint.draft_head import DraftHead, DraftMtp, mtp_copy_tensors, write_draft_head
+from glmquant.checkpoint.layouts import RETAINED_BITS, parse_layer_bits
 from glmquant.encode.draft_head import DEFAULT_MTP_EXPERT_BITS
 from glmquant.errors import UsageError
 from glmquant.exl3.tensor import EXL3Tensor
@@ -730,14 +730,9 @@ def dummy_draft_head(spec: Any, bits: int, mtp_bits: int | None, directory: Path
     mtp = None
     if mtp_bits is not None:
         layer = spec.mtp_layers[0]
-        for t in quantizable_mtp(spec):
-            tensors |= random_exl3(t.shape[1], t.shape[0], g, mtp_bits).tensors(t.name.removesuffix(".weight"))
-        prefix = table_for(spec).layer_prefix(layer)
-        for e in range(spec.n_routed_experts):
-            for s in expert_slices(spec, layer, e, e, None):
-                tensors |= random_exl3(s.in_features, s.out_features, g, DEFAULT_MTP_EXPERT_BITS).tensors(
-                    prefix + s.key
-                )
+        for t in mtp_copy_tensors(spec, layer):
+            k = mtp_bits if t.expert is None else DEFAULT_MTP_EXPERT_BITS
+            tensors |= random_exl3(t.in_features, t.out_features, g, k).tensors(t.key)
         mtp = DraftMtp(layer, mtp_bits, DEFAULT_MTP_EXPERT_BITS, spec.n_routed_experts)
     write_draft_head(path, DraftHead("lm_head", bits, "mcg", spec.hidden_size, spec.vocab_size, mtp), tensors)
     return path

@@ -123,6 +123,31 @@ class DraftMtpTensors:
     experts: list[dict[str, EXL3Tensor]]  # per routed expert, by projection (gate_proj, up_proj, down_proj)
 
 
+@dataclass(frozen=True)
+class MtpCopyTensor:
+    """One EXL3 tensor of the MTP layer's copy: its key (the source weight's name without `.weight`), its shape, and
+    the routed expert and projection it is (None for a linear of the layer)."""
+
+    key: str
+    in_features: int
+    out_features: int
+    expert: int | None = None
+    proj: str | None = None
+
+
+def mtp_copy_tensors(spec: ModelSpec, layer: int) -> list[MtpCopyTensor]:
+    """Every EXL3 tensor a draft file's copy of MTP layer `layer` holds: its linears (`quantizable_mtp`), then each
+    routed expert's whole projections, named as the artifact names its experts."""
+    prefix = table_for(spec).layer_prefix(layer)
+    linears = [MtpCopyTensor(t.name.removesuffix(".weight"), t.shape[1], t.shape[0]) for t in quantizable_mtp(spec)]
+    experts = [
+        MtpCopyTensor(prefix + s.key, s.in_features, s.out_features, e, s.proj)
+        for e in range(spec.n_routed_experts)
+        for s in expert_slices(spec, layer, e, e, None)
+    ]
+    return linears + experts
+
+
 def read_draft_mtp(path: str | Path, spec: ModelSpec, device: torch.device | str) -> DraftMtpTensors | None:
     """The MTP layer's EXL3 copy in a draft-head file (None for a file of the head alone), checked against the
     model's MTP layer (UsageError naming the file for another model's, CheckpointFormatError for a missing tensor)."""
@@ -138,27 +163,19 @@ def read_draft_mtp(path: str | Path, spec: ModelSpec, device: torch.device | str
                 "artifact pruned its experts (`--keep`; the copy keeps every one of the source's); serve the "
                 "artifact's own MTP layer with a draft head built without --mtp-bits"
             )
-        table = table_for(spec)
-
-        def read(key: str, in_features: int, out_features: int) -> EXL3Tensor:
-            names = [f"{key}.{part}" for part in EXL3_PARTS if f"{key}.{part}" in ckpt]
+        linears: dict[str, EXL3Tensor] = {}
+        experts: list[dict[str, EXL3Tensor]] = [{} for _ in range(mtp.experts)]
+        for t in mtp_copy_tensors(spec, mtp.layer):
+            names = [f"{t.key}.{part}" for part in EXL3_PARTS if f"{t.key}.{part}" in ckpt]
             if not names:
-                raise CheckpointFormatError(f"{path}: the MTP layer's EXL3 tensor {key} is missing")
-            tensors = {n: ckpt.read_tensor(n).to(device) for n in names}
-            return _exl3(path, tensors, key, in_features, out_features)
-
-        linears = {
-            t.name.removesuffix(".weight"): read(t.name.removesuffix(".weight"), t.shape[1], t.shape[0])
-            for t in quantizable_mtp(spec)
-        }
-        prefix = table.layer_prefix(mtp.layer)
-        experts = [
-            {
-                s.proj: read(prefix + s.key, s.in_features, s.out_features)
-                for s in expert_slices(spec, mtp.layer, e, e, None)
-            }
-            for e in range(mtp.experts)
-        ]
+                raise CheckpointFormatError(f"{path}: the MTP layer's EXL3 tensor {t.key} is missing")
+            tensor = _exl3(
+                path, {n: ckpt.read_tensor(n).to(device) for n in names}, t.key, t.in_features, t.out_features
+            )
+            if t.expert is None or t.proj is None:
+                linears[t.key] = tensor
+            else:
+                experts[t.expert][t.proj] = tensor
     return DraftMtpTensors(mtp.layer, linears, experts)
 
 
