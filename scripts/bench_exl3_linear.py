@@ -1,14 +1,16 @@
-"""Launch shapes of the few-row cores on the speed tier's retained linears: time one EXL3 linear (rotations + core
-+ output) per config at 1, 2 and 4 rows, for the shapes GLM-5.3-Flash's K4 retained linears have, and report GB/s
-of trellis read. At K4 every row count up to 4 takes the GEMV core at `one_row_gemv(4)`'s steps, in jobs of at most
-two rows (the H200 sweep at 2 rows, ef53d2a: those steps at 2 warps were 3.8 % faster than at the default 4, which
-stays, since a verify's rows then equal one-row products bit for bit); at K3 and K5 up all three take the small-job
-core (`exl3_gemv_kbit`), whose `ONE_ROW_KBIT` and `SMALL_JOB_KBIT` this picked before K4 moved to the GEMV core
-(docs/kernels.md; the report's "defaults" are those two, and each row count's `is_default` row is `linear_config`'s).
+"""Launch shapes of the few-row cores on the speed tier's retained linears: time one EXL3 linear (rotations + core +
+output) per config at 1, 2 and 4 rows, for the shapes GLM-5.3-Flash's retained linears have (lm_head among them, the
+speed tier's K5 head), and report GB/s of trellis read. At K4 every row count up to 4 takes the GEMV core at
+`one_row_gemv(4)`'s steps, in jobs of at most two rows (the H200 sweep at 2 rows, ef53d2a: those steps at 2 warps
+were 3.8 % faster than at the default 4, which stays, since a verify's rows then equal one-row products bit for bit);
+at K3 and K5 up all three take the small-job core (`exl3_gemv_kbit`), whose `ONE_ROW_KBIT` and `SMALL_JOB_KBIT` this
+picked before K4 moved to the GEMV core (docs/kernels.md; the report's "defaults" are those two, and each row count's
+`is_default` row is `linear_config`'s).
 
 Each measurement replays a CUDA graph of `--copies` linears of one shape, each its own weights (more bytes than the
 L2 holds, as in a decode step), and takes the median of `--reps` replays. Configs whose accumulators would pass
-128 fp32 registers per thread are skipped; K splits are chosen as `linear_config` chooses them.
+128 fp32 registers per thread are skipped; K splits are chosen as `linear_config` chooses them. Each candidate is
+timed on every shape before the next one starts, so `--max-seconds` cuts whole candidates, which `best` can rank.
 
     python scripts/bench_exl3_linear.py --out bench/results/exl3_linear_sweep_h200.json [--bits 4]
 """
@@ -38,6 +40,7 @@ SHAPES = (
     ("kda_o_proj", 8192, 4096),
     ("shared_gate_up", 4096, 4096),
     ("shared_down", 2048, 4096),
+    ("lm_head", 4096, 154880),
 )
 CANDIDATES = tuple(
     GemmConfig(ti=ti, tj=tj, num_warps=w) for ti in (1, 2, 4, 8) for tj in (1, 2, 4) for w in (1, 2, 4, 8)
@@ -70,32 +73,38 @@ def timed_us(fn: Any, reps: int) -> float:
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(0)
     device = torch.device("cuda")
+    shapes = [shape for shape in SHAPES if shape[0] in args.shapes]
+    stacks = {
+        name: [WeightStack.single(random_exl3(inf, outf, gen, args.bits), device) for _ in range(args.copies)]
+        for name, inf, outf in shapes
+    }
     deadline = time.monotonic() + args.max_seconds  # each config compiles first: a cap keeps a call's results
     out = []
-    for name, inf, outf in SHAPES:
-        if name not in args.shapes:
-            continue
-        stacks = [WeightStack.single(random_exl3(inf, outf, gen, args.bits), device) for _ in range(args.copies)]
-        nbytes = sum(s.trellis.numel() * s.trellis.element_size() for s in stacks)
-        for rows in args.rows:
-            x = torch.randn(rows, inf, generator=gen).to(device, torch.bfloat16)
-            default = linear_config(rows, stacks[0])
-            for cand in (default, *(c for c in CANDIDATES if c.num_warps in args.warps and c.ti in args.ti)):
-                if not fits(cand, stacks[0], rows) or time.monotonic() > deadline:
+    for rows in args.rows:
+        xs = {inf: torch.randn(rows, inf, generator=gen).to(device, torch.bfloat16) for _, inf, _ in shapes}
+        picked = [c for c in CANDIDATES if c.num_warps in args.warps and c.ti in args.ti and c.tj in args.tj]
+        for cand in (None, *picked):  # None: each shape's default
+            if time.monotonic() > deadline:
+                break
+            for name, inf, outf in shapes:
+                first = stacks[name][0]
+                default = linear_config(rows, first)
+                if cand is not None and not fits(cand, first, rows):
                     continue
-                cfg = linear_config(rows, stacks[0], base=cand)  # K splits as for the default: ~1,024 programs
+                cfg = linear_config(rows, first, base=cand or default)  # K splits as for the default: ~1,024 programs
                 try:
-                    us = timed_us(partial(linears, x, stacks, cfg), args.reps)
+                    us = timed_us(partial(linears, xs[inf], stacks[name], cfg), args.reps)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is recorded, not fatal
                     out.append({"shape": name, "rows": rows, "config": asdict(cfg), "error": repr(exc)[:500]})
                     continue
+                nbytes = sum(s.trellis.numel() * s.trellis.element_size() for s in stacks[name])
                 row = {
                     "shape": name,
                     "in_features": inf,
                     "out_features": outf,
                     "rows": rows,
                     "config": asdict(cfg),
-                    "is_default": cand is default,
+                    "is_default": cand is None,
                     "us_per_linear": round(us / args.copies, 2),
                     "trellis_gb_s": round(nbytes / (us * 1e-6) / 1e9, 1),
                 }
@@ -105,7 +114,8 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def best(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per row count, the candidate with the least time summed over every shape, against the default's."""
+    """Per row count, the candidate with the least time summed over every shape, against the default's, and each
+    shape's own fastest."""
     summary: dict[str, Any] = {}
     for n in sorted({r["rows"] for r in rows}):
         at = [r for r in rows if r["rows"] == n and "us_per_linear" in r]
@@ -120,11 +130,22 @@ def best(rows: list[dict[str, Any]]) -> dict[str, Any]:
             covered.setdefault(key, set()).add(r["shape"])
         default = sum(r["us_per_linear"] for r in at if r["is_default"])
         top = min(((k, v) for k, v in totals.items() if covered[k] == shapes), key=lambda kv: kv[1], default=None)
+        per_shape = {}
+        for shape in sorted(shapes):
+            mine = [r for r in at if r["shape"] == shape]
+            fastest = min(mine, key=lambda r: r["us_per_linear"])
+            base = next(r["us_per_linear"] for r in mine if r["is_default"])
+            per_shape[shape] = {
+                "best": {k: fastest["config"][k] for k in ("ti", "tj", "num_warps")},
+                "speedup": round(base / fastest["us_per_linear"], 3),
+                "trellis_gb_s": fastest["trellis_gb_s"],
+            }
         summary[f"rows_{n}"] = {
             "default_us": round(default, 2),
             "best": json.loads(top[0]) if top else None,
             "best_us": round(top[1], 2) if top else None,
             "speedup": round(default / top[1], 3) if top else None,
+            "per_shape": per_shape,
         }
     return summary
 
@@ -139,6 +160,7 @@ def main() -> None:
     ap.add_argument("--shapes", type=lambda v: v.split(","), default=[name for name, _, _ in SHAPES])
     ap.add_argument("--warps", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--ti", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 8])
+    ap.add_argument("--tj", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4])
     ap.add_argument("--max-seconds", type=float, default=1e9, help="measure no new config after this long")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
