@@ -990,10 +990,14 @@ class Evaluator:
         RETAINED_COST_BITS: their KL on the first --heldout-rows x --heldout-tokens of the calibration split, and
         their stored bytes (exact: KL 0, the BF16 bytes). The linears are encoded as `encode --retained-bits K`
         encodes them (`encode_retained_file`, their dense Hessians from `obs`); measured once per setting, kept in
-        WORK, a K not yet measured added to what is kept."""
+        WORK, a K not yet measured added to what is kept. Keyed like the stocks, by the proxy and the calibration
+        that `obs` was observed with (not its path: a re-observation at other settings measures them again, and a
+        copied WORK keeps them)."""
         path = self.work / "stocks" / f"retained-costs-{self.args.device}.json"  # the linears' EXL3 is any layout's
         settings = {
-            "observations": str(obs),
+            "observations": obs.name,  # which of WORK's observations (obs-full, ...)
+            "proxy": _proxy_facts(self.args.proxy),
+            "calibration": [self.args.rows, self.args.tokens, self.args.batch_rows],
             "text": ["calibration", self.args.heldout_rows, self.args.heldout_tokens],
             "compute_dtype": self.args.compute_dtype,
         }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -304,8 +305,13 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     and a second composed row reuses them instead of encoding again. The layer-cost row measures each layer at
     K1-K4 on calibration text from the stocks and takes the least-cost widths at the seed's bytes; the
     layer-cost-estimated row takes them from `glmquant layer-costs` on the K2 stock. A speed-tier row takes its
-    experts from the K2 stock and its retained linears encoded beside it: the figures of encoding the whole row."""
+    experts from the K2 stock and its retained linears encoded beside it: the figures of encoding the whole row. Its
+    retained costs, kept in the first run's WORK at the same proxy and calibration, are taken from there, not
+    measured again (most of a CPU run's time)."""
     recipes = ("seed", "depth-tiers-tuned", "depth-tiers", "uniform-k3", "layer-cost", "layer-cost-estimated")
+    kept = tmp_path / "work" / "stocks" / "retained-costs-cpu.json"
+    kept.parent.mkdir(parents=True)
+    shutil.copyfile(bench_run.work / "stocks" / kept.name, kept)
     composed = run_bench(
         small_proxy, tmp_path, (*recipes, "retained-layer-cost-head5"), "--compose-layers", "--no-exllamav3"
     )
@@ -319,6 +325,7 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
         for key in keys:
             assert got[key] == want[key], (name, key)
         assert got["manifest_sha256"] is None and got["stock_manifests"]
+    assert kept.read_text() == (bench_run.work / "stocks" / kept.name).read_text()  # reused, not measured again
     assert rows["seed"]["stock_manifests"]["k2"] == encoded["seed"]["manifest_sha256"]  # the seed is its K2 stock
     assert rows["depth-tiers-tuned"]["composed_from"] == {"1": "k3", "2": "k1"}
     assert rows["depth-tiers-tuned"]["tuning_by_layer"] == encoded["depth-tiers-tuned"]["tuning_by_layer"]
