@@ -9,11 +9,13 @@ transformers' own PyTorch fallback.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
+from torch import nn
 
 KERNEL_FUNCTIONS = (
     "chunk_kimi_delta_attention",
@@ -32,6 +34,11 @@ def modeling() -> ModuleType:
         if not getattr(current, "_routed_by_device", False):
             setattr(glm, name, _route_by_device(current))
     return glm
+
+
+def cache_argument(model: nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); accept either."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def reference(name: str) -> Callable[..., Any]:

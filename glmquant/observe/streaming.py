@@ -70,9 +70,9 @@ class TextModel:
         return load_decoder_layer(self.ckpt, self.spec, self.cfg, layer, self.device)
 
     def mtp_layer(self) -> nn.Module:
-        """The MTP layer (`runtime.mtp.MtpLayer`, layer index `num_hidden_layers`) with its source weights, on the
+        """The MTP layer (`arch.hf_glm5_mtp.MtpLayer`, layer index `num_hidden_layers`) with its source weights, on the
         source's embedding; its `block` gives the hidden states observe hooks (the head is not needed there)."""
-        from glmquant.runtime.mtp import MtpLayer
+        from glmquant.arch.hf_glm5_mtp import MtpLayer
 
         if not self.spec.mtp_layers:
             raise ConfigError(f"{self.ckpt.directory}: the model has no MTP layer (num_nextn_predict_layers is 0)")

@@ -13,8 +13,8 @@ Routing is trained the GLM / DeepSeek-V3 way, without an auxiliary loss: after e
 never a gradient), so no expert starves. The indexer of the DSA layers is not trained (transformers runs it
 without gradients); `index_topk` k-pools cover the whole training context, so their attention is dense.
 The MTP layer (the drafter of speculative decoding, docs/speculative.md) trains with the model, DeepSeek-V3's
-way: `runtime.mtp.MtpLayer` (transformers' MLA attention and MoE modules; the model's embedding and lm_head, shared)
-reads the model's final hidden state h_i (after its final norm, as the runtime feeds it) with t_{i+1} and
+way: `arch.hf_glm5_mtp.MtpLayer` (transformers' MLA attention and MoE modules; the model's embedding and lm_head,
+shared) reads the model's final hidden state h_i (after its final norm, as the runtime feeds it) with t_{i+1} and
 predicts t_{i+2}; the loss is the main LM loss + `mtp_loss_weight` x the MTP loss, jointly from the first step
 (h_i not detached: the release's MTP layer was trained so, and h_i then carries what the layer needs; the MTP
 router is balanced like the model's). `mtp_loss_weight` 0 writes the layer untrained (made up from the seed).
@@ -64,7 +64,7 @@ from glmquant.proxy.corpus import (
 from glmquant.proxy.tokenizer import train_tokenizer
 
 if TYPE_CHECKING:
-    from glmquant.runtime.mtp import MtpLayer
+    from glmquant.arch.hf_glm5_mtp import MtpLayer
 
 # The H200 proxy: 8 layers (2 dense, then MoE; DSA at 3 and 7, KDA elsewhere), 64 experts top-8 + a shared one.
 PROXY_SHAPE = TinyModelConfig(
@@ -269,9 +269,9 @@ def text_model_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:  # a Glm5N
 
 
 def build_mtp(model: Any) -> MtpLayer:  # a Glm5NextForConditionalGeneration
-    """The model's MTP layer (`runtime.mtp.MtpLayer`, the runtime's own module) on its embedding and lm_head, on
+    """The model's MTP layer (`arch.hf_glm5_mtp.MtpLayer`, the runtime's own module) on its embedding and lm_head, on
     the model's device and dtype, initialized as transformers initializes the model's layers."""
-    from glmquant.runtime.mtp import MtpLayer
+    from glmquant.arch.hf_glm5_mtp import MtpLayer
 
     text = model.model.language_model
     mtp = MtpLayer(text.config, text.embed_tokens, model.lm_head)

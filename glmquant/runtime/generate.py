@@ -11,7 +11,6 @@ seed gives the same tokens on the same device.
 
 from __future__ import annotations
 
-import inspect
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +20,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 from torch import nn
 
+from glmquant.arch.hf_glm5_next import cache_argument
 from glmquant.errors import NumericalError, UsageError
 from glmquant.runtime.speculative import SpecStats, SpeculativeDecoder
 from glmquant.runtime.text_stream import Decode, TextStream
@@ -176,11 +176,6 @@ def stop_token_ids(eos: int | Sequence[int] | None) -> tuple[int, ...]:
     if eos is None:
         return ()
     return (int(eos),) if isinstance(eos, int) else tuple(int(i) for i in eos)
-
-
-def cache_argument(model: nn.Module) -> str:
-    """transformers renamed `past_key_values` to `cache` (5.2x); accept either."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _emit(text: str, on_text: Callable[[str], None] | None) -> None:

@@ -38,7 +38,7 @@ from glmquant.runtime.retained_linears import Exl3Linear
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from glmquant.runtime.mtp import MtpLayer
+    from glmquant.arch.hf_glm5_mtp import MtpLayer
 
 
 @dataclass(frozen=True)

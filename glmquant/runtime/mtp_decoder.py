@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from glmquant.runtime.generate import PromptInputs, cache_argument
+from glmquant.arch.hf_glm5_next import cache_argument
+from glmquant.runtime.generate import PromptInputs
 from glmquant.runtime.speculative import SpecStats
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
-    from glmquant.runtime.mtp import MtpLayer
+    from glmquant.arch.hf_glm5_mtp import MtpLayer
 
 
 class MtpDecoder:

@@ -1,4 +1,4 @@
-"""MTP speculative decoding on the runtime's own engine: the engine's MTP layer equals `runtime.mtp.MtpLayer` on
+"""MTP speculative decoding on the runtime's own engine: the engine's MTP layer equals `arch.hf_glm5_mtp.MtpLayer` on
 the same weights, and greedy output with k = 1, 2, 3 drafts equals the engine's plain greedy, token for token,
 with a random MTP layer (every draft rejected: each KDA layer's state after the kept token copied back from the
 verify step's history) and with an oracle drafter (full and partial acceptance: the verify forward's logits kept,

@@ -12,10 +12,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from glmquant.arch.hf_glm5_mtp import MtpLayer
 from glmquant.errors import UsageError
 from glmquant.runtime.generate import Generation, PromptInputs, SamplingParams, generate
 from glmquant.runtime.loader import LoadedModel, load_model
-from glmquant.runtime.mtp import MtpLayer, load_mtp
+from glmquant.runtime.mtp import load_mtp
 from glmquant.runtime.mtp_decoder import MtpDecoder
 from glmquant.runtime.openai_api import UsageInfo
 from glmquant.runtime.options import RuntimeOptions
@@ -232,7 +233,7 @@ def test_mtp_layer_takes_the_targets_own_mla_layer_type(tr3_f32):
     it makes is that layer's."""
     from transformers import DynamicCache
 
-    from glmquant.runtime.mtp import one_layer_config
+    from glmquant.arch.hf_glm5_mtp import one_layer_config
 
     text = copy.deepcopy(tr3_f32.model.config.get_text_config())
     mla = next(t for t in text.layer_types if t != "linear_attention")

@@ -1,6 +1,6 @@
 """The checkpoint's MTP layer on the engine's own blocks (the drafter of MTP speculative decoding).
 
-The same layer as `runtime.mtp.MtpLayer` (see there and `docs/speculative.md`): for position i,
+The same layer as `arch.hf_glm5_mtp.MtpLayer` (see there and `docs/speculative.md`): for position i,
 x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), then sparse MLA with its DSA indexer (`blocks.mla_block`, on
 its own static cache) and the MoE (`blocks.moe_block`), plain residuals, then `shared_head.norm` and the target's
 lm_head. Its routed experts are BF16 in the artifact (not EXL3), so they run through `DenseExperts`, an expert
