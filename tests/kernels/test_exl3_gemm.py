@@ -145,7 +145,7 @@ def _stack(in_features: int, out_features: int, bits: int, n_proj: int = 1) -> W
         ((4096, 4096), 4, 1, replace(one_row_gemv(4), split_tiles=32)),
         # batch 1, K4, 4096 -> 16,384: 512 blocks x 4 splits pass 1,024 at the coarsest split
         ((4096, 16384), 4, 1, replace(one_row_gemv(4), split_tiles=64)),
-        ((4096, 4096), 3, 1, replace(ONE_ROW_KBIT, split_tiles=32)),  # K3: the one-row core, 128 blocks x 8 splits
+        ((4096, 4096), 3, 1, replace(ONE_ROW_KBIT, split_tiles=16)),  # K3: the one-row core, 64 blocks x 16 splits
         # batch 1 at K2 takes the GEMV core's one-row steps (8 x 4 tiles); 16 blocks x 32 splits = 512 programs
         # short of 1,024: the finest split
         ((4096, 1024), 2, 1, replace(ONE_ROW_GEMV, split_tiles=8)),
@@ -156,8 +156,8 @@ def _stack(in_features: int, out_features: int, bits: int, n_proj: int = 1) -> W
         # an MTP verify's 2-4 rows at K4: GEMV jobs of two rows at the one-row steps and splits
         ((4096, 4096), 4, 3, replace(one_row_gemv(4), split_tiles=32)),
         ((4096, 4096), 4, 4, replace(one_row_gemv(4), split_tiles=32)),
-        # at K5 one job of the small-job core, at its own steps
-        ((4096, 4096), 5, 3, replace(SMALL_JOB_KBIT, split_tiles=16)),
+        # at K5 one job of the small-job core, at its own steps: 256 blocks x 4 splits
+        ((4096, 4096), 5, 3, replace(SMALL_JOB_KBIT, split_tiles=64)),
         ((4096, 4096), 2, 2, GemmConfig(split_tiles=8)),  # K2, 2 rows: one GEMV job, 32 blocks x 32 splits
         ((4096, 4096), 2, 4, GemmConfig(split_tiles=8)),  # K2, 4 rows: two GEMV jobs, split as for one
         # K4, 2 rows: one GEMV job at the one-row steps (the same splits: its first row is a one-row job's)

@@ -19,11 +19,14 @@ import triton.language as tl
 from glmquant.runtime.kernels.exl3_decode import load_window, window_values
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 
-# Steps of 2 x 2 tiles (one row) and 2 x 4 (2-4 rows) at 2 warps: the fastest of 18 shapes on the speed tier's
-# K4 retained linears on an H200 (before their 1-2 rows moved to the GEMV core), 1.60x and 1.42x the 4 x 4 at
-# 4 warps they replace (bench/results/exl3_linear_sweep_h200.json, scripts/bench_exl3_linear.py)
-ONE_ROW_KBIT = GemmConfig(ti=2, tj=2, num_warps=2)
-SMALL_JOB_KBIT = GemmConfig(ti=2, tj=4, num_warps=2)
+# Steps of 1 x 4 tiles (one row) and 2 x 1 (2-4 rows) at 1 warp: of the 18 shapes at 1-2 warps swept at K3 and K5
+# on the five retained linear shapes of GLM-5.3-Flash (lm_head among them) on an H100, the ones that beat the
+# 2 x 2 and 2 x 4 at 2 warps before them on every shape: one row 1.08-1.14x (K3) and 1.08-1.11x (K5) per shape,
+# 2 rows 1.22-1.67x and 1.27-1.78x (bench/results/exl3_linear_sweep_k{3,5}_h100_3860c9b.json,
+# scripts/bench_exl3_linear.py). The fastest by summed time, 2 x 1 at one row, lost 28 % on the 4096 x 4096 shape,
+# whose size the routed experts of the fused MoE's one-token K3 tiers share.
+ONE_ROW_KBIT = GemmConfig(ti=1, tj=4, num_warps=1)
+SMALL_JOB_KBIT = GemmConfig(ti=2, tj=1, num_warps=1)
 SMALL_JOB_ROWS = 4  # the most rows of a job this core takes (an MTP verify of 3 drafts + 1)
 
 
