@@ -269,8 +269,8 @@ def text_model_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:  # a Glm5N
 
 
 def build_mtp(model: Any) -> MtpLayer:  # a Glm5NextForConditionalGeneration
-    """The model's MTP layer (`arch.hf_glm5_mtp.MtpLayer`, the runtime's own module) on its embedding and lm_head, on
-    the model's device and dtype, initialized as transformers initializes the model's layers."""
+    """The model's MTP layer (`arch.hf_glm5_mtp.MtpLayer`, the module the runtime drafts with) on its embedding and
+    lm_head, on the model's device and dtype, initialized as transformers initializes the model's layers."""
     from glmquant.arch.hf_glm5_mtp import MtpLayer
 
     text = model.model.language_model
