@@ -91,6 +91,15 @@ class SourceCheckpoint:
         spec = self.spec(name)
         return tensor_from_bytes(self._read_range(name), spec.dtype, spec.shape)
 
+    def read_finite_float(self, name: str) -> torch.Tensor:
+        """A weight as float32, refused (NumericalError naming its shard and the tensor) when it holds NaN or Inf."""
+        weight = self.read_tensor(name).float()
+        try:
+            assert_finite(name, weight)
+        except NumericalError as exc:
+            raise NumericalError(f"{self.directory / self.shard_of(name)}: {exc}") from None
+        return weight
+
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the leading dimension, reading only their bytes (safetensors is row-major)."""
         spec = self.spec(name)

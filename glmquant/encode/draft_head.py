@@ -26,12 +26,12 @@ from glmquant.checkpoint.layouts import (
     quantizable_head,
     quantizable_mtp,
 )
-from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode.config import DEFAULT_EXPERTS_PER_UNIT
 from glmquant.encode.hessians import HessianSource
 from glmquant.encode.layer import UnitInputs, encode_unit, read_slices
 from glmquant.encode.retained import dense_hessian
-from glmquant.errors import NumericalError, UsageError
+from glmquant.errors import UsageError
 from glmquant.observe.hessian_reader import hessians_path
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.summary import ObservationSummary, check_observed_from
@@ -79,7 +79,7 @@ def build_draft_head(
         raise UsageError(str(exc).replace("--head-bits: ", "draft-head: ", 1)) from None
     with SourceCheckpoint.open(source) as ckpt:
         check_observed_from(observations, ckpt)
-        weight = _source_weight(ckpt, head.source)
+        weight = ckpt.read_finite_float(head.source)
         mtp = None if mtp_bits is None else _check_mtp_observed(spec, observations)
         encoded = encode_unit(UnitInputs([head.key], [(weight, hessian)], [None], [bits]), None, codebook, seed, device)
         tensors = {name: t.cpu().contiguous() for name, t in encoded.tensors.items()}
@@ -125,7 +125,7 @@ def _encode_mtp(
             hessian, _ = dense_hessian(observations, linear, False)
         except UsageError as exc:
             raise UsageError(str(exc).replace(f"{linear.option}: ", "draft-head --mtp-bits: ", 1)) from None
-        items.append((_source_weight(ckpt, linear.source), hessian))
+        items.append((ckpt.read_finite_float(linear.source), hessian))
     names = [x.key for x in linears]
     found = encode_unit(UnitInputs(names, items, [None] * len(items)), bits, codebook, seed, device).tensors
     mode = ObservationSummary.load(observations).hessians
@@ -142,13 +142,3 @@ def _encode_mtp(
         inputs, _ = read_slices(spec, layer, unit, ckpt, hessians)
         found |= encode_unit(inputs, expert_bits, codebook, seed, device).tensors
     return {name: t.cpu().contiguous() for name, t in found.items()}
-
-
-def _source_weight(ckpt: SourceCheckpoint, name: str) -> torch.Tensor:
-    """A source weight in float32, refused naming its shard when it holds NaN or Inf."""
-    weight = ckpt.read_tensor(name).float()
-    try:
-        assert_finite(name, weight)
-    except NumericalError as exc:
-        raise NumericalError(f"{ckpt.directory / ckpt.shard_of(name)}: {exc}") from None
-    return weight

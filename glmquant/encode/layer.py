@@ -12,11 +12,11 @@ import torch
 
 from glmquant.arch import ModelSpec, table_for
 from glmquant.checkpoint.layouts import ArtifactPlan, ExpertSlice
-from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode.hessians import ExpertHessians, LayerHessiansView
 from glmquant.encode.scale_tuning import ExpertPart, UnitTuning, tune_unit_scales
 from glmquant.encode.slices import slice_hessian, slice_weight
-from glmquant.errors import NumericalError, UsageError
+from glmquant.errors import UsageError
 from glmquant.exl3 import Codebook, encode_linears
 from glmquant.exl3.encode import EncodedLinear
 from glmquant.exl3.refit import REFIT_ROUNDS
@@ -248,12 +248,7 @@ def _slice_inputs(
     for s in chunk:
         key = (s.source_expert, s.proj)
         if key not in weights:
-            name = table.expert_name(layer, s.source_expert, s.proj)
-            weights[key] = source.read_tensor(name).float()
-            try:
-                assert_finite(name, weights[key])
-            except NumericalError as exc:
-                raise NumericalError(f"{source.directory / source.shard_of(name)}: {exc}") from None
+            weights[key] = source.read_finite_float(table.expert_name(layer, s.source_expert, s.proj))
         if s.source_expert not in expert_h:
             expert_h[s.source_expert] = hessians.expert(s.source_expert)
         yield s, weights[key], expert_h[s.source_expert]

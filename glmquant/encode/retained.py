@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from glmquant.checkpoint.layouts import ArtifactPlan, PlannedFile, RetainedLinear
-from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
+from glmquant.checkpoint.reader import SourceCheckpoint
 from glmquant.encode.layer import EncodedLayer, UnitInputs, encode_unit
-from glmquant.errors import NumericalError, UsageError
+from glmquant.errors import UsageError
 from glmquant.observe.hessian_reader import hessians_path, load_dense_hessian
 
 
@@ -81,11 +81,7 @@ def encode_retained_file(
     items: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     fallbacks: list[str | None] = []
     for linear in linears:
-        weight = source.read_tensor(linear.source).float()
-        try:
-            assert_finite(linear.source, weight)
-        except NumericalError as exc:
-            raise NumericalError(f"{source.directory / source.shard_of(linear.source)}: {exc}") from None
+        weight = source.read_finite_float(linear.source)
         hessian, fallback = dense_hessian(observations, linear, fallback_identity)
         items.append((weight, hessian))
         fallbacks.append(fallback)

@@ -48,6 +48,20 @@ def test_copy_raw_streams_in_chunks(tiny_source: Path, monkeypatch: pytest.Monke
             ckpt.copy_raw_into(name, part, start=1, length=ckpt.spec(name).nbytes)
 
 
+def test_read_finite_float_returns_float32_or_names_the_shard_and_tensor(tmp_path: Path) -> None:
+    """The weight encode reads: float32 of the stored values, or a NaN/Inf refused naming the shard and the tensor."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    bad = w.clone()
+    bad[1, 2] = float("nan")
+    save_file({"w": w.bfloat16(), "bad": bad.bfloat16()}, str(tmp_path / "model.safetensors"))
+    with SourceCheckpoint.open(tmp_path) as ckpt:
+        read = ckpt.read_finite_float("w")
+        assert read.dtype == torch.float32 and torch.equal(read, w)
+        with pytest.raises(NumericalError) as err:
+            ckpt.read_finite_float("bad")
+    assert str(err.value) == f"{tmp_path / 'model.safetensors'}: tensor bad has 1 non-finite value(s) (NaN/Inf) of 12"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_copy_raw_refuses_non_finite_values_when_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
