@@ -78,6 +78,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
         name: [WeightStack.single(random_exl3(inf, outf, gen, args.bits), device) for _ in range(args.copies)]
         for name, inf, outf in shapes
     }
+    nbytes = {name: sum(s.trellis.numel() * s.trellis.element_size() for s in group) for name, group in stacks.items()}
     deadline = time.monotonic() + args.max_seconds  # each config compiles first: a cap keeps a call's results
     out = []
     for rows in args.rows:
@@ -91,13 +92,12 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                 default = linear_config(rows, first)
                 if cand is not None and not fits(cand, first, rows):
                     continue
-                cfg = linear_config(rows, first, base=cand or default)  # K splits as for the default: ~1,024 programs
+                cfg = default if cand is None else linear_config(rows, first, base=cand)  # K splits as the default's
                 try:
                     us = timed_us(partial(linears, xs[inf], stacks[name], cfg), args.reps)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is recorded, not fatal
                     out.append({"shape": name, "rows": rows, "config": asdict(cfg), "error": repr(exc)[:500]})
                     continue
-                nbytes = sum(s.trellis.numel() * s.trellis.element_size() for s in stacks[name])
                 row = {
                     "shape": name,
                     "in_features": inf,
@@ -106,7 +106,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "config": asdict(cfg),
                     "is_default": cand is None,
                     "us_per_linear": round(us / args.copies, 2),
-                    "trellis_gb_s": round(nbytes / (us * 1e-6) / 1e9, 1),
+                    "trellis_gb_s": round(nbytes[name] / (us * 1e-6) / 1e9, 1),
                 }
                 print(json.dumps(row), flush=True)
                 out.append(row)
