@@ -987,12 +987,12 @@ class Evaluator:
 
     def retained_costs(self, obs: Path) -> tuple[dict[int, dict[int | None, float]], dict[int, dict[int | None, int]]]:
         """Each decoder layer's retained linears alone (the experts, the head and the other layers exact) at each K of
-        RETAINED_COST_BITS: their KL on the first --heldout-rows x --heldout-tokens of the calibration split, and
+        --retained-cost-bits: their KL on the first --heldout-rows x --heldout-tokens of the calibration split, and
         their stored bytes (exact: KL 0, the BF16 bytes). The linears are encoded as `encode --retained-bits K`
         encodes them (`encode_retained_file`, their dense Hessians from `obs`); measured once per setting, kept in
-        WORK, a K not yet measured added to what is kept. Keyed like the stocks, by the proxy and the calibration
-        that `obs` was observed with (not its path: a re-observation at other settings measures them again, and a
-        copied WORK keeps them)."""
+        WORK, a K not yet measured added to what is kept, a K kept but not asked for left out. Keyed like the stocks,
+        by the proxy and the calibration that `obs` was observed with (not its path: a re-observation at other
+        settings measures them again, and a copied WORK keeps them)."""
         path = self.work / "stocks" / f"retained-costs-{self.args.device}.json"  # the linears' EXL3 is any layout's
         settings = {
             "observations": obs.name,  # which of WORK's observations (obs-full, ...)
@@ -1002,8 +1002,10 @@ class Evaluator:
             "compute_dtype": self.args.compute_dtype,
         }
 
+        bits = self.args.retained_cost_bits
+
         def complete(kept: dict[str, Any]) -> bool:
-            missing = tuple(k for k in RETAINED_COST_BITS if any(f"{k}" not in by_k for by_k in kept["kl"].values()))
+            missing = tuple(k for k in bits if any(f"{k}" not in by_k for by_k in kept["kl"].values()))
             if missing:
                 added = self._measure_retained_costs(obs, missing)
                 for part in ("kl", "bytes"):
@@ -1011,12 +1013,10 @@ class Evaluator:
                         kept[part][layer].update(by_k)
             return bool(missing)
 
-        kept = self.kept_measurement(
-            path, settings, lambda: self._measure_retained_costs(obs, RETAINED_COST_BITS), complete
-        )
+        kept = self.kept_measurement(path, settings, lambda: self._measure_retained_costs(obs, bits), complete)
 
-        def options(by_k: dict[str, Any]) -> dict[int | None, Any]:
-            return {None if k == "exact" else int(k): v for k, v in by_k.items()}
+        def options(by_k: dict[str, Any]) -> dict[int | None, Any]:  # the K asked for; what else is kept stays kept
+            return {None if k == "exact" else int(k): v for k, v in by_k.items() if k == "exact" or int(k) in bits}
 
         return (
             {int(layer): options(by_k) for layer, by_k in kept["kl"].items()},
@@ -1373,6 +1373,14 @@ class Bench:
                 queue.append(recipe)
             if recipe.name == "seed" and self.wants_peer():  # right after the seed method, should a call end early
                 queue.append(None)
+        cost_bits = args.retained_cost_bits
+        for queued in queue:  # a row's retained budget is uniform K's bytes: that K must be among those measured
+            if queued is not None and queued.retained_widths_from and queued.retained_budget_bits not in cost_bits:
+                raise SystemExit(
+                    f"bench_fidelity: {queued.name} spends uniform K{queued.retained_budget_bits}'s retained bytes; "
+                    f"--retained-cost-bits {','.join(map(str, cost_bits))} does not measure K"
+                    f"{queued.retained_budget_bits}"
+                )
         needed = sorted({r.observations for r in queue if r is not None})
         observations = {name: self.observe(name) for name in needed}
         if queue:
@@ -1543,6 +1551,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _cost_bits(text: str) -> tuple[int, ...]:
+    try:
+        bits = tuple(sorted({int(k) for k in text.split(",")}))
+    except ValueError:
+        bits = ()
+    if not bits or not set(bits) <= set(RETAINED_COST_BITS):
+        raise argparse.ArgumentTypeError(f"takes K from {','.join(map(str, RETAINED_COST_BITS))}, got {text!r}")
+    return bits
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--proxy", type=Path, required=True, help="output directory of scripts/train_proxy.py")
@@ -1599,6 +1617,13 @@ def main() -> None:
         default=None,
         help="with --mtp-draft-head-bits: the drafts also read an EXL3 copy of the MTP layer, its linears at this K "
         "and its routed experts at K2 (glmquant draft-head --mtp-bits; the seed's observations must hold its Hessians)",
+    )
+    ap.add_argument(
+        "--retained-cost-bits",
+        type=_cost_bits,
+        default=RETAINED_COST_BITS,
+        help="the K the retained-layer-cost rows measure each layer's retained linears at and choose among, besides "
+        f"exact (default {','.join(map(str, RETAINED_COST_BITS))}; the widest K's encodes take most of a CPU run)",
     )
     ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, where git runs)")
     ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds for this proxy")

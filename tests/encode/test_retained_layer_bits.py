@@ -230,7 +230,7 @@ def test_retained_costs_budget_and_bad_inputs(
     choice within them; a width outside K2-K6 and exact, a mean outside K2-K6, observations without a layer's dense
     Hessians and an artifact of another model are refused, naming what is wrong."""
     art = by_layer.artifact.directory
-    costs = measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=1, outputs=32, mean_bits=4.5)
+    costs = measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=1, outputs=16, mean_bits=4.5)
     uniform = {k: sum(by_option[k] for by_option in costs.nbytes.values()) for k in (4, 5)}
     assert costs.budget_bytes == round((uniform[4] + uniform[5]) / 2)
     options = [2, 3, 4, 5, 6, None]

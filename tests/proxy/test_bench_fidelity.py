@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from proxy_helpers import SMOKE_ROWS, BenchRun, run_bench
+from proxy_helpers import SMOKE_COST_BITS, SMOKE_ROWS, BenchRun, run_bench
 
 from glmquant.observe.tiers import TierSpec, allocate_layer_widths
 
@@ -212,6 +213,23 @@ def test_scheduler_waits_for_the_hessian_rows_records_failures_and_keeps_the_can
     assert summary["best"] == "codebook-mul1" and summary["goal"]["kl_ratio_to_seed"] == 0.7
 
 
+def test_retained_cost_bits_are_checked_before_any_row(small_proxy: Path, tmp_path: Path) -> None:
+    """--retained-cost-bits takes K2-K6; a retained-layer-cost row whose budget is a K left out is refused before
+    anything is observed or encoded."""
+    base = [sys.executable, str(ROOT / "scripts" / "bench_fidelity.py"), "--proxy", str(small_proxy)]
+    base += ["--device", "cpu", "--work", str(tmp_path / "work"), "--results", str(tmp_path / "fid.json")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    bad = subprocess.run([*base, "--retained-cost-bits", "2,7"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "--retained-cost-bits: takes K from 2,3,4,5,6, got '2,7'" in bad.stderr
+    argv = [*base, "--retained-cost-bits", "3,2", "--recipes", "retained-layer-cost-head5", "--no-exllamav3"]
+    short = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert short.returncode == 1, short.stderr[-2000:]
+    assert "retained-layer-cost-head5 spends uniform K4's retained bytes; --retained-cost-bits 2,3 does not" in (
+        " ".join(short.stderr.split())
+    )
+    assert not (tmp_path / "work" / "obs-full").exists() and not (tmp_path / "fid.json").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("fidelity-bench")  # pytest-xdist: on the worker that runs `bench_run`, once
 def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
@@ -246,8 +264,12 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     assert tier["routed_bytes"] == rows["seed"]["routed_bytes"] and tier["head_bits"] == 5
     widths = tier["retained_layer_bits"].split(",")
     costs, chosen = tier["retained_layer_costs"], [w.lower() for w in widths]
-    assert len(widths) == len(costs) == 3 and set(chosen) <= {"exact", "k3", "k4", "k5", "k6"}  # the small proxy's
-    assert all(c["exact"] == 0 and all(v > 0 for k, v in c.items() if k != "exact") for c in costs.values())
+    offered = {"exact", *(f"k{k}" for k in SMOKE_COST_BITS)}  # --retained-cost-bits: K2-K4 and exact
+    assert len(widths) == len(costs) == 3 and set(chosen) <= offered  # the small proxy's three layers
+    assert all(
+        set(c) == offered and c["exact"] == 0 and all(v > 0 for k, v in c.items() if k != "exact")
+        for c in costs.values()
+    )
     assert tier["retained_predicted_kl"] == pytest.approx(sum(costs[str(i)][w] for i, w in enumerate(chosen)))
     nbytes = tier["retained_layer_bytes"]
     spent = sum(nbytes[str(i)][w] for i, w in enumerate(chosen))
