@@ -1623,7 +1623,8 @@ def main() -> None:
         type=_cost_bits,
         default=RETAINED_COST_BITS,
         help="the K the retained-layer-cost rows measure each layer's retained linears at and choose among, besides "
-        f"exact (default {','.join(map(str, RETAINED_COST_BITS))}; the widest K's encodes take most of a CPU run)",
+        f"exact (default {','.join(map(str, RETAINED_COST_BITS))}; each K is one encode of every retained linear, most "
+        "of a CPU run's time)",
     )
     ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, where git runs)")
     ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds for this proxy")

@@ -155,7 +155,7 @@ def run_bench(proxy: Path, tmp: Path, recipes: Sequence[str] = SMOKE_ROWS, *opti
         *options,
     ]
     argv += ["--mtp-prompts", "2", "--mtp-new-tokens", "5", "--keep-artifacts"]
-    argv += ["--retained-cost-bits", ",".join(map(str, SMOKE_COST_BITS))]  # K5 and K6 encodes: most of a CPU run
+    argv += ["--retained-cost-bits", ",".join(map(str, SMOKE_COST_BITS))]  # two fewer encodes of every retained linear
     argv += ["--jobs", "2"]  # two worker processes: rows finish out of order, the file keeps the canonical one
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
