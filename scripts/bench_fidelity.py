@@ -1621,6 +1621,7 @@ def main() -> None:
     ap.add_argument(
         "--retained-cost-bits",
         type=_cost_bits,
+        metavar="K[,K...]",
         default=RETAINED_COST_BITS,
         help="the K the retained-layer-cost rows measure each layer's retained linears at and choose among, besides "
         f"exact (default {','.join(map(str, RETAINED_COST_BITS))}; each K is one encode of every retained linear, most "
