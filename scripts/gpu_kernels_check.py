@@ -289,8 +289,10 @@ def compile_reports() -> dict:
             {"K": 4, "JOB_ROWS_MAX": 1, "PACKED": True},
         ),
         "gemv_k4_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, default, {"K": 4, "JOB_ROWS_MAX": 2, "PACKED": True}),
-        "row_kbit_k4": (_exl3_row_kernel, rows_sig, ONE_ROW_KBIT, {"K": 4, "ROWS": 1}),
-        "row_kbit_k4_two_rows": (_exl3_row_kernel, rows_sig, SMALL_JOB_KBIT, {"K": 4, "ROWS": 2}),
+        # the small-job core at the K it runs (K3, K5, K6: not the GEMV core's), one row and an MTP verify's 2-4
+        "row_kbit_k3": (_exl3_row_kernel, rows_sig, ONE_ROW_KBIT, {"K": 3, "ROWS": 1}),
+        "row_kbit_k3_two_rows": (_exl3_row_kernel, rows_sig, SMALL_JOB_KBIT, {"K": 3, "ROWS": 2}),
+        "row_kbit_k5_four_rows": (_exl3_row_kernel, rows_sig, SMALL_JOB_KBIT, {"K": 5, "ROWS": 4}),
     }
     reports = {}
     for name, (fn, sig, cfg, extra) in cores.items():

@@ -254,3 +254,19 @@ def test_core_rejects_activations_of_the_other_format_and_one_row_job_tables():
         exl3_rows(planes, stack, torch.zeros(1, dtype=torch.int32, device=device), None, GemmConfig())
     with pytest.raises(ValueError, match="None is one row per job"):
         Jobs(torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1)
+
+
+@pytest.mark.parametrize("bits", [3, 5])
+def test_small_job_core_leaves_the_rows_of_empty_jobs_alone(bits, monkeypatch):
+    """A job of no rows (`plan_routes` gives one to every route after a job's first) writes nothing: the row it
+    starts at belongs to another job, which alone writes it (two programs storing one row would race on a GPU)."""
+    device = kernel_device()
+    t = random_exl3(torch.Generator().manual_seed(7), 128, 128, bits, "mcg")
+    stack = WeightStack.from_tensors([[t]], device)
+    x = torch.randn(1, 3, 2, 128, generator=torch.Generator().manual_seed(8)).half().to(device)  # hi/lo planes
+    starts, counts = (torch.tensor(v, dtype=torch.int32, device=device) for v in ([0, 2], [2, 0]))
+    jobs = Jobs(starts, counts, 2)  # rows 0-1 one job, then an empty one at row 2, which no job holds
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))  # part starts as NaN
+    part = exl3_rows(x, stack, torch.zeros(3, dtype=torch.int32, device=device), jobs, SMALL_JOB_KBIT).cpu()
+    assert part[:, 0, :2].isfinite().all() and part[:, 0, 2].isnan().all()

@@ -23,8 +23,8 @@ from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 # on the five retained linear shapes of GLM-5.3-Flash (lm_head among them) on an H100, the ones that beat the
 # 2 x 2 and 2 x 4 at 2 warps before them on every shape: one row 1.08-1.14x (K3) and 1.08-1.11x (K5) per shape,
 # 2 rows 1.22-1.67x and 1.27-1.78x (bench/results/exl3_linear_sweep_k{3,5}_h100_3860c9b.json,
-# scripts/bench_exl3_linear.py). The fastest by summed time, 2 x 1 at one row, lost 28 % on the 4096 x 4096 shape,
-# whose size the routed experts of the fused MoE's one-token K3 tiers share.
+# scripts/bench_exl3_linear.py). The fastest by summed time, 2 x 1 at one row, lost 28 % on the 4096 x 4096 shape
+# (KDA's projections). The fused MoE's one-token K3 tiers take ONE_ROW_KBIT too, untimed at their own shapes.
 ONE_ROW_KBIT = GemmConfig(ti=1, tj=4, num_warps=1)
 SMALL_JOB_KBIT = GemmConfig(ti=2, tj=1, num_warps=1)
 SMALL_JOB_ROWS = 4  # the most rows of a job this core takes (an MTP verify of 3 drafts + 1)
@@ -72,45 +72,46 @@ def _exl3_row_kernel(
     between layouts); the unused ones compile away.
     """
     row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, ROWS == 1)
-    ti_ = tl.arange(0, TI)[:, None, None, None, None, None, None]
-    tj_ = tl.arange(0, TJ)[None, :, None, None, None, None, None]
-    e1 = tl.arange(0, 2)[None, None, :, None, None, None, None]
-    e0 = tl.arange(0, 2)[None, None, None, :, None, None, None]
-    e2 = tl.arange(0, 2)[None, None, None, None, :, None, None]
-    g = tl.arange(0, 8)[None, None, None, None, None, :, None]
-    l4 = tl.arange(0, 4)[None, None, None, None, None, None, :]
-    expert = tl.load(expert_ptr + row0).to(tl.int64)
-    tiles = trellis_ptr + (p * V + expert) * (KT * NT * 16 * K) + (nb * TJ + tj_) * (16 * K)
-    rows_step = NT * 16 * K  # int16 words per row of tiles
-    # the activation of each decoded weight's row: hi and lo planes of the job's first row of projection p
-    xrow = x_ptr + (p * R + row0).to(tl.int64) * (2 * KT * 16) + 16 * ti_ + 2 * l4 + e0 + 8 * e1
-    x_row_step = 2 * KT * 16
-    lanes = l4 * 0  # a row's liveness in the activations' shape (the interpreter rejects scalar masks)
-    first = split * STEP_TILES
-    acc0 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
-    acc1 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
-    acc2 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
-    acc3 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
-    win = load_window(tiles + (first + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
-    for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
-        # the next step's windows load while this step decodes (the last step reloads the first: unused)
-        nxt = load_window(tiles + (first + (step + TI) % STEP_TILES + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
-        q = window_values(win, e2, 2 * e1 + e0, K, CB, hash_mask, hash_flip).to(tl.float32)
-        xs = xrow + 16 * (first + step)
-        acc0 += q * _row_activation(xs, lanes == 0, KT)
+    if rows > 0:  # a job of no rows: its first row is another job's, which alone writes it
+        ti_ = tl.arange(0, TI)[:, None, None, None, None, None, None]
+        tj_ = tl.arange(0, TJ)[None, :, None, None, None, None, None]
+        e1 = tl.arange(0, 2)[None, None, :, None, None, None, None]
+        e0 = tl.arange(0, 2)[None, None, None, :, None, None, None]
+        e2 = tl.arange(0, 2)[None, None, None, None, :, None, None]
+        g = tl.arange(0, 8)[None, None, None, None, None, :, None]
+        l4 = tl.arange(0, 4)[None, None, None, None, None, None, :]
+        expert = tl.load(expert_ptr + row0).to(tl.int64)
+        tiles = trellis_ptr + (p * V + expert) * (KT * NT * 16 * K) + (nb * TJ + tj_) * (16 * K)
+        rows_step = NT * 16 * K  # int16 words per row of tiles
+        # the activation of each decoded weight's row: hi and lo planes of the job's first row of projection p
+        xrow = x_ptr + (p * R + row0).to(tl.int64) * (2 * KT * 16) + 16 * ti_ + 2 * l4 + e0 + 8 * e1
+        x_row_step = 2 * KT * 16
+        lanes = l4 * 0  # a row's liveness in the activations' shape (the interpreter rejects scalar masks)
+        first = split * STEP_TILES
+        acc0 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
+        acc1 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
+        acc2 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
+        acc3 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
+        win = load_window(tiles + (first + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
+        for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
+            # the next step's windows load while this step decodes (the last step reloads the first: unused)
+            nxt = load_window(tiles + (first + (step + TI) % STEP_TILES + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
+            q = window_values(win, e2, 2 * e1 + e0, K, CB, hash_mask, hash_flip).to(tl.float32)
+            xs = xrow + 16 * (first + step)
+            acc0 += q * _row_activation(xs, lanes == 0, KT)
+            if ROWS > 1:
+                acc1 += q * _row_activation(xs + x_row_step, lanes + 1 < rows, KT)
+            if ROWS > 2:
+                acc2 += q * _row_activation(xs + 2 * x_row_step, lanes + 2 < rows, KT)
+                acc3 += q * _row_activation(xs + 3 * x_row_step, lanes + 3 < rows, KT)
+            win = nxt
+        cols = nb * TJ * 16 + tl.arange(0, TJ)[:, None, None] * 16 + tl.arange(0, 2)[None, :, None] * 8
+        cols += tl.arange(0, 8)[None, None, :]
+        dst = part_ptr + ((split * n_proj + p) * R + row0).to(tl.int64) * (NT * 16)
+        out_lanes = cols * 0
+        _store_row(dst, acc0, cols, out_lanes == 0)
         if ROWS > 1:
-            acc1 += q * _row_activation(xs + x_row_step, lanes + 1 < rows, KT)
+            _store_row(dst + NT * 16, acc1, cols, out_lanes + 1 < rows)
         if ROWS > 2:
-            acc2 += q * _row_activation(xs + 2 * x_row_step, lanes + 2 < rows, KT)
-            acc3 += q * _row_activation(xs + 3 * x_row_step, lanes + 3 < rows, KT)
-        win = nxt
-    cols = nb * TJ * 16 + tl.arange(0, TJ)[:, None, None] * 16 + tl.arange(0, 2)[None, :, None] * 8
-    cols += tl.arange(0, 8)[None, None, :]
-    dst = part_ptr + ((split * n_proj + p) * R + row0).to(tl.int64) * (NT * 16)
-    out_lanes = cols * 0
-    _store_row(dst, acc0, cols, out_lanes == 0)
-    if ROWS > 1:
-        _store_row(dst + NT * 16, acc1, cols, out_lanes + 1 < rows)
-    if ROWS > 2:
-        _store_row(dst + 2 * NT * 16, acc2, cols, out_lanes + 2 < rows)
-        _store_row(dst + 3 * NT * 16, acc3, cols, out_lanes + 3 < rows)
+            _store_row(dst + 2 * NT * 16, acc2, cols, out_lanes + 2 < rows)
+            _store_row(dst + 3 * NT * 16, acc3, cols, out_lanes + 3 < rows)
