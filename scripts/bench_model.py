@@ -104,7 +104,10 @@ def main() -> None:
     args = parse_args()
     if args.merge:
         fidelity = json.loads(args.fidelity.read_text()) if args.fidelity else None
-        merged = merge([json.loads(Path(p).read_text()) for p in args.merge], fidelity, args.kl_cost_row)
+        try:
+            merged = merge([json.loads(Path(p).read_text()) for p in args.merge], fidelity, args.kl_cost_row)
+        except ValueError as exc:
+            sys.exit(f"bench_model --merge {' '.join(map(str, args.merge))}: {exc}")
         save(merged, args.out)
         return
     with tempfile.TemporaryDirectory(prefix="bench-model-") as scratch:  # the smoke model, configs, the draft file
@@ -847,7 +850,10 @@ def speed_tier(
     layer_bits = report["model"].get("retained_layer_bits")
     kl_cost_ratio = None
     if kl_cost_row is not None:
-        row: dict[str, Any] = next((r for r in (fidelity or {}).get("rows", []) if r["recipe"] == kl_cost_row), {})
+        found = [r for r in (fidelity or {}).get("rows", []) if r["recipe"] == kl_cost_row]
+        if not found:
+            raise ValueError(f"--kl-cost-row {kl_cost_row}: no such row in the --fidelity results")
+        row = found[0]
         kl_cost_ratio = row.get("kl_cost_ratio")
         widths = row.get("retained_layer_bits")  # the proxy's own widths: not necessarily what this run timed
         kl_from = f"the proxy fidelity run merged with --fidelity: its {kl_cost_row} row, named by --kl-cost-row" + (
@@ -863,7 +869,8 @@ def speed_tier(
         rows = (fidelity or {}).get("rows", [])
         kl_cost_ratio = next((r.get("kl_cost_ratio") for r in rows if r["recipe"] == recipe), None)
         head = "lm_head exact" if head_bits is None else f"lm_head EXL3 K{head_bits}"
-        kl_from = (
+        missing = "no --fidelity given" if fidelity is None else "the --fidelity results have no such row"
+        kl_from = ("" if kl_cost_ratio is not None else f"not measured ({missing}): ") + (
             f"the proxy fidelity run merged with --fidelity: its {recipe} row, the retained linears' KL alone "
             f"(experts BF16, {head}) over the seed row's (the experts') KL"
             + (
@@ -959,14 +966,48 @@ def gb10_speculation(
     }
 
 
+# what the parts of one merged report must share: the commit, the card and the model timed, and the drafts' settings
+MERGE_FACTS = ("commit", "compile_decode", "draft_head_bits", "draft_mtp_bits", "dense_linear_max_weights")
+MERGE_MODEL_FACTS = (
+    "layout",
+    "bits",
+    "codebook",
+    "retained_bits",
+    "retained_exact_layers",
+    "retained_layer_bits",
+    "head_bits",
+)
+MERGE_ENVIRONMENT_FACTS = ("gpu", "torch", "triton")
+DERIVED = ("summary", "speed_tier", "mtp_at_proxy_acceptance", "fidelity_from")  # recomputed by every merge
+
+
+def merge_facts(report: dict[str, Any]) -> dict[str, Any]:
+    """What a report's parts were timed with, by dotted key (`merge` refuses to combine parts that differ)."""
+    model, environment = report.get("model") or {}, report.get("environment") or {}
+    return {
+        **{k: report.get(k) for k in MERGE_FACTS},
+        **{f"model.{k}": model.get(k) for k in MERGE_MODEL_FACTS},
+        "model.routed_experts.per_layer": (model.get("routed_experts") or {}).get("per_layer"),
+        **{f"environment.{k}": environment.get(k) for k in MERGE_ENVIRONMENT_FACTS},
+    }
+
+
 def merge(
     reports: list[dict[str, Any]], fidelity: dict[str, Any] | None = None, kl_cost_row: str | None = None
 ) -> dict[str, Any]:
-    """Later reports' parts replace earlier ones of the same name; the summary is recomputed. With `fidelity`
-    (bench_fidelity's results), the mtp part is projected at the trained proxy's MTP acceptance and the speed
-    tier takes its KL cost."""
+    """Later reports' parts replace earlier ones of the same name; the summary, the MTP projection and the speed
+    tier are recomputed (an earlier merge's are not kept). With `fidelity` (bench_fidelity's results), the mtp part
+    is projected at the trained proxy's MTP acceptance and the speed tier takes its KL cost. ValueError for reports
+    timed at another commit, on another card or of another model (`merge_facts`), or an unknown `kl_cost_row`."""
+    first = merge_facts(reports[0])
+    for i, report in enumerate(reports[1:], start=2):
+        differ = {k: (first[k], v) for k, v in merge_facts(report).items() if v != first[k]}
+        if differ:
+            said = "; ".join(f"{k} {a!r} in report 1, {b!r} in report {i}" for k, (a, b) in differ.items())
+            raise ValueError(f"their parts were not timed alike: {said}")
     sources = [c for r in reports for c in (r.get("merged_from") or [r.get("command")])]  # merges of merges too
-    merged = {**reports[0], "parts": {}, "merged_from": sources}
+    kept = {k: v for k, v in reports[0].items() if k not in DERIVED}
+    merged = {**kept, "parts": {}, "merged_from": sources}
     for r in reports:
         merged["parts"].update(r["parts"])
     merged["summary"] = summary(merged)
@@ -981,6 +1022,10 @@ def merge(
         merged["mtp_at_proxy_acceptance"] = projected | {
             "timed_draft_head_bits": merged.get("draft_head_bits"),
             "timed_draft_mtp_bits": merged.get("draft_mtp_bits"),
+            # two baselines: the mtp part times its own plain step (after its prefill; up to 8 % slower than the classes
+            # part's on the H100); the GB10 projection's plain step is the classes part's
+            "speedup_over": "the mtp part's plain step (plain_tok_s)",
+            "gb10_speedup_218_over": "the classes part's GB10 projection of the plain step",
         }
     if is_speed_tier(merged):
         merged["speed_tier"] = speed_tier(merged, fidelity, kl_cost_row)

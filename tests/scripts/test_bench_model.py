@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -306,3 +307,34 @@ def test_head_bits_alone_make_a_speed_tier_report(bench_model: ModuleType) -> No
         "head_bits": 6,
     }
     assert "speed_tier" not in bench_model.merge([{"model": {"retained_bits": None}, "parts": {}}])
+
+
+def test_merge_refuses_parts_timed_apart_and_recomputes_what_it_derives(bench_model: ModuleType) -> None:
+    """Parts timed at another commit, on another card or of another model are not merged (the error names what
+    differs); an earlier merge's MTP projection, fidelity source and speed tier are not carried into a new merge;
+    an unknown --kl-cost-row is an error, and a KL cost with no row says why it is missing."""
+    base = {
+        "commit": "abc1234",
+        "environment": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"},
+        "model": {"retained_bits": 3, "head_bits": 5, "routed_experts": {"per_layer": 160}},
+        "parts": {"classes": {}},
+    }
+    for key, other in (
+        ("commit", {"commit": "def5678"}),
+        ("environment.gpu", {"environment": {**base["environment"], "gpu": "NVIDIA H200"}}),
+        ("model.retained_bits", {"model": {**base["model"], "retained_bits": 4}}),
+        ("model.routed_experts.per_layer", {"model": {**base["model"], "routed_experts": {"per_layer": 288}}}),
+        ("draft_head_bits", {"draft_head_bits": 4}),
+    ):
+        with pytest.raises(ValueError, match=rf"not timed alike: {re.escape(key)} .* in report 1, .* in report 2"):
+            bench_model.merge([base, {**base, **other, "parts": {"mtp": {}}}])
+    stale = {**base, "mtp_at_proxy_acceptance": {"speedup": 9.9}, "fidelity_from": {"commit": "old"}}
+    again = bench_model.merge([stale])
+    assert "mtp_at_proxy_acceptance" not in again and "fidelity_from" not in again
+    assert again["speed_tier"]["mtp_speedup"] is None
+    assert again["speed_tier"]["kl_cost_ratio_from"].startswith("not measured (no --fidelity given)")
+    with pytest.raises(ValueError, match="--kl-cost-row retained-k3-hed5: no such row"):
+        bench_model.merge([base], {"rows": FIDELITY_ROWS}, "retained-k3-hed5")
+    absent = bench_model.merge([base], {"rows": FIDELITY_ROWS})["speed_tier"]
+    assert absent["kl_cost_ratio"] is None
+    assert absent["kl_cost_ratio_from"].startswith("not measured (the --fidelity results have no such row)")
