@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -313,7 +314,7 @@ def test_merge_refuses_parts_timed_apart_and_recomputes_what_it_derives(bench_mo
     """Parts timed at another commit, on another card or of another model are not merged (the error names what
     differs); an earlier merge's MTP projection, fidelity source and speed tier are not carried into a new merge;
     an unknown --kl-cost-row is an error, and a KL cost with no row says why it is missing."""
-    base = {
+    base: dict[str, Any] = {
         "commit": "abc1234",
         "environment": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"},
         "model": {"retained_bits": 3, "head_bits": 5, "routed_experts": {"per_layer": 160}},
