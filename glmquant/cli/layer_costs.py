@@ -1,7 +1,8 @@
 """`glmquant layer-costs SOURCE --observations OBS --artifact ART --out FILE`: each MoE layer's cost at K1-K4 and
 the widths of least summed cost, for `encode --tiers layers:...`; `glmquant retained-costs` (the same arguments, a
 speed-tier build): each decoder layer's retained linears' cost at K2-K6 and exact, for `encode
---retained-layer-bits`."""
+--retained-layer-bits`; `glmquant retained-widths COSTS --out FILE`: other widths from those costs, without
+measuring again."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ from glmquant.checkpoint.layouts import parse_layer_bits, width_name
 from glmquant.cli.common import HubRevision, guarded, out
 from glmquant.errors import UsageError
 from glmquant.observe.layer_costs import SWEEP_BITS, measure_layer_costs
-from glmquant.observe.retained_costs import RETAINED_SWEEP_BITS, measure_retained_costs
+from glmquant.observe.retained_costs import (
+    RETAINED_SWEEP_BITS,
+    RetainedCosts,
+    choose_retained_widths,
+    measure_retained_costs,
+)
 
 _RETAINED_SWEEP = f"K{min(RETAINED_SWEEP_BITS)}-K{max(RETAINED_SWEEP_BITS)}"
 
@@ -25,6 +31,7 @@ _RETAINED_SWEEP = f"K{min(RETAINED_SWEEP_BITS)}-K{max(RETAINED_SWEEP_BITS)}"
 def register(app: typer.Typer) -> None:
     app.command("layer-costs")(layer_costs)
     app.command("retained-costs")(retained_costs)
+    app.command("retained-widths")(retained_widths)
 
 
 Source = Annotated[str, typer.Argument(help="BF16 source checkpoint the artifact was built from (directory or Hub id)")]
@@ -38,6 +45,21 @@ Dtype = Annotated[
     ),
 ]
 BatchRows = Annotated[int, typer.Option(help="calibration rows per forward step")]
+RetainedMeanBits = Annotated[
+    float | None,
+    typer.Option(help=f"allocate the retained bytes of a mean K in {_RETAINED_SWEEP} (default: the artifact's)"),
+]
+ErrorExponent = Annotated[
+    float,
+    typer.Option(help="g of cost = KL alone x (output error ratio) ** g: 1 is second order; 0.5 fit the proxy"),
+]
+RetainedWidths = Annotated[
+    str | None,
+    typer.Option(
+        help=f"the widths to choose among, e.g. K2,K4,exact (the K the fast GEMV core runs; default: "
+        f"{_RETAINED_SWEEP} and exact)"
+    ),
+]
 
 
 def _pass_options(rows: int, mean_bits: float | None, device: str, dtype: str, batch_rows: int) -> dict[str, Any]:
@@ -112,21 +134,9 @@ def retained_costs(
     outputs: Annotated[
         int, typer.Option(help=f"output rows of each retained linear encoded at {_RETAINED_SWEEP} for the error ratios")
     ] = 256,
-    mean_bits: Annotated[
-        float | None,
-        typer.Option(help=f"allocate the retained bytes of a mean K in {_RETAINED_SWEEP} (default: the artifact's)"),
-    ] = None,
-    error_exponent: Annotated[
-        float,
-        typer.Option(help="g of cost = KL alone x (output error ratio) ** g: 1 is second order; 0.5 fit the proxy"),
-    ] = 0.5,
-    widths: Annotated[
-        str | None,
-        typer.Option(
-            help=f"the widths to choose among, e.g. K2,K4,exact (the K the fast GEMV core runs; default: "
-            f"{_RETAINED_SWEEP} and exact)"
-        ),
-    ] = None,
+    mean_bits: RetainedMeanBits = None,
+    error_exponent: ErrorExponent = 0.5,
+    widths: RetainedWidths = None,
     device: Device = "cpu",
     dtype: Dtype = "auto",
     batch_rows: BatchRows = 4,
@@ -147,6 +157,31 @@ def retained_costs(
         **pass_options,
     )
     costs.write(out_file)
+    _print_retained(costs, out_file)
+
+
+@guarded
+def retained_widths(
+    costs_file: Annotated[Path, typer.Argument(help="a costs file `glmquant retained-costs` wrote")],
+    out_file: OutFile,
+    mean_bits: RetainedMeanBits = None,
+    error_exponent: ErrorExponent = 0.5,
+    widths: RetainedWidths = None,
+) -> None:
+    """Choose the retained linears' widths again from costs `retained-costs` measured, for another byte budget,
+    other widths or another g: no model, no pass, no encode; print them as --retained-layer-bits for encode."""
+    _check_out(out_file)
+    costs = choose_retained_widths(
+        RetainedCosts.load(costs_file),
+        mean_bits=mean_bits,
+        error_exponent=error_exponent,
+        offered=None if widths is None else parse_layer_bits(widths, "--widths"),
+    )
+    costs.write(out_file)
+    _print_retained(costs, out_file)
+
+
+def _print_retained(costs: RetainedCosts, out_file: Path) -> None:
     _print_costs(
         f"KL per decoder layer's retained linears alone ({costs.rows} x {costs.tokens} tokens)",
         RETAINED_SWEEP_BITS,

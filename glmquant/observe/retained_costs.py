@@ -29,7 +29,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,42 @@ class RetainedCosts:
         }
         atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
+    @classmethod
+    def load(cls, path: Path) -> RetainedCosts:
+        """A costs file `write` wrote; UsageError naming the file for another file or a damaged one."""
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UsageError(f"{path}: not a readable retained costs file ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise UsageError(f"{path}: not a retained costs file (format {found!r}, expected {FORMAT!r})")
+
+        def width(name: str) -> int | None:
+            return None if name == "exact" else int(name.removeprefix("K"))
+
+        def by_layer(d: dict[str, Any], value: Callable[[Any], Any]) -> dict[int, Any]:
+            return {int(layer): value(v) for layer, v in d.items()}
+
+        def by_width(d: dict[str, Any]) -> dict[int | None, Any]:
+            return {width(name): v for name, v in d.items()}
+
+        try:
+            return cls(
+                **{
+                    **data,
+                    "artifact_bits": by_layer(data["artifact_bits"], int),
+                    "kl_alone": by_layer(data["kl_alone"], float),
+                    "error": by_layer(data["error"], by_width),
+                    "cost": by_layer(data["cost"], by_width),
+                    "nbytes": by_layer(data["nbytes"], by_width),
+                    "offered": tuple(width(name) for name in data["offered"]),
+                    "widths": by_layer(data["widths"], width),
+                }
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UsageError(f"{path}: a damaged retained costs file ({type(exc).__name__}: {exc})") from None
+
 
 def measure_retained_costs(
     source: str | Path,
@@ -124,15 +160,8 @@ def measure_retained_costs(
     the K the GEMV core runs, `docs/encode.md`)."""
     if rows < 1 or batch_rows < 1 or outputs < 1:
         raise UsageError(f"--rows, --batch-rows and --outputs must be >= 1, got {rows}, {batch_rows}, {outputs}")
-    if not 0 < error_exponent <= 2:
-        raise UsageError(f"--error-exponent must be in (0, 2], got {error_exponent}")
+    choices = _checked_choice(mean_bits, error_exponent, offered)
     sweep = RETAINED_SWEEP_BITS
-    choices: tuple[int | None, ...] = (*sweep, None) if offered is None else tuple(dict.fromkeys(offered))
-    if not choices or any(k is not None and k not in sweep for k in choices):
-        names = ",".join(width_name(k) for k in choices) or "nothing"
-        raise UsageError(f"--widths takes K{min(sweep)}..K{max(sweep)} and exact, got {names}")
-    if mean_bits is not None and not min(sweep) <= mean_bits <= max(sweep):
-        raise UsageError(f"--mean-bits must be within K{min(sweep)}..K{max(sweep)} for the retained linears")
     observations = Path(observations)
     manifest_sha256 = artifact_manifest_sha256(artifact_dir)
     with contextlib.ExitStack() as opened:
@@ -169,19 +198,10 @@ def measure_retained_costs(
                 )
             bar.advance(sampled)
         seconds["error"] = round(time.monotonic() - started - seconds["kl"], 1)
-    cost: dict[int, dict[int | None, float]] = {
-        layer: {
-            None: 0.0,
-            **{k: kl[layer] * (error[layer][k] / error[layer][bits[layer]]) ** error_exponent for k in sweep},
-        }
-        for layer in by_layer
-    }
     nbytes = {  # the artifact's own K too, for the default budget, where it is outside the sweep
         layer: _option_bytes(linears, sorted({*sweep, bits[layer]}), codebook) for layer, linears in by_layer.items()
     }
-    budget = _budget(nbytes, bits, mean_bits)
-    widths = allocate_widths(cost, nbytes, budget, choices)
-    return RetainedCosts(
+    measured = RetainedCosts(
         artifact_manifest_sha256=manifest_sha256,
         token_rows_sha256=token_rows.sha256,
         rows=int(ids.shape[0]),
@@ -192,15 +212,69 @@ def measure_retained_costs(
         artifact_bits=bits,
         kl_alone=kl,
         error=error,
-        cost=cost,
+        cost={},
         nbytes=nbytes,
+        budget_bytes=0,
+        offered=choices,
+        widths={},
+        retained_layer_bits="",
+        predicted_kl=0.0,
+        seconds=seconds,
+    )
+    return choose_retained_widths(measured, mean_bits=mean_bits, error_exponent=error_exponent, offered=choices)
+
+
+def choose_retained_widths(
+    costs: RetainedCosts,
+    *,
+    mean_bits: float | None = None,
+    error_exponent: float = 0.5,
+    offered: Sequence[int | None] | None = None,
+) -> RetainedCosts:
+    """`costs` with its costs at `error_exponent` and its widths of least summed cost within the retained bytes of
+    mean K `mean_bits` (default: the artifact's own), among `offered` (default: K2-K6 and exact), from what it
+    measured (KL alone, output errors, bytes): no pass, no encode, so other budgets and widths are chosen in
+    seconds (`glmquant retained-widths`)."""
+    choices = _checked_choice(mean_bits, error_exponent, offered)
+    kl, error, bits = costs.kl_alone, costs.error, costs.artifact_bits
+    cost: dict[int, dict[int | None, float]] = {
+        layer: {
+            None: 0.0,
+            **{
+                k: kl[layer] * (error[layer][k] / error[layer][bits[layer]]) ** error_exponent
+                for k in RETAINED_SWEEP_BITS
+            },
+        }
+        for layer in kl
+    }
+    budget = _budget(costs.nbytes, bits, mean_bits)
+    widths = allocate_widths(cost, costs.nbytes, budget, choices)
+    return replace(
+        costs,
+        error_exponent=error_exponent,
+        cost=cost,
         budget_bytes=budget,
         offered=choices,
         widths=widths,
         retained_layer_bits=layer_bits_text(k for _, k in sorted(widths.items())),
         predicted_kl=sum(cost[layer][k] for layer, k in widths.items()),
-        seconds=seconds,
     )
+
+
+def _checked_choice(
+    mean_bits: float | None, error_exponent: float, offered: Sequence[int | None] | None
+) -> tuple[int | None, ...]:
+    """The widths offered (default: the sweep's and exact), after the choice's options are checked (UsageError)."""
+    if not 0 < error_exponent <= 2:
+        raise UsageError(f"--error-exponent must be in (0, 2], got {error_exponent}")
+    sweep = RETAINED_SWEEP_BITS
+    choices: tuple[int | None, ...] = (*sweep, None) if offered is None else tuple(dict.fromkeys(offered))
+    if not choices or any(k is not None and k not in sweep for k in choices):
+        names = ",".join(width_name(k) for k in choices) or "nothing"
+        raise UsageError(f"--widths takes K{min(sweep)}..K{max(sweep)} and exact, got {names}")
+    if mean_bits is not None and not (min(sweep) <= mean_bits <= max(sweep)):
+        raise UsageError(f"--mean-bits must be within K{min(sweep)}..K{max(sweep)} for the retained linears")
+    return choices
 
 
 def output_error_by_bits(

@@ -31,7 +31,7 @@ from glmquant.encode.run import EncodeResult
 from glmquant.errors import UsageError
 from glmquant.exl3 import decode_weight
 from glmquant.fixtures import UNTIED_INDEX_TOPK
-from glmquant.observe.retained_costs import measure_retained_costs
+from glmquant.observe.retained_costs import RetainedCosts, choose_retained_widths, measure_retained_costs
 from glmquant.observe.streaming import TextModel, run_layer
 from glmquant.runtime.artifact import Artifact, open_artifact
 from glmquant.runtime.loader import load_model
@@ -222,26 +222,40 @@ def test_retained_costs_measure_each_layers_kl_alone_and_choose_within_the_budge
     assert costs["retained_layer_bits"] == ",".join(costs["widths"][layer] for layer in ("0", "1"))
     check_layer_bits(None, 0, parse_layer_bits(costs["retained_layer_bits"]), load_model_spec(one_moe_source))
 
+    # `retained-widths`: other choices from these costs, without measuring again
+    again = tmp_path / "again.json"
+    chosen = CliRunner().invoke(app, ["retained-widths", str(out), "--out", str(again), "--widths", "K2,K4,exact"])
+    assert chosen.exit_code == 0 and f"--retained-layer-bits {costs['retained_layer_bits']}" in chosen.output
+    assert json.loads(again.read_text()) == costs  # the same settings choose the same widths, the file unchanged
+    wider = tmp_path / "mean45.json"  # --mean-bits 4.5: halfway between uniform K4's and K5's bytes, all options
+    assert (
+        CliRunner().invoke(app, ["retained-widths", str(out), "--out", str(wider), "--mean-bits", "4.5"]).exit_code == 0
+    )
+    loaded = RetainedCosts.load(wider)
+    uniform = {k: sum(by_option[k] for by_option in loaded.nbytes.values()) for k in (4, 5)}
+    assert loaded.budget_bytes == round((uniform[4] + uniform[5]) / 2) and loaded.offered == (2, 3, 4, 5, 6, None)
+    within = [
+        (loaded.cost[0][a] + loaded.cost[1][b], (a, b))
+        for a in loaded.offered
+        for b in loaded.offered
+        if loaded.nbytes[0][a] + loaded.nbytes[1][b] <= loaded.budget_bytes
+    ]
+    assert (
+        loaded.predicted_kl == pytest.approx(min(within)[0]) and (loaded.widths[0], loaded.widths[1]) == min(within)[1]
+    )
+    steeper = choose_retained_widths(loaded, error_exponent=1.0)  # g = 1: each cost the KL alone x the error ratio
+    for layer, k in loaded.artifact_bits.items():
+        ratio = loaded.error[layer][2] / loaded.error[layer][k]
+        assert steeper.cost[layer][2] == pytest.approx(loaded.kl_alone[layer] * ratio)
 
-def test_retained_costs_budget_and_bad_inputs(
+
+def test_retained_costs_bad_inputs(
     one_moe_source: Path, one_moe_dense_observations: Path, by_layer: EncodeResult, small_artifact: Path, tmp_path: Path
 ) -> None:
-    """--mean-bits 4.5 allocates the bytes halfway between uniform K4's and K5's, and the widths are the cheapest
-    choice within them; a width outside K2-K6 and exact, a mean outside K2-K6, observations without a layer's dense
-    Hessians and an artifact of another model are refused, naming what is wrong."""
+    """A width outside K2-K6 and exact, a mean outside K2-K6, observations without a layer's dense Hessians and an
+    artifact of another model are refused before the pass, naming what is wrong; `retained-widths` refuses a file
+    that is not a costs file, or a damaged one, naming it."""
     art = by_layer.artifact.directory
-    costs = measure_retained_costs(one_moe_source, one_moe_dense_observations, art, rows=1, outputs=16, mean_bits=4.5)
-    uniform = {k: sum(by_option[k] for by_option in costs.nbytes.values()) for k in (4, 5)}
-    assert costs.budget_bytes == round((uniform[4] + uniform[5]) / 2)
-    options = [2, 3, 4, 5, 6, None]
-    within = [
-        (costs.cost[0][a] + costs.cost[1][b], (a, b))
-        for a in options
-        for b in options
-        if costs.nbytes[0][a] + costs.nbytes[1][b] <= costs.budget_bytes
-    ]
-    assert costs.predicted_kl == pytest.approx(min(within)[0])
-    assert sum(costs.nbytes[layer][k] for layer, k in costs.widths.items()) <= costs.budget_bytes
     for bad in ([7], [], [1, None]):
         with pytest.raises(UsageError, match="--widths takes K2..K6 and exact"):
             measure_retained_costs(one_moe_source, one_moe_dense_observations, art, offered=bad)
@@ -262,6 +276,17 @@ def test_retained_costs_budget_and_bad_inputs(
     other = another_checkpoint(one_moe_source, tmp_path / "other-source", norm)
     with pytest.raises(UsageError, match=rf"was not built from this source: its copy of {norm} differs"):
         measure_retained_costs(other, one_moe_dense_observations, art)
+    costs_file = tmp_path / "costs.json"
+    for text, message in (
+        ("{", "not a readable retained costs file"),
+        ('{"format": "glmquant.layer_costs.v1"}', "not a retained costs file (format 'glmquant.layer_costs.v1'"),
+        ('{"format": "glmquant.retained_costs.v1", "kl_alone": {}}', "a damaged retained costs file (KeyError"),
+    ):
+        costs_file.write_text(text)
+        result = CliRunner().invoke(app, ["retained-widths", str(costs_file), "--out", str(tmp_path / "w.json")])
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+        assert costs_file.name in result.output  # the file named
+    assert not (tmp_path / "w.json").exists()
 
 
 def _check_against_transformers(
