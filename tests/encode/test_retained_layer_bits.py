@@ -244,9 +244,9 @@ def test_retained_costs_measure_each_layers_kl_alone_and_choose_within_the_budge
         loaded.predicted_kl == pytest.approx(min(within)[0]) and (loaded.widths[0], loaded.widths[1]) == min(within)[1]
     )
     steeper = choose_retained_widths(loaded, error_exponent=1.0)  # g = 1: each cost the KL alone x the error ratio
-    for layer, k in loaded.artifact_bits.items():
-        ratio = loaded.error[layer][2] / loaded.error[layer][k]
-        assert steeper.cost[layer][2] == pytest.approx(loaded.kl_alone[layer] * ratio)
+    for index, built in loaded.artifact_bits.items():
+        ratio = loaded.error[index][2] / loaded.error[index][built]
+        assert steeper.cost[index][2] == pytest.approx(loaded.kl_alone[index] * ratio)
 
 
 def test_retained_costs_bad_inputs(
