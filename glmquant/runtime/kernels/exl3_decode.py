@@ -74,6 +74,21 @@ def codebook_value(state, CB: tl.constexpr, mask, flip):
 
 
 @triton.jit
+def ring_fields(TI: tl.constexpr, TJ: tl.constexpr):
+    """Index vectors of a [TI, TJ, e1, e0, e2, g, l4] block of tiles (tile row, tile column, then the ring fields
+    of a position: row 2 l4 + e0 + 8 e1, column g + 8 e2 of its tile), each along its own dim: the layout the
+    tensor-core and small-job cores decode in."""
+    ti = tl.arange(0, TI)[:, None, None, None, None, None, None]
+    tj = tl.arange(0, TJ)[None, :, None, None, None, None, None]
+    e1 = tl.arange(0, 2)[None, None, :, None, None, None, None]
+    e0 = tl.arange(0, 2)[None, None, None, :, None, None, None]
+    e2 = tl.arange(0, 2)[None, None, None, None, :, None, None]
+    g = tl.arange(0, 8)[None, None, None, None, None, :, None]
+    l4 = tl.arange(0, 4)[None, None, None, None, None, None, :]
+    return ti, tj, e1, e0, e2, g, l4
+
+
+@triton.jit
 def load_window(tile_ptr, g, l4, e2, e01, K: tl.constexpr):
     """Stream window of the block holding ring fields (g, l4, e2, e01 = 2 e1 + e0) of the tiles at tile_ptr.
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from glmquant.exl3 import EXL3Tensor
-from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, load_window, window_values
+from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, load_window, ring_fields, window_values
 from glmquant.runtime.kernels.exl3_gemv import GEMV_BITS, GEMV_JOB_ROWS, _exl3_gemv_kernel, packed_gemv, uses_gemv
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, SMALL_JOB_ROWS, _exl3_row_kernel
 from glmquant.runtime.kernels.exl3_jobs import (
@@ -135,13 +135,7 @@ def _exl3_rows_kernel(
     """
     row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, False)
     if rows > 0:
-        ti_ = tl.arange(0, TI)[:, None, None, None, None, None, None]
-        tj_ = tl.arange(0, TJ)[None, :, None, None, None, None, None]
-        e1 = tl.arange(0, 2)[None, None, :, None, None, None, None]
-        e0 = tl.arange(0, 2)[None, None, None, :, None, None, None]
-        e2 = tl.arange(0, 2)[None, None, None, None, :, None, None]
-        g = tl.arange(0, 8)[None, None, None, None, None, :, None]
-        l4 = tl.arange(0, 4)[None, None, None, None, None, None, :]
+        ti_, tj_, e1, e0, e2, g, l4 = ring_fields(TI, TJ)
         expert = tl.load(expert_ptr + row0).to(tl.int64)
         tiles = trellis_ptr + (p * V + expert) * (KT * NT * 16 * K) + (nb * TJ + tj_) * (16 * K)
         m = tl.arange(0, JOB_M)[:, None]

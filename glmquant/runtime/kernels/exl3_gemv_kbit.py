@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from glmquant.runtime.kernels.exl3_decode import load_window, window_values
+from glmquant.runtime.kernels.exl3_decode import load_window, ring_fields, window_values
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 
 # Steps of 1 x 4 tiles (one row) and 2 x 1 (2-4 rows) at 1 warp: of the 18 shapes at 1-2 warps swept at K3 and K5
@@ -73,13 +73,7 @@ def _exl3_row_kernel(
     """
     row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, ROWS == 1)
     if rows > 0:  # a job of no rows: its first row is another job's, which alone writes it
-        ti_ = tl.arange(0, TI)[:, None, None, None, None, None, None]
-        tj_ = tl.arange(0, TJ)[None, :, None, None, None, None, None]
-        e1 = tl.arange(0, 2)[None, None, :, None, None, None, None]
-        e0 = tl.arange(0, 2)[None, None, None, :, None, None, None]
-        e2 = tl.arange(0, 2)[None, None, None, None, :, None, None]
-        g = tl.arange(0, 8)[None, None, None, None, None, :, None]
-        l4 = tl.arange(0, 4)[None, None, None, None, None, None, :]
+        ti_, tj_, e1, e0, e2, g, l4 = ring_fields(TI, TJ)
         expert = tl.load(expert_ptr + row0).to(tl.int64)
         tiles = trellis_ptr + (p * V + expert) * (KT * NT * 16 * K) + (nb * TJ + tj_) * (16 * K)
         rows_step = NT * 16 * K  # int16 words per row of tiles
