@@ -1,8 +1,8 @@
 """`glmquant layer-costs SOURCE --observations OBS --artifact ART --out FILE`: each MoE layer's cost at K1-K4 and
 the widths of least summed cost, for `encode --tiers layers:...`; `glmquant retained-costs` (the same arguments, a
 speed-tier build): each decoder layer's retained linears' cost at K2-K6 and exact, for `encode
---retained-layer-bits`; `glmquant retained-widths COSTS --out FILE`: other widths from those costs, without
-measuring again."""
+--retained-layer-bits`; `glmquant layer-widths` / `retained-widths COSTS --out FILE`: other widths from such costs,
+without measuring again."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from glmquant.checkpoint.hub import resolve_source
 from glmquant.checkpoint.layouts import parse_layer_bits, width_name
 from glmquant.cli.common import HubRevision, guarded, out
 from glmquant.errors import UsageError
-from glmquant.observe.layer_costs import SWEEP_BITS, measure_layer_costs
+from glmquant.observe.layer_costs import SWEEP_BITS, LayerCosts, choose_layer_widths, measure_layer_costs
 from glmquant.observe.retained_costs import (
     RETAINED_SWEEP_BITS,
     RetainedCosts,
@@ -30,6 +30,7 @@ _RETAINED_SWEEP = f"K{min(RETAINED_SWEEP_BITS)}-K{max(RETAINED_SWEEP_BITS)}"
 
 def register(app: typer.Typer) -> None:
     app.command("layer-costs")(layer_costs)
+    app.command("layer-widths")(layer_widths)
     app.command("retained-costs")(retained_costs)
     app.command("retained-widths")(retained_widths)
 
@@ -45,6 +46,9 @@ Dtype = Annotated[
     ),
 ]
 BatchRows = Annotated[int, typer.Option(help="calibration rows per forward step")]
+LayerMeanBits = Annotated[
+    float | None, typer.Option(help="mean K of the MoE layers to allocate (default: the artifact's)")
+]
 RetainedMeanBits = Annotated[
     float | None,
     typer.Option(help=f"allocate the retained bytes of a mean K in {_RETAINED_SWEEP} (default: the artifact's)"),
@@ -95,9 +99,7 @@ def layer_costs(
     out_file: OutFile,
     rows: Rows = 16,
     experts: Annotated[int, typer.Option(help="experts per MoE layer encoded at K1-K4 for the error ratios")] = 8,
-    mean_bits: Annotated[
-        float | None, typer.Option(help="mean K of the MoE layers to allocate (default: the artifact's)")
-    ] = None,
+    mean_bits: LayerMeanBits = None,
     device: Device = "cpu",
     dtype: Dtype = "auto",
     batch_rows: BatchRows = 4,
@@ -110,14 +112,20 @@ def layer_costs(
     costs = measure_layer_costs(
         resolve_source(source, revision).path, observations, artifact, experts=experts, **pass_options
     )
-    costs.write(out_file)
-    _print_costs(
-        f"KL per MoE layer alone ({costs.rows} x {costs.tokens} tokens, {costs.compute_dtype})",
-        SWEEP_BITS,
-        {layer: (costs.artifact_bits[layer], by_k, costs.widths[layer]) for layer, by_k in costs.cost.items()},
-        f"widths at mean K {costs.mean_bits:g}: [bold]--tiers {costs.tiers}[/] "
-        f"(predicted KL {costs.predicted_kl:.3g}); written to {out_file}",
-    )
+    _write_report(costs, out_file)
+
+
+@guarded
+def layer_widths(
+    costs_file: Annotated[Path, typer.Argument(help="a costs file `glmquant layer-costs` wrote")],
+    out_file: OutFile,
+    mean_bits: LayerMeanBits = None,
+) -> None:
+    """Choose the MoE layers' widths again from costs `layer-costs` measured, at another mean K: no model, no pass,
+    no encode; print them as a --tiers spec for encode."""
+    _check_out(out_file)
+    costs = choose_layer_widths(LayerCosts.load(costs_file), mean_bits)
+    _write_report(costs, out_file)
 
 
 @guarded
@@ -156,8 +164,7 @@ def retained_costs(
         offered=None if widths is None else parse_layer_bits(widths, "--widths"),
         **pass_options,
     )
-    costs.write(out_file)
-    _print_retained(costs, out_file)
+    _write_report(costs, out_file)
 
 
 @guarded
@@ -177,18 +184,29 @@ def retained_widths(
         error_exponent=error_exponent,
         offered=None if widths is None else parse_layer_bits(widths, "--widths"),
     )
+    _write_report(costs, out_file)
+
+
+def _write_report(costs: LayerCosts | RetainedCosts, out_file: Path) -> None:
+    """Write `costs` to `out_file` and print its table and the widths as encode's option."""
     costs.write(out_file)
-    _print_retained(costs, out_file)
-
-
-def _print_retained(costs: RetainedCosts, out_file: Path) -> None:
-    _print_costs(
-        f"KL per decoder layer's retained linears alone ({costs.rows} x {costs.tokens} tokens)",
-        RETAINED_SWEEP_BITS,
-        {layer: (costs.artifact_bits[layer], by_k, costs.widths[layer]) for layer, by_k in costs.cost.items()},
-        f"widths within {costs.budget_bytes / 1e9:.4g} GB: [bold]--retained-layer-bits {costs.retained_layer_bits}[/] "
-        f"(predicted KL {costs.predicted_kl:.3g}); written to {out_file}",
-    )
+    by_layer = {layer: (costs.artifact_bits[layer], by_k, costs.widths[layer]) for layer, by_k in costs.cost.items()}
+    if isinstance(costs, LayerCosts):
+        _print_costs(
+            f"KL per MoE layer alone ({costs.rows} x {costs.tokens} tokens, {costs.compute_dtype})",
+            SWEEP_BITS,
+            by_layer,
+            f"widths at mean K {costs.mean_bits:g}: [bold]--tiers {costs.tiers}[/] "
+            f"(predicted KL {costs.predicted_kl:.3g}); written to {out_file}",
+        )
+    else:
+        _print_costs(
+            f"KL per decoder layer's retained linears alone ({costs.rows} x {costs.tokens} tokens)",
+            RETAINED_SWEEP_BITS,
+            by_layer,
+            f"widths within {costs.budget_bytes / 1e9:.4g} GB: [bold]--retained-layer-bits "
+            f"{costs.retained_layer_bits}[/] (predicted KL {costs.predicted_kl:.3g}); written to {out_file}",
+        )
 
 
 def _print_costs(

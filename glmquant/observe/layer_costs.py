@@ -23,8 +23,8 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,24 +83,46 @@ class LayerCosts:
 
     @classmethod
     def load(cls, path: Path) -> LayerCosts:
-        data = json.loads(path.read_text())
-        if data.get("format") != FORMAT:
-            raise UsageError(f"{path}: not a layer costs file (format {data.get('format')!r}, expected {FORMAT!r})")
+        """A costs file `write` wrote; UsageError naming the file for another file or a damaged one."""
+        data = read_costs_file(path, FORMAT, "layer costs")
 
         def by_layer(d: dict[str, Any], inner: bool = False) -> dict[int, Any]:
             return {int(k): ({int(b): float(x) for b, x in v.items()} if inner else v) for k, v in d.items()}
 
-        return cls(
-            **{
-                **data,
-                "artifact_bits": by_layer(data["artifact_bits"]),
-                "kl_alone": by_layer(data["kl_alone"]),
-                "error": by_layer(data["error"], inner=True),
-                "cost": by_layer(data["cost"], inner=True),
-                "widths": by_layer(data["widths"]),
-                "experts_sampled": by_layer(data["experts_sampled"]),
-            }
-        )
+        with damaged_costs_file(path, "layer costs"):
+            return cls(
+                **{
+                    **data,
+                    "artifact_bits": by_layer(data["artifact_bits"]),
+                    "kl_alone": by_layer(data["kl_alone"]),
+                    "error": by_layer(data["error"], inner=True),
+                    "cost": by_layer(data["cost"], inner=True),
+                    "widths": by_layer(data["widths"]),
+                    "experts_sampled": by_layer(data["experts_sampled"]),
+                }
+            )
+
+
+def read_costs_file(path: Path, fmt: str, what: str) -> dict[str, Any]:
+    """The JSON object of a costs file of format `fmt`; UsageError naming the file for an unreadable one or another
+    format."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: not a readable {what} file ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise UsageError(f"{path}: not a {what} file (format {found!r}, expected {fmt!r})")
+    return data
+
+
+@contextlib.contextmanager
+def damaged_costs_file(path: Path, what: str) -> Iterator[None]:
+    """A costs file of the right format whose fields do not parse is refused naming it (UsageError)."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"{path}: a damaged {what} file ({type(exc).__name__}: {exc})") from None
 
 
 def measure_layer_costs(
@@ -121,8 +143,7 @@ def measure_layer_costs(
     artifact's mean K over its MoE layers)."""
     if rows < 1 or experts < 1 or batch_rows < 1:
         raise UsageError(f"--rows, --experts and --batch-rows must be >= 1, got {rows}, {experts}, {batch_rows}")
-    if mean_bits is not None and not min(SWEEP_BITS) <= mean_bits <= max(SWEEP_BITS):
-        raise UsageError(f"--mean-bits must be within K{min(SWEEP_BITS)}..K{max(SWEEP_BITS)} for the MoE layers")
+    _check_mean_bits(mean_bits)
     observations = Path(observations)
     manifest_sha256 = artifact_manifest_sha256(artifact_dir)
     with contextlib.ExitStack() as opened:
@@ -152,9 +173,7 @@ def measure_layer_costs(
             bar.advance(sampled)
         seconds["error"] = round(time.monotonic() - started - seconds["kl"], 1)
     cost = {layer: {k: kl[layer] * e / error[layer][bits[layer]] for k, e in error[layer].items()} for layer in layers}
-    budget = mean_bits if mean_bits is not None else sum(bits.values()) / len(bits)
-    widths = allocate_layer_widths(cost, budget)
-    return LayerCosts(
+    measured = LayerCosts(
         artifact_manifest_sha256=manifest_sha256,
         token_rows_sha256=token_rows.sha256,
         rows=int(ids.shape[0]),
@@ -165,11 +184,33 @@ def measure_layer_costs(
         kl_alone=kl,
         error=error,
         cost=cost,
+        mean_bits=0.0,
+        widths={},
+        tiers="",
+        predicted_kl=0.0,
+        seconds=seconds,
+    )
+    return choose_layer_widths(measured, mean_bits)
+
+
+def _check_mean_bits(mean_bits: float | None) -> None:
+    if mean_bits is not None and not (min(SWEEP_BITS) <= mean_bits <= max(SWEEP_BITS)):
+        raise UsageError(f"--mean-bits must be within K{min(SWEEP_BITS)}..K{max(SWEEP_BITS)} for the MoE layers")
+
+
+def choose_layer_widths(costs: LayerCosts, mean_bits: float | None = None) -> LayerCosts:
+    """`costs` with the widths of least summed cost at mean K `mean_bits` (default: the artifact's mean K over its
+    MoE layers), from what it measured: no pass, no encode (`glmquant layer-widths`)."""
+    _check_mean_bits(mean_bits)
+    bits, layers = costs.artifact_bits, sorted(costs.cost)
+    budget = mean_bits if mean_bits is not None else sum(bits.values()) / len(bits)
+    widths = allocate_layer_widths(costs.cost, budget)
+    return replace(
+        costs,
         mean_bits=budget,
         widths=widths,
         tiers=TierSpec.of_widths([widths[layer] for layer in layers]).text,
-        predicted_kl=sum(cost[layer][widths[layer]] for layer in layers),
-        seconds=seconds,
+        predicted_kl=sum(costs.cost[layer][widths[layer]] for layer in layers),
     )
 
 

@@ -48,8 +48,10 @@ from glmquant.observe.layer_costs import (
     artifact_manifest_sha256,
     check_built_from,
     check_same_shape,
+    damaged_costs_file,
     layer_kl_alone,
     open_for_costs,
+    read_costs_file,
     start_pass,
 )
 from glmquant.observe.streaming import TextModel
@@ -104,13 +106,7 @@ class RetainedCosts:
     @classmethod
     def load(cls, path: Path) -> RetainedCosts:
         """A costs file `write` wrote; UsageError naming the file for another file or a damaged one."""
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UsageError(f"{path}: not a readable retained costs file ({exc})") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise UsageError(f"{path}: not a retained costs file (format {found!r}, expected {FORMAT!r})")
+        data = read_costs_file(path, FORMAT, "retained costs")
 
         def width(name: str) -> int | None:
             return None if name == "exact" else int(name.removeprefix("K"))
@@ -121,7 +117,7 @@ class RetainedCosts:
         def by_width(d: dict[str, Any]) -> dict[int | None, Any]:
             return {width(name): v for name, v in d.items()}
 
-        try:
+        with damaged_costs_file(path, "retained costs"):
             return cls(
                 **{
                     **data,
@@ -134,8 +130,6 @@ class RetainedCosts:
                     "widths": by_layer(data["widths"], width),
                 }
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise UsageError(f"{path}: a damaged retained costs file ({type(exc).__name__}: {exc})") from None
 
 
 def measure_retained_costs(

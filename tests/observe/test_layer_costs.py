@@ -116,6 +116,16 @@ def test_cli_writes_costs_whose_widths_encode(
     assert costs.tiers == TierSpec.of_widths([costs.widths[1], costs.widths[2]]).text
     assert f"--tiers {costs.tiers}" in result.output
     assert json.loads(out.read_text())["format"] == "glmquant.layer_costs.v1"
+    # `layer-widths`: the widths chosen again from these costs, without measuring again
+    again = tmp_path / "again.json"
+    assert CliRunner().invoke(app, ["layer-widths", str(out), "--out", str(again)]).exit_code == 0
+    assert again.read_text() == out.read_text()  # the artifact's mean K again: the same file
+    wider = tmp_path / "mean3.json"
+    chosen = CliRunner().invoke(app, ["layer-widths", str(out), "--out", str(wider), "--mean-bits", "3"])
+    rechosen = LayerCosts.load(wider)
+    assert chosen.exit_code == 0 and rechosen.widths == allocate_layer_widths(costs.cost, 3.0)
+    assert rechosen.mean_bits == 3.0 and f"--tiers {rechosen.tiers}" in chosen.output
+    assert (rechosen.cost, rechosen.kl_alone, rechosen.error) == (costs.cost, costs.kl_alone, costs.error)
 
     built = tmp_path / "tiered"
     encoded = CliRunner().invoke(
@@ -142,6 +152,16 @@ def test_bad_inputs_are_named(tiny_source: Path, observed: Path, uniform_k2: Pat
     cli = ["layer-costs", str(tiny_source), "--observations", str(observed), "--artifact", str(uniform_k2)]
     result = CliRunner().invoke(app, [*cli, "--out", str(tmp_path)])
     assert result.exit_code == 2 and "is a directory" in result.output, result.output
+    costs_file = tmp_path / "costs.json"
+    for text, message in (  # layer-widths: a file that is not a layer costs file, or a damaged one, named
+        ("[]", "not a layer costs file (format 'list'"),
+        ('{"format": "glmquant.retained_costs.v1"}', "not a layer costs file (format 'glmquant.retained_costs.v1'"),
+        ('{"format": "glmquant.layer_costs.v1", "kl_alone": {}}', "a damaged layer costs file (KeyError"),
+    ):
+        costs_file.write_text(text)
+        bad = CliRunner().invoke(app, ["layer-widths", str(costs_file), "--out", str(tmp_path / "w.json")])
+        assert bad.exit_code == 2 and message in " ".join(bad.output.split()) and costs_file.name in bad.output
+    assert not (tmp_path / "w.json").exists()
     unfinished = tmp_path / "unfinished"
     shutil.copytree(uniform_k2, unfinished)
     (unfinished / "EXL3_MANIFEST.json").unlink()
