@@ -90,7 +90,7 @@ class LayerCosts:
             return {int(k): ({int(b): float(x) for b, x in v.items()} if inner else v) for k, v in d.items()}
 
         with damaged_costs_file(path, "layer costs"):
-            return cls(
+            costs = cls(
                 **{
                     **data,
                     "artifact_bits": by_layer(data["artifact_bits"]),
@@ -101,6 +101,8 @@ class LayerCosts:
                     "experts_sampled": by_layer(data["experts_sampled"]),
                 }
             )
+            same_layers(costs.artifact_bits, costs.kl_alone, costs.error, costs.cost)
+            return costs
 
 
 def read_costs_file(path: Path, fmt: str, what: str) -> dict[str, Any]:
@@ -114,6 +116,13 @@ def read_costs_file(path: Path, fmt: str, what: str) -> dict[str, Any]:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise UsageError(f"{path}: not a {what} file (format {found!r}, expected {fmt!r})")
     return data
+
+
+def same_layers(*by_layer: dict[int, Any]) -> None:
+    """ValueError unless every table of a costs file has the same layers (what choosing widths again reads)."""
+    layers = [sorted(table) for table in by_layer]
+    if any(other != layers[0] for other in layers[1:]):
+        raise ValueError(f"its tables name different layers: {layers}")
 
 
 @contextlib.contextmanager

@@ -52,6 +52,7 @@ from glmquant.observe.layer_costs import (
     layer_kl_alone,
     open_for_costs,
     read_costs_file,
+    same_layers,
     start_pass,
 )
 from glmquant.observe.streaming import TextModel
@@ -118,7 +119,7 @@ class RetainedCosts:
             return {width(name): v for name, v in d.items()}
 
         with damaged_costs_file(path, "retained costs"):
-            return cls(
+            costs = cls(
                 **{
                     **data,
                     "artifact_bits": by_layer(data["artifact_bits"], int),
@@ -130,6 +131,8 @@ class RetainedCosts:
                     "widths": by_layer(data["widths"], width),
                 }
             )
+            same_layers(costs.artifact_bits, costs.kl_alone, costs.error, costs.cost, costs.nbytes)
+            return costs
 
 
 def measure_retained_costs(

@@ -243,6 +243,10 @@ def test_retained_costs_measure_each_layers_kl_alone_and_choose_within_the_budge
     assert (
         loaded.predicted_kl == pytest.approx(min(within)[0]) and (loaded.widths[0], loaded.widths[1]) == min(within)[1]
     )
+    torn = tmp_path / "torn.json"  # a layer missing from one table: refused, not a KeyError mid-choice
+    torn.write_text(json.dumps({**costs, "kl_alone": {"0": costs["kl_alone"]["0"]}}))
+    refused = CliRunner().invoke(app, ["retained-widths", str(torn), "--out", str(tmp_path / "t.json")])
+    assert refused.exit_code == 2 and "its tables name different layers" in " ".join(refused.output.split())
     steeper = choose_retained_widths(loaded, error_exponent=1.0)  # g = 1: each cost the KL alone x the error ratio
     for index, built in loaded.artifact_bits.items():
         ratio = loaded.error[index][2] / loaded.error[index][built]

@@ -126,6 +126,10 @@ def test_cli_writes_costs_whose_widths_encode(
     assert chosen.exit_code == 0 and rechosen.widths == allocate_layer_widths(costs.cost, 3.0)
     assert rechosen.mean_bits == 3.0 and f"--tiers {rechosen.tiers}" in chosen.output
     assert (rechosen.cost, rechosen.kl_alone, rechosen.error) == (costs.cost, costs.kl_alone, costs.error)
+    torn = tmp_path / "torn.json"  # a layer missing from one table: refused, not a KeyError mid-choice
+    torn.write_text(json.dumps({**json.loads(out.read_text()), "error": {"1": costs.error[1]}}))
+    refused = CliRunner().invoke(app, ["layer-widths", str(torn), "--out", str(tmp_path / "t.json")])
+    assert refused.exit_code == 2 and "its tables name different layers" in " ".join(refused.output.split())
 
     built = tmp_path / "tiered"
     encoded = CliRunner().invoke(
