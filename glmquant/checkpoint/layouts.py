@@ -203,20 +203,30 @@ def parse_layer_bits(text: str, option: str = "--retained-layer-bits") -> tuple[
     neither."""
     widths: list[int | None] = []
     for i, entry in enumerate(text.split(",")):
-        entry = entry.strip()
-        if entry.lower() == "exact":
-            widths.append(None)
-            continue
-        match = re.fullmatch(r"[Kk](\d+)", entry)
-        if match is None:
-            raise UsageError(f"{option}: entry {i} ({entry!r}) is neither K<bits> nor exact (e.g. K6,K6,K3,exact)")
-        widths.append(int(match.group(1)))
+        try:
+            widths.append(width_of(entry))
+        except ValueError:
+            entry = entry.strip()
+            raise UsageError(
+                f"{option}: entry {i} ({entry!r}) is neither K<bits> nor exact (e.g. K6,K6,K3,exact)"
+            ) from None
     return tuple(widths)
 
 
 def width_name(bits: int | None) -> str:
     """A retained width as `--retained-layer-bits` names it: K<bits>, or exact (None)."""
     return "exact" if bits is None else f"K{bits}"
+
+
+def width_of(name: str) -> int | None:
+    """`width_name`'s inverse (K<bits> or exact, any case, spaces around allowed); ValueError for anything else."""
+    name = name.strip()
+    if name.lower() == "exact":
+        return None
+    match = re.fullmatch(r"[Kk](\d+)", name)
+    if match is None:
+        raise ValueError(f"{name!r} is neither K<bits> nor exact")
+    return int(match.group(1))
 
 
 def layer_bits_text(widths: Iterable[int | None]) -> str:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from glmquant.arch import table_for
-from glmquant.checkpoint.layouts import RetainedLinear, layer_bits_text, width_name
+from glmquant.checkpoint.layouts import RetainedLinear, layer_bits_text, width_name, width_of
 from glmquant.checkpoint.safetensors_format import parse_header
 from glmquant.checkpoint.writer import atomic_write_text
 from glmquant.encode.retained import dense_hessian
@@ -109,14 +109,11 @@ class RetainedCosts:
         """A costs file `write` wrote; UsageError naming the file for another file or a damaged one."""
         data = read_costs_file(path, FORMAT, "retained costs")
 
-        def width(name: str) -> int | None:
-            return None if name == "exact" else int(name.removeprefix("K"))
-
         def by_layer(d: dict[str, Any], value: Callable[[Any], Any]) -> dict[int, Any]:
             return {int(layer): value(v) for layer, v in d.items()}
 
         def by_width(d: dict[str, Any]) -> dict[int | None, Any]:
-            return {width(name): v for name, v in d.items()}
+            return {width_of(name): v for name, v in d.items()}
 
         with damaged_costs_file(path, "retained costs"):
             costs = cls(
@@ -127,8 +124,8 @@ class RetainedCosts:
                     "error": by_layer(data["error"], by_width),
                     "cost": by_layer(data["cost"], by_width),
                     "nbytes": by_layer(data["nbytes"], by_width),
-                    "offered": tuple(width(name) for name in data["offered"]),
-                    "widths": by_layer(data["widths"], width),
+                    "offered": tuple(width_of(name) for name in data["offered"]),
+                    "widths": by_layer(data["widths"], width_of),
                 }
             )
             same_layers(costs.artifact_bits, costs.kl_alone, costs.error, costs.cost, costs.nbytes)
