@@ -30,7 +30,9 @@ import torch
 from bench_moe_decode import Clock, capture, replays
 
 from glmquant.fixtures.random_artifact import random_exl3
+from glmquant.runtime.kernels import exl3_gemm
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, linear_config
+from glmquant.runtime.kernels.exl3_gemv import GEMV_BITS
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, WeightStack
 
@@ -162,10 +164,20 @@ def main() -> None:
     ap.add_argument("--ti", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--tj", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4])
     ap.add_argument("--max-seconds", type=float, default=1e9, help="measure no new config after this long")
+    ap.add_argument(
+        "--planes",
+        action="store_true",
+        help="one- and two-row jobs multiply fp16 hi/lo planes in fp32 (the small-job core before its fp16x2 "
+        "products), for comparison; K other than the GEMV core's",
+    )
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_exl3_linear.py times CUDA kernels: no CUDA GPU here")
+    if args.planes:
+        if args.bits in GEMV_BITS:
+            raise SystemExit(f"--planes: K{args.bits} one- and two-row jobs take the GEMV core, which has no planes")
+        exl3_gemm.takes_fp16_pairs = lambda max_rows: False  # exl3_linear's activation format: planes at any rows
     import triton
 
     rows = sweep(args)
@@ -175,6 +187,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "bits": args.bits,
+        "activations": "fp16 hi/lo planes" if args.planes else "fp16 pairs up to two rows",
         "defaults": {"one_row": asdict(ONE_ROW_KBIT), "small_jobs": asdict(SMALL_JOB_KBIT)},
         "summary": best(rows),
         "rows": rows,

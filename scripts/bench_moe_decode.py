@@ -33,7 +33,7 @@ import triton
 from glmquant.runtime.kernels.cuda_graphs import StepGraphs
 from glmquant.runtime.kernels.exl3_decode import codebook_id
 from glmquant.runtime.kernels.exl3_gemm import exl3_rows, rotate_in, rotate_out
-from glmquant.runtime.kernels.exl3_gemv import uses_gemv
+from glmquant.runtime.kernels.exl3_gemv import takes_fp16_pairs
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, WeightStack, job_rows
 from glmquant.runtime.kernels.fused_moe import (
     MoEConfig,
@@ -375,8 +375,8 @@ def stage_calls(
 ) -> dict[str, Callable[[], object]]:
     """The launches of one fused_moe step as separate calls on precomputed intermediates (same order)."""
     plan = plan_routes(ids, cfg.job_rows)
-    gemv = uses_gemv(w.gate_up, job_rows(plan.jobs))
-    x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts, gemv)
+    pairs = takes_fp16_pairs(job_rows(plan.jobs))
+    x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts, pairs)
     part_gu = exl3_rows(x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up)
     x_d = swiglu(part_gu, plan, w)
     part_d = exl3_rows(x_d, w.down, plan.experts, plan.jobs, cfg.down)
@@ -384,7 +384,7 @@ def stage_calls(
     rwf = rw.float().contiguous()
     return {
         "plan_routes": partial(plan_routes, ids, cfg.job_rows),
-        "rotate_in": partial(rotate_in, hidden, plan.tokens, w.gate_up, plan.experts, gemv),
+        "rotate_in": partial(rotate_in, hidden, plan.tokens, w.gate_up, plan.experts, pairs),
         "core_gate_up": partial(exl3_rows, x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up),
         "swiglu": partial(swiglu, part_gu, plan, w),
         "core_down": partial(exl3_rows, x_d, w.down, plan.experts, plan.jobs, cfg.down),

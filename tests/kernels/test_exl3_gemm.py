@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from glmquant.exl3 import decode_inner
 from glmquant.runtime.kernels import exl3_gemm
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config, linear_job_rows, linear_tables
-from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, packed_gemv, uses_gemv
+from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, packed_gemv, takes_fp16_pairs, uses_gemv
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, SMALL_JOB_ROWS
 from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack, one_row_gemv
 
@@ -63,7 +63,7 @@ def test_linear_matches_exact_weight(codebook, bits, rows, cfg):
     stack = WeightStack.from_tensors([[t]], device)
     got = exl3_linear(x.to(device), stack, cfg)
     assert got.shape == (rows, 136) and got.dtype == torch.float32
-    assert rel_err(got, want) < (GEMV_ERROR_BOUND if uses_gemv(stack, linear_job_rows(rows, stack)) else BOUND)
+    assert rel_err(got, want) < (GEMV_ERROR_BOUND if takes_fp16_pairs(linear_job_rows(rows, stack)) else BOUND)
 
 
 def test_output_keeps_input_dtype_and_default_config():
@@ -112,7 +112,7 @@ def test_stacked_linears_equal_their_concatenated_weights(codebook, bits, rows):
     stack = WeightStack.from_tensors([[t] for t in linears], device)
     got = exl3_linear(x.to(device), stack)
     assert got.shape == (rows, 3 * 136)
-    bound = GEMV_ERROR_BOUND if uses_gemv(stack, linear_job_rows(rows, stack)) else BOUND
+    bound = GEMV_ERROR_BOUND if takes_fp16_pairs(linear_job_rows(rows, stack)) else BOUND
     for p in range(3):  # each projection alone, so that a swapped or shifted block cannot hide in the whole's error
         cols = slice(136 * p, 136 * (p + 1))
         assert rel_err(got[:, cols], want[:, cols]) < bound
@@ -199,16 +199,19 @@ def test_k4_linear_rows_do_not_depend_on_the_row_count(codebook):
 @pytest.mark.slow
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
 @pytest.mark.parametrize("job_rows", [1, 2])
-@pytest.mark.parametrize("bits", [2, 4])
-def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook, job_rows, bits):
-    """Unit-vector activations through the GEMV core (K2 and K4, one- or two-row jobs).
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+def test_fp16_pair_cores_return_the_inner_weight_bit_for_bit(codebook, job_rows, bits):
+    """Unit-vector fp16-pair activations through one- or two-row jobs: the GEMV core at K2 and K4, the small-job
+    core at K3, K5 (B = 4 windows) and K6 (B = 2).
 
-    Each output row is a row of Q exactly: on CUDA (3INST, MCG) through the packed fp16-pair path.
+    Each output row is a row of Q exactly: on CUDA (3INST, MCG) through the packed fp16x2 products, whose fp16 sums
+    then add one product to zeros.
     """
     device = kernel_device()
     t = random_exl3(torch.Generator().manual_seed(3), 128, 128, bits, codebook, scale=1.0)
     stack = WeightStack.from_tensors([[t]], device)
-    assert uses_gemv(stack, 1) and uses_gemv(stack, 2) and not uses_gemv(stack, 16)
+    assert takes_fp16_pairs(1) and takes_fp16_pairs(2) and not takes_fp16_pairs(3)
+    assert uses_gemv(stack, 1) == uses_gemv(stack, 2) == (bits in (2, 4)) and not uses_gemv(stack, 3)
     picks = torch.tensor(
         [16 * tile + r for tile in range(8) for r in (tile, 15 - tile)]
     )  # every tile row and row offset
@@ -225,10 +228,11 @@ def test_gemv_core_returns_the_inner_weight_bit_for_bit(codebook, job_rows, bits
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed path is inline PTX: needs a CUDA GPU")
 @pytest.mark.parametrize("codebook", ["3inst", "mcg"])
 @pytest.mark.parametrize("job_rows", [1, 2])
-@pytest.mark.parametrize("bits", [2, 4])
-def test_packed_gemv_core_matches_its_unpacked_path(codebook, job_rows, bits, monkeypatch):
-    """The GEMV core's fp16-pair products (PTX window hashes, fp16x2 FMAs, fp16 step sums) against its fp32 products
-    of decoded weights on the same GPU, random activations at the launch shapes the runtime uses."""
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+def test_packed_products_match_their_unpacked_path(codebook, job_rows, bits, monkeypatch):
+    """fp16x2 products (the GEMV core's PTX window hashes at K2 and K4, the small-job core's hash halves at other K;
+    fp16 step sums) against the same core's fp32 products of decoded weights on the same GPU, random activations at
+    the launch shapes the runtime uses."""
     device = kernel_device()
     gen = torch.Generator().manual_seed(5)
     t = random_exl3(gen, 1024, 512, bits, codebook)
@@ -237,7 +241,7 @@ def test_packed_gemv_core_matches_its_unpacked_path(codebook, job_rows, bits, mo
     starts = torch.arange(0, 4, 2, dtype=torch.int32, device=device)
     jobs = None if job_rows == 1 else Jobs(starts, torch.full_like(starts, 2), 2)
     experts = torch.zeros(4, dtype=torch.int32, device=device)
-    cfg = one_row_gemv(bits) if job_rows == 1 else GemmConfig()
+    cfg = linear_config(job_rows, stack)
     assert packed_gemv(x, stack)
     packed = exl3_rows(x, stack, experts, jobs, cfg).sum(0)
     monkeypatch.setattr(exl3_gemm, "packed_gemv", lambda xr, stack: False)
@@ -254,6 +258,32 @@ def test_core_rejects_activations_of_the_other_format_and_one_row_job_tables():
         exl3_rows(planes, stack, torch.zeros(1, dtype=torch.int32, device=device), None, GemmConfig())
     with pytest.raises(ValueError, match="None is one row per job"):
         Jobs(torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1)
+    k3 = WeightStack.from_tensors([[random_exl3(torch.Generator().manual_seed(4), 128, 128, 3, "mcg")]], device)
+    pairs = torch.zeros((1, 3, 128), dtype=torch.int32, device=device)
+    start, three = (torch.tensor([n], dtype=torch.int32, device=device) for n in (0, 3))
+    jobs = Jobs(start, three, 3)
+    with pytest.raises(ValueError, match="not the tensor-core core's format"):  # 3-row jobs take hi/lo planes
+        exl3_rows(pairs, k3, torch.zeros(3, dtype=torch.int32, device=device), jobs, SMALL_JOB_KBIT)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_small_job_core_takes_either_activation_format_for_one_or_two_rows(rows):
+    """At K3 a one- or two-row job multiplies fp16 pairs (what `exl3_linear` gives it) or hi/lo planes alike: the
+    planes' fp32-level products against the pairs' fp16 activations, within the GEMV error bound."""
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(9)
+    stack = WeightStack.from_tensors([[random_exl3(gen, 256, 128, 3, "3inst")]], device)
+    x = torch.randn(1, rows, 256, generator=gen)
+    hi = x.half()
+    planes = torch.stack([hi, (x - hi.float()).half()], dim=2).to(device)  # [P, R, 2, in]
+    experts = torch.zeros(rows, dtype=torch.int32, device=device)
+    start, two = (torch.tensor([n], dtype=torch.int32, device=device) for n in (0, 2))
+    jobs = None if rows == 1 else Jobs(start, two, 2)
+    cfg = linear_config(rows, stack, programs=1)
+    from_planes = exl3_rows(planes, stack, experts, jobs, cfg).sum(0)
+    from_pairs = exl3_rows(fp16_pairs(x).to(device), stack, experts, jobs, cfg).sum(0)
+    want = x[0].double() @ decode_inner(stack.trellis[0, 0].cpu(), "3inst").double()
+    assert rel_err(from_planes, want) < BOUND < rel_err(from_pairs, want) < GEMV_ERROR_BOUND
 
 
 @pytest.mark.parametrize("bits", [3, 5])

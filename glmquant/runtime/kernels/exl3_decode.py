@@ -56,6 +56,14 @@ def block_state(win, pos, K: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
+def codebook_pairs(state, CB: tl.constexpr, mask, flip):
+    """uint32 pairs of fp16 halves whose sum is the weight of uint32 states, 3INST (CB 0) or MCG (CB 1): the hash
+    before its halves are added, which fp16x2 products take as it is (MUL1 has no such form)."""
+    x = state * 89226354 + 64248484 if CB == 0 else state * 0xCBAC1FED
+    return (x & mask.to(tl.uint32, bitcast=True)) ^ flip.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def codebook_value(state, CB: tl.constexpr, mask, flip):
     """fp16 value of uint32 states (0..65535): 0 = 3INST, 1 = MCG, 2 = MUL1 (exllamav3's hashes).
 
@@ -66,8 +74,7 @@ def codebook_value(state, CB: tl.constexpr, mask, flip):
         x = state * 0x83DCD12D
         b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
         return ((b.to(tl.float32) + 1024.0) * MUL1_SCALE + MUL1_BIAS).to(tl.float16)
-    x = state * 89226354 + 64248484 if CB == 0 else state * 0xCBAC1FED
-    y = (x & mask.to(tl.uint32, bitcast=True)) ^ flip.to(tl.uint32, bitcast=True)
+    y = codebook_pairs(state, CB, mask, flip)
     lo = (y & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
     hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
     return lo + hi  # exact in fp32 for these exponents, so one fp16 rounding as in the codec
@@ -107,8 +114,8 @@ def load_window(tile_ptr, g, l4, e2, e01, K: tl.constexpr):
 
 
 @triton.jit
-def window_values(win, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
-    """fp16 weights at the low ring fields (e2, e01) of the blocks whose windows are `win`."""
+def window_states(win, e2, e01, K: tl.constexpr):
+    """16-bit states at the low ring fields (e2, e01) of the blocks whose windows are `win` (`load_window`)."""
     B: tl.constexpr = 8 if K <= 2 else 4 if K <= 5 else 2
     if B == 8:
         pos = 4 * e2 + e01
@@ -116,7 +123,19 @@ def window_values(win, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
         pos = e01
     else:
         pos = e01 % 2
-    return codebook_value(block_state(win, pos, K, B), CB, mask, flip)
+    return block_state(win, pos, K, B)
+
+
+@triton.jit
+def window_values(win, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
+    """fp16 weights at the low ring fields (e2, e01) of the blocks whose windows are `win`."""
+    return codebook_value(window_states(win, e2, e01, K), CB, mask, flip)
+
+
+@triton.jit
+def window_pairs(win, e2, e01, K: tl.constexpr, CB: tl.constexpr, mask, flip):
+    """The weights at those fields as `codebook_pairs` (3INST, MCG): fp16 halves whose sum is the weight."""
+    return codebook_pairs(window_states(win, e2, e01, K), CB, mask, flip)
 
 
 @triton.constexpr_function

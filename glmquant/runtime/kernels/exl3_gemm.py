@@ -22,7 +22,14 @@ import triton.language as tl
 
 from glmquant.exl3 import EXL3Tensor
 from glmquant.runtime.kernels.exl3_decode import HASH_FLIP, HASH_MASK, load_window, ring_fields, window_values
-from glmquant.runtime.kernels.exl3_gemv import GEMV_BITS, GEMV_JOB_ROWS, _exl3_gemv_kernel, packed_gemv, uses_gemv
+from glmquant.runtime.kernels.exl3_gemv import (
+    GEMV_BITS,
+    GEMV_JOB_ROWS,
+    _exl3_gemv_kernel,
+    packed_gemv,
+    takes_fp16_pairs,
+    uses_gemv,
+)
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, SMALL_JOB_ROWS, _exl3_row_kernel
 from glmquant.runtime.kernels.exl3_jobs import (
     JOB_ROWS,
@@ -61,12 +68,12 @@ def store_hi_lo(ptr, plane, v, mask):
 
 
 @triton.jit
-def store_activations(out_ptr, row, cols, Kp, v, live, GEMV: tl.constexpr):
+def store_activations(out_ptr, row, cols, Kp, v, live, PAIRS: tl.constexpr):
     """Store rotated activations v [ROWS, 128] (row: [ROWS, 1] int64) in a core's input format.
 
-    GEMV: fp16 twice per int32 [R, Kp] (an fp16x2 operand); else fp16 hi/lo planes [R, 2, Kp] for the tensor-core core.
+    PAIRS: fp16 twice per int32 [R, Kp] (an fp16x2 operand, `takes_fp16_pairs`); else fp16 hi/lo planes [R, 2, Kp].
     """
-    if GEMV:
+    if PAIRS:
         half = v.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
         tl.store(out_ptr + row * Kp + cols, (half | (half << 16)).to(tl.int32, bitcast=True), mask=live)
     else:
@@ -86,7 +93,7 @@ def _rotate_in_kernel(
     x_stride,
     Kp,
     ROWS: tl.constexpr,
-    GEMV: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     """out[p, i, blk] = had(x[src[i], blk] ∘ scale[p, scale_row[i], blk]) in the core's format.
 
@@ -100,7 +107,7 @@ def _rotate_in_kernel(
     x = tl.load(x_ptr + src * x_stride + cols, mask=live & (cols < x_cols), other=0.0).to(tl.float32)
     srow = tl.load(scale_row_ptr + rows, mask=live, other=0).to(tl.int64)
     su = tl.load(scale_ptr + (p * V + srow) * Kp + cols, mask=live, other=0.0).to(tl.float32)
-    store_activations(out_ptr, p * R + rows.to(tl.int64), cols, Kp, had128_rows(x * su), live, GEMV)
+    store_activations(out_ptr, p * R + rows.to(tl.int64), cols, Kp, had128_rows(x * su), live, PAIRS)
 
 
 @triton.jit
@@ -199,24 +206,24 @@ def _rotate_out_kernel(
     tl.store(dst, y, mask=out_cols < n_cols)
 
 
-def activation_buffer(P: int, R: int, kp: int, gemv: bool, device: torch.device) -> torch.Tensor:
-    """Uninitialized core input: int32 [P, R, kp] holding each fp16 activation twice for the GEMV core, fp16
-    hi/lo planes [P, R, 2, kp] otherwise."""
-    if gemv:
+def activation_buffer(P: int, R: int, kp: int, pairs: bool, device: torch.device) -> torch.Tensor:
+    """Uninitialized core input: int32 [P, R, kp] holding each fp16 activation twice (`pairs`, jobs of one or two
+    rows: `takes_fp16_pairs`), fp16 hi/lo planes [P, R, 2, kp] otherwise."""
+    if pairs:
         return torch.empty((P, R, kp), dtype=torch.int32, device=device)
     return torch.empty((P, R, 2, kp), dtype=torch.float16, device=device)
 
 
 def rotate_in(
-    x: torch.Tensor, src: torch.Tensor, stack: WeightStack, scale_row: torch.Tensor, gemv: bool
+    x: torch.Tensor, src: torch.Tensor, stack: WeightStack, scale_row: torch.Tensor, pairs: bool
 ) -> torch.Tensor:
     """had(x[src[i]] ∘ suh[p, scale_row[i]]) for every projection p, as `activation_buffer` lays it out."""
     P, V, kp = stack.suh.shape
     R = src.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = activation_buffer(P, R, kp, gemv, x.device)
+    out = activation_buffer(P, R, kp, pairs, x.device)
     _rotate_in_kernel[(triton.cdiv(R, 16), P, kp // 128)](
-        x, src, stack.suh, scale_row, out, R, V, x.shape[1], x.stride(0), kp, ROWS=16, GEMV=gemv
+        x, src, stack.suh, scale_row, out, R, V, x.shape[1], x.stride(0), kp, ROWS=16, PAIRS=pairs
     )
     return out
 
@@ -231,10 +238,13 @@ def exl3_rows(
     P, V, kt, nt, _ = stack.trellis.shape
     R = xr.shape[1]
     gemv = uses_gemv(stack, job_rows(jobs))
-    if (xr.dtype, xr.dim()) != ((torch.int32, 3) if gemv else (torch.float16, 4)):
+    pairs = (xr.dtype, xr.dim()) == (torch.int32, 3)
+    # fp16 pairs for the GEMV core, hi/lo planes for jobs of 3 rows or more; the small-job core takes both
+    formats = (True,) if gemv else (True, False) if takes_fp16_pairs(job_rows(jobs)) else (False,)
+    if pairs not in formats or (not pairs and (xr.dtype, xr.dim()) != (torch.float16, 4)):
+        core = "GEMV" if gemv else "tensor-core" if formats == (False,) else "small-job"
         raise ValueError(
-            f"activations {xr.dtype} {tuple(xr.shape)} are not the {'GEMV' if gemv else 'tensor-core'} "
-            f"core's format (activation_buffer)"
+            f"activations {xr.dtype} {tuple(xr.shape)} are not the {core} core's format (activation_buffer)"
         )
     if nt % cfg.tj:
         raise ValueError(f"{nt} column tiles do not split into blocks of tj = {cfg.tj}")
@@ -256,7 +266,8 @@ def exl3_rows(
         _exl3_gemv_kernel[grid](xr, words, experts, starts, counts, *common_args, **shape, **extra)
     elif job_rows(jobs) <= SMALL_JOB_ROWS:  # CUDA cores, no 16-row tile of mostly empty rows
         ROWS = triton.next_power_of_2(job_rows(jobs))
-        _exl3_row_kernel[grid](xr, stack.trellis, experts, starts, counts, *common_args, **shape, ROWS=ROWS)
+        extra = {"ROWS": ROWS, "PAIRS": pairs, "PACKED": pairs and packed_gemv(xr, stack)}
+        _exl3_row_kernel[grid](xr, stack.trellis, experts, starts, counts, *common_args, **shape, **extra)
     else:
         _exl3_rows_kernel[grid](
             xr, stack.trellis, experts, starts, counts, *common_args, **shape, JOB_M=tile_rows(job_rows(jobs))
@@ -387,7 +398,7 @@ def exl3_linear(
         return out.view(*lead, width)
     cfg = cfg or linear_config(M, stack, LINEAR_PROGRAMS if x.is_cuda else 1)
     tokens, proj, ones, jobs = linear_tables(M, n_proj, linear_job_rows(M, stack), x.device)
-    xr = rotate_in(x, tokens[:M], stack, proj[:M], uses_gemv(stack, job_rows(jobs)))
+    xr = rotate_in(x, tokens[:M], stack, proj[:M], takes_fp16_pairs(job_rows(jobs)))
     part = exl3_rows(xr, stack, proj[:M], jobs, cfg)
     return rotate_out(part, tokens, ones, proj, stack, out, M).view(*lead, width)
 

@@ -194,9 +194,16 @@ def _exl3_gemv_kernel(
 
 
 def uses_gemv(stack: WeightStack, max_rows: int) -> bool:
-    """Whether `exl3_rows` runs the GEMV core (K in GEMV_BITS, jobs of <= GEMV_JOB_ROWS rows), which takes fp16
-    activations; otherwise the small-job or tensor-core core, on fp16 hi/lo planes."""
+    """Whether `exl3_rows` runs the GEMV core (K in GEMV_BITS, jobs of <= GEMV_JOB_ROWS rows); otherwise the
+    small-job or tensor-core core."""
     return stack.bits in GEMV_BITS and max_rows <= GEMV_JOB_ROWS
+
+
+def takes_fp16_pairs(max_rows: int) -> bool:
+    """Whether jobs of <= max_rows rows take fp16 activations twice per int32 (`activation_buffer`), at any K: jobs
+    of one or two rows (the GEMV core at K2 and K4, the small-job core's fp16x2 products at other K); larger jobs take
+    fp16 hi/lo planes. Results then carry `GEMV_ERROR_BOUND`."""
+    return max_rows <= GEMV_JOB_ROWS
 
 
 def packed_gemv(xr: torch.Tensor, stack: WeightStack) -> bool:

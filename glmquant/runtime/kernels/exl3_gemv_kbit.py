@@ -5,10 +5,12 @@ A batch-1 product at a K the GEMV core does not take (K3 expert tiers, retained 
 2-4 rows of an MTP verify step (3-4 at K2 and K4, whose 1-2 rows take the GEMV core) would otherwise take the
 tensor-core core, whose 16-row tile is mostly empty for so few rows and which
 permutes every decoded block through shared memory into (k, n) order for `tl.dot`. Here each decoded weight is
-multiplied where it is decoded by the activation of each row of the job: products accumulate in fp32 registers in
+multiplied where it is decoded by the activation of each row of the job: products accumulate in registers in
 the decode layout across the K split (one accumulator per row), and the rows of the split are summed once at
-the end. Activations are the tensor-core core's fp16 hi/lo planes (`activation_buffer`), added in fp32:
-fp32-level results, like that core's.
+the end. Jobs of one or two rows take fp16 activations twice per int32 (`takes_fp16_pairs`) and, on a GPU at
+3INST/MCG, the GEMV core's arithmetic: the hash's two fp16 halves times the activation pair in one fp16x2 FMA,
+`FLUSH` steps summed in fp16, then fp32 (`GEMV_ERROR_BOUND`); no add of the halves, no fp16 -> fp32 conversion per
+weight. Jobs of 3-4 rows take the tensor-core core's fp16 hi/lo planes, added in fp32: fp32-level results.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from glmquant.runtime.kernels.exl3_decode import load_window, ring_fields, window_values
+from glmquant.runtime.kernels.exl3_decode import load_window, ring_fields, window_pairs, window_values
+from glmquant.runtime.kernels.exl3_gemv import half2_fma, half2_sum, low_half
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 
 # Steps of 1 x 4 tiles (one row) and 2 x 1 (2-4 rows) at 1 warp: of the 18 shapes at 1-2 warps swept at K3 and K5
@@ -28,11 +31,15 @@ from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 ONE_ROW_KBIT = GemmConfig(ti=1, tj=4, num_warps=1)
 SMALL_JOB_KBIT = GemmConfig(ti=2, tj=1, num_warps=1)
 SMALL_JOB_ROWS = 4  # the most rows of a job this core takes (an MTP verify of 3 drafts + 1)
+FLUSH = 4  # packed steps summed in fp16 before fp32: at most 8 products per sum (two halves), as in the GEMV core at K4
 
 
 @triton.jit
-def _row_activation(xs, live, KT):
-    """One row's activations at `xs` (hi + lo planes in fp32), 0 where the row is past its job's end."""
+def _row_activation(xs, live, KT, PAIRS: tl.constexpr):
+    """One row's activations at `xs` in fp32, 0 where the row is past its job's end: the fp16 of a pair (PAIRS), or
+    the hi + lo planes."""
+    if PAIRS:
+        return low_half(tl.load(xs, mask=live, other=0).to(tl.uint32, bitcast=True))
     return tl.load(xs, mask=live, other=0.0).to(tl.float32) + tl.load(xs + KT * 16, mask=live, other=0.0).to(tl.float32)
 
 
@@ -62,6 +69,8 @@ def _exl3_row_kernel(
     TI: tl.constexpr,
     TJ: tl.constexpr,
     ROWS: tl.constexpr,
+    PAIRS: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """part[s, p, row, cols] = x[p, row, k-split s] @ Q[p, expert[row]] for one 16*TJ-column block and the rows of
     one job (ROWS = 1: program i is row i, no job tables; else up to ROWS <= 4 rows from the tables).
@@ -69,36 +78,61 @@ def _exl3_row_kernel(
     Weights are decoded as the tensor-core core decodes them, dims [ti, tj, e1, e0, e2, g, l4] (tile row, tile
     column, ring fields: row 2 l4 + e0 + 8 e1, column g + 8 e2 of the tile), windows loaded one step ahead. Each
     row has its own accumulator in that same layout (a leading row dim would make Triton move every decoded block
-    between layouts); the unused ones compile away.
+    between layouts); the unused ones compile away. Activations: fp16 hi/lo planes, or (PAIRS, ROWS <= 2) fp16
+    twice per int32, which PACKED (GPU, 3INST/MCG) multiplies by the hash's fp16 halves in fp16x2 FMAs, summing
+    `FLUSH` steps in fp16 before fp32 (the GEMV core's arithmetic at any K); unpacked, decoded weights times fp16
+    activations in fp32.
     """
     row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, ROWS == 1)
     if rows > 0:  # a job of no rows: its first row is another job's, which alone writes it
         ti_, tj_, e1, e0, e2, g, l4 = ring_fields(TI, TJ)
+        e01 = 2 * e1 + e0
         expert = tl.load(expert_ptr + row0).to(tl.int64)
         tiles = trellis_ptr + (p * V + expert) * (KT * NT * 16 * K) + (nb * TJ + tj_) * (16 * K)
         rows_step = NT * 16 * K  # int16 words per row of tiles
-        # the activation of each decoded weight's row: hi and lo planes of the job's first row of projection p
-        xrow = x_ptr + (p * R + row0).to(tl.int64) * (2 * KT * 16) + 16 * ti_ + 2 * l4 + e0 + 8 * e1
-        x_row_step = 2 * KT * 16
+        # the activation of each decoded weight's row: the job's first row of projection p (both planes' first)
+        x_row_step = (1 if PAIRS else 2) * KT * 16
+        xrow = x_ptr + (p * R + row0).to(tl.int64) * x_row_step + 16 * ti_ + 2 * l4 + e0 + 8 * e1
         lanes = l4 * 0  # a row's liveness in the activations' shape (the interpreter rejects scalar masks)
         first = split * STEP_TILES
         acc0 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
         acc1 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
         acc2 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
         acc3 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.float32)
-        win = load_window(tiles + (first + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
-        for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
-            # the next step's windows load while this step decodes (the last step reloads the first: unused)
-            nxt = load_window(tiles + (first + (step + TI) % STEP_TILES + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
-            q = window_values(win, e2, 2 * e1 + e0, K, CB, hash_mask, hash_flip).to(tl.float32)
-            xs = xrow + 16 * (first + step)
-            acc0 += q * _row_activation(xs, lanes == 0, KT)
-            if ROWS > 1:
-                acc1 += q * _row_activation(xs + x_row_step, lanes + 1 < rows, KT)
-            if ROWS > 2:
-                acc2 += q * _row_activation(xs + 2 * x_row_step, lanes + 2 < rows, KT)
-                acc3 += q * _row_activation(xs + 3 * x_row_step, lanes + 3 < rows, KT)
-            win = nxt
+        win = load_window(tiles + (first + ti_) * rows_step, g, l4, e2, e01, K)
+        if PACKED:
+            tl.static_assert(PAIRS and ROWS <= 2, "fp16x2 products take fp16-pair activations, one or two rows")
+            # steps per fp16 sum: FLUSH, or fewer where a K split is not a whole number of FLUSH steps
+            GROUP: tl.constexpr = FLUSH if (STEP_TILES // TI) % FLUSH == 0 else 2 if (STEP_TILES // TI) % 2 == 0 else 1
+            for group in range(0, STEP_TILES, GROUP * TI):  # constexpr trip count: one K split
+                sum0 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.uint32)  # fp16 pairs: GROUP steps' products
+                sum1 = tl.zeros([TI, TJ, 2, 2, 2, 8, 4], dtype=tl.uint32)
+                for sub in tl.static_range(GROUP):
+                    step = group + sub * TI
+                    # the next step's windows load while this step decodes (the last step reloads the first: unused)
+                    nxt = load_window(tiles + (first + (step + TI) % STEP_TILES + ti_) * rows_step, g, l4, e2, e01, K)
+                    pairs = window_pairs(win, e2, e01, K, CB, hash_mask, hash_flip)
+                    xs = xrow + 16 * (first + step)
+                    sum0 = half2_fma(pairs, tl.load(xs).to(tl.uint32, bitcast=True), sum0)
+                    if ROWS > 1:
+                        x1 = tl.load(xs + x_row_step, mask=lanes + 1 < rows, other=0).to(tl.uint32, bitcast=True)
+                        sum1 = half2_fma(pairs, x1, sum1)
+                    win = nxt
+                acc0 += half2_sum(sum0)
+                if ROWS > 1:
+                    acc1 += half2_sum(sum1)
+        else:
+            for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
+                nxt = load_window(tiles + (first + (step + TI) % STEP_TILES + ti_) * rows_step, g, l4, e2, e01, K)
+                q = window_values(win, e2, e01, K, CB, hash_mask, hash_flip).to(tl.float32)
+                xs = xrow + 16 * (first + step)
+                acc0 += q * _row_activation(xs, lanes == 0, KT, PAIRS)
+                if ROWS > 1:
+                    acc1 += q * _row_activation(xs + x_row_step, lanes + 1 < rows, KT, PAIRS)
+                if ROWS > 2:
+                    acc2 += q * _row_activation(xs + 2 * x_row_step, lanes + 2 < rows, KT, PAIRS)
+                    acc3 += q * _row_activation(xs + 3 * x_row_step, lanes + 3 < rows, KT, PAIRS)
+                win = nxt
         cols = nb * TJ * 16 + tl.arange(0, TJ)[:, None, None] * 16 + tl.arange(0, 2)[None, :, None] * 8
         cols += tl.arange(0, 8)[None, None, :]
         dst = part_ptr + ((split * n_proj + p) * R + row0).to(tl.int64) * (NT * 16)

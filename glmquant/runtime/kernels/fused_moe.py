@@ -25,7 +25,7 @@ from glmquant.runtime.kernels.exl3_gemm import (
     rotate_out,
     store_activations,
 )
-from glmquant.runtime.kernels.exl3_gemv import GEMV_JOB_ROWS, uses_gemv
+from glmquant.runtime.kernels.exl3_gemv import GEMV_JOB_ROWS, takes_fp16_pairs, uses_gemv
 from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT
 from glmquant.runtime.kernels.exl3_jobs import (
     JOB_ROWS,
@@ -128,7 +128,7 @@ def _swiglu_kernel(
     limit,
     SPLITS: tl.constexpr,
     ROWS: tl.constexpr,
-    GEMV: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     """out[i, blk] = had(silu(min(g, L)) * clamp(u, -L, L) ∘ suh_down) in the down core's format.
 
@@ -150,14 +150,14 @@ def _swiglu_kernel(
     u = tl.minimum(tl.maximum(u, -limit), limit)
     act = tl.where(cols < n_inter, g / (1.0 + tl.exp(-g)) * u, 0.0)
     sd = tl.load(suh_d_ptr + expert * Ip + cols, mask=live, other=0.0).to(tl.float32)
-    store_activations(out_ptr, rows.to(tl.int64), cols, Ip, had128_rows(act * sd), live, GEMV)
+    store_activations(out_ptr, rows.to(tl.int64), cols, Ip, had128_rows(act * sd), live, PAIRS)
 
 
 def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
     """Rotated down inputs (`activation_buffer` layout, P = 1) from the gate/up partials [splits, 2, R, inter_pad]."""
     splits, _, R, ip = part.shape
-    gemv = uses_gemv(w.down, job_rows(plan.jobs))
-    out = activation_buffer(1, R, ip, gemv, part.device)
+    pairs = takes_fp16_pairs(job_rows(plan.jobs))
+    out = activation_buffer(1, R, ip, pairs, part.device)
     limit = float("inf") if w.swiglu_limit is None else float(w.swiglu_limit)
     _swiglu_kernel[(triton.cdiv(R, 16), ip // 128)](
         part,
@@ -172,7 +172,7 @@ def swiglu(part: torch.Tensor, plan: RoutePlan, w: MoEWeights) -> torch.Tensor:
         limit,
         SPLITS=splits,
         ROWS=16,
-        GEMV=gemv,
+        PAIRS=pairs,
     )
     return out
 
@@ -226,7 +226,7 @@ def fused_moe(
     T = expert_ids.shape[0]
     cfg = cfg or choose_moe_config(T, expert_ids.numel(), w)
     plan = plan_routes(expert_ids, cfg.job_rows)
-    x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts, uses_gemv(w.gate_up, job_rows(plan.jobs)))
+    x_gu = rotate_in(hidden, plan.tokens, w.gate_up, plan.experts, takes_fp16_pairs(job_rows(plan.jobs)))
     x_d = swiglu(exl3_rows(x_gu, w.gate_up, plan.experts, plan.jobs, cfg.gate_up), plan, w)
     part = exl3_rows(x_d, w.down, plan.experts, plan.jobs, cfg.down)
     if out is None:
