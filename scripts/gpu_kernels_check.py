@@ -260,8 +260,10 @@ def compile_reports() -> dict:
         "hash_mask": "i32",
         "hash_flip": "i32",
     }
-    rows_sig = {"x_ptr": "*fp16", "trellis_ptr": "*i16", **common}
+    rows_sig = {"x_ptr": "*fp16", "trellis_ptr": "*i32", **common}
     gemv_sig = {"x_ptr": "*i32", "words_ptr": "*i32", **common}
+    pairs_sig = {"x_ptr": "*i32", "trellis_ptr": "*i32", **common}
+    packed, planes = {"PAIRS": True, "PACKED": True}, {"PAIRS": False, "PACKED": False}
 
     def consts(cfg: GemmConfig, **extra: int | bool) -> dict:
         return {"STEP_TILES": cfg.split_tiles, "K": 2, "CB": 1, "TI": cfg.ti, "TJ": cfg.tj, **extra}
@@ -289,9 +291,10 @@ def compile_reports() -> dict:
         ),
         "gemv_k4_two_row_jobs": (_exl3_gemv_kernel, gemv_sig, default, {"K": 4, "JOB_ROWS_MAX": 2, "PACKED": True}),
         # the small-job core at the K it runs (K3, K5, K6: not the GEMV core's), one row and an MTP verify's 2-4
-        "row_kbit_k3": (_exl3_row_kernel, rows_sig, ONE_ROW_KBIT, {"K": 3, "ROWS": 1}),
-        "row_kbit_k3_two_rows": (_exl3_row_kernel, rows_sig, SMALL_JOB_KBIT, {"K": 3, "ROWS": 2}),
-        "row_kbit_k5_four_rows": (_exl3_row_kernel, rows_sig, SMALL_JOB_KBIT, {"K": 5, "ROWS": 4}),
+        # (one and two rows: fp16 pairs, fp16x2 products; more: hi/lo planes)
+        "row_kbit_k3": (_exl3_row_kernel, pairs_sig, ONE_ROW_KBIT, {"K": 3, "ROWS": 1, **packed}),
+        "row_kbit_k3_two_rows": (_exl3_row_kernel, pairs_sig, SMALL_JOB_KBIT, {"K": 3, "ROWS": 2, **packed}),
+        "row_kbit_k5_four_rows": (_exl3_row_kernel, rows_sig, SMALL_JOB_KBIT, {"K": 5, "ROWS": 4, **planes}),
     }
     reports = {}
     for name, (fn, sig, cfg, extra) in cores.items():
@@ -343,7 +346,7 @@ def launch_kernel_reports() -> dict:
                 "x_stride": "i32",
                 "Kp": "i32",
             },
-            {"ROWS": 16, "GEMV": True},
+            {"ROWS": 16, "PAIRS": True},
             4,
         ),
         "swiglu": (
@@ -360,7 +363,7 @@ def launch_kernel_reports() -> dict:
                 "n_inter": "i32",
                 "limit": "fp32",
             },
-            {"SPLITS": 4, "ROWS": 16, "GEMV": True},
+            {"SPLITS": 4, "ROWS": 16, "PAIRS": True},
             4,
         ),
         "rotate_out": (

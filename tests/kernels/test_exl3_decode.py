@@ -28,7 +28,7 @@ def tiles_kernel(trellis_ptr, out_ptr, NT, mask, flip, K: tl.constexpr, CB: tl.c
     c = tl.arange(0, 16)[None, None, :]
     tile = tl.program_id(0) * TILES + tl.arange(0, TILES)[:, None, None]
     g, l4, e2, e01 = c % 8, (r % 8) // 2, c // 8, 2 * (r // 8) + r % 2
-    q = window_values(load_window(trellis_ptr + tile * (16 * K), g, l4, e2, e01, K), e2, e01, K, CB, mask, flip)
+    q = window_values(load_window(trellis_ptr + tile * (8 * K), g, l4, e2, e01, K), e2, e01, K, CB, mask, flip)
     ti, tj = tile // NT, tile % NT
     tl.store(out_ptr + (16 * ti + r) * (16 * NT) + 16 * tj + c, q)
 
@@ -38,7 +38,7 @@ def decode_tiles(trellis: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     kt, nt, words = trellis.shape
     out = torch.empty((kt * 16, nt * 16), dtype=torch.float16, device=trellis.device)
     tiles_kernel[(kt * nt // 64,)](
-        trellis, out, nt, HASH_MASK, HASH_FLIP, K=words // 16, CB=codebook_id(codebook), TILES=64
+        trellis.view(torch.int32), out, nt, HASH_MASK, HASH_FLIP, K=words // 16, CB=codebook_id(codebook), TILES=64
     )
     return out
 

@@ -28,25 +28,24 @@ def codebook_id(codebook: Codebook | str) -> int:
 
 
 @triton.jit
-def _chunk(tile_ptr, j, K: tl.constexpr):
-    """16-bit stream chunk j (mod 16 K) of a tile: chunk j is int16 word j ^ 1 (uint32 words, MSB first)."""
-    word = ((j + 16 * K) % (16 * K)) ^ 1
-    return tl.load(tile_ptr + word).to(tl.uint16, bitcast=True).to(tl.uint32)
+def _word(tile_ptr, i, K: tl.constexpr):
+    """uint32 stream word i (mod 8 K) of a tile, stream bits [32 i, 32 i + 32) MSB first: the tile's int16 words
+    viewed as int32 (chunk 2 i, int16 word 2 i + 1, is the high half)."""
+    return tl.load(tile_ptr + (i + 8 * K) % (8 * K)).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def block_window(tile_ptr, blk, K: tl.constexpr, B: tl.constexpr):
     """uint32 holding stream bits [(blk+1) B K - 32, (blk+1) B K): the states of ring positions blk*B .. blk*B+B-1.
 
-    tile_ptr points at the tile's 16 K int16 words (any shape, broadcast with blk); wraps around the ring.
+    tile_ptr points at the tile's 8 K int32 words (any shape, broadcast with blk); wraps around the ring. Two
+    aligned 32-bit loads per block (the window's 16 + (B - 1) K <= 32 bits span at most two words), funnel-shifted.
     """
     end = (blk + 1) * (B * K)
-    q = (end - 1) // 16  # chunk holding the last bit
-    sh = (16 * (q + 1) - end).to(tl.uint32)  # bits of chunk q after the window
-    win = (_chunk(tile_ptr, q - 1, K) << (16 - sh)) | (_chunk(tile_ptr, q, K) >> sh)
-    if (B * K) % 16 != 0:  # the window starts inside chunk q - 2
-        win = win | ((_chunk(tile_ptr, q - 2, K) << 16) << (16 - sh))
-    return win
+    w = (end - 1) // 32  # word holding the last bit
+    after = (32 * (w + 1) - end).to(tl.uint64)  # bits of word w after the window
+    pair = (_word(tile_ptr, w - 1, K).to(tl.uint64) << 32) | _word(tile_ptr, w, K).to(tl.uint64)
+    return (pair >> after).to(tl.uint32)
 
 
 @triton.jit

@@ -144,12 +144,12 @@ def _exl3_rows_kernel(
     if rows > 0:
         ti_, tj_, e1, e0, e2, g, l4 = ring_fields(TI, TJ)
         expert = tl.load(expert_ptr + row0).to(tl.int64)
-        tiles = trellis_ptr + (p * V + expert) * (KT * NT * 16 * K) + (nb * TJ + tj_) * (16 * K)
+        tiles = trellis_ptr + (p * V + expert) * (KT * NT * 8 * K) + (nb * TJ + tj_) * (8 * K)
         m = tl.arange(0, JOB_M)[:, None]
         xrow = x_ptr + (p * R + row0 + m).to(tl.int64) * (2 * KT * 16) + tl.arange(0, TI * 16)[None, :]
         acc = tl.zeros([JOB_M, TJ * 16], dtype=tl.float32)
         first = split * STEP_TILES
-        rows_step = NT * 16 * K  # int16 words per row of tiles
+        rows_step = NT * 8 * K  # int32 words per row of tiles
         win = load_window(tiles + (first + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
         win1 = load_window(tiles + (first + TI % STEP_TILES + ti_) * rows_step, g, l4, e2, 2 * e1 + e0, K)
         for step in range(0, STEP_TILES, TI):  # constexpr trip count: one K split
@@ -260,17 +260,17 @@ def exl3_rows(
         "TJ": cfg.tj,
         "num_warps": cfg.num_warps,
     }
+    words = stack.trellis.view(torch.int32)  # every core reads the stream as uint32 words
     if gemv:
-        words = stack.trellis.view(torch.int32)
         extra = {"JOB_ROWS_MAX": job_rows(jobs), "PACKED": packed_gemv(xr, stack)}
         _exl3_gemv_kernel[grid](xr, words, experts, starts, counts, *common_args, **shape, **extra)
     elif job_rows(jobs) <= SMALL_JOB_ROWS:  # CUDA cores, no 16-row tile of mostly empty rows
         ROWS = triton.next_power_of_2(job_rows(jobs))
         extra = {"ROWS": ROWS, "PAIRS": pairs, "PACKED": pairs and packed_gemv(xr, stack)}
-        _exl3_row_kernel[grid](xr, stack.trellis, experts, starts, counts, *common_args, **shape, **extra)
+        _exl3_row_kernel[grid](xr, words, experts, starts, counts, *common_args, **shape, **extra)
     else:
         _exl3_rows_kernel[grid](
-            xr, stack.trellis, experts, starts, counts, *common_args, **shape, JOB_M=tile_rows(job_rows(jobs))
+            xr, words, experts, starts, counts, *common_args, **shape, JOB_M=tile_rows(job_rows(jobs))
         )
     return part
 

@@ -31,7 +31,9 @@ from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 ONE_ROW_KBIT = GemmConfig(ti=1, tj=4, num_warps=1)
 SMALL_JOB_KBIT = GemmConfig(ti=2, tj=1, num_warps=1)
 SMALL_JOB_ROWS = 4  # the most rows of a job this core takes (an MTP verify of 3 drafts + 1)
-FLUSH = 4  # packed steps summed in fp16 before fp32: at most 8 products per sum (two halves), as in the GEMV core at K4
+FLUSH = tl.constexpr(
+    4
+)  # packed steps summed in fp16 before fp32: at most 8 products per sum (two halves), as in the GEMV core at K4
 
 
 @triton.jit
@@ -88,8 +90,8 @@ def _exl3_row_kernel(
         ti_, tj_, e1, e0, e2, g, l4 = ring_fields(TI, TJ)
         e01 = 2 * e1 + e0
         expert = tl.load(expert_ptr + row0).to(tl.int64)
-        tiles = trellis_ptr + (p * V + expert) * (KT * NT * 16 * K) + (nb * TJ + tj_) * (16 * K)
-        rows_step = NT * 16 * K  # int16 words per row of tiles
+        tiles = trellis_ptr + (p * V + expert) * (KT * NT * 8 * K) + (nb * TJ + tj_) * (8 * K)
+        rows_step = NT * 8 * K  # int32 words per row of tiles
         # the activation of each decoded weight's row: the job's first row of projection p (both planes' first)
         x_row_step = (1 if PAIRS else 2) * KT * 16
         xrow = x_ptr + (p * R + row0).to(tl.int64) * x_row_step + 16 * ti_ + 2 * l4 + e0 + 8 * e1
