@@ -246,7 +246,7 @@ def compile_reports() -> dict:
     (wgmma, TMA bulk tensor copies, setmaxnreg). Needs triton only, no GPU."""
     from glmquant.runtime.kernels.exl3_gemm import _exl3_rows_kernel
     from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel
-    from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, _exl3_row_kernel
+    from glmquant.runtime.kernels.exl3_gemv_kbit import FLUSH, ONE_ROW_KBIT, SMALL_JOB_KBIT, _exl3_row_kernel
 
     common = {
         "expert_ptr": "*i32",
@@ -301,10 +301,13 @@ def compile_reports() -> dict:
         # pointers are 16-byte aligned, as Triton specializes them at launch
         divisible = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(sig.values()) if kind.startswith("*")}
         weights_per_thread = cfg.ti * 16 * cfg.tj * 16 // (32 * cfg.num_warps)
+        # the small-job core's packed loop runs FLUSH steps per iteration (64-tile splits: whole groups)
+        steps_per_loop = FLUSH.value if extra.get("PACKED") and fn is _exl3_row_kernel else 1
         reports[f"{name}.config"] = {
             **consts(cfg, **extra),
             "num_warps": cfg.num_warps,
             "weights_per_thread_per_step": weights_per_thread,
+            "steps_per_loop": steps_per_loop,
         }
         for cc in (90, 121):
             kernel, usage, sass = compile_for(fn, sig, consts(cfg, **extra), cc, cfg.num_warps, divisible)
@@ -315,7 +318,9 @@ def compile_reports() -> dict:
                 "resource_usage": resource_usage(usage),
                 "shared_bytes_launch": kernel.metadata.shared,
                 "k_loop_sass": mix,
-                "sass_instructions_per_weight": sum(mix.values()) / weights_per_thread if mix else None,
+                "sass_instructions_per_weight": sum(mix.values()) / (weights_per_thread * steps_per_loop)
+                if mix
+                else None,
                 "ptx_mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
                 "ptx_hopper_only": sorted(set(re.findall(r"wgmma|cp\.async\.bulk\.tensor|setmaxnreg", ptx))),
             }

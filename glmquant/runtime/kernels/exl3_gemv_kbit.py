@@ -31,9 +31,8 @@ from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 ONE_ROW_KBIT = GemmConfig(ti=1, tj=4, num_warps=1)
 SMALL_JOB_KBIT = GemmConfig(ti=2, tj=1, num_warps=1)
 SMALL_JOB_ROWS = 4  # the most rows of a job this core takes (an MTP verify of 3 drafts + 1)
-FLUSH = tl.constexpr(
-    4
-)  # packed steps summed in fp16 before fp32: at most 8 products per sum (two halves), as in the GEMV core at K4
+# packed steps summed in fp16 before fp32: at most 8 products per sum (two halves), as in the GEMV core at K4
+FLUSH = tl.constexpr(4)
 
 
 @triton.jit
