@@ -17,7 +17,7 @@ from glmquant.exl3 import decode_inner
 from glmquant.runtime.kernels import exl3_gemm
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, exl3_rows, linear_config, linear_job_rows, linear_tables
 from glmquant.runtime.kernels.exl3_gemv import GEMV_ERROR_BOUND, fp16_pairs, packed_gemv, takes_fp16_pairs, uses_gemv
-from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, SMALL_JOB_ROWS
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, SMALL_JOB_ROWS, TWO_ROW_KBIT
 from glmquant.runtime.kernels.exl3_jobs import LARGE_JOBS, ONE_ROW_GEMV, GemmConfig, Jobs, WeightStack, one_row_gemv
 
 BOUND = 2e-5  # the tensor-core core, fp32-level: activations as fp16 hi + lo planes, Hadamards as fp32 butterflies
@@ -145,7 +145,8 @@ def _stack(in_features: int, out_features: int, bits: int, n_proj: int = 1) -> W
         ((4096, 4096), 4, 1, replace(one_row_gemv(4), split_tiles=32)),
         # batch 1, K4, 4096 -> 16,384: 512 blocks x 4 splits pass 1,024 at the coarsest split
         ((4096, 16384), 4, 1, replace(one_row_gemv(4), split_tiles=64)),
-        ((4096, 4096), 3, 1, replace(ONE_ROW_KBIT, split_tiles=16)),  # K3: the one-row core, 64 blocks x 16 splits
+        ((4096, 4096), 3, 1, replace(ONE_ROW_KBIT, split_tiles=64)),  # K3: the one-row core, 256 blocks x 4 splits
+        ((4096, 4096), 3, 2, replace(TWO_ROW_KBIT, split_tiles=16)),  # K3, 2 rows: one job, 64 blocks x 16 splits
         # batch 1 at K2 takes the GEMV core's one-row steps (8 x 4 tiles); 16 blocks x 32 splits = 512 programs
         # short of 1,024: the finest split
         ((4096, 1024), 2, 1, replace(ONE_ROW_GEMV, split_tiles=8)),

@@ -30,7 +30,13 @@ from glmquant.runtime.kernels.exl3_gemv import (
     takes_fp16_pairs,
     uses_gemv,
 )
-from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, SMALL_JOB_ROWS, _exl3_row_kernel
+from glmquant.runtime.kernels.exl3_gemv_kbit import (
+    ONE_ROW_KBIT,
+    SMALL_JOB_KBIT,
+    SMALL_JOB_ROWS,
+    TWO_ROW_KBIT,
+    _exl3_row_kernel,
+)
 from glmquant.runtime.kernels.exl3_jobs import (
     JOB_ROWS,
     LARGE_JOB_ROWS,
@@ -336,8 +342,8 @@ def linear_config(
     interpreter runs programs one after another: `exl3_linear` asks it for the fewest), and up to `SMALL_JOB_ROWS`
     rows as finely as for one row (at K4 a verify's rows then equal one-row products bit for bit); one-row
     products take the one-row cores' steps (`one_row_gemv` at K2 and K4, `ONE_ROW_KBIT` otherwise), the small-job
-    core's jobs of 2-4 rows `SMALL_JOB_KBIT`; two-row GEMV jobs take the default steps at K2, as the fused MoE runs
-    them, and K4's one-row steps.
+    core's jobs of two rows `TWO_ROW_KBIT` and of 3-4 rows `SMALL_JOB_KBIT`; two-row GEMV jobs take the default
+    steps at K2, as the fused MoE runs them, and K4's one-row steps.
     A stack of P linears (one launch for projections that share their input) counts P times the programs.
     `base` overrides the steps (a launch-shape sweep, `scripts/bench_exl3_linear.py`).
     """
@@ -364,9 +370,9 @@ def _linear_steps(job: int, stack: WeightStack) -> GemmConfig:
         # made that verify 3.3 ms slower than the small-job core on the H200 (41.8 against 38.4 ms, 67737f4), and
         # one step shape makes the first row of a two-row job equal a one-row job's, bit for bit
         return one_row_gemv(stack.bits) if job == 1 or stack.bits == 4 else GemmConfig()
-    if job == 1:
-        return ONE_ROW_KBIT
-    return SMALL_JOB_KBIT if job <= SMALL_JOB_ROWS else GemmConfig()
+    if job <= SMALL_JOB_ROWS:
+        return (ONE_ROW_KBIT, TWO_ROW_KBIT)[job - 1] if job <= GEMV_JOB_ROWS else SMALL_JOB_KBIT
+    return GemmConfig()
 
 
 def exl3_linear(

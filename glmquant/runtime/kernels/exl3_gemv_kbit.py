@@ -22,13 +22,16 @@ from glmquant.runtime.kernels.exl3_decode import load_window, ring_fields, windo
 from glmquant.runtime.kernels.exl3_gemv import half2_fma, half2_sum, low_half
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, job_program
 
-# Steps of 1 x 4 tiles (one row) and 2 x 1 (2-4 rows) at 1 warp: of the 18 shapes at 1-2 warps swept at K3 and K5
-# on the five retained linear shapes of GLM-5.3-Flash (lm_head among them) on an H100, the ones that beat the
-# 2 x 2 and 2 x 4 at 2 warps before them on every shape: one row 1.08-1.14x (K3) and 1.08-1.11x (K5) per shape,
-# 2 rows 1.22-1.67x and 1.27-1.78x (bench/results/exl3_linear_sweep_k{3,5}_h100_3860c9b.json,
-# scripts/bench_exl3_linear.py). The fastest by summed time, 2 x 1 at one row, lost 28 % on the 4096 x 4096 shape
-# (KDA's projections). The fused MoE's one-token K3 tiers take ONE_ROW_KBIT too, untimed at their own shapes.
-ONE_ROW_KBIT = GemmConfig(ti=1, tj=4, num_warps=1)
+# Steps per job size. One and two rows (fp16 pairs, fp16x2 products): 1 x 1 tiles at 1 warp and 2 x 4 at 2 warps,
+# the fastest by time summed over the five retained linear shapes of GLM-5.3-Flash (lm_head among them) of the 12
+# swept at K3 on an H100 (ti 1-2, tj 1-4, 1-2 warps): one row 346.7 us against 462.0 for the fp32 path at its
+# 1 x 4 steps (1.33x; lm_head 1.43x, KDA's in_proj 1.29x, shared MLPs' gate/up 0.78x), two rows 481.7 against 536.3
+# (1.11x) (bench/results/exl3_linear_sweep_k3_pairs_h100_67ff275.json, exl3_linear_k3_planes_h100_67ff275.json,
+# scripts/bench_exl3_linear.py). K5 and K6 take the same steps, unswept. Three and four rows (hi/lo planes, fp32):
+# 2 x 1 at 1 warp, of the 18 shapes swept at K3 and K5 before (exl3_linear_sweep_k{3,5}_h100_3860c9b.json).
+# The fused MoE's one-token K3 tiers take ONE_ROW_KBIT too, untimed at their own shapes.
+ONE_ROW_KBIT = GemmConfig(ti=1, tj=1, num_warps=1)
+TWO_ROW_KBIT = GemmConfig(ti=2, tj=4, num_warps=2)
 SMALL_JOB_KBIT = GemmConfig(ti=2, tj=1, num_warps=1)
 SMALL_JOB_ROWS = 4  # the most rows of a job this core takes (an MTP verify of 3 drafts + 1)
 # packed steps summed in fp16 before fp32: at most 8 products per sum (two halves), as in the GEMV core at K4
