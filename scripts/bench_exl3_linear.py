@@ -33,7 +33,7 @@ from glmquant.fixtures.random_artifact import random_exl3
 from glmquant.runtime.kernels import exl3_gemm
 from glmquant.runtime.kernels.exl3_gemm import exl3_linear, linear_config
 from glmquant.runtime.kernels.exl3_gemv import GEMV_BITS
-from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT
+from glmquant.runtime.kernels.exl3_gemv_kbit import ONE_ROW_KBIT, SMALL_JOB_KBIT, TWO_ROW_KBIT
 from glmquant.runtime.kernels.exl3_jobs import GemmConfig, WeightStack
 
 # (name, in_features, out_features) of GLM-5.3-Flash's retained linears (tests/data/glm-5.3-flash/config.json)
@@ -188,7 +188,11 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "bits": args.bits,
         "activations": "fp16 hi/lo planes" if args.planes else "fp16 pairs up to two rows",
-        "defaults": {"one_row": asdict(ONE_ROW_KBIT), "small_jobs": asdict(SMALL_JOB_KBIT)},
+        "defaults": {
+            "one_row": asdict(ONE_ROW_KBIT),
+            "two_rows": asdict(TWO_ROW_KBIT),
+            "small_jobs": asdict(SMALL_JOB_KBIT),
+        },
         "summary": best(rows),
         "rows": rows,
     }

@@ -246,7 +246,13 @@ def compile_reports() -> dict:
     (wgmma, TMA bulk tensor copies, setmaxnreg). Needs triton only, no GPU."""
     from glmquant.runtime.kernels.exl3_gemm import _exl3_rows_kernel
     from glmquant.runtime.kernels.exl3_gemv import _exl3_gemv_kernel
-    from glmquant.runtime.kernels.exl3_gemv_kbit import FLUSH, ONE_ROW_KBIT, SMALL_JOB_KBIT, _exl3_row_kernel
+    from glmquant.runtime.kernels.exl3_gemv_kbit import (
+        FLUSH,
+        ONE_ROW_KBIT,
+        SMALL_JOB_KBIT,
+        TWO_ROW_KBIT,
+        _exl3_row_kernel,
+    )
 
     common = {
         "expert_ptr": "*i32",
@@ -293,7 +299,7 @@ def compile_reports() -> dict:
         # the small-job core at the K it runs (K3, K5, K6: not the GEMV core's), one row and an MTP verify's 2-4
         # (one and two rows: fp16 pairs, fp16x2 products; more: hi/lo planes)
         "row_kbit_k3": (_exl3_row_kernel, pairs_sig, ONE_ROW_KBIT, {"K": 3, "ROWS": 1, **packed}),
-        "row_kbit_k3_two_rows": (_exl3_row_kernel, pairs_sig, SMALL_JOB_KBIT, {"K": 3, "ROWS": 2, **packed}),
+        "row_kbit_k3_two_rows": (_exl3_row_kernel, pairs_sig, TWO_ROW_KBIT, {"K": 3, "ROWS": 2, **packed}),
         "row_kbit_k5_four_rows": (_exl3_row_kernel, rows_sig, SMALL_JOB_KBIT, {"K": 5, "ROWS": 4, **planes}),
     }
     reports = {}

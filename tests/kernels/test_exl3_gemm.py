@@ -263,7 +263,7 @@ def test_core_rejects_activations_of_the_other_format_and_one_row_job_tables():
     pairs = torch.zeros((1, 3, 128), dtype=torch.int32, device=device)
     start, three = (torch.tensor([n], dtype=torch.int32, device=device) for n in (0, 3))
     jobs = Jobs(start, three, 3)
-    with pytest.raises(ValueError, match="not the tensor-core core's format"):  # 3-row jobs take hi/lo planes
+    with pytest.raises(ValueError, match="not the small-job core's format"):  # 3-row jobs take hi/lo planes
         exl3_rows(pairs, k3, torch.zeros(3, dtype=torch.int32, device=device), jobs, SMALL_JOB_KBIT)
 
 

@@ -7,8 +7,9 @@ partial sums) and `rotate_out` (sum the partials, Hadamard, svh, optional router
 jobs (`exl3_jobs`): rows that share one weight, decoded once per job. Jobs of one or two rows at K2 or K4 (K2
 experts, the speed tier's K4 retained linears and K4 expert tiers at batch 1, an MTP verify's 2-4 rows as one or
 two jobs) take the GEMV core (`exl3_gemv`: fp16 activations, fp16x2 CUDA-core products, nothing through shared
-memory); jobs of up to four rows at other K the small-job core (`exl3_gemv_kbit`: fp32 CUDA-core products in the
-decode layout); larger jobs the tensor-core core here (fp16 hi/lo activation planes, mma.sync).
+memory); jobs of up to four rows at other K the small-job core (`exl3_gemv_kbit`: CUDA-core products in the decode
+layout, fp16x2 at one or two rows, fp32 at three or four); larger jobs the tensor-core core here (fp16 hi/lo
+activation planes, mma.sync).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _exl3_rows_kernel(
 
     Each step decodes a [TI*16, TJ*16] weight block in registers as dims [ti, tj, e1, e0, e2, g, l4]: the
     stream window depends on (ti, tj, g, l4) only, so it is built once per block of positions (and loaded two
-    steps ahead, hiding the memory latency of these 2-byte gathers that cp.async pipelining cannot take); the
+    steps ahead, hiding the memory latency of these 4-byte gathers that cp.async pipelining cannot take); the
     block is then permuted to (k, n) order and fed to two fp16 tensor-core products (activation hi and lo).
     """
     row0, rows, p, n_proj, nb, split = job_program(job_start_ptr, job_rows_ptr, NT, TJ, False)
@@ -248,7 +249,7 @@ def exl3_rows(
     # fp16 pairs for the GEMV core, hi/lo planes for jobs of 3 rows or more; the small-job core takes both
     formats = (True,) if gemv else (True, False) if takes_fp16_pairs(job_rows(jobs)) else (False,)
     if pairs not in formats or (not pairs and (xr.dtype, xr.dim()) != (torch.float16, 4)):
-        core = "GEMV" if gemv else "tensor-core" if formats == (False,) else "small-job"
+        core = "GEMV" if gemv else "small-job" if job_rows(jobs) <= SMALL_JOB_ROWS else "tensor-core"
         raise ValueError(
             f"activations {xr.dtype} {tuple(xr.shape)} are not the {core} core's format (activation_buffer)"
         )

@@ -10,7 +10,11 @@ the decode layout across the K split (one accumulator per row), and the rows of 
 the end. Jobs of one or two rows take fp16 activations twice per int32 (`takes_fp16_pairs`) and, on a GPU at
 3INST/MCG, the GEMV core's arithmetic: the hash's two fp16 halves times the activation pair in one fp16x2 FMA,
 `FLUSH` steps summed in fp16, then fp32 (`GEMV_ERROR_BOUND`); no add of the halves, no fp16 -> fp32 conversion per
-weight. Jobs of 3-4 rows take the tensor-core core's fp16 hi/lo planes, added in fp32: fp32-level results.
+weight. Those fp16 sums reach 16 |x| (8 products of halves under 2), so they overflow once |activation| passes
+~4,000, as the GEMV core's at K4 do (fp32 planes overflowed only near fp16's 65,504). Jobs of 3-4 rows take the
+tensor-core core's fp16 hi/lo planes, added in fp32: fp32-level results. A verify's rows (two rows, or 3-4) thus
+sum in other orders and precisions than a one-row decode's at K3/K5/K6: equal within `GEMV_ERROR_BOUND`, not bit
+for bit (K4's are, `linear_config`).
 """
 
 from __future__ import annotations
