@@ -82,10 +82,12 @@ def build_draft_head(
         weight = ckpt.read_finite_float(head.source)
         mtp = None if mtp_bits is None else _check_mtp_observed(spec, observations)
         encoded = encode_unit(UnitInputs([head.key], [(weight, hessian)], [None], [bits]), None, codebook, seed, device)
-        tensors = {name: t.cpu().contiguous() for name, t in encoded.tensors.items()}
+        tensors = _on_host(encoded.tensors)
         if mtp is not None:
             assert mtp_bits is not None
-            tensors |= _encode_mtp(spec, ckpt, observations, mtp, mtp_bits, mtp_expert_bits, codebook, seed, device)
+            tensors |= _encode_mtp_layer(
+                spec, ckpt, observations, mtp, mtp_bits, mtp_expert_bits, codebook, seed, device
+            )
     copy = None if mtp is None or mtp_bits is None else DraftMtp(mtp, mtp_bits, mtp_expert_bits, spec.n_routed_experts)
     described = DraftHead(head.key, bits, codebook, head.in_features, head.out_features, copy)
     write_draft_head(out, described, tensors)
@@ -105,7 +107,7 @@ def _check_mtp_observed(spec: ModelSpec, observations: Path) -> int:
     return layer
 
 
-def _encode_mtp(
+def _encode_mtp_layer(
     spec: ModelSpec,
     ckpt: SourceCheckpoint,
     observations: Path,
@@ -118,6 +120,11 @@ def _encode_mtp(
 ) -> dict[str, torch.Tensor]:
     """The MTP layer's EXL3 tensors: its linears at `bits` with their dense Hessians, its routed experts at
     `expert_bits` with their own (natural where observed, the all-token ones for an expert without tokens)."""
+    mode = ObservationSummary.load(observations).hessians
+    if mode == HessianMode.NONE.value:
+        raise UsageError(
+            f"draft-head --mtp-bits: {observations} holds no routed-expert Hessians (observed with --hessians none)"
+        )
     linears = [RetainedLinear.of(t, bits) for t in quantizable_mtp(spec)]
     items = []
     for linear in linears:
@@ -127,12 +134,7 @@ def _encode_mtp(
             raise UsageError(str(exc).replace(f"{linear.option}: ", "draft-head --mtp-bits: ", 1)) from None
         items.append((ckpt.read_finite_float(linear.source), hessian))
     names = [x.key for x in linears]
-    found = encode_unit(UnitInputs(names, items, [None] * len(items)), bits, codebook, seed, device).tensors
-    mode = ObservationSummary.load(observations).hessians
-    if mode == HessianMode.NONE.value:
-        raise UsageError(
-            f"draft-head --mtp-bits: {observations} holds no routed-expert Hessians (observed with --hessians none)"
-        )
+    found = _on_host(encode_unit(UnitInputs(names, items, [None] * len(items)), bits, codebook, seed, device).tensors)
     hessians = HessianSource(observations, "all" if mode == HessianMode.ALL.value else "natural").layer(layer)
     experts = range(spec.n_routed_experts)
     for first in track(experts[::DEFAULT_EXPERTS_PER_UNIT], description="MTP experts", transient=True):
@@ -140,5 +142,10 @@ def _encode_mtp(
             s for e in experts[first : first + DEFAULT_EXPERTS_PER_UNIT] for s in expert_slices(spec, layer, e, e, None)
         ]
         inputs, _ = read_slices(spec, layer, unit, ckpt, hessians)
-        found |= encode_unit(inputs, expert_bits, codebook, seed, device).tensors
-    return {name: t.cpu().contiguous() for name, t in found.items()}
+        found |= _on_host(encode_unit(inputs, expert_bits, codebook, seed, device).tensors)
+    return found
+
+
+def _on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One unit's encoded tensors in host memory, moved as each unit is done so the device holds one unit's."""
+    return {name: t.cpu().contiguous() for name, t in tensors.items()}

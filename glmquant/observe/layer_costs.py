@@ -182,7 +182,7 @@ def measure_layer_costs(
             bar.advance(sampled)
         seconds["error"] = round(time.monotonic() - started - seconds["kl"], 1)
     cost = {layer: {k: kl[layer] * e / error[layer][bits[layer]] for k, e in error[layer].items()} for layer in layers}
-    measured = LayerCosts(
+    return LayerCosts(
         artifact_manifest_sha256=manifest_sha256,
         token_rows_sha256=token_rows.sha256,
         rows=int(ids.shape[0]),
@@ -193,13 +193,9 @@ def measure_layer_costs(
         kl_alone=kl,
         error=error,
         cost=cost,
-        mean_bits=0.0,
-        widths={},
-        tiers="",
-        predicted_kl=0.0,
+        **_layer_widths(cost, bits, mean_bits),
         seconds=seconds,
     )
-    return choose_layer_widths(measured, mean_bits)
 
 
 def _check_mean_bits(mean_bits: float | None) -> None:
@@ -210,17 +206,21 @@ def _check_mean_bits(mean_bits: float | None) -> None:
 def choose_layer_widths(costs: LayerCosts, mean_bits: float | None = None) -> LayerCosts:
     """`costs` with the widths of least summed cost at mean K `mean_bits` (default: the artifact's mean K over its
     MoE layers), from what it measured: no pass, no encode (`glmquant layer-widths`)."""
+    return replace(costs, **_layer_widths(costs.cost, costs.artifact_bits, mean_bits))
+
+
+def _layer_widths(cost: dict[int, dict[int, float]], bits: dict[int, int], mean_bits: float | None) -> dict[str, Any]:
+    """The chosen-widths fields of `LayerCosts` (mean_bits, widths, tiers, predicted_kl) for costs `cost`."""
     _check_mean_bits(mean_bits)
-    bits, layers = costs.artifact_bits, sorted(costs.cost)
+    layers = sorted(cost)
     budget = mean_bits if mean_bits is not None else sum(bits.values()) / len(bits)
-    widths = allocate_layer_widths(costs.cost, budget)
-    return replace(
-        costs,
-        mean_bits=budget,
-        widths=widths,
-        tiers=TierSpec.of_widths([widths[layer] for layer in layers]).text,
-        predicted_kl=sum(costs.cost[layer][widths[layer]] for layer in layers),
-    )
+    widths = allocate_layer_widths(cost, budget)
+    return {
+        "mean_bits": budget,
+        "widths": widths,
+        "tiers": TierSpec.of_widths([widths[layer] for layer in layers]).text,
+        "predicted_kl": sum(cost[layer][widths[layer]] for layer in layers),
+    }
 
 
 def open_for_costs(

@@ -195,27 +195,20 @@ def measure_retained_costs(
     nbytes = {  # the artifact's own K too, for the default budget, where it is outside the sweep
         layer: _option_bytes(linears, sorted({*sweep, bits[layer]}), codebook) for layer, linears in by_layer.items()
     }
-    measured = RetainedCosts(
+    return RetainedCosts(
         artifact_manifest_sha256=manifest_sha256,
         token_rows_sha256=token_rows.sha256,
         rows=int(ids.shape[0]),
         tokens=int(ids.shape[1]),
         compute_dtype=str(model.dtype).removeprefix("torch."),
         outputs_sampled=outputs,
-        error_exponent=error_exponent,
         artifact_bits=bits,
         kl_alone=kl,
         error=error,
-        cost={},
         nbytes=nbytes,
-        budget_bytes=0,
-        offered=choices,
-        widths={},
-        retained_layer_bits="",
-        predicted_kl=0.0,
+        **_retained_widths(kl, error, bits, nbytes, mean_bits, error_exponent, choices),
         seconds=seconds,
     )
-    return choose_retained_widths(measured, mean_bits=mean_bits, error_exponent=error_exponent, offered=choices)
 
 
 def choose_retained_widths(
@@ -230,7 +223,23 @@ def choose_retained_widths(
     measured (KL alone, output errors, bytes): no pass, no encode, so other budgets and widths are chosen in
     seconds (`glmquant retained-widths`)."""
     choices = _checked_choice(mean_bits, error_exponent, offered)
-    kl, error, bits = costs.kl_alone, costs.error, costs.artifact_bits
+    fields = _retained_widths(
+        costs.kl_alone, costs.error, costs.artifact_bits, costs.nbytes, mean_bits, error_exponent, choices
+    )
+    return replace(costs, **fields)
+
+
+def _retained_widths(
+    kl: dict[int, float],
+    error: dict[int, dict[int, float]],
+    bits: dict[int, int],
+    nbytes: dict[int, dict[int | None, int]],
+    mean_bits: float | None,
+    error_exponent: float,
+    choices: tuple[int | None, ...],
+) -> dict[str, Any]:
+    """The chosen-widths fields of `RetainedCosts` (the costs at `error_exponent`, budget, offered, widths,
+    retained_layer_bits, predicted_kl) from what was measured."""
     cost: dict[int, dict[int | None, float]] = {
         layer: {
             None: 0.0,
@@ -241,18 +250,17 @@ def choose_retained_widths(
         }
         for layer in kl
     }
-    budget = _budget(costs.nbytes, bits, mean_bits)
-    widths = allocate_widths(cost, costs.nbytes, budget, choices)
-    return replace(
-        costs,
-        error_exponent=error_exponent,
-        cost=cost,
-        budget_bytes=budget,
-        offered=choices,
-        widths=widths,
-        retained_layer_bits=layer_bits_text(k for _, k in sorted(widths.items())),
-        predicted_kl=sum(cost[layer][k] for layer, k in widths.items()),
-    )
+    budget = _budget(nbytes, bits, mean_bits)
+    widths = allocate_widths(cost, nbytes, budget, choices)
+    return {
+        "error_exponent": error_exponent,
+        "cost": cost,
+        "budget_bytes": budget,
+        "offered": choices,
+        "widths": widths,
+        "retained_layer_bits": layer_bits_text(k for _, k in sorted(widths.items())),
+        "predicted_kl": sum(cost[layer][k] for layer, k in widths.items()),
+    }
 
 
 def _checked_choice(

@@ -196,7 +196,7 @@ def _exl3_gemv_kernel(
 def uses_gemv(stack: WeightStack, max_rows: int) -> bool:
     """Whether `exl3_rows` runs the GEMV core (K in GEMV_BITS, jobs of <= GEMV_JOB_ROWS rows); otherwise the
     small-job or tensor-core core."""
-    return stack.bits in GEMV_BITS and max_rows <= GEMV_JOB_ROWS
+    return stack.bits in GEMV_BITS and takes_fp16_pairs(max_rows)
 
 
 def takes_fp16_pairs(max_rows: int) -> bool:
