@@ -4,7 +4,10 @@
 // matches the torch reference bit for bit). W is one native register of floats: GCC lowers the
 // compare-and-select of a wider vector to scalar code (on AVX2, W = 16 ran 5x slower than W = 8).
 // Cost arrays are indexed by the 16-K bits a state shares with its successor; hist keeps the chosen
-// top K bits per step for the traceback.
+// top K bits per step for the traceback. A state's 2^K candidates lie 2^(16-2K) cost vectors and 2^(16-K)
+// codebook entries apart: strides of a multiple of 4 KiB from K4 (K5 and K6 in the codebook), which map every
+// candidate to one L1 set and evict each other (K4-K6 ran 2.7x slower than K1-K3 on a Zen 3). So both are stored
+// in rows padded by one cache line (`Layout`); the arithmetic and its order are unchanged.
 #include <cstdint>
 #include <cstring>
 #include <cmath>
@@ -57,36 +60,59 @@ template <int K> struct Hist {
 };
 #endif
 
+// Where a state's cost vector and a codebook entry lie: rows of the states (entries) of one top-K value, each row
+// padded by a cache line where rows are long enough for their stride to alias in L1 (2 KiB and over).
+template <int K> struct Layout {
+    static constexpr int KR = 16 - K, NK = 1 << K, E = 1 << KR;
+    static constexpr int ROW = E / NK;  // cost vectors per row: the states that share their top K bits
+    static constexpr int ROW_PAD = ROW * sizeof(vf) >= 2048 ? (64 + sizeof(vf) - 1) / sizeof(vf) : 0;
+    static constexpr int COSTS = E + NK * ROW_PAD;  // cost vectors per array
+    static constexpr int LUT_PAD = E * sizeof(float) >= 2048 ? 64 / sizeof(float) : 0;
+    static constexpr int LUT = 65536 + NK * LUT_PAD;  // floats of the padded codebook
+    static int cost_at(int s) { return s + (s / ROW) * ROW_PAD; }
+    static int lut_at(int i) { return i + (i >> KR) * LUT_PAD; }
+    static constexpr int64_t scratch_bytes()
+    {
+        return (int64_t) LUT * sizeof(float) + (2 * (int64_t) COSTS + 257) * sizeof(vf) +
+               257 * (int64_t) E * Hist<K>::bytes_per_edge + 2 * sizeof(vf);  // + alignment slack
+    }
+};
+
 template <int K>
 static void step(const vf* __restrict prev, vf* __restrict next, uint8_t* __restrict hist,
                  const float* __restrict lut, vf x)
 {
-    constexpr int KR = 16 - K, NK = 1 << K, E = 1 << KR;
+    using L = Layout<K>;
+    constexpr int KR = L::KR, NK = L::NK, E = L::E;
+    constexpr int PREV_STRIDE = L::ROW + L::ROW_PAD, LUT_STRIDE = E + L::LUT_PAD;
     for (int e = 0; e < E; ++e) {
-        const int j = e >> K;
+        const int j = e >> K;  // its predecessors' shared bits: candidate c is state (c << (KR - K)) | j
         vf d = lut[e] - x;
         vf best = prev[j] + d * d;
         vi arg = {};
         for (int c = 1; c < NK; ++c) {
-            d = lut[(c << KR) | e] - x;
-            const vf val = prev[(c << (KR - K)) | j] + d * d;
+            d = lut[c * LUT_STRIDE + e] - x;
+            const vf val = prev[c * PREV_STRIDE + j] + d * d;
             const vi m = val < best;
             best = m ? val : best;
             arg = m ? (vi{} + c) : arg;
         }
-        next[e] = best;
+        next[L::cost_at(e)] = best;
         Hist<K>::store(hist, e, arg);
     }
 }
 
+// One group of up to W tiles; lut is the padded codebook (`Layout`), scratch holds the group's cost vectors,
+// targets and history.
 template <int K>
 static void search_group(const float* __restrict targets, int64_t count, const float* __restrict lut,
-                         uint16_t* __restrict out, uint8_t* scratch)
+                         uint16_t* __restrict out, vf* scratch)
 {
-    constexpr int KR = 16 - K, E = 1 << KR;
-    vf* ca = reinterpret_cast<vf*>(scratch + (-reinterpret_cast<uintptr_t>(scratch) & (sizeof(vf) - 1)));
-    vf* cb = ca + E;
-    vf* x = cb + E;  // [256] targets, lane-major
+    using L = Layout<K>;
+    constexpr int KR = L::KR, E = L::E;
+    vf* ca = scratch;
+    vf* cb = ca + L::COSTS;
+    vf* x = cb + L::COSTS;  // [256] targets, lane-major
     uint8_t* hist = reinterpret_cast<uint8_t*>(x + 256);  // [257][E]; row 256 absorbs unneeded pass-1 history
     constexpr int64_t ROW = E * Hist<K>::bytes_per_edge;
     for (int i = 0; i < 256; ++i)
@@ -99,10 +125,10 @@ static void search_group(const float* __restrict targets, int64_t count, const f
         // by positions 255 and 0; pass 2 starts and ends there, closing the ring.
         const int roll = pass == 0 ? 128 : 0;
         if (pass == 0) {
-            std::memset(ca, 0, sizeof(vf) * E);
+            std::memset(ca, 0, sizeof(vf) * L::COSTS);
         } else {
-            for (int e = 0; e < E; ++e) ca[e] = vf{} + INFINITY;
-            for (int l = 0; l < W; ++l) ca[edge[l]][l] = 0.0f;
+            for (int e = 0; e < L::COSTS; ++e) ca[e] = vf{} + INFINITY;
+            for (int l = 0; l < W; ++l) ca[L::cost_at(edge[l])][l] = 0.0f;
         }
         vf* prev = ca;
         vf* next = cb;
@@ -116,8 +142,9 @@ static void search_group(const float* __restrict targets, int64_t count, const f
             vf best = prev[0];
             vi arg = {};
             for (int e = 1; e < E; ++e) {
-                const vi m = prev[e] < best;
-                best = m ? prev[e] : best;
+                const vf cost = prev[L::cost_at(e)];
+                const vi m = cost < best;
+                best = m ? cost : best;
                 arg = m ? (vi{} + e) : arg;
             }
             for (int l = 0; l < W; ++l) {
@@ -141,26 +168,35 @@ static void search_group(const float* __restrict targets, int64_t count, const f
     }
 }
 
+// All n tiles at K: the codebook copied once into its padded rows, then the groups of W tiles.
+template <int K>
+static void search(const float* targets, int64_t n, const float* lut, uint16_t* out, uint8_t* scratch)
+{
+    using L = Layout<K>;
+    vf* aligned = reinterpret_cast<vf*>(scratch + (-reinterpret_cast<uintptr_t>(scratch) & (sizeof(vf) - 1)));
+    float* table = reinterpret_cast<float*>(aligned);
+    for (int i = 0; i < 65536; ++i) table[L::lut_at(i)] = lut[i];
+    vf* group = aligned + (L::LUT * sizeof(float) + sizeof(vf) - 1) / sizeof(vf);
+    for (int64_t g = 0; g < n; g += W)
+        search_group<K>(targets + g * 256, n - g < W ? n - g : W, table, out + g * 256, group);
+}
+
 extern "C" int64_t exl3_viterbi_lanes() { return W; }
 
 extern "C" int64_t exl3_viterbi_scratch_bytes(int K)
 {
-    if (K < 1 || K > 8) return 0;
-    const int64_t E = 1 << (16 - K);
-    static const int64_t per_edge[8] = {Hist<1>::bytes_per_edge, Hist<2>::bytes_per_edge, Hist<3>::bytes_per_edge,
-                                        Hist<4>::bytes_per_edge, Hist<5>::bytes_per_edge, Hist<6>::bytes_per_edge,
-                                        Hist<7>::bytes_per_edge, Hist<8>::bytes_per_edge};
-    return (2 * E + 257) * (int64_t) sizeof(vf) + 257 * E * per_edge[K - 1];  // + alignment slack
+    static const int64_t bytes[8] = {Layout<1>::scratch_bytes(), Layout<2>::scratch_bytes(), Layout<3>::scratch_bytes(),
+                                     Layout<4>::scratch_bytes(), Layout<5>::scratch_bytes(), Layout<6>::scratch_bytes(),
+                                     Layout<7>::scratch_bytes(), Layout<8>::scratch_bytes()};
+    return K < 1 || K > 8 ? 0 : bytes[K - 1];
 }
 
 // targets: [n][256] fp32 in ring order; lut: [65536] fp32; out: [n][256] states.
 extern "C" int exl3_viterbi(const float* targets, int64_t n, const float* lut, int K, uint16_t* out, uint8_t* scratch)
 {
     typedef void (*fn_t)(const float*, int64_t, const float*, uint16_t*, uint8_t*);
-    static const fn_t fns[8] = {search_group<1>, search_group<2>, search_group<3>, search_group<4>,
-                                search_group<5>, search_group<6>, search_group<7>, search_group<8>};
+    static const fn_t fns[8] = {search<1>, search<2>, search<3>, search<4>, search<5>, search<6>, search<7>, search<8>};
     if (K < 1 || K > 8) return -1;
-    for (int64_t g = 0; g < n; g += W)
-        fns[K - 1](targets + g * 256, n - g < W ? n - g : W, lut, out + g * 256, scratch);
+    fns[K - 1](targets, n, lut, out, scratch);
     return 0;
 }
