@@ -17,10 +17,11 @@ from glmquant.arch import PROJECTIONS
 from glmquant.calibration import TokenRows
 from glmquant.cli import app
 from glmquant.encode import EncodeConfig, encode_artifact
+from glmquant.encode.hessians import HessianSource
 from glmquant.errors import UsageError
 from glmquant.fixtures import UNTIED_INDEX_TOPK, TinyModelConfig, build_tiny_checkpoint
 from glmquant.observe.config import ObserveConfig
-from glmquant.observe.layer_costs import LayerCosts, layer_kl_alone, measure_layer_costs
+from glmquant.observe.layer_costs import LayerCosts, layer_kl_alone, measure_layer_costs, output_error_by_bits
 from glmquant.observe.run import observe
 from glmquant.observe.streaming import TextModel
 from glmquant.observe.tiers import TierSpec, allocate_layer_widths
@@ -100,7 +101,7 @@ def test_cli_writes_costs_whose_widths_encode(
             "--rows",
             "2",
             "--experts",
-            "8",
+            "2",
             "--dtype",
             "float32",
         ],
@@ -108,7 +109,7 @@ def test_cli_writes_costs_whose_widths_encode(
     assert result.exit_code == 0, result.output
     costs = LayerCosts.load(out)
     assert costs.artifact_bits == {1: 2, 2: 2} and costs.mean_bits == 2.0 and costs.rows == 2
-    assert costs.experts_sampled == {1: 4, 2: 4}  # every expert with sampled tokens, when fewer than asked
+    assert costs.experts_sampled == {1: 2, 2: 2}
     for layer, error in costs.error.items():
         assert error[1] > error[2] > error[3] > error[4] > 0, error  # each added bit lowers the output error
         assert costs.cost[layer] == pytest.approx({k: costs.kl_alone[layer] * e / error[2] for k, e in error.items()})
@@ -139,6 +140,28 @@ def test_cli_writes_costs_whose_widths_encode(
     art = open_artifact(built)
     assert {layer: art.read_expert(layer, 0, "down_proj").bits for layer in (1, 2)} == costs.widths
     art.checkpoint.close()
+
+
+def test_experts_are_picked_across_the_sample_and_all_when_fewer_than_asked(
+    tiny_source: Path, observed: Path, uniform_k2: Path
+) -> None:
+    """Sampled experts spread over the tuning sample's token counts, the most- and least-routed among them; every
+    expert with sampled tokens when --experts asks for more (no K swept here: the picking alone)."""
+    model = TextModel.open(tiny_source, "cpu", torch.float32)
+    artifact = open_artifact(uniform_k2)
+    hessians = HessianSource(observed, "natural")
+    with model.ckpt:
+        sample = hessians.layer(1).sample()
+        assert sample is not None
+        tokens = torch.bincount(sample.expert_ids.flatten(), minlength=model.spec.n_routed_experts)
+        routed = [e for e in range(model.spec.n_routed_experts) if tokens[e] > 0]
+        everyone, none_swept = output_error_by_bits(model, artifact, hessians, 1, 8, (), "cpu")
+        assert everyone == routed and none_swept == {}
+        ends, _ = output_error_by_bits(model, artifact, hessians, 1, 2, (), "cpu")
+        assert (
+            len(ends) == 2 and tokens[ends].max() == tokens[routed].max() and tokens[ends].min() == tokens[routed].min()
+        )
+    artifact.checkpoint.close()
 
 
 def test_bad_inputs_are_named(tiny_source: Path, observed: Path, uniform_k2: Path, tmp_path: Path) -> None:
