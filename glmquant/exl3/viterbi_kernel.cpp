@@ -5,9 +5,9 @@
 // compare-and-select of a wider vector to scalar code (on AVX2, W = 16 ran 5x slower than W = 8).
 // Cost arrays are indexed by the 16-K bits a state shares with its successor; hist keeps the chosen
 // top K bits per step for the traceback. A state's 2^K candidates lie 2^(16-2K) cost vectors and 2^(16-K)
-// codebook entries apart: strides of a multiple of 4 KiB from K4 (K5 and K6 in the codebook), which map every
-// candidate to one L1 set and evict each other (K4-K6 ran 2.7x slower than K1-K3 on a Zen 3). So both are stored
-// in rows padded by one cache line (`Layout`); the arithmetic and its order are unchanged.
+// codebook entries apart: strides of a multiple of 4 KiB up to K4 (K6 in the codebook), which put all of a state's
+// candidate lines in one L1 set, more of them than its 8 ways from K3 on (K4-K6 ran 2.7x slower than K2-K3 on a
+// Zen 3). So both are stored in rows padded by one cache line (`Layout`); the arithmetic and its order are unchanged.
 #include <cstdint>
 #include <cstring>
 #include <cmath>
