@@ -1,5 +1,5 @@
 """`glmquant layer-costs`: each MoE layer's KL alone from one artifact, scaled to K1-K4 by sampled experts' output
-errors, and the widths of least summed cost, which `encode --tiers` then builds (tiny model, two MoE layers)."""
+errors, and the widths of least summed cost, which `plan --tiers` then lays out (tiny model, two MoE layers)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from glmquant.arch import PROJECTIONS
@@ -85,7 +87,8 @@ def test_cli_writes_costs_whose_widths_encode(
     tiny_source: Path, observed: Path, uniform_k2: Path, tmp_path: Path
 ) -> None:
     """The error falls with every added bit, the cost at the artifact's own K is the measured KL, the widths are the
-    knapsack's over the costs at the artifact's mean K, and `encode --tiers` builds them."""
+    knapsack's over the costs at the artifact's mean K, and its `--tiers` text plans them (`plan`, whose structure
+    is `encode --tiers`' own: tests/encode/test_layer_tiers.py)."""
     out = tmp_path / "costs.json"
     result = CliRunner().invoke(
         app,
@@ -101,7 +104,7 @@ def test_cli_writes_costs_whose_widths_encode(
             "--rows",
             "2",
             "--experts",
-            "2",
+            "1",
             "--dtype",
             "float32",
         ],
@@ -109,7 +112,7 @@ def test_cli_writes_costs_whose_widths_encode(
     assert result.exit_code == 0, result.output
     costs = LayerCosts.load(out)
     assert costs.artifact_bits == {1: 2, 2: 2} and costs.mean_bits == 2.0 and costs.rows == 2
-    assert costs.experts_sampled == {1: 2, 2: 2}
+    assert costs.experts_sampled == {1: 1, 2: 1}
     for layer, error in costs.error.items():
         assert error[1] > error[2] > error[3] > error[4] > 0, error  # each added bit lowers the output error
         assert costs.cost[layer] == pytest.approx({k: costs.kl_alone[layer] * e / error[2] for k, e in error.items()})
@@ -132,14 +135,17 @@ def test_cli_writes_costs_whose_widths_encode(
     refused = CliRunner().invoke(app, ["layer-widths", str(torn), "--out", str(tmp_path / "t.json")])
     assert refused.exit_code == 2 and "its tables name different layers" in " ".join(refused.output.split())
 
-    built = tmp_path / "tiered"
-    encoded = CliRunner().invoke(
-        app, ["encode", str(tiny_source), "--observations", str(observed), "--out", str(built), "--tiers", costs.tiers]
+    index = str(tiny_source / "model.safetensors.index.json")
+    planned = CliRunner().invoke(
+        app, ["plan", str(tiny_source), "--source-index", index, "--tiers", costs.tiers, "--json"]
     )
-    assert encoded.exit_code == 0, encoded.output
-    art = open_artifact(built)
-    assert {layer: art.read_expert(layer, 0, "down_proj").bits for layer in (1, 2)} == costs.widths
-    art.checkpoint.close()
+    assert planned.exit_code == 0, planned.output
+    widths: dict[int, set[int]] = {}
+    for f in json.loads(planned.output)["files"]:
+        for t in f["tensors"]:
+            if ".mlp.experts." in t["name"] and t["name"].endswith(".trellis"):
+                widths.setdefault(int(t["name"].split(".layers.")[1].split(".")[0]), set()).add(t["shape"][-1] // 16)
+    assert widths == {layer: {k} for layer, k in costs.widths.items()}
 
 
 def test_experts_are_picked_across_the_sample_and_all_when_fewer_than_asked(
@@ -162,6 +168,23 @@ def test_experts_are_picked_across_the_sample_and_all_when_fewer_than_asked(
             len(ends) == 2 and tokens[ends].max() == tokens[routed].max() and tokens[ends].min() == tokens[routed].min()
         )
     artifact.checkpoint.close()
+
+
+def _with_one_k3_trellis(artifact: Path, out: Path) -> Path:
+    """A copy of `artifact` whose layer 1 expert 0 down_proj trellis has K3's width: a layer of mixed K as its tensor
+    headers show it (which is where layer costs read K from), without encoding a tiered artifact."""
+    shutil.copytree(artifact, out)
+    opened = open_artifact(out)
+    name = opened.expert_prefix(1, 0, "down_proj") + ".trellis"
+    opened.checkpoint.close()
+    shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with safe_open(str(shard), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(shard))
+    k2 = tensors[name]
+    tensors[name] = torch.zeros((*k2.shape[:-1], 48), dtype=k2.dtype)  # 16 x K int16 words per tile
+    save_file(tensors, str(shard), metadata=metadata)
+    return out
 
 
 def test_bad_inputs_are_named(tiny_source: Path, observed: Path, uniform_k2: Path, tmp_path: Path) -> None:
@@ -194,15 +217,7 @@ def test_bad_inputs_are_named(tiny_source: Path, observed: Path, uniform_k2: Pat
     (unfinished / "EXL3_MANIFEST.json").unlink()
     with pytest.raises(UsageError, match="EXL3_MANIFEST.json is missing"):
         measure_layer_costs(tiny_source, observed, unfinished, rows=1, experts=1)
-    mixed = tmp_path / "mixed"
-    config = EncodeConfig(
-        source=tiny_source,
-        out=mixed,
-        observations=observed,
-        tiers="reap:K3=1,K2=rest",  # type: ignore[arg-type]  # the config parses option text
-        verified_at="2026-01-01T00:00:00Z",
-    )
-    encode_artifact(config, Console(quiet=True))
+    mixed = _with_one_k3_trellis(uniform_k2, tmp_path / "mixed")
     with pytest.raises(UsageError, match=r"layer 1's experts have K \[2, 3\]; layer costs need one K per layer"):
         measure_layer_costs(tiny_source, observed, mixed, rows=1, experts=1)
 
