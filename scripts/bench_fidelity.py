@@ -100,7 +100,7 @@ ROUTED_KEY = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.\d+\.")
 TUNE_STEPS = 50  # `encode --tune-scales` of the tuned rows (100 before the learning rate went from 2e-3 to 5e-3)
 LONG_TUNE_STEPS = 400  # the row that asks whether TUNE_STEPS is enough
 MTP_PROMPT_TOKENS = 128  # held-out prompt length of the MTP acceptance run (at most half a held-out row)
-ESTIMATE_EXPERTS = 8  # experts per MoE layer `layer-cost-estimated` encodes at K1-K4 (`layer-costs --experts`)
+ESTIMATE_EXPERTS = 8  # --estimate-experts' default: experts per MoE layer `layer-cost-estimated` encodes at K1-K4
 RETAINED_COST_BITS = (2, 3, 4, 5, 6)  # the K a decoder layer's retained linears may take in `retained-layer-cost-*`
 SWEEP_BITS = (4, 3, 2, 1)  # the widths the depth sweep gives whole MoE layers
 SWEEP_MAX_MOE_LAYERS = 8  # a proxy's few MoE layers are enumerated; a 42-layer model's allocations are not
@@ -230,8 +230,9 @@ def recipes(experts: int, layers: int, moe_layers: int) -> list[Recipe]:
         ),
         Recipe(
             "layer-cost-estimated",
-            f"layer-cost with its costs estimated as `glmquant layer-costs` does from the seed's build alone: each MoE "
-            f"layer's KL alone at K2, scaled to K1-K4 by {ESTIMATE_EXPERTS} sampled experts' output errors",
+            "layer-cost with its costs estimated as `glmquant layer-costs` does from the seed's build alone: each MoE "
+            "layer's KL alone at K2, scaled to K1-K4 by --estimate-experts sampled experts' output errors "
+            f"(`layer-costs --experts`; default {ESTIMATE_EXPERTS})",
             widths_from="estimated",
         ),
         Recipe(
@@ -1088,7 +1089,7 @@ class Evaluator:
             obs,
             stock,
             rows=self.args.heldout_rows,
-            experts=ESTIMATE_EXPERTS,
+            experts=self.args.estimate_experts,
             device=self.args.device,
             dtype=self.args.compute_dtype,
         )
@@ -1105,6 +1106,7 @@ class Evaluator:
                 estimate = self.estimated_costs(recipe, hessians, blend, obs)
                 costs = estimate.cost
                 tier["kl_alone"] = {str(layer): v for layer, v in estimate.kl_alone.items()}
+                tier["experts_sampled"] = {str(layer): n for layer, n in estimate.experts_sampled.items()}
             widths = allocate_layer_widths(costs, recipe.bits)
             recipe = replace(recipe, tiers=TierSpec.of_widths([widths[layer] for layer in sorted(widths)]).text)
             tier["layer_costs"] = {str(layer): {f"k{k}": v for k, v in c.items()} for layer, c in costs.items()}
@@ -1590,6 +1592,13 @@ def main() -> None:
         "--tokens); at most the proxy's index_topk keeps its DSA layers on their dense path (docs/fidelity.md)",
     )
     ap.add_argument("--keep-artifacts", action="store_true")
+    ap.add_argument(
+        "--estimate-experts",
+        type=_positive,
+        default=ESTIMATE_EXPERTS,
+        help="experts per MoE layer that `layer-cost-estimated` encodes at K1-K4 (`glmquant layer-costs --experts`; "
+        f"default {ESTIMATE_EXPERTS})",
+    )
     ap.add_argument(
         "--compose-layers",
         action="store_true",

@@ -264,7 +264,7 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     assert tier["routed_bytes"] == rows["seed"]["routed_bytes"] and tier["head_bits"] == 5
     widths = tier["retained_layer_bits"].split(",")
     costs, chosen = tier["retained_layer_costs"], [w.lower() for w in widths]
-    offered = {"exact", *(f"k{k}" for k in SMOKE_COST_BITS)}  # --retained-cost-bits: K2-K4 and exact
+    offered = {"exact", *(f"k{k}" for k in SMOKE_COST_BITS)}  # --retained-cost-bits: K2, K4 and exact
     assert len(widths) == len(costs) == 3 and set(chosen) <= offered  # the small proxy's three layers
     assert all(
         set(c) == offered and c["exact"] == 0 and all(v > 0 for k, v in c.items() if k != "exact")
@@ -374,6 +374,7 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     estimated = rows["layer-cost-estimated"]
     guessed = {int(layer): {int(k[1:]): v for k, v in c.items()} for layer, c in estimated["layer_costs"].items()}
     assert all(guessed[int(layer)][2] == pytest.approx(v) for layer, v in estimated["kl_alone"].items())  # K2 measured
+    assert estimated["experts_sampled"] == {"1": 1, "2": 1}  # --estimate-experts 1
     assert all(c[1] > c[2] > c[3] > c[4] > 0 for c in guessed.values())
     chosen = allocate_layer_widths(guessed, 2)
     assert estimated["tiers"] == TierSpec.of_widths([chosen[1], chosen[2]]).text
