@@ -61,6 +61,7 @@ def test_older_and_unfinished_observations(small_source: Path, small_observation
             check_observed_from(unfinished, ckpt)
 
 
+@pytest.mark.xdist_group("small-artifact")  # pytest-xdist: on the worker that encodes `small_artifact`
 def test_an_artifact_given_as_observations_is_named(small_source: Path, small_artifact: Path, tmp_path: Path) -> None:
     """The two directories are easily swapped: encode and the checks say which one was given."""
     with SourceCheckpoint.open(small_source) as ckpt, pytest.raises(UsageError, match="is an artifact .*not observ"):

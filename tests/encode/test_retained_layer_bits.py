@@ -38,7 +38,9 @@ from glmquant.runtime.loader import load_model
 from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.retained_linears import Exl3Linear
 
-pytestmark = [pytest.mark.slow]  # one encode of the ONE_MOE model with its retained linears at K3 and K5
+# one encode of the ONE_MOE model with its retained linears at K3 and K5, on one pytest-xdist worker (not one per
+# worker that runs a test of this module)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("retained-layer-bits")]
 
 WIDTHS = (3, 5)  # layer 0 (dense MLP) at K3, layer 1 (MoE: attention, shared expert) at K5
 PROMPT = torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]])

@@ -31,6 +31,9 @@ from glmquant.runtime.options import RuntimeOptions
 from glmquant.runtime.retained_linears import Exl3Linear
 from glmquant.runtime.speculative import SpeculativeConfig
 
+# pytest-xdist: the module on one worker, so `mtp_draft` (observe, then draft-head --mtp-bits) is built once
+pytestmark = pytest.mark.xdist_group("mtp-draft")
+
 PROMPT = PromptInputs(torch.tensor([[256, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]]))
 TOKENS = 12
 
