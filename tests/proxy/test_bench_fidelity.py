@@ -255,9 +255,6 @@ def test_bench_runs_end_to_end_and_summarizes(bench_run: BenchRun) -> None:
     assert "tuning_by_layer" not in rows["seed"]
     assert tiered["manifest_sha256"] != rows["seed"]["manifest_sha256"]
     assert rows["prune25-k3"]["at_seed_bytes"] and rows["prune25-k3"]["routed_bytes"] < rows["seed"]["routed_bytes"]
-    # above the seed's bytes; its KL is not compared with the seed's: on this proxy of three training steps the
-    # widths' KLs differ by noise (on the trained proxies K3 cuts the seed's KL 4x, docs/fidelity.md)
-    assert rows["uniform-k3"]["kl"] != rows["seed"]["kl"] and not rows["uniform-k3"]["at_seed_bytes"]
     # the seed's experts, each decoder layer's retained linears at the K (or exact) of least summed KL alone on
     # calibration text within uniform K4's bytes, lm_head K5 (issue 18)
     tier = rows["retained-layer-cost-head5"]
@@ -359,7 +356,9 @@ def test_composed_rows_equal_the_encoded_ones(bench_run: BenchRun, small_proxy: 
     built = [rows[name]["stocks_built_here"] for name in ("depth-tiers", "uniform-k3")]
     assert sorted(k for b in built for k in b) == ["k1", "k3"]  # the K3 stock built once, by whichever came first
     assert rows["uniform-k3"]["composed_from"] == {"1": "k3", "2": "k3"}
-    assert rows["uniform-k3"]["kl"] != rows["seed"]["kl"]  # other experts (not which is lower: see above)
+    # other experts above the seed's bytes; not which KL is lower: on this proxy of three training steps the widths'
+    # KLs differ by noise (on the trained proxies K3 cuts the seed's KL 4x, docs/fidelity.md)
+    assert rows["uniform-k3"]["kl"] != rows["seed"]["kl"] and not rows["uniform-k3"]["at_seed_bytes"]
     assert rows["uniform-k3"]["routed_bytes"] > rows["seed"]["routed_bytes"]
     assert not (composed.work / "artifact-seed").exists()
     by_cost = rows["layer-cost"]
