@@ -256,7 +256,7 @@ def test_retained_costs_measure_each_layers_kl_alone_and_choose_within_the_budge
 
 
 def test_retained_costs_bad_inputs(
-    one_moe_source: Path, one_moe_dense_observations: Path, by_layer: EncodeResult, small_artifact: Path, tmp_path: Path
+    one_moe_source: Path, one_moe_dense_observations: Path, by_layer: EncodeResult, tmp_path: Path
 ) -> None:
     """A width outside K2-K6 and exact, a mean outside K2-K6, observations without a layer's dense Hessians and an
     artifact of another model are refused before the pass, naming what is wrong; `retained-widths` refuses a file
@@ -274,8 +274,13 @@ def test_retained_costs_bad_inputs(
     save_file({"unrelated": torch.zeros(1)}, str(stripped / "layer-01.hessians.safetensors"))
     with pytest.raises(UsageError, match=r"layer-01\.hessians\.safetensors lacks the dense Hessians of .*layers\.1\."):
         measure_retained_costs(one_moe_source, stripped, art)
-    with pytest.raises(UsageError, match="does not match the source .*num_hidden_layers"):
-        measure_retained_costs(one_moe_source, one_moe_dense_observations, small_artifact)
+    wider = tmp_path / "wider"  # the artifact of another model: its config a wider dense MLP
+    shutil.copytree(art, wider)
+    config = json.loads((wider / "config.json").read_text())
+    config["text_config"]["intermediate_size"] *= 2
+    (wider / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="does not match the source .*intermediate_size"):
+        measure_retained_costs(one_moe_source, one_moe_dense_observations, wider)
     with pytest.raises(UsageError, match=r"--device must be cpu or cuda"):
         measure_retained_costs(one_moe_source, one_moe_dense_observations, art, device="tpu")
     norm = "model.language_model.layers.1.post_attention_layernorm.weight"
