@@ -199,17 +199,24 @@ def check_exact_layers(retained_bits: int | None, exact_layers: int, spec: Model
 
 def parse_layer_bits(text: str, option: str = "--retained-layer-bits") -> tuple[int | None, ...]:
     """`--retained-layer-bits K6,K6,exact,K4,...`: K of each decoder layer's retained linears, the first layer first
-    (`exact`: that layer's stay exact); `option` names another list of widths. UsageError naming the entry that is
-    neither."""
+    (`exact`: that layer's stay exact); an entry `WxN` is width W for N layers in a row (`K5x11,K3x7,K2x27`: 45
+    layers). `option` names another list of widths. UsageError naming the entry that is neither."""
     widths: list[int | None] = []
     for i, entry in enumerate(text.split(",")):
+        name, count = entry.strip(), 1
+        repeat = re.fullmatch(r"(.+?)[xX](\d+)", name)
+        if repeat is not None:
+            name, count = repeat.group(1), int(repeat.group(2))
         try:
-            widths.append(width_of(entry))
+            width = width_of(name)
         except ValueError:
-            entry = entry.strip()
             raise UsageError(
-                f"{option}: entry {i} ({entry!r}) is neither K<bits> nor exact (e.g. K6,K6,K3,exact)"
+                f"{option}: entry {i} ({entry.strip()!r}) is neither K<bits> nor exact, alone or as WxN for N layers "
+                "(e.g. K6,K6,K3,exact or K5x11,K2x34)"
             ) from None
+        if count < 1:
+            raise UsageError(f"{option}: entry {i} ({entry.strip()!r}) repeats its width {count} times: N must be >= 1")
+        widths += [width] * count
     return tuple(widths)
 
 

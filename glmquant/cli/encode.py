@@ -74,7 +74,7 @@ def encode(
         str | None,
         typer.Option(
             help="speed tier, K by decoder layer instead of --retained-bits and --retained-exact-layers: one entry "
-            "per layer, the first first (K6,K6,K3,exact,...)"
+            "per layer, the first first (K6,K6,K3,exact,...), WxN for N layers in a row (K5x11,K3x7,K2x27)"
         ),
     ] = None,
     head_bits: Annotated[

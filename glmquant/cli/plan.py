@@ -50,7 +50,7 @@ def plan(
     ] = 0,
     retained_layer_bits: Annotated[
         str | None,
-        typer.Option(help="as encode --retained-layer-bits: each decoder layer's K (K6,K6,K3,exact,...)"),
+        typer.Option(help="as encode --retained-layer-bits: each decoder layer's K (K6,K6,K3,exact,... or K5x11,...)"),
     ] = None,
     head_bits: Annotated[
         int | None, typer.Option(help="as encode --head-bits: lm_head stored as EXL3 at this K")

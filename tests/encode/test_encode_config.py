@@ -13,6 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 import glmquant.encode.config as encode_config
+from glmquant.checkpoint.layouts import parse_layer_bits
 from glmquant.cli import app
 from glmquant.encode import EncodeConfig
 from glmquant.environment import exl3_backend
@@ -129,6 +130,8 @@ def test_hessian_mode_is_typed_and_the_fingerprint_stable(tmp_path: Path) -> Non
         ),
         (["--retained-layer-bits", "K4,5"], "--retained-layer-bits: entry 1 ('5') is neither K<bits> nor exact"),
         (["--retained-layer-bits", "exact,EXACT"], "--retained-layer-bits keeps every layer exact"),
+        (["--retained-layer-bits", "K4x0,K2"], "--retained-layer-bits: entry 0 ('K4x0') repeats its width 0 times"),
+        (["--retained-layer-bits", "K4,Kx3"], "--retained-layer-bits: entry 1 ('Kx3') is neither K<bits> nor exact"),
         (
             ["--retained-layer-bits", "K4,K4", "--retained-bits", "4"],
             "--retained-layer-bits names every layer's K: it replaces --retained-bits and --retained-exact-layers",
@@ -141,6 +144,17 @@ def test_bad_retained_bits_are_usage_errors(tmp_path: Path, args: list[str], mes
     code, output = _encode(tmp_path, "--uncalibrated", *args)
     assert code == 2 and message in output and "Traceback" not in output
     assert not (tmp_path / "art").exists()
+
+
+def test_layer_bits_repeat_a_width_over_layers_in_a_row(tmp_path: Path) -> None:
+    """`WxN` is W for N layers in a row (exact too, any case): the same widths, so the same job, as the entries
+    written out."""
+    assert parse_layer_bits("K5x2,K3,exactX2,k2x1") == (5, 5, 3, None, None, 2)
+    assert parse_layer_bits("K5x11,K3x7,K2x27") == (5,) * 11 + (3,) * 7 + (2,) * 27
+    base = EncodeConfig(source=tmp_path, out=tmp_path / "a", uncalibrated=True)
+    texts = ("K4x2,exact", "K4,K4,exact")
+    short, written = (replace(base, retained_layer_bits=t) for t in texts)  # type: ignore[arg-type]  # text, parsed
+    assert short.retained_layer_bits == (4, 4, None) and short.fingerprint({}) == written.fingerprint({})
 
 
 def test_retained_bits_shape_the_fingerprint_and_leave_older_jobs_resumable(tmp_path: Path) -> None:
