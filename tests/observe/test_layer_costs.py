@@ -83,7 +83,7 @@ def test_kl_alone_is_the_whole_models_with_only_that_layers_experts_quantized(
     artifact.checkpoint.close()
 
 
-def test_cli_writes_costs_whose_widths_encode(
+def test_cli_writes_costs_whose_tiers_plan_the_widths(
     tiny_source: Path, observed: Path, uniform_k2: Path, tmp_path: Path
 ) -> None:
     """The error falls with every added bit, the cost at the artifact's own K is the measured KL, the widths are the
