@@ -202,20 +202,20 @@ def parse_layer_bits(text: str, option: str = "--retained-layer-bits") -> tuple[
     (`exact`: that layer's stay exact); an entry `WxN` is width W for N layers in a row (`K5x11,K3x7,K2x27`: 45
     layers). `option` names another list of widths. UsageError naming the entry that is neither."""
     widths: list[int | None] = []
-    for i, entry in enumerate(text.split(",")):
-        name, count = entry.strip(), 1
-        repeat = re.fullmatch(r"(.+?)[xX](\d+)", name)
+    for i, entry in enumerate(part.strip() for part in text.split(",")):
+        name, count = entry, 1
+        repeat = re.fullmatch(r"(.+?)[xX](\d+)", entry)
         if repeat is not None:
             name, count = repeat.group(1), int(repeat.group(2))
         try:
             width = width_of(name)
         except ValueError:
             raise UsageError(
-                f"{option}: entry {i} ({entry.strip()!r}) is neither K<bits> nor exact, alone or as WxN for N layers "
+                f"{option}: entry {i} ({entry!r}) is neither K<bits> nor exact, alone or as WxN for N layers "
                 "(e.g. K6,K6,K3,exact or K5x11,K2x34)"
             ) from None
         if count < 1:
-            raise UsageError(f"{option}: entry {i} ({entry.strip()!r}) repeats its width {count} times: N must be >= 1")
+            raise UsageError(f"{option}: entry {i} ({entry!r}) repeats its width {count} times: N must be >= 1")
         widths += [width] * count
     return tuple(widths)
 
