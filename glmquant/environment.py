@@ -12,6 +12,7 @@ EXL3_BACKEND = (
     "GLMQUANT_EXL3_BACKEND"  # the EXL3 Viterbi backend: native, torch, cuda or exllamav3 (unset: the fastest)
 )
 CACHE_DIR = "GLMQUANT_CACHE_DIR"  # where the C++ Viterbi kernel is compiled to (default ~/.cache/glmquant)
+ENCODE_MEMO = "GLMQUANT_ENCODE_MEMO"  # a directory of finished encodes read back by a repeated encode (unset: off)
 SOURCE_DATE_EPOCH = "SOURCE_DATE_EPOCH"  # the manifest's timestamp, in whole seconds since 1970 (reproducible builds)
 EXL3_BACKENDS = ("native", "torch", "cuda", "exllamav3")  # exl3.backends.BACKENDS, without importing torch
 
@@ -25,6 +26,14 @@ def exl3_backend() -> str | None:
             "or unset it (the fastest one for the device)"
         )
     return value
+
+
+def encode_memo_dir() -> Path | None:
+    """$GLMQUANT_ENCODE_MEMO, checked; None when unset or empty."""
+    value = os.environ.get(ENCODE_MEMO) or None
+    if value is not None and Path(value).exists() and not Path(value).is_dir():
+        raise UsageError(f"{ENCODE_MEMO}={value!r} must name a directory (it is created when missing)")
+    return None if value is None else Path(value)
 
 
 def source_date_epoch() -> int | None:
@@ -41,4 +50,5 @@ def check_environment() -> None:
     cache = os.environ.get(CACHE_DIR)
     if cache is not None and (not cache or Path(cache).exists() and not Path(cache).is_dir()):
         raise UsageError(f"{CACHE_DIR}={cache!r} must name a directory (it is created when missing)")
+    encode_memo_dir()
     source_date_epoch()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -25,11 +26,14 @@ def git_commit() -> str:
 
 
 def provenance(device: str) -> dict[str, str]:
-    """Commit, date, torch and Python versions and the device of a run, for a results file."""
+    """Commit, date, torch and Python versions and the device of a run, for a results file; and the encode memo where
+    one was on ($GLMQUANT_ENCODE_MEMO: encodes read back from it take no encoding time)."""
+    memo = os.environ.get("GLMQUANT_ENCODE_MEMO")
     return {
         "commit": git_commit(),
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": device,
+        **({"encode_memo": memo} if memo else {}),
     }

@@ -30,7 +30,27 @@ if "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
 
 from glmquant.checkpoint.safetensors_format import TensorSpec
 from glmquant.checkpoint.writer import Provided
+from glmquant.environment import ENCODE_MEMO
 from glmquant.fixtures import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def encode_memo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The suite's encode memo ($GLMQUANT_ENCODE_MEMO, unless already set): many tests encode the same tiny linears
+    with the same Hessians, and the encodes, most of the suite's time, are computed once per run and read back
+    after. One directory for both pytest-xdist workers and the processes the tests start; tests of reproducibility
+    (`fresh_encodes`) and the codec's own (tests/exl3) compute every encode."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base  # the run's directory, above each worker's
+    os.environ.setdefault(ENCODE_MEMO, str(shared / "encode-memo"))
+    return Path(os.environ[ENCODE_MEMO])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_encodes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked `fresh_encodes` encodes without the memo (its fixtures, built before, may have read from it)."""
+    if request.node.get_closest_marker("fresh_encodes") is not None:
+        monkeypatch.delenv(ENCODE_MEMO, raising=False)
 
 
 @pytest.fixture(scope="session")

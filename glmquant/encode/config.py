@@ -36,7 +36,7 @@ from glmquant.checkpoint.layouts import (
 )
 from glmquant.devices import device_type
 from glmquant.encode.scale_tuning import LEARNING_RATE
-from glmquant.environment import exl3_backend
+from glmquant.environment import encode_memo_dir, exl3_backend
 from glmquant.errors import UsageError
 from glmquant.exl3.refit import REFIT_ROUNDS
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch
@@ -167,6 +167,7 @@ class EncodeConfig:
             )
         device_type(self.device)
         exl3_backend()
+        encode_memo_dir()
 
     def _check_out(self) -> None:
         """--out names a directory to create or fill that does not hold an input (writing into the source would

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glmquant.environment import encode_memo_dir
 from glmquant.errors import NumericalError
 from glmquant.exl3.backends import TileSearch, quantize_tiles, select_backend
 from glmquant.exl3.codebooks import Codebook
@@ -16,6 +17,7 @@ from glmquant.exl3.decode import decode_weight
 from glmquant.exl3.hadamard import had_left, had_right
 from glmquant.exl3.hessian import PreparedHessian, pad_hessian, prepare_hessian
 from glmquant.exl3.ldlq import ldlq
+from glmquant.exl3.memo import EncodeMemo
 from glmquant.exl3.refit import REFIT_ROUNDS, refit_scales
 from glmquant.exl3.regularize import LDLQ_DRIFT, balance_scales, regularize, sample_tiles
 from glmquant.exl3.scale_search import DEFAULT_SEARCH, ScaleSearch, search_scales
@@ -229,8 +231,23 @@ def encode_linears(
         return []
     codebook, dev = Codebook(codebook), torch.device(device)
     search = select_backend(dev, backend)
-    with _device_lock(dev):
-        return _encode_linears(items, bits, codebook, seed, dev, search, scale_search, refit_rounds)
+    memo_dir = encode_memo_dir()  # None unless $GLMQUANT_ENCODE_MEMO is set
+    settings = {"bits": bits, "codebook": codebook.value, "seed": seed, "scale_search": repr(scale_search)}
+    memo = None if memo_dir is None else EncodeMemo(memo_dir, settings | {"refit_rounds": refit_rounds}, dev, search)
+    keys = [memo.key(w, h) for w, h in items] if memo is not None else []
+    kept = [memo.get(key) for key in keys] if memo is not None else [None] * len(items)
+    out = [None if entry is None else EncodedLinear(*entry) for entry in kept]
+    todo = [i for i, result in enumerate(out) if result is None]
+    if todo:
+        with _device_lock(dev):
+            encoded = _encode_linears(
+                [items[i] for i in todo], bits, codebook, seed, dev, search, scale_search, refit_rounds
+            )
+        for i, result in zip(todo, encoded):
+            out[i] = result
+            if memo is not None:
+                memo.put(keys[i], result.tensor, result.proxy_error, result.fallback, result.calibrated)
+    return [result for result in out if result is not None]
 
 
 _GPU_LOCKS: dict[torch.device, threading.Lock] = {}

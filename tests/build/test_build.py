@@ -83,6 +83,7 @@ def test_fused_build_equals_observe_then_encode(source: Path, two_step: Path, tm
     assert sorted(p.name for p in (tmp_path / "obs" / "state").iterdir()) == ["progress.json"]
 
 
+@pytest.mark.fresh_encodes
 def test_killed_build_resumes_to_the_same_bytes(
     source: Path, two_step: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -165,6 +166,7 @@ def test_build_tunes_scales_on_the_tokens_it_holds_as_encode_does(source: Path, 
         )
 
 
+@pytest.mark.fresh_encodes
 def test_build_with_device_streams_gives_the_same_bytes(source: Path, two_step: Path, tmp_path: Path) -> None:
     build_artifact(_build_config(source, tmp_path, device_streams_every=2), QUIET)
     assert _digests(tmp_path / "artifact") == _digests(two_step / "artifact")

@@ -20,6 +20,7 @@ def test_units_are_dealt_round_robin() -> None:
     assert Ranks(1, 2, local_rank=1).device("cuda") == "cuda:1" and Ranks().device("cuda") == "cuda"
 
 
+@pytest.mark.fresh_encodes
 @pytest.mark.slow
 @pytest.mark.xdist_group("small-artifact")  # pytest-xdist: on the worker that encodes `small_artifact`
 def test_two_processes_write_the_same_artifact_as_one(

@@ -56,6 +56,7 @@ def test_cli_writes_a_k4_copy_of_lm_head_that_reads_back(
     assert energy(error) < 0.05 * energy(weight)
 
 
+@pytest.mark.fresh_encodes
 def test_the_same_inputs_give_the_same_bytes_and_k_sets_the_size(
     one_moe_source: Path, one_moe_dense_observations: Path, tmp_path: Path
 ) -> None:

@@ -71,6 +71,7 @@ def test_manifest_verifies(small_artifact: Path) -> None:
     assert not any(c.warning for c in report.checks)  # every file the encoder wrote is listed
 
 
+@pytest.mark.fresh_encodes
 def test_killed_job_resumes_to_identical_bytes(
     small_artifact: Path,
     small_source: Path,

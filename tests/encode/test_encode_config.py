@@ -89,6 +89,7 @@ def test_an_unforeseen_os_error_is_one_line(tiny_source: Path) -> None:
         ("GLMQUANT_EXL3_BACKEND", "nope", "GLMQUANT_EXL3_BACKEND='nope' is not an EXL3 backend"),
         ("SOURCE_DATE_EPOCH", "yesterday", "SOURCE_DATE_EPOCH must be whole seconds since 1970, got 'yesterday'"),
         ("GLMQUANT_CACHE_DIR", "__FILE__", "GLMQUANT_CACHE_DIR="),
+        ("GLMQUANT_ENCODE_MEMO", "__FILE__", "GLMQUANT_ENCODE_MEMO="),
     ],
 )
 def test_bad_environment_is_refused_before_any_work(
@@ -99,8 +100,8 @@ def test_bad_environment_is_refused_before_any_work(
     code, output = _encode(tmp_path, "--uncalibrated")
     assert code == 2 and message in output and "Traceback" not in output
     assert not (tmp_path / "art").exists()
-    if name == "GLMQUANT_EXL3_BACKEND":  # also for library callers, who build the config themselves
-        with pytest.raises(UsageError, match="not an EXL3 backend"):
+    if name in ("GLMQUANT_EXL3_BACKEND", "GLMQUANT_ENCODE_MEMO"):  # also for library callers, who build the config
+        with pytest.raises(UsageError, match=name):
             EncodeConfig(source=tmp_path, out=tmp_path / "art", uncalibrated=True)
 
 

@@ -143,6 +143,7 @@ def test_head_only_artifact_is_the_plan_and_verifies(micro_source: Path, head_ti
     assert_verify_manifest_cli(head_tier)
 
 
+@pytest.mark.fresh_encodes
 def test_head_decodes_close_in_its_hessian_metric_and_encodes_the_same_bytes_again(
     micro_source: Path, micro_observations: Path, head_tier: EncodeResult
 ) -> None:

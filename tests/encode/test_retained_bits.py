@@ -142,6 +142,7 @@ def test_verify_catches_exact_layers_the_manifest_does_not_state(speed_tier: Enc
     assert "model.language_model.layers.0.mlp.down_proj.mcg: expected by the config, missing from the files" in detail
 
 
+@pytest.mark.fresh_encodes
 def test_retained_linears_encode_to_the_same_bytes_again(
     one_moe_source: Path, one_moe_dense_observations: Path, speed_tier: EncodeResult
 ) -> None:

@@ -117,6 +117,7 @@ def test_tuned_artifact_changes_only_scales_and_lowers_the_routed_error(
     assert after < before, (before, after)
 
 
+@pytest.mark.fresh_encodes
 def test_tuned_encode_is_reproducible(
     artifacts: tuple[Path, Path], one_moe_source: Path, tuning_observations: Path, tmp_path: Path
 ) -> None:

@@ -1,5 +1,5 @@
-"""Golden vectors produced by exllamav3 1.6.5 on an H200 (copied into tests/data so the suite runs anywhere), and
-torch on one thread for the step-by-step Viterbi references."""
+"""Golden vectors produced by exllamav3 1.6.5 on an H200 (copied into tests/data so the suite runs anywhere), torch
+on one thread for the step-by-step Viterbi references, and every encode computed (the codec's own tests)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from glmquant.environment import ENCODE_MEMO
+
 DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+@pytest.fixture(autouse=True)
+def _codec_encodes_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No encode here is read back from the suite's encode memo (tests/conftest.py): these test the encoder."""
+    monkeypatch.delenv(ENCODE_MEMO, raising=False)
 
 
 @pytest.fixture(scope="session")
