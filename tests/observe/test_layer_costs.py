@@ -33,38 +33,51 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("layer-costs")]
 
 
 @pytest.fixture(scope="module")
-def observed(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def narrow_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with experts 128 wide: each projection one EXL3 block in the ExLlamaV3 layout, a quarter of the
+    default's encodes (which are most of these tests' time); layer costs read any layout."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("narrow-src"), TinyModelConfig(moe_intermediate_size=128))
+
+
+@pytest.fixture(scope="module")
+def observed(narrow_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("layer-costs-obs")
-    observe(ObserveConfig(source=tiny_source, out=out, rows=4, tokens=64, tuning_tokens=128))
+    observe(ObserveConfig(source=narrow_source, out=out, rows=4, tokens=64, tuning_tokens=128))
     return out
 
 
 @pytest.fixture(scope="module")
-def uniform_k2(tiny_source: Path, observed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def uniform_k2(narrow_source: Path, observed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("layer-costs-art") / "k2"
     encode_artifact(
-        EncodeConfig(source=tiny_source, out=out, observations=observed, verified_at="2026-01-01T00:00:00Z"),
+        EncodeConfig(
+            source=narrow_source,
+            out=out,
+            observations=observed,
+            layout="exllamav3",
+            verified_at="2026-01-01T00:00:00Z",
+        ),
         Console(quiet=True),
     )
     return out
 
 
 def test_kl_alone_is_the_whole_models_with_only_that_layers_experts_quantized(
-    tiny_source: Path, observed: Path, uniform_k2: Path
+    narrow_source: Path, observed: Path, uniform_k2: Path
 ) -> None:
     """The streamed pass (the source's streams and one fork per MoE layer) gives, for each layer, transformers' whole
     model with that layer's experts decoded from the artifact, against the whole model as it is."""
     from transformers import Glm5NextForConditionalGeneration
 
     ids = TokenRows.load(observed).lanes[0].ids.long()[:2]
-    model = TextModel.open(tiny_source, "cpu", torch.float32)
+    model = TextModel.open(narrow_source, "cpu", torch.float32)
     artifact = open_artifact(uniform_k2)
     layers = list(artifact.quantized_layers)
     assert layers == [1, 2]
     with model.ckpt:
         streamed = layer_kl_alone(model, artifact, layers, ids, batch_rows=1)
 
-    whole = Glm5NextForConditionalGeneration.from_pretrained(str(tiny_source), dtype=torch.float32).eval()
+    whole = Glm5NextForConditionalGeneration.from_pretrained(str(narrow_source), dtype=torch.float32).eval()
     with torch.no_grad():
         reference = F.log_softmax(whole(input_ids=ids).logits.float(), -1)
         for layer in layers:
@@ -84,7 +97,7 @@ def test_kl_alone_is_the_whole_models_with_only_that_layers_experts_quantized(
 
 
 def test_cli_writes_costs_whose_tiers_plan_the_widths(
-    tiny_source: Path, observed: Path, uniform_k2: Path, tmp_path: Path
+    narrow_source: Path, observed: Path, uniform_k2: Path, tmp_path: Path
 ) -> None:
     """The error falls with every added bit, the cost at the artifact's own K is the measured KL, the widths are the
     knapsack's over the costs at the artifact's mean K, and its `--tiers` text plans them (`plan`, whose structure
@@ -94,7 +107,7 @@ def test_cli_writes_costs_whose_tiers_plan_the_widths(
         app,
         [
             "layer-costs",
-            str(tiny_source),
+            str(narrow_source),
             "--observations",
             str(observed),
             "--artifact",
@@ -135,9 +148,9 @@ def test_cli_writes_costs_whose_tiers_plan_the_widths(
     refused = CliRunner().invoke(app, ["layer-widths", str(torn), "--out", str(tmp_path / "t.json")])
     assert refused.exit_code == 2 and "its tables name different layers" in " ".join(refused.output.split())
 
-    index = str(tiny_source / "model.safetensors.index.json")
+    index = str(narrow_source / "model.safetensors.index.json")
     planned = CliRunner().invoke(
-        app, ["plan", str(tiny_source), "--source-index", index, "--tiers", costs.tiers, "--json"]
+        app, ["plan", str(narrow_source), "--source-index", index, "--tiers", costs.tiers, "--json"]
     )
     assert planned.exit_code == 0, planned.output
     widths: dict[int, set[int]] = {}
@@ -149,11 +162,11 @@ def test_cli_writes_costs_whose_tiers_plan_the_widths(
 
 
 def test_experts_are_picked_across_the_sample_and_all_when_fewer_than_asked(
-    tiny_source: Path, observed: Path, uniform_k2: Path
+    narrow_source: Path, observed: Path, uniform_k2: Path
 ) -> None:
     """Sampled experts spread over the tuning sample's token counts, the most- and least-routed among them; every
     expert with sampled tokens when --experts asks for more (no K swept here: the picking alone)."""
-    model = TextModel.open(tiny_source, "cpu", torch.float32)
+    model = TextModel.open(narrow_source, "cpu", torch.float32)
     artifact = open_artifact(uniform_k2)
     hessians = HessianSource(observed, "natural")
     with model.ckpt:
@@ -187,19 +200,19 @@ def _with_one_k3_trellis(artifact: Path, out: Path) -> Path:
     return out
 
 
-def test_bad_inputs_are_named(tiny_source: Path, observed: Path, uniform_k2: Path, tmp_path: Path) -> None:
+def test_bad_inputs_are_named(narrow_source: Path, observed: Path, uniform_k2: Path, tmp_path: Path) -> None:
     """Observations without a tuning sample, more rows than observed, a half-written artifact and one whose layers
     mix K are refused before the streamed pass, each with what to do."""
     plain = tmp_path / "plain-obs"
-    observe(ObserveConfig(source=tiny_source, out=plain, rows=2, tokens=32))
+    observe(ObserveConfig(source=narrow_source, out=plain, rows=2, tokens=32))
     with pytest.raises(UsageError, match="--tuning-tokens"):
-        measure_layer_costs(tiny_source, plain, uniform_k2, rows=1, experts=1)
+        measure_layer_costs(narrow_source, plain, uniform_k2, rows=1, experts=1)
     with pytest.raises(UsageError, match="fewer than --rows 99"):
-        measure_layer_costs(tiny_source, observed, uniform_k2, rows=99)
+        measure_layer_costs(narrow_source, observed, uniform_k2, rows=99)
     for mean_bits in (9.0, 0.5, float("nan")):  # refused before the pass, not after it
         with pytest.raises(UsageError, match=r"--mean-bits must be within K1..K4"):
-            measure_layer_costs(tiny_source, observed, uniform_k2, rows=1, experts=1, mean_bits=mean_bits)
-    cli = ["layer-costs", str(tiny_source), "--observations", str(observed), "--artifact", str(uniform_k2)]
+            measure_layer_costs(narrow_source, observed, uniform_k2, rows=1, experts=1, mean_bits=mean_bits)
+    cli = ["layer-costs", str(narrow_source), "--observations", str(observed), "--artifact", str(uniform_k2)]
     result = CliRunner().invoke(app, [*cli, "--out", str(tmp_path)])
     assert result.exit_code == 2 and "is a directory" in result.output, result.output
     costs_file = tmp_path / "costs.json"
@@ -216,10 +229,10 @@ def test_bad_inputs_are_named(tiny_source: Path, observed: Path, uniform_k2: Pat
     shutil.copytree(uniform_k2, unfinished)
     (unfinished / "EXL3_MANIFEST.json").unlink()
     with pytest.raises(UsageError, match="EXL3_MANIFEST.json is missing"):
-        measure_layer_costs(tiny_source, observed, unfinished, rows=1, experts=1)
+        measure_layer_costs(narrow_source, observed, unfinished, rows=1, experts=1)
     mixed = _with_one_k3_trellis(uniform_k2, tmp_path / "mixed")
     with pytest.raises(UsageError, match=r"layer 1's experts have K \[2, 3\]; layer costs need one K per layer"):
-        measure_layer_costs(tiny_source, observed, mixed, rows=1, experts=1)
+        measure_layer_costs(narrow_source, observed, mixed, rows=1, experts=1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
