@@ -182,7 +182,8 @@ def test_stacked_linears_count_every_projection_s_programs():
     assert linear_config(1, _stack(4096, 4096, 4, n_proj=3)) == replace(one_row_gemv(4), split_tiles=64)
 
 
-@pytest.mark.parametrize("codebook", ["3inst", "mcg"])
+# the job steps do not depend on the codebook: one (seconds of Triton's CPU interpreter a row count) where no GPU runs
+@pytest.mark.parametrize("codebook", ["3inst", "mcg"] if torch.cuda.is_available() else ["mcg"])
 def test_k4_linear_rows_do_not_depend_on_the_row_count(codebook):
     """A K4 linear's rows are the same bits in products of one to four rows (a verify's rows equal plain steps'):
     all are GEMV jobs of one or two rows at the one-row steps with the same K splits."""
