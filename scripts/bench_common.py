@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +24,13 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return run.stdout.strip() or "unknown"
+
+
+def encodes_computed() -> None:
+    """For the scripts that time or instrument encodes: $GLMQUANT_ENCODE_MEMO is dropped for the run, so that every
+    encode they measure is computed, not read back."""
+    if os.environ.pop("GLMQUANT_ENCODE_MEMO", None):
+        print("GLMQUANT_ENCODE_MEMO is ignored here: this script times encodes", file=sys.stderr)
 
 
 def provenance(device: str) -> dict[str, str]:

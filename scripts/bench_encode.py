@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import git_commit
+from bench_common import encodes_computed, git_commit
 
 from glmquant.arch import load_model_spec
 from glmquant.checkpoint.layouts import expert_slices
@@ -254,6 +254,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default=None, help="commit of the code run (default: git HEAD here)")
     args = ap.parse_args()
+    encodes_computed()
     commit = args.commit or git_commit()
     search = dataclasses.replace(
         DEFAULT_SEARCH,

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout, no install
 
-from bench_encode import git_commit
+from bench_common import encodes_computed, git_commit
 
 from glmquant.exl3 import Codebook, encode_linear
 from glmquant.exl3.backends import select_backend
@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--encode", default="2048x512", help="IN x OUT of the end-to-end encode timing ('' to skip)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/exl3_cpu.json"))
     args = parser.parse_args()
+    encodes_computed()
 
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import ROOT, provenance
+from bench_common import ROOT, encodes_computed, provenance
 from bench_encode import CONFIG, make_unit
 
 import glmquant.exl3.encode as encoder
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/refit_rounds_cpu.json")
     args = ap.parse_args()
+    encodes_computed()
     slices: list[dict[int, float]] = []
 
     def measured(

@@ -30,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout, no install
 
+from bench_common import encodes_computed
+
 from glmquant.exl3 import (
     Codebook,
     EXL3Tensor,
@@ -296,6 +298,7 @@ def main() -> None:
     parser.add_argument("--skip-torch", action="store_true", help="leave out the (slow) torch CUDA backend")
     parser.add_argument("--skip-large", action="store_true", help="leave out the 4096-wide timing tensors")
     args = parser.parse_args()
+    encodes_computed()
 
     rec = Recorder(args.out)
     with rec.step("env") as entry:

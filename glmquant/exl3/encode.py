@@ -6,6 +6,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -234,7 +235,7 @@ def encode_linears(
     memo_dir = encode_memo_dir()  # None unless $GLMQUANT_ENCODE_MEMO is set
     settings = {"bits": bits, "codebook": codebook.value, "seed": seed, "scale_search": repr(scale_search)}
     memo = None if memo_dir is None else EncodeMemo(memo_dir, settings | {"refit_rounds": refit_rounds}, dev, search)
-    keys = [memo.key(w, h) for w, h in items] if memo is not None else []
+    keys = memo.keys(items) if memo is not None else []
     kept = [memo.get(key) for key in keys] if memo is not None else [None] * len(items)
     out = [None if entry is None else EncodedLinear(*entry) for entry in kept]
     todo = [i for i, result in enumerate(out) if result is None]
@@ -243,11 +244,11 @@ def encode_linears(
             encoded = _encode_linears(
                 [items[i] for i in todo], bits, codebook, seed, dev, search, scale_search, refit_rounds
             )
-        for i, result in zip(todo, encoded):
+        for i, result in zip(todo, encoded, strict=True):
             out[i] = result
             if memo is not None:
                 memo.put(keys[i], result.tensor, result.proxy_error, result.fallback, result.calibrated)
-    return [result for result in out if result is not None]
+    return cast(list[EncodedLinear], out)  # every place filled: a kept encode or a new one
 
 
 _GPU_LOCKS: dict[torch.device, threading.Lock] = {}

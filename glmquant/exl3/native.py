@@ -32,7 +32,7 @@ def _cache_dir() -> Path:
     return Path(root) / "exl3"
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """-march=native output is only valid on the CPU that built it."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -63,7 +63,7 @@ def compile_cached(name: str, command: list[str], key: list[bytes]) -> Path:
 
 
 def _build(compiler: str) -> Path:
-    key = [_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), compiler.encode(), _cpu_signature().encode()]
+    key = [_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), compiler.encode(), cpu_signature().encode()]
     return compile_cached("viterbi", [compiler, *_FLAGS, str(_SOURCE)], key)
 
 

@@ -185,7 +185,7 @@ def test_gpu_encodes_take_turns_on_one_device(monkeypatch: pytest.MonkeyPatch) -
     guard = threading.Lock()
 
     def slow_encode(
-        items: object, bits: int, codebook: object, seed: int, dev: torch.device, *rest: object
+        items: list, bits: int, codebook: object, seed: int, dev: torch.device, *rest: object
     ) -> list[None]:
         key = str(torch.device("cuda", dev.index if dev.index is not None else 0))
         with guard:
@@ -194,7 +194,7 @@ def test_gpu_encodes_take_turns_on_one_device(monkeypatch: pytest.MonkeyPatch) -
         time.sleep(0.2)
         with guard:
             running[key] -= 1
-        return []
+        return [None] * len(items)  # a stand-in result per item
 
     monkeypatch.setattr(encode, "_encode_linears", slow_encode)
     item = [(torch.zeros(128, 256), None)]
@@ -203,7 +203,7 @@ def test_gpu_encodes_take_turns_on_one_device(monkeypatch: pytest.MonkeyPatch) -
             f.result()
     assert most == {"cuda:0": 1, "cuda:1": 1}
     meet = threading.Barrier(2, timeout=30)  # passes only if both encodes are inside at once
-    monkeypatch.setattr(encode, "_encode_linears", lambda *args: (meet.wait(), [])[1])
+    monkeypatch.setattr(encode, "_encode_linears", lambda items, *args: (meet.wait(), [None] * len(items))[1])
     for devices in (("cuda:0", "cuda:1"), ("cpu", "cpu")):  # other GPUs, and the CPU, take no common lock
         with ThreadPoolExecutor(max_workers=2) as pool:
             for f in [pool.submit(encode_linears, item, 2, device=d) for d in devices]:

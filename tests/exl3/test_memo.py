@@ -10,12 +10,16 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from glmquant.environment import ENCODE_MEMO, check_environment
 from glmquant.errors import UsageError
 from glmquant.exl3 import EncodedLinear, encode_linears
 from glmquant.exl3 import encode as encode_module
 from glmquant.exl3 import memo as memo_module
+from glmquant.exl3.backends import select_backend
+from glmquant.exl3.memo import EncodeMemo
+from glmquant.exl3.scale_search import EXLLAMAV3_SEARCH
 
 
 def _items() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -48,7 +52,8 @@ def _refuse_encoding(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def test_repeated_encodes_read_back_what_encoding_gives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     items = _items()
-    fresh = encode_linears(items, 2)  # no memo: tests/exl3 compute every encode
+    other = (items[0][0] * 0.5, items[0][1])
+    fresh = encode_linears([*items, other], 2)  # no memo: tests/exl3 compute every encode
     monkeypatch.setenv(ENCODE_MEMO, str(tmp_path / "memo"))
     first = encode_linears(items, 2)
     assert len(list((tmp_path / "memo").glob("*.safetensors"))) == 2
@@ -57,10 +62,8 @@ def test_repeated_encodes_read_back_what_encoding_gives(tmp_path: Path, monkeypa
     assert encoded == [] and all(_same(a, b) for a, b in zip(fresh, first)) and all(map(_same, fresh, again))
     assert again[1].fallback == "no_hessian" and not again[1].calibrated and again[0].calibrated
     # a batch of a kept encode and a new one encodes the new one alone, in its place
-    other = (items[0][0] * 0.5, items[0][1])
     mixed = encode_linears([other, items[0]], 2)
-    assert encoded == [1] and _same(mixed[1], fresh[0])
-    assert _same(mixed[0], encode_linears([other], 2)[0]) and encoded == [1]
+    assert encoded == [1] and _same(mixed[1], fresh[0]) and _same(mixed[0], fresh[2])
 
 
 @pytest.mark.parametrize(
@@ -70,6 +73,8 @@ def test_repeated_encodes_read_back_what_encoding_gives(tmp_path: Path, monkeypa
         (2, {"codebook": "3inst"}, None),
         (2, {"seed": 1}, None),
         (2, {"refit_rounds": 0}, None),
+        (2, {"scale_search": EXLLAMAV3_SEARCH}, None),
+        (2, {}, "matmul precision"),
         (2, {}, "hessian"),  # the first item's
         (2, {}, "dtype"),  # the second item's weight: the same values in float32
     ],
@@ -85,8 +90,15 @@ def test_whatever_the_result_depends_on_is_in_the_key(
         items = [(weight, hessian * 2), items[1]]
     elif changed == "dtype":
         items = [items[0], (other.float(), None)]
-    encode_linears(items, bits, **options)
-    assert encoded == ([1] if changed else [2])
+    elif changed == "matmul precision":
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high" if precision == "highest" else "highest")
+    try:
+        encode_linears(items, bits, **options)
+    finally:
+        if changed == "matmul precision":
+            torch.set_float32_matmul_precision(precision)
+    assert encoded == ([1] if changed in ("hessian", "dtype") else [2])
 
 
 def test_a_damaged_entry_is_encoded_again_and_written_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,12 +113,21 @@ def test_a_damaged_entry_is_encoded_again_and_written_whole(tmp_path: Path, monk
     assert encoded == [1] and _same(first, again) and entry.read_bytes() == whole
 
 
-def test_a_full_disk_costs_the_entry_not_the_encode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),  # the temporary file's creation
+        SafetensorError("Error while serializing: No space left on device (os error 28)"),  # safetensors' own write
+    ],
+)
+def test_a_full_disk_costs_the_entry_not_the_encode(
+    failure: Exception, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     memo = tmp_path / "memo"
     monkeypatch.setenv(ENCODE_MEMO, str(memo))
 
     def full(*_args: object, **_kwargs: object) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise failure
 
     monkeypatch.setattr(memo_module, "save_file", full)
     with pytest.warns(UserWarning, match=r"GLMQUANT_ENCODE_MEMO .*memo: an encode was not kept .*No space left"):
@@ -124,3 +145,22 @@ def test_a_memo_that_is_not_a_directory_is_refused_naming_the_variable(
         check_environment()
     with pytest.raises(UsageError, match=r"GLMQUANT_ENCODE_MEMO"):
         encode_linears(_items()[:1], 2)
+
+
+def test_the_backend_and_the_machine_are_in_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another Viterbi backend (torch's, where the native kernel is the CPU's default), another CPU or compiler: other
+    keys (each encode compared here would take minutes with torch's backend on the CPU)."""
+    items = _items()
+
+    def keys(backend: str = "native") -> list[str]:
+        search = select_backend("cpu", backend)
+        return EncodeMemo(tmp_path, {"bits": 2}, torch.device("cpu"), search).keys(items)
+
+    native = keys()
+    assert keys() == native and len(set(native)) == 2
+    assert set(keys("torch")).isdisjoint(native)
+    monkeypatch.setenv("CXX", "clang++")
+    assert set(keys()).isdisjoint(native)
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(memo_module, "cpu_signature", lambda: "flags : another cpu")
+    assert set(keys()).isdisjoint(native)
