@@ -28,12 +28,17 @@ def exl3_backend() -> str | None:
     return value
 
 
+def _directory(name: str, value: str) -> Path:
+    """`value` of the variable `name` as a directory to use or create: refused when empty or a file."""
+    if not value or Path(value).exists() and not Path(value).is_dir():
+        raise UsageError(f"{name}={value!r} must name a directory (it is created when missing)")
+    return Path(value)
+
+
 def encode_memo_dir() -> Path | None:
     """$GLMQUANT_ENCODE_MEMO, checked; None when unset or empty."""
     value = os.environ.get(ENCODE_MEMO) or None
-    if value is not None and Path(value).exists() and not Path(value).is_dir():
-        raise UsageError(f"{ENCODE_MEMO}={value!r} must name a directory (it is created when missing)")
-    return None if value is None else Path(value)
+    return None if value is None else _directory(ENCODE_MEMO, value)
 
 
 def source_date_epoch() -> int | None:
@@ -48,7 +53,7 @@ def check_environment() -> None:
     """Refuse a bad value of any variable glmquant reads, naming the variable."""
     exl3_backend()
     cache = os.environ.get(CACHE_DIR)
-    if cache is not None and (not cache or Path(cache).exists() and not Path(cache).is_dir()):
-        raise UsageError(f"{CACHE_DIR}={cache!r} must name a directory (it is created when missing)")
+    if cache is not None:
+        _directory(CACHE_DIR, cache)
     encode_memo_dir()
     source_date_epoch()

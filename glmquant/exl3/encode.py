@@ -233,8 +233,14 @@ def encode_linears(
     codebook, dev = Codebook(codebook), torch.device(device)
     search = select_backend(dev, backend)
     memo_dir = encode_memo_dir()  # None unless $GLMQUANT_ENCODE_MEMO is set
-    settings = {"bits": bits, "codebook": codebook.value, "seed": seed, "scale_search": repr(scale_search)}
-    memo = None if memo_dir is None else EncodeMemo(memo_dir, settings | {"refit_rounds": refit_rounds}, dev, search)
+    settings = {
+        "bits": bits,
+        "codebook": codebook.value,
+        "seed": seed,
+        "scale_search": repr(scale_search),
+        "refit_rounds": refit_rounds,
+    }
+    memo = None if memo_dir is None else EncodeMemo(memo_dir, settings, dev, search)
     keys = memo.keys(items) if memo is not None else []
     kept = [memo.get(key) for key in keys] if memo is not None else [None] * len(items)
     out = [None if entry is None else EncodedLinear(*entry) for entry in kept]

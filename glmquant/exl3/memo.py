@@ -5,8 +5,8 @@ result back instead of encoding again. `encode_linears` keeps one where $GLMQUAN
 The key covers the weight's and the Hessian's bytes, dtype and shape, K, codebook, seed, scale search, refit rounds,
 the Viterbi backend (and ExLlamaV3's version for its own), the GPU's name or the CPU's flags and compiler, float32
 matmul precision, torch's version and the codec's own source files, so an entry is only ever read back by an encode
-that would compute the same bytes. An entry is one safetensors file written whole (a
-temporary file renamed into place); an unreadable one is a miss and is written again.
+that would compute the same bytes. An entry is one safetensors file written whole (a temporary file renamed into
+place); an unreadable one is a miss and is written again.
 """
 
 from __future__ import annotations

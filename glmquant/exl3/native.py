@@ -32,6 +32,7 @@ def _cache_dir() -> Path:
     return Path(root) / "exl3"
 
 
+@lru_cache(maxsize=1)
 def cpu_signature() -> str:
     """-march=native output is only valid on the CPU that built it."""
     try:
