@@ -33,7 +33,7 @@ def recipe_tokens(recipe, rows: int | None = None, tokens: int | None = None) ->
 
 
 PARTS = ("load", "read", "write", "checkpoint")
-DISK_PARTS = {False: ("read", "write"), True: ("checkpoint",)}  # stream parts that touch the disk, by device streams
+DISK_PARTS = ("read", "write")  # the stream parts of disk streams that touch the disk
 
 
 def part(cost: dict[str, Any], stage: str, name: str, key: str = "parts_s") -> float:
@@ -83,6 +83,17 @@ def stream_rate(layers: list[dict[str, Any]], names: tuple[str, ...]) -> float:
     return sum(part(c, stage, name) for c, stage, name in moved) / nbytes if nbytes else 0.0
 
 
+def checkpoint_rate(layers: list[dict[str, Any]]) -> float:
+    """Seconds per byte the device streams' checkpoint writer takes (its own time, `checkpoint.write`, whether or not
+    the run waited for it; a record from before the writer had a thread of its own has the run's wait only, which
+    was the whole write)."""
+    costs = [layer["cost"] for layer in layers]
+    nbytes = sum(part(c, "checkpoint", "write", "parts_bytes") for c in costs)
+    if nbytes:
+        return sum(part(c, "checkpoint", "write") for c in costs) / nbytes
+    return stream_rate(layers, ("checkpoint",))
+
+
 def modelled_s(layer: dict[str, Any], per: dict[str, dict[str, Any]], tokens: int, lam: float) -> float:
     """What the warm rates give for one rehearsal layer, its stream I/O as measured (its measured time less this is
     first-call overhead: compiles, imports, a cold first weight load)."""
@@ -124,7 +135,8 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     missing = sorted(set(kinds) - set(per))
     if missing:
         raise SystemExit(f"the rehearsal has no layer of kind(s) {missing}: use more --layers")
-    lam, sigma = load_rate(layers), stream_rate(layers, DISK_PARTS[device_streams])
+    lam = load_rate(layers)
+    sigma = checkpoint_rate(layers) if device_streams else stream_rate(layers, DISK_PARTS)
     measured = sum(layer["cost"]["observe_s"] + layer["cost"]["advance_s"] for layer in layers)
     first_calls = max(measured - sum(modelled_s(layer, per, t_run, lam) for layer in layers), 0.0)
     compute_full = sum(
@@ -132,11 +144,6 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         for k, n in kinds.items()
     )
     weights_full = sum(layer_bytes(full, i) for i in range(full.num_hidden_layers))
-    # device streams: only the checkpoints touch the disk (the streams entering every `every`-th layer)
-    checkpoints = len([i for i in range(1, full.num_hidden_layers) if every and i % every == 0])
-    passes = sum(n * (2.0 + r_full if per[k]["observed"] else 2.0) for k, n in kinds.items())
-    moved_full = (checkpoints if device_streams else passes) * s_full
-    observe_s = compute_full + lam * weights_full + sigma * moved_full + first_calls
 
     encoded = build["encode_layers"]
     s_per_tensor = min(layer["seconds"] / layer["tensors"] for layer in encoded)  # warm: the fastest layer
@@ -144,10 +151,24 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         sum(layer["seconds"] for layer in encoded) - s_per_tensor * sum(x["tensors"] for x in encoded), 0
     )
     batch_experts = min(args.encode_experts, EncodeConfig.experts_per_unit)
+    encode_layer_s = full.n_routed_experts * TR3_SLICES_PER_EXPERT * s_per_tensor
     tensors_full = len(full.moe_layers) * full.n_routed_experts * TR3_SLICES_PER_EXPERT
     artifact_full = sum(f.size for f in plan_artifact(full, "tr3").files)
     finish_full = build["finish"]["seconds"] * artifact_full / build["artifact_bytes"]
     encode_s = tensors_full * s_per_tensor + finish_full + encode_first
+
+    # device streams: only the checkpoints touch the disk (the streams entering every `every`-th layer), each written
+    # while the build encodes the MoE layer before it, so only what the encode does not cover is waited for
+    checkpoints = [i for i in range(1, full.num_hidden_layers) if every and i % every == 0]
+    after_moe = [i for i in checkpoints if i - 1 in full.moe_layers]
+    passes = sum(n * (2.0 + r_full if per[k]["observed"] else 2.0) for k, n in kinds.items())
+    moved_full = (len(checkpoints) if device_streams else passes) * s_full
+    if device_streams:
+        waited_s = (len(checkpoints) - len(after_moe)) * sigma * s_full
+        waited_s += len(after_moe) * max(sigma * s_full - encode_layer_s, 0.0)
+    else:
+        waited_s = sigma * moved_full
+    observe_s = compute_full + lam * weights_full + waited_s + first_calls
 
     e_run = max(1, args.experts or full.n_routed_experts)
     h, i = full.hidden_size, full.moe_intermediate_size
@@ -183,7 +204,9 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
             "Σ_k n_k × T × (o_k + r × f_k) over observed kinds, n_k × T × f_k over the others (forward with hooks, "
             "per token) + λ × W (weight loads, once per layer: the observing pass keeps the layer for the recompute) "
             + (
-                "+ σ × c × S (device streams: c checkpoints of the streams written to disk, σ their measured rate) "
+                "+ Σ_checkpoints max(σ × S − e, 0) (device streams: the streams entering every `every`-th layer "
+                "written to disk at the writer's measured rate σ while the build encodes the layer before, e = E × 12 "
+                "× s_tensor after a MoE layer, 0 after a dense one: only the rest is waited for) "
                 if device_streams
                 else "+ σ × (Σ_observed n_k × (2 + r) + Σ_other n_k × 2) × S (stream chunks read and written) "
             )
@@ -198,6 +221,10 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
             stream_s_per_gb=round(sigma * GB, 4),
             streams_moved_gb=round(moved_full / GB, 1),
             stream_io_s=round(sigma * moved_full, 1),
+            stream_io_waited_s=round(waited_s, 1),
+            checkpoints=len(checkpoints) if device_streams else None,
+            checkpoints_after_moe=len(after_moe) if device_streams else None,
+            encode_layer_s=round(encode_layer_s, 1) if device_streams else None,
             first_calls_s=round(first_calls, 3),
             rehearsal_tokens=t_run,
         ),
@@ -258,7 +285,7 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         "observe_parts_h": {
             "forward": round(compute_full / 3600, 3),
             "weight_loads": round(lam * weights_full / 3600, 3),
-            "stream_io": round(sigma * moved_full / 3600, 3),
+            "stream_io": round(waited_s / 3600, 3),
             "first_calls": round(first_calls / 3600, 3),
         },
         "formulas": {k: v["formula"] for k, v in extrapolation.items()},

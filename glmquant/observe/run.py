@@ -16,10 +16,12 @@ the rest being the forward with its hooks: scripts/scale_extrapolation.py scales
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
@@ -114,7 +116,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
         streams = DeviceStreamStore(*store_args, device=model.device)
     results.start(rows)
     costs: dict[int | str, LayerCost] = {}
-    with model.ckpt, progress_bar(progress) as bar:
+    with model.ckpt, progress_bar(progress) as bar, _writer_stopped_on_error(streams):
         state = resumed
         if state is None:
             rows.save(config.out)
@@ -138,6 +140,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
                 found, kept = _measured(
                     model.device, cost, "observe_s", _observe_pass, model, rows, config, streams, layer, advance, cost
                 )
+                _begin_checkpoint(config, streams, layer + 1, model.num_layers)  # overlaps the results' saving
                 if found is not None:
                     results.save(layer, *found)
                     del found
@@ -175,24 +178,65 @@ def _record_progress(
     config: ObserveConfig, fp: dict, streams: StreamStore, next_layer: int, layers: int, cost: LayerCost
 ) -> None:
     """Record `next_layer` as the resume point. Disk streams: always. Device streams: only where their checkpoint
-    (the streams entering it, on disk) exists: at the end, and every `device_streams_every` layers, when the older
-    checkpoint is deleted first (disk: one layer's streams) and a kill before the new one is recorded starts over."""
+    (the streams entering it, on disk) exists: at the end, and every `device_streams_every` layers, once the checkpoint
+    `_begin_checkpoint` started is written (begun here when the layer's outputs came from its advancing pass); the
+    previous checkpoint is deleted then. The wait is the layer's `advance.checkpoint` part; the writer's own time,
+    overlapped or not, `checkpoint.write`."""
     if not isinstance(streams, DeviceStreamStore):
         write_state(config.out, fp, next_layer)
         return
-    every = config.device_streams_every
     if next_layer == layers:
         streams.drop_checkpoints()
         write_state(config.out, fp, next_layer)
-    elif every and next_layer % every == 0:
+    elif _checkpoint_due(config, streams, next_layer, layers):
         started = time.monotonic()
-        (state_dir(config.out) / "progress.json").unlink(missing_ok=True)
-        streams.drop_checkpoints()
-        nbytes = streams.checkpoint(next_layer)
+        _begin_checkpoint(config, streams, next_layer, layers)
+        nbytes, writing = streams.finish_checkpoint()
         write_state(config.out, fp, next_layer)
+        streams.drop_checkpoints(keep=next_layer)
         elapsed = time.monotonic() - started
         cost.add_part("advance.checkpoint", elapsed, nbytes)
+        cost.add_part("checkpoint.write", writing, nbytes)
         cost.advance_s = round(cost.advance_s + elapsed, 3)
+
+
+def _checkpoint_due(config: ObserveConfig, streams: StreamStore, next_layer: int, layers: int) -> bool:
+    """Whether the streams entering `next_layer` (not the final ones) are checkpointed: device streams, every
+    `device_streams_every` layers."""
+    every = config.device_streams_every
+    if not isinstance(streams, DeviceStreamStore) or not every:
+        return False
+    return next_layer < layers and next_layer % every == 0
+
+
+def _begin_checkpoint(config: ObserveConfig, streams: StreamStore, next_layer: int, layers: int) -> None:
+    """Start writing the due checkpoint of the streams entering `next_layer` as soon as all of them are held, so the
+    disk writes overlap what the run does before it needs them (a build encodes the layer meanwhile). The previous
+    checkpoint stays the resume point until the new one is written where the disk has room for both (twice one
+    layer's streams free, so the layer's own results fit too); elsewhere it is deleted first to make room, and a run
+    killed before `_record_progress` records the new one starts over."""
+    if not isinstance(streams, DeviceStreamStore) or not _checkpoint_due(config, streams, next_layer, layers):
+        return
+    if streams.checkpointing == next_layer or not all(streams.has(next_layer, c) for c in streams.chunks):
+        return
+    streams.drop_checkpoints(keep=streams.checkpointed)  # a failed run's unfinished one
+    state = state_dir(config.out)
+    room = shutil.disk_usage(config.out).free >= 2 * streams.layer_bytes
+    if not room:
+        (state / "progress.json").unlink(missing_ok=True)
+    streams.start_checkpoint(next_layer, keep_previous=room)
+
+
+@contextlib.contextmanager
+def _writer_stopped_on_error(streams: StreamStore) -> Iterator[None]:
+    """A run that fails or is interrupted stops its checkpoint writer after the chunk under way: the checkpoint was
+    never recorded, so nothing reads it, and no thread goes on writing after the run has ended."""
+    try:
+        yield
+    except BaseException:
+        if isinstance(streams, DeviceStreamStore):
+            streams.cancel_checkpoint()
+        raise
 
 
 def _measured(device: torch.device, cost: LayerCost, field: str, fn: Callable[..., T], *args: object) -> T:

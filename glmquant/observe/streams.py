@@ -10,6 +10,8 @@ written so far; `budget_bytes` caps the two together (see run.py for how the run
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,9 +113,11 @@ class DeviceStreamStore(StreamStore):
     """The same chunks held as tensors on the observing device (RAM on cpu): no file per chunk, no disk traffic.
 
     A chunk's output replaces its input as soon as it is computed (rows are independent sequences), so memory is
-    one layer's streams S plus one chunk. A killed process loses them, so `checkpoint(layer)` writes the streams
-    entering `layer` to the same files a disk run uses (the run records that layer as its resume point) and
-    `restore(layer)` reads them back; only the newest checkpoint is kept on disk.
+    one layer's streams S plus one chunk. A killed process loses them, so `start_checkpoint(layer)` writes the
+    streams entering `layer` to the same files a disk run uses, on a thread of its own while the run goes on with
+    work that leaves them alone (a build's encode of the layer before), and `finish_checkpoint()` waits for it
+    before they are dropped (the run then records that layer as its resume point); `restore(layer)` reads them
+    back. Once a checkpoint is finished it is the only one on disk.
     """
 
     in_memory = True
@@ -122,6 +126,8 @@ class DeviceStreamStore(StreamStore):
         super().__init__(*args, **kwargs)
         self.device = device
         self.held: dict[tuple[int, str, int], torch.Tensor] = {}
+        self.writer: CheckpointWriter | None = None
+        self.checkpointed: int | None = None  # the layer of the last checkpoint finished or restored
 
     def has(self, layer: int, chunk: Chunk) -> bool:
         return (layer, chunk.lane, chunk.index) in self.held
@@ -133,28 +139,112 @@ class DeviceStreamStore(StreamStore):
         self.held[(layer, chunk.lane, chunk.index)] = streams.to(self.device)
 
     def drop(self, layer: int, chunk: Chunk) -> None:
+        if layer == self.checkpointing:
+            raise RuntimeError(f"the streams entering layer {layer} are still being written to their checkpoint")
         self.held.pop((layer, chunk.lane, chunk.index), None)
 
     def drop_layer(self, layer: int) -> None:
-        for key in [k for k in self.held if k[0] == layer]:
-            del self.held[key]
+        for chunk in self.chunks:
+            self.drop(layer, chunk)
 
     def fits(self, chunk: Chunk) -> bool:
         return True
 
-    def checkpoint(self, layer: int) -> int:
-        """Write the held streams entering `layer` to disk (chunk files, as a disk run has them); returns bytes."""
-        for chunk in self.chunks:
-            super().write(layer, chunk, self.read(layer, chunk))
-        return self.layer_bytes
+    def start_checkpoint(self, layer: int, keep_previous: bool) -> None:
+        """Begin writing the held streams entering `layer` to disk (chunk files, as a disk run has them) while the
+        caller goes on. Every other checkpoint is deleted first, but the last finished one (`checkpointed`) when
+        `keep_previous`."""
+        if self.writer is not None:
+            raise RuntimeError(f"the checkpoint of layer {self.writer.layer} was never finished")
+        self.drop_checkpoints(self.checkpointed if keep_previous else None)
+        if not keep_previous:
+            self.checkpointed = None
+        self.writer = CheckpointWriter(self, layer)
+
+    @property
+    def checkpointing(self) -> int | None:
+        """The layer whose checkpoint is under way, if any."""
+        return None if self.writer is None else self.writer.layer
+
+    def finish_checkpoint(self) -> tuple[int, float]:
+        """Wait for the checkpoint under way, then delete the previous one; its bytes and the seconds its writer
+        took. Raises the writer's error (a full disk names the chunk file)."""
+        assert self.writer is not None, "no checkpoint under way"
+        writer, self.writer = self.writer, None
+        seconds = writer.join()
+        self.checkpointed = writer.layer
+        return self.layer_bytes, seconds
+
+    def cancel_checkpoint(self) -> None:
+        """Stop the checkpoint under way, if any, after the chunk being written; it is left unfinished."""
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            writer.cancel()
 
     def restore(self, layer: int) -> None:
         """Hold the streams entering `layer` from its checkpoint files."""
         for chunk in self.chunks:
             self.held[(layer, chunk.lane, chunk.index)] = super().read(layer, chunk).to(self.device)
+        self.checkpointed = layer
 
     def drop_checkpoints(self, keep: int | None = None) -> None:
         """Delete every checkpoint on disk but the one of layer `keep`."""
         for directory in self.state.glob("streams-*"):
             if keep is None or directory != self.directory(keep):
                 shutil.rmtree(directory, ignore_errors=True)
+
+
+class CheckpointWriter:
+    """Writes the streams `store` holds for `layer` to its chunk files on a thread, chunk by chunk. On CUDA the copies
+    to the host run on a stream of their own, after the work queued before the checkpoint began, so they overlap the
+    run's kernels."""
+
+    def __init__(self, store: DeviceStreamStore, layer: int) -> None:
+        self.layer = layer
+        self._files = [(chunk, store.read(layer, chunk)) for chunk in store.chunks]
+        self._store = store
+        self._error: BaseException | None = None
+        self._seconds = 0.0
+        self._cancelled = threading.Event()
+        self._copies: torch.cuda.Stream | None = None
+        self._ready: torch.cuda.Event | None = None
+        if store.device.type == "cuda":
+            self._copies = torch.cuda.Stream(store.device)
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(store.device))
+        self._thread = threading.Thread(target=self._run, name=f"streams-checkpoint-{layer:02d}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            for chunk, streams in self._files:
+                if self._cancelled.is_set():
+                    return
+                StreamStore.write(self._store, self.layer, chunk, self._on_host(streams))
+        except BaseException as err:  # noqa: BLE001 (handed to the run's thread, which raises it at `join`)
+            self._error = err
+        finally:
+            self._seconds = time.monotonic() - started
+
+    def _on_host(self, streams: torch.Tensor) -> torch.Tensor:
+        if self._copies is None or self._ready is None:
+            return streams
+        with torch.cuda.stream(self._copies):
+            self._copies.wait_event(self._ready)
+            host = streams.to("cpu")
+        self._copies.synchronize()
+        return host
+
+    def join(self) -> float:
+        """Until every chunk is on disk; the seconds the writer took. Raises the writer's error."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._seconds
+
+    def cancel(self) -> None:
+        """Stop after the chunk being written (the run failed or was interrupted: the checkpoint is never recorded,
+        so a later run starts over and deletes it)."""
+        self._cancelled.set()
+        self._thread.join()

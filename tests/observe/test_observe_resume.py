@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from observe_helpers import observe_config
+from observe_helpers import ROWS, TOKENS, observe_config
 
+from glmquant.arch import load_model_spec
 from glmquant.errors import GlmquantError, UsageError
 from glmquant.observe import run
 from glmquant.observe.config import ObserveConfig
@@ -250,4 +253,89 @@ def test_device_streams_without_checkpoints_start_a_killed_run_over(
     assert all(
         layer.cost is not None and not layer.cost.parts_bytes.get("advance.checkpoint") for layer in summary.layers
     )
+    _assert_same_outputs(observed, tmp_path)
+
+
+def _checkpoint_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("streams-checkpoint")]
+
+
+def test_device_stream_checkpoints_are_written_while_the_layers_results_are_saved(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint of the streams entering layer L + 1 starts as soon as layer L's observing pass has held them
+    all, and is written while the layer's results are saved (a build encodes the layer there): a checkpoint chunk
+    reaches the disk inside `save`. Its bytes are the same; the run records the writer's time and its own wait."""
+    from glmquant.observe.streams import StreamStore
+
+    real_write, real_save = StreamStore.write, run.ObservationFiles.save
+    saving, written = threading.Event(), threading.Event()
+    seen_in_save: list[int | None] = []
+
+    def write(self, layer, chunk, streams) -> None:  # the checkpoint writer's (device streams write nothing else)
+        assert saving.wait(30), "a checkpoint chunk was written before the layer's results were saved"
+        real_write(self, layer, chunk, streams)
+        written.set()
+
+    def save(self, layer, stats, hessians) -> None:
+        saving.set()
+        if layer is not None and layer < 2:  # layers 0 and 1 are followed by a checkpoint (of layers 1 and 2)
+            if written.wait(30):
+                seen_in_save.append(layer)
+            written.clear()
+        real_save(self, layer, stats, hessians)
+        saving.clear()
+
+    monkeypatch.setattr(StreamStore, "write", write)
+    monkeypatch.setattr(run.ObservationFiles, "save", save)
+    summary = observe(observe_config(tiny_source, tmp_path, device_streams_every=1))
+    assert seen_in_save == [0, 1]
+    _assert_same_outputs(observed, tmp_path)
+    spec = load_model_spec(tiny_source / "config.json")
+    streams_bytes = ROWS * TOKENS * int(spec.text["hc_mult"]) * spec.hidden_size * 2  # BF16, without file headers
+    for layer in summary.layers[:2]:
+        cost = layer.cost
+        assert cost is not None
+        assert cost.parts_bytes["checkpoint.write"] == cost.parts_bytes["advance.checkpoint"]
+        assert streams_bytes < cost.parts_bytes["checkpoint.write"] < streams_bytes + 2 * 1024  # two chunk files
+        assert cost.parts_s["checkpoint.write"] > 0
+    assert not _checkpoint_threads()
+
+
+def test_a_checkpoint_that_fails_or_is_interrupted_is_never_recorded_and_its_writer_stops(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full_disk
+) -> None:
+    """A full disk under a checkpoint chunk is named when the run waits for the checkpoint; Ctrl-C while the layer's
+    results are saved stops the writer. Neither leaves a writer running, a half-written file or the unfinished
+    checkpoint as a resume point: the previous checkpoint stays the resume point where the disk has room for two,
+    and elsewhere (deleted to make room) a run starts over; either way it ends byte-identical."""
+    job = observe_config(tiny_source, tmp_path, device_streams_every=1)
+    full_disk(r"^mix-00001")  # the second chunk of every checkpoint (no other stream file is written)
+    with pytest.raises(GlmquantError, match=r"streams-01/mix-00001\.safetensors: disk full while writing"):
+        observe(job)
+    assert not _checkpoint_threads() and not list(tmp_path.rglob("*.tmp-*"))
+    assert not (tmp_path / "state" / "progress.json").exists()  # the first checkpoint: nothing to resume from
+    full_disk("")
+
+    real_save = run.ObservationFiles.save
+
+    def interrupted(self, layer, stats, hessians) -> None:
+        if layer == 1:  # while the checkpoint of layer 2 is written
+            raise KeyboardInterrupt
+        real_save(self, layer, stats, hessians)
+
+    monkeypatch.setattr(run.ObservationFiles, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        observe(job)
+    assert not _checkpoint_threads() and not list(tmp_path.rglob("*.tmp-*"))
+    assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 1
+    assert (tmp_path / "state" / "streams-01").is_dir()  # kept beside the unfinished one: the disk had room
+
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 40, used=1 << 40, free=1024))
+    with pytest.raises(KeyboardInterrupt):
+        observe(job)  # resumes from layer 1, then is interrupted at the same place
+    assert not (tmp_path / "state" / "progress.json").exists()  # deleted with its checkpoint to make room
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["streams-02"]  # the unfinished one only
+    monkeypatch.setattr(run.ObservationFiles, "save", real_save)
+    assert observe(job).resumed_from_layer is None
     _assert_same_outputs(observed, tmp_path)

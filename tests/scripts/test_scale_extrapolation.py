@@ -139,3 +139,27 @@ def test_device_streams_project_their_checkpoints_not_a_disk_round_trip_per_laye
     assert extrapolation["peak_gpu_gb"]["inputs"]["streams_held_extra_gb"] == pytest.approx(
         s_full - 16 * 2048 * 4 * 4096 * 2 / GB, abs=0.01
     )
+
+
+@pytest.mark.slow
+def test_checkpoints_written_during_the_encode_cost_only_what_it_does_not_cover() -> None:
+    """The writer's own rate σ (`checkpoint.write`) prices each checkpoint; one after a MoE layer is written while
+    the build encodes that layer (288 experts x 12 slices x 0.1 s here), so none of it is waited for, and one after
+    a dense layer (layers 1, 2 and 3 follow the dense layers 0-2) is waited for whole."""
+    args = _args(16)
+    args.device_streams_every = 1
+    record = _record(16 * 2048)
+    for layer in record["stages"]["build"]["observation"]["layers"]:
+        cost = layer["cost"]
+        cost["parts_s"]["checkpoint.write"], cost["parts_bytes"]["checkpoint.write"] = 2.0, int(GB)
+        cost["parts_s"]["advance.checkpoint"], cost["parts_bytes"]["advance.checkpoint"] = 0.1, int(GB)
+        cost["advance_s"] += 0.1
+    extrapolation, full = extrapolate(args, record)
+    inputs = extrapolation["observe_s"]["inputs"]
+    s_full = extrapolation["stream_bytes_per_layer_gb"]["value"]
+    assert inputs["stream_s_per_gb"] == pytest.approx(2.0)  # the writer's, not the run's 0.1 s wait
+    assert inputs["checkpoints"] == 44 and inputs["checkpoints_after_moe"] == 41
+    assert inputs["encode_layer_s"] == pytest.approx(288 * 12 * 0.1)  # 345.6 s > σ × S = 114.9 s: covered
+    assert inputs["stream_io_s"] == pytest.approx(44 * 2.0 * s_full, rel=1e-3)  # what the writer does
+    assert inputs["stream_io_waited_s"] == pytest.approx(3 * 2.0 * s_full, rel=1e-3)  # what the run waits for
+    assert full["observe_parts_h"]["stream_io"] == pytest.approx(3 * 2.0 * s_full / 3600, abs=1e-3)
