@@ -10,6 +10,7 @@ import pytest
 import torch
 from observe_helpers import observe_config
 
+from glmquant.observe import run
 from glmquant.observe.hessian_reader import load_layer_hessians
 from glmquant.observe.run import observe
 from glmquant.observe.stats import LayerStats, stats_path
@@ -51,3 +52,26 @@ def test_cuda_observation_is_deterministic_and_matches_cpu(tiny_source: Path, ob
         shared_gpu = load_layer_hessians(a, layer, "all").gate_up(0).sum
         shared_cpu = load_layer_hessians(observed, layer, "all").gate_up(0).sum
         assert (shared_gpu - shared_cpu).abs().max() <= 0.02 * shared_cpu.abs().max()
+
+
+def test_cuda_stream_checkpoints_hold_what_the_run_computed(
+    tiny_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint writer copies the device streams to the host on a CUDA stream of its own while the run goes
+    on: a run killed as it starts layer 2 resumes from that checkpoint to the bytes of an uninterrupted run."""
+    want, got = tmp_path / "want", tmp_path / "got"
+    observe(observe_config(tiny_source, want, device="cuda", device_streams_every=0))
+    original = run._observe_pass
+
+    def dies_at_layer_2(model, rows, config, streams, layer, *rest):
+        if layer == 2:
+            raise KeyboardInterrupt
+        return original(model, rows, config, streams, layer, *rest)
+
+    monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
+    with pytest.raises(KeyboardInterrupt):
+        observe(observe_config(tiny_source, got, device="cuda", device_streams_every=1))
+    monkeypatch.setattr(run, "_observe_pass", original)
+    assert observe(observe_config(tiny_source, got, device="cuda", device_streams_every=1)).resumed_from_layer == 2
+    for path in sorted(want.glob("layer-*.safetensors")) + [want / "prune_plan.json"]:
+        assert path.read_bytes() == (got / path.name).read_bytes(), path.name
