@@ -140,7 +140,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
                 found, kept = _measured(
                     model.device, cost, "observe_s", _observe_pass, model, rows, config, streams, layer, advance, cost
                 )
-                _begin_checkpoint(config, streams, layer + 1, model.num_layers)  # overlaps the results' saving
+                _begin_checkpoint(config, streams, layer + 1, model.num_layers, early=True)  # beside `save`
                 if found is not None:
                     results.save(layer, *found)
                     del found
@@ -186,11 +186,11 @@ def _record_progress(
         write_state(config.out, fp, next_layer)
         return
     if next_layer == layers:
-        streams.drop_checkpoints()
         write_state(config.out, fp, next_layer)
+        streams.drop_checkpoints()
     elif _checkpoint_due(config, streams, next_layer, layers):
         started = time.monotonic()
-        _begin_checkpoint(config, streams, next_layer, layers)
+        _begin_checkpoint(config, streams, next_layer, layers, early=False)
         nbytes, writing = streams.finish_checkpoint()
         write_state(config.out, fp, next_layer)
         streams.drop_checkpoints(keep=next_layer)
@@ -209,21 +209,23 @@ def _checkpoint_due(config: ObserveConfig, streams: StreamStore, next_layer: int
     return next_layer < layers and next_layer % every == 0
 
 
-def _begin_checkpoint(config: ObserveConfig, streams: StreamStore, next_layer: int, layers: int) -> None:
-    """Start writing the due checkpoint of the streams entering `next_layer` as soon as all of them are held, so the
-    disk writes overlap what the run does before it needs them (a build encodes the layer meanwhile). The previous
-    checkpoint stays the resume point until the new one is written where the disk has room for both (twice one
-    layer's streams free, so the layer's own results fit too); elsewhere it is deleted first to make room, and a run
-    killed before `_record_progress` records the new one starts over."""
+def _begin_checkpoint(config: ObserveConfig, streams: StreamStore, next_layer: int, layers: int, early: bool) -> None:
+    """Start writing the due checkpoint of the streams entering `next_layer` once all of them are held. `early` (right
+    after the layer's observing pass): only where the disk has room for it beside the previous checkpoint (twice one
+    layer's streams free, so the layer's own results fit too), which stays the resume point until the new one is
+    written, so the disk writes overlap the results' saving (a build encodes the layer meanwhile) at no risk to
+    resuming. Otherwise (from `_record_progress`) the previous one is deleted first to make room and forgotten as
+    the resume point: a run killed before the new one is written starts over, as when it was written in place."""
     if not isinstance(streams, DeviceStreamStore) or not _checkpoint_due(config, streams, next_layer, layers):
         return
     if streams.checkpointing == next_layer or not all(streams.has(next_layer, c) for c in streams.chunks):
         return
-    streams.drop_checkpoints(keep=streams.checkpointed)  # a failed run's unfinished one
-    state = state_dir(config.out)
+    streams.drop_checkpoints(keep=streams.checkpointed)  # a failed run's unfinished one, before measuring the room
     room = shutil.disk_usage(config.out).free >= 2 * streams.layer_bytes
+    if early and not room:
+        return
     if not room:
-        (state / "progress.json").unlink(missing_ok=True)
+        (state_dir(config.out) / "progress.json").unlink(missing_ok=True)
     streams.start_checkpoint(next_layer, keep_previous=room)
 
 
@@ -233,9 +235,11 @@ def _writer_stopped_on_error(streams: StreamStore) -> Iterator[None]:
     never recorded, so nothing reads it, and no thread goes on writing after the run has ended."""
     try:
         yield
-    except BaseException:
+    except BaseException as failure:
         if isinstance(streams, DeviceStreamStore):
-            streams.cancel_checkpoint()
+            error = streams.cancel_checkpoint()
+            if error is not None and error is not failure:
+                failure.add_note(f"the stream checkpoint's writer failed too: {error}")
         raise
 
 

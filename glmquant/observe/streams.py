@@ -116,8 +116,8 @@ class DeviceStreamStore(StreamStore):
     one layer's streams S plus one chunk. A killed process loses them, so `start_checkpoint(layer)` writes the
     streams entering `layer` to the same files a disk run uses, on a thread of its own while the run goes on with
     work that leaves them alone (a build's encode of the layer before), and `finish_checkpoint()` waits for it
-    before they are dropped (the run then records that layer as its resume point); `restore(layer)` reads them
-    back. Once a checkpoint is finished it is the only one on disk.
+    before they are dropped (the run then records that layer as its resume point and deletes the older one);
+    `restore(layer)` reads them back.
     """
 
     in_memory = True
@@ -167,19 +167,21 @@ class DeviceStreamStore(StreamStore):
         return None if self.writer is None else self.writer.layer
 
     def finish_checkpoint(self) -> tuple[int, float]:
-        """Wait for the checkpoint under way, then delete the previous one; its bytes and the seconds its writer
-        took. Raises the writer's error (a full disk names the chunk file)."""
+        """Wait for the checkpoint under way; its bytes and the seconds its writer took. Raises the writer's error
+        (a full disk names the chunk file); the writer stays registered until it is done, so an interrupted wait
+        still lets `cancel_checkpoint` stop it."""
         assert self.writer is not None, "no checkpoint under way"
-        writer, self.writer = self.writer, None
-        seconds = writer.join()
-        self.checkpointed = writer.layer
+        seconds = self.writer.join()
+        self.checkpointed, self.writer = self.writer.layer, None
         return self.layer_bytes, seconds
 
-    def cancel_checkpoint(self) -> None:
-        """Stop the checkpoint under way, if any, after the chunk being written; it is left unfinished."""
-        if self.writer is not None:
-            writer, self.writer = self.writer, None
-            writer.cancel()
+    def cancel_checkpoint(self) -> BaseException | None:
+        """Stop the checkpoint under way, if any, after the chunk being written (it is left unfinished); the
+        writer's own error, if it had one."""
+        if self.writer is None:
+            return None
+        writer, self.writer = self.writer, None
+        return writer.cancel()
 
     def restore(self, layer: int) -> None:
         """Hold the streams entering `layer` from its checkpoint files."""
@@ -243,8 +245,9 @@ class CheckpointWriter:
             raise self._error
         return self._seconds
 
-    def cancel(self) -> None:
+    def cancel(self) -> BaseException | None:
         """Stop after the chunk being written (the run failed or was interrupted: the checkpoint is never recorded,
-        so a later run starts over and deletes it)."""
+        and a later run deletes it); the writer's own error, if it had one."""
         self._cancelled.set()
         self._thread.join()
+        return self._error

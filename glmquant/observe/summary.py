@@ -77,7 +77,9 @@ class LayerCost:
     load_bytes: int = 0  # one load of the layer's weights (its module state) onto the device
     # what observe_s and advance_s spent outside the forward, keyed "<pass>.<part>" (pass: observe | advance;
     # part: load = building the layer and reading its weights onto the device, read = stream chunks from disk
-    # onto the device, write = output chunks to disk); the rest of each pass is the forward with its hooks
+    # onto the device, write = output chunks to disk, checkpoint = waiting for the device streams' checkpoint);
+    # the rest of each pass is the forward with its hooks. "checkpoint.write" is outside both passes: the
+    # checkpoint writer's own time, on its thread, whether or not the run waited for it
     parts_s: dict[str, float] = field(default_factory=dict)
     parts_bytes: dict[str, int] = field(default_factory=dict)  # bytes moved by each part of parts_s
 

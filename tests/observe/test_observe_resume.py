@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -270,19 +271,22 @@ def test_device_stream_checkpoints_are_written_while_the_layers_results_are_save
 
     real_write, real_save = StreamStore.write, run.ObservationFiles.save
     saving, written = threading.Event(), threading.Event()
+    gated: set[int] = set()
     seen_in_save: list[int | None] = []
 
     def write(self, layer, chunk, streams) -> None:  # the checkpoint writer's (device streams write nothing else)
-        assert saving.wait(30), "a checkpoint chunk was written before the layer's results were saved"
+        if layer not in gated:  # a checkpoint's first chunk waits until the layer's results are being saved
+            gated.add(layer)
+            assert saving.wait(30), f"the checkpoint of layer {layer} was written outside the results' saving"
         real_write(self, layer, chunk, streams)
         written.set()
 
     def save(self, layer, stats, hessians) -> None:
+        written.clear()
         saving.set()
-        if layer is not None and layer < 2:  # layers 0 and 1 are followed by a checkpoint (of layers 1 and 2)
-            if written.wait(30):
-                seen_in_save.append(layer)
-            written.clear()
+        # layers 0 and 1 are followed by a checkpoint (of layers 1 and 2), whose first chunk is written meanwhile
+        if layer is not None and layer < 2 and written.wait(30):
+            seen_in_save.append(layer)
         real_save(self, layer, stats, hessians)
         saving.clear()
 
@@ -306,9 +310,12 @@ def test_a_checkpoint_that_fails_or_is_interrupted_is_never_recorded_and_its_wri
     tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full_disk
 ) -> None:
     """A full disk under a checkpoint chunk is named when the run waits for the checkpoint; Ctrl-C while the layer's
-    results are saved stops the writer. Neither leaves a writer running, a half-written file or the unfinished
-    checkpoint as a resume point: the previous checkpoint stays the resume point where the disk has room for two,
-    and elsewhere (deleted to make room) a run starts over; either way it ends byte-identical."""
+    results are saved stops the writer after its chunk. Neither leaves a writer running, a half-written file or the
+    unfinished checkpoint as a resume point. Where the disk has room for two checkpoints the previous one stays the
+    resume point meanwhile; elsewhere the checkpoint is begun only after the results, in place of the previous one,
+    and a failure then starts the run over. Every run ends byte-identical."""
+    from glmquant.observe.streams import StreamStore
+
     job = observe_config(tiny_source, tmp_path, device_streams_every=1)
     full_disk(r"^mix-00001")  # the second chunk of every checkpoint (no other stream file is written)
     with pytest.raises(GlmquantError, match=r"streams-01/mix-00001\.safetensors: disk full while writing"):
@@ -317,25 +324,54 @@ def test_a_checkpoint_that_fails_or_is_interrupted_is_never_recorded_and_its_wri
     assert not (tmp_path / "state" / "progress.json").exists()  # the first checkpoint: nothing to resume from
     full_disk("")
 
-    real_save = run.ObservationFiles.save
+    real_write, real_save = StreamStore.write, run.ObservationFiles.save
+
+    def slow_write(self, layer, chunk, streams) -> None:
+        time.sleep(0.5)  # the interrupt below comes while the first chunk is written
+        real_write(self, layer, chunk, streams)
 
     def interrupted(self, layer, stats, hessians) -> None:
-        if layer == 1:  # while the checkpoint of layer 2 is written
+        if layer == 1:  # the checkpoint of layer 2 is under way
             raise KeyboardInterrupt
         real_save(self, layer, stats, hessians)
 
+    monkeypatch.setattr(StreamStore, "write", slow_write)
     monkeypatch.setattr(run.ObservationFiles, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
         observe(job)
     assert not _checkpoint_threads() and not list(tmp_path.rglob("*.tmp-*"))
+    assert not (tmp_path / "state" / "streams-02" / "mix-00001.safetensors").exists()  # stopped after the first
     assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 1
     assert (tmp_path / "state" / "streams-01").is_dir()  # kept beside the unfinished one: the disk had room
 
     monkeypatch.setattr(run.shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 40, used=1 << 40, free=1024))
     with pytest.raises(KeyboardInterrupt):
-        observe(job)  # resumes from layer 1, then is interrupted at the same place
-    assert not (tmp_path / "state" / "progress.json").exists()  # deleted with its checkpoint to make room
-    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["streams-02"]  # the unfinished one only
+        observe(job)  # resumes from layer 1 and is interrupted at the same place, before any checkpoint began
+    assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 1
+    assert not (tmp_path / "state" / "streams-02").exists()
     monkeypatch.setattr(run.ObservationFiles, "save", real_save)
+    full_disk(r"^mix-00001")
+    with pytest.raises(GlmquantError, match=r"streams-02/mix-00001\.safetensors: disk full while writing"):
+        observe(job)
+    assert not (tmp_path / "state" / "progress.json").exists()  # deleted with its checkpoint to make room
+    assert not (tmp_path / "state" / "streams-01").exists() and not list(tmp_path.rglob("*.tmp-*"))
+    full_disk("")
     assert observe(job).resumed_from_layer is None
     _assert_same_outputs(observed, tmp_path)
+
+
+def test_a_run_failing_beside_its_failed_checkpoint_names_both(
+    tiny_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full_disk
+) -> None:
+    """The run's own error is raised, with the checkpoint writer's (here a full disk) added as a note."""
+    full_disk(r"^mix-00000")
+
+    def failing_save(self, layer, stats, hessians) -> None:
+        time.sleep(1.0)  # the writer's first chunk fails meanwhile
+        raise RuntimeError("the encode failed")
+
+    monkeypatch.setattr(run.ObservationFiles, "save", failing_save)
+    with pytest.raises(RuntimeError, match="the encode failed") as failed:
+        observe(observe_config(tiny_source, tmp_path, device_streams_every=1))
+    assert "streams-01/mix-00000.safetensors: disk full while writing" in "\n".join(failed.value.__notes__)
+    assert not _checkpoint_threads()
