@@ -206,7 +206,8 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
             + (
                 "+ Σ_checkpoints max(σ × S − e, 0) (device streams: the streams entering every `every`-th layer "
                 "written to disk at the writer's measured rate σ while the build encodes the layer before, e = E × 12 "
-                "× s_tensor after a MoE layer, 0 after a dense one: only the rest is waited for) "
+                "× s_tensor after a MoE layer, 0 after a dense one: only the rest is waited for; needs 2S free, "
+                "else all of σ × c × S is) "
                 if device_streams
                 else "+ σ × (Σ_observed n_k × (2 + r) + Σ_other n_k × 2) × S (stream chunks read and written) "
             )
