@@ -39,6 +39,8 @@ from bench_common import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("fixture", "build", "verify", "runtime")
+# what --extrapolate-only takes from the record: the rehearsal's shape (its paths are this machine's)
+SHAPE_SETTINGS = ("layers", "experts", "encode_experts", "rows", "tokens", "batch_rows", "device_streams_every")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,6 +87,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--full-recipe", type=Path, default=ROOT / "calibration" / "glm-5.3-flash.yaml")
     p.add_argument("--full-stream-budget-gb", type=float, default=90.0)
     p.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse HEAD, if any)")
+    p.add_argument(
+        "--extrapolate-only",
+        type=Path,
+        default=None,
+        metavar="RECORD",
+        help="run nothing: extrapolate RECORD (an earlier run's results) again with today's formulas, its shape "
+        "settings (rows, tokens, experts, streams) taken from it and the config and recipe paths from this command, "
+        "into --results",
+    )
     p.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -443,7 +454,17 @@ def main(argv: list[str] | None = None) -> None:
         return
     from scale_extrapolation import extrapolate  # beside this script
 
-    record: dict[str, Any] = {
+    record: dict[str, Any]
+    if args.extrapolate_only is not None:
+        record = json.loads(args.extrapolate_only.read_text())
+        for name in SHAPE_SETTINGS:
+            setattr(args, name, record["settings"][name])
+        record["extrapolation"], record["full_model"] = extrapolate(args, record)
+        record["extrapolated_again"] = {"from": str(args.extrapolate_only), "commit": git_commit()}
+        write(args, record)
+        print(json.dumps(record["full_model"], indent=2))
+        return
+    record = {
         "bench": "scale",
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "stage"},
     }

@@ -67,6 +67,13 @@ def test_rehearsal_runs_end_to_end_on_cpu(tiny_source: Path, tmp_path: Path) -> 
     assert all(fig["formula"] for fig in record["extrapolation"].values())
     tokens = record["extrapolation"]["tokens"]["value"]
     assert tokens == 600 * 2048 + 4 * 128 * 1024  # the full recipe's token count
+    # extrapolated again from the record alone: its shape, not this command's (--tokens 999), the same figures
+    again = _run(tiny_source, tmp_path / "again", "--extrapolate-only", str(tmp_path / "scale.json"), "--tokens", "999")
+    assert again.returncode == 0, again.stderr[-3000:]
+    redone = json.loads((tmp_path / "again" / "scale.json").read_text())
+    assert redone["full_model"] == full and redone["stages"] == record["stages"]
+    assert redone["extrapolated_again"]["from"] == str(tmp_path / "scale.json")
+    assert not (tmp_path / "again" / "work").exists()  # nothing ran
 
 
 def test_a_stage_past_the_time_limit_fails_loudly(tiny_source: Path, tmp_path: Path) -> None:
