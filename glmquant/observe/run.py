@@ -180,7 +180,7 @@ def _record_progress(
     """Record `next_layer` as the resume point. Disk streams: always. Device streams: only where their checkpoint
     (the streams entering it, on disk) exists: at the end, and every `device_streams_every` layers, once the checkpoint
     `_begin_checkpoint` started is written (begun here when the layer's outputs came from its advancing pass); the
-    previous checkpoint is deleted then. The wait is the layer's `advance.checkpoint` part; the writer's own time,
+    previous checkpoint is deleted then, on a thread of its own. The wait is the layer's `advance.checkpoint` part; the writer's own time,
     overlapped or not, `checkpoint.write`."""
     if not isinstance(streams, DeviceStreamStore):
         write_state(config.out, fp, next_layer)
@@ -193,7 +193,7 @@ def _record_progress(
         _begin_checkpoint(config, streams, next_layer, layers, early=False)
         nbytes, writing = streams.finish_checkpoint()
         write_state(config.out, fp, next_layer)
-        streams.drop_checkpoints(keep=next_layer)
+        streams.drop_checkpoints(keep=next_layer, wait=False)  # the run goes on meanwhile
         elapsed = time.monotonic() - started
         cost.add_part("advance.checkpoint", elapsed, nbytes)
         cost.add_part("checkpoint.write", writing, nbytes)

@@ -128,6 +128,7 @@ class DeviceStreamStore(StreamStore):
         self.held: dict[tuple[int, str, int], torch.Tensor] = {}
         self.writer: CheckpointWriter | None = None
         self.checkpointed: int | None = None  # the layer of the last checkpoint finished or restored
+        self.deleting: threading.Thread | None = None  # older checkpoints being deleted
 
     def has(self, layer: int, chunk: Chunk) -> bool:
         return (layer, chunk.lane, chunk.index) in self.held
@@ -176,8 +177,9 @@ class DeviceStreamStore(StreamStore):
         return self.layer_bytes, seconds
 
     def cancel_checkpoint(self) -> BaseException | None:
-        """Stop the checkpoint under way, if any, after the chunk being written (it is left unfinished); the
-        writer's own error, if it had one."""
+        """Stop the checkpoint under way, if any, after the chunk being written (it is left unfinished), and wait
+        for a deletion under way; the writer's own error, if it had one."""
+        self._wait_for_deletion()
         if self.writer is None:
             return None
         writer, self.writer = self.writer, None
@@ -189,11 +191,21 @@ class DeviceStreamStore(StreamStore):
             self.held[(layer, chunk.lane, chunk.index)] = super().read(layer, chunk).to(self.device)
         self.checkpointed = layer
 
-    def drop_checkpoints(self, keep: int | None = None) -> None:
-        """Delete every checkpoint on disk but the one of layer `keep`."""
-        for directory in self.state.glob("streams-*"):
-            if keep is None or directory != self.directory(keep):
-                shutil.rmtree(directory, ignore_errors=True)
+    def drop_checkpoints(self, keep: int | None = None, wait: bool = True) -> None:
+        """Delete every checkpoint on disk but the one of layer `keep`; `wait` False: on a thread of its own (tens of
+        GB of files take seconds to delete), which the next deletion or `cancel_checkpoint` waits for."""
+        self._wait_for_deletion()
+        doomed = [d for d in self.state.glob("streams-*") if keep is None or d != self.directory(keep)]
+        if wait:
+            _delete(doomed)
+        else:
+            self.deleting = threading.Thread(target=_delete, args=(doomed,), name="streams-checkpoint-delete")
+            self.deleting.start()
+
+    def _wait_for_deletion(self) -> None:
+        if self.deleting is not None:
+            self.deleting.join()
+            self.deleting = None
 
 
 class CheckpointWriter:
@@ -251,3 +263,8 @@ class CheckpointWriter:
         self._cancelled.set()
         self._thread.join()
         return self._error
+
+
+def _delete(directories: list[Path]) -> None:
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)

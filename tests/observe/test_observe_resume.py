@@ -375,3 +375,31 @@ def test_a_run_failing_beside_its_failed_checkpoint_names_both(
         observe(observe_config(tiny_source, tmp_path, device_streams_every=1))
     assert "streams-01/mix-00000.safetensors: disk full while writing" in "\n".join(failed.value.__notes__)
     assert not _checkpoint_threads()
+
+
+def test_the_older_checkpoint_is_deleted_while_the_run_goes_on(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the checkpoint of layer 2 is recorded, layer 1's (tens of GB on the model) is deleted on a thread of its
+    own: layer 2's observing pass starts before that deletion ends, and the run still ends with only its record."""
+    real_rmtree, real_pass = shutil.rmtree, run._observe_pass
+    deleting, release = threading.Event(), threading.Event()
+    started_meanwhile: list[int] = []
+
+    def slow_rmtree(path, ignore_errors=False) -> None:
+        if Path(path).name == "streams-01":
+            deleting.set()
+            release.wait(30)
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    def observe_pass(model, rows, config, streams, layer, *rest):
+        if layer == 2 and deleting.is_set() and not release.is_set():
+            started_meanwhile.append(layer)
+            release.set()
+        return real_pass(model, rows, config, streams, layer, *rest)
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    monkeypatch.setattr(run, "_observe_pass", observe_pass)
+    observe(observe_config(tiny_source, tmp_path, device_streams_every=1))
+    assert started_meanwhile == [2] and not _checkpoint_threads()
+    _assert_same_outputs(observed, tmp_path)
