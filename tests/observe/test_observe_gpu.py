@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from observe_helpers import observe_config
+from observe_helpers import killed_at_layer_2, observe_config
 
-from glmquant.observe import run
 from glmquant.observe.hessian_reader import load_layer_hessians
 from glmquant.observe.run import observe
 from glmquant.observe.stats import LayerStats, stats_path
@@ -61,17 +60,7 @@ def test_cuda_stream_checkpoints_hold_what_the_run_computed(
     on: a run killed as it starts layer 2 resumes from that checkpoint to the bytes of an uninterrupted run."""
     want, got = tmp_path / "want", tmp_path / "got"
     observe(observe_config(tiny_source, want, device="cuda", device_streams_every=0))
-    original = run._observe_pass
-
-    def dies_at_layer_2(model, rows, config, streams, layer, *rest):
-        if layer == 2:
-            raise KeyboardInterrupt
-        return original(model, rows, config, streams, layer, *rest)
-
-    monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
-    with pytest.raises(KeyboardInterrupt):
-        observe(observe_config(tiny_source, got, device="cuda", device_streams_every=1))
-    monkeypatch.setattr(run, "_observe_pass", original)
+    killed_at_layer_2(monkeypatch, observe_config(tiny_source, got, device="cuda", device_streams_every=1))
     assert observe(observe_config(tiny_source, got, device="cuda", device_streams_every=1)).resumed_from_layer == 2
     for path in sorted(want.glob("layer-*.safetensors")) + [want / "prune_plan.json"]:
         assert path.read_bytes() == (got / path.name).read_bytes(), path.name

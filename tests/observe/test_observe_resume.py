@@ -12,12 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from observe_helpers import ROWS, TOKENS, observe_config
+from observe_helpers import ROWS, TOKENS, killed_at_layer_2, observe_config
 
 from glmquant.arch import load_model_spec
 from glmquant.errors import GlmquantError, UsageError
 from glmquant.observe import run
-from glmquant.observe.config import ObserveConfig
 from glmquant.observe.hessians import HessianMode
 from glmquant.observe.run import observe
 from glmquant.observe.summary import ObservationSummary
@@ -42,26 +41,10 @@ def _assert_same_outputs(a: Path, b: Path) -> None:
     assert sorted(p.name for p in (b / "state").iterdir()) == ["progress.json"]  # hidden streams cleaned up
 
 
-def _killed_at_layer_2(monkeypatch: pytest.MonkeyPatch, job: ObserveConfig) -> None:
-    """Run `observe(job)` until it is killed as it starts layer 2 (a KeyboardInterrupt is what a kill looks like
-    to the code that was running); the observing pass is the real one again afterwards."""
-    original = run._observe_pass
-
-    def dies_at_layer_2(model, rows, config, streams, layer, *rest):
-        if layer == 2:
-            raise KeyboardInterrupt
-        return original(model, rows, config, streams, layer, *rest)
-
-    monkeypatch.setattr(run, "_observe_pass", dies_at_layer_2)
-    with pytest.raises(KeyboardInterrupt):
-        observe(job)
-    monkeypatch.setattr(run, "_observe_pass", original)
-
-
 def test_killed_between_layers_resumes_identically(
     tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _killed_at_layer_2(monkeypatch, observe_config(tiny_source, tmp_path))
+    killed_at_layer_2(monkeypatch, observe_config(tiny_source, tmp_path))
     assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
     assert not (tmp_path / "layer-02.stats.safetensors").exists()
     (tmp_path / "state" / "streams-03").mkdir()
@@ -233,7 +216,7 @@ def test_device_streams_give_the_same_outputs_and_resume_from_their_checkpoint(
         real_write(self, layer, chunk, streams)
 
     monkeypatch.setattr(StreamStore, "write", write)
-    _killed_at_layer_2(monkeypatch, observe_config(tiny_source, tmp_path, device_streams_every=1))
+    killed_at_layer_2(monkeypatch, observe_config(tiny_source, tmp_path, device_streams_every=1))
     assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 2
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["progress.json", "streams-02"]  # the newest only
     assert sorted(set(disk_writes)) == [1, 2]  # only the checkpoints went to disk
@@ -247,7 +230,7 @@ def test_device_streams_give_the_same_outputs_and_resume_from_their_checkpoint(
 def test_device_streams_without_checkpoints_start_a_killed_run_over(
     tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _killed_at_layer_2(monkeypatch, observe_config(tiny_source, tmp_path, device_streams_every=0))
+    killed_at_layer_2(monkeypatch, observe_config(tiny_source, tmp_path, device_streams_every=0))
     assert not (tmp_path / "state" / "progress.json").exists()
     summary = observe(observe_config(tiny_source, tmp_path, device_streams_every=0))
     assert summary.resumed_from_layer is None

@@ -99,6 +99,18 @@ def _record(tokens: int) -> dict[str, Any]:
     }
 
 
+def _with_checkpoints(record: dict[str, Any], waited_s: float, writer_s: float | None = None) -> dict[str, Any]:
+    """`record` with a 1 GB device-stream checkpoint in every layer: the run's wait for it and, when given, the
+    writer's own time."""
+    for layer in record["stages"]["build"]["observation"]["layers"]:
+        cost = layer["cost"]
+        cost["parts_s"]["advance.checkpoint"], cost["parts_bytes"]["advance.checkpoint"] = waited_s, int(GB)
+        cost["advance_s"] += waited_s
+        if writer_s is not None:
+            cost["parts_s"]["checkpoint.write"], cost["parts_bytes"]["checkpoint.write"] = writer_s, int(GB)
+    return record
+
+
 @pytest.mark.slow
 def test_fixed_costs_do_not_scale_with_the_rehearsal_tokens() -> None:
     short, short_full = extrapolate(_args(8), _record(8 * 2048))
@@ -124,11 +136,7 @@ def test_fixed_costs_do_not_scale_with_the_rehearsal_tokens() -> None:
 def test_device_streams_project_their_checkpoints_not_a_disk_round_trip_per_layer() -> None:
     args = _args(16)
     args.device_streams_every = 8
-    record = _record(16 * 2048)
-    for layer in record["stages"]["build"]["observation"]["layers"]:
-        cost = layer["cost"]
-        cost["parts_s"]["advance.checkpoint"], cost["parts_bytes"]["advance.checkpoint"] = 0.5, int(GB)
-        cost["advance_s"] += 0.5
+    record = _with_checkpoints(_record(16 * 2048), waited_s=0.5)  # recorded before the writer had its own thread
     extrapolation, full = extrapolate(args, record)
     inputs = extrapolation["observe_s"]["inputs"]
     s_full = extrapolation["stream_bytes_per_layer_gb"]["value"]
@@ -148,12 +156,7 @@ def test_checkpoints_written_during_the_encode_cost_only_what_it_does_not_cover(
     a dense layer (layers 1, 2 and 3 follow the dense layers 0-2) is waited for whole."""
     args = _args(16)
     args.device_streams_every = 1
-    record = _record(16 * 2048)
-    for layer in record["stages"]["build"]["observation"]["layers"]:
-        cost = layer["cost"]
-        cost["parts_s"]["checkpoint.write"], cost["parts_bytes"]["checkpoint.write"] = 2.0, int(GB)
-        cost["parts_s"]["advance.checkpoint"], cost["parts_bytes"]["advance.checkpoint"] = 0.1, int(GB)
-        cost["advance_s"] += 0.1
+    record = _with_checkpoints(_record(16 * 2048), waited_s=0.1, writer_s=2.0)
     extrapolation, full = extrapolate(args, record)
     inputs = extrapolation["observe_s"]["inputs"]
     s_full = extrapolation["stream_bytes_per_layer_gb"]["value"]
