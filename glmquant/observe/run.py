@@ -180,8 +180,8 @@ def _record_progress(
     """Record `next_layer` as the resume point. Disk streams: always. Device streams: only where their checkpoint
     (the streams entering it, on disk) exists: at the end, and every `device_streams_every` layers, once the checkpoint
     `_begin_checkpoint` started is written (begun here when the layer's outputs came from its advancing pass); the
-    previous checkpoint is deleted then, on a thread of its own. The wait is the layer's `advance.checkpoint` part; the writer's own time,
-    overlapped or not, `checkpoint.write`."""
+    previous checkpoint is deleted then, on a thread of its own. The wait is the layer's `advance.checkpoint` part;
+    the writer's own time, overlapped or not, `checkpoint.write`."""
     if not isinstance(streams, DeviceStreamStore):
         write_state(config.out, fp, next_layer)
         return
