@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from glmquant.environment import ENCODE_MEMO
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,14 +31,14 @@ def git_commit() -> str:
 def encodes_computed() -> None:
     """For the scripts that time or instrument encodes: $GLMQUANT_ENCODE_MEMO is dropped for the run, so that every
     encode they measure is computed, not read back."""
-    if os.environ.pop("GLMQUANT_ENCODE_MEMO", None):
-        print("GLMQUANT_ENCODE_MEMO is ignored here: this script times encodes", file=sys.stderr)
+    if os.environ.pop(ENCODE_MEMO, None):
+        print(f"{ENCODE_MEMO} is ignored here: this script times encodes", file=sys.stderr)
 
 
 def provenance(device: str) -> dict[str, str]:
     """Commit, date, torch and Python versions and the device of a run, for a results file; and the encode memo where
     one was on ($GLMQUANT_ENCODE_MEMO: encodes read back from it take no encoding time)."""
-    memo = os.environ.get("GLMQUANT_ENCODE_MEMO")
+    memo = os.environ.get(ENCODE_MEMO)
     return {
         "commit": git_commit(),
         "date": datetime.date.today().isoformat(),

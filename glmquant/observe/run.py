@@ -188,7 +188,7 @@ def _record_progress(
     if next_layer == layers:
         write_state(config.out, fp, next_layer)
         streams.drop_checkpoints()
-    elif _checkpoint_due(config, streams, next_layer, layers):
+    elif _checkpoint_due(config, next_layer, layers):
         started = time.monotonic()
         _begin_checkpoint(config, streams, next_layer, layers, early=False)
         nbytes, writing = streams.finish_checkpoint()
@@ -200,11 +200,11 @@ def _record_progress(
         cost.advance_s = round(cost.advance_s + elapsed, 3)
 
 
-def _checkpoint_due(config: ObserveConfig, streams: StreamStore, next_layer: int, layers: int) -> bool:
-    """Whether the streams entering `next_layer` (not the final ones) are checkpointed: device streams, every
+def _checkpoint_due(config: ObserveConfig, next_layer: int, layers: int) -> bool:
+    """Whether device streams entering `next_layer` (not the final ones) are checkpointed: every
     `device_streams_every` layers."""
     every = config.device_streams_every
-    if not isinstance(streams, DeviceStreamStore) or not every:
+    if not every:
         return False
     return next_layer < layers and next_layer % every == 0
 
@@ -216,7 +216,7 @@ def _begin_checkpoint(config: ObserveConfig, streams: StreamStore, next_layer: i
     written, so the disk writes overlap the results' saving (a build encodes the layer meanwhile) at no risk to
     resuming. Otherwise (from `_record_progress`) the previous one is deleted first to make room and forgotten as
     the resume point: a run killed before the new one is written starts over, as when it was written in place."""
-    if not isinstance(streams, DeviceStreamStore) or not _checkpoint_due(config, streams, next_layer, layers):
+    if not isinstance(streams, DeviceStreamStore) or not _checkpoint_due(config, next_layer, layers):
         return
     if streams.checkpointing == next_layer or not all(streams.has(next_layer, c) for c in streams.chunks):
         return
