@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from glmquant.environment import ENCODE_MEMO
 from glmquant.exl3.backends import TileSearch
 from glmquant.exl3.codebooks import Codebook
-from glmquant.exl3.native import cpu_signature
+from glmquant.exl3.native import cpu_signature, cxx_compiler
 from glmquant.exl3.tensor import EXL3Tensor
 
 _SOURCES = ("*.py", "*.cpp", "*.cu")
@@ -62,7 +62,7 @@ def _arithmetic(device: torch.device, search: TileSearch) -> dict[str, object]:
         facts |= {"device": f"cuda:{torch.cuda.get_device_name(device)}"}
         facts |= {"tf32": torch.backends.cuda.matmul.allow_tf32}
     else:
-        facts |= {"device": device.type, "cpu": cpu_signature(), "cxx": os.environ.get("CXX")}
+        facts |= {"device": device.type, "cpu": cpu_signature(), "cxx": cxx_compiler()}
     if search.name == "exllamav3":
         from importlib.metadata import version
 

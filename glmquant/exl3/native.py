@@ -68,10 +68,17 @@ def _build(compiler: str) -> Path:
     return compile_cached("viterbi", [compiler, *_FLAGS, str(_SOURCE)], key)
 
 
+def cxx_compiler() -> str | None:
+    """The C++ compiler the kernel is built with: $CXX, else g++ or c++ from PATH, resolved to its file (g++ is
+    often a link to a versioned one)."""
+    found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    return None if found is None else os.path.realpath(shutil.which(found) or found)
+
+
 @lru_cache(maxsize=1)
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel, or None (with a warning) when no compiler is available or the build fails."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = cxx_compiler()
     if compiler is None:
         warnings.warn("no C++ compiler found; EXL3 Viterbi falls back to the slow torch path", stacklevel=2)
         return None

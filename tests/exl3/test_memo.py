@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -162,5 +163,14 @@ def test_the_backend_and_the_machine_are_in_the_key(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("CXX", "clang++")
     assert set(keys()).isdisjoint(native)
     monkeypatch.delenv("CXX")
+    assert keys() == native
+    # without $CXX, the g++ found on PATH (another version behind the same name is another compiler)
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "g++").symlink_to(shutil.which("true") or "/bin/true")
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{path}")
+    assert set(keys()).isdisjoint(native)
+    monkeypatch.setenv("PATH", path)
     monkeypatch.setattr(memo_module, "cpu_signature", lambda: "flags : another cpu")
     assert set(keys()).isdisjoint(native)
