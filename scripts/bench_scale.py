@@ -40,6 +40,7 @@ from bench_common import git_commit
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("fixture", "build", "verify", "runtime")
 # what --extrapolate-only takes from the record: the rehearsal's shape (its paths are this machine's)
+DEFAULT_RESULTS = ROOT / "bench" / "results" / "scale_h200.json"
 SHAPE_SETTINGS = ("layers", "experts", "encode_experts", "rows", "tokens", "batch_rows", "device_streams_every")
 
 
@@ -49,7 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=Path("/tmp/glmquant-scale"), help="scratch directory (emptied)")
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "scale_h200.json")
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help=f"the record (default: {DEFAULT_RESULTS.relative_to(ROOT)}; required with --extrapolate-only)",
+    )
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--config", type=Path, default=REFERENCE_CONFIG, help="config whose widths the fixture takes")
     p.add_argument("--layers", type=int, default=6, help="decoder layers of the fixture (6: every layer kind)")
@@ -97,7 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "into --results",
     )
     p.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.extrapolate_only is not None:
+        if args.results is None:
+            p.error("--extrapolate-only needs --results (a new file: the record it reads stays as it is)")
+        if args.results.resolve() == args.extrapolate_only.resolve():
+            p.error(f"--results {args.results} is the record --extrapolate-only reads; name another file")
+    args.results = args.results or DEFAULT_RESULTS
+    return args
 
 
 def paths(args: argparse.Namespace) -> dict[str, Path]:
@@ -446,6 +459,28 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def extrapolation_source(args: argparse.Namespace) -> dict[str, Any]:
+    """The record --extrapolate-only reads, checked: a finished scale rehearsal whose token count this command's
+    --recipe gives at its shape; its shape settings are set on `args`."""
+    from scale_extrapolation import recipe_tokens
+
+    path = args.extrapolate_only
+    record = json.loads(path.read_text())
+    missing = [s for s in ("build", "verify", "runtime") if s not in record.get("stages", {})]
+    if record.get("bench") != "scale" or "failed" in record or missing:
+        raise SystemExit(f"bench_scale: {path} is not a finished scale rehearsal (stages missing: {missing})")
+    for name in SHAPE_SETTINGS:  # device_streams_every came later: older records ran disk streams
+        setattr(args, name, record["settings"].get(name))
+    recorded = record.get("extrapolation", {}).get("tokens", {}).get("inputs", {}).get("rehearsal_tokens")
+    tokens = recipe_tokens(args.recipe, args.rows, args.tokens)
+    if recorded is not None and recorded != tokens:
+        raise SystemExit(
+            f"bench_scale: {path} ran {recorded} calibration tokens; --recipe {args.recipe} gives {tokens} at its "
+            "shape: pass the recipe it ran"
+        )
+    return record
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -456,11 +491,14 @@ def main(argv: list[str] | None = None) -> None:
 
     record: dict[str, Any]
     if args.extrapolate_only is not None:
-        record = json.loads(args.extrapolate_only.read_text())
-        for name in SHAPE_SETTINGS:
-            setattr(args, name, record["settings"][name])
+        record = extrapolation_source(args)
         record["extrapolation"], record["full_model"] = extrapolate(args, record)
-        record["extrapolated_again"] = {"from": str(args.extrapolate_only), "commit": git_commit()}
+        record["extrapolated_again"] = {
+            "from": str(args.extrapolate_only),
+            "commit": args.commit or git_commit(),
+            "full_config": str(args.full_config),
+            "full_recipe": str(args.full_recipe),
+        }
         write(args, record)
         print(json.dumps(record["full_model"], indent=2))
         return

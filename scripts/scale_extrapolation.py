@@ -169,6 +169,8 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     else:
         waited_s = sigma * moved_full
     observe_s = compute_full + lam * weights_full + waited_s + first_calls
+    # a disk without room for a second checkpoint (2S free beside the older one) writes each in place, waited whole
+    in_place_s = observe_s - waited_s + len(checkpoints) * sigma * s_full
 
     e_run = max(1, args.experts or full.n_routed_experts)
     h, i = full.hidden_size, full.moe_intermediate_size
@@ -180,9 +182,11 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     s_run = t_run * hc * full.hidden_size * 2
     held = s_full - s_run if device_streams else 0  # device streams: one layer's streams on the GPU
     peak_gpu_full = peak_gpu_run + max(full.n_routed_experts - e_run, 0) * per_expert_gpu + held
-    disk_streams = min(2 * s_full, max(budget, s_full))  # the stream files (device streams: one checkpoint)
-    streams_peak = (s_full if every else 0) if device_streams else disk_streams
-    disk = streams_peak + t_full * 4 + len(full.moe_layers) * full.n_routed_experts * 11 * 8
+    disk_streams = min(2 * s_full, max(budget, s_full))  # the stream files
+    # device streams: the older checkpoint and the one written beside the encode (in place: one)
+    streams_peak = (2 * s_full if every else 0) if device_streams else disk_streams
+    small_files = t_full * 4 + len(full.moe_layers) * full.n_routed_experts * 11 * 8
+    disk = streams_peak + small_files
     rss = max(record["stages"][s]["peak_host_rss_bytes"] for s in ("build", "verify", "runtime"))
     verify_s = verify["wall_s"] * artifact_full / max(verify["bytes_read"], 1)
 
@@ -206,8 +210,9 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
             + (
                 "+ Σ_checkpoints max(σ × S − e, 0) (device streams: the streams entering every `every`-th layer "
                 "written to disk at the writer's measured rate σ while the build encodes the layer before, e = E × 12 "
-                "× s_tensor after a MoE layer, 0 after a dense one: only the rest is waited for; needs 2S free, "
-                "else all of σ × c × S is) "
+                "× s_tensor after a MoE layer, 0 after a dense one: only the rest is waited for; needs 2S free "
+                "beside the older checkpoint, else each is written in place and all of σ × c × S is waited for: "
+                "`observe_in_place_s`) "
                 if device_streams
                 else "+ σ × (Σ_observed n_k × (2 + r) + Σ_other n_k × 2) × S (stream chunks read and written) "
             )
@@ -246,10 +251,30 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         "verify_s": figure(verify_s, "verify wall × artifact_full / bytes verified", verify_s=verify["wall_s"]),
         "observation_disk_gb": figure(
             disk / GB,
-            ("S (one checkpoint; 0 without)" if device_streams else "min(2S, max(B, S))")
+            (
+                "2S (the older checkpoint beside the one written during the encode; the run takes that path only "
+                "with 2S free beside the older one, 3S in all; 0 without checkpoints)"
+                if device_streams
+                else "min(2S, max(B, S))"
+            )
             + " streams + T × 4 B token rows + n_moe × E × 88 B statistics; no Hessians (fused build)",
             streams_gb=streams_peak / GB,
             rehearsal_peak_gb=build["observation_disk_peak_bytes"] / GB,
+        ),
+        **(
+            {
+                "observe_in_place_s": figure(
+                    in_place_s,
+                    "observe_s with every checkpoint written in place (a disk without 2S free beside the older one): "
+                    "+ σ × c × S in all, the older checkpoint deleted first (its deletion not included)",
+                    checkpoints=len(checkpoints),
+                ),
+                "observation_disk_in_place_gb": figure(
+                    (s_full + small_files) / GB, "S (one checkpoint) + T × 4 B + n_moe × E × 88 B"
+                ),
+            }
+            if device_streams and checkpoints
+            else {}
         ),
         "two_step_hessians_gb": figure(
             len(full.moe_layers) * full.n_routed_experts * (h * h + i * i) * 4 / GB,
@@ -283,6 +308,16 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         "peak_host_rss_gb": round(rss / GB, 2),
         "peak_gpu_gb": round(peak_gpu_full / GB, 2),
         "observation_disk_gb": round(disk / GB, 2),
+        **(
+            {
+                "in_place": {
+                    "observe_h": round(in_place_s / 3600, 3),
+                    "observation_disk_gb": round((s_full + small_files) / GB, 2),
+                }
+            }
+            if device_streams and checkpoints
+            else {}
+        ),
         "observe_parts_h": {
             "forward": round(compute_full / 3600, 3),
             "weight_loads": round(lam * weights_full / 3600, 3),

@@ -126,6 +126,8 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
                 write_state(config.out, fp, 0)
         elif isinstance(streams, DeviceStreamStore) and state.next_layer < model.num_layers:
             streams.restore(state.next_layer)  # the checkpoint the run recorded
+        elif isinstance(streams, DeviceStreamStore):
+            streams.drop_checkpoints()  # killed after its last layer was recorded, before its checkpoints were deleted
         layers = bar.add_task("layers", total=model.num_layers, completed=state.next_layer)
         chunks = bar.add_task("chunks", total=len(streams.chunks))
 
@@ -179,9 +181,10 @@ def _record_progress(
 ) -> None:
     """Record `next_layer` as the resume point. Disk streams: always. Device streams: only where their checkpoint
     (the streams entering it, on disk) exists: at the end, and every `device_streams_every` layers, once the checkpoint
-    `_begin_checkpoint` started is written (begun here when the layer's outputs came from its advancing pass); the
-    previous checkpoint is deleted then, on a thread of its own. The wait is the layer's `advance.checkpoint` part;
-    the writer's own time, overlapped or not, `checkpoint.write`."""
+    `_begin_checkpoint` started is written (begun here where it could not begin beside the results: the layer's
+    outputs came from its advancing pass, or the disk had no room); any older checkpoint still on disk is deleted
+    then, on a thread of its own. The wait is the layer's `advance.checkpoint` part; the writer's own time,
+    overlapped or not, `checkpoint.write`."""
     if not isinstance(streams, DeviceStreamStore):
         write_state(config.out, fp, next_layer)
         return
@@ -210,18 +213,19 @@ def _checkpoint_due(config: ObserveConfig, next_layer: int, layers: int) -> bool
 
 
 def _begin_checkpoint(config: ObserveConfig, streams: StreamStore, next_layer: int, layers: int, early: bool) -> None:
-    """Start writing the due checkpoint of the streams entering `next_layer` once all of them are held. `early` (right
-    after the layer's observing pass): only where the disk has room for it beside the previous checkpoint (twice one
-    layer's streams free, so the layer's own results fit too), which stays the resume point until the new one is
-    written, so the disk writes overlap the results' saving (a build encodes the layer meanwhile) at no risk to
-    resuming. Otherwise (from `_record_progress`) the previous one is deleted first to make room and forgotten as
-    the resume point: a run killed before the new one is written starts over, as when it was written in place."""
+    """Start writing the due checkpoint of the streams entering `next_layer` once all of them are held. The previous
+    checkpoint stays the resume point until the new one is written where the disk has room for both: free space of
+    one layer's streams beside it, twice that when `early` (right after the layer's observing pass, so that the
+    layer's results, saved meanwhile, fit too). Early, the disk writes overlap the results' saving (a build encodes
+    the layer meanwhile) at no risk to resuming, and without room nothing starts. Later (from `_record_progress`)
+    without room the previous one is deleted first and forgotten as the resume point: a run killed before the new
+    one is written starts over, as when it was written in place."""
     if not isinstance(streams, DeviceStreamStore) or not _checkpoint_due(config, next_layer, layers):
         return
     if streams.checkpointing == next_layer or not all(streams.has(next_layer, c) for c in streams.chunks):
         return
     streams.drop_checkpoints(keep=streams.checkpointed)  # a failed run's unfinished one, before measuring the room
-    room = shutil.disk_usage(config.out).free >= 2 * streams.layer_bytes
+    room = shutil.disk_usage(config.out).free >= (2 if early else 1) * streams.layer_bytes
     if early and not room:
         return
     if not room:

@@ -160,7 +160,8 @@ class DeviceStreamStore(StreamStore):
         self.drop_checkpoints(self.checkpointed if keep_previous else None)
         if not keep_previous:
             self.checkpointed = None
-        self.writer = CheckpointWriter(self, layer)
+        self.writer = CheckpointWriter(self, layer)  # registered before it starts: an interrupt here still stops it
+        self.writer.start()
 
     @property
     def checkpointing(self) -> int | None:
@@ -182,8 +183,9 @@ class DeviceStreamStore(StreamStore):
         self._wait_for_deletion()
         if self.writer is None:
             return None
-        writer, self.writer = self.writer, None
-        return writer.cancel()
+        error = self.writer.cancel()
+        self.writer = None  # only once stopped: a second interrupt during the wait still finds it
+        return error
 
     def restore(self, layer: int) -> None:
         """Hold the streams entering `layer` from its checkpoint files."""
@@ -227,6 +229,8 @@ class CheckpointWriter:
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(store.device))
         self._thread = threading.Thread(target=self._run, name=f"streams-checkpoint-{layer:02d}", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
@@ -240,6 +244,7 @@ class CheckpointWriter:
             self._error = err
         finally:
             self._seconds = time.monotonic() - started
+            self._files = []  # a failed writer's error, kept until the run raises it, must not hold the streams
 
     def _on_host(self, streams: torch.Tensor) -> torch.Tensor:
         if self._copies is None or self._ready is None:

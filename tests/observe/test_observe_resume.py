@@ -386,3 +386,65 @@ def test_the_older_checkpoint_is_deleted_while_the_run_goes_on(
     observe(observe_config(tiny_source, tmp_path, device_streams_every=1))
     assert started_meanwhile == [2] and not _checkpoint_threads()
     _assert_same_outputs(observed, tmp_path)
+
+
+def test_a_run_killed_after_its_last_layer_deletes_its_checkpoints_when_run_again(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed between recording its last layer and deleting its checkpoints (tens of GB on the model): run again, it
+    has nothing left to observe and deletes them."""
+    from glmquant.observe.streams import DeviceStreamStore
+
+    real_write_state, real_drop = run.write_state, DeviceStreamStore.drop_checkpoints
+    layers = load_model_spec(tiny_source / "config.json").num_hidden_layers
+    recorded_last: list[bool] = []
+
+    def write_state(obs, fingerprint, next_layer, committed=False) -> None:
+        real_write_state(obs, fingerprint, next_layer, committed)
+        recorded_last.append(next_layer == layers)
+
+    def drop_checkpoints(self, keep=None, wait=True) -> None:
+        if recorded_last and recorded_last[-1]:
+            raise KeyboardInterrupt
+        real_drop(self, keep, wait)
+
+    monkeypatch.setattr(run, "write_state", write_state)
+    monkeypatch.setattr(DeviceStreamStore, "drop_checkpoints", drop_checkpoints)
+    job = observe_config(tiny_source, tmp_path, device_streams_every=1)
+    with pytest.raises(KeyboardInterrupt):
+        observe(job)
+    assert [p.name for p in (tmp_path / "state").glob("streams-*")]  # the last checkpoint, left behind
+    monkeypatch.setattr(DeviceStreamStore, "drop_checkpoints", real_drop)
+    assert observe(job).resumed_from_layer == layers
+    assert not list((tmp_path / "state").glob("streams-*")) and not _checkpoint_threads()
+    _assert_same_outputs(observed, tmp_path)
+
+
+def test_a_checkpoint_begun_after_the_results_keeps_the_older_one_where_one_more_fits(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Free space for one layer's streams but not two: no checkpoint begins beside the results (they need room too),
+    but the one begun after them keeps the older as the resume point until it is written; a kill meanwhile resumes
+    from the older."""
+    from glmquant.observe.streams import StreamStore
+
+    spec = load_model_spec(tiny_source / "config.json")
+    layer_bytes = ROWS * TOKENS * int(spec.text["hc_mult"]) * spec.hidden_size * 2
+    free = SimpleNamespace(total=1 << 40, used=1 << 40, free=layer_bytes * 3 // 2)
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda path: free)
+    real_write = StreamStore.write
+
+    def write(self, layer, chunk, streams) -> None:
+        if layer == 2:
+            raise KeyboardInterrupt  # in the writer, raised where the run waits for it
+        real_write(self, layer, chunk, streams)
+
+    monkeypatch.setattr(StreamStore, "write", write)
+    job = observe_config(tiny_source, tmp_path, device_streams_every=1)
+    with pytest.raises(KeyboardInterrupt):
+        observe(job)
+    assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 1
+    assert (tmp_path / "state" / "streams-01").is_dir() and not _checkpoint_threads()
+    monkeypatch.setattr(StreamStore, "write", real_write)
+    assert observe(job).resumed_from_layer == 1
+    _assert_same_outputs(observed, tmp_path)

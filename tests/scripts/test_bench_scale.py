@@ -74,6 +74,12 @@ def test_rehearsal_runs_end_to_end_on_cpu(tiny_source: Path, tmp_path: Path) -> 
     assert redone["full_model"] == full and redone["stages"] == record["stages"]
     assert redone["extrapolated_again"]["from"] == str(tmp_path / "scale.json")
     assert not (tmp_path / "again" / "work").exists()  # nothing ran
+    # never into the record it reads, nor into the default record of a run
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    base = [sys.executable, str(SCRIPT), "--extrapolate-only", str(tmp_path / "scale.json")]
+    for extra, message in (([], "needs --results"), (["--results", str(tmp_path / "scale.json")], "is the record")):
+        refused = subprocess.run([*base, *extra], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
 
 
 def test_a_stage_past_the_time_limit_fails_loudly(tiny_source: Path, tmp_path: Path) -> None:

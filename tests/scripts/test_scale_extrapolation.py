@@ -143,7 +143,9 @@ def test_device_streams_project_their_checkpoints_not_a_disk_round_trip_per_laye
     assert extrapolation["recompute_fraction"]["value"] == 0 and inputs["streams"] == "device"
     assert inputs["stream_s_per_gb"] == pytest.approx(0.5)
     assert inputs["streams_moved_gb"] == pytest.approx(5 * s_full, abs=0.1)  # layers 8, 16, 24, 32, 40
-    assert full["observation_disk_gb"] == pytest.approx(s_full, abs=0.02)
+    # the older checkpoint beside the one written during the encode; a disk without that room: one, in place
+    assert full["observation_disk_gb"] == pytest.approx(2 * s_full, abs=0.02)
+    assert full["in_place"]["observation_disk_gb"] == pytest.approx(s_full, abs=0.02)
     assert extrapolation["peak_gpu_gb"]["inputs"]["streams_held_extra_gb"] == pytest.approx(
         s_full - 16 * 2048 * 4 * 4096 * 2 / GB, abs=0.01
     )
@@ -166,3 +168,7 @@ def test_checkpoints_written_during_the_encode_cost_only_what_it_does_not_cover(
     assert inputs["stream_io_s"] == pytest.approx(44 * 2.0 * s_full, rel=1e-3)  # what the writer does
     assert inputs["stream_io_waited_s"] == pytest.approx(3 * 2.0 * s_full, rel=1e-3)  # what the run waits for
     assert full["observe_parts_h"]["stream_io"] == pytest.approx(3 * 2.0 * s_full / 3600, abs=1e-3)
+    # without room for two checkpoints each is written in place: all 44 waited for
+    in_place = extrapolation["observe_in_place_s"]["value"]
+    assert in_place - extrapolation["observe_s"]["value"] == pytest.approx(41 * 2.0 * s_full, rel=1e-3)
+    assert full["in_place"]["observe_h"] == pytest.approx(in_place / 3600, abs=1e-3)
