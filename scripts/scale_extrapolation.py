@@ -169,8 +169,12 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     else:
         waited_s = sigma * moved_full
     observe_s = compute_full + lam * weights_full + waited_s + first_calls
-    # a disk without room for a second checkpoint (2S free beside the older one) writes each in place, waited whole
-    in_place_s = observe_s - waited_s + len(checkpoints) * sigma * s_full
+    # a disk with room for one checkpoint but not for the overlap (2S free beside the older one) writes only the
+    # first, after a layer's results (waited whole), and skips the rest; with room for none, nothing is waited for
+    one_checkpoint_s = observe_s - waited_s + (sigma * s_full if checkpoints else 0.0)
+    # a killed run recomputes the streams entering its next layer from its newest checkpoint: at most a plain forward
+    # through every layer
+    resume_at_most_s = t_full * sum(n * per[k]["forward"] for k, n in kinds.items()) + lam * weights_full
 
     e_run = max(1, args.experts or full.n_routed_experts)
     h, i = full.hidden_size, full.moe_intermediate_size
@@ -211,8 +215,8 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
                 "+ Σ_checkpoints max(σ × S − e, 0) (device streams: the streams entering every `every`-th layer "
                 "written to disk at the writer's measured rate σ while the build encodes the layer before, e = E × 12 "
                 "× s_tensor after a MoE layer, 0 after a dense one: only the rest is waited for; needs 2S free "
-                "beside the older checkpoint, else each is written in place and all of σ × c × S is waited for: "
-                "`observe_in_place_s`) "
+                "beside the older checkpoint, else only the first is written, waited whole: "
+                "`observe_one_checkpoint_s`) "
                 if device_streams
                 else "+ σ × (Σ_observed n_k × (2 + r) + Σ_other n_k × 2) × S (stream chunks read and written) "
             )
@@ -263,14 +267,20 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         ),
         **(
             {
-                "observe_in_place_s": figure(
-                    in_place_s,
-                    "observe_s with every checkpoint written in place (a disk without 2S free beside the older one): "
-                    "+ σ × c × S in all, the older checkpoint deleted first (its deletion not included)",
-                    checkpoints=len(checkpoints),
+                "observe_one_checkpoint_s": figure(
+                    one_checkpoint_s,
+                    "observe_s on a disk with S free but not 2S beside a checkpoint: the first due checkpoint written "
+                    "after its layer's results and waited whole (σ × S), every later one skipped (a killed run "
+                    "recomputes its streams from the first); less σ × S with less than S free (no checkpoint)",
+                    sigma_s_per_gb=round(sigma * GB, 4),
                 ),
-                "observation_disk_in_place_gb": figure(
+                "observation_disk_one_checkpoint_gb": figure(
                     (s_full + small_files) / GB, "S (one checkpoint) + T × 4 B + n_moe × E × 88 B"
+                ),
+                "resume_recompute_at_most_s": figure(
+                    resume_at_most_s,
+                    "Σ_k n_k × T × f_k + λ × W: a killed run's streams recomputed from the embeddings through every "
+                    "layer (from its newest checkpoint: less)",
                 ),
             }
             if device_streams and checkpoints
@@ -310,10 +320,11 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
         "observation_disk_gb": round(disk / GB, 2),
         **(
             {
-                "in_place": {
-                    "observe_h": round(in_place_s / 3600, 3),
+                "one_checkpoint": {
+                    "observe_h": round(one_checkpoint_s / 3600, 3),
                     "observation_disk_gb": round((s_full + small_files) / GB, 2),
-                }
+                },
+                "resume_recompute_at_most_h": round(resume_at_most_s / 3600, 3),
             }
             if device_streams and checkpoints
             else {}

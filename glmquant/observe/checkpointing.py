@@ -1,7 +1,10 @@
 """Resumable observation: what survives a killed job, and how a rerun picks up where it stopped.
 
 `state/progress.json` records the run's fingerprint, `next_layer` and whether that layer's results are
-`committed`; the hidden streams live in `state/streams-LL/` (streams.py). Observing layer L is two passes:
+`committed`; the hidden streams live in `state/streams-LL/` (streams.py). Device streams (streams.py
+`DeviceStreamStore`) live on the device and reach the disk only as checkpoints: `checkpoint` names the newest one
+written whole, from which (or from the embeddings, where there is none) a rerun recomputes the streams entering
+`next_layer` through the layers already done. Observing layer L is two passes:
 the first runs every chunk of its input streams through the layer with the statistics and Hessians hooked on
 (writing output chunks while they fit the stream budget), then saves the layer's results, each file atomically
 (temp file, fsync, rename), and only then records committed = true; the second writes the output chunks still
@@ -38,6 +41,8 @@ class RunState:
     fingerprint: Mapping[str, Any]
     next_layer: int
     committed: bool  # next_layer's results are saved; only its streams remain to be advanced
+    # device streams: the layer whose checkpoint (the streams entering it) is on disk whole; None: none is
+    checkpoint: int | None = None
 
 
 def state_dir(obs: Path) -> Path:
@@ -50,7 +55,15 @@ def read_state(obs: Path) -> RunState | None:
         return None
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-        return RunState(raw["fingerprint"], int(raw["next_layer"]), bool(raw.get("committed", False)))
+        next_layer = int(raw["next_layer"])
+        # before checkpoints were named, a device-stream run recorded its progress only at one
+        checkpoint = raw.get("checkpoint", next_layer)
+        return RunState(
+            raw["fingerprint"],
+            next_layer,
+            bool(raw.get("committed", False)),
+            None if checkpoint is None else int(checkpoint),
+        )
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"{path}: unreadable resume state ({exc}); delete {state_dir(obs)} to start over") from None
 
@@ -72,9 +85,16 @@ def resume_point(obs: Path, fingerprint: Mapping[str, Any]) -> RunState | None:
     return state
 
 
-def write_state(obs: Path, fingerprint: Mapping[str, Any], next_layer: int, committed: bool = False) -> None:
+def write_state(
+    obs: Path, fingerprint: Mapping[str, Any], next_layer: int, committed: bool = False, checkpoint: int | None = None
+) -> None:
     state_dir(obs).mkdir(parents=True, exist_ok=True)
-    body = {"fingerprint": dict(fingerprint), "next_layer": next_layer, "committed": committed}
+    body = {
+        "fingerprint": dict(fingerprint),
+        "next_layer": next_layer,
+        "committed": committed,
+        "checkpoint": checkpoint,
+    }
     atomic_write_text(state_dir(obs) / "progress.json", json.dumps(body, indent=2, sort_keys=True) + "\n")
 
 

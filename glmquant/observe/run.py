@@ -118,6 +118,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     costs: dict[int | str, LayerCost] = {}
     with model.ckpt, progress_bar(progress) as bar, _writer_stopped_on_error(streams):
         state = resumed
+        recomputed_from: int | None = None
         if state is None:
             rows.save(config.out)
             _measured(model.device, costs.setdefault("embed", LayerCost()), "advance_s", _embed, model, rows, streams)
@@ -125,7 +126,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
             if not streams.in_memory:
                 write_state(config.out, fp, 0)
         elif isinstance(streams, DeviceStreamStore) and state.next_layer < model.num_layers:
-            streams.restore(state.next_layer)  # the checkpoint the run recorded
+            recomputed_from = _recompute_streams(model, rows, streams, state, costs.setdefault("resume", LayerCost()))
         elif isinstance(streams, DeviceStreamStore):
             streams.drop_checkpoints()  # killed after its last layer was recorded, before its checkpoints were deleted
         layers = bar.add_task("layers", total=model.num_layers, completed=state.next_layer)
@@ -146,8 +147,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
                 if found is not None:
                     results.save(layer, *found)
                     del found
-                if not streams.in_memory:
-                    write_state(config.out, fp, layer, committed=True)
+                write_state(config.out, fp, layer, committed=True, checkpoint=_checkpoint_of(streams))
             bar.reset(chunks, description=f"layer {layer} streams")
             cost.recomputed_chunks = _measured(
                 model.device, cost, "advance_s", _advance, model, streams, layer, advance, cost, kept
@@ -172,6 +172,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     summary = _summarize(
         model, rows, config, fp, resumed.next_layer if resumed is not None else None, costs, time.monotonic() - started
     )
+    summary = replace(summary, streams_recomputed_from=recomputed_from)
     summary.save(config.out)
     return summary
 
@@ -179,28 +180,54 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
 def _record_progress(
     config: ObserveConfig, fp: dict, streams: StreamStore, next_layer: int, layers: int, cost: LayerCost
 ) -> None:
-    """Record `next_layer` as the resume point. Disk streams: always. Device streams: only where their checkpoint
-    (the streams entering it, on disk) exists: at the end, and every `device_streams_every` layers, once the checkpoint
-    `_begin_checkpoint` started is written (begun here where it could not begin beside the results: the layer's
-    outputs came from its advancing pass, or the disk had no room); any older checkpoint still on disk is deleted
-    then, on a thread of its own. The wait is the layer's `advance.checkpoint` part; the writer's own time,
-    overlapped or not, `checkpoint.write`."""
+    """Record `next_layer` as the resume point. Device streams name their newest checkpoint beside it, from which
+    (or from the embeddings) a rerun recomputes the streams entering `next_layer`; every `device_streams_every`
+    layers the checkpoint `_begin_checkpoint` started is waited for first (begun here where it could not begin beside
+    the results: the layer's outputs came from its advancing pass), and the older one is then deleted on a thread of
+    its own. At the end every checkpoint is deleted. The wait is the layer's `advance.checkpoint` part; the writer's
+    own time, overlapped or not, `checkpoint.write`."""
     if not isinstance(streams, DeviceStreamStore):
         write_state(config.out, fp, next_layer)
         return
     if next_layer == layers:
         write_state(config.out, fp, next_layer)
         streams.drop_checkpoints()
-    elif _checkpoint_due(config, next_layer, layers):
+        return
+    if _checkpoint_due(config, next_layer, layers):
         started = time.monotonic()
         _begin_checkpoint(config, streams, next_layer, layers, early=False)
-        nbytes, writing = streams.finish_checkpoint()
-        write_state(config.out, fp, next_layer)
-        streams.drop_checkpoints(keep=next_layer, wait=False)  # the run goes on meanwhile
-        elapsed = time.monotonic() - started
-        cost.add_part("advance.checkpoint", elapsed, nbytes)
-        cost.add_part("checkpoint.write", writing, nbytes)
-        cost.advance_s = round(cost.advance_s + elapsed, 3)
+        if streams.checkpointing == next_layer:
+            nbytes, writing = streams.finish_checkpoint()
+            write_state(config.out, fp, next_layer, checkpoint=next_layer)
+            streams.drop_checkpoints(keep=next_layer, wait=False)  # the run goes on meanwhile
+            elapsed = time.monotonic() - started
+            cost.add_part("advance.checkpoint", elapsed, nbytes)
+            cost.add_part("checkpoint.write", writing, nbytes)
+            cost.advance_s = round(cost.advance_s + elapsed, 3)
+            return
+    write_state(config.out, fp, next_layer, checkpoint=streams.checkpointed)
+
+
+def _checkpoint_of(streams: StreamStore) -> int | None:
+    """The newest checkpoint written whole (device streams), which a rerun recomputes the streams from."""
+    return streams.checkpointed if isinstance(streams, DeviceStreamStore) else None
+
+
+def _recompute_streams(
+    model: TextModel, rows: TokenRows, streams: DeviceStreamStore, state: RunState, cost: LayerCost
+) -> int:
+    """Device streams of a resumed run: those entering `state.next_layer`, from its newest checkpoint (or the
+    embeddings) through the layers the run had finished (a plain forward: their results are kept). Returns the
+    layer they were recomputed from (0: the embeddings)."""
+    start = state.checkpoint
+    if start is None:
+        _measured(model.device, cost, "advance_s", _embed, model, rows, streams)
+        start = 0
+    else:
+        streams.restore(start)
+    for layer in range(start, state.next_layer):
+        _measured(model.device, cost, "advance_s", _advance, model, streams, layer, lambda _n: None, cost)
+    return start
 
 
 def _checkpoint_due(config: ObserveConfig, next_layer: int, layers: int) -> bool:
@@ -213,24 +240,20 @@ def _checkpoint_due(config: ObserveConfig, next_layer: int, layers: int) -> bool
 
 
 def _begin_checkpoint(config: ObserveConfig, streams: StreamStore, next_layer: int, layers: int, early: bool) -> None:
-    """Start writing the due checkpoint of the streams entering `next_layer` once all of them are held. The previous
-    checkpoint stays the resume point until the new one is written where the disk has room for both: free space of
-    one layer's streams beside it, twice that when `early` (right after the layer's observing pass, so that the
+    """Start writing the due checkpoint of the streams entering `next_layer` once all of them are held, where the
+    disk has room for it beside the previous one, which stays the resume point until the new one is written: free
+    space of one layer's streams, twice that when `early` (right after the layer's observing pass, so that the
     layer's results, saved meanwhile, fit too). Early, the disk writes overlap the results' saving (a build encodes
-    the layer meanwhile) at no risk to resuming, and without room nothing starts. Later (from `_record_progress`)
-    without room the previous one is deleted first and forgotten as the resume point: a run killed before the new
-    one is written starts over, as when it was written in place."""
+    the layer meanwhile). Without room the checkpoint is skipped: a killed run recomputes the streams from the
+    previous one (or the embeddings), a forward through the layers since, rather than waiting for a write in place
+    of it now."""
     if not isinstance(streams, DeviceStreamStore) or not _checkpoint_due(config, next_layer, layers):
         return
     if streams.checkpointing == next_layer or not all(streams.has(next_layer, c) for c in streams.chunks):
         return
     streams.drop_checkpoints(keep=streams.checkpointed)  # a failed run's unfinished one, before measuring the room
-    room = shutil.disk_usage(config.out).free >= (2 if early else 1) * streams.layer_bytes
-    if early and not room:
-        return
-    if not room:
-        (state_dir(config.out) / "progress.json").unlink(missing_ok=True)
-    streams.start_checkpoint(next_layer, keep_previous=room)
+    if shutil.disk_usage(config.out).free >= (2 if early else 1) * streams.layer_bytes:
+        streams.start_checkpoint(next_layer)
 
 
 @contextlib.contextmanager

@@ -151,15 +151,12 @@ class DeviceStreamStore(StreamStore):
     def fits(self, chunk: Chunk) -> bool:
         return True
 
-    def start_checkpoint(self, layer: int, keep_previous: bool) -> None:
+    def start_checkpoint(self, layer: int) -> None:
         """Begin writing the held streams entering `layer` to disk (chunk files, as a disk run has them) while the
-        caller goes on. Every other checkpoint is deleted first, but the last finished one (`checkpointed`) when
-        `keep_previous`."""
+        caller goes on. Every other checkpoint but the last finished one (`checkpointed`) is deleted first."""
         if self.writer is not None:
             raise RuntimeError(f"the checkpoint of layer {self.writer.layer} was never finished")
-        self.drop_checkpoints(self.checkpointed if keep_previous else None)
-        if not keep_previous:
-            self.checkpointed = None
+        self.drop_checkpoints(self.checkpointed)
         self.writer = CheckpointWriter(self, layer)  # registered before it starts: an interrupt here still stops it
         self.writer.start()
 

@@ -126,6 +126,8 @@ class ObservationSummary:
     hessian_weighting: str = "token"  # of the natural Hessians (hessians.HessianWeighting); older files: token
     head: HeadSummary | None = None  # lm_head's Hessian; None without one (and in older files)
     mtp: HeadSummary | None = None  # the MTP layer's Hessians (dense and routed); None without them
+    # a resumed device-stream run: the checkpoint layer its streams were recomputed from (0: the embeddings)
+    streams_recomputed_from: int | None = None
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"

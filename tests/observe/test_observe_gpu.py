@@ -57,10 +57,14 @@ def test_cuda_stream_checkpoints_hold_what_the_run_computed(
     tiny_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The checkpoint writer copies the device streams to the host on a CUDA stream of its own while the run goes
-    on: a run killed as it starts layer 2 resumes from that checkpoint to the bytes of an uninterrupted run."""
-    want, got = tmp_path / "want", tmp_path / "got"
+    on: a run killed as it starts layer 2 resumes from that checkpoint to the bytes of an uninterrupted run; without
+    checkpoints, from the streams recomputed from the embeddings (a plain forward through layers 0 and 1)."""
+    want = tmp_path / "want"
     observe(observe_config(tiny_source, want, device="cuda", device_streams_every=0))
-    killed_at_layer_2(monkeypatch, observe_config(tiny_source, got, device="cuda", device_streams_every=1))
-    assert observe(observe_config(tiny_source, got, device="cuda", device_streams_every=1)).resumed_from_layer == 2
-    for path in sorted(want.glob("layer-*.safetensors")) + [want / "prune_plan.json"]:
-        assert path.read_bytes() == (got / path.name).read_bytes(), path.name
+    for every, recomputed_from in ((1, 2), (0, 0)):
+        got = tmp_path / f"got-{every}"
+        killed_at_layer_2(monkeypatch, observe_config(tiny_source, got, device="cuda", device_streams_every=every))
+        summary = observe(observe_config(tiny_source, got, device="cuda", device_streams_every=every))
+        assert (summary.resumed_from_layer, summary.streams_recomputed_from) == (2, recomputed_from)
+        for path in sorted(want.glob("layer-*.safetensors")) + [want / "prune_plan.json"]:
+            assert path.read_bytes() == (got / path.name).read_bytes(), (every, path.name)

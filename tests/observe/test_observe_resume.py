@@ -227,16 +227,27 @@ def test_device_streams_give_the_same_outputs_and_resume_from_their_checkpoint(
     _assert_same_outputs(observed, tmp_path)
 
 
-def test_device_streams_without_checkpoints_start_a_killed_run_over(
+def test_device_streams_without_checkpoints_recompute_a_killed_runs_streams_from_the_embeddings(
     tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """N = 0 writes no checkpoint; a run killed at layer 2 recomputes the streams entering it from the embeddings (a
+    forward through layers 0 and 1, whose results it keeps) and ends byte-identical."""
     killed_at_layer_2(monkeypatch, observe_config(tiny_source, tmp_path, device_streams_every=0))
-    assert not (tmp_path / "state" / "progress.json").exists()
+    state = json.loads((tmp_path / "state" / "progress.json").read_text())
+    assert (state["next_layer"], state["checkpoint"]) == (2, None)
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["progress.json"]
+    observed_layers: list[int] = []
+    real_pass = run._observe_pass
+
+    def observe_pass(model, rows, config, streams, layer, *rest):
+        observed_layers.append(layer)
+        return real_pass(model, rows, config, streams, layer, *rest)
+
+    monkeypatch.setattr(run, "_observe_pass", observe_pass)
     summary = observe(observe_config(tiny_source, tmp_path, device_streams_every=0))
-    assert summary.resumed_from_layer is None
-    assert all(
-        layer.cost is not None and not layer.cost.parts_bytes.get("advance.checkpoint") for layer in summary.layers
-    )
+    assert (summary.resumed_from_layer, summary.streams_recomputed_from) == (2, 0)
+    assert observed_layers[0] == 2  # layers 0 and 1 only run forward
+    assert all(layer.cost is None or not layer.cost.parts_bytes.get("advance.checkpoint") for layer in summary.layers)
     _assert_same_outputs(observed, tmp_path)
 
 
@@ -294,9 +305,9 @@ def test_a_checkpoint_that_fails_or_is_interrupted_is_never_recorded_and_its_wri
 ) -> None:
     """A full disk under a checkpoint chunk is named when the run waits for the checkpoint; Ctrl-C while the layer's
     results are saved stops the writer after its chunk. Neither leaves a writer running, a half-written file or the
-    unfinished checkpoint as a resume point. Where the disk has room for two checkpoints the previous one stays the
-    resume point meanwhile; elsewhere the checkpoint is begun only after the results, in place of the previous one,
-    and a failure then starts the run over. Every run ends byte-identical."""
+    unfinished checkpoint as a resume point: the previous checkpoint (or the embeddings) stays it, and the layers done
+    since keep their results. Where the disk has no room for another checkpoint none is written and the run goes on.
+    Every run ends byte-identical."""
     from glmquant.observe.streams import StreamStore
 
     job = observe_config(tiny_source, tmp_path, device_streams_every=1)
@@ -304,12 +315,15 @@ def test_a_checkpoint_that_fails_or_is_interrupted_is_never_recorded_and_its_wri
     with pytest.raises(GlmquantError, match=r"streams-01/mix-00001\.safetensors: disk full while writing"):
         observe(job)
     assert not _checkpoint_threads() and not list(tmp_path.rglob("*.tmp-*"))
-    assert not (tmp_path / "state" / "progress.json").exists()  # the first checkpoint: nothing to resume from
+    state = json.loads((tmp_path / "state" / "progress.json").read_text())
+    assert (state["next_layer"], state["committed"], state["checkpoint"]) == (0, True, None)  # from the embeddings
     full_disk("")
 
     real_write, real_save = StreamStore.write, run.ObservationFiles.save
+    written: list[int] = []
 
     def slow_write(self, layer, chunk, streams) -> None:
+        written.append(layer)
         time.sleep(0.5)  # the interrupt below comes while the first chunk is written
         real_write(self, layer, chunk, streams)
 
@@ -321,10 +335,11 @@ def test_a_checkpoint_that_fails_or_is_interrupted_is_never_recorded_and_its_wri
     monkeypatch.setattr(StreamStore, "write", slow_write)
     monkeypatch.setattr(run.ObservationFiles, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        observe(job)
+        observe(job)  # recomputes the streams entering layer 0, advances it, then layer 1
     assert not _checkpoint_threads() and not list(tmp_path.rglob("*.tmp-*"))
     assert not (tmp_path / "state" / "streams-02" / "mix-00001.safetensors").exists()  # stopped after the first
-    assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 1
+    state = json.loads((tmp_path / "state" / "progress.json").read_text())
+    assert (state["next_layer"], state["checkpoint"]) == (1, 1)
     assert (tmp_path / "state" / "streams-01").is_dir()  # kept beside the unfinished one: the disk had room
 
     monkeypatch.setattr(run.shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 40, used=1 << 40, free=1024))
@@ -333,13 +348,10 @@ def test_a_checkpoint_that_fails_or_is_interrupted_is_never_recorded_and_its_wri
     assert json.loads((tmp_path / "state" / "progress.json").read_text())["next_layer"] == 1
     assert not (tmp_path / "state" / "streams-02").exists()
     monkeypatch.setattr(run.ObservationFiles, "save", real_save)
-    full_disk(r"^mix-00001")
-    with pytest.raises(GlmquantError, match=r"streams-02/mix-00001\.safetensors: disk full while writing"):
-        observe(job)
-    assert not (tmp_path / "state" / "progress.json").exists()  # deleted with its checkpoint to make room
-    assert not (tmp_path / "state" / "streams-01").exists() and not list(tmp_path.rglob("*.tmp-*"))
-    full_disk("")
-    assert observe(job).resumed_from_layer is None
+    written.clear()
+    summary = observe(job)  # no room for another checkpoint: none is written, and none is waited for
+    assert (summary.resumed_from_layer, summary.streams_recomputed_from, written) == (1, 1, [])
+    assert not _checkpoint_threads()
     _assert_same_outputs(observed, tmp_path)
 
 
@@ -399,8 +411,8 @@ def test_a_run_killed_after_its_last_layer_deletes_its_checkpoints_when_run_agai
     layers = load_model_spec(tiny_source / "config.json").num_hidden_layers
     recorded_last: list[bool] = []
 
-    def write_state(obs, fingerprint, next_layer, committed=False) -> None:
-        real_write_state(obs, fingerprint, next_layer, committed)
+    def write_state(obs, fingerprint, next_layer, committed=False, checkpoint=None) -> None:
+        real_write_state(obs, fingerprint, next_layer, committed, checkpoint)
         recorded_last.append(next_layer == layers)
 
     def drop_checkpoints(self, keep=None, wait=True) -> None:
