@@ -43,7 +43,8 @@ DeviceStreamsEvery = Annotated[
     int | None,
     typer.Option(
         help="hold the hidden streams on the device (one layer's worth plus a chunk) instead of disk files, "
-        "writing a resumable checkpoint every N layers (0: none, a killed run starts over)"
+        "writing them to disk every N layers where it has room (0: never); a killed run recomputes them from the "
+        "newest such checkpoint, else from the embeddings"
     ),
 ]
 HessianWeightingOption = Annotated[

@@ -49,8 +49,8 @@ class ObserveConfig:
     stream_budget_gb: float | None = None  # most disk (1e9 B) the hidden streams may take; None: no limit
     tiers: TierSpec | None = None  # write tier_plan.json: per-expert bit widths (REAP, depth, share or layers)
     # hidden streams held on the device (RAM on cpu) instead of one disk file per chunk: one layer's streams S plus
-    # one chunk, no disk traffic; a resumable checkpoint (the streams written to disk) every this many layers, 0: none
-    # (a killed run starts over). None: streams on disk (streams.py)
+    # one chunk, no disk traffic; a checkpoint (the streams written to disk) every this many layers where the disk has
+    # room, 0: none (a killed run recomputes its streams from the newest, else the embeddings). None: streams on disk
     device_streams_every: int | None = None
     # natural Hessians with each routed token counted once ("token") or weighted by its gate ("gate": hessians.py)
     hessian_weighting: HessianWeighting = HessianWeighting.TOKEN

@@ -116,8 +116,8 @@ class DeviceStreamStore(StreamStore):
     one layer's streams S plus one chunk. A killed process loses them, so `start_checkpoint(layer)` writes the
     streams entering `layer` to the same files a disk run uses, on a thread of its own while the run goes on with
     work that leaves them alone (a build's encode of the layer before), and `finish_checkpoint()` waits for it
-    before they are dropped (the run then records that layer as its resume point and deletes the older one);
-    `restore(layer)` reads them back.
+    before they are dropped (the run then records that layer's checkpoint and deletes the older one);
+    `restore(layer)` reads them back, for a resumed run to recompute its streams from.
     """
 
     in_memory = True
