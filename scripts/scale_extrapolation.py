@@ -172,9 +172,9 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     # a disk with room for one checkpoint but not for the overlap (2S free beside the older one) writes only the
     # first, after a layer's results (waited whole), and skips the rest; with room for none, nothing is waited for
     one_checkpoint_s = observe_s - waited_s + (sigma * s_full if checkpoints else 0.0)
-    # a killed run recomputes the streams entering its next layer from its newest checkpoint: at most a plain forward
-    # through every layer
-    resume_at_most_s = t_full * sum(n * per[k]["forward"] for k, n in kinds.items()) + lam * weights_full
+    # a killed run recomputes the streams entering its next layer from its newest checkpoint or the embeddings: from
+    # the embeddings through every layer, a fresh process's first calls included
+    resume_at_most_s = t_full * sum(n * per[k]["forward"] for k, n in kinds.items()) + lam * weights_full + first_calls
 
     e_run = max(1, args.experts or full.n_routed_experts)
     h, i = full.hidden_size, full.moe_intermediate_size
@@ -187,7 +187,7 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     held = s_full - s_run if device_streams else 0  # device streams: one layer's streams on the GPU
     peak_gpu_full = peak_gpu_run + max(full.n_routed_experts - e_run, 0) * per_expert_gpu + held
     disk_streams = min(2 * s_full, max(budget, s_full))  # the stream files
-    # device streams: the older checkpoint and the one written beside the encode (in place: one)
+    # device streams: the older checkpoint and the one written beside the encode
     streams_peak = (2 * s_full if every else 0) if device_streams else disk_streams
     small_files = t_full * 4 + len(full.moe_layers) * full.n_routed_experts * 11 * 8
     disk = streams_peak + small_files
@@ -279,8 +279,9 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
                 ),
                 "resume_recompute_at_most_s": figure(
                     resume_at_most_s,
-                    "Σ_k n_k × T × f_k + λ × W: a killed run's streams recomputed from the embeddings through every "
-                    "layer (from its newest checkpoint: less)",
+                    "Σ_k n_k × T × f_k + λ × W + first calls: a killed run's streams recomputed from the embeddings "
+                    "through every layer (f_k: the forward without hooks where the rehearsal measured one, else the "
+                    "observing pass's rate; from a checkpoint: its read, σ × S, then the layers since)",
                 ),
             }
             if device_streams and checkpoints

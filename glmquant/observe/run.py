@@ -21,6 +21,7 @@ import json
 import resource
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -119,6 +120,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     with model.ckpt, progress_bar(progress) as bar, _writer_stopped_on_error(streams):
         state = resumed
         recomputed_from: int | None = None
+        recompute_s: float | None = None
         if state is None:
             rows.save(config.out)
             _measured(model.device, costs.setdefault("embed", LayerCost()), "advance_s", _embed, model, rows, streams)
@@ -127,6 +129,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
                 write_state(config.out, fp, 0)
         elif isinstance(streams, DeviceStreamStore) and state.next_layer < model.num_layers:
             recomputed_from = _recompute_streams(model, rows, streams, state, costs.setdefault("resume", LayerCost()))
+            recompute_s = costs["resume"].advance_s
         elif isinstance(streams, DeviceStreamStore):
             streams.drop_checkpoints()  # killed after its last layer was recorded, before its checkpoints were deleted
         layers = bar.add_task("layers", total=model.num_layers, completed=state.next_layer)
@@ -172,7 +175,7 @@ def observe(config: ObserveConfig, progress: bool = False, results: LayerResults
     summary = _summarize(
         model, rows, config, fp, resumed.next_layer if resumed is not None else None, costs, time.monotonic() - started
     )
-    summary = replace(summary, streams_recomputed_from=recomputed_from)
+    summary = replace(summary, streams_recomputed_from=recomputed_from, streams_recompute_s=recompute_s)
     summary.save(config.out)
     return summary
 
@@ -220,6 +223,13 @@ def _recompute_streams(
     embeddings) through the layers the run had finished (a plain forward: their results are kept). Returns the
     layer they were recomputed from (0: the embeddings)."""
     start = state.checkpoint
+    if start is not None and not all(streams.path(start, c).is_file() for c in streams.chunks):
+        warnings.warn(
+            f"{streams.directory(start)}: the checkpoint the run recorded is not all there; its streams are "
+            "recomputed from the embeddings",
+            stacklevel=2,
+        )
+        start = None
     if start is None:
         _measured(model.device, cost, "advance_s", _embed, model, rows, streams)
         start = 0
@@ -369,7 +379,8 @@ def _observes_head(model: TextModel, rows: TokenRows, config: ObserveConfig) -> 
 def _observe_head(model: TextModel, rows: TokenRows, streams: StreamStore) -> HessianAccumulator:
     """lm_head's dense Hessian: its input (the final norm's output over the streams leaving the last layer, as the
     model's forward computes it) over every token of the lanes that feed Hessians. Run (and saved) before the last
-    layer's progress is recorded, so a killed run redoes it from the final streams, which are still there."""
+    layer's progress is recorded, so a killed run redoes it from the final streams (still on disk, or recomputed by a
+    device-stream run)."""
     layer = model.num_layers
     hessians = HessianAccumulator(HessianMode.NONE, 0, 0, 0, model.device)
     name = quantizable_head(model.spec).name

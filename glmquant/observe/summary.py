@@ -128,6 +128,7 @@ class ObservationSummary:
     mtp: HeadSummary | None = None  # the MTP layer's Hessians (dense and routed); None without them
     # a resumed device-stream run: the checkpoint layer its streams were recomputed from (0: the embeddings)
     streams_recomputed_from: int | None = None
+    streams_recompute_s: float | None = None  # and the seconds that took
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=True) + "\n"

@@ -460,3 +460,54 @@ def test_a_checkpoint_begun_after_the_results_keeps_the_older_one_where_one_more
     monkeypatch.setattr(StreamStore, "write", real_write)
     assert observe(job).resumed_from_layer == 1
     _assert_same_outputs(observed, tmp_path)
+
+
+def test_recomputed_streams_serve_a_committed_layer_an_older_state_and_a_missing_checkpoint(
+    tiny_source: Path, observed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed while advancing layer 2 (its results saved), a run without checkpoints recomputes layers 0 and 1 and
+    advances layer 2 without observing it again; a progress file from before checkpoints were named resumes from its
+    layer's checkpoint; one naming a checkpoint that is gone recomputes from the embeddings, with a warning. Every
+    run ends byte-identical."""
+    real_advance, real_pass = run._advance, run._observe_pass
+    observed_layers: list[int] = []
+    killed: list[int] = []
+
+    def advance(model, streams, layer, *rest):
+        if layer == 2 and not killed:
+            killed.append(layer)
+            raise KeyboardInterrupt
+        return real_advance(model, streams, layer, *rest)
+
+    def observe_pass(model, rows, config, streams, layer, *rest):
+        observed_layers.append(layer)
+        return real_pass(model, rows, config, streams, layer, *rest)
+
+    monkeypatch.setattr(run, "_advance", advance)
+    job = observe_config(tiny_source, tmp_path / "committed", device_streams_every=0)
+    with pytest.raises(KeyboardInterrupt):
+        observe(job)
+    state = json.loads((job.out / "state" / "progress.json").read_text())
+    assert (state["next_layer"], state["committed"], state["checkpoint"]) == (2, True, None)
+    monkeypatch.setattr(run, "_observe_pass", observe_pass)
+    summary = observe(job)
+    assert (summary.resumed_from_layer, summary.streams_recomputed_from) == (2, 0)
+    assert observed_layers == [] and summary.streams_recompute_s is not None  # layer 2 (the last) only advanced
+    _assert_same_outputs(observed, job.out)
+    monkeypatch.setattr(run, "_advance", real_advance)
+
+    job = observe_config(tiny_source, tmp_path / "older", device_streams_every=1)
+    killed_at_layer_2(monkeypatch, job)
+    progress = job.out / "state" / "progress.json"
+    older = {k: v for k, v in json.loads(progress.read_text()).items() if k != "checkpoint"}
+    progress.write_text(json.dumps(older))  # as a run before checkpoints were named wrote it
+    assert observe(job).streams_recomputed_from == 2
+    _assert_same_outputs(observed, job.out)
+
+    job = observe_config(tiny_source, tmp_path / "gone", device_streams_every=1)
+    killed_at_layer_2(monkeypatch, job)
+    shutil.rmtree(job.out / "state" / "streams-02")
+    with pytest.warns(UserWarning, match=r"streams-02: the checkpoint the run recorded is not all there"):
+        summary = observe(job)
+    assert (summary.resumed_from_layer, summary.streams_recomputed_from) == (2, 0)
+    _assert_same_outputs(observed, job.out)
