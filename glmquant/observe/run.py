@@ -17,6 +17,7 @@ the rest being the forward with its hooks: scripts/scale_extrapolation.py scales
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import resource
 import shutil
@@ -34,6 +35,7 @@ from glmquant.arch import load_model_spec
 from glmquant.calibration import TokenRows, load_recipe, reuse_or_build
 from glmquant.checkpoint.layouts import quantizable_head
 from glmquant.checkpoint.reader import assert_finite, vector_tensors_sha256
+from glmquant.errors import GlmquantError
 from glmquant.observe.capture import CaptureTargets, LayerCapture
 from glmquant.observe.checkpointing import RunState, clean_stale, resume_point, state_dir, write_state
 from glmquant.observe.config import ObserveConfig, fingerprint
@@ -200,7 +202,14 @@ def _record_progress(
         started = time.monotonic()
         _begin_checkpoint(config, streams, next_layer, layers, early=False)
         if streams.checkpointing == next_layer:
-            nbytes, writing = streams.finish_checkpoint()
+            try:
+                nbytes, writing = streams.finish_checkpoint()
+            except GlmquantError as err:
+                if not _disk_full(err):
+                    raise
+                _skip_checkpoint(streams, err)
+                write_state(config.out, fp, next_layer, checkpoint=streams.checkpointed)
+                return
             write_state(config.out, fp, next_layer, checkpoint=next_layer)
             streams.drop_checkpoints(keep=next_layer, wait=False)  # the run goes on meanwhile
             elapsed = time.monotonic() - started
@@ -209,6 +218,20 @@ def _record_progress(
             cost.advance_s = round(cost.advance_s + elapsed, 3)
             return
     write_state(config.out, fp, next_layer, checkpoint=streams.checkpointed)
+
+
+def _skip_checkpoint(streams: DeviceStreamStore, err: GlmquantError) -> None:
+    """A checkpoint the disk filled up under: its files deleted and the run going on without it, as where the disk had
+    no room to begin it (the previous checkpoint, or the embeddings, stays what a killed run recomputes from)."""
+    streams.cancel_checkpoint()
+    streams.drop_checkpoints(keep=streams.checkpointed)
+    since = "the embeddings" if streams.checkpointed is None else f"the checkpoint of layer {streams.checkpointed}"
+    warnings.warn(f"{err}: checkpoint skipped; a killed run recomputes the streams from {since}", stacklevel=3)
+
+
+def _disk_full(err: GlmquantError) -> bool:
+    """Whether a write failed for want of space (`atomic_file` names the file and keeps the OSError as the cause)."""
+    return isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.ENOSPC
 
 
 def _checkpoint_of(streams: StreamStore) -> int | None:
