@@ -107,6 +107,29 @@ def test_killed_build_resumes_to_the_same_bytes(
     assert _digests(tmp_path / "artifact") == _digests(two_step / "artifact")
 
 
+@pytest.mark.fresh_encodes
+def test_killed_device_stream_build_recomputes_its_streams_and_encodes_no_layer_twice(
+    source: Path, two_step: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Device streams without checkpoints: a build killed in its second MoE layer's encode recomputes the streams
+    entering that layer from the embeddings and encodes only the layers it had not finished, to the same bytes."""
+    real, calls = encode_layer.encode_unit, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the first run's second MoE layer
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(encode_layer, "encode_unit", counted)
+    with pytest.raises(KeyboardInterrupt):
+        build_artifact(_build_config(source, tmp_path, device_streams_every=0), QUIET)
+    result = build_artifact(_build_config(source, tmp_path, device_streams_every=0), QUIET)
+    assert len(calls) == 3  # the rerun encoded one layer: the second MoE layer
+    assert result.observation.streams_recomputed_from == 0
+    assert _digests(tmp_path / "artifact") == _digests(two_step / "artifact")
+
+
 def test_build_refuses_what_it_cannot_do(source: Path, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--prune-plan"):
         BuildConfig(
