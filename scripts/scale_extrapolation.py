@@ -191,6 +191,7 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     streams_peak = (2 * s_full if every else 0) if device_streams else disk_streams
     small_files = t_full * 4 + len(full.moe_layers) * full.n_routed_experts * 11 * 8
     disk = streams_peak + small_files
+    disk_one_checkpoint = s_full + small_files
     rss = max(record["stages"][s]["peak_host_rss_bytes"] for s in ("build", "verify", "runtime"))
     verify_s = verify["wall_s"] * artifact_full / max(verify["bytes_read"], 1)
 
@@ -275,7 +276,7 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
                     sigma_s_per_gb=round(sigma * GB, 4),
                 ),
                 "observation_disk_one_checkpoint_gb": figure(
-                    (s_full + small_files) / GB, "S (one checkpoint) + T × 4 B + n_moe × E × 88 B"
+                    disk_one_checkpoint / GB, "S (one checkpoint) + T × 4 B + n_moe × E × 88 B"
                 ),
                 "resume_recompute_at_most_s": figure(
                     resume_at_most_s,
@@ -323,7 +324,7 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
             {
                 "one_checkpoint": {
                     "observe_h": round(one_checkpoint_s / 3600, 3),
-                    "observation_disk_gb": round((s_full + small_files) / GB, 2),
+                    "observation_disk_gb": round(disk_one_checkpoint / GB, 2),
                 },
                 "resume_recompute_at_most_h": round(resume_at_most_s / 3600, 3),
             }

@@ -207,16 +207,15 @@ def _record_progress(
             except GlmquantError as err:
                 if not _disk_full(err):
                     raise
-                _skip_checkpoint(streams, err)
-                write_state(config.out, fp, next_layer, checkpoint=streams.checkpointed)
+                _skip_checkpoint(streams, err)  # the previous one stays named below
+            else:
+                write_state(config.out, fp, next_layer, checkpoint=next_layer)
+                streams.drop_checkpoints(keep=next_layer, wait=False)  # the run goes on meanwhile
+                elapsed = time.monotonic() - started
+                cost.add_part("advance.checkpoint", elapsed, nbytes)
+                cost.add_part("checkpoint.write", writing, nbytes)
+                cost.advance_s = round(cost.advance_s + elapsed, 3)
                 return
-            write_state(config.out, fp, next_layer, checkpoint=next_layer)
-            streams.drop_checkpoints(keep=next_layer, wait=False)  # the run goes on meanwhile
-            elapsed = time.monotonic() - started
-            cost.add_part("advance.checkpoint", elapsed, nbytes)
-            cost.add_part("checkpoint.write", writing, nbytes)
-            cost.advance_s = round(cost.advance_s + elapsed, 3)
-            return
     write_state(config.out, fp, next_layer, checkpoint=streams.checkpointed)
 
 
@@ -246,7 +245,7 @@ def _recompute_streams(
     embeddings) through the layers the run had finished (a plain forward: their results are kept). Returns the
     layer they were recomputed from (0: the embeddings)."""
     start = state.checkpoint
-    if start is not None and not all(streams.path(start, c).is_file() for c in streams.chunks):
+    if start is not None and not streams.has_checkpoint(start):
         warnings.warn(
             f"{streams.directory(start)}: the checkpoint the run recorded is not all there; its streams are "
             "recomputed from the embeddings",

@@ -184,6 +184,10 @@ class DeviceStreamStore(StreamStore):
         self.writer = None  # only once stopped: a second interrupt during the wait still finds it
         return error
 
+    def has_checkpoint(self, layer: int) -> bool:
+        """Whether every chunk file of the checkpoint of `layer` is on disk."""
+        return all(StreamStore.has(self, layer, chunk) for chunk in self.chunks)
+
     def restore(self, layer: int) -> None:
         """Hold the streams entering `layer` from its checkpoint files."""
         for chunk in self.chunks:
