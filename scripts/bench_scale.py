@@ -7,6 +7,8 @@ Stages, each in its own process (clean peak RSS and GPU figures; a crash or an o
            the hidden streams capped at --stream-budget-factor x one layer's streams (so the recompute path runs)
   verify   `verify-manifest`, every file hashed
   runtime  the artifact loaded by the runtime, a prompt prefilled and --decode-tokens tokens decoded greedily
+  resume   (device streams only) a killed run's worst recompute in a fresh process: the streams recomputed from the
+           embeddings through every layer, the plain forward `observe` runs on resuming, each layer timed
 Measured per stage: wall time, peak host RSS, peak GPU memory, bytes written; per layer kind: observe times.
 Results go to --results after every stage (a failed or overrun stage is recorded, then the run stops loudly).
 The `full_model` object extrapolates to --full-config with the --full-recipe token count; every figure in
@@ -38,7 +40,7 @@ from typing import Any
 from bench_common import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("fixture", "build", "verify", "runtime")
+STAGES = ("fixture", "build", "verify", "runtime", "resume")
 # what --extrapolate-only takes from the record: the rehearsal's shape (its paths are this machine's)
 DEFAULT_RESULTS = ROOT / "bench" / "results" / "scale_h200.json"
 SHAPE_SETTINGS = ("layers", "experts", "encode_experts", "rows", "tokens", "batch_rows", "device_streams_every")
@@ -128,6 +130,31 @@ def stage_fixture(args: argparse.Namespace) -> dict[str, Any]:
     return {"bytes_written": dir_bytes(paths(args)["source"])}
 
 
+def observe_config(args: argparse.Namespace):
+    """The build's observation settings (the resume stage recomputes with the same ones)."""
+    from glmquant.arch import load_model_spec
+    from glmquant.observe.config import ObserveConfig
+    from glmquant.observe.hessians import HessianMode
+
+    p = paths(args)
+    spec = load_model_spec(p["source"])
+    budget = args.stream_budget_factor * stream_bytes(args.recipe, args.rows, args.tokens, spec) / 1e9
+    return ObserveConfig(
+        p["source"],
+        p["obs"],
+        args.recipe,
+        args.rows,
+        args.tokens,
+        HessianMode.NATURAL,
+        False,
+        None,
+        args.device,
+        args.batch_rows,
+        budget,
+        device_streams_every=args.device_streams_every,
+    )
+
+
 def stage_build(args: argparse.Namespace) -> dict[str, Any]:
     from rich.console import Console
 
@@ -136,30 +163,14 @@ def stage_build(args: argparse.Namespace) -> dict[str, Any]:
     from glmquant.encode import EncodeConfig
     from glmquant.encode.run import EncodeJob
     from glmquant.exl3.backends import select_backend
-    from glmquant.observe.config import ObserveConfig
-    from glmquant.observe.hessians import HessianMode
     from glmquant.observe.streaming import kda_implementation
 
     p = paths(args)
     spec = load_model_spec(p["source"])
     kept = list(range(args.encode_experts))
     p["prune_plan.json"].write_text(json.dumps({"layers": {str(layer): kept for layer in spec.moe_layers}}))
-    budget = args.stream_budget_factor * stream_bytes(args.recipe, args.rows, args.tokens, spec) / 1e9
     config = BuildConfig(
-        ObserveConfig(
-            p["source"],
-            p["obs"],
-            args.recipe,
-            args.rows,
-            args.tokens,
-            HessianMode.NATURAL,
-            False,
-            None,
-            args.device,
-            args.batch_rows,
-            budget,
-            device_streams_every=args.device_streams_every,
-        ),
+        observe_config(args),
         EncodeConfig(
             source=p["source"],
             out=p["artifact"],
@@ -200,7 +211,7 @@ def stage_build(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "kda": kda_implementation(),
         "viterbi_backend": select_backend(args.device).name,
-        "stream_budget_gb": budget,
+        "stream_budget_gb": config.observe.stream_budget_gb,
         "observation": {
             "elapsed_s": obs["elapsed_s"],
             "layers": obs["layers"],
@@ -250,6 +261,62 @@ def stage_runtime(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_s": round(times[1], 3),
         "decode_s_per_token": round((times[args.decode_tokens] - times[1]) / max(args.decode_tokens - 1, 1), 4),
         "tokens": list(out.token_ids),
+    }
+
+
+def stage_resume(args: argparse.Namespace) -> dict[str, Any]:
+    """What a killed device-stream run pays at most on resuming, in a fresh process (its first calls included): the
+    streams entering the last layer's successor recomputed from the embeddings (no checkpoint left) through every
+    layer, `observe`'s own recompute, each layer's plain forward timed with its load and stream parts."""
+    from dataclasses import asdict
+
+    import torch
+
+    from glmquant.calibration import TokenRows
+    from glmquant.observe import run as observe_run
+    from glmquant.observe.checkpointing import RunState
+    from glmquant.observe.streaming import TextModel
+    from glmquant.observe.streams import DeviceStreamStore
+    from glmquant.observe.summary import LayerCost
+
+    config, obs = observe_config(args), paths(args)["obs"]
+    started = time.monotonic()
+    model = TextModel.open(config.source, config.device)
+    rows = TokenRows.load(obs)
+    scratch = args.work / "resume-state"
+    lanes = [(lane.name, *lane.ids.shape) for lane in rows.lanes]
+    shape = (model.cfg.hc_mult, model.cfg.hidden_size)
+    streams = DeviceStreamStore(
+        scratch, lanes, config.batch_rows, shape, model.dtype, config.stream_budget_bytes, device=model.device
+    )
+    layers: list[dict[str, Any]] = []
+    plain_advance = observe_run._advance
+
+    def timed_advance(model_, streams_, layer, advance, _cost, module=None):  # each layer a cost of its own
+        cost = LayerCost(chunks=len(streams_.chunks))
+        cost.recomputed_chunks = observe_run._measured(
+            model_.device, cost, "advance_s", plain_advance, model_, streams_, layer, advance, cost, module
+        )
+        attention, mlp = model_.spec.attention_types[layer], model_.spec.mlp_layer_types[layer]
+        layers.append({"layer": layer, "attention": attention, "mlp": "moe" if mlp == "sparse" else "dense"})
+        layers[-1]["cost"] = asdict(cost)
+        return cost.recomputed_chunks
+
+    observe_run._advance = timed_advance  # timed per layer
+    total = LayerCost()
+    with model.ckpt:
+        recompute_started = time.monotonic()
+        observe_run._recompute_streams(model, rows, streams, RunState({}, model.num_layers, False, None), total)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        recompute_s = time.monotonic() - recompute_started
+    streams.drop_layer(model.num_layers)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {
+        "open_s": round(recompute_started - started, 3),
+        "recompute_s": round(recompute_s, 3),
+        "embed_s": round(recompute_s - sum(layer["cost"]["advance_s"] for layer in layers), 3),
+        "layers": layers,
     }
 
 
@@ -329,7 +396,13 @@ def run_stage_here(args: argparse.Namespace) -> None:
 
     from glmquant.observe.run import peak_rss_bytes
 
-    fn = {"fixture": stage_fixture, "build": stage_build, "verify": stage_verify, "runtime": stage_runtime}
+    fn = {
+        "fixture": stage_fixture,
+        "build": stage_build,
+        "verify": stage_verify,
+        "runtime": stage_runtime,
+        "resume": stage_resume,
+    }
     with Peak(args.device) as peak:
         result = fn[args.stage](args)
     result.update(wall_s=peak.seconds, peak_host_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=peak.gpu_bytes)
@@ -389,34 +462,49 @@ def preflight(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_stages(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    """Each stage in a child process, within what is left of --time-limit-s. The resume stage is a measurement beside
+    the build, not a part of it: where it fails or overruns, that is recorded (`resume_not_measured`) and the record
+    is extrapolated without it."""
     deadline = time.monotonic() + args.time_limit_s
     child_argv = sys.argv[1:]
     for stage in STAGES:
+        if stage == "resume" and args.device_streams_every is None:
+            continue  # disk streams resume from their files: nothing is recomputed
         left = deadline - time.monotonic()
-        if left <= 5:
-            fail(args, record, stage, f"no time left of --time-limit-s {args.time_limit_s:.0f}")
-        print(f"== {stage} (at most {left:.0f} s)", file=sys.stderr, flush=True)
-        try:
-            child = subprocess.run(
-                [sys.executable, __file__, *child_argv, "--stage", stage],
-                stdout=subprocess.PIPE,
-                text=True,
-                timeout=left,
-                cwd=ROOT,
-            )
-        except subprocess.TimeoutExpired:
-            fail(
-                args,
-                record,
-                stage,
-                f"did not finish within {left:.0f} s (--time-limit-s "
-                f"{args.time_limit_s:.0f}); shrink it with --experts, --encode-experts, "
-                "--rows or --layers",
-            )
-        if child.returncode != 0:
-            fail(args, record, stage, f"exited with code {child.returncode} (its error is printed above)")
-        record["stages"][stage] = json.loads(child.stdout.strip().splitlines()[-1])
-        write(args, record)
+        why = run_stage(args, record, stage, child_argv, left)
+        if why is None:
+            write(args, record)
+        elif stage == "resume":
+            record["resume_not_measured"] = why
+            print(f"bench_scale: stage 'resume' {why}; extrapolated without it", file=sys.stderr, flush=True)
+        else:
+            fail(args, record, stage, why)
+
+
+def run_stage(
+    args: argparse.Namespace, record: dict[str, Any], stage: str, child_argv: list[str], left: float
+) -> str | None:
+    """Run `stage` and record its measurements; returns why it did not finish, None when it did."""
+    if left <= 5:
+        return f"no time left of --time-limit-s {args.time_limit_s:.0f}"
+    print(f"== {stage} (at most {left:.0f} s)", file=sys.stderr, flush=True)
+    try:
+        child = subprocess.run(
+            [sys.executable, __file__, *child_argv, "--stage", stage],
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=left,
+            cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired:
+        return (
+            f"did not finish within {left:.0f} s (--time-limit-s {args.time_limit_s:.0f}); shrink it with "
+            "--experts, --encode-experts, --rows or --layers"
+        )
+    if child.returncode != 0:
+        return f"exited with code {child.returncode} (its error is printed above)"
+    record["stages"][stage] = json.loads(child.stdout.strip().splitlines()[-1])
+    return None
 
 
 def fail(args: argparse.Namespace, record: dict[str, Any], stage: str, why: str) -> None:

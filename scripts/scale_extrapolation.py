@@ -46,10 +46,11 @@ def compute_s(cost: dict[str, Any], stage: str) -> float:
     return max(cost[f"{stage}_s"] - sum(part(cost, stage, name) for name in PARTS), 0.0)
 
 
-def rates(layers: list[dict[str, Any]], tokens: int) -> dict[str, dict[str, Any]]:
+def rates(layers: list[dict[str, Any]], tokens: int, plain: dict[str, float]) -> dict[str, dict[str, Any]]:
     """Per layer kind, the warm (fastest layer of the kind) forward seconds per calibration token, weight loads and
     stream reads and writes excluded: o of the observing pass (hooks on), f of a plain forward (the advancing pass
-    per chunk it computed; a kind whose chunks all fitted gets o, an upper bound)."""
+    per chunk it computed; a kind whose chunks all fitted gets the resume stage's rate from `plain`, else o, an upper
+    bound)."""
     out: dict[str, dict[str, Any]] = {}
     for layer in layers:
         cost = layer["cost"]
@@ -60,8 +61,19 @@ def rates(layers: list[dict[str, Any]], tokens: int) -> dict[str, dict[str, Any]
         kind["observe"] = min(kind["observe"], observe)
         if forward is not None:
             kind["forward"] = forward if kind["forward"] is None else min(kind["forward"], forward)
-    for kind in out.values():
-        kind["forward"] = kind["forward"] if kind["forward"] is not None else kind["observe"]
+    for name, kind in out.items():
+        if kind["forward"] is None:
+            kind["forward"] = plain.get(name, kind["observe"])
+    return out
+
+
+def plain_forward_rates(resume: dict[str, Any], tokens: int) -> dict[str, float]:
+    """Per layer kind, the warm (fastest layer of the kind) seconds per calibration token of the resume stage's plain
+    forward (a layer's advance less its weight load and stream parts)."""
+    out: dict[str, float] = {}
+    for layer in resume["layers"]:
+        rate = compute_s(layer["cost"], "advance") / tokens
+        out[layer_kind(layer)] = min(out.get(layer_kind(layer), rate), rate)
     return out
 
 
@@ -131,7 +143,9 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     kinds = Counter(
         f"{a}+{'moe' if m == 'sparse' else 'dense'}" for a, m in zip(full.attention_types, full.mlp_layer_types)
     )
-    per = rates(layers, t_run)
+    resume = record["stages"].get("resume")  # a device-stream rehearsal's timed recompute
+    plain = plain_forward_rates(resume, t_run) if resume is not None else {}
+    per = rates(layers, t_run, plain)
     missing = sorted(set(kinds) - set(per))
     if missing:
         raise SystemExit(f"the rehearsal has no layer of kind(s) {missing}: use more --layers")
@@ -173,8 +187,20 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
     # first, after a layer's results (waited whole), and skips the rest; with room for none, nothing is waited for
     one_checkpoint_s = observe_s - waited_s + (sigma * s_full if checkpoints else 0.0)
     # a killed run recomputes the streams entering its next layer from its newest checkpoint or the embeddings: from
-    # the embeddings through every layer, a fresh process's first calls included
-    resume_at_most_s = t_full * sum(n * per[k]["forward"] for k, n in kinds.items()) + lam * weights_full + first_calls
+    # the embeddings through every layer, a fresh process's first calls included; the resume stage measured that
+    # recompute on the rehearsal (its plain forward rates and its own first calls), older records did not
+    if resume is not None:
+        modelled_resume = sum(  # warm: a cold first load counts among the first calls
+            t_run * plain[layer_kind(layer)]
+            + lam * part(layer["cost"], "advance", "load", "parts_bytes")
+            + sum(part(layer["cost"], "advance", name) for name in ("read", "write"))
+            for layer in resume["layers"]
+        )
+        resume_first_calls = max(resume["recompute_s"] - resume["embed_s"] - modelled_resume, 0.0)
+        resume_fixed = resume_first_calls + resume["open_s"] + resume["embed_s"] * t_full / t_run
+    else:
+        resume_first_calls, resume_fixed = first_calls, first_calls
+    resume_at_most_s = t_full * sum(n * per[k]["forward"] for k, n in kinds.items()) + lam * weights_full + resume_fixed
 
     e_run = max(1, args.experts or full.n_routed_experts)
     h, i = full.hidden_size, full.moe_intermediate_size
@@ -280,9 +306,16 @@ def extrapolate(args: argparse.Namespace, record: dict[str, Any]) -> tuple[dict[
                 ),
                 "resume_recompute_at_most_s": figure(
                     resume_at_most_s,
-                    "Σ_k n_k × T × f_k + λ × W + first calls: a killed run's streams recomputed from the embeddings "
-                    "through every layer (f_k: the forward without hooks where the rehearsal measured one, else the "
-                    "observing pass's rate; from a checkpoint: its read, σ × S, then the layers since)",
+                    "Σ_k n_k × T × f_k + λ × W + fixed: a killed run's streams recomputed from the embeddings "
+                    "through every layer; with the rehearsal's resume stage, f_k its plain forward and fixed its "
+                    "model open + first calls + embeddings × T / T_run, else f_k the observing pass's rate and "
+                    "fixed the observation's first calls (an upper bound); from a checkpoint: its read, σ × S, then "
+                    "the layers since",
+                    measured="resume stage" if resume is not None else None,
+                    rates_us_per_token={k: v["forward"] * 1e6 for k, v in per.items()},
+                    first_calls_s=round(resume_first_calls, 3),
+                    fixed_s=round(resume_fixed, 3),
+                    rehearsal_recompute_s=resume["recompute_s"] if resume is not None else None,
                 ),
             }
             if device_streams and checkpoints

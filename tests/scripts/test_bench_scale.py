@@ -54,10 +54,18 @@ def _run(source: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProce
 
 
 def test_rehearsal_runs_end_to_end_on_cpu(tiny_source: Path, tmp_path: Path) -> None:
-    run = _run(tiny_source, tmp_path)
+    """Device streams, as the GPU rehearsal runs: the resume stage then times a killed run's worst recompute."""
+    run = _run(tiny_source, tmp_path, "--device-streams-every", "1")
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads((tmp_path / "scale.json").read_text())
-    assert set(record["stages"]) == {"fixture", "build", "verify", "runtime"} and "failed" not in record
+    assert set(record["stages"]) == {"fixture", "build", "verify", "runtime", "resume"} and "failed" not in record
+    resume = record["stages"]["resume"]  # every layer's plain forward from the embeddings, each layer loaded
+    assert [layer["layer"] for layer in resume["layers"]] == [0, 1, 2]
+    costs = [layer["cost"] for layer in resume["layers"]]
+    assert all(c["recomputed_chunks"] == c["chunks"] > 0 and c["parts_bytes"]["advance.load"] for c in costs)
+    assert resume["recompute_s"] >= sum(c["advance_s"] for c in costs)
+    assert not (tmp_path / "work" / "resume-state").exists()
+    assert record["extrapolation"]["resume_recompute_at_most_s"]["inputs"]["measured"] == "resume stage"
     build = record["stages"]["build"]
     assert [layer["layer"] for layer in build["encode_layers"]] == [1, 2]
     assert all(layer["cost"]["observe_s"] > 0 for layer in build["observation"]["layers"] if layer["mlp"] == "moe")
@@ -91,13 +99,50 @@ def test_fewer_experts_than_the_router_needs_are_refused_before_any_stage(tiny_s
     assert not (tmp_path / "work").exists()
 
 
-def test_extrapolate_only_never_writes_over_a_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--extrapolate-only writes neither into the record it reads nor into the default record of a run."""
+def _bench_scale():
     sys.path.insert(0, str(ROOT / "scripts"))  # its helpers (bench_common), as when run as a script
     spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
     assert spec is not None and spec.loader is not None
     bench_scale = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_scale)
+    return bench_scale
+
+
+def test_a_resume_stage_that_does_not_finish_is_recorded_and_the_rest_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resume stage measures beside the build: its overrun is recorded, not a failed rehearsal; any other
+    stage's ends the run."""
+    bench_scale = _bench_scale()
+    ran: list[str] = []
+
+    def run_stage(args, record, stage, child_argv, left):
+        ran.append(stage)
+        if stage in fails:
+            return "did not finish within 1 s"
+        record["stages"][stage] = {"wall_s": 1.0}
+        return None
+
+    monkeypatch.setattr(bench_scale, "run_stage", run_stage)
+    args = bench_scale.parse_args(["--device-streams-every", "2", "--results", str(tmp_path / "scale.json")])
+    fails = {"resume"}
+    record: dict = {"stages": {}}
+    bench_scale.run_stages(args, record)
+    assert ran == list(bench_scale.STAGES) and set(record["stages"]) == set(bench_scale.STAGES) - {"resume"}
+    assert record["resume_not_measured"] == "did not finish within 1 s" and "failed" not in record
+    fails, ran[:] = {"verify"}, []
+    with pytest.raises(SystemExit, match="stage 'verify' did not finish"):
+        bench_scale.run_stages(args, {"stages": {}})
+    assert ran == ["fixture", "build", "verify"]
+    args = bench_scale.parse_args(["--results", str(tmp_path / "disk.json")])  # disk streams: no resume stage
+    fails, ran[:] = set(), []
+    bench_scale.run_stages(args, {"stages": {}})
+    assert "resume" not in ran
+
+
+def test_extrapolate_only_never_writes_over_a_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--extrapolate-only writes neither into the record it reads nor into the default record of a run."""
+    bench_scale = _bench_scale()
     record = str(tmp_path / "scale.json")
     for extra, message in (([], "needs --results"), (["--results", record], "is the record")):
         with pytest.raises(SystemExit) as refused:

@@ -179,3 +179,52 @@ def test_checkpoints_written_during_the_encode_cost_only_what_it_does_not_cover(
     want = forward_s + inputs["load_s"] + inputs["first_calls_s"]
     assert full["resume_recompute_at_most_h"] == pytest.approx(want / 3600, abs=1e-3)
     assert full["resume_recompute_at_most_h"] < full["observe_parts_h"]["forward"]  # the hooks' share saved
+
+
+@pytest.mark.slow
+def test_a_timed_resume_prices_the_recompute_with_its_plain_forward_and_its_own_first_calls() -> None:
+    """A rehearsal's resume stage (each layer's plain forward from the embeddings, in a fresh process) replaces the
+    observing pass's rates in the recompute: f_k its warm per-token rate, and its first calls what its time holds
+    beyond the warm rates (here a cold first load of 12 s) instead of the observation's."""
+    args = _args(16)
+    args.device_streams_every = 8
+    tokens = 16 * 2048
+    record = _with_checkpoints(_record(tokens), waited_s=0.1, writer_s=2.0)
+    for layer in record["stages"]["build"]["observation"]["layers"]:
+        if layer["mlp"] == "moe":  # device streams: the observing pass writes every output, none is recomputed
+            layer["cost"]["recomputed_chunks"] = 0
+    resume_layers: list[dict[str, Any]] = []
+    for i, (attention, mlp) in enumerate(KINDS):
+        weights = int((7.3 if mlp == "moe" else 0.4) * GB)
+        load = LOAD_S_PER_GB * weights / GB + (12.0 if i == 0 else 0.0)
+        forward = tokens * RATES[f"{attention}+{mlp}"][1] / 2  # half the forward rate of RATES
+        cost = {
+            "observe_s": 0.0,
+            "advance_s": load + forward,
+            "recomputed_chunks": 4,
+            "chunks": 4,
+            "parts_s": {"advance.load": load, "advance.read": 0.0, "advance.write": 0.0},
+            "parts_bytes": {"advance.load": weights, "advance.read": 1, "advance.write": 1},
+        }
+        resume_layers.append({"layer": i, "attention": attention, "mlp": mlp, "cost": cost})
+    embed_s = 0.5
+    recompute_s = embed_s + sum(layer["cost"]["advance_s"] for layer in resume_layers)
+    resume = {"open_s": 3.0, "recompute_s": recompute_s, "embed_s": embed_s, "layers": resume_layers}
+    record["stages"]["resume"] = resume
+    extrapolation, full = extrapolate(args, record)
+    figure = extrapolation["resume_recompute_at_most_s"]
+    inputs = figure["inputs"]
+    assert inputs["measured"] == "resume stage" and inputs["first_calls_s"] == pytest.approx(12.0, abs=0.01)
+    assert inputs["rates_us_per_token"]["kda+moe"] == pytest.approx(2.0)  # the resume's, not the observing pass's 8
+    assert inputs["rates_us_per_token"]["kda+dense"] == pytest.approx(2.0)  # the build's own plain forward
+    t_full = extrapolation["tokens"]["value"]
+    n_k = extrapolation["observe_s"]["inputs"]["n_k"]
+    forward_s = sum(n * t_full * inputs["rates_us_per_token"][k] / 1e6 for k, n in n_k.items())
+    fixed = 12.0 + 3.0 + embed_s * t_full / tokens
+    assert inputs["fixed_s"] == pytest.approx(fixed, abs=0.01)
+    want = forward_s + extrapolation["observe_s"]["inputs"]["load_s"] + fixed
+    assert figure["value"] == pytest.approx(want, abs=0.1)  # load_s is rounded to 0.1 s in the inputs
+    assert full["resume_recompute_at_most_h"] == pytest.approx(want / 3600, abs=1e-3)
+    # the observation's own projection does not move: device streams recompute nothing while observing
+    without = dict(record, stages={k: v for k, v in record["stages"].items() if k != "resume"})
+    assert extrapolate(args, without)[0]["observe_s"]["value"] == extrapolation["observe_s"]["value"]
