@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from http import HTTPStatus
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 from glmquant.runtime.generate import Generation
 from glmquant.runtime.glm_output import Delta, ParsedOutput, ToolCall
@@ -128,7 +128,7 @@ class SamplingFields(OpenAIModel):
     model: str | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # torch's generator seed, a 64-bit integer
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -141,6 +141,19 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
     ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence ids (benchmarks, fixed-length runs)
+
+    @field_validator("stream", "n", "skip_special_tokens", "ignore_eos", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """`null` asks for the default, as vLLM's Optional fields take it."""
+        return cls.model_fields[info.field_name or ""].default if value is None else value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_a_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):  # `stream` is validated first (declared first)
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -360,7 +373,11 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
+    usage: UsageInfo | None = None  # the usage chunk's (`stream_options.include_usage`); absent from the others
+
+    @model_serializer(mode="wrap")
+    def _usage_when_given(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        return _without_null_usage(handler(self))
 
 
 class CompletionChoice(BaseModel):
@@ -378,7 +395,18 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+    usage: UsageInfo | None = None  # always in a whole response; in a stream, the usage chunk's alone
+
+    @model_serializer(mode="wrap")
+    def _usage_when_given(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        return _without_null_usage(handler(self))
+
+
+def _without_null_usage(out: dict[str, Any]) -> dict[str, Any]:
+    """A stream chunk without usage leaves the key out, as vLLM's do."""
+    if out.get("usage") is None:
+        out.pop("usage", None)
+    return out
 
 
 class ModelCard(BaseModel):

@@ -65,7 +65,8 @@ from glmquant.runtime.service import Job, ModelService, ServiceOptions
 log = logging.getLogger("glmquant.serve")
 MAX_REQUEST_BYTES = 64 << 20  # base64 images make bodies large; anything beyond is refused with 413 unread
 DONE = "data: [DONE]\n\n"
-_WORKERS: set[asyncio.Future[None]] = set()  # generations whose stream may have closed before they finished
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left before the reply (never sent)
+_WORKERS: set[asyncio.Future[Any]] = set()  # generations whose client may have gone before they finished
 
 
 def build_app(service: ModelService, api_key: str | None = None) -> FastAPI:
@@ -100,23 +101,27 @@ def build_app(service: ModelService, api_key: str | None = None) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
 
-    @v1.post("/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
+    @v1.post("/chat/completions", dependencies=[Depends(_json_body)])
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         job = service.admit_chat(request)
         rid = request_id("chatcmpl")
         if request.stream:
             return _sse(_chat_events(service, job, rid, request.include_usage))
-        generation, parsed = await _run(service, job)
-        return _json(chat_response(rid, service.model_name, generation, parsed))
+        result = await _run(service, job, raw)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return _json(chat_response(rid, service.model_name, *result))
 
-    @v1.post("/completions")
-    async def completions(request: CompletionRequest) -> Response:
+    @v1.post("/completions", dependencies=[Depends(_json_body)])
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
         job = service.admit_completion(request)
         rid = request_id("cmpl")
         if request.stream:
             return _sse(_completion_events(service, job, rid, request.include_usage))
-        generation, _ = await _run(service, job)
-        return _json(completion_response(rid, service.model_name, generation))
+        result = await _run(service, job, raw)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return _json(completion_response(rid, service.model_name, result[0]))
 
     @v1.get("/models")
     async def models() -> Response:
@@ -124,11 +129,11 @@ def build_app(service: ModelService, api_key: str | None = None) -> FastAPI:
 
     app.include_router(v1)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=[Depends(_json_body)])
     async def tokenize(request: TokenizeRequest) -> Response:
         return _json(await run_in_threadpool(service.tokenize, request))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=[Depends(_json_body)])
     async def detokenize(request: DetokenizeRequest) -> Response:
         return _json(DetokenizeResponse(prompt=service.detokenize(request)))
 
@@ -160,8 +165,40 @@ def _event(body: BaseModel | dict[str, Any]) -> str:
     return f"data: {data}\n\n"
 
 
-async def _run(service: ModelService, job: Job) -> tuple[Generation, ParsedOutput]:
-    return await run_in_threadpool(service.run, job)
+def _json_body(request: Request) -> None:
+    """415 for a body that does not say it is JSON, as vLLM's `validate_json_request`."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, f"Unsupported Media Type: only 'application/json' is allowed, got {media_type!r}")
+
+
+async def _run(service: ModelService, job: Job, request: Request) -> tuple[Generation, ParsedOutput] | None:
+    """The job's result, or None when the client went away first: the generation is then cancelled at its next
+    token (as a closed stream's is), so it holds no slot for a reply nobody reads."""
+    work = asyncio.ensure_future(run_in_threadpool(service.run, job))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        job.cancelled.set()
+        _WORKERS.add(work)  # ends at the next token; its result (or error) is nobody's
+        work.add_done_callback(_forgotten)
+        return None
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the body was read: what comes next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _forgotten(work: asyncio.Future[Any]) -> None:
+    _WORKERS.discard(work)
+    if not work.cancelled() and work.exception() is not None:
+        log.info("a generation whose client went away ended with %r", work.exception())
 
 
 async def _generation(service: ModelService, job: Job) -> AsyncIterator[Delta | tuple[Generation, ParsedOutput]]:

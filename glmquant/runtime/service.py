@@ -316,6 +316,8 @@ class ModelService:
     def _sampling(self, request: SamplingFields, asked: int | None, prompt_tokens: int) -> SamplingParams:
         """vLLM's length rules: the prompt leaves room for a token, `asked` fits beside the prompt, and with
         no `asked` the budget is what the context leaves (capped by generation_config's max_new_tokens)."""
+        if prompt_tokens == 0:
+            raise ApiError(400, "The decoder prompt cannot be empty", "prompt")
         room = self.max_model_len - prompt_tokens
         if room < 1:
             raise ApiError(

@@ -220,6 +220,9 @@ def test_image_request(client, script):
             "required",
         ),
         ([1, 2], 400, None, "valid dictionary"),
+        ({"messages": HELLO, "seed": 2**64}, 400, "seed", "less than or equal to 9223372036854775807"),
+        ({"messages": HELLO, "seed": -(2**63) - 1}, 400, "seed", "greater than or equal to"),
+        ({"messages": HELLO, "stream_options": {"include_usage": True}}, 400, "stream_options", "`stream=True`"),
     ],
 )
 def test_bad_requests_get_vllms_status_and_param_and_the_server_keeps_serving(
@@ -327,6 +330,75 @@ def test_video_without_the_server_package_is_a_5xx(server, client, script):
     assert got == 501 and "torchvision" in error["error"]["message"]
     script.say("still here")
     assert client.chat.completions.create(model="tiny", messages=HELLO).choices[0].message.content == "still here"
+
+
+def test_bodies_not_declared_json_are_415(server):
+    """vLLM's `validate_json_request`: a JSON route refuses any other media type (a form, text, none at all)."""
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        conn = http.client.HTTPConnection(*server.address, timeout=30)
+        headers = {"Content-Type": content_type} if content_type else {}
+        conn.request("POST", "/v1/chat/completions", json.dumps({"messages": HELLO}).encode(), headers)
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        assert response.status == 415 and "Unsupported Media Type" in body["error"]["message"], (content_type, body)
+    assert _post(server, "/tokenize", {"prompt": "hi"})[0] == 200  # application/json, with or without a charset
+
+
+def test_empty_prompts_are_400_before_any_generation(server):
+    for body in ({"prompt": "", "max_tokens": 2}, {"prompt": [""], "max_tokens": 2}, {"prompt": "", "stream": True}):
+        got, error = _post(server, "/v1/completions", body)
+        assert (got, error["error"]["param"]) == (400, "prompt"), (body, error)
+        assert "cannot be empty" in error["error"]["message"]
+
+
+def test_null_asks_for_the_default(client, script):
+    """`null` for n, stream, skip_special_tokens and ignore_eos is their default, as vLLM's Optional fields."""
+    script.say("plain")
+    extra = {"n": None, "stream": None, "skip_special_tokens": None, "ignore_eos": None}
+    r = client.chat.completions.create(model="tiny", messages=HELLO, extra_body=extra)
+    assert r.choices[0].message.content == "plain" and r.choices[0].finish_reason == "stop"
+
+
+def test_stream_chunks_carry_usage_only_in_the_usage_chunk(server, script):
+    for path, body in (
+        ("/v1/chat/completions", {"messages": HELLO}),
+        ("/v1/completions", {"prompt": "Say hello."}),
+    ):
+        for include_usage in (False, True):
+            script.say("two words")
+            stream = {"stream": True, **({"stream_options": {"include_usage": True}} if include_usage else {})}
+            conn = http.client.HTTPConnection(*server.address, timeout=120)
+            conn.request("POST", path, json.dumps({**body, **stream}).encode(), {"Content-Type": "application/json"})
+            lines = conn.getresponse().read().decode().split("\n\n")
+            chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            with_usage = [c for c in chunks if "usage" in c]
+            assert lines[-2] == "data: [DONE]" and len(chunks) > 2, (path, lines)
+            if include_usage:  # the last chunk alone, with no choices
+                assert with_usage == [chunks[-1]] and chunks[-1]["choices"] == []
+                assert chunks[-1]["usage"]["total_tokens"] > 0
+            else:
+                assert with_usage == []
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_its_slot(server):
+    """The generation is cancelled at its next token, as a closed stream's is, so the next request is not queued
+    behind a reply nobody reads (vLLM's `with_cancellation`)."""
+    generated = "glmquant:generation_tokens_total"
+    before = _metrics(server).get(generated, 0.0)
+    conn = http.client.HTTPConnection(*server.address, timeout=120)
+    body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 60
+    while _get(server, "/health")["requests_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    conn.close()  # gone before its reply
+    left = time.monotonic()
+    while _get(server, "/health")["requests_running"] and time.monotonic() < left + 60:
+        time.sleep(0.05)
+    assert _get(server, "/health")["requests_running"] == 0
+    got, reply = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert got == 200 and reply["choices"][0]["finish_reason"] == "length"
+    assert _metrics(server)[generated] - before < 1000  # the abandoned generation stopped early (its tokens counted)
 
 
 def test_oversize_body_is_refused_unread(server):
