@@ -118,28 +118,34 @@ def load_model_spec(config: str | Path | Mapping[str, Any]) -> ModelSpec:
     family = _family(raw, text, where)
     prefix = "text_config." if text is not raw else ""
 
-    def required(key: str, convert: Callable[[Any], T]) -> T:
+    def required(key: str, convert: Callable[[Any], T], minimum: int | None = 1) -> T:
         """A required key of the text config, converted, or a ConfigError naming the file and the key."""
         if text.get(key) is None:
             raise ConfigError(f"{where}: missing required key '{prefix}{key}'")
-        return _converted(text, key, convert, where, prefix)
+        return _converted(text, key, convert, where, prefix, minimum)
 
-    def optional(key: str, convert: Callable[[Any], T], default: T) -> T:
-        return default if text.get(key) is None else _converted(text, key, convert, where, prefix)
+    def optional(key: str, convert: Callable[[Any], T], default: T, minimum: int | None = None) -> T:
+        return default if text.get(key) is None else _converted(text, key, convert, where, prefix, minimum)
 
     n_layers = required("num_hidden_layers", int)
+    n_routed, per_token = required("n_routed_experts", int), required("num_experts_per_tok", int)
+    if per_token > n_routed:
+        raise ConfigError(
+            f"{where}: '{prefix}num_experts_per_tok' is {per_token}, more than the {n_routed} routed experts "
+            f"('{prefix}n_routed_experts')"
+        )
     return ModelSpec(
         family=family,
         architecture=str((raw.get("architectures") or ["?"])[0]),
         hidden_size=required("hidden_size", int),
         vocab_size=required("vocab_size", int),
         num_hidden_layers=n_layers,
-        n_routed_experts=required("n_routed_experts", int),
-        num_experts_per_tok=required("num_experts_per_tok", int),
+        n_routed_experts=n_routed,
+        num_experts_per_tok=per_token,
         moe_intermediate_size=required("moe_intermediate_size", int),
         intermediate_size=required("intermediate_size", int),
-        n_shared_experts=optional("n_shared_experts", int, 0),
-        num_mtp_layers=optional("num_nextn_predict_layers", int, 0),
+        n_shared_experts=optional("n_shared_experts", int, 0, minimum=0),
+        num_mtp_layers=optional("num_nextn_predict_layers", int, 0, minimum=0),
         routed_scaling_factor=optional("routed_scaling_factor", float, 1.0),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
         n_group=optional("n_group", int, 1) or 1,
@@ -154,14 +160,19 @@ def load_model_spec(config: str | Path | Mapping[str, Any]) -> ModelSpec:
     )
 
 
-def _converted(text: Mapping[str, Any], key: str, convert: Callable[[Any], T], where: str, prefix: str) -> T:
+def _converted(
+    text: Mapping[str, Any], key: str, convert: Callable[[Any], T], where: str, prefix: str, minimum: int | None
+) -> T:
+    """A JSON number of the config (an integer where `convert` is int, as transformers' configs require: "128" or
+    128.0 would pass here and fail in the model), at least `minimum` when given."""
     value = text[key]
-    try:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise TypeError
-        return convert(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: '{prefix}{key}' has a bad value {value!r} (expected a number)") from None
+    integer = convert is int
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        expected = "an integer" if integer else "a number"
+        raise ConfigError(f"{where}: '{prefix}{key}' has a bad value {value!r} (expected {expected})")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{where}: '{prefix}{key}' is {value!r}; it must be at least {minimum}")
+    return convert(value)
 
 
 def _family(raw: Mapping[str, Any], text: Mapping[str, Any], where: str) -> str:
@@ -200,7 +211,7 @@ def _mlp_layer_types(text: Mapping[str, Any], n_layers: int, where: str, prefix:
         first_dense = (
             0
             if text.get("first_k_dense_replace") is None
-            else _converted(text, "first_k_dense_replace", int, where, prefix)
+            else _converted(text, "first_k_dense_replace", int, where, prefix, 0)
         )
         types = ["dense"] * first_dense + ["sparse"] * (n_layers - first_dense)
     if not isinstance(types, (list, tuple)) or len(types) != n_layers or set(map(str, types)) - {"dense", "sparse"}:

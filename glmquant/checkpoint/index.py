@@ -50,7 +50,10 @@ def read_index(path: str | Path) -> SafetensorsIndex:
     bad = sorted(v for v in set(weight_map.values()) if Path(v).name != v or v in ("", ".", ".."))
     if bad:
         raise CheckpointFormatError(f"{path}: shard names must be plain file names, got {bad[:3]}")
-    total = (raw.get("metadata") or {}).get("total_size", 0)
+    metadata = raw.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointFormatError(f"{path}: 'metadata' must be an object, got {type(metadata).__name__}")
+    total = metadata.get("total_size", 0)
     if not isinstance(total, int) or isinstance(total, bool) or total < 0:
         raise CheckpointFormatError(f"{path}: metadata.total_size must be a non-negative integer, got {total!r}")
     return SafetensorsIndex(weight_map, total)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
-from glmquant.arch.table import DTYPE_BYTES
+from glmquant.arch.table import DTYPE_BYTES, TensorInfo
 from glmquant.checkpoint.index import INDEX_NAME, SafetensorsIndex, read_index
 from glmquant.checkpoint.safetensors_format import ParsedHeader, TensorSpec, parse_header
 from glmquant.checkpoint.tensor_bytes import tensor_from_bytes
@@ -151,6 +151,23 @@ class SourceCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def check_specs(self, expected: Iterable[TensorInfo]) -> None:
+        """Refuse a header whose dtype or shape is not the one the config gives the tensor (tensors absent here are
+        the census's business): a tensor relabelled F16, or transposed, would otherwise be read as other numbers."""
+        wrong = [
+            (info, self.spec(info.name))
+            for info in expected
+            if info.name in self.locations
+            and (self.spec(info.name).dtype, tuple(self.spec(info.name).shape)) != (info.dtype, tuple(info.shape))
+        ]
+        if wrong:
+            info, got = wrong[0]
+            more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+            raise CheckpointFormatError(
+                f"{self.directory / self.shard_of(info.name)}: tensor {info.name} is {got.dtype} {list(got.shape)}, "
+                f"but its config gives {info.dtype} {list(info.shape)}{more}"
+            )
 
     def _known(self, name: str) -> str:
         if name not in self.locations:

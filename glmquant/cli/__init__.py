@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
 import typer
 
 from glmquant.cli import (
@@ -54,4 +58,20 @@ for verb in (
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as done:
+        if done.code == INTERRUPTED:  # threads may still finish their step (an encode's read-ahead) before exit
+            signal.signal(signal.SIGINT, _leave_now)
+        raise
+
+
+INTERRUPTED = 130  # `guarded`'s exit code after Ctrl-C
+
+
+def _leave_now(_signum: int, _frame: object) -> None:
+    """A second Ctrl-C while the interrupted command's threads finish: leave at once, rather than raise inside the
+    interpreter's shutdown (a traceback, then a crash). Every output is written atomically, and a rerun sweeps the
+    temporary files a write in progress leaves."""
+    sys.stderr.write("interrupted again: exiting now\n")
+    os._exit(INTERRUPTED)

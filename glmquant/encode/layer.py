@@ -225,17 +225,22 @@ def encode_units(
     reader is safe from several threads). `tune_steps`: `--tune-scales`."""
     if not units:
         return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-read") as reader:
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-read")
 
-        def read(layer: int, unit: list[ExpertSlice]) -> Future[UnitInputs]:
-            return reader.submit(read_unit, plan, layer, unit, source, hessians(layer), tune_steps)
+    def read(layer: int, unit: list[ExpertSlice]) -> Future[UnitInputs]:
+        return reader.submit(read_unit, plan, layer, unit, source, hessians(layer), tune_steps)
 
+    finished = False
+    try:
         pending = read(*units[0])
         for i in range(len(units)):
             inputs = pending.result()
             if i + 1 < len(units):
                 pending = read(*units[i + 1])
             yield encode_unit(inputs, plan.bits, plan.codebook, seed, device)
+        finished = True
+    finally:  # a failure or Ctrl-C does not wait here for the read under way (the process exit still does)
+        reader.shutdown(wait=finished, cancel_futures=True)
 
 
 def _slice_inputs(

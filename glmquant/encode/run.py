@@ -73,6 +73,21 @@ def encode_artifact(cfg: EncodeConfig, console: Console) -> EncodeResult | None:
         leave(ranks)
 
 
+def _refuse_another_artifact(out: Path, plan: ArtifactPlan) -> None:
+    """--out may hold this job's files (a resume, or the same encode again, which replaces them), but not tensor
+    files this plan does not write: another layout's or pruning's artifact would end up half replaced, its old files
+    beside the new ones, and fail verification after the whole encode."""
+    if not out.is_dir():
+        return
+    planned = {f.path for f in plan.files}
+    stray = sorted(p.name for p in out.glob("*.safetensors") if p.name not in planned)
+    if stray:
+        raise UsageError(
+            f"--out {out} holds {len(stray)} tensor file(s) this artifact would not write (e.g. {stray[0]}): another "
+            "artifact's; encode into a new directory, or delete it first"
+        )
+
+
 class EncodeJob:
     """An encode in progress over an open source: the plan, the resume state, the unit files and (rank 0) the
     expert files waiting for their layers. `encode_all` runs this rank's share of every unfinished layer; the
@@ -88,7 +103,7 @@ class EncodeJob:
         ranks: Ranks = Ranks(),
     ) -> None:
         spec = load_model_spec(source.config_path)
-        classify(spec, source.names())
+        source.check_specs(classify(spec, source.names()).values())
         self.cfg, self.source, self.calibration, self.console, self.ranks = cfg, source, calibration, console, ranks
         self.keep = resolve_keep(cfg, spec)
         tiers = resolve_tiers(cfg, spec, self.keep)
@@ -106,6 +121,7 @@ class EncodeJob:
             retained_exact_layers=cfg.retained_exact_layers,
             retained_layer_bits=cfg.retained_layer_bits,
         )
+        _refuse_another_artifact(cfg.out, self.plan)
         if ranks.is_main:  # refuse another source's observations or a missing retained Hessian before any work
             if cfg.observations is not None:
                 check_observed_from(Path(cfg.observations), source)

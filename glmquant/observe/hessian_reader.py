@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from glmquant.checkpoint.reader import SourceCheckpoint, assert_finite
-from glmquant.errors import NumericalError, UsageError
+from glmquant.errors import CheckpointFormatError, NumericalError, UsageError
 from glmquant.observe.hessians import FORMAT, HessianAccumulator, HessianMode
 from glmquant.observe.tensor_file import read_rows
 from glmquant.observe.tuning_sample import TENSORS, RoutedSample
@@ -101,9 +101,24 @@ def load_layer_hessians(obs_dir: str | Path, layer: int, mode: str | HessianMode
             raise UsageError(f"{path}: holds no {mode.value!r} Hessians (observed with --hessians {meta.get('mode')})")
         down = f.read_tensor(f"{mode.value}.down.count")
         gate_up = f.read_tensor(f"{mode.value}.gate_up.count")
+        _check_square(path, f, mode, down.numel())
     if mode is HessianMode.ALL:
         gate_up = gate_up.expand(down.shape).clone()
     return LayerHessians(path, layer, mode, gate_up, down)
+
+
+def _check_square(path: Path, f: SourceCheckpoint, mode: HessianMode, experts: int) -> None:
+    """Each sum is a square matrix per expert (all mode: one gate/up matrix for the layer), or the file is damaged:
+    refused naming it, not met later as the codec's complaint about a matrix of no file."""
+    wanted = {
+        f"{mode.value}.down.sum": (experts,),
+        f"{mode.value}.gate_up.sum": () if mode is HessianMode.ALL else (experts,),
+    }
+    for name, lead in wanted.items():
+        shape = tuple(f.spec(name).shape)
+        if len(shape) != len(lead) + 2 or shape[: len(lead)] != lead or shape[-1] != shape[-2]:
+            want = "[" + ", ".join([*map(str, lead), "n", "n"]) + "]"
+            raise CheckpointFormatError(f"{path}: {name} has shape {list(shape)}, expected {want}")
 
 
 def load_dense_hessian(obs_dir: str | Path, layer: int | None, weight_name: str) -> Hessian:

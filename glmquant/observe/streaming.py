@@ -53,7 +53,9 @@ class TextModel:
             )
         if dtype is not None:
             cfg.dtype = dtype
-        return cls(SourceCheckpoint.open(source), spec, cfg, device)
+        ckpt = SourceCheckpoint.open(source)
+        ckpt.check_specs(source_tensors(spec))
+        return cls(ckpt, spec, cfg, device)
 
     @property
     def dtype(self) -> torch.dtype:

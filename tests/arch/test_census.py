@@ -103,8 +103,16 @@ def test_bad_configs_are_rejected(tmp_path: Path) -> None:
     [
         ({"hidden_size": None}, "missing required key 'text_config.hidden_size'"),
         ({"n_routed_experts": None}, "missing required key 'text_config.n_routed_experts'"),
-        ({"num_hidden_layers": "three"}, "'text_config.num_hidden_layers' has a bad value 'three' (expected a number)"),
+        (
+            {"num_hidden_layers": "three"},
+            "'text_config.num_hidden_layers' has a bad value 'three' (expected an integer)",
+        ),
         ({"moe_intermediate_size": [512]}, "'text_config.moe_intermediate_size' has a bad value [512]"),
+        ({"hidden_size": "128"}, "'text_config.hidden_size' has a bad value '128' (expected an integer)"),
+        ({"hidden_size": 128.0}, "'text_config.hidden_size' has a bad value 128.0 (expected an integer)"),
+        ({"hidden_size": -8}, "'text_config.hidden_size' is -8; it must be at least 1"),
+        ({"n_shared_experts": -1}, "'text_config.n_shared_experts' is -1; it must be at least 0"),
+        ({"num_experts_per_tok": 99}, "'text_config.num_experts_per_tok' is 99, more than the 4 routed experts"),
         ({"mlp_layer_types": ["dense"]}, "text_config.mlp_layer_types must list 'dense'/'sparse' for each of 3 layers"),
         ({"layer_types": ["mla"]}, "text_config.layer_types must list one type for each of 3 layers"),
     ],

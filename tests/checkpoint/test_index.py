@@ -30,6 +30,8 @@ def test_round_trip_and_determinism(tmp_path: Path) -> None:
         ({"weight_map": {"a": "/abs.safetensors"}}, "plain file names"),
         ({"weight_map": {"a": 3}}, "must map tensor names"),
         ({"metadata": {"total_size": -1}, "weight_map": {}}, "non-negative integer"),
+        ({"metadata": "x", "weight_map": {}}, "'metadata' must be an object, got str"),
+        ({"metadata": [1], "weight_map": {}}, "'metadata' must be an object, got list"),
         ([], "must map tensor names"),
     ],
 )

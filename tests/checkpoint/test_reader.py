@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -156,3 +157,55 @@ def test_assert_finite() -> None:
     bad = torch.tensor([1.0, float("nan"), float("inf")]).to(torch.bfloat16)
     with pytest.raises(NumericalError, match="tensor layers.3.w has 2 non-finite value"):
         assert_finite("layers.3.w", bad)
+
+
+def _relabelled_copy(source: Path, out: Path, name: str, **change: object) -> Path:
+    """A copy of `source` whose header gives tensor `name` another dtype or shape, the data untouched (the header
+    re-serialized in place, padded with spaces as safetensors allows)."""
+    shutil.copytree(source, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    path = out / index[name]
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header[name].update(change)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size
+    data[8 : 8 + size] = text + b" " * (size - len(text))
+    path.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"dtype": "F16"}, "is F16 [512, 128], but its config gives BF16 [512, 128]"),
+        ({"shape": [128, 512]}, "is BF16 [128, 512], but its config gives BF16 [512, 128]"),
+    ],
+)
+def test_a_header_unlike_the_config_is_refused_naming_the_shard_and_tensor(
+    tiny_source: Path, tmp_path: Path, change: dict, says: str
+) -> None:
+    """A routed expert's header relabelled F16 (same bytes) or transposed: observe and encode refuse it before any
+    work, naming the shard and the tensor (they read other numbers into the model: encode wrote an artifact)."""
+    from typer.testing import CliRunner
+
+    from glmquant.arch import load_model_spec, source_tensors
+    from glmquant.cli import app
+
+    name = "model.language_model.layers.1.mlp.experts.0.gate_proj.weight"
+    expected = {t.name: t for t in source_tensors(load_model_spec(tiny_source))}[name]
+    assert (expected.dtype, list(expected.shape)) == ("BF16", [512, 128])  # the fixture's: the message below
+    source = _relabelled_copy(tiny_source, tmp_path / "src", name, **change)
+    with SourceCheckpoint.open(source) as ckpt:  # the file itself is well formed
+        shard = source / ckpt.shard_of(name)
+        with pytest.raises(CheckpointFormatError, match=re.escape(f"{shard}: tensor {name} {says}")):
+            ckpt.check_specs(source_tensors(load_model_spec(source)))
+    for argv in (
+        ["observe", str(source), "--out", str(tmp_path / "obs")],
+        ["encode", str(source), "--uncalibrated", "--out", str(tmp_path / "art")],
+    ):
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code != 0 and f"tensor {name} {says}" in " ".join(result.output.split()), result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)  # an error, not a traceback
+    assert not (tmp_path / "art" / "EXL3_MANIFEST.json").exists()

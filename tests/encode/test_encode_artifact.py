@@ -183,6 +183,24 @@ def test_changed_options_do_not_resume(small_source: Path, small_artifact: Path,
         encode_artifact(EncodeConfig(source=small_source, out=tmp_path / "a", work_dir=work, uncalibrated=True), QUIET)
 
 
+def test_another_artifact_in_out_is_refused_before_any_work(
+    small_source: Path, small_artifact: Path, tmp_path: Path
+) -> None:
+    """An --out holding another layout's artifact (tensor files this plan does not write) is refused before any
+    work and left as it was; the same encode into it again would only replace its own files."""
+    import shutil
+
+    from glmquant.errors import UsageError
+
+    out = tmp_path / "art"
+    shutil.copytree(small_artifact, out)
+    before = digests(out)
+    config = EncodeConfig(source=small_source, out=out, uncalibrated=True, layout="exllamav3")
+    with pytest.raises(UsageError, match=r"holds \d+ tensor file\(s\) this artifact would not write \(e\.g\. layer-"):
+        encode_artifact(config, QUIET)
+    assert digests(out) == before and not (tmp_path / "art.work").exists()
+
+
 @pytest.mark.slow
 def test_keep_from_the_observations_into_a_new_out(
     small_source: Path, small_observations: Path, tmp_path: Path
@@ -352,3 +370,33 @@ def test_expert_without_tokens_uses_the_all_token_fallback(one_moe_source: Path,
         f"encoded with the all-token Hessian)"
         for name in sorted(last.fallback_tensors)
     ]
+
+
+@pytest.mark.fresh_encodes
+def test_ctrl_c_twice_during_an_encode_exits_130_without_a_traceback(small_source: Path, tmp_path: Path) -> None:
+    """The first Ctrl-C ends the encode (its read-ahead thread may still finish a read before the process exits);
+    a second one then leaves at once: exit 130, no traceback, no crash inside the interpreter's shutdown."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "art"
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH}
+    argv = [sys.executable, "-m", "glmquant", "encode", str(small_source), "--out", str(out), "--uncalibrated"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    units = tmp_path / "art.work" / "units"
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not list(units.glob("*.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the first unit is written: the encode is under way, reading ahead
+    assert proc.poll() is None, "the encode ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, stderr[-2000:])
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-2000:]
+    assert "interrupted" in stdout + stderr
+    assert not (out / "EXL3_MANIFEST.json").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmquant.errors import UsageError
+from glmquant.errors import CheckpointFormatError, UsageError
 from glmquant.observe.hessian_reader import Hessian, hessians_path, load_dense_hessian, load_layer_hessians
 from glmquant.observe.hessians import HessianAccumulator, HessianMode
 
@@ -99,3 +100,25 @@ def test_accumulator_sums_in_float32() -> None:
     torch.testing.assert_close(natural.sum[1], x.float().T @ x.float() + x[:1].float().T @ x[:1].float())
     assert acc.sums["all.gate_up"].count.item() == 3 and not acc.empty
     assert HessianAccumulator(HessianMode.NONE, 3, 4, 2).empty
+
+
+@pytest.mark.parametrize(
+    "mode, name, shape", [("natural", "natural.gate_up.sum", [4, 64, 256]), ("all", "all.down.sum", [4, 1024, 256])]
+)
+def test_a_hessian_of_the_wrong_shape_is_named_with_its_file(
+    observed: Path, tmp_path: Path, mode: str, name: str, shape: list[int]
+) -> None:
+    """A sum relabelled to a non-square shape (same bytes) is refused when the layer is opened, naming the file and
+    the tensor (it surfaced as the codec's complaint about a matrix of no file)."""
+    obs_dir = tmp_path / "obs"
+    shutil.copytree(observed, obs_dir)
+    path = hessians_path(obs_dir, 1)
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header[name]["shape"] = shape
+    text = json.dumps(header, separators=(",", ":")).encode()
+    data[8 : 8 + size] = text + b" " * (size - len(text))
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointFormatError, match=re.escape(f"{path}: {name} has shape {shape}, expected [")):
+        load_layer_hessians(obs_dir, 1, mode)
