@@ -19,7 +19,8 @@ def device_type(device: str) -> str:
 
 
 def require_visible(device: str) -> None:
-    """UsageError naming the option when `device` is CUDA and no CUDA device is visible: checked where work starts,
-    not where options are parsed, so configs for a GPU can be built and validated on any machine."""
+    """UsageError naming the option when `device` is CUDA and no CUDA device is visible. The runtime checks it where
+    work starts (its options are built and validated on any machine); the observe and encode configs, which their
+    commands build right before the work, check it there, so nothing is created before the refusal."""
     if device_type(device) == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: no CUDA device is visible here")

@@ -34,7 +34,7 @@ from glmquant.checkpoint.layouts import (
     check_linear_bits,
     parse_layer_bits,
 )
-from glmquant.devices import device_type
+from glmquant.devices import require_visible
 from glmquant.encode.scale_tuning import LEARNING_RATE
 from glmquant.environment import encode_memo_dir, exl3_backend
 from glmquant.errors import UsageError
@@ -165,7 +165,7 @@ class EncodeConfig:
                 "--retained-uncalibrated-fallback applies to --retained-bits, --retained-layer-bits and --head-bits "
                 "only"
             )
-        device_type(self.device)
+        require_visible(self.device)  # a CUDA job on a machine without one, refused before any work
         exl3_backend()
         encode_memo_dir()
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import glmquant
-from glmquant.devices import device_type
+from glmquant.devices import require_visible
 from glmquant.errors import UsageError
 from glmquant.observe.checkpointing import MTP_HESSIANS_KEY, SOURCE_VECTORS_KEY
 from glmquant.observe.hessians import HessianMode, HessianWeighting
@@ -89,7 +89,26 @@ class ObserveConfig:
             raise UsageError(f"--keep must be a positive integer, got {self.keep}")
         if isinstance(self.tiers, str):
             object.__setattr__(self, "tiers", TierSpec.parse(self.tiers))
-        device_type(self.device)
+        require_visible(self.device)  # before --out is created
+        self._check_out()
+
+    def _check_out(self) -> None:
+        """--out names a directory apart from the source, as encode's does: observations written into the source
+        (or a directory inside it) would sit among its shards and travel with it; a directory holding the source
+        would mix the two."""
+        out, source = self.out.resolve(), Path(self.source).resolve()
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {self.out} is a file; give a directory for the observations")
+        if out.parent.exists() and not out.parent.is_dir():
+            raise UsageError(f"--out {self.out}: {self.out.parent} is a file, not a directory")
+        if source.is_relative_to(out):  # the same directory, or one the observations' would hold
+            raise UsageError(
+                f"--out {self.out} holds the source {self.source}; give the observations a directory of their own"
+            )
+        if out.is_relative_to(source):
+            raise UsageError(
+                f"--out {self.out} is inside the source {self.source}; give the observations a directory of their own"
+            )
 
     @property
     def stream_budget_bytes(self) -> int | None:

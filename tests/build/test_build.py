@@ -194,3 +194,21 @@ def test_build_with_device_streams_gives_the_same_bytes(source: Path, two_step: 
     build_artifact(_build_config(source, tmp_path, device_streams_every=2), QUIET)
     assert _digests(tmp_path / "artifact") == _digests(two_step / "artifact")
     assert sorted(p.name for p in (tmp_path / "obs" / "state").iterdir()) == ["progress.json"]
+
+
+def test_a_cuda_device_none_is_visible_is_refused_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`build --device cuda` without CUDA: one usage line, and neither observations nor artifact are made."""
+    import torch
+    from typer.testing import CliRunner
+
+    from glmquant.cli import app
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "source").mkdir()
+    args = ["build", str(tmp_path / "source"), "--observations", str(tmp_path / "obs"), "--out", str(tmp_path / "art")]
+    result = CliRunner().invoke(app, [*args, "--device", "cuda"])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--device cuda: no CUDA device is visible here" in output, output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]

@@ -228,3 +228,15 @@ def test_the_encoders_own_defaults_shape_the_fingerprint(tmp_path: Path, monkeyp
     monkeypatch.undo()
     monkeypatch.setattr(config, "REFIT_ROUNDS", REFIT_ROUNDS + 1)
     assert cfg.fingerprint({}) != now
+
+
+def test_a_cuda_device_none_is_visible_is_refused_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--device cuda on a machine without CUDA is one usage line (not torch's AssertionError from the first unit),
+    and no artifact or work directory is made."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "obs").mkdir()
+    code, output = _encode(tmp_path, "--observations", str(tmp_path / "obs"), "--device", "cuda")
+    assert code == 2 and "--device cuda: no CUDA device is visible here" in output and "Traceback" not in output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["obs"] and not any((tmp_path / "obs").iterdir())

@@ -48,11 +48,11 @@ def test_sample_routed_to_experts_keeps_their_tokens_and_slots() -> None:
 
 def test_tuning_tokens_are_checked_and_leave_older_fingerprints_alone(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--tuning-tokens must be 0 or more, got -1"):
-        ObserveConfig(tmp_path, tmp_path / "obs", tuning_tokens=-1)
+        ObserveConfig(tmp_path / "source", tmp_path / "obs", tuning_tokens=-1)
     with pytest.raises(UsageError, match="use it with --hessians natural or both, not all"):
-        ObserveConfig(tmp_path, tmp_path / "obs", hessians="all", tuning_tokens=8)  # type: ignore[arg-type]
-    plain = fingerprint(ObserveConfig(tmp_path, tmp_path / "obs"), "rows", torch.bfloat16, False, "vectors")
+        ObserveConfig(tmp_path / "source", tmp_path / "obs", hessians="all", tuning_tokens=8)  # type: ignore[arg-type]
+    plain = fingerprint(ObserveConfig(tmp_path / "source", tmp_path / "obs"), "rows", torch.bfloat16, False, "vectors")
     sampled = fingerprint(
-        ObserveConfig(tmp_path, tmp_path / "obs", tuning_tokens=64), "rows", torch.bfloat16, False, "vectors"
+        ObserveConfig(tmp_path / "source", tmp_path / "obs", tuning_tokens=64), "rows", torch.bfloat16, False, "vectors"
     )
     assert "tuning_tokens" not in plain and sampled == {**plain, "tuning_tokens": 64}
