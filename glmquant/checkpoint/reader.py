@@ -152,14 +152,19 @@ class SourceCheckpoint:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def check_specs(self, expected: Iterable[TensorInfo]) -> None:
-        """Refuse a header whose dtype or shape is not the one the config gives the tensor (tensors absent here are
-        the census's business): a tensor relabelled F16, or transposed, would otherwise be read as other numbers."""
+    def check_specs(self, expected: Iterable[TensorInfo], dtypes: bool = True) -> None:
+        """Refuse a header whose shape (and with `dtypes` dtype) is not the one the config gives the tensor (tensors
+        absent here are the census's business): a transposed tensor would be read as other numbers, and an artifact
+        copies its tensors' bytes as the plan's dtypes (a BF16 tensor relabelled F16 would be encoded as other
+        numbers). A reader that converts every tensor to its compute dtype takes any float dtype (an F32 reference)."""
+
+        def differs(info: TensorInfo, got: TensorSpec) -> bool:
+            return tuple(got.shape) != tuple(info.shape) or (dtypes and got.dtype != info.dtype)
+
         wrong = [
             (info, self.spec(info.name))
             for info in expected
-            if info.name in self.locations
-            and (self.spec(info.name).dtype, tuple(self.spec(info.name).shape)) != (info.dtype, tuple(info.shape))
+            if info.name in self.locations and differs(info, self.spec(info.name))
         ]
         if wrong:
             info, got = wrong[0]

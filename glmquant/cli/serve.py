@@ -11,7 +11,7 @@ from rich.logging import RichHandler
 
 from glmquant.cli.common import console, guarded, out
 from glmquant.runtime.options import DENSE_LINEAR_MAX_WEIGHTS, DTYPE_CHOICES, RuntimeOptions
-from glmquant.runtime.server import run_server
+from glmquant.runtime.server import check_port, run_server
 from glmquant.runtime.service import ModelService, ServiceOptions
 from glmquant.runtime.speculative import SpeculativeConfig
 
@@ -105,6 +105,7 @@ def serve(
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /version and
     /metrics until Ctrl-C, which ends open streams cleanly before exiting."""
+    check_port(port)
     runtime = RuntimeOptions(
         device=device,
         dtype=dtype,

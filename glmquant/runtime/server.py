@@ -380,8 +380,19 @@ class _Uvicorn(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+MAX_PORT = 65535
+
+
+def check_port(port: int) -> None:
+    """UsageError for a port outside 0..65535: the OS would take it modulo 65536 (70000 listens on 4464) or blame the
+    host (-1), so it is refused by name before anything is bound or loaded."""
+    if not 0 <= port <= MAX_PORT:
+        raise UsageError(f"--port must be in 0..{MAX_PORT} (0: any free port), got {port}")
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket on host:port (0: any free port), or a UsageError saying why not."""
+    check_port(port)
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE

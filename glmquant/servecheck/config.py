@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -128,3 +129,21 @@ class ServeCheckConfig:
     @property
     def report_dir(self) -> Path:
         return self.out or self.artifact or Path.cwd()
+
+    def check_report_dir(self) -> None:
+        """UsageError unless the reports can be written into `report_dir` (made if missing): checked before any gate
+        runs, since a run can take hours and would otherwise fail only when it writes them."""
+        target = self.report_dir
+        name = f"--out {target}" if self.out is not None else f"the report directory {target} (default of --out)"
+        existing = target
+        while not (existing.exists() or existing.is_symlink()) and existing.parent != existing:
+            existing = existing.parent
+        if existing == target and not target.is_dir():
+            what = "a file" if target.is_file() else "not a directory"
+            raise UsageError(f"{name} is {what}; give a directory for serve-check.json/.md")
+        if not existing.is_dir():
+            what = "a file" if existing.is_file() else "not a directory"
+            raise UsageError(f"{name} cannot be made: {existing} is {what}")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            why = "is not writable" if existing == target else f"cannot be made: {existing} is not writable"
+            raise UsageError(f"{name} {why}; give a directory you can write serve-check.json/.md into")

@@ -11,17 +11,22 @@ lm_head does (model dtype matmul), so the difference is the quantization alone.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from glmquant.arch import load_model_spec, table_for
+from glmquant.arch import ModelSpec, load_model_spec, table_for
+from glmquant.checkpoint.manifest import MANIFEST_NAME
 from glmquant.checkpoint.reader import SourceCheckpoint
+from glmquant.errors import ConfigError, UsageError
 from glmquant.servecheck.scoring import Verdict
 
 _BLOCK = 256  # positions per lm_head matmul
@@ -34,6 +39,87 @@ class FidelityResult:
     top1_agreement: float  # fraction of positions whose argmax token agrees
     source_ppl: float  # next-token perplexity of the panel under each model
     artifact_ppl: float
+
+
+def _text(key: str) -> Callable[[ModelSpec], Any]:
+    return lambda spec: spec.text.get(key)
+
+
+# What makes the source and the artifact one model, in the order a mismatch is reported; n_routed_experts is checked
+# apart (a pruned artifact keeps fewer). The artifact's config is the source's with only n_routed_experts changed.
+SAME_MODEL_FIELDS: tuple[tuple[str, Callable[[ModelSpec], Any]], ...] = (
+    ("architecture", lambda spec: spec.architecture),
+    ("hidden_size", lambda spec: spec.hidden_size),
+    ("num_hidden_layers", lambda spec: spec.num_hidden_layers),
+    ("vocab_size", lambda spec: spec.vocab_size),
+    ("moe_intermediate_size", lambda spec: spec.moe_intermediate_size),
+    ("intermediate_size", lambda spec: spec.intermediate_size),
+    ("num_experts_per_tok", lambda spec: spec.num_experts_per_tok),
+    ("n_shared_experts", lambda spec: spec.n_shared_experts),
+    ("n_group", lambda spec: spec.n_group),
+    ("mlp_layer_types", lambda spec: list(spec.mlp_layer_types)),
+    ("layer_types", lambda spec: list(spec.attention_types)),
+    ("num_nextn_predict_layers", lambda spec: spec.num_mtp_layers),
+    ("tie_word_embeddings", lambda spec: spec.tie_word_embeddings),
+    *(
+        (key, _text(key))
+        for key in (
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        )
+    ),
+)
+
+
+def _pruned(artifact: Path) -> bool:
+    """Whether the artifact's manifest records an expert selection (`--keep`): only then may it hold fewer routed
+    experts than its source (the count it was pruned from is not recorded, so fewer is all that can be checked)."""
+    try:
+        manifest = json.loads((artifact / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("selection_sha256") is not None
+
+
+def _spec(path: Path, option: str) -> ModelSpec:
+    """The model spec of a checkpoint directory, or a ConfigError naming the option it was given with."""
+    if not path.is_dir():
+        raise ConfigError(f"{option} {path} is not a directory (a checkpoint directory holding config.json)")
+    try:
+        return load_model_spec(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
+
+
+def check_source_matches(artifact: Path, source: Path) -> None:
+    """UsageError naming both configs and the first differing field when `source` is not the model the artifact was
+    built from: the gate would otherwise compare two unrelated models and report a meaningless failure."""
+    ours, theirs = _spec(artifact, "ARTIFACT"), _spec(source, "--bf16-source")
+    where = f"--bf16-source {source / 'config.json'} vs ARTIFACT {artifact / 'config.json'}"
+    for key, get in SAME_MODEL_FIELDS:
+        if get(theirs) != get(ours):
+            raise UsageError(
+                f"{where}: not the same model ({key} {get(theirs)} vs {get(ours)}); give the artifact's BF16 source"
+            )
+    pruned = _pruned(artifact)
+    if theirs.n_routed_experts != ours.n_routed_experts and not (
+        pruned and ours.n_routed_experts < theirs.n_routed_experts
+    ):
+        why = (
+            "a pruned artifact keeps fewer experts than its source, never more"
+            if pruned
+            else f"its {MANIFEST_NAME} records no pruning, so its source has as many"
+        )
+        raise UsageError(
+            f"{where}: not the same model (n_routed_experts {theirs.n_routed_experts} vs {ours.n_routed_experts}; "
+            f"{why}); give the artifact's BF16 source"
+        )
 
 
 def _lm_head(source: Path, device: torch.device) -> torch.Tensor:

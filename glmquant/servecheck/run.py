@@ -14,7 +14,7 @@ from glmquant.errors import GlmquantError, UsageError
 from glmquant.servecheck.chat import ChatRequest, ChatResult
 from glmquant.servecheck.client import ChatClient
 from glmquant.servecheck.config import ServeCheckConfig
-from glmquant.servecheck.fidelity import measure_fidelity, score_fidelity
+from glmquant.servecheck.fidelity import check_source_matches, measure_fidelity, score_fidelity
 from glmquant.servecheck.gates import CHAT_GATES, Case
 from glmquant.servecheck.needle import build_needle_prompt, score_needle
 from glmquant.servecheck.panel import panel_ids
@@ -236,7 +236,11 @@ def _settings(config: ServeCheckConfig) -> dict[str, object]:
 
 
 def serve_check(config: ServeCheckConfig, observer: Observer | None = None) -> ServeCheckReport:
-    """Run every selected gate and write serve-check.json/.md into `config.report_dir`."""
+    """Run every selected gate and write serve-check.json/.md into `config.report_dir`; a report directory that
+    cannot be written or a BF16 source of another model is refused first, before any gate runs."""
+    config.check_report_dir()
+    if config.artifact is not None and config.bf16_source is not None:
+        check_source_matches(config.artifact, config.bf16_source)
     seed = config.seed if config.seed is not None else secrets.randbits(31)
     run = _Run(config, seed, observer or _Quiet())
     started, gates = _now(), []
