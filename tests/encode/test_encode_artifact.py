@@ -375,7 +375,7 @@ def test_expert_without_tokens_uses_the_all_token_fallback(one_moe_source: Path,
 @pytest.mark.fresh_encodes
 def test_ctrl_c_twice_during_an_encode_exits_130_without_a_traceback(small_source: Path, tmp_path: Path) -> None:
     """The first Ctrl-C ends the encode (its read-ahead thread may still finish a read before the process exits);
-    a second one then leaves at once: exit 130, no traceback, no crash inside the interpreter's shutdown."""
+    a second one then leaves at once: no traceback, no crash inside the interpreter's shutdown."""
     import os
     import signal
     import subprocess
@@ -386,17 +386,20 @@ def test_ctrl_c_twice_during_an_encode_exits_130_without_a_traceback(small_sourc
     env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH}
     argv = [sys.executable, "-m", "glmquant", "encode", str(small_source), "--out", str(out), "--uncalibrated"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    units = tmp_path / "art.work" / "units"
+    state = tmp_path / "art.work" / "encode-state.json"
     deadline = time.monotonic() + 120
-    while proc.poll() is None and not list(units.glob("*.safetensors")) and time.monotonic() < deadline:
-        time.sleep(0.05)  # until the first unit is written: the encode is under way, reading ahead
+    while proc.poll() is None and not state.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the job has started (its state written before the first layer)
+    time.sleep(1.5)  # into the encode of the first units (about 20 s in all), reading ahead
     assert proc.poll() is None, "the encode ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, (proc.returncode, stderr[-2000:])
+    # 130, or killed by the second SIGINT once the interpreter has restored its default action while finishing
+    # (a shell reports both as 130); never a crash (it segfaulted, -11) or a traceback
+    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, stderr[-2000:])
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-2000:]
     assert "interrupted" in stdout + stderr
     assert not (out / "EXL3_MANIFEST.json").exists()
