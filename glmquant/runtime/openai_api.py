@@ -360,6 +360,17 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
+class _UsageWhenGiven(BaseModel):
+    """A stream chunk without usage leaves the key out, as vLLM's do."""
+
+    @model_serializer(mode="wrap")
+    def _usage_when_given(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("usage") is None:
+            out.pop("usage", None)
+        return out
+
+
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
@@ -367,17 +378,13 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_UsageWhenGiven):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None  # the usage chunk's (`stream_options.include_usage`); absent from the others
-
-    @model_serializer(mode="wrap")
-    def _usage_when_given(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-        return _without_null_usage(handler(self))
 
 
 class CompletionChoice(BaseModel):
@@ -387,7 +394,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_UsageWhenGiven):
     """A text completion, and each chunk of a streamed one (OpenAI uses the same object for both)."""
 
     id: str
@@ -396,17 +403,6 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None  # always in a whole response; in a stream, the usage chunk's alone
-
-    @model_serializer(mode="wrap")
-    def _usage_when_given(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-        return _without_null_usage(handler(self))
-
-
-def _without_null_usage(out: dict[str, Any]) -> dict[str, Any]:
-    """A stream chunk without usage leaves the key out, as vLLM's do."""
-    if out.get("usage") is None:
-        out.pop("usage", None)
-    return out
 
 
 class ModelCard(BaseModel):
