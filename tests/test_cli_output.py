@@ -30,3 +30,31 @@ def test_demo_ends_with_a_readable_summary_and_a_reproducible_time(monkeypatch: 
     text = "\n".join(lines.summary_lines())
     assert f"structural manifest SHA-256: {sha}" in text and "DemoResult(" not in text
     assert f"glmquant verify-manifest out/tiny/artifact --expect-sha256 {sha}" in text
+
+
+def test_after_an_interrupted_command_a_second_ctrl_c_leaves_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`glmquant` exits 130 after Ctrl-C, and until the process is gone (threads finishing their step, as an
+    encode's read-ahead) a second Ctrl-C leaves at once with os._exit(130), instead of raising inside the
+    interpreter's shutdown (a traceback, then a crash)."""
+    import signal
+
+    import glmquant.cli as cli
+
+    def interrupted() -> None:
+        raise SystemExit(cli.INTERRUPTED)
+
+    exits: list[int] = []
+    monkeypatch.setattr(cli, "app", interrupted)
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as done:
+            cli.main()
+        assert done.value.code == 130 and signal.getsignal(signal.SIGINT) is cli._leave_now
+        cli._leave_now(signal.SIGINT, None)  # the second Ctrl-C
+        assert exits == [130]
+    finally:
+        signal.signal(signal.SIGINT, before)
+    monkeypatch.setattr(cli, "app", lambda: None)  # a command that finished leaves SIGINT alone
+    cli.main()
+    assert signal.getsignal(signal.SIGINT) is before
