@@ -299,10 +299,7 @@ class UsageInfo(BaseModel):
 
     @model_serializer(mode="wrap")
     def _speculative_when_run(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("speculative") is None:
-            out.pop("speculative", None)
-        return out
+        return _without_null(handler(self), "speculative")
 
 
 class FunctionCall(BaseModel):
@@ -365,10 +362,14 @@ class _UsageWhenGiven(BaseModel):
 
     @model_serializer(mode="wrap")
     def _usage_when_given(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("usage") is None:
-            out.pop("usage", None)
-        return out
+        return _without_null(handler(self), "usage")
+
+
+def _without_null(out: dict[str, Any], key: str) -> dict[str, Any]:
+    """`out` without `key` where its value is null: an optional part of a response left out, not sent as null."""
+    if out.get(key) is None:
+        out.pop(key, None)
+    return out
 
 
 class ChatChunkChoice(BaseModel):
